@@ -1,0 +1,64 @@
+# The Annotated Transformer, done right.
+#   make notebook  - set up, then execute every notebook (the main job)
+#   make check     - set up, then run every test (what .ci/run runs)
+SHELL := /bin/bash
+PY := .venv/bin/python
+PIP := .venv/bin/python -m pip
+# torch is installed first and pinned, so that a CPU-only machine with a local
+# wheel installs in seconds and a GPU machine gets the matching CUDA build.
+# Override with `make setup TORCH_SPEC="torch>=2.4"`.
+TORCH_SPEC ?= torch==2.13.0
+# Notebook size: "ci" runs every notebook in minutes, "full" does real runs.
+AT_SIZE ?= full
+NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.py))
+
+.PHONY: all setup notebook export check-sync test notebook-test lint format \
+        html site-test browser bench train check clean help
+
+all: check
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' Makefile | sed 's/:.*## /\t/'
+
+setup: .venv/.installed  ## create .venv with every dependency
+
+.venv/.installed: requirements.txt
+	test -x $(PY) || python3 -m venv .venv
+	$(PIP) install --quiet "$(TORCH_SPEC)"
+	$(PIP) install --quiet -r requirements.txt
+	touch $@
+
+notebook: setup  ## execute every notebook in place (AT_SIZE=ci for a quick run)
+	for nb in $(NOTEBOOKS); do \
+	  AT_SIZE=$(AT_SIZE) $(PY) -m jupytext --to ipynb --execute \
+	    --output runs/notebooks/$$(basename $${nb%.py}).ipynb $$nb || exit 1; \
+	done
+
+export: setup  ## regenerate the_annotated_transformer.py and the .ipynb pairs
+	$(PY) tools/export.py
+
+check-sync: setup  ## fail when the module or an .ipynb drifted from its .py
+	$(PY) tools/export.py --check
+
+test: setup  ## unit tests, including the sync check
+	$(PY) -m pytest -q tests
+
+notebook-test: setup  ## run every notebook with nbmake, CI-sized
+	AT_SIZE=ci $(PY) -m pytest -q --nbmake --nbmake-timeout=1500 \
+	  $(NOTEBOOKS:.py=.ipynb)
+
+lint: setup  ## ruff check and format check
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: setup  ## format the .py sources, then regenerate
+	$(PY) -m ruff format notebooks tools tests bench
+	$(PY) tools/export.py
+
+bench: setup  ## speed benchmarks (prints medians and ratios)
+	$(PY) bench/copy_task.py
+
+check: test notebook-test  ## everything CI runs
+
+clean:
+	rm -rf runs site test-output .pytest_cache
