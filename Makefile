@@ -41,7 +41,7 @@ check-sync: setup  ## fail when the module or an .ipynb drifted from its .py
 	$(PY) tools/export.py --check
 
 test: setup  ## unit tests, including the sync check
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --ignore=tests/test_site.py
 
 notebook-test: setup  ## run every notebook with nbmake, CI-sized
 	AT_SIZE=ci $(PY) -m pytest -q --nbmake --nbmake-timeout=1500 \
@@ -58,7 +58,22 @@ format: setup  ## format the .py sources, then regenerate
 bench: setup  ## speed benchmarks (prints medians and ratios)
 	$(PY) bench/copy_task.py
 
-check: test notebook-test  ## everything CI runs
+# Debian's chromium, for the site test (root, or sudo, for apt-get).
+SUDO := $(shell test "$$(id -u)" = 0 || echo sudo)
+
+browser:  ## install Debian's chromium when /usr/bin/chromium is missing
+	@test -x /usr/bin/chromium || { \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq \
+	    chromium >/dev/null; }
+
+html: setup  ## execute every notebook CI-sized and render site/
+	$(PY) tools/build_site.py --size ci
+
+site-test: setup  ## open every page of site/ in headless Chromium
+	$(PY) -m pytest -q tests/test_site.py
+
+check: test notebook-test html site-test  ## everything CI runs
 
 clean:
 	rm -rf runs site test-output .pytest_cache

@@ -756,12 +756,13 @@ def sha256_of(path):
 
 
 # --- from notebooks/03_multi30k.py ---
-def _offline_hint(folder, names):
+def _offline_hint(folder):
     """What to do when the files cannot be fetched."""
     return (
-        f"The files belong in {folder}. Without internet access, copy "
-        f"{', '.join(sorted(names))} there yourself, or set {MULTI30K_ENV} "
-        "to a folder that holds them."
+        f"The files belong in {folder}. Without internet access, copy the "
+        "six Multi30k files (train, val and test_2016_flickr, each .de.gz "
+        f"and .en.gz) there yourself, or set {MULTI30K_ENV} to a folder "
+        "that holds them."
     )
 
 
@@ -792,7 +793,7 @@ def _fetch(url, path, expected, timeout):
             raise DatasetError(
                 f"{url} has SHA-256 {digest.hexdigest()}, expected "
                 f"{expected}; the file was not kept.\n"
-                + _offline_hint(path.parent, [path.name])
+                + _offline_hint(path.parent)
             )
         os.replace(tmp, path)
         tmp = None
@@ -802,7 +803,7 @@ def _fetch(url, path, expected, timeout):
             reason = error.reason
         raise DatasetError(
             f"Could not download {url} ({reason}).\n"
-            + _offline_hint(path.parent, [path.name])
+            + _offline_hint(path.parent)
         ) from error
     finally:
         if tmp is not None:
@@ -918,15 +919,19 @@ class Vocab:
     __hash__ = None
 
     def lookup_token(self, index):
+        """The token with id `index`."""
         return self._itos[int(index)]
 
     def lookup_tokens(self, indices):
+        """The tokens of a sequence of ids."""
         return [self._itos[int(i)] for i in indices]
 
     def get_stoi(self):
+        """A copy of the token → id dict."""
         return dict(self._stoi)
 
     def get_itos(self):
+        """A copy of the id → token list."""
         return list(self._itos)
 
     def save(self, path):
@@ -1078,16 +1083,17 @@ def create_dataloaders(
     world_size=1,
     seed=0,
     num_workers=0,
+    max_train_pairs=0,
 ):
     """Train and validation DataLoaders of padded (src, tgt) CPU tensors."""
     loaders = []
-    for split, shuffle, limit in (
-        ("train", True, max_len),
-        ("val", False, None),
+    for split, shuffle, limit, n_pairs in (
+        ("train", True, max_len, max_train_pairs),
+        ("val", False, None, max_train_pairs // 4),
     ):
-        data = encode_pairs(
-            read_multi30k(split), vocab_src, vocab_tgt, spacy_de, spacy_en
-        )
+        pairs = read_multi30k(split)
+        pairs = pairs[:n_pairs] if n_pairs else pairs
+        data = encode_pairs(pairs, vocab_src, vocab_tgt, spacy_de, spacy_en)
         sampler = TokenBatchSampler(
             [(len(s), len(t)) for s, t in data],
             max_tokens,
@@ -1112,3 +1118,607 @@ def create_dataloaders(
             )
         )
     return tuple(loaders)
+
+
+# --- from notebooks/03_multi30k.py ---
+import argparse
+import socket
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, replace
+
+
+# --- from notebooks/03_multi30k.py ---
+@dataclass
+class TrainConfig:
+    """Everything that defines a Multi30k training run."""
+
+    preset: str = "cpu"
+    N: int = 3
+    d_model: int = 256
+    d_ff: int = 1024
+    h: int = 4
+    dropout: float = 0.1
+    label_smoothing: float = 0.1
+    max_tokens: int = 3000  # token budget of one batch, per process
+    accum_iter: int = 1
+    num_epochs: int = 20
+    factor: float = 1.0
+    warmup: int = 1500
+    max_len: int = 128
+    max_train_pairs: int = 0  # 0 means all 29,000
+    seed: int = 0
+    amp: str = "bf16"  # autocast dtype on CUDA: "bf16" or "none"
+    checkpoint_dir: str = "checkpoints/cpu"
+    num_workers: int = 0
+
+
+PRESETS = {
+    "paper": TrainConfig(
+        preset="paper", N=6, d_model=512, d_ff=2048, h=8, max_tokens=8000,
+        num_epochs=40, warmup=800, checkpoint_dir="checkpoints/paper",
+    ),
+    "cpu": TrainConfig(),
+    "smoke": TrainConfig(
+        preset="smoke", N=1, d_model=64, d_ff=128, h=2, dropout=0.0,
+        max_tokens=1500, num_epochs=2, warmup=20, factor=2.0,
+        max_train_pairs=1000, checkpoint_dir="checkpoints/smoke",
+    ),
+}
+
+
+def get_config(preset="cpu", **overrides):
+    """A preset's TrainConfig with some fields replaced."""
+    if preset not in PRESETS:
+        raise UserError(
+            f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}"
+        )
+    return replace(PRESETS[preset], **overrides)
+
+
+class UserError(Exception):
+    """A problem with the user's input, reported without a traceback."""
+
+
+# --- from notebooks/03_multi30k.py ---
+def pick_device(rank=0):
+    """cuda:rank when CUDA is available, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def autocast_context(device, amp="bf16"):
+    """bf16 autocast on CUDA when asked for, else a no-op context."""
+    if device.type == "cuda" and amp == "bf16":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return nullcontext()
+
+
+def init_distributed(rank, world_size, port=None):
+    """Join the process group (env:// under torchrun, tcp otherwise)."""
+    import torch.distributed as dist
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if port is None:  # torchrun sets MASTER_ADDR and MASTER_PORT
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+    else:
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+            world_size=world_size,
+        )
+
+
+# --- from notebooks/03_multi30k.py ---
+def save_checkpoint(path, **fields):
+    """Write a dict of tensors and plain types atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
+    torch.save(fields, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path, device="cpu"):
+    """Read a checkpoint safely (weights_only) onto `device`."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(
+            f"no checkpoint at {path}; train one first with "
+            "`python the_annotated_transformer.py train`"
+        )
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except Exception as err:  # truncated file, not a checkpoint, ...
+        raise UserError(f"{path} is not a readable checkpoint: {err}") from err
+
+
+def epoch_checkpoints(folder):
+    """The epoch checkpoints in a folder, oldest first."""
+    return sorted(Path(folder).glob("epoch_*.pt"))
+
+
+# --- from notebooks/03_multi30k.py ---
+class TrackedLossCompute(SimpleLossCompute):
+    """SimpleLossCompute that remembers the last loss per token."""
+
+    last = float("nan")
+
+    def __call__(self, x, y, norm):
+        total, sloss = super().__call__(x, y, norm)
+        self.last = total / max(norm, 1)
+        return total, sloss
+
+
+def device_batches(loader, device, bar=None, loss_compute=None,
+                   optimizer=None):
+    """Batches moved to `device`, updating a progress bar as they go."""
+    start, tokens = time.time(), 0
+    for src, tgt in loader:
+        batch = Batch(src, tgt, pad=PAD).to(device)
+        yield batch
+        tokens += batch.ntokens
+        if bar is not None:
+            bar.update(1)
+            postfix = {"loss": f"{loss_compute.last:.3f}",
+                       "tok/s": f"{tokens / (time.time() - start):.0f}"}
+            if optimizer is not None:
+                postfix["lr"] = f"{optimizer.param_groups[0]['lr']:.2e}"
+            if device.type == "cuda":
+                gib = torch.cuda.max_memory_allocated(device) / 2**30
+                postfix["mem"] = f"{gib:.1f}GiB"
+            bar.set_postfix(postfix)
+
+
+def params_in_sync(module):
+    """True when every process holds exactly the same parameters."""
+    import torch.distributed as dist
+
+    flat = torch.cat([p.detach().float().reshape(-1)
+                      for p in module.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return all(torch.equal(gathered[0], g) for g in gathered)
+
+
+# --- from notebooks/03_multi30k.py ---
+def train_worker(
+    rank,
+    world_size,
+    vocab_src,
+    vocab_tgt,
+    spacy_de,
+    spacy_en,
+    config,
+    is_distributed=False,
+    port=None,
+    resume=False,
+    show_progress=True,
+):
+    """Train on Multi30k in one process; returns the val losses per epoch."""
+    from tqdm.auto import tqdm
+
+    config = TrainConfig(**config) if isinstance(config, dict) else config
+    if is_distributed:
+        init_distributed(rank, world_size, port)
+    device = pick_device(rank)
+    if device.type == "cpu" and world_size > 1:  # share the cores, no spin
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    torch.manual_seed(config.seed)
+    model = make_model(len(vocab_src), len(vocab_tgt), N=config.N,
+                       d_model=config.d_model, d_ff=config.d_ff, h=config.h,
+                       dropout=config.dropout).to(device)
+    module = model
+    if is_distributed:
+        ids = [device.index] if device.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(module,
+                                                          device_ids=ids)
+    train_loader, valid_loader = create_dataloaders(
+        vocab_src, vocab_tgt, spacy_de, spacy_en,
+        max_tokens=config.max_tokens, max_len=config.max_len, rank=rank,
+        world_size=world_size, seed=config.seed,
+        num_workers=config.num_workers,
+        max_train_pairs=config.max_train_pairs,
+    )
+    criterion = LabelSmoothing(len(vocab_tgt), padding_idx=PAD,
+                               smoothing=config.label_smoothing)
+    loss_compute = TrackedLossCompute(module.generator, criterion)
+    optimizer, scheduler = make_optimizer(module, config.d_model,
+                                          config.factor, config.warmup)
+    state, history, first_epoch = TrainState(), [], 0
+    if resume and epoch_checkpoints(config.checkpoint_dir):
+        ckpt = load_checkpoint(epoch_checkpoints(config.checkpoint_dir)[-1],
+                               device)
+        module.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        state, history = TrainState(**ckpt["train_state"]), ckpt["history"]
+        torch.set_rng_state(ckpt["rng_state"])
+        first_epoch = ckpt["epoch"] + 1
+    show = show_progress and rank == 0
+    for epoch in range(first_epoch, config.num_epochs):
+        train_loader.batch_sampler.set_epoch(epoch)
+        model.train()
+        with tqdm(total=len(train_loader), disable=not show, leave=False,
+                  desc=f"epoch {epoch} train") as bar:
+            batches = device_batches(train_loader, device, bar,
+                                     loss_compute, optimizer)
+            with autocast_context(device, config.amp):
+                train_loss, state = run_epoch(
+                    batches, model, loss_compute, optimizer, scheduler,
+                    mode="train", accum_iter=config.accum_iter,
+                    train_state=state)
+        model.eval()
+        with autocast_context(device, config.amp):
+            val_loss, _ = run_epoch(device_batches(valid_loader, device),
+                                    model, loss_compute, mode="eval")
+        history.append({"epoch": epoch, "train_loss": train_loss,
+                        "val_loss": val_loss, "steps": state.accum_step})
+        if show:
+            tqdm.write(f"epoch {epoch:3d} | train loss {train_loss:.3f} | "
+                       f"val loss {val_loss:.3f} | steps {state.accum_step}")
+        if rank == 0:
+            save_checkpoint(
+                Path(config.checkpoint_dir) / f"epoch_{epoch:03d}.pt",
+                model=module.state_dict(), optimizer=optimizer.state_dict(),
+                scheduler=scheduler.state_dict(), train_state=asdict(state),
+                rng_state=torch.get_rng_state(), config=asdict(config),
+                vocab_src=vocab_src.get_itos(),
+                vocab_tgt=vocab_tgt.get_itos(), epoch=epoch, history=history,
+            )
+    in_sync = params_in_sync(module) if is_distributed else True
+    if rank == 0:
+        save_checkpoint(
+            Path(config.checkpoint_dir) / "final.pt",
+            model=module.state_dict(), config=asdict(config),
+            vocab_src=vocab_src.get_itos(), vocab_tgt=vocab_tgt.get_itos(),
+            epoch=config.num_epochs - 1, history=history,
+            ranks_in_sync=in_sync,
+        )
+    if is_distributed:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return history
+
+
+# --- from notebooks/03_multi30k.py ---
+def train_distributed_model(vocab_src, vocab_tgt, spacy_de, spacy_en,
+                            config, world_size=None, resume=False):
+    """Train with one process per GPU (or world_size CPU processes)."""
+    import torch.multiprocessing as mp
+
+    world_size = world_size or max(torch.cuda.device_count(), 1)
+    mp.spawn(
+        train_worker,
+        nprocs=world_size,
+        args=(world_size, vocab_src, vocab_tgt, spacy_de, spacy_en,
+              asdict(config), True, free_port(), resume),
+    )
+
+
+def train_model(vocab_src, vocab_tgt, spacy_de, spacy_en, config,
+                distributed=False, world_size=None, resume=False):
+    """Train in this process, or in several when `distributed`."""
+    if distributed:
+        return train_distributed_model(vocab_src, vocab_tgt, spacy_de,
+                                       spacy_en, config, world_size, resume)
+    return train_worker(0, 1, vocab_src, vocab_tgt, spacy_de, spacy_en,
+                        config, resume=resume)
+
+
+# --- from notebooks/03_multi30k.py ---
+def load_trained_model(path, device="cpu"):
+    """(model in eval mode, vocab_src, vocab_tgt, config) from a checkpoint."""
+    ckpt = load_checkpoint(path, device)
+    try:
+        config = TrainConfig(**ckpt["config"])
+        vocab_src, vocab_tgt = Vocab(ckpt["vocab_src"]), Vocab(
+            ckpt["vocab_tgt"])
+        model = make_model(len(vocab_src), len(vocab_tgt), N=config.N,
+                           d_model=config.d_model, d_ff=config.d_ff,
+                           h=config.h, dropout=0.0)
+        model.load_state_dict(ckpt["model"])
+    except (KeyError, TypeError, RuntimeError) as err:
+        raise UserError(
+            f"{path} does not match this code's Multi30k model: {err}"
+        ) from err
+    return model.to(device).eval(), vocab_src, vocab_tgt, config
+
+
+# --- from notebooks/03_multi30k.py ---
+@torch.no_grad()
+def batch_greedy_decode(model, src, src_mask, max_len, start_symbol=BOS,
+                        end_symbol=EOS):
+    """Greedy decoding of a batch until every row has produced </s>."""
+    memory = model.encode(src, src_mask)  # (B, S, d_model)
+    B = src.size(0)
+    ys = torch.full((B, 1), start_symbol, dtype=torch.long,
+                    device=src.device)  # (B, 1)
+    done = torch.zeros(B, dtype=torch.bool, device=src.device)
+    for _ in range(max_len - 1):
+        out = model.decode(memory, src_mask, ys,
+                           subsequent_mask(ys.size(1)).to(src.device))
+        next_word = model.generator(out[:, -1]).argmax(dim=-1)  # (B,)
+        next_word = next_word.masked_fill(done, PAD)
+        ys = torch.cat([ys, next_word.unsqueeze(1)], dim=1)
+        done |= next_word == end_symbol
+        if done.all():
+            break
+    return ys  # (B, <= max_len)
+
+
+def strip_specials(ids, end_symbol=EOS):
+    """Token ids after <s> and before the first </s>."""
+    ids = list(ids)[1:]
+    return ids[: ids.index(end_symbol)] if end_symbol in ids else ids
+
+
+# --- from notebooks/03_multi30k.py ---
+_NO_SPACE_BEFORE = {".", ",", "!", "?", ";", ":", ")", "]", "}", "%",
+                    "'s", "'re", "'ve", "'ll", "'m", "'d", "n't", "'"}
+_NO_SPACE_AFTER = {"(", "[", "{", "$", "#"}
+
+
+def detokenize(tokens):
+    """Join English spaCy tokens into a plain sentence."""
+    out, quote_open = "", False
+    for i, tok in enumerate(tokens):
+        glue = (i == 0 or tok.lower() in _NO_SPACE_BEFORE
+                or out.endswith(tuple(_NO_SPACE_AFTER)) or tok == "-"
+                or out.endswith("-") and i > 1 and tokens[i - 1] == "-"
+                and tokens[i - 2] not in {",", ".", "-"})
+        if tok == '"':
+            glue = i == 0 or quote_open
+            quote_open = not quote_open
+        elif out.endswith('"') and quote_open:
+            glue = True
+        out += tok if glue else " " + tok
+    return out
+
+
+def translate_batch(model, sentences, spacy_de, vocab_src, vocab_tgt,
+                    device="cpu", batch_size=128, max_extra=50,
+                    decode_fn=None):
+    """German sentences to detokenized English, in input order."""
+    decode_fn = decode_fn or batch_greedy_decode
+    model.eval()
+    encoded = [[BOS, *vocab_src(tokenize(s, spacy_de)), EOS]
+               for s in sentences]
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+    results = [None] * len(encoded)
+    for k in range(0, len(order), batch_size):
+        idx = order[k:k + batch_size]
+        src = torch.nn.utils.rnn.pad_sequence(
+            [torch.tensor(encoded[i]) for i in idx], batch_first=True,
+            padding_value=PAD).to(device)  # (B, S)
+        src_mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
+        out = decode_fn(model, src, src_mask, src.size(1) + max_extra)
+        for i, row in zip(idx, out.tolist()):
+            results[i] = detokenize(vocab_tgt.lookup_tokens(
+                strip_specials(row)))
+    return results
+
+
+def compute_bleu(hypotheses, references):
+    """Cased corpus BLEU (sacreBLEU, 13a tokenization) of plain text."""
+    import sacrebleu
+
+    return sacrebleu.corpus_bleu(hypotheses, [references])
+
+
+# --- from notebooks/03_multi30k.py ---
+def check_outputs(model, pairs, spacy_de, vocab_src, vocab_tgt,
+                  n_examples=5, device="cpu"):
+    """Print source, reference and model output for some pairs."""
+    pairs = list(pairs)[:n_examples]
+    hyps = translate_batch(model.eval(), [de for de, _ in pairs], spacy_de,
+                           vocab_src, vocab_tgt, device)
+    for i, ((de, en), hyp) in enumerate(zip(pairs, hyps)):
+        print(f"example {i}\n  source:     {de}\n  reference:  {en}\n"
+              f"  model:      {hyp}\n")
+    return hyps
+
+
+def run_model_example(checkpoint="checkpoints/cpu/final.pt", n_examples=5):
+    """Load a trained model and show some validation translations."""
+    model, vocab_src, vocab_tgt, _ = load_trained_model(checkpoint)
+    spacy_de, _ = load_tokenizers()
+    return check_outputs(model, read_multi30k("val"), spacy_de, vocab_src,
+                         vocab_tgt, n_examples)
+
+
+# --- from notebooks/03_multi30k.py ---
+def hardware_summary():
+    """A short description of the CPU or GPU this process runs on."""
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cpu_threads": torch.get_num_threads(),
+            "torch": torch.__version__}
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i)
+                        for i in range(torch.cuda.device_count())]
+    return info
+
+
+def read_lines(path):
+    """Lines of a plain or gzipped UTF-8 text file, without newlines."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"no such file: {path}")
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [line.rstrip("\n") for line in f]
+
+
+def evaluate_files(model, src_path, ref_path, spacy_de, vocab_src, vocab_tgt,
+                   device="cpu", batch_size=128, decode_fn=None):
+    """(BLEU, hypotheses) of a model on a parallel pair of text files."""
+    sources, references = read_lines(src_path), read_lines(ref_path)
+    if len(sources) != len(references):
+        raise UserError(
+            f"{src_path} has {len(sources)} lines but {ref_path} has "
+            f"{len(references)}; they must be line-by-line translations"
+        )
+    if not sources:
+        raise UserError(f"{src_path} is empty")
+    hyps = translate_batch(model, sources, spacy_de, vocab_src, vocab_tgt,
+                           device, batch_size, decode_fn=decode_fn)
+    return compute_bleu(hyps, references), hyps
+
+
+# --- from notebooks/03_multi30k.py ---
+def build_parser():
+    """The argparse parser of the command line."""
+    parser = argparse.ArgumentParser(
+        prog="the_annotated_transformer.py",
+        description="Train, evaluate and use the Annotated Transformer on "
+        "Multi30k German→English.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train a model on Multi30k")
+    train.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    train.add_argument("--epochs", type=int, help="override num_epochs")
+    train.add_argument("--max-tokens", type=int, help="tokens per batch")
+    train.add_argument("--checkpoint-dir", help="where checkpoints go")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the newest epoch checkpoint")
+    train.add_argument("--world-size", type=int, default=1,
+                       help="processes to spawn (torchrun sets its own)")
+    train.add_argument("--results", help="write a JSON summary here, "
+                       "including test BLEU")
+    for name, text in (("evaluate", "BLEU on a parallel pair of files"),
+                       ("translate", "translate German sentences")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--checkpoint", default="checkpoints/cpu/final.pt")
+        p.add_argument("--batch-size", type=int, default=128)
+        p.add_argument("--device", default="cpu")
+    evaluate, translate = sub.choices["evaluate"], sub.choices["translate"]
+    evaluate.add_argument("--src", help="German sources, one per line "
+                          "(.gz is fine; default: Multi30k test2016)")
+    evaluate.add_argument("--ref", help="English references, one per line")
+    evaluate.add_argument("--out", help="also write the translations here")
+    translate.add_argument("sentence", nargs="+", help="German text")
+    return parser
+
+
+def command_train(args):
+    """`train`: run training, then optionally score and summarize."""
+    overrides = {k: v for k, v in (("num_epochs", args.epochs),
+                                   ("max_tokens", args.max_tokens),
+                                   ("checkpoint_dir", args.checkpoint_dir))
+                 if v is not None}
+    config = get_config(args.preset, **overrides)
+    spacy_de, spacy_en = load_tokenizers()
+    vocab_src, vocab_tgt = load_vocab(spacy_de, spacy_en)
+    start = time.time()
+    if "LOCAL_RANK" in os.environ:  # started by torchrun
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        train_worker(rank, world, vocab_src, vocab_tgt, spacy_de, spacy_en,
+                     config, is_distributed=world > 1, resume=args.resume)
+        if rank != 0:
+            return 0
+    else:
+        train_model(vocab_src, vocab_tgt, spacy_de, spacy_en, config,
+                    distributed=args.world_size > 1,
+                    world_size=args.world_size, resume=args.resume)
+    final = Path(config.checkpoint_dir) / "final.pt"
+    print(f"trained in {time.time() - start:.0f} s; model in {final}")
+    if args.results:
+        write_results(args.results, final, time.time() - start)
+    return 0
+
+
+def write_results(path, checkpoint, wall_time):
+    """Score test2016 greedily and write a JSON summary of the run."""
+    model, vocab_src, vocab_tgt, config = load_trained_model(checkpoint)
+    spacy_de, _ = load_tokenizers()
+    test = read_multi30k("test")
+    hyps = translate_batch(model, [de for de, _ in test], spacy_de,
+                           vocab_src, vocab_tgt)
+    bleu = compute_bleu(hyps, [en for _, en in test])
+    history = load_checkpoint(checkpoint)["history"]
+    summary = {
+        "command": "python " + " ".join(sys.argv),
+        "config": asdict(config), "hardware": hardware_summary(),
+        "wall_time_s": round(wall_time, 1), "epochs": len(history),
+        "history": history, "test2016_bleu_greedy": round(bleu.score, 2),
+        "bleu": str(bleu),
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"test2016 BLEU (greedy): {bleu.score:.2f}; summary in {path}")
+
+
+def command_evaluate(args):
+    """`evaluate`: BLEU of a checkpoint on a pair of files."""
+    model, vocab_src, vocab_tgt, _ = load_trained_model(args.checkpoint,
+                                                        args.device)
+    spacy_de, _ = load_tokenizers()
+    if (args.src is None) != (args.ref is None):
+        raise UserError("give both --src and --ref, or neither")
+    if args.src is None:
+        folder = download_multi30k()
+        args.src = folder / "test_2016_flickr.de.gz"
+        args.ref = folder / "test_2016_flickr.en.gz"
+    bleu, hyps = evaluate_files(model, args.src, args.ref, spacy_de,
+                                vocab_src, vocab_tgt, args.device,
+                                args.batch_size)
+    if args.out:
+        Path(args.out).write_text("\n".join(hyps) + "\n", encoding="utf-8")
+    print(bleu)
+    return 0
+
+
+def command_translate(args):
+    """`translate`: print the English translation of German text."""
+    text = " ".join(args.sentence).strip()
+    if not text:
+        raise UserError("nothing to translate: the sentence is empty")
+    model, vocab_src, vocab_tgt, _ = load_trained_model(args.checkpoint,
+                                                        args.device)
+    spacy_de, _ = load_tokenizers()
+    unknown = [t for t in tokenize(text, spacy_de) if t not in vocab_src]
+    if unknown:
+        print("note: not in the vocabulary, read as <unk>: "
+              + ", ".join(unknown), file=sys.stderr)
+    print(translate_batch(model, [text], spacy_de, vocab_src, vocab_tgt,
+                          args.device)[0])
+    return 0
+
+
+def main(argv=None):
+    """Command-line entry point; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    commands = {"train": command_train, "evaluate": command_evaluate,
+                "translate": command_translate}
+    try:
+        return commands[args.command](args)
+    except (UserError, DatasetError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+# ---------------------------------------------------------------------
+# Command line entry point (added by tools/export.py).
+if __name__ == "__main__":
+    raise SystemExit(main())

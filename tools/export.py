@@ -80,6 +80,8 @@ def render_ipynb(path: Path) -> str:
     """The .ipynb text that the percent file generates (no outputs)."""
     nb = jupytext.read(path)
     nb.metadata.setdefault("jupytext", {})["formats"] = "ipynb,py:percent"
+    for i, cell in enumerate(nb.cells):  # jupytext draws random ids
+        cell.id = f"cell-{i:03d}"
     return jupytext.writes(nb, fmt="ipynb")
 
 

@@ -1,0 +1,320 @@
+"""Tests of the model (notebooks/01_model.py), each against a reference
+that does not share its code: PyTorch built-ins, closed forms, or the
+2022 tutorial's parameter names written out by hand."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import the_annotated_transformer as at
+
+
+def qkv(B=2, h=4, T=5, S=7, d_k=8, dtype=torch.float32, seed=0):
+    """Random query (B, h, T, d_k) and key/value (B, h, S, d_k)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, h, T, d_k, generator=g).to(dtype)
+    k = torch.randn(B, h, S, d_k, generator=g).to(dtype)
+    v = torch.randn(B, h, S, d_k, generator=g).to(dtype)
+    return q, k, v
+
+
+def padding_mask(lengths, S):
+    """(B, 1, 1, S) bool mask, True on the first `length` keys."""
+    return (torch.arange(S) < torch.tensor(lengths)[:, None])[:, None, None]
+
+
+# --------------------------------------------------------------- attention
+def test_attention_without_mask_matches_sdpa():
+    q, k, v = qkv()
+    out, p = at.attention(q, k, v)
+    ref = F.scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(p.sum(-1), torch.ones(2, 4, 5))
+
+
+def test_attention_padding_mask_matches_sdpa():
+    q, k, v = qkv()
+    mask = padding_mask([7, 4], 7)  # (B, 1, 1, S)
+    out, p = at.attention(q, k, v, mask=mask)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out, ref)
+    assert (p[1, :, :, 4:] == 0).all()
+    assert (p[0] > 0).all()
+
+
+def test_attention_causal_mask_matches_sdpa_is_causal():
+    q, k, v = qkv(T=6, S=6)
+    out, p = at.attention(q, k, v, mask=at.subsequent_mask(6)[None])
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, ref)
+    assert (p.triu(1) == 0).all()
+
+
+def test_attention_mask_broadcast_over_heads_matches_sdpa():
+    # A (B, 1, T, S) mask: padding and causal together, shared by all heads.
+    q, k, v = qkv(T=6, S=6)
+    pad = torch.arange(6) < torch.tensor([6, 3])[:, None]  # (B, S)
+    mask = (pad[:, None, :] & torch.ones(6, 6).tril().bool())[:, None]
+    assert mask.shape == (2, 1, 6, 6)
+    out, p = at.attention(q, k, v, mask=mask)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out, ref)
+    assert (p.masked_select(~mask.expand_as(p)) == 0).all()
+
+
+def test_multi_head_sdpa_path_equals_explicit_path_in_eval():
+    torch.manual_seed(0)
+    mha = at.MultiHeadedAttention(h=4, d_model=32, dropout=0.1).eval()
+    x = torch.randn(2, 6, 32)
+    mem = torch.randn(2, 5, 32)
+    src_mask = torch.tensor([[[1, 1, 1, 1, 1]], [[1, 1, 1, 0, 0]]]).bool()
+    tgt_mask = at.subsequent_mask(6)
+    for query, kv, mask in [(x, mem, src_mask), (x, x, tgt_mask)]:
+        mha.store_attention = False
+        fused = mha(query, kv, kv, mask)
+        assert mha.attn is None
+        mha.store_attention = True
+        explicit = mha(query, kv, kv, mask)
+        assert mha.attn.shape == (2, 4, 6, kv.size(1))
+        torch.testing.assert_close(fused, explicit, atol=1e-5, rtol=1e-5)
+        mha.attn = None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_attention_masking_in_half_precision(dtype):
+    # Large scores make a -1e9 style fill overflow; ours must stay finite.
+    q, k, v = qkv(T=6, S=6, dtype=dtype)
+    q = q * 8
+    pad = torch.arange(6) < torch.tensor([6, 2])[:, None]
+    mask = (pad[:, None, :] & torch.ones(6, 6).tril().bool())[:, None]
+    try:
+        out, p = at.attention(q, k, v, mask=mask)
+    except RuntimeError as err:  # an op without a CPU kernel for dtype
+        pytest.skip(f"{dtype} attention not supported on CPU: {err}")
+    assert out.dtype == dtype and p.dtype == dtype
+    assert torch.isfinite(out).all() and torch.isfinite(p).all()
+    assert (p.masked_select(~mask.expand_as(p)) == 0).all()
+    ref = F.scaled_dot_product_attention(
+        q.float(), k.float(), v.float(), attn_mask=mask
+    )
+    torch.testing.assert_close(out.float(), ref, atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_multi_head_attention_masked_in_half_precision(dtype):
+    torch.manual_seed(0)
+    mha = at.MultiHeadedAttention(h=2, d_model=16, dropout=0.0).eval()
+    mha = mha.to(dtype)
+    mha.store_attention = True
+    x = torch.randn(2, 4, 16).to(dtype)
+    mask = torch.tensor([[[1, 1, 1, 1]], [[1, 1, 0, 0]]]).bool()
+    try:
+        with torch.no_grad():
+            out = mha(x, x, x, mask)
+    except RuntimeError as err:
+        pytest.skip(f"{dtype} linear/matmul not supported on CPU: {err}")
+    assert torch.isfinite(out).all()
+    assert (mha.attn[1, :, :, 2:] == 0).all()
+
+
+def test_subsequent_mask_equals_tril():
+    for size in (1, 2, 7):
+        ref = torch.tril(torch.ones(size, size)).bool()[None]
+        m = at.subsequent_mask(size)
+        assert m.dtype == torch.bool and m.shape == (1, size, size)
+        assert torch.equal(m, ref)
+
+
+# ------------------------------------------------------ positional encoding
+def test_positional_encoding_matches_closed_form():
+    d_model, max_len = 6, 40
+    pe = at.PositionalEncoding(d_model, dropout=0.0, max_len=max_len)
+    ref = torch.empty(max_len, d_model, dtype=torch.float64)
+    for pos in range(max_len):
+        for i in range(d_model // 2):
+            angle = pos / 10000 ** (2 * i / d_model)
+            ref[pos, 2 * i] = math.sin(angle)
+            ref[pos, 2 * i + 1] = math.cos(angle)
+    assert pe.pe.shape == (1, max_len, d_model)
+    torch.testing.assert_close(pe.pe[0].double(), ref, atol=1e-5, rtol=0)
+    x = torch.randn(3, 11, d_model)
+    torch.testing.assert_close(
+        pe.eval()(x), x + ref[:11].float(), atol=1e-5, rtol=0
+    )
+
+
+# -------------------------------------------------------------- layer norm
+def test_layer_norm_matches_torch_layer_norm():
+    torch.manual_seed(0)
+    d = 24
+    ln = at.LayerNorm(d)
+    with torch.no_grad():
+        ln.a_2.copy_(torch.randn(d))
+        ln.b_2.copy_(torch.randn(d))
+    x = torch.randn(4, 5, d) * 3 + 1
+    ref = F.layer_norm(x, (d,), weight=ln.a_2, bias=ln.b_2, eps=ln.eps)
+    torch.testing.assert_close(ln(x), ref, atol=1e-5, rtol=1e-5)
+    # The eps sits inside the square root: visible for tiny variance.
+    small = torch.randn(2, d) * 1e-3
+    ln_big_eps = at.LayerNorm(d, eps=1e-4)
+    ref = F.layer_norm(small, (d,), eps=1e-4)
+    torch.testing.assert_close(ln_big_eps(small), ref, atol=1e-5, rtol=1e-4)
+
+
+# -------------------------------------------------------- parameter counts
+def params_by_name(module):
+    """Parameter count by summing over named parameters."""
+    return sum(p.numel() for _, p in module.named_parameters())
+
+
+@pytest.mark.parametrize("d", [16, 64, 512])
+def test_block_parameter_counts_match_closed_forms(d):
+    with torch.device("meta"):
+        mha = at.MultiHeadedAttention(8, d)
+        ff = at.PositionwiseFeedForward(d, 4 * d)
+        ln = at.LayerNorm(d)
+    for module, expected in [
+        (mha, 4 * (d * d + d)),
+        (ff, 8 * d * d + 5 * d),
+        (ln, 2 * d),
+    ]:
+        assert at.count_parameters(module) == expected
+        assert params_by_name(module) == expected
+
+
+def test_tied_model_parameter_count():
+    d, V = 512, 10000
+    with torch.device("meta"):  # shapes only: no memory, no init time
+        model = at.make_model(V, V, d_model=d, tie_embeddings=True)
+    expected = 168 * d * d + 196 * d + V * d + V
+    assert expected == 44_140_544 + 513 * V
+    assert at.count_parameters(model) == expected
+    assert params_by_name(model) == expected
+    # Counting every use of the shared matrix adds it twice more.
+    every_use = sum(
+        p.numel() for _, p in model.named_parameters(remove_duplicate=False)
+    )
+    assert every_use == expected + 2 * V * d
+
+
+@pytest.mark.parametrize("d, N", [(512, 6), (64, 2)])
+def test_untied_model_parameter_count(d, N):
+    V_src, V_tgt = 8000, 6000
+    with torch.device("meta"):
+        model = at.make_model(V_src, V_tgt, N=N, d_model=d, d_ff=4 * d)
+    stacks = N * (12 * d * d + 13 * d) + N * (16 * d * d + 19 * d) + 4 * d
+    if N == 6:
+        assert stacks == 168 * d * d + 196 * d
+    expected = stacks + V_src * d + 2 * V_tgt * d + V_tgt
+    assert at.count_parameters(model) == expected
+    assert params_by_name(model) == expected
+
+
+# ------------------------------------------------------------ weight tying
+def test_tied_model_shares_one_matrix():
+    model = at.make_model(13, 13, N=1, d_model=16, d_ff=32, h=2,
+                          tie_embeddings=True)
+    mats = [
+        model.src_embed[0].lut.weight,
+        model.tgt_embed[0].lut.weight,
+        model.generator.proj.weight,
+    ]
+    assert len({m.data_ptr() for m in mats}) == 1
+    assert mats[0] is mats[1] is mats[2]
+    untied = at.make_model(13, 13, N=1, d_model=16, d_ff=32, h=2)
+    ptrs = {
+        untied.src_embed[0].lut.weight.data_ptr(),
+        untied.tgt_embed[0].lut.weight.data_ptr(),
+        untied.generator.proj.weight.data_ptr(),
+    }
+    assert len(ptrs) == 3
+
+
+def test_tie_embeddings_needs_one_vocabulary():
+    with pytest.raises(ValueError):
+        at.make_model(11, 12, N=1, d_model=16, d_ff=32, h=2,
+                      tie_embeddings=True)
+
+
+# ------------------------------------------------ 2022 checkpoint layout
+# make_model(11, 11, N=1).state_dict().keys() as the 2022 code (harvardnlp
+# annotated-transformer, AnnotatedTransformer.ipynb) produced them, in order.
+KEYS_2022_N1 = [
+    "encoder.layers.0.self_attn.linears.0.weight",
+    "encoder.layers.0.self_attn.linears.0.bias",
+    "encoder.layers.0.self_attn.linears.1.weight",
+    "encoder.layers.0.self_attn.linears.1.bias",
+    "encoder.layers.0.self_attn.linears.2.weight",
+    "encoder.layers.0.self_attn.linears.2.bias",
+    "encoder.layers.0.self_attn.linears.3.weight",
+    "encoder.layers.0.self_attn.linears.3.bias",
+    "encoder.layers.0.feed_forward.w_1.weight",
+    "encoder.layers.0.feed_forward.w_1.bias",
+    "encoder.layers.0.feed_forward.w_2.weight",
+    "encoder.layers.0.feed_forward.w_2.bias",
+    "encoder.layers.0.sublayer.0.norm.a_2",
+    "encoder.layers.0.sublayer.0.norm.b_2",
+    "encoder.layers.0.sublayer.1.norm.a_2",
+    "encoder.layers.0.sublayer.1.norm.b_2",
+    "encoder.norm.a_2",
+    "encoder.norm.b_2",
+    "decoder.layers.0.self_attn.linears.0.weight",
+    "decoder.layers.0.self_attn.linears.0.bias",
+    "decoder.layers.0.self_attn.linears.1.weight",
+    "decoder.layers.0.self_attn.linears.1.bias",
+    "decoder.layers.0.self_attn.linears.2.weight",
+    "decoder.layers.0.self_attn.linears.2.bias",
+    "decoder.layers.0.self_attn.linears.3.weight",
+    "decoder.layers.0.self_attn.linears.3.bias",
+    "decoder.layers.0.src_attn.linears.0.weight",
+    "decoder.layers.0.src_attn.linears.0.bias",
+    "decoder.layers.0.src_attn.linears.1.weight",
+    "decoder.layers.0.src_attn.linears.1.bias",
+    "decoder.layers.0.src_attn.linears.2.weight",
+    "decoder.layers.0.src_attn.linears.2.bias",
+    "decoder.layers.0.src_attn.linears.3.weight",
+    "decoder.layers.0.src_attn.linears.3.bias",
+    "decoder.layers.0.feed_forward.w_1.weight",
+    "decoder.layers.0.feed_forward.w_1.bias",
+    "decoder.layers.0.feed_forward.w_2.weight",
+    "decoder.layers.0.feed_forward.w_2.bias",
+    "decoder.layers.0.sublayer.0.norm.a_2",
+    "decoder.layers.0.sublayer.0.norm.b_2",
+    "decoder.layers.0.sublayer.1.norm.a_2",
+    "decoder.layers.0.sublayer.1.norm.b_2",
+    "decoder.layers.0.sublayer.2.norm.a_2",
+    "decoder.layers.0.sublayer.2.norm.b_2",
+    "decoder.norm.a_2",
+    "decoder.norm.b_2",
+    "src_embed.0.lut.weight",
+    "src_embed.1.pe",
+    "tgt_embed.0.lut.weight",
+    "tgt_embed.1.pe",
+    "generator.proj.weight",
+    "generator.proj.bias",
+]
+
+
+def test_state_dict_keeps_2022_key_names():
+    model = at.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
+    assert list(model.state_dict().keys()) == KEYS_2022_N1
+
+
+def test_state_dict_round_trip_gives_identical_outputs():
+    torch.manual_seed(0)
+    model = at.make_model(11, 11, N=1, d_model=32, d_ff=64, h=4).eval()
+    torch.manual_seed(1)  # a fresh model with different weights
+    fresh = at.make_model(11, 11, N=1, d_model=32, d_ff=64, h=4).eval()
+    src = torch.randint(1, 11, (3, 9))
+    tgt = torch.randint(1, 11, (3, 6))
+    src_mask = torch.ones(3, 1, 9, dtype=torch.bool)
+    tgt_mask = at.subsequent_mask(6)
+    with torch.no_grad():
+        before = model(src, tgt, src_mask, tgt_mask)
+        assert not torch.allclose(fresh(src, tgt, src_mask, tgt_mask), before)
+        result = fresh.load_state_dict(model.state_dict(), strict=True)
+        after = fresh(src, tgt, src_mask, tgt_mask)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert torch.equal(before, after)

@@ -1,0 +1,235 @@
+"""Tests of Part 3's training, checkpoints, DDP, decoding and CLI."""
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+import the_annotated_transformer as tat
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "multi30k"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_multi30k(tmp_path_factory):
+    """Point the downloader at a local copy of Multi30k."""
+    folder = os.environ.get("MULTI30K_DIR") or (
+        str(SHARED) if SHARED.is_dir() else None
+    )
+    if folder is None:
+        pytest.skip("no local Multi30k copy (set MULTI30K_DIR)")
+    old = os.environ.get("MULTI30K_DIR")
+    os.environ["MULTI30K_DIR"] = folder
+    yield
+    if old is None:
+        os.environ.pop("MULTI30K_DIR", None)
+
+
+@pytest.fixture(scope="module")
+def tokenizers():
+    return tat.load_tokenizers()
+
+
+@pytest.fixture(scope="module")
+def vocabs(tokenizers, tmp_path_factory):
+    path = tmp_path_factory.mktemp("vocab") / "vocab.json"
+    return tat.load_vocab(*tokenizers, path=path)
+
+
+def smoke(tmp_path, **overrides):
+    """The smoke preset, writing into tmp_path, with some changes."""
+    return tat.get_config(
+        "smoke", checkpoint_dir=str(tmp_path), **overrides
+    )
+
+
+def train(cfg, vocabs, tokenizers, **kwargs):
+    return tat.train_worker(
+        0, 1, *vocabs, *tokenizers, cfg, show_progress=False, **kwargs
+    )
+
+
+def final_weights(cfg):
+    path = Path(cfg.checkpoint_dir) / "final.pt"
+    return torch.load(path, weights_only=True)["model"]
+
+
+def assert_same_weights(a, b, atol=0.0):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=atol, rtol=0), key
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory, vocabs, tokenizers):
+    """One trained smoke model, shared by several tests."""
+    cfg = smoke(tmp_path_factory.mktemp("smoke"), num_epochs=3)
+    history = train(cfg, vocabs, tokenizers)
+    return cfg, history
+
+
+def test_smoke_training_lowers_the_loss(smoke_run):
+    _, history = smoke_run
+    losses = [h["val_loss"] for h in history]
+    assert len(losses) == 3
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert losses[-1] < 0.95 * losses[0], losses
+
+
+def test_checkpoints_load_with_weights_only(smoke_run):
+    cfg, _ = smoke_run
+    epochs = tat.epoch_checkpoints(cfg.checkpoint_dir)
+    assert [p.name for p in epochs] == [
+        "epoch_000.pt", "epoch_001.pt", "epoch_002.pt"
+    ]
+    ckpt = torch.load(epochs[-1], map_location="cpu", weights_only=True)
+    for key in ("model", "optimizer", "scheduler", "train_state",
+                "config", "vocab_src", "vocab_tgt", "rng_state"):
+        assert key in ckpt
+    assert not list(Path(cfg.checkpoint_dir).glob(".*part"))
+
+
+def test_resumed_run_matches_uninterrupted_run(tmp_path, vocabs, tokenizers):
+    kw = dict(dropout=0.1, max_train_pairs=300)
+    whole = smoke(tmp_path / "whole", num_epochs=2, **kw)
+    train(whole, vocabs, tokenizers)
+    split = smoke(tmp_path / "split", num_epochs=1, **kw)
+    train(split, vocabs, tokenizers)
+    train(replace(split, num_epochs=2), vocabs, tokenizers, resume=True)
+    assert_same_weights(final_weights(whole), final_weights(split))
+    # and it really trained on after resuming, rather than stopping
+    first = torch.load(Path(split.checkpoint_dir) / "epoch_000.pt",
+                       weights_only=True)["model"]
+    changed = final_weights(split)["generator.proj.weight"]
+    assert not torch.equal(first["generator.proj.weight"], changed)
+
+
+def test_two_processes_match_one_process_with_accumulation(
+    tmp_path, vocabs, tokenizers
+):
+    """DDP over 2 ranks averages the grads of 2 batches: accum_iter=2."""
+    base = smoke(tmp_path / "one", num_epochs=1, max_train_pairs=400)
+    # The sampler deals batch k to rank k % 2; one process sees them in
+    # the same order, so accumulating pairs of batches is the same update
+    # provided the number of batches is even (no batch gets split).
+    loader, _ = tat.create_dataloaders(
+        *vocabs, *tokenizers, max_tokens=base.max_tokens,
+        max_len=base.max_len, max_train_pairs=base.max_train_pairs)
+    assert len(loader) % 2 == 0, "choose max_train_pairs for an even count"
+    train(replace(base, accum_iter=2), vocabs, tokenizers)
+    two = replace(base, checkpoint_dir=str(tmp_path / "two"))
+    tat.train_distributed_model(*vocabs, *tokenizers, two, world_size=2)
+    ckpt = torch.load(Path(two.checkpoint_dir) / "final.pt",
+                      weights_only=True)
+    assert ckpt["ranks_in_sync"] is True
+    assert_same_weights(final_weights(base), ckpt["model"], atol=1e-5)
+
+
+def test_batch_greedy_matches_one_sentence_at_a_time(smoke_run, tokenizers):
+    cfg, _ = smoke_run
+    model, vsrc, vtgt, _ = tat.load_trained_model(
+        Path(cfg.checkpoint_dir) / "final.pt")
+    sentences = [de for de, _ in tat.read_multi30k("val")[:12]]
+    encoded = [[tat.BOS, *vsrc(tat.tokenize(s, tokenizers[0])), tat.EOS]
+               for s in sentences]
+    src = torch.nn.utils.rnn.pad_sequence(
+        [torch.tensor(e) for e in encoded], batch_first=True,
+        padding_value=tat.PAD)
+    batched = tat.batch_greedy_decode(model, src, (src != tat.PAD)
+                                      .unsqueeze(-2), 20)
+    for row, ids in zip(batched.tolist(), encoded):
+        one = torch.tensor([ids])
+        with torch.no_grad():
+            alone = tat.greedy_decode(model, one, torch.ones(1, 1, len(ids),
+                                      dtype=torch.bool), 20, tat.BOS)
+        assert tat.strip_specials(row) == tat.strip_specials(alone[0])
+
+
+def test_detokenize_restores_most_references(tokenizers):
+    _, spacy_en = tokenizers
+    refs = [en for _, en in tat.read_multi30k("val")]
+    restored = [tat.detokenize(tat.tokenize(r, spacy_en)) for r in refs]
+    exact = sum(a == b.strip() for a, b in zip(restored, refs)) / len(refs)
+    assert exact > 0.95, exact
+
+
+def test_bleu_is_cased_and_perfect_on_references():
+    refs = ["A man rides a bike .".replace(" .", "."), "Two dogs play."]
+    assert tat.compute_bleu(refs, refs).score == pytest.approx(100.0)
+    lowered = [r.lower() for r in refs]
+    assert tat.compute_bleu(lowered, refs).score < 100.0
+
+
+# --- command line -------------------------------------------------------
+
+
+def run_cli(capsys, *argv):
+    status = tat.main(list(argv))
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+def test_cli_translate(smoke_run, capsys):
+    cfg, _ = smoke_run
+    ckpt = str(Path(cfg.checkpoint_dir) / "final.pt")
+    status, out, err = run_cli(capsys, "translate", "--checkpoint", ckpt,
+                               "Ein Mann fährt mit dem Fahrrad.")
+    assert status == 0 and out.strip()
+    status, out, err = run_cli(capsys, "translate", "--checkpoint", ckpt,
+                               "Ein Quuxblorf.")
+    assert status == 0 and "Quuxblorf" in err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["translate", "  "], "empty"),
+        (["translate", "--checkpoint", "nowhere.pt", "Hallo"],
+         "no checkpoint"),
+    ],
+)
+def test_cli_bad_input_gets_a_message(argv, message, capsys):
+    status, out, err = run_cli(capsys, *argv)
+    assert status == 2 and message in err and "Traceback" not in err
+
+
+def test_cli_rejects_a_foreign_checkpoint(tmp_path, capsys):
+    bogus = tmp_path / "other.pt"
+    torch.save({"model": {"w": torch.zeros(1)}}, bogus)
+    status, _, err = run_cli(capsys, "translate", "--checkpoint",
+                             str(bogus), "Hallo")
+    assert status == 2 and "does not match" in err
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint")
+    status, _, err = run_cli(capsys, "translate", "--checkpoint",
+                             str(garbage), "Hallo")
+    assert status == 2 and "not a readable checkpoint" in err
+
+
+def test_cli_evaluate_files(smoke_run, tmp_path, capsys):
+    cfg, _ = smoke_run
+    ckpt = str(Path(cfg.checkpoint_dir) / "final.pt")
+    pairs = tat.read_multi30k("val")[:20]
+    src, ref = tmp_path / "src.de", tmp_path / "ref.en"
+    src.write_text("\n".join(de for de, _ in pairs) + "\n")
+    ref.write_text("\n".join(en for _, en in pairs) + "\n")
+    out = tmp_path / "hyp.en"
+    status, stdout, _ = run_cli(capsys, "evaluate", "--checkpoint", ckpt,
+                                "--src", str(src), "--ref", str(ref),
+                                "--out", str(out))
+    assert status == 0 and stdout.startswith("BLEU")
+    assert len(out.read_text().splitlines()) == 20
+    ref.write_text("\n".join(en for _, en in pairs[:5]) + "\n")
+    status, _, err = run_cli(capsys, "evaluate", "--checkpoint", ckpt,
+                             "--src", str(src), "--ref", str(ref))
+    assert status == 2 and "20 lines" in err and "5" in err
+
+
+@pytest.mark.parametrize("command", ["train", "evaluate", "translate"])
+def test_cli_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        tat.main([command, "--help"])
+    assert exit_info.value.code == 0
+    assert "usage" in capsys.readouterr().out

@@ -1,0 +1,298 @@
+"""Tests of training (notebooks/02_training.py): schedule, label smoothing,
+batches, the training loop and the copy task."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+import the_annotated_transformer as at
+
+
+# ------------------------------------------------------ learning-rate rate
+@pytest.mark.parametrize(
+    "d_model, factor, warmup", [(512, 1.0, 4000), (256, 2.0, 400)]
+)
+def test_rate_peaks_at_warmup_with_closed_form_value(d_model, factor, warmup):
+    steps = range(1, 3 * warmup)
+    lrs = [at.rate(s, d_model, factor, warmup) for s in steps]
+    peak = max(range(len(lrs)), key=lrs.__getitem__)
+    assert steps[peak] == warmup
+    expected = factor * d_model**-0.5 * warmup**-0.5
+    assert lrs[peak] == pytest.approx(expected, rel=1e-12)
+    before, after = lrs[: peak + 1], lrs[peak:]
+    assert all(a < b for a, b in zip(before, before[1:]))
+    assert all(a > b for a, b in zip(after, after[1:]))
+    assert at.rate(0, d_model, factor, warmup) == at.rate(
+        1, d_model, factor, warmup
+    )
+
+
+# --------------------------------------------------------- label smoothing
+def test_label_smoothing_targets():
+    V, pad, eps = 7, 0, 0.3
+    crit = at.LabelSmoothing(V, padding_idx=pad, smoothing=eps)
+    target = torch.tensor([3, 1, 0, 6, 0, 2])
+    dist = crit.smoothed_targets(target)
+    real = target != pad
+    torch.testing.assert_close(dist[real].sum(1), torch.ones(int(real.sum())))
+    assert (dist[:, pad] == 0).all()
+    assert (dist[~real] == 0).all()
+    for row, t in zip(dist[real], target[real]):
+        assert row[t] == pytest.approx(1 - eps)
+        others = [row[j] for j in range(V) if j not in (pad, int(t))]
+        assert all(o == pytest.approx(eps / (V - 2)) for o in others)
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1, 0.4])
+def test_label_smoothing_loss_equals_independent_kl(eps):
+    torch.manual_seed(0)
+    V, pad = 6, 0
+    crit = at.LabelSmoothing(V, padding_idx=pad, smoothing=eps)
+    x = torch.randn(5, V).log_softmax(-1)
+    target = torch.tensor([2, 0, 5, 1, 3])
+    loss = crit(x, target)
+    ref = 0.0
+    for i, t in enumerate(target.tolist()):
+        if t == pad:
+            continue
+        for j in range(V):
+            if j == pad:
+                continue
+            p = 1 - eps if j == t else eps / (V - 2)
+            if p > 0:
+                ref += p * (math.log(p) - float(x[i, j]))
+    assert float(loss) == pytest.approx(ref, rel=1e-5)
+
+
+def test_label_smoothing_penalty_rows_are_finite_with_the_right_shape():
+    rows = at.label_smoothing_penalty_rows(smoothing=0.1)
+    assert all(math.isfinite(r["loss"]) for r in rows)
+    curves = {}
+    for r in rows:
+        curves.setdefault(r["smoothing"], []).append(r["loss"])
+    plain, smooth = curves["smoothing=0.0"], curves["smoothing=0.1"]
+    assert all(b <= a for a, b in zip(plain, plain[1:]))
+    assert plain[-1] < plain[0]
+    best = min(range(len(smooth)), key=smooth.__getitem__)
+    assert 0 < best < len(smooth) - 1
+    assert smooth[-1] > smooth[best] + 0.1
+
+
+# ------------------------------------------------------------------ charts
+@pytest.mark.parametrize(
+    "make_chart",
+    [
+        at.learning_rate_chart,
+        at.label_smoothing_chart,
+        at.label_smoothing_penalty_chart,
+    ],
+)
+def test_charts_render_to_png_and_svg(make_chart, tmp_path):
+    pytest.importorskip("altair")
+    pytest.importorskip("vl_convert")
+    chart = make_chart()
+    chart.to_dict()  # validates against the installed altair's schema
+    at.save_chart(chart, "chart", tmp_path)
+    png = (tmp_path / "chart.png").read_bytes()
+    svg = (tmp_path / "chart.svg").read_text()
+    assert png.startswith(b"\x89PNG") and len(png) > 1000
+    assert "<svg" in svg and len(svg) > 1000
+
+
+# ------------------------------------------------------------------- Batch
+def test_batch_masks_match_hand_built_ones():
+    pad = 0
+    src = torch.tensor([[1, 5, 6, 0], [1, 7, 0, 0]])
+    tgt = torch.tensor([[1, 4, 4, 9, 0], [1, 8, 0, 0, 0]])
+    b = at.Batch(src, tgt, pad=pad)
+    assert torch.equal(b.src_mask, torch.tensor(
+        [[[True, True, True, False]], [[True, True, False, False]]]))
+    assert torch.equal(b.tgt, tgt[:, :-1])
+    assert torch.equal(b.tgt_y, tgt[:, 1:])
+    T = 4
+    expected = torch.zeros(2, T, T, dtype=torch.bool)
+    lengths = [4, 2]  # non-pad decoder inputs per row
+    for n in range(2):
+        for i in range(T):
+            for j in range(T):
+                expected[n, i, j] = j <= i and j < lengths[n]
+    assert torch.equal(b.tgt_mask, expected)
+    assert b.ntokens == 4  # [4, 4, 9] and [8]
+    assert type(b.ntokens) is int
+
+
+# -------------------------------------------------------------- run_epoch
+V = 9
+
+
+def tiny_model(seed=0):
+    """A float64 model small enough to train in milliseconds."""
+    torch.manual_seed(seed)
+    return at.make_model(V, V, N=1, d_model=16, d_ff=32, h=2,
+                         dropout=0.0).double()
+
+
+def batches(n, batch_size=4, seq_len=6, seed=0):
+    """n copy-task batches without padding (equal token counts)."""
+    g = torch.Generator().manual_seed(seed)
+    return list(at.data_gen(V, batch_size, n, seq_len, generator=g))
+
+
+def concat(parts):
+    """One big Batch holding all the rows of the given batches."""
+    src = torch.cat([b.src for b in parts])
+    return at.Batch(src, src.clone(), pad=at.COPY_PAD)
+
+
+def loss_for(model):
+    return at.SimpleLossCompute(
+        model.generator, at.LabelSmoothing(V, at.COPY_PAD, 0.1)
+    )
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: torch.optim.SGD(ps, lr=0.5),
+        lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    ],
+    ids=["sgd", "adam"],
+)
+def test_accumulation_equals_one_large_batch(make_opt):
+    k = 3
+    micro = batches(k)
+    model_a = tiny_model()
+    model_b = copy.deepcopy(model_a)
+    opt_a, opt_b = make_opt(model_a.parameters()), make_opt(
+        model_b.parameters()
+    )
+    at.run_epoch(micro, model_a, loss_for(model_a), opt_a, accum_iter=k)
+    at.run_epoch([concat(micro)], model_b, loss_for(model_b), opt_b)
+    moved = False
+    for (name, pa), pb, p0 in zip(model_a.named_parameters(),
+                                  model_b.parameters(),
+                                  tiny_model().parameters()):
+        torch.testing.assert_close(pa, pb, atol=1e-10, rtol=1e-8, msg=name)
+        moved = moved or not torch.equal(pa, p0)
+    assert moved
+
+
+def test_partial_final_window_is_a_mean_over_its_batches():
+    # 4 micro-batches with accum_iter=3: a step on 3, then a step on 1.
+    micro = batches(4)
+    model_a = tiny_model()
+    model_b = copy.deepcopy(model_a)
+    opt_a = torch.optim.SGD(model_a.parameters(), lr=0.5)
+    opt_b = torch.optim.SGD(model_b.parameters(), lr=0.5)
+    _, state = at.run_epoch(micro, model_a, loss_for(model_a), opt_a,
+                            accum_iter=3)
+    at.run_epoch([concat(micro[:3]), micro[3]], model_b, loss_for(model_b),
+                 opt_b)
+    assert state.accum_step == 2 and state.step == 4
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        torch.testing.assert_close(pa, pb, atol=1e-10, rtol=1e-8)
+        assert pa.grad is None or (pa.grad == 0).all()
+
+
+def test_scheduler_counts_optimizer_steps():
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    _, state = at.run_epoch(batches(6), model, loss_for(model), opt, sched,
+                            accum_iter=3)
+    assert sched.last_epoch == 2
+    assert state.accum_step == 2
+    assert state.step == 6
+    assert state.samples == 6 * 4
+    assert state.tokens == 6 * 4 * 5
+
+
+def test_partial_window_steps_and_leaves_no_gradients():
+    model = tiny_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    _, state = at.run_epoch(batches(5), model, loss_for(model), opt, sched,
+                            accum_iter=3)
+    assert state.accum_step == 2 and sched.last_epoch == 2
+    assert all(p.grad is None or (p.grad == 0).all()
+               for p in model.parameters())
+    assert any(not torch.equal(p, b)
+               for p, b in zip(model.parameters(), before))
+
+
+def test_train_state_is_not_shared_between_calls():
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _, s1 = at.run_epoch(batches(2), model, loss_for(model), opt)
+    _, s2 = at.run_epoch(batches(3), model, loss_for(model), opt)
+    assert s1 is not s2
+    assert (s1.step, s2.step) == (2, 3)
+    _, s3 = at.run_epoch(batches(2), model, loss_for(model), opt,
+                         train_state=s2)
+    assert s3 is s2 and s2.step == 5
+
+
+class RecordingLoss:
+    """Wraps a loss compute and records whether autograd was on."""
+
+    def __init__(self, inner):
+        self.inner, self.grad_enabled = inner, []
+
+    def __call__(self, x, y, norm):
+        self.grad_enabled.append(torch.is_grad_enabled())
+        return self.inner(x, y, norm)
+
+
+def test_eval_runs_without_autograd_and_returns_floats():
+    model = tiny_model().eval()
+    rec = RecordingLoss(loss_for(model))
+    loss, _ = at.run_epoch(batches(3), model, rec, mode="eval")
+    assert rec.grad_enabled == [False] * 3
+    assert type(loss) is float and loss > 0
+    assert all(p.grad is None for p in model.parameters())
+    model.train()
+    rec = RecordingLoss(loss_for(model))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss, _ = at.run_epoch(batches(2), model, rec, opt)
+    assert rec.grad_enabled == [True] * 2
+    assert type(loss) is float
+
+
+# --------------------------------------------------------------- copy task
+def test_data_gen_starts_with_copy_start():
+    g = torch.Generator().manual_seed(0)
+    bs = list(at.data_gen(11, 8, 3, seq_len=10, generator=g))
+    assert len(bs) == 3
+    assert at.COPY_START != at.COPY_PAD
+    for b in bs:
+        assert (b.src[:, 0] == at.COPY_START).all()
+        assert ((b.src[:, 1:] >= 2) & (b.src[:, 1:] < 11)).all()
+        assert torch.equal(b.src, torch.cat([b.tgt[:, :1], b.tgt_y], 1))
+        assert b.src_mask.all()
+
+
+def test_copy_accuracy_decodes_from_copy_start(monkeypatch):
+    calls = []
+    real = at.greedy_decode
+
+    def spy(model, src, src_mask, max_len, start_symbol):
+        calls.append(start_symbol)
+        out = real(model, src, src_mask, max_len, start_symbol)
+        assert (out[:, 0] == start_symbol).all()
+        return out
+
+    monkeypatch.setattr(at, "greedy_decode", spy)
+    model = tiny_model().float()
+    at.copy_accuracy(model, 4, V=V, generator=torch.Generator())
+    assert calls == [at.COPY_START]
+
+
+def test_copy_task_learns_exact_copy_on_fresh_sequences():
+    cfg = at.CopyTaskConfig(**at.COPY_TASK_CI)
+    model, history = at.train_copy_task(cfg, log=lambda msg: None)
+    assert history[-1]["exact_copy"] == 1.0
+    fresh = torch.Generator().manual_seed(cfg.seed + 12345)
+    assert at.copy_accuracy(model, 500, cfg.V, generator=fresh) == 1.0
