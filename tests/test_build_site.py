@@ -112,7 +112,7 @@ def test_first_heading_and_math_count():
             v4.new_markdown_cell("# Later\n$$QK^T$$ and \\\\(h\\\\)"),
         ]
     )
-    assert build_site.first_heading(nb, "x") == "Multi-head *attention*"
+    assert build_site.first_heading(nb, "x") == "Multi-head attention"
     assert build_site.first_heading(v4.new_notebook(), "x") == "x"
     assert build_site.math_count(nb) == 3
 

@@ -275,7 +275,11 @@ def notebook_sources(folder: Path) -> list[Path]:
 def execute(source: Path, runs: Path, timeout: int) -> nbformat.NotebookNode:
     """Run a notebook from its folder; save and return the executed copy."""
     from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError
+    from nbclient.exceptions import (
+        CellExecutionError,
+        CellTimeoutError,
+        DeadKernelError,
+    )
 
     nb = jupytext.read(source)
     client = NotebookClient(nb, timeout=timeout, record_timing=True)
@@ -293,7 +297,7 @@ def execute(source: Path, runs: Path, timeout: int) -> nbformat.NotebookNode:
     runs.mkdir(parents=True, exist_ok=True)
     try:
         client.execute(cwd=str(source.parent))
-    except CellExecutionError as err:
+    except (CellExecutionError, CellTimeoutError, DeadKernelError) as err:
         nbformat.write(nb, out)
         sys.exit(f"{source.name} failed (partial run in {out}):\n{err}")
     nbformat.write(nb, out)
@@ -301,12 +305,12 @@ def execute(source: Path, runs: Path, timeout: int) -> nbformat.NotebookNode:
 
 
 def first_heading(nb: nbformat.NotebookNode, default: str) -> str:
-    """The text of the notebook's first markdown heading."""
+    """The text of the notebook's first markdown heading, minus * and `."""
     for cell in nb.cells:
         if cell.cell_type == "markdown":
             match = HEADING.search(cell.source)
             if match:
-                return match.group(1).strip()
+                return re.sub(r"[*`]", "", match.group(1)).strip()
     return default
 
 
