@@ -407,6 +407,7 @@ def run_epoch(
     accum_iter=1,
     train_state=None,
     log_every=40,
+    autocast=nullcontext,
 ):
     """One pass over data_iter; returns (loss per token, train_state)."""
     train = mode.startswith("train")
@@ -420,10 +421,11 @@ def run_epoch(
             if train and not steps_now and hasattr(model, "no_sync"):
                 sync = model.no_sync()  # DDP: skip the all-reduce for now
             with sync:
-                out = model(batch.src, batch.tgt, batch.src_mask,
-                            batch.tgt_mask)  # (B, T, d_model)
-                loss, loss_node = loss_compute(out, batch.tgt_y,
-                                               batch.ntokens)
+                with autocast():  # entered afresh for every micro-batch
+                    out = model(batch.src, batch.tgt, batch.src_mask,
+                                batch.tgt_mask)  # (B, T, d_model)
+                    loss, loss_node = loss_compute(out, batch.tgt_y,
+                                                   batch.ntokens)
                 if train:
                     (loss_node / accum_iter).backward()
             total_loss += loss
@@ -1127,6 +1129,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 
 
 # --- from notebooks/03_multi30k.py ---
@@ -1353,6 +1356,7 @@ def train_worker(
         torch.set_rng_state(ckpt["rng_state"])
         first_epoch = ckpt["epoch"] + 1
     show = show_progress and rank == 0
+    amp = partial(autocast_context, device, config.amp)
     for epoch in range(first_epoch, config.num_epochs):
         train_loader.batch_sampler.set_epoch(epoch)
         model.train()
@@ -1360,16 +1364,16 @@ def train_worker(
                   desc=f"epoch {epoch} train") as bar:
             loss_compute = TrackedLossCompute(module.generator, criterion,
                                               bar, optimizer)
-            with autocast_context(device, config.amp):
-                train_loss, state = run_epoch(
-                    device_batches(train_loader, device), model,
-                    loss_compute, optimizer, scheduler, mode="train",
-                    accum_iter=config.accum_iter, train_state=state)
+            train_loss, state = run_epoch(
+                device_batches(train_loader, device), model, loss_compute,
+                optimizer, scheduler, mode="train",
+                accum_iter=config.accum_iter, train_state=state,
+                autocast=amp)
         model.eval()
-        with autocast_context(device, config.amp):
-            val_loss, _ = run_epoch(
-                device_batches(valid_loader, device), model,
-                SimpleLossCompute(module.generator, criterion), mode="eval")
+        val_loss, _ = run_epoch(
+            device_batches(valid_loader, device), model,
+            SimpleLossCompute(module.generator, criterion), mode="eval",
+            autocast=amp)
         history.append({"epoch": epoch, "train_loss": train_loss,
                         "val_loss": val_loss, "steps": state.accum_step})
         if show:
@@ -1730,6 +1734,356 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+# --- from notebooks/04_attention.py ---
+import json
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+
+# --- from notebooks/04_attention.py ---
+@contextmanager
+def record_attention(model):
+    """Within the block, every attention layer keeps its weights in .attn."""
+    layers = [
+        m for m in model.modules() if isinstance(m, MultiHeadedAttention)
+    ]
+    flags = [m.store_attention for m in layers]
+    try:
+        for m in layers:
+            m.store_attention, m.attn = True, None
+        yield layers
+    finally:
+        for m, flag in zip(layers, flags, strict=True):
+            m.store_attention, m.attn = flag, None
+
+
+# --- from notebooks/04_attention.py ---
+ATTENTION_KINDS = {
+    "encoder self": "encoder_self",
+    "decoder self": "decoder_self",
+    "decoder source": "decoder_src",
+}
+
+
+class AttentionView(NamedTuple):
+    """One kind of attention with its labels and masks."""
+
+    weights: torch.Tensor  # (N, h, R, C)
+    allowed: torch.Tensor  # (R, C) bool, False where masked
+    rows: list  # R query labels
+    cols: list  # C key labels
+    row_keep: torch.Tensor  # (R,) bool, False at padding
+    col_keep: torch.Tensor  # (C,) bool, False at padding
+    col_ids: torch.Tensor  # (C,) token ids of the keys
+
+
+@dataclass
+class AttentionMaps:
+    """One sentence's attention weights, (N, h, rows, cols) for each kind."""
+
+    encoder_self: torch.Tensor  # (N, h, S, S)
+    decoder_self: torch.Tensor  # (N, h, T, T)
+    decoder_src: torch.Tensor  # (N, h, T, S)
+    src_ids: torch.Tensor  # (S,)
+    tgt_ids: torch.Tensor  # (T,) decoder inputs, <s> first
+    src_tokens: list  # S labels
+    tgt_tokens: list  # T labels
+    next_tokens: list  # T labels: what each decoder position predicts
+    pad: int = PAD
+
+    def view(self, kind):
+        """The weights of one kind with its labels and masks."""
+        src_keep, tgt_keep = self.src_ids != self.pad, self.tgt_ids != self.pad
+        S, T = len(src_keep), len(tgt_keep)
+        causal = subsequent_mask(T)[0]  # (T, T)
+        if kind == "encoder self":
+            return AttentionView(
+                self.encoder_self,
+                src_keep.expand(S, S),
+                self.src_tokens,
+                self.src_tokens,
+                src_keep,
+                src_keep,
+                self.src_ids,
+            )
+        if kind == "decoder self":
+            return AttentionView(
+                self.decoder_self,
+                tgt_keep & causal,
+                self.tgt_tokens,
+                self.tgt_tokens,
+                tgt_keep,
+                tgt_keep,
+                self.tgt_ids,
+            )
+        if kind == "decoder source":
+            return AttentionView(
+                self.decoder_src,
+                src_keep.expand(T, S),
+                self.tgt_tokens,
+                self.src_tokens,
+                tgt_keep,
+                src_keep,
+                self.src_ids,
+            )
+        raise ValueError(f"kind must be one of {list(ATTENTION_KINDS)}")
+
+
+# --- from notebooks/04_attention.py ---
+def _labels(ids, vocab):
+    """Token strings of ids, or the ids as strings without a vocabulary."""
+    ids = ids.tolist()
+    return vocab.lookup_tokens(ids) if vocab else [str(i) for i in ids]
+
+
+@torch.no_grad()
+def attention_maps(
+    model, src, tgt=None, vocab_src=None, vocab_tgt=None, max_extra=50, pad=PAD
+):
+    """Every layer's attention weights for one sentence, in eval mode."""
+    core = getattr(model, "module", model)  # unwrap DistributedDataParallel
+    device = next(core.parameters()).device
+    src = torch.as_tensor(src, device=device).reshape(1, -1)  # (1, S)
+    src_mask = (src != pad).unsqueeze(-2)  # (1, 1, S)
+    training = core.training
+    core.eval()
+    try:
+        if tgt is None:
+            tgt = batch_greedy_decode(
+                core, src, src_mask, src.size(1) + max_extra
+            )
+        tgt = torch.as_tensor(tgt, device=device).reshape(1, -1)  # (1, T+1)
+        if tgt.size(1) < 2:
+            raise ValueError("tgt needs <s> and at least one more token")
+        tgt_in = tgt[:, :-1]  # (1, T) decoder inputs
+        tgt_mask = Batch.make_std_mask(tgt_in, pad)  # (1, T, T)
+        with record_attention(core):
+            core(src, tgt_in, src_mask, tgt_mask)
+            enc = [layer.self_attn.attn[0] for layer in core.encoder.layers]
+            dec = [layer.self_attn.attn[0] for layer in core.decoder.layers]
+            crs = [layer.src_attn.attn[0] for layer in core.decoder.layers]
+    finally:
+        core.train(training)
+    src, tgt = src[0].cpu(), tgt[0].cpu()
+    return AttentionMaps(
+        encoder_self=torch.stack(enc).float().cpu(),  # (N, h, S, S)
+        decoder_self=torch.stack(dec).float().cpu(),  # (N, h, T, T)
+        decoder_src=torch.stack(crs).float().cpu(),  # (N, h, T, S)
+        src_ids=src,
+        tgt_ids=tgt[:-1],
+        src_tokens=_labels(src, vocab_src),
+        tgt_tokens=_labels(tgt[:-1], vocab_tgt),
+        next_tokens=_labels(tgt[1:], vocab_tgt),
+        pad=pad,
+    )
+
+
+# --- from notebooks/04_attention.py ---
+def attention_frame(maps, kind):
+    """One kind of attention as a long pandas table, padding left out."""
+    import pandas as pd
+
+    v = maps.view(kind)
+    N, h, R, C = v.weights.shape
+    rows = [i for i in range(R) if v.row_keep[i]]
+    cols = [j for j in range(C) if v.col_keep[j]]
+    w = v.weights[:, :, rows][:, :, :, cols]  # (N, h, R', C')
+    n, a, i, j = torch.meshgrid(
+        *(torch.arange(s) for s in w.shape), indexing="ij"
+    )
+    frame = pd.DataFrame(
+        {
+            "layer": n.flatten().numpy() + 1,
+            "head": a.flatten().numpy() + 1,
+            "row": [rows[r] for r in i.flatten().tolist()],
+            "col": [cols[c] for c in j.flatten().tolist()],
+            "weight": w.flatten().numpy().astype(float),
+        }
+    )
+    frame["query"] = [v.rows[r] for r in frame["row"]]
+    frame["key"] = [v.cols[c] for c in frame["col"]]
+    if kind != "encoder self":
+        frame["predicts"] = [maps.next_tokens[r] for r in frame["row"]]
+    return frame
+
+
+# --- from notebooks/04_attention.py ---
+def attention_chart(maps, kind, layer=None, columns=4, cell=18):
+    """Heat maps of one kind, one per head, with a menu to pick the layer."""
+    import altair as alt
+
+    frame = attention_frame(maps, kind).round({"weight": 5})
+    v = maps.view(kind)
+    N, h = v.weights.shape[:2]
+    pick = alt.param(
+        name="pick_layer",
+        value=N if layer is None else layer,
+        bind=alt.binding_select(
+            options=list(range(1, N + 1)), name=f"{kind} attention, layer "
+        ),
+    )
+    # Tokens travel once, as lists; each cell carries only numbers.
+    fields = {"query": (v.rows, "row"), "key": (v.cols, "col")}
+    if "predicts" in frame:
+        fields["predicts"] = (maps.next_tokens, "row")
+    lookups = {
+        f: f"{json.dumps(labels)}[datum.{index}]"
+        for f, (labels, index) in fields.items()
+    }
+    numbers = frame[["layer", "head", "row", "col", "weight"]]
+    heat = (
+        alt.Chart(alt.Data(values=numbers.to_dict("records")))
+        .transform_filter(alt.datum.layer == pick)
+        .transform_calculate(**lookups)
+        .mark_rect()
+        .encode(
+            x=alt.X("col:O", axis=_token_axis(v.cols, "key", -60)),
+            y=alt.Y("row:O", axis=_token_axis(v.rows, "query")),
+            color=alt.Color(
+                "weight:Q", scale=alt.Scale(scheme="blues", domainMin=0)
+            ),
+            tooltip=[f"{f}:N" for f in fields]
+            + [alt.Tooltip("weight:Q", format=".3f"), "layer:O", "head:O"],
+        )
+        .properties(
+            width=cell * frame["col"].nunique(),
+            height=cell * frame["row"].nunique(),
+        )
+    )
+    return heat.add_params(pick).facet(
+        facet=alt.Facet(
+            "head:O",
+            header=alt.Header(labelExpr="'head ' + datum.value", title=None),
+        ),
+        columns=min(columns, h),
+        title=f"{kind} attention ({N} layers, {h} heads); pick a layer",
+    )
+
+
+def _token_axis(labels, title, angle=0):
+    """An axis over positions that shows the token at each position."""
+    import altair as alt
+
+    return alt.Axis(
+        title=title,
+        labelAngle=angle,
+        labelExpr=f"{json.dumps(labels)}[datum.value]",
+    )
+
+
+# --- from notebooks/04_attention.py ---
+def _mean(x, keep):
+    """Mean of (N, h, R) over the rows where keep (R,) is True; 0 if none."""
+    return x[..., keep].mean(-1) if keep.any() else x.sum(-1) * 0
+
+
+def attention_statistics(maps, specials=(BOS, EOS)):
+    """Per kind, layer and head: entropy, distance and where weight goes."""
+    out = []
+    for kind in ATTENTION_KINDS:
+        v = maps.view(kind)
+        w = v.weights.double()  # (N, h, R, C)
+        R, C = v.allowed.shape
+        i = torch.arange(R, dtype=torch.float64)[:, None]  # (R, 1)
+        j = torch.arange(C, dtype=torch.float64)[None, :]  # (1, C)
+        if kind == "decoder source":
+            rows, cols = int(v.row_keep.sum()), int(v.col_keep.sum())
+            i = i * (cols - 1) / max(rows - 1, 1)
+        n = v.allowed.sum(-1)  # (R,) keys each query may see
+        H = -torch.special.xlogy(w, w).sum(-1)  # (N, h, R)
+        entropy = _mean(H / n.clamp(min=2).log(), v.row_keep & (n > 1))
+        offset = j - i.round()  # (R, C)
+        sums = {
+            "entropy": entropy,
+            "distance": (w * (j - i).abs()).sum(-1),
+            "previous": (w * (offset == -1)).sum(-1),
+            "same": (w * (offset == 0)).sum(-1),
+            "next": (w * (offset == 1)).sum(-1),
+            "specials": w[
+                ..., torch.isin(v.col_ids, torch.tensor(specials))
+            ].sum(-1),
+        }
+        stats = {
+            k: s if k == "entropy" else _mean(s, v.row_keep)
+            for k, s in sums.items()
+        }  # each (N, h)
+        for layer in range(w.size(0)):
+            for head in range(w.size(1)):
+                out.append(
+                    {
+                        "kind": kind,
+                        "layer": layer + 1,
+                        "head": head + 1,
+                        **{k: float(s[layer, head]) for k, s in stats.items()},
+                    }
+                )
+    return out
+
+
+# --- from notebooks/04_attention.py ---
+def attention_summary(model, pairs, spacy_de, spacy_en, vocab_src, vocab_tgt):
+    """attention_statistics averaged over sentence pairs (de, en)."""
+    totals = {}
+    for de, en in pairs:
+        src = [BOS, *vocab_src(tokenize(de, spacy_de)), EOS]
+        tgt = [BOS, *vocab_tgt(tokenize(en, spacy_en)), EOS]
+        for row in attention_statistics(attention_maps(model, src, tgt)):
+            key = (row.pop("kind"), row.pop("layer"), row.pop("head"))
+            total = totals.setdefault(key, dict.fromkeys(row, 0.0))
+            for name, value in row.items():
+                total[name] += value / len(pairs)
+    return [
+        {"kind": k, "layer": n, "head": a, **t}
+        for (k, n, a), t in totals.items()
+    ]
+
+
+# --- from notebooks/04_attention.py ---
+def attention_summary_chart(summary, width=170):
+    """Entropy and diagonal distance per layer and head, for each kind."""
+    import altair as alt
+    import pandas as pd
+
+    frame = pd.DataFrame(summary)
+    titles = {
+        "entropy": "entropy (fraction of uniform)",
+        "distance": "distance from diagonal (tokens)",
+    }
+    charts = []
+    for metric, title in titles.items():
+        base = alt.Chart(frame).encode(
+            x=alt.X("layer:O", title="layer", axis=alt.Axis(labelAngle=0))
+        )
+        dots = base.mark_circle(size=60, opacity=0.8).encode(
+            xOffset="head:N",
+            y=alt.Y(f"{metric}:Q", title=title),
+            color=alt.Color("head:N", title="head"),
+            tooltip=[
+                "kind",
+                "layer",
+                "head",
+                alt.Tooltip(f"{metric}:Q", format=".3f"),
+            ],
+        )
+        mean = base.mark_line(color="#444").encode(y=f"mean({metric}):Q")
+        charts.append(
+            alt.layer(dots, mean, data=frame)
+            .properties(width=width, height=150)
+            .facet(
+                column=alt.Column(
+                    "kind:N", sort=list(ATTENTION_KINDS), title=None
+                )
+            )
+        )
+    return alt.vconcat(*charts).properties(
+        title="Attention heads by layer, averaged over validation sentences"
+    )
 
 
 # ---------------------------------------------------------------------

@@ -118,6 +118,13 @@ class Batch:
 #   run inside `model.no_sync()`, so gradients are averaged across
 #   processes once per step rather than once per micro-batch.
 # * Evaluation (`mode="eval"`) runs under `torch.no_grad()`.
+# * Mixed precision is optional: `autocast` is a function returning a
+#   context (such as `lambda: torch.autocast("cuda", torch.bfloat16)`),
+#   entered around each micro-batch's forward pass and loss only. Wrapping
+#   a whole epoch in one autocast region instead would be a silent bug:
+#   autocast caches the low-precision copies of the weights until the
+#   region ends, so every step after the first would compute with stale
+#   weights.
 # * `train_state` defaults to `None` and a fresh `TrainState` is made per
 #   call: a default instance would be shared by every call.
 # * Totals are plain numbers, so no autograd graph is kept alive by them.
@@ -171,6 +178,7 @@ def run_epoch(
     accum_iter=1,
     train_state=None,
     log_every=40,
+    autocast=nullcontext,
 ):
     """One pass over data_iter; returns (loss per token, train_state)."""
     train = mode.startswith("train")
@@ -184,10 +192,11 @@ def run_epoch(
             if train and not steps_now and hasattr(model, "no_sync"):
                 sync = model.no_sync()  # DDP: skip the all-reduce for now
             with sync:
-                out = model(batch.src, batch.tgt, batch.src_mask,
-                            batch.tgt_mask)  # (B, T, d_model)
-                loss, loss_node = loss_compute(out, batch.tgt_y,
-                                               batch.ntokens)
+                with autocast():  # entered afresh for every micro-batch
+                    out = model(batch.src, batch.tgt, batch.src_mask,
+                                batch.tgt_mask)  # (B, T, d_model)
+                    loss, loss_node = loss_compute(out, batch.tgt_y,
+                                                   batch.ntokens)
                 if train:
                     (loss_node / accum_iter).backward()
             total_loss += loss

@@ -772,6 +772,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 
 # %%
 from the_annotated_transformer import (
@@ -1073,6 +1074,7 @@ def train_worker(
         torch.set_rng_state(ckpt["rng_state"])
         first_epoch = ckpt["epoch"] + 1
     show = show_progress and rank == 0
+    amp = partial(autocast_context, device, config.amp)
     for epoch in range(first_epoch, config.num_epochs):
         train_loader.batch_sampler.set_epoch(epoch)
         model.train()
@@ -1080,16 +1082,16 @@ def train_worker(
                   desc=f"epoch {epoch} train") as bar:
             loss_compute = TrackedLossCompute(module.generator, criterion,
                                               bar, optimizer)
-            with autocast_context(device, config.amp):
-                train_loss, state = run_epoch(
-                    device_batches(train_loader, device), model,
-                    loss_compute, optimizer, scheduler, mode="train",
-                    accum_iter=config.accum_iter, train_state=state)
+            train_loss, state = run_epoch(
+                device_batches(train_loader, device), model, loss_compute,
+                optimizer, scheduler, mode="train",
+                accum_iter=config.accum_iter, train_state=state,
+                autocast=amp)
         model.eval()
-        with autocast_context(device, config.amp):
-            val_loss, _ = run_epoch(
-                device_batches(valid_loader, device), model,
-                SimpleLossCompute(module.generator, criterion), mode="eval")
+        val_loss, _ = run_epoch(
+            device_batches(valid_loader, device), model,
+            SimpleLossCompute(module.generator, criterion), mode="eval",
+            autocast=amp)
         history.append({"epoch": epoch, "train_loss": train_loss,
                         "val_loss": val_loss, "steps": state.accum_step})
         if show:

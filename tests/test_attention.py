@@ -1,0 +1,336 @@
+"""Tests of the attention maps (notebooks/04_attention.py), against
+PyTorch's own multi-head attention, hand-written softmaxes and closed
+forms."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import the_annotated_transformer as at
+
+N, H, D = 2, 4, 32
+SRC_WORDS = ["ein", "hund", "rennt", "dem", "schwarzen", "hinterher", "."]
+TGT_WORDS = ["a", "dog", "runs", "after", "the", "black", "."]
+# Ids below count the four specials: <s>=0, </s>=1, <blank>=2, <unk>=3.
+SRC = [at.BOS, 4, 5, 6, 5, 7, at.EOS, at.PAD, at.PAD]  # S = 9, 2 pads
+TGT = [at.BOS, 4, 5, 6, at.EOS, at.PAD, at.PAD]  # decoder input: T = 6, 1 pad
+
+
+@pytest.fixture
+def vocabs():
+    return (
+        at.Vocab([*at.SPECIALS, *SRC_WORDS]),
+        at.Vocab([*at.SPECIALS, *TGT_WORDS]),
+    )
+
+
+@pytest.fixture
+def model(vocabs):
+    """A random small model, left in train mode with dropout on."""
+    torch.manual_seed(0)
+    return at.make_model(
+        len(vocabs[0]), len(vocabs[1]), N=N, d_model=D, d_ff=64, h=H
+    )
+
+
+@pytest.fixture
+def maps(model, vocabs):
+    return at.attention_maps(model, SRC, TGT, *vocabs)
+
+
+def attention_layers(model):
+    return [
+        m for m in model.modules() if isinstance(m, at.MultiHeadedAttention)
+    ]
+
+
+def torch_mha(attn):
+    """torch.nn.MultiheadAttention holding the weights of our layer."""
+    lin = attn.linears
+    ref = nn.MultiheadAttention(D, attn.h, batch_first=True)
+    with torch.no_grad():
+        ref.in_proj_weight.copy_(torch.cat([m.weight for m in lin[:3]]))
+        ref.in_proj_bias.copy_(torch.cat([m.bias for m in lin[:3]]))
+        ref.out_proj.weight.copy_(lin[3].weight)
+        ref.out_proj.bias.copy_(lin[3].bias)
+    return ref.eval()
+
+
+def inputs():
+    """Batched ids and masks for SRC and TGT, as training builds them."""
+    src, tgt = torch.tensor([SRC]), torch.tensor([TGT[:-1]])  # (1, S), (1, T)
+    return (
+        src,
+        tgt,
+        (src != at.PAD).unsqueeze(-2),
+        at.Batch.make_std_mask(tgt, at.PAD),
+    )
+
+
+# ------------------------------------------------------------- structure
+def test_shapes_and_labels(maps, vocabs):
+    S, T = len(SRC), len(TGT) - 1
+    assert maps.encoder_self.shape == (N, H, S, S)
+    assert maps.decoder_self.shape == (N, H, T, T)
+    assert maps.decoder_src.shape == (N, H, T, S)
+    assert maps.src_tokens == vocabs[0].lookup_tokens(SRC)
+    assert maps.tgt_tokens == vocabs[1].lookup_tokens(TGT[:-1])
+    assert maps.next_tokens == vocabs[1].lookup_tokens(TGT[1:])
+    assert maps.src_tokens[2] == maps.src_tokens[4] == "hund"
+
+
+def test_labels_without_vocabularies_are_ids(model):
+    maps = at.attention_maps(model, SRC, TGT)
+    assert maps.src_tokens == [str(i) for i in SRC]
+
+
+@pytest.mark.parametrize("kind", list(at.ATTENTION_KINDS))
+def test_rows_are_distributions_and_masked_cells_are_zero(maps, kind):
+    v = maps.view(kind)
+    torch.testing.assert_close(
+        v.weights.sum(-1), torch.ones(v.weights.shape[:-1])
+    )
+    assert v.weights.max() <= 1.0
+    assert (v.weights[..., ~v.allowed] == 0).all()
+    assert (v.weights[..., v.allowed] > 0).all()
+
+
+def test_pad_keys_and_future_positions_are_exactly_zero(maps):
+    assert (maps.encoder_self[..., 7:] == 0).all()
+    assert (maps.decoder_src[..., 7:] == 0).all()
+    assert (maps.decoder_self[..., 5] == 0).all()  # the pad input
+    future = torch.triu(torch.ones(6, 6, dtype=torch.bool), 1)
+    assert (maps.decoder_self[..., future] == 0).all()
+    assert (maps.decoder_self[..., ~future][..., :-1] > 0).all()
+
+
+def test_eval_mode_is_used_and_the_mode_restored(model):
+    assert model.training  # dropout 0.1 is active in train mode
+    maps = at.attention_maps(model, SRC, TGT)
+    assert model.training
+    assert all(m.training for m in model.modules())
+    again = at.attention_maps(model, SRC, TGT)
+    torch.testing.assert_close(maps.encoder_self, again.encoder_self)
+
+
+# ----------------------------------------------------------- the opt-in
+def test_default_stores_no_weights(model):
+    src, tgt, src_mask, tgt_mask = inputs()
+    for mode in (True, False):
+        model.train(mode)
+        model(src, tgt, src_mask, tgt_mask)
+        layers = attention_layers(model)
+        assert len(layers) == 3 * N
+        assert all(m.attn is None and not m.store_attention for m in layers)
+    at.attention_maps(model, SRC, TGT)
+    assert all(m.attn is None for m in attention_layers(model))
+    assert not any(m.store_attention for m in attention_layers(model))
+
+
+def test_record_attention_stores_then_restores(model):
+    src, tgt, src_mask, tgt_mask = inputs()
+    layers = attention_layers(model)
+    layers[0].store_attention = True  # restored as it was, not to False
+    before = [m.store_attention for m in layers]
+    with torch.no_grad(), at.record_attention(model.eval()) as recorded:
+        assert recorded == layers
+        assert all(m.store_attention for m in layers)
+        model(src, tgt, src_mask, tgt_mask)
+        assert all(m.attn is not None for m in layers)
+    assert [m.store_attention for m in layers] == before
+    assert all(m.attn is None for m in layers)
+
+
+def test_record_attention_restores_on_exception(model):
+    layers = attention_layers(model)
+    layers[-1].store_attention = True
+    before = [m.store_attention for m in layers]
+    with pytest.raises(RuntimeError, match="boom"):
+        with at.record_attention(model):
+            model.encode(*inputs()[::2])
+            raise RuntimeError("boom")
+    assert [m.store_attention for m in layers] == before
+    assert all(m.attn is None for m in layers)
+
+
+def test_recording_does_not_change_the_output(model):
+    model.eval()
+    with torch.no_grad():
+        fused = model(*inputs())
+        with at.record_attention(model):
+            explicit = model(*inputs())
+    torch.testing.assert_close(explicit, fused, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------ independent recomputations
+def test_encoder_layer_matches_torch_multihead_attention(model, maps):
+    src, _, src_mask, _ = inputs()
+    model.eval()
+    with torch.no_grad():
+        x = model.src_embed(src)  # (1, S, D)
+        for n, layer in enumerate(model.encoder.layers):
+            xn = layer.sublayer[0].norm(x)
+            _, ref = torch_mha(layer.self_attn)(
+                xn,
+                xn,
+                xn,
+                key_padding_mask=~src_mask[:, 0],
+                average_attn_weights=False,
+            )  # (1, h, S, S)
+            torch.testing.assert_close(maps.encoder_self[n], ref[0])
+            x = layer(x, src_mask)
+
+
+def test_decoder_source_layer_matches_torch_multihead_attention(model, maps):
+    src, tgt, src_mask, tgt_mask = inputs()
+    model.eval()
+    with torch.no_grad():
+        memory = model.encode(src, src_mask)  # (1, S, D)
+        x = model.tgt_embed(tgt)  # (1, T, D)
+        x = model.decoder.layers[0](x, memory, src_mask, tgt_mask)
+        layer = model.decoder.layers[1]
+        x = layer.sublayer[0](x, lambda y: layer.self_attn(y, y, y, tgt_mask))
+        query = layer.sublayer[1].norm(x)
+        _, ref = torch_mha(layer.src_attn)(
+            query,
+            memory,
+            memory,
+            key_padding_mask=~src_mask[:, 0],
+            average_attn_weights=False,
+        )  # (1, h, T, S)
+    torch.testing.assert_close(maps.decoder_src[1], ref[0])
+
+
+def test_decoder_self_layer_matches_a_softmax_by_hand(model, maps):
+    _, tgt, _, tgt_mask = inputs()
+    model.eval()
+    attn = model.decoder.layers[0].self_attn
+    T, d_k = tgt.size(1), D // H
+    with torch.no_grad():
+        x = model.decoder.layers[0].sublayer[0].norm(model.tgt_embed(tgt))
+        q = attn.linears[0](x)[0].view(T, H, d_k).transpose(0, 1)
+        k = attn.linears[1](x)[0].view(T, H, d_k).transpose(0, 1)
+        scores = q @ k.transpose(1, 2) / math.sqrt(d_k)  # (h, T, T)
+        scores = scores.masked_fill(~tgt_mask, float("-inf"))
+        ref = torch.softmax(scores, dim=-1)
+    torch.testing.assert_close(maps.decoder_self[0], ref)
+
+
+def test_without_a_target_the_maps_follow_greedy_decoding(model):
+    model.eval()
+    src = torch.tensor([SRC[:7]])  # no padding
+    src_mask = (src != at.PAD).unsqueeze(-2)  # (1, 1, S)
+    decoded = at.batch_greedy_decode(model, src, src_mask, 9)[0]
+    maps = at.attention_maps(model, SRC[:7], max_extra=2)
+    torch.testing.assert_close(maps.tgt_ids, decoded[:-1])
+    forced = at.attention_maps(model, SRC[:7], decoded)
+    torch.testing.assert_close(maps.decoder_src, forced.decoder_src)
+
+
+# --------------------------------------------------- closed forms
+def handmade_maps(S=5, T=4):
+    """Uniform encoder and source attention; decoder looks one back."""
+    prev = torch.zeros(T, T)
+    prev[0, 0] = 1.0
+    prev[torch.arange(1, T), torch.arange(T - 1)] = 1.0
+    return at.AttentionMaps(
+        encoder_self=torch.full((1, 1, S, S), 1 / S),
+        decoder_self=prev.expand(1, 1, T, T),
+        decoder_src=torch.full((1, 1, T, S), 1 / S),
+        src_ids=torch.tensor([at.BOS, *range(4, 4 + S - 2), at.EOS]),
+        tgt_ids=torch.tensor([at.BOS, *range(4, 4 + T - 1)]),
+        src_tokens=[f"s{i}" for i in range(S)],
+        tgt_tokens=[f"t{i}" for i in range(T)],
+        next_tokens=[f"t{i + 1}" for i in range(T)],
+    )
+
+
+def test_statistics_match_closed_forms():
+    S, T = 5, 4
+    maps = handmade_maps(S, T)
+    stats = {r["kind"]: r for r in at.attention_statistics(maps)}
+    enc, dec, crs = (stats[k] for k in at.ATTENTION_KINDS)
+    assert enc["entropy"] == pytest.approx(1.0)
+    # E|i - j| for i, j independent and uniform on 0 .. S-1.
+    assert enc["distance"] == pytest.approx((S * S - 1) / (3 * S))
+    assert enc["specials"] == pytest.approx(2 / S)
+    assert dec["entropy"] == pytest.approx(0.0, abs=1e-12)
+    assert dec["previous"] == pytest.approx((T - 1) / T)
+    assert dec["same"] == pytest.approx(1 / T)
+    assert dec["next"] == 0.0
+    assert dec["distance"] == pytest.approx((T - 1) / T)
+    assert crs["entropy"] == pytest.approx(1.0)
+    assert all(r["layer"] == r["head"] == 1 for r in stats.values())
+
+
+def test_summary_averages_sentences(model, vocabs):
+    spacy_de, spacy_en = at.load_tokenizers()
+    pair = ("ein hund rennt .", "a dog runs .")
+    summary = at.attention_summary(
+        model, [pair, pair], spacy_de, spacy_en, *vocabs
+    )
+    src = [at.BOS, *vocabs[0](pair[0].split()), at.EOS]
+    tgt = [at.BOS, *vocabs[1](pair[1].split()), at.EOS]
+    once = at.attention_statistics(at.attention_maps(model, src, tgt))
+    assert len(summary) == len(once) == 3 * N * H
+    for a, b in zip(summary, once, strict=True):
+        assert a.keys() == b.keys()
+        for key, value in a.items():
+            assert value == pytest.approx(b[key]), key
+
+
+# --------------------------------------------------------------- charts
+def chart_values(chart):
+    """Every data row a chart spec carries, inline or in its datasets."""
+    spec = chart.to_dict()  # validates against the Vega-Lite schema
+    rows = [r for values in spec.get("datasets", {}).values() for r in values]
+    found = [spec]
+    while found:
+        node = found.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("data"), dict):
+                rows += node["data"].get("values", [])
+            found += node.values()
+        elif isinstance(node, list):
+            found += node
+    return spec, rows
+
+
+def no_nan(rows):
+    return all(
+        not (isinstance(x, float) and math.isnan(x))
+        for row in rows
+        for x in row.values()
+    )
+
+
+@pytest.mark.parametrize("kind", list(at.ATTENTION_KINDS))
+def test_attention_chart_has_every_head_and_layer_and_no_nan(maps, kind):
+    frame = at.attention_frame(maps, kind)
+    assert not frame.isna().any().any()
+    assert sorted(frame["head"].unique()) == list(range(1, H + 1))
+    assert sorted(frame["layer"].unique()) == list(range(1, N + 1))
+    assert "<blank>" not in set(frame["query"]) | set(frame["key"])
+    sums = frame.groupby(["layer", "head", "row"])["weight"].sum()
+    assert sums.to_numpy() == pytest.approx(1.0, abs=1e-6)
+    spec, rows = chart_values(at.attention_chart(maps, kind))
+    assert rows and no_nan(rows)
+    assert len(rows) == len(frame)
+    assert max(r["weight"] for r in rows) <= 1.0
+    param = spec["params"][0]
+    assert param["bind"]["options"] == list(range(1, N + 1))
+
+
+def test_summary_chart_has_no_nan(model, maps):
+    summary = at.attention_statistics(maps)
+    _, rows = chart_values(at.attention_summary_chart(summary))
+    assert len(rows) == 3 * N * H and no_nan(rows)
+
+
+def test_charts_render_offline(maps):
+    vlc = pytest.importorskip("vl_convert")
+    chart = at.attention_chart(maps, "decoder source")
+    svg = vlc.vegalite_to_svg(chart.to_dict())
+    assert "hund" in svg and "head 4" in svg
