@@ -57,6 +57,12 @@ format: setup  ## format the .py sources, then regenerate
 
 bench: setup  ## speed benchmarks (prints medians and ratios)
 	$(PY) bench/copy_task.py
+	$(PY) bench/batching.py
+	$(PY) bench/decoding.py
+
+train: setup  ## train the cpu preset, then score test2016 into results/
+	$(PY) the_annotated_transformer.py train --preset cpu \
+	  --results results/multi30k_cpu.json
 
 # Debian's chromium, for the site test (root, or sudo, for apt-get).
 SUDO := $(shell test "$$(id -u)" = 0 || echo sudo)

@@ -981,12 +981,19 @@ def load_vocab(spacy_de, spacy_en, path=None, min_freq=2):
 
 
 # --- from notebooks/03_multi30k.py ---
+def encode_text(text, tokenizer, vocab):
+    """Ids of one sentence, without `<s>` and `</s>`."""
+    if isinstance(vocab, Vocab):
+        return vocab(tokenize(text, tokenizer))
+    return vocab.encode(text)  # a BPE vocabulary reads raw text (Part 5)
+
+
 def encode_pairs(pairs, vocab_src, vocab_tgt, spacy_de, spacy_en):
     """Each (de, en) pair as two id lists, `<s> ... </s>`."""
     return [
         (
-            [BOS, *vocab_src(tokenize(de, spacy_de)), EOS],
-            [BOS, *vocab_tgt(tokenize(en, spacy_en)), EOS],
+            [BOS, *encode_text(de, spacy_de, vocab_src), EOS],
+            [BOS, *encode_text(en, spacy_en, vocab_tgt), EOS],
         )
         for de, en in pairs
     ]
@@ -1155,6 +1162,8 @@ class TrainConfig:
     amp: str = "bf16"  # "bf16" autocast where native, or "none"
     checkpoint_dir: str = "checkpoints/cpu"
     num_workers: int = 0
+    tokenization: str = "word"  # or "bpe": one subword vocabulary (Part 5)
+    tie_embeddings: bool = False  # share embeddings and generator (Part 5)
 
 
 PRESETS = {
@@ -1168,6 +1177,12 @@ PRESETS = {
         max_tokens=1500, num_epochs=2, warmup=20, factor=2.0,
         max_train_pairs=1000, amp="none", checkpoint_dir="checkpoints/smoke",
     ),
+}
+PRESETS |= {  # the same with one BPE vocabulary and tied embeddings
+    f"{name}-bpe": replace(
+        PRESETS[name], preset=f"{name}-bpe", tokenization="bpe",
+        tie_embeddings=True, checkpoint_dir=f"checkpoints/{name}-bpe")
+    for name in ("cpu", "smoke")
 }
 
 
@@ -1259,6 +1274,27 @@ def epoch_checkpoints(folder):
     return sorted(Path(folder).glob("epoch_*.pt"))
 
 
+def vocab_state(vocab):
+    """A vocabulary as plain data: its tokens, or a BPE model's JSON."""
+    return vocab.to_str() if hasattr(vocab, "to_str") else vocab.get_itos()
+
+
+def as_vocab(state):
+    """The vocabulary that `vocab_state` gave (or a vocabulary itself)."""
+    if isinstance(state, str):
+        return BpeVocab.from_str(state)  # noqa: F821 (Part 5)
+    return Vocab(state) if isinstance(state, (list, tuple)) else state
+
+
+def vocab_fields(vocab_src, vocab_tgt):
+    """Checkpoint entries from which both vocabularies can be rebuilt."""
+    fields = {"vocab_src": vocab_src.get_itos(),
+              "vocab_tgt": vocab_tgt.get_itos()}
+    if not isinstance(vocab_tgt, Vocab):  # BPE: also its merges, as JSON
+        fields["bpe"] = vocab_state(vocab_tgt)
+    return fields
+
+
 # --- from notebooks/03_multi30k.py ---
 class TrackedLossCompute(SimpleLossCompute):
     """SimpleLossCompute that also drives a tqdm progress bar."""
@@ -1317,9 +1353,13 @@ def train_worker(
     show_progress=True,
 ):
     """Train on Multi30k in one process; returns the val losses per epoch."""
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     config = TrainConfig(**config) if isinstance(config, dict) else config
+    vocab_src, vocab_tgt = (as_vocab(v) for v in (vocab_src, vocab_tgt))
+    # (a spawned process receives plain token lists, or BPE JSON text)
+    if spacy_de is None or spacy_en is None:
+        spacy_de, spacy_en = load_tokenizers()
     if is_distributed:
         init_distributed(rank, world_size, port)
     device = pick_device(rank)
@@ -1328,7 +1368,8 @@ def train_worker(
     torch.manual_seed(config.seed)
     model = make_model(len(vocab_src), len(vocab_tgt), N=config.N,
                        d_model=config.d_model, d_ff=config.d_ff, h=config.h,
-                       dropout=config.dropout).to(device)
+                       dropout=config.dropout,
+                       tie_embeddings=config.tie_embeddings).to(device)
     module = model
     if is_distributed:
         ids = [device.index] if device.type == "cuda" else None
@@ -1385,15 +1426,15 @@ def train_worker(
                 model=module.state_dict(), optimizer=optimizer.state_dict(),
                 scheduler=scheduler.state_dict(), train_state=asdict(state),
                 rng_state=torch.get_rng_state(), config=asdict(config),
-                vocab_src=vocab_src.get_itos(),
-                vocab_tgt=vocab_tgt.get_itos(), epoch=epoch, history=history,
+                **vocab_fields(vocab_src, vocab_tgt), epoch=epoch,
+                history=history,
             )
     in_sync = params_in_sync(module) if is_distributed else True
     if rank == 0:
         save_checkpoint(
             Path(config.checkpoint_dir) / "final.pt",
             model=module.state_dict(), config=asdict(config),
-            vocab_src=vocab_src.get_itos(), vocab_tgt=vocab_tgt.get_itos(),
+            **vocab_fields(vocab_src, vocab_tgt),
             epoch=config.num_epochs - 1, history=history,
             ranks_in_sync=in_sync,
         )
@@ -1411,11 +1452,14 @@ def train_distributed_model(vocab_src, vocab_tgt, spacy_de, spacy_en,
     import torch.multiprocessing as mp
 
     world_size = world_size or max(torch.cuda.device_count(), 1)
+    # Only plain data crosses to the new processes: token lists (or BPE
+    # JSON text) and a dict (spaCy tokenizers are rebuilt there; they are
+    # cheap to make).
     mp.spawn(
         train_worker,
         nprocs=world_size,
-        args=(world_size, vocab_src, vocab_tgt, spacy_de, spacy_en,
-              asdict(config), True, free_port(), resume),
+        args=(world_size, vocab_state(vocab_src), vocab_state(vocab_tgt),
+              None, None, asdict(config), True, free_port(), resume),
     )
 
 
@@ -1435,11 +1479,15 @@ def load_trained_model(path, device="cpu"):
     ckpt = load_checkpoint(path, device)
     try:
         config = TrainConfig(**ckpt["config"])
-        vocab_src, vocab_tgt = Vocab(ckpt["vocab_src"]), Vocab(
-            ckpt["vocab_tgt"])
+        if config.tokenization == "bpe":
+            vocab_src = vocab_tgt = as_vocab(ckpt["bpe"])
+        else:
+            vocab_src, vocab_tgt = Vocab(ckpt["vocab_src"]), Vocab(
+                ckpt["vocab_tgt"])
         model = make_model(len(vocab_src), len(vocab_tgt), N=config.N,
                            d_model=config.d_model, d_ff=config.d_ff,
-                           h=config.h, dropout=0.0)
+                           h=config.h, dropout=0.0,
+                           tie_embeddings=config.tie_embeddings)
         model.load_state_dict(ckpt["model"])
     except (KeyError, TypeError, RuntimeError) as err:
         raise UserError(
@@ -1499,13 +1547,20 @@ def detokenize(tokens):
     return out
 
 
+def decode_text(ids, vocab):
+    """Plain text of output ids (without `<s>` and `</s>`)."""
+    if isinstance(vocab, Vocab):
+        return detokenize(vocab.lookup_tokens(ids))
+    return vocab.decode(ids)  # a BPE vocabulary decodes itself (Part 5)
+
+
 def translate_batch(model, sentences, spacy_de, vocab_src, vocab_tgt,
                     device="cpu", batch_size=128, max_extra=50,
                     decode_fn=None):
     """German sentences to detokenized English, in input order."""
     decode_fn = decode_fn or batch_greedy_decode
     model.eval()
-    encoded = [[BOS, *vocab_src(tokenize(s, spacy_de)), EOS]
+    encoded = [[BOS, *encode_text(s, spacy_de, vocab_src), EOS]
                for s in sentences]
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     results = [None] * len(encoded)
@@ -1516,9 +1571,8 @@ def translate_batch(model, sentences, spacy_de, vocab_src, vocab_tgt,
             padding_value=PAD).to(device)  # (B, S)
         src_mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
         out = decode_fn(model, src, src_mask, src.size(1) + max_extra)
-        for i, row in zip(idx, out.tolist()):
-            results[i] = detokenize(vocab_tgt.lookup_tokens(
-                strip_specials(row)))
+        for i, row in zip(idx, out.tolist(), strict=True):
+            results[i] = decode_text(strip_specials(row), vocab_tgt)
     return results
 
 
@@ -1625,6 +1679,11 @@ def build_parser():
         p.add_argument("--checkpoint", default="checkpoints/cpu/final.pt")
         p.add_argument("--batch-size", type=int, default=128)
         p.add_argument("--device", default="cpu")
+        p.add_argument("--beam", type=int, default=1, metavar="K",
+                       help="beam size (default 1: greedy)")
+        p.add_argument("--average", type=int, default=0, metavar="K",
+                       help="average the last K epoch checkpoints in the "
+                       "checkpoint's folder")
     evaluate, translate = sub.choices["evaluate"], sub.choices["translate"]
     evaluate.add_argument("--src", help="German sources, one per line "
                           "(.gz is fine; default: Multi30k test2016)")
@@ -1644,7 +1703,10 @@ def command_train(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     spacy_de, spacy_en = load_tokenizers()
-    vocab_src, vocab_tgt = load_vocab(spacy_de, spacy_en)
+    if config.tokenization == "bpe":
+        vocab_src = vocab_tgt = load_bpe()  # noqa: F821 (Part 5)
+    else:
+        vocab_src, vocab_tgt = load_vocab(spacy_de, spacy_en)
     start = time.time()
     if "LOCAL_RANK" in os.environ:  # started by torchrun
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -1686,8 +1748,8 @@ def write_results(path, checkpoint, wall_time):
 
 def command_evaluate(args):
     """`evaluate`: BLEU of a checkpoint on a pair of files."""
-    model, vocab_src, vocab_tgt, _ = load_trained_model(args.checkpoint,
-                                                        args.device)
+    model, vocab_src, vocab_tgt, decode_fn = load_translator(  # noqa: F821
+        args.checkpoint, args.device, args.beam, args.average)  # (Part 5)
     spacy_de, _ = load_tokenizers()
     if (args.src is None) != (args.ref is None):
         raise UserError("give both --src and --ref, or neither")
@@ -1697,7 +1759,7 @@ def command_evaluate(args):
         args.ref = folder / "test_2016_flickr.en.gz"
     bleu, hyps = evaluate_files(model, args.src, args.ref, spacy_de,
                                 vocab_src, vocab_tgt, args.device,
-                                args.batch_size)
+                                args.batch_size, decode_fn)
     if args.out:
         Path(args.out).write_text("\n".join(hyps) + "\n", encoding="utf-8")
     print(bleu)
@@ -1709,15 +1771,17 @@ def command_translate(args):
     text = " ".join(args.sentence).strip()
     if not text:
         raise UserError("nothing to translate: the sentence is empty")
-    model, vocab_src, vocab_tgt, _ = load_trained_model(args.checkpoint,
-                                                        args.device)
+    model, vocab_src, vocab_tgt, decode_fn = load_translator(  # noqa: F821
+        args.checkpoint, args.device, args.beam, args.average)  # (Part 5)
     spacy_de, _ = load_tokenizers()
-    unknown = [t for t in tokenize(text, spacy_de) if t not in vocab_src]
+    unknown = []
+    if isinstance(vocab_src, Vocab):  # (BPE can spell any known letters)
+        unknown = [t for t in tokenize(text, spacy_de) if t not in vocab_src]
     if unknown:
         print("note: not in the vocabulary, read as <unk>: "
               + ", ".join(unknown), file=sys.stderr)
     print(translate_batch(model, [text], spacy_de, vocab_src, vocab_tgt,
-                          args.device)[0])
+                          args.device, decode_fn=decode_fn)[0])
     return 0
 
 
@@ -1909,7 +1973,7 @@ def attention_frame(maps, kind):
     frame["query"] = [v.rows[r] for r in frame["row"]]
     frame["key"] = [v.cols[c] for c in frame["col"]]
     if kind != "encoder self":
-        frame["predicts"] = [maps.next_tokens[r] for r in frame["row"]]
+        frame["next"] = [maps.next_tokens[r] for r in frame["row"]]
     return frame
 
 
@@ -1930,8 +1994,8 @@ def attention_chart(maps, kind, layer=None, columns=4, cell=18):
     )
     # Tokens travel once, as lists; each cell carries only numbers.
     fields = {"query": (v.rows, "row"), "key": (v.cols, "col")}
-    if "predicts" in frame:
-        fields["predicts"] = (maps.next_tokens, "row")
+    if "next" in frame:
+        fields["next"] = (maps.next_tokens, "row")
     lookups = {
         f: f"{json.dumps(labels)}[datum.{index}]"
         for f, (labels, index) in fields.items()
@@ -1946,9 +2010,16 @@ def attention_chart(maps, kind, layer=None, columns=4, cell=18):
             x=alt.X("col:O", axis=_token_axis(v.cols, "key", -60)),
             y=alt.Y("row:O", axis=_token_axis(v.rows, "query")),
             color=alt.Color(
-                "weight:Q", scale=alt.Scale(scheme="blues", domainMin=0)
+                "weight:Q",
+                scale=alt.Scale(
+                    domainMin=0,
+                    range=["#ffffff", "#08306b"],
+                    interpolate="lab",
+                ),
             ),
-            tooltip=[f"{f}:N" for f in fields]
+            tooltip=[
+                alt.Tooltip(f"{f}:N", title=_TOOLTIP_TITLES[f]) for f in fields
+            ]
             + [alt.Tooltip("weight:Q", format=".3f"), "layer:O", "head:O"],
         )
         .properties(
@@ -1964,6 +2035,13 @@ def attention_chart(maps, kind, layer=None, columns=4, cell=18):
         columns=min(columns, h),
         title=f"{kind} attention ({N} layers, {h} heads); pick a layer",
     )
+
+
+_TOOLTIP_TITLES = {
+    "query": "query (row)",
+    "key": "key (column)",
+    "next": "next token",
+}
 
 
 def _token_axis(labels, title, angle=0):
@@ -2084,6 +2162,351 @@ def attention_summary_chart(summary, width=170):
     return alt.vconcat(*charts).properties(
         title="Attention heads by layer, averaged over validation sentences"
     )
+
+
+# --- from notebooks/05_beyond.py ---
+import functools
+import math
+import time
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+
+# --- from notebooks/05_beyond.py ---
+class DecoderCache:
+    """Per-layer keys and values that incremental decoding reuses."""
+
+    def __init__(self, model, memory, src_mask, group=1):
+        self.group = group  # rows (hypotheses) per sentence
+        self.src_mask = src_mask.unsqueeze(1)  # (B, 1, 1, S)
+        self.cross = [
+            [
+                layer.src_attn.split_heads(memory, layer.src_attn.linears[1]),
+                layer.src_attn.split_heads(memory, layer.src_attn.linears[2]),
+            ]
+            for layer in model.decoder.layers
+        ]  # per layer: keys and values, each (B, h, S, d_k)
+        self.self_kv = [None] * len(model.decoder.layers)  # (R, h, t, d_k)
+        self.length = 0  # target positions decoded so far
+
+    def select(self, index):
+        """Keep the rows `index` (R',) of every cached tensor, in order."""
+        self.self_kv = [
+            None if kv is None else [x[index] for x in kv]
+            for kv in self.self_kv
+        ]
+        sentences = index[:: self.group] // self.group  # (R' / group,)
+        same = torch.arange(self.src_mask.size(0), device=index.device)
+        if not torch.equal(sentences, same):  # some sentences left
+            self.src_mask = self.src_mask[sentences]
+            self.cross = [[x[sentences] for x in kv] for kv in self.cross]
+
+
+# --- from notebooks/05_beyond.py ---
+def attend_step(attn, x, k, v, mask=None):
+    """Attention of the new positions x (R, 1, d) to k, v (B, h, S, d_k)."""
+    R, B = x.size(0), k.size(0)  # R = B * group
+    q = attn.split_heads(x.reshape(B, -1, x.size(-1)), attn.linears[0])
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    out = out.transpose(1, 2).reshape(R, 1, attn.h * attn.d_k)
+    return attn.linears[-1](out)  # (R, 1, d_model)
+
+
+def cached_self_attention(attn, x, cache, i):
+    """Self-attention of layer i for the new position, growing its cache."""
+    k = attn.split_heads(x, attn.linears[1])  # (R, h, 1, d_k)
+    v = attn.split_heads(x, attn.linears[2])
+    if cache.self_kv[i] is not None:
+        k = torch.cat([cache.self_kv[i][0], k], dim=2)  # (R, h, t+1, d_k)
+        v = torch.cat([cache.self_kv[i][1], v], dim=2)
+    cache.self_kv[i] = [k, v]
+    return attend_step(attn, x, k, v)
+
+
+def decoder_layer_step(layer, x, cache, i):
+    """One DecoderLayer applied to the newest position only."""
+    k, v = cache.cross[i]  # (B, h, S, d_k)
+    x = layer.sublayer[0](
+        x, lambda y: cached_self_attention(layer.self_attn, y, cache, i)
+    )
+    x = layer.sublayer[1](
+        x, lambda y: attend_step(layer.src_attn, y, k, v, cache.src_mask)
+    )
+    return layer.sublayer[2](x, layer.feed_forward)  # (R, 1, d_model)
+
+
+def decode_step(model, ys_last, cache):
+    """Log-probs (R, V) of the next token, given the newest ids (R, 1)."""
+    embed, position = model.tgt_embed[0], model.tgt_embed[1]
+    t = cache.length
+    x = position.dropout(embed(ys_last) + position.pe[:, t : t + 1])
+    for i, layer in enumerate(model.decoder.layers):
+        x = decoder_layer_step(layer, x, cache, i)  # (R, 1, d_model)
+    cache.length += 1
+    return model.generator(model.decoder.norm(x))[:, -1]  # (R, V)
+
+
+# --- from notebooks/05_beyond.py ---
+@torch.no_grad()
+def cached_greedy_decode(
+    model, src, src_mask, max_len, start_symbol=BOS, end_symbol=EOS
+):
+    """Greedy decoding with a key/value cache; same output as batched."""
+    B = src.size(0)
+    cache = DecoderCache(model, model.encode(src, src_mask), src_mask)
+    out = torch.full((B, max_len), PAD, dtype=torch.long, device=src.device)
+    out[:, 0] = start_symbol  # (B, max_len)
+    rows = torch.arange(B, device=src.device)  # sentences still running
+    t = 0
+    for t in range(1, max_len):
+        logp = decode_step(model, out[rows, t - 1 : t], cache)  # (R, V)
+        word = logp.argmax(dim=-1)  # (R,)
+        out[rows, t] = word
+        running = word != end_symbol
+        if not running.all():
+            if not running.any():
+                break
+            rows = rows[running]
+            cache.select(running.nonzero().squeeze(1))
+    return out[:, : t + 1]  # (B, <= max_len)
+
+
+# --- from notebooks/05_beyond.py ---
+def length_penalty(length, alpha=0.6):
+    """GNMT length penalty ((5 + |Y|) / 6) ** alpha."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+# --- from notebooks/05_beyond.py ---
+def beam_candidates(logp, logp_sum, lengths, finished, alpha):
+    """The best extensions of each hypothesis: score, log P, token."""
+    A, k, V = logp.shape  # (sentences, beams, vocabulary)
+    logp, word = logp.topk(min(k, V), dim=-1)  # (A, k, c): all that can win
+    done = finished.unsqueeze(-1)  # (A, k, 1)
+    logp = logp.masked_fill(done, -math.inf)  # a finished hypothesis
+    logp[..., :1] = logp[..., :1].masked_fill(done, 0.0)  # adds <blank>,
+    word[..., :1] = word[..., :1].masked_fill(done, PAD)  # for free
+    cand = logp_sum.unsqueeze(-1) + logp  # (A, k, c) log P of each
+    cand_len = lengths + (~finished).long()  # (A, k)
+    score = cand / length_penalty(cand_len, alpha).unsqueeze(-1)
+    return score.view(A, -1), cand.view(A, -1), word.view(A, -1), cand_len
+
+
+# --- from notebooks/05_beyond.py ---
+def beam_search_steps(
+    step,
+    select,
+    batch_size,
+    max_len,
+    beam_size=4,
+    alpha=0.6,
+    start_symbol=BOS,
+    end_symbol=EOS,
+    device="cpu",
+):
+    """Beam search over step(ids (R, 1)) -> log-probs (R, V); (B, L) ids."""
+    B, k = batch_size, beam_size
+    out = torch.full((B, max_len), PAD, dtype=torch.long, device=device)
+    out[:, 0] = start_symbol  # (B, max_len): the answers
+    best = torch.full((B,), -math.inf, device=device)  # their scores
+    tokens = out.unsqueeze(1).repeat(1, k, 1)  # (A, k, max_len)
+    logp_sum = torch.full((B, k), -math.inf, device=device)  # (A, k)
+    logp_sum[:, 0] = 0.0  # one real hypothesis to start from
+    lengths = torch.zeros(B, k, dtype=torch.long, device=device)
+    finished = torch.zeros(B, k, dtype=torch.bool, device=device)
+    sent = torch.arange(B, device=device)  # (A,) sentences still searching
+    t = 0
+    for t in range(1, max_len):
+        A = sent.numel()
+        logp = step(tokens[:, :, t - 1].reshape(A * k, 1)).view(A, k, -1)
+        score, cand, words, cand_len = beam_candidates(
+            logp, logp_sum, lengths, finished, alpha
+        )  # (A, k * c), c candidates per hypothesis
+        score, idx = score.topk(k, dim=1)  # (A, k)
+        parent, word = idx // (words.size(1) // k), words.gather(1, idx)
+        was_finished = finished.gather(1, parent)
+        logp_sum, lengths = cand.gather(1, idx), cand_len.gather(1, parent)
+        finished = was_finished | (word == end_symbol)
+        tokens = tokens.gather(1, parent.unsqueeze(-1).expand_as(tokens))
+        tokens[:, :, t] = word
+        new = torch.where(finished & ~was_finished, score, -math.inf)
+        top, j = new.max(dim=1)  # the best hypothesis that ended now
+        better = top > best[sent]
+        best[sent[better]] = top[better]
+        out[sent[better]] = tokens[better, j[better]]
+        keep = ~finished.all(dim=1)  # (A,) sentences with beams running
+        if t == max_len - 1 or not keep.any():
+            break
+        rows = torch.arange(A, device=device).unsqueeze(1) * k + parent
+        select(rows[keep].view(-1))  # (A' * k,) parents of the survivors
+        sent, tokens, logp_sum = sent[keep], tokens[keep], logp_sum[keep]
+        lengths, finished = lengths[keep], finished[keep]
+    running = logp_sum / length_penalty(lengths, alpha)  # at max_len
+    top, j = running.masked_fill(finished, -math.inf).max(dim=1)
+    better = top > best[sent]
+    out[sent[better]] = tokens[better, j[better]]
+    return out[:, : t + 1]  # (B, <= max_len)
+
+
+# --- from notebooks/05_beyond.py ---
+@torch.no_grad()
+def beam_search(
+    model,
+    src,
+    src_mask,
+    max_len,
+    beam_size=4,
+    alpha=0.6,
+    start_symbol=BOS,
+    end_symbol=EOS,
+):
+    """Batched beam search with a length penalty; (B, L) best ids."""
+    memory = model.encode(src, src_mask)  # (B, S, d_model)
+    cache = DecoderCache(model, memory, src_mask, group=beam_size)
+    return beam_search_steps(
+        lambda ys: decode_step(model, ys, cache),  # (B*k, 1) -> (B*k, V)
+        cache.select,
+        src.size(0),
+        max_len,
+        beam_size,
+        alpha,
+        start_symbol,
+        end_symbol,
+        src.device,
+    )
+
+
+# --- from notebooks/05_beyond.py ---
+BPE_VOCAB_SIZE = 10000
+
+
+class BpeVocab:
+    """One subword vocabulary for both languages (HF `tokenizers` BPE)."""
+
+    def __init__(self, tokenizer):
+        first = [tokenizer.id_to_token(i) for i in range(len(SPECIALS))]
+        if tuple(first) != SPECIALS:
+            raise ValueError(f"a vocabulary must start with {SPECIALS}")
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def from_str(cls, text):
+        """Rebuild from the JSON text of `to_str`."""
+        from tokenizers import Tokenizer
+
+        return cls(Tokenizer.from_str(text))
+
+    def to_str(self):
+        """The whole tokenizer (merges included) as JSON text."""
+        return self.tokenizer.to_str()
+
+    def __len__(self):
+        return self.tokenizer.get_vocab_size()
+
+    def encode(self, text):
+        """Subword ids of a sentence, without <s> and </s>."""
+        return self.tokenizer.encode(text).ids
+
+    def decode(self, ids):
+        """The plain text that subword ids spell (specials skipped)."""
+        return self.tokenizer.decode([int(i) for i in ids])
+
+    def lookup_tokens(self, ids):
+        """The subword strings of some ids."""
+        return [self.tokenizer.id_to_token(int(i)) for i in ids]
+
+    def get_itos(self):
+        """Every subword, in id order."""
+        return self.lookup_tokens(range(len(self)))
+
+
+# --- from notebooks/05_beyond.py ---
+def train_bpe(sentences, vocab_size=BPE_VOCAB_SIZE):
+    """A BpeVocab learned from an iterable of sentences."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.trainers import BpeTrainer
+
+    tokenizer = Tokenizer(models.BPE(unk_token=SPECIALS[UNK]))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Metaspace()
+    trainer = BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIALS),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(sentences, trainer)
+    return BpeVocab(tokenizer)
+
+
+def load_bpe(path=None, vocab_size=BPE_VOCAB_SIZE):
+    """Joint German+English BPE of the train split, cached as JSON."""
+    path = Path(path) if path is not None else data_dir() / "bpe.json"
+    if path.is_file():
+        bpe = BpeVocab.from_str(path.read_text(encoding="utf-8"))
+        if len(bpe) == vocab_size:
+            return bpe
+    train = read_multi30k("train")  # never val or test
+    bpe = train_bpe((s for pair in train for s in pair), vocab_size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
+    tmp.write_text(bpe.to_str(), encoding="utf-8")
+    os.replace(tmp, path)  # atomic, as for data/vocab.json
+    return bpe
+
+
+# --- from notebooks/05_beyond.py ---
+@torch.no_grad()
+def average(model, models):
+    """Set model's parameters to the mean of those of `models`."""
+    params = [dict(m.named_parameters()) for m in models]
+    for name, p in model.named_parameters():
+        p.copy_(torch.stack([ps[name] for ps in params]).mean(dim=0))
+    return model
+
+
+def average_checkpoints(paths, device="cpu"):
+    """(model, vocab_src, vocab_tgt, config) with the mean of the weights."""
+    paths = [Path(p) for p in paths]
+    if not paths:
+        raise UserError("no checkpoints to average")
+    model, vocab_src, vocab_tgt, config = load_trained_model(paths[0], device)
+    params, buffers = dict(model.named_parameters()), model.named_buffers()
+    buffers = dict(buffers)  # e.g. the positional encoding's `pe`
+    sums = {
+        n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()
+    }
+    for path in paths:
+        state = load_checkpoint(path, device)["model"]
+        for name in sums:
+            sums[name] += state[name].double()
+        for name, b in buffers.items():
+            if not torch.equal(state[name], b):
+                raise UserError(f"{path}: buffer {name} differs")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(sums[name] / len(paths))
+    return model.eval(), vocab_src, vocab_tgt, config
+
+
+# --- from notebooks/05_beyond.py ---
+def load_translator(checkpoint, device="cpu", beam=1, average=0):
+    """(model, vocab_src, vocab_tgt, decode_fn) for greedy or beam search."""
+    if average:
+        paths = epoch_checkpoints(Path(checkpoint).parent)[-average:]
+        if len(paths) < average:
+            raise UserError(
+                f"--average {average} needs {average} epoch checkpoints "
+                f"next to {checkpoint}; found {len(paths)}"
+            )
+        model, vocab_src, vocab_tgt, _ = average_checkpoints(paths, device)
+    else:
+        model, vocab_src, vocab_tgt, _ = load_trained_model(checkpoint, device)
+    decode_fn = cached_greedy_decode
+    if beam > 1:
+        decode_fn = functools.partial(beam_search, beam_size=beam)
+    return model, vocab_src, vocab_tgt, decode_fn
 
 
 # ---------------------------------------------------------------------

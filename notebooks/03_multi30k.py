@@ -481,12 +481,19 @@ for split in ("train", "val", "test"):
 
 # %%
 #| export
+def encode_text(text, tokenizer, vocab):
+    """Ids of one sentence, without `<s>` and `</s>`."""
+    if isinstance(vocab, Vocab):
+        return vocab(tokenize(text, tokenizer))
+    return vocab.encode(text)  # a BPE vocabulary reads raw text (Part 5)
+
+
 def encode_pairs(pairs, vocab_src, vocab_tgt, spacy_de, spacy_en):
     """Each (de, en) pair as two id lists, `<s> ... </s>`."""
     return [
         (
-            [BOS, *vocab_src(tokenize(de, spacy_de)), EOS],
-            [BOS, *vocab_tgt(tokenize(en, spacy_en)), EOS],
+            [BOS, *encode_text(de, spacy_de, vocab_src), EOS],
+            [BOS, *encode_text(en, spacy_en, vocab_tgt), EOS],
         )
         for de, en in pairs
     ]
@@ -802,6 +809,9 @@ from the_annotated_transformer import (
 # * `smoke`: a tiny model on 1,000 sentence pairs for two epochs, so that
 #   tests and the CI-sized notebook run in seconds while still exercising
 #   every line, with a loss that visibly falls.
+#
+# `cpu-bpe` and `smoke-bpe` are `cpu` and `smoke` with one BPE vocabulary
+# for both languages and tied embeddings; Part 5 explains them.
 
 # %%
 #| export
@@ -827,6 +837,8 @@ class TrainConfig:
     amp: str = "bf16"  # "bf16" autocast where native, or "none"
     checkpoint_dir: str = "checkpoints/cpu"
     num_workers: int = 0
+    tokenization: str = "word"  # or "bpe": one subword vocabulary (Part 5)
+    tie_embeddings: bool = False  # share embeddings and generator (Part 5)
 
 
 PRESETS = {
@@ -840,6 +852,12 @@ PRESETS = {
         max_tokens=1500, num_epochs=2, warmup=20, factor=2.0,
         max_train_pairs=1000, amp="none", checkpoint_dir="checkpoints/smoke",
     ),
+}
+PRESETS |= {  # the same with one BPE vocabulary and tied embeddings
+    f"{name}-bpe": replace(
+        PRESETS[name], preset=f"{name}-bpe", tokenization="bpe",
+        tie_embeddings=True, checkpoint_dir=f"checkpoints/{name}-bpe")
+    for name in ("cpu", "smoke")
 }
 
 
@@ -926,8 +944,9 @@ def init_distributed(rank, world_size, port=None):
 #
 # A checkpoint holds everything needed to resume: model, optimizer and
 # scheduler states, the `TrainState` counters, the random-number state, the
-# config and both vocabularies (as token lists), and the validation losses
-# so far. It contains only tensors and plain Python types, so it loads with
+# config and both vocabularies (as token lists, plus the JSON of a BPE
+# model, Part 5), and the validation losses so far. It contains only
+# tensors and plain Python types, so it loads with
 # `torch.load(..., weights_only=True)`, the default since PyTorch 2.6 (the
 # 2022 version pickled whole objects, which that default refuses). It is
 # written to a temporary file and renamed, so a crash mid-write never leaves
@@ -961,6 +980,27 @@ def load_checkpoint(path, device="cpu"):
 def epoch_checkpoints(folder):
     """The epoch checkpoints in a folder, oldest first."""
     return sorted(Path(folder).glob("epoch_*.pt"))
+
+
+def vocab_state(vocab):
+    """A vocabulary as plain data: its tokens, or a BPE model's JSON."""
+    return vocab.to_str() if hasattr(vocab, "to_str") else vocab.get_itos()
+
+
+def as_vocab(state):
+    """The vocabulary that `vocab_state` gave (or a vocabulary itself)."""
+    if isinstance(state, str):
+        return BpeVocab.from_str(state)  # noqa: F821 (Part 5)
+    return Vocab(state) if isinstance(state, (list, tuple)) else state
+
+
+def vocab_fields(vocab_src, vocab_tgt):
+    """Checkpoint entries from which both vocabularies can be rebuilt."""
+    fields = {"vocab_src": vocab_src.get_itos(),
+              "vocab_tgt": vocab_tgt.get_itos()}
+    if not isinstance(vocab_tgt, Vocab):  # BPE: also its merges, as JSON
+        fields["bpe"] = vocab_state(vocab_tgt)
+    return fields
 
 
 # %% [markdown]
@@ -1035,9 +1075,13 @@ def train_worker(
     show_progress=True,
 ):
     """Train on Multi30k in one process; returns the val losses per epoch."""
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     config = TrainConfig(**config) if isinstance(config, dict) else config
+    vocab_src, vocab_tgt = (as_vocab(v) for v in (vocab_src, vocab_tgt))
+    # (a spawned process receives plain token lists, or BPE JSON text)
+    if spacy_de is None or spacy_en is None:
+        spacy_de, spacy_en = load_tokenizers()
     if is_distributed:
         init_distributed(rank, world_size, port)
     device = pick_device(rank)
@@ -1046,7 +1090,8 @@ def train_worker(
     torch.manual_seed(config.seed)
     model = make_model(len(vocab_src), len(vocab_tgt), N=config.N,
                        d_model=config.d_model, d_ff=config.d_ff, h=config.h,
-                       dropout=config.dropout).to(device)
+                       dropout=config.dropout,
+                       tie_embeddings=config.tie_embeddings).to(device)
     module = model
     if is_distributed:
         ids = [device.index] if device.type == "cuda" else None
@@ -1103,15 +1148,15 @@ def train_worker(
                 model=module.state_dict(), optimizer=optimizer.state_dict(),
                 scheduler=scheduler.state_dict(), train_state=asdict(state),
                 rng_state=torch.get_rng_state(), config=asdict(config),
-                vocab_src=vocab_src.get_itos(),
-                vocab_tgt=vocab_tgt.get_itos(), epoch=epoch, history=history,
+                **vocab_fields(vocab_src, vocab_tgt), epoch=epoch,
+                history=history,
             )
     in_sync = params_in_sync(module) if is_distributed else True
     if rank == 0:
         save_checkpoint(
             Path(config.checkpoint_dir) / "final.pt",
             model=module.state_dict(), config=asdict(config),
-            vocab_src=vocab_src.get_itos(), vocab_tgt=vocab_tgt.get_itos(),
+            **vocab_fields(vocab_src, vocab_tgt),
             epoch=config.num_epochs - 1, history=history,
             ranks_in_sync=in_sync,
         )
@@ -1138,11 +1183,14 @@ def train_distributed_model(vocab_src, vocab_tgt, spacy_de, spacy_en,
     import torch.multiprocessing as mp
 
     world_size = world_size or max(torch.cuda.device_count(), 1)
+    # Only plain data crosses to the new processes: token lists (or BPE
+    # JSON text) and a dict (spaCy tokenizers are rebuilt there; they are
+    # cheap to make).
     mp.spawn(
         train_worker,
         nprocs=world_size,
-        args=(world_size, vocab_src, vocab_tgt, spacy_de, spacy_en,
-              asdict(config), True, free_port(), resume),
+        args=(world_size, vocab_state(vocab_src), vocab_state(vocab_tgt),
+              None, None, asdict(config), True, free_port(), resume),
     )
 
 
@@ -1169,11 +1217,15 @@ def load_trained_model(path, device="cpu"):
     ckpt = load_checkpoint(path, device)
     try:
         config = TrainConfig(**ckpt["config"])
-        vocab_src, vocab_tgt = Vocab(ckpt["vocab_src"]), Vocab(
-            ckpt["vocab_tgt"])
+        if config.tokenization == "bpe":
+            vocab_src = vocab_tgt = as_vocab(ckpt["bpe"])
+        else:
+            vocab_src, vocab_tgt = Vocab(ckpt["vocab_src"]), Vocab(
+                ckpt["vocab_tgt"])
         model = make_model(len(vocab_src), len(vocab_tgt), N=config.N,
                            d_model=config.d_model, d_ff=config.d_ff,
-                           h=config.h, dropout=0.0)
+                           h=config.h, dropout=0.0,
+                           tie_embeddings=config.tie_embeddings)
         model.load_state_dict(ckpt["model"])
     except (KeyError, TypeError, RuntimeError) as err:
         raise UserError(
@@ -1255,13 +1307,20 @@ def detokenize(tokens):
     return out
 
 
+def decode_text(ids, vocab):
+    """Plain text of output ids (without `<s>` and `</s>`)."""
+    if isinstance(vocab, Vocab):
+        return detokenize(vocab.lookup_tokens(ids))
+    return vocab.decode(ids)  # a BPE vocabulary decodes itself (Part 5)
+
+
 def translate_batch(model, sentences, spacy_de, vocab_src, vocab_tgt,
                     device="cpu", batch_size=128, max_extra=50,
                     decode_fn=None):
     """German sentences to detokenized English, in input order."""
     decode_fn = decode_fn or batch_greedy_decode
     model.eval()
-    encoded = [[BOS, *vocab_src(tokenize(s, spacy_de)), EOS]
+    encoded = [[BOS, *encode_text(s, spacy_de, vocab_src), EOS]
                for s in sentences]
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     results = [None] * len(encoded)
@@ -1272,9 +1331,8 @@ def translate_batch(model, sentences, spacy_de, vocab_src, vocab_tgt,
             padding_value=PAD).to(device)  # (B, S)
         src_mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
         out = decode_fn(model, src, src_mask, src.size(1) + max_extra)
-        for i, row in zip(idx, out.tolist()):
-            results[i] = detokenize(vocab_tgt.lookup_tokens(
-                strip_specials(row)))
+        for i, row in zip(idx, out.tolist(), strict=True):
+            results[i] = decode_text(strip_specials(row), vocab_tgt)
     return results
 
 
@@ -1468,6 +1526,11 @@ def build_parser():
         p.add_argument("--checkpoint", default="checkpoints/cpu/final.pt")
         p.add_argument("--batch-size", type=int, default=128)
         p.add_argument("--device", default="cpu")
+        p.add_argument("--beam", type=int, default=1, metavar="K",
+                       help="beam size (default 1: greedy)")
+        p.add_argument("--average", type=int, default=0, metavar="K",
+                       help="average the last K epoch checkpoints in the "
+                       "checkpoint's folder")
     evaluate, translate = sub.choices["evaluate"], sub.choices["translate"]
     evaluate.add_argument("--src", help="German sources, one per line "
                           "(.gz is fine; default: Multi30k test2016)")
@@ -1487,7 +1550,10 @@ def command_train(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     spacy_de, spacy_en = load_tokenizers()
-    vocab_src, vocab_tgt = load_vocab(spacy_de, spacy_en)
+    if config.tokenization == "bpe":
+        vocab_src = vocab_tgt = load_bpe()  # noqa: F821 (Part 5)
+    else:
+        vocab_src, vocab_tgt = load_vocab(spacy_de, spacy_en)
     start = time.time()
     if "LOCAL_RANK" in os.environ:  # started by torchrun
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -1529,8 +1595,8 @@ def write_results(path, checkpoint, wall_time):
 
 def command_evaluate(args):
     """`evaluate`: BLEU of a checkpoint on a pair of files."""
-    model, vocab_src, vocab_tgt, _ = load_trained_model(args.checkpoint,
-                                                        args.device)
+    model, vocab_src, vocab_tgt, decode_fn = load_translator(  # noqa: F821
+        args.checkpoint, args.device, args.beam, args.average)  # (Part 5)
     spacy_de, _ = load_tokenizers()
     if (args.src is None) != (args.ref is None):
         raise UserError("give both --src and --ref, or neither")
@@ -1540,7 +1606,7 @@ def command_evaluate(args):
         args.ref = folder / "test_2016_flickr.en.gz"
     bleu, hyps = evaluate_files(model, args.src, args.ref, spacy_de,
                                 vocab_src, vocab_tgt, args.device,
-                                args.batch_size)
+                                args.batch_size, decode_fn)
     if args.out:
         Path(args.out).write_text("\n".join(hyps) + "\n", encoding="utf-8")
     print(bleu)
@@ -1552,15 +1618,17 @@ def command_translate(args):
     text = " ".join(args.sentence).strip()
     if not text:
         raise UserError("nothing to translate: the sentence is empty")
-    model, vocab_src, vocab_tgt, _ = load_trained_model(args.checkpoint,
-                                                        args.device)
+    model, vocab_src, vocab_tgt, decode_fn = load_translator(  # noqa: F821
+        args.checkpoint, args.device, args.beam, args.average)  # (Part 5)
     spacy_de, _ = load_tokenizers()
-    unknown = [t for t in tokenize(text, spacy_de) if t not in vocab_src]
+    unknown = []
+    if isinstance(vocab_src, Vocab):  # (BPE can spell any known letters)
+        unknown = [t for t in tokenize(text, spacy_de) if t not in vocab_src]
     if unknown:
         print("note: not in the vocabulary, read as <unk>: "
               + ", ".join(unknown), file=sys.stderr)
     print(translate_batch(model, [text], spacy_de, vocab_src, vocab_tgt,
-                          args.device)[0])
+                          args.device, decode_fn=decode_fn)[0])
     return 0
 
 

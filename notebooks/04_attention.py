@@ -85,7 +85,6 @@ from the_annotated_transformer import (
     Batch,
     MultiHeadedAttention,
     batch_greedy_decode,
-    detokenize,
     get_config,
     load_tokenizers,
     load_trained_model,
@@ -93,10 +92,10 @@ from the_annotated_transformer import (
     make_model,
     read_multi30k,
     save_chart,
-    strip_specials,
     subsequent_mask,
     tokenize,
     train_worker,
+    translate_batch,
 )
 
 # %% [markdown]
@@ -148,8 +147,8 @@ def record_attention(model):
 # predicts token $t+1$ (kept in `next_tokens` for the tooltips). Without a
 # target, the model first translates the sentence greedily and the maps are
 # those of its own translation. Because the decoder is causal, one pass
-# over the finished translation gives exactly the weights it used while
-# writing it, one token at a time.
+# over the finished translation gives the same weights (up to rounding) as
+# it used while writing it, one token at a time.
 
 
 # %%
@@ -288,10 +287,11 @@ def attention_maps(
 # With the full `cpu` run of Part 3 done (`make train` writes
 # `checkpoints/cpu/final.pt`), this notebook reads that model. In a
 # CI-sized run, or before that checkpoint exists, it trains the `smoke`
-# preset for a few seconds instead, with two layers and four heads rather
-# than one and two, so that there is more than one layer and head to look
-# at. A smoke model has seen 1,000 sentences for two epochs: its maps show
-# the machinery, not linguistics. The cell prints which model it used.
+# preset instead (under a minute on a laptop CPU), with two layers and four
+# heads rather than one and two, so that there is more than one layer and
+# head to look at. A smoke model has seen 1,000 sentences for two epochs:
+# its maps show the machinery, not linguistics. The cell prints which model
+# it used.
 
 # %%
 spacy_de, spacy_en = load_tokenizers()
@@ -300,24 +300,10 @@ found = [p for p in candidates if p.is_file()]
 if AT_SIZE != "ci" and found:
     checkpoint = found[0]
 else:
-    vocab_src, vocab_tgt = load_vocab(spacy_de, spacy_en)
-    smoke = get_config(
-        "smoke",
-        N=2,
-        h=4,
-        seed=0,
-        checkpoint_dir=str(ROOT / "checkpoints/smoke-attention"),
-    )
-    train_worker(
-        0,
-        1,
-        vocab_src,
-        vocab_tgt,
-        spacy_de,
-        spacy_en,
-        smoke,
-        show_progress=False,
-    )
+    data = (*load_vocab(spacy_de, spacy_en), spacy_de, spacy_en)
+    folder = ROOT / "checkpoints" / "smoke-attention"
+    smoke = get_config("smoke", N=2, h=4, checkpoint_dir=str(folder))
+    train_worker(0, 1, *data, smoke, show_progress=False)
     checkpoint = Path(smoke.checkpoint_dir) / "final.pt"
 model, vocab_src, vocab_tgt, config = load_trained_model(checkpoint)
 N, h = len(model.encoder.layers), model.encoder.layers[0].self_attn.h
@@ -329,18 +315,20 @@ print(
 # %% [markdown]
 # The sentence is validation pair 6, which has one word twice on each side
 # ("Hund", "dog"), so we can see whether the two copies are told apart.
+# The decoder reads the reference translation, as in training, so every
+# chart has the same, correct English rows whatever the model; the model's
+# own greedy translation is printed for comparison.
 
 # %%
 val = read_multi30k("val")
 de, en = val[6]
 src = torch.tensor([BOS, *vocab_src(tokenize(de, spacy_de)), EOS])  # (S,)
-maps = attention_maps(
-    model, src, vocab_src=vocab_src, vocab_tgt=vocab_tgt, max_extra=10
+tgt = torch.tensor([BOS, *vocab_tgt(tokenize(en, spacy_en)), EOS])  # (T+1,)
+maps = attention_maps(model, src, tgt, vocab_src, vocab_tgt)
+hypothesis = translate_batch(
+    model, [de], spacy_de, vocab_src, vocab_tgt, max_extra=10
 )
-hypothesis = detokenize(
-    vocab_tgt.lookup_tokens(strip_specials(maps.tgt_ids.tolist() + [EOS]))
-)
-print(f"source:     {de}\nreference:  {en}\nmodel:      {hypothesis}\n")
+print(f"source:     {de}\nreference:  {en}\nmodel:      {hypothesis[0]}\n")
 for kind, field in ATTENTION_KINDS.items():
     print(f"{kind:15s} {field:13s} {tuple(getattr(maps, field).shape)}")
 
@@ -462,7 +450,7 @@ def attention_frame(maps, kind):
     frame["query"] = [v.rows[r] for r in frame["row"]]
     frame["key"] = [v.cols[c] for c in frame["col"]]
     if kind != "encoder self":
-        frame["predicts"] = [maps.next_tokens[r] for r in frame["row"]]
+        frame["next"] = [maps.next_tokens[r] for r in frame["row"]]
     return frame
 
 
@@ -484,8 +472,8 @@ def attention_chart(maps, kind, layer=None, columns=4, cell=18):
     )
     # Tokens travel once, as lists; each cell carries only numbers.
     fields = {"query": (v.rows, "row"), "key": (v.cols, "col")}
-    if "predicts" in frame:
-        fields["predicts"] = (maps.next_tokens, "row")
+    if "next" in frame:
+        fields["next"] = (maps.next_tokens, "row")
     lookups = {
         f: f"{json.dumps(labels)}[datum.{index}]"
         for f, (labels, index) in fields.items()
@@ -500,9 +488,16 @@ def attention_chart(maps, kind, layer=None, columns=4, cell=18):
             x=alt.X("col:O", axis=_token_axis(v.cols, "key", -60)),
             y=alt.Y("row:O", axis=_token_axis(v.rows, "query")),
             color=alt.Color(
-                "weight:Q", scale=alt.Scale(scheme="blues", domainMin=0)
+                "weight:Q",
+                scale=alt.Scale(
+                    domainMin=0,
+                    range=["#ffffff", "#08306b"],
+                    interpolate="lab",
+                ),
             ),
-            tooltip=[f"{f}:N" for f in fields]
+            tooltip=[
+                alt.Tooltip(f"{f}:N", title=_TOOLTIP_TITLES[f]) for f in fields
+            ]
             + [alt.Tooltip("weight:Q", format=".3f"), "layer:O", "head:O"],
         )
         .properties(
@@ -518,6 +513,13 @@ def attention_chart(maps, kind, layer=None, columns=4, cell=18):
         columns=min(columns, h),
         title=f"{kind} attention ({N} layers, {h} heads); pick a layer",
     )
+
+
+_TOOLTIP_TITLES = {
+    "query": "query (row)",
+    "key": "key (column)",
+    "next": "next token",
+}
 
 
 def _token_axis(labels, title, angle=0):
@@ -557,12 +559,13 @@ save_chart(
 # %% [markdown]
 # ### Decoder–source attention
 #
-# This is where the translation reads the German. A head that aligns each
-# English position with the German word it translates draws a rough
-# diagonal here, since the two sentences share their word order. The
-# tooltip also shows the word each row goes on to predict, which is the
-# alignment to read: in an aligning head, the row that predicts "dog"
-# puts its weight on "Hund".
+# This is where the translation reads the German. The two sentences keep
+# much the same word order (only "hinterher", "after", moves), so a head
+# that aligns each English position with the German word it translates
+# draws a rough diagonal here. The tooltip also shows the next token, the
+# word each row is asked to predict, which is the alignment to read: in an
+# aligning head, the row whose next token is "dog" puts its weight on a
+# "Hund".
 
 # %%
 save_chart(
@@ -570,6 +573,25 @@ save_chart(
     "04_decoder_source",
     ROOT / "figures",
 )
+
+# %% [markdown]
+# Back to the two dogs. For each English position whose next token is
+# "dog", the weight that decoder–source attention puts on each "Hund",
+# averaged over the heads of a layer, next to the $1/S$ of a uniform
+# spread. A model that tells the copies apart weights the first "Hund"
+# more for the first "dog", and the second for the second.
+
+# %%
+hund = [j for j, t in enumerate(maps.src_tokens) if t == "Hund"]
+dogs = [i for i, t in enumerate(maps.next_tokens) if t == "dog"]
+print(f"uniform weight 1/S = {1 / len(maps.src_tokens):.2f}")
+for layer in range(N):
+    w = maps.decoder_src[layer].mean(0)  # (T, S), mean over heads
+    for k, i in enumerate(dogs, start=1):
+        on = ", ".join(
+            f"Hund #{n} {w[i, j]:.2f}" for n, j in enumerate(hund, start=1)
+        )
+        print(f"layer {layer + 1}, row before dog #{k}: {on}")
 
 # %% [markdown]
 # ## What the heads do, measured
@@ -712,7 +734,7 @@ def attention_summary_chart(summary, width=170):
 
 
 # %%
-pairs = val[:40] if AT_SIZE == "ci" else val[:300]
+pairs = val[:40] if AT_SIZE == "ci" else val  # all 1,014 take ~30 s
 summary = attention_summary(
     model, pairs, spacy_de, spacy_en, vocab_src, vocab_tgt
 )
@@ -805,18 +827,19 @@ print("\n".join(observations(table)))
 # How to read these lines against the charts:
 #
 # * An entropy well below 1 with a distance under one token is a
-#   *positional* head: it reads a fixed neighbour (the previous or next
-#   word) or the token itself, whatever the sentence says. Such heads are
-#   listed with "previous", "same" or "next".
-# * A head listed with "specials" parks most of its weight on `<s>` or
-#   `</s>`. A softmax must put its weight somewhere, and a token present in
-#   every sentence is a harmless place to leave it when the head has
-#   nothing to add for that query.
+#   *positional* head: it reads a fixed neighbour or the token itself,
+#   whatever the sentence says. Such heads appear above as putting their
+#   weight on "its own position" or on the position before or after it.
+# * A head listed with "<s> and </s>" parks most of its weight on a token
+#   that every sentence has. One plausible reading: a softmax must put its
+#   weight somewhere, and such a token is a harmless place to leave it
+#   when the head has nothing to add for that query.
 # * For decoder–source attention a small distance means the head follows
-#   the word order of the source; a falling entropy with depth means the
-#   higher layers commit to fewer source words.
+#   the word order of the source, and a lower entropy in the higher layers
+#   means they commit to fewer source words.
 #
-# The numbers printed here are the evidence: if a line above does not list
-# a head, no head of that kind crossed the 50% mark. A smoke model, trained
-# for seconds, usually shows diffuse heads with few or none listed; the
-# full `cpu` model is the one to read for linguistic patterns.
+# The printed lines are the evidence, and the only claims this page makes
+# about its model: a head not listed did not reach the 50% mark anywhere.
+# A smoke model's heads can be sharply focused without meaning much, as it
+# has seen 1,000 sentences; the full `cpu` model is the one to read for
+# linguistic patterns.

@@ -1,0 +1,178 @@
+"""BLEU on test2016 for the decoding and vocabulary options of notebook 05.
+
+    python bench/bleu_table.py                       # checkpoints/cpu{,-bpe}
+    python bench/bleu_table.py --word DIR --bpe DIR --average 5 --n 100
+
+For a word-level checkpoint folder (--word) it scores greedy decoding, beam
+search, and beam search on the average of the last --average epoch
+checkpoints; for a BPE + tied-embeddings folder (--bpe), greedy decoding
+and beam search on the averaged model. A folder that does not exist is
+skipped with a note. BLEU is sacreBLEU's cased corpus BLEU on detokenized
+text. Writes OUT.json (every number, the command and the hardware) and
+OUT.md (a Markdown table).
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import the_annotated_transformer as tat  # noqa: E402
+
+
+def parse_args(argv=None):
+    """The command-line options."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[2:]),
+    )
+    parser.add_argument(
+        "--word",
+        default="checkpoints/cpu",
+        help="folder of a word-level run (final.pt, epoch_*.pt)",
+    )
+    parser.add_argument(
+        "--bpe",
+        default="checkpoints/cpu-bpe",
+        help="folder of a BPE + tied-embeddings run",
+    )
+    parser.add_argument("--beam", type=int, default=4, help="beam size")
+    parser.add_argument(
+        "--average",
+        type=int,
+        default=5,
+        metavar="K",
+        help="average the last K epoch checkpoints (fewer if fewer exist)",
+    )
+    parser.add_argument(
+        "--n", type=int, default=0, help="first N test sentences (0: all)"
+    )
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--threads", type=int, help="torch CPU threads")
+    parser.add_argument(
+        "--out",
+        default="results/beyond",
+        help="write OUT.json and OUT.md (default: %(default)s)",
+    )
+    return parser.parse_args(argv)
+
+
+def setups(args):
+    """(label, folder, beam, average) of every row to compute."""
+    rows = []
+    for kind, folder in (("word", args.word), ("BPE + tied", args.bpe)):
+        folder = Path(folder)
+        if not (folder / "final.pt").is_file():
+            print(f"skipping {kind}: no {folder / 'final.pt'}")
+            continue
+        options = [(1, 0, "greedy")]
+        if kind == "word":
+            options.append((args.beam, 0, f"beam {args.beam}"))
+        k = min(args.average, len(tat.epoch_checkpoints(folder)))
+        if k:
+            options.append(
+                (args.beam, k, f"beam {args.beam} + average of last {k}")
+            )
+        for beam, average, what in options:
+            rows.append((f"{kind}, {what}", folder, beam, average))
+    return rows
+
+
+def score(folder, beam, average, pairs, spacy_de, batch_size):
+    """BLEU and timing of one setup."""
+    checkpoint = folder / "final.pt"
+    model, vocab_src, vocab_tgt, decode_fn = tat.load_translator(
+        checkpoint, beam=beam, average=average
+    )
+    start = time.perf_counter()
+    hyps = tat.translate_batch(
+        model,
+        [de for de, _ in pairs],
+        spacy_de,
+        vocab_src,
+        vocab_tgt,
+        batch_size=batch_size,
+        decode_fn=decode_fn,
+    )
+    seconds = time.perf_counter() - start
+    bleu = tat.compute_bleu(hyps, [en for _, en in pairs])
+    used = [p.name for p in tat.epoch_checkpoints(folder)[-average:]]
+    return {
+        "checkpoints": used if average else ["final.pt"],
+        "bleu": round(bleu.score, 2),
+        "bleu_full": str(bleu),
+        "decode_seconds": round(seconds, 1),
+        "example": hyps[0],
+    }
+
+
+def markdown(summary):
+    """The summary as a Markdown table with its provenance."""
+    lines = [
+        "# Beyond the paper: BLEU on Multi30k test2016",
+        "",
+        f"- command: `{summary['command']}`",
+        f"- hardware: {summary['hardware_line']}",
+        f"- date: {summary['date']}",
+        f"- data: {summary['data']}",
+        "- BLEU: sacreBLEU corpus BLEU, cased, 13a tokenization, on "
+        "detokenized output",
+        "",
+        "| setup | run | checkpoints | BLEU | decoding time (s) |",
+        "|---|---|---|---:|---:|",
+    ]
+    for row in summary["rows"]:
+        ckpts = ", ".join(row["checkpoints"])
+        lines.append(
+            f"| {row['setup']} | `{row['folder']}` ({row['preset']}) | "
+            f"{ckpts} | {row['bleu']:.2f} | {row['decode_seconds']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    """Compute every row and write the JSON and Markdown files."""
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    pairs = tat.read_multi30k("test")
+    pairs = pairs[: args.n] if args.n else pairs
+    hardware = tat.hardware_summary()
+    summary = {
+        "command": "python bench/bleu_table.py " + " ".join(sys.argv[1:]),
+        "hardware": hardware,
+        "hardware_line": f"{hardware['cpu']}, {hardware['cpu_threads']} "
+        f"torch thread(s), torch {hardware['torch']}"
+        + (f", GPUs: {hardware['gpus']}" if "gpus" in hardware else ""),
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "data": f"Multi30k test2016, {len(pairs)} sentences",
+        "rows": [],
+    }
+    spacy_de, _ = tat.load_tokenizers()
+    for label, folder, beam, average in setups(args):
+        config = tat.load_checkpoint(folder / "final.pt")["config"]
+        row = {"setup": label, "folder": str(folder)}
+        row |= {"preset": config["preset"], "beam": beam, "average": average}
+        row |= score(folder, beam, average, pairs, spacy_de, args.batch_size)
+        summary["rows"].append(row)
+        print(
+            f"{label:36s} BLEU {row['bleu']:6.2f}  "
+            f"({row['decode_seconds']:.1f} s)"
+        )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(summary), encoding="utf-8")
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,582 @@
+"""Tests of Part 5: KV-cache decoding, beam search, BPE with tied
+embeddings, checkpoint averaging, and their scripts."""
+
+import functools
+import importlib.util
+import itertools
+import math
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+import the_annotated_transformer as tat
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = ROOT.parent / "shared" / "multi30k"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_multi30k():
+    """Point the downloader at a local copy of Multi30k."""
+    folder = os.environ.get("MULTI30K_DIR") or (
+        str(SHARED) if SHARED.is_dir() else None
+    )
+    if folder is None:
+        pytest.skip("no local Multi30k copy (set MULTI30K_DIR)")
+    old = os.environ.get("MULTI30K_DIR")
+    os.environ["MULTI30K_DIR"] = folder
+    yield
+    if old is None:
+        os.environ.pop("MULTI30K_DIR", None)
+
+
+@pytest.fixture(scope="module")
+def tokenizers():
+    return tat.load_tokenizers()
+
+
+@pytest.fixture(scope="module")
+def vocabs(tokenizers, tmp_path_factory):
+    path = tmp_path_factory.mktemp("vocab") / "vocab.json"
+    return tat.load_vocab(*tokenizers, path=path)
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    return tat.load_bpe(tmp_path_factory.mktemp("bpe") / "bpe.json")
+
+
+def source_batch(sentences, tokenizer, vocab):
+    """Padded (B, S) ids and their (B, 1, S) mask."""
+    ids = [
+        torch.tensor([tat.BOS, *tat.encode_text(s, tokenizer, vocab), tat.EOS])
+        for s in sentences
+    ]
+    src = torch.nn.utils.rnn.pad_sequence(
+        ids, batch_first=True, padding_value=tat.PAD
+    )
+    return src, (src != tat.PAD).unsqueeze(-2)
+
+
+@pytest.fixture(scope="module")
+def val_batch(tokenizers, vocabs):
+    """24 validation sentences of mixed lengths, padded."""
+    sentences = [de for de, _ in tat.read_multi30k("val")[:24]]
+    src, mask = source_batch(sentences, tokenizers[0], vocabs[0])
+    assert len(set(mask.sum(-1).flatten().tolist())) > 5  # mixed lengths
+    return src, mask
+
+
+@pytest.fixture(scope="module")
+def random_model(vocabs):
+    """An untrained model with 12 output tokens and a bias towards </s>,
+    so that decoded sentences end at many different steps."""
+    torch.manual_seed(0)
+    model = tat.make_model(len(vocabs[0]), 12, N=2, d_model=32, d_ff=64, h=4)
+    with torch.no_grad():
+        model.generator.proj.bias[tat.EOS] += 2.0
+    return model.eval()
+
+
+def train_smoke(folder, vocab_src, vocab_tgt, tokenizers, preset="smoke"):
+    cfg = tat.get_config(
+        preset, checkpoint_dir=str(folder), max_train_pairs=200
+    )
+    tat.train_worker(
+        0, 1, vocab_src, vocab_tgt, *tokenizers, cfg, show_progress=False
+    )
+    return Path(folder)
+
+
+@pytest.fixture(scope="module")
+def word_run(tmp_path_factory, vocabs, tokenizers):
+    """A smoke run (2 epochs, 200 pairs) with word vocabularies."""
+    return train_smoke(tmp_path_factory.mktemp("word"), *vocabs, tokenizers)
+
+
+@pytest.fixture(scope="module")
+def bpe_run(tmp_path_factory, bpe, tokenizers):
+    """A smoke-bpe run: one BPE vocabulary, tied embeddings."""
+    folder = tmp_path_factory.mktemp("bpe_run")
+    return train_smoke(folder, bpe, bpe, tokenizers, preset="smoke-bpe")
+
+
+# --- 1. incremental decoding ---------------------------------------------
+
+
+@torch.no_grad()
+def test_cached_step_logits_match_full_recompute(random_model, val_batch):
+    model, (src, mask) = random_model.eval(), val_batch
+    prefix = tat.batch_greedy_decode(model, src, mask, 20)  # (B, L)
+    memory = model.encode(src, mask)
+    cache = tat.DecoderCache(model, memory, mask)
+    for t in range(1, prefix.size(1)):
+        full = model.generator(
+            model.decode(memory, mask, prefix[:, :t], tat.subsequent_mask(t))
+        )[:, -1]  # the decoder re-run over the whole prefix
+        step = tat.decode_step(model, prefix[:, t - 1 : t], cache)
+        torch.testing.assert_close(step, full, atol=1e-5, rtol=0)
+    assert cache.length == prefix.size(1) - 1
+
+
+@torch.no_grad()
+def test_cached_greedy_matches_the_tutorial_one_sentence_at_a_time(
+    random_model, val_batch
+):
+    model, (src, mask) = random_model.eval(), val_batch
+    max_len = 15
+    cached = tat.cached_greedy_decode(model, src, mask, max_len)
+    lengths = set()
+    for i in range(src.size(0)):
+        n = int(mask[i].sum())
+        alone = tat.greedy_decode(
+            model, src[i : i + 1, :n], mask[i : i + 1, :, :n], max_len, tat.BOS
+        )
+        expected = tat.strip_specials(alone[0].tolist())
+        assert tat.strip_specials(cached[i].tolist()) == expected, i
+        lengths.add(len(expected))
+    assert len(lengths) >= 4, lengths  # sentences stopped at many steps
+    # same (B, L) layout as batch_greedy_decode: <blank> after </s>
+    assert torch.equal(cached, tat.batch_greedy_decode(model, src, mask, 15))
+
+
+def test_cached_greedy_on_a_trained_model(word_run, tokenizers):
+    model, vsrc, _, _ = tat.load_trained_model(word_run / "final.pt")
+    sentences = [de for de, _ in tat.read_multi30k("val")[100:120]]
+    src, mask = source_batch(sentences, tokenizers[0], vsrc)
+    cached = tat.cached_greedy_decode(model, src, mask, src.size(1) + 10)
+    reference = tat.batch_greedy_decode(model, src, mask, src.size(1) + 10)
+    assert torch.equal(cached, reference)
+
+
+# --- 2. beam search -------------------------------------------------------
+
+
+class TableModel:
+    """A fake decoder: next-token log-probs depend on the sentence and
+    the previous token only, table[b, previous, next]."""
+
+    def __init__(self, table, beam_size):
+        self.table = table  # (B, V, V)
+        self.sentence = torch.arange(table.size(0)).repeat_interleave(
+            beam_size
+        )  # which sentence each row belongs to
+
+    def step(self, ys_last):
+        return self.table[self.sentence, ys_last[:, 0]]  # (R, V)
+
+    def select(self, rows):
+        self.sentence = self.sentence[rows]
+
+
+def gnmt_score(logp, length, alpha=0.6):
+    return logp / ((5 + length) / 6) ** alpha
+
+
+def sequence_score(table, seq, alpha=0.6):
+    """Score of generated tokens `seq` (after <s>) under `table`."""
+    prev, total = tat.BOS, 0.0
+    for w in seq:
+        total += table[prev, w].item()
+        prev = w
+    return gnmt_score(total, len(seq), alpha)
+
+
+def exhaustive_best(table, max_len, alpha=0.6):
+    """Best score over every output: ending at its first </s>, or running
+    to max_len - 1 tokens."""
+    V = table.size(-1)
+    best = -math.inf
+    for n in range(1, max_len):
+        for seq in itertools.product(range(V), repeat=n):
+            if tat.EOS in seq[:-1] or (seq[-1] != tat.EOS and n < max_len - 1):
+                continue
+            best = max(best, sequence_score(table, seq, alpha))
+    return best
+
+
+def generated(row):
+    """Tokens after <s>, up to and including the first </s>."""
+    row = row[1:]
+    return row[: row.index(tat.EOS) + 1] if tat.EOS in row else row
+
+
+def run_table(table, max_len, beam_size, alpha=0.6):
+    fake = TableModel(table, beam_size)
+    out = tat.beam_search_steps(
+        fake.step, fake.select, table.size(0), max_len, beam_size, alpha
+    )
+    return [generated(row) for row in out.tolist()]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_wide_beam_finds_the_exhaustive_optimum(seed):
+    # With a beam wider than the number of partial outputs (5 + 25 + 125
+    # for 3 tokens over 5 symbols), nothing is pruned: the search is exact.
+    gen = torch.Generator().manual_seed(seed)
+    B, V, max_len = 3, 5, 5
+    table = (torch.randn(B, V, V, generator=gen) * 2).log_softmax(-1)
+    outputs = run_table(table, max_len, beam_size=160)
+    for b, seq in enumerate(outputs):
+        best = exhaustive_best(table[b], max_len)
+        assert sequence_score(table[b], seq) == pytest.approx(best, abs=1e-6)
+
+
+def toy_table(rows):
+    """(1, 5, 5) log-prob table from {previous: {next: probability}}."""
+    table = torch.full((1, 5, 5), 1e-9)
+    for prev, nexts in rows.items():
+        for nxt, p in nexts.items():
+            table[0, prev, nxt] = p
+    return table.log()
+
+
+A, B_ = 3, 4  # the two ordinary tokens of the toy vocabulary
+
+
+def test_beam_beats_greedy_when_the_first_choice_is_a_trap():
+    table = toy_table(
+        {
+            tat.BOS: {A: 0.5, B_: 0.4, tat.EOS: 0.1},
+            A: {tat.EOS: 0.4, A: 0.3, B_: 0.3},
+            B_: {tat.EOS: 0.9, A: 0.05, B_: 0.05},
+        }
+    )
+    greedy = run_table(table, 5, beam_size=1)[0]
+    beam = run_table(table, 5, beam_size=2)[0]
+    assert greedy == [A, tat.EOS]  # probability 0.20
+    assert beam == [B_, tat.EOS]  # probability 0.36
+    assert sequence_score(table[0], beam) > sequence_score(table[0], greedy)
+
+
+def test_a_finished_hypothesis_pushed_out_of_the_beam_is_not_lost():
+    # With a strong length bonus (alpha=2), the two continuations of `a`
+    # outscore the finished "</s>" at step 2 and push it out of a beam of
+    # two; they then decay, and "</s>" alone stays the best output.
+    table = toy_table(
+        {
+            tat.BOS: {A: 0.6, tat.EOS: 0.4},
+            A: {A: 0.5, B_: 0.5},
+            B_: {tat.EOS: 0.01, A: 0.495, B_: 0.495},
+        }
+    )
+    out = run_table(table, 4, beam_size=2, alpha=2.0)[0]
+    assert out == [tat.EOS]
+    assert sequence_score(table[0], out, 2.0) == pytest.approx(
+        exhaustive_best(table[0], 4, 2.0)
+    )
+
+
+def test_finished_beams_stop_growing_and_pad_follows():
+    table = toy_table({tat.BOS: {tat.EOS: 0.6, A: 0.4}, A: {A: 1.0}})
+    fake = TableModel(table, 2)
+    out = tat.beam_search_steps(fake.step, fake.select, 1, 6, beam_size=2)
+    # "a a a a a" never ends; "</s>" wins, and the row is <blank>-padded
+    assert out[0].tolist()[:2] == [tat.BOS, tat.EOS]
+    assert set(out[0].tolist()[2:]) <= {tat.PAD}
+
+
+@torch.no_grad()
+def test_beam_size_one_is_greedy(
+    random_model, val_batch, word_run, tokenizers
+):
+    model, (src, mask) = random_model.eval(), val_batch
+    greedy = tat.cached_greedy_decode(model, src, mask, 15)
+    assert torch.equal(tat.beam_search(model, src, mask, 15, 1), greedy)
+    trained, vsrc, _, _ = tat.load_trained_model(word_run / "final.pt")
+    sentences = [de for de, _ in tat.read_multi30k("val")[:16]]
+    src, mask = source_batch(sentences, tokenizers[0], vsrc)
+    greedy = tat.batch_greedy_decode(trained, src, mask, src.size(1) + 10)
+    beam = tat.beam_search(trained, src, mask, src.size(1) + 10, 1)
+    assert torch.equal(beam, greedy)
+
+
+@torch.no_grad()
+def test_beam_search_scores_no_worse_than_greedy_on_its_own_rule(
+    random_model, val_batch
+):
+    # Score each returned sequence with the full (uncached) model.
+    model, (src, mask) = random_model.eval(), val_batch
+
+    def scores(out):
+        memory = model.encode(src, mask)
+        logp = model.generator(
+            model.decode(
+                memory, mask, out[:, :-1], tat.subsequent_mask(out.size(1) - 1)
+            )
+        )  # (B, L-1, V)
+        tok = logp.gather(-1, out[:, 1:].unsqueeze(-1)).squeeze(-1)
+        real = torch.ones_like(tok, dtype=torch.bool)
+        for i, row in enumerate(out.tolist()):
+            real[i, len(generated(row)) :] = False
+        total = (tok * real).sum(-1)
+        return total / ((5 + real.sum(-1)) / 6) ** 0.6
+
+    greedy = tat.cached_greedy_decode(model, src, mask, 15)
+    beam = tat.beam_search(model, src, mask, 15, beam_size=4)
+    assert (scores(beam) >= scores(greedy) - 1e-5).float().mean() > 0.9
+    fn = functools.partial(tat.beam_search, beam_size=4)
+    assert fn(model, src, mask, 15).shape[0] == src.size(0)
+
+
+# --- 3. BPE and tied embeddings -------------------------------------------
+
+
+def test_bpe_specials_have_ids_0_to_3(bpe):
+    assert bpe.lookup_tokens(range(4)) == list(tat.SPECIALS)
+    assert (tat.BOS, tat.EOS, tat.PAD, tat.UNK) == (0, 1, 2, 3)
+    assert len(bpe) == tat.BPE_VOCAB_SIZE
+
+
+def test_bpe_round_trips_validation_sentences(bpe):
+    sentences = [s for pair in tat.read_multi30k("val") for s in pair]
+    exact = sum(bpe.decode(bpe.encode(s)) == s for s in sentences)
+    assert exact / len(sentences) > 0.99
+    ids = [i for s in sentences for i in bpe.encode(s)]
+    assert tat.UNK not in ids and all(i > tat.UNK for i in ids)
+
+
+def test_bpe_is_learned_from_the_train_split_only(tmp_path, monkeypatch):
+    read = tat.read_multi30k
+    asked = []
+
+    def spy(split, root=None):
+        asked.append(split)
+        return read(split, root)
+
+    monkeypatch.setattr(tat, "read_multi30k", spy)
+    path = tmp_path / "bpe.json"
+    small = tat.load_bpe(path, vocab_size=600)
+    assert asked == ["train"] and path.is_file() and len(small) == 600
+    assert tat.load_bpe(path, vocab_size=600).to_str() == small.to_str()
+    assert asked == ["train"]  # the second call read the cached JSON
+
+
+def test_tied_paper_model_has_the_closed_form_size(bpe):
+    cfg = tat.get_config("paper")
+    V = len(bpe)
+    model = tat.make_model(
+        V,
+        V,
+        N=cfg.N,
+        d_model=cfg.d_model,
+        d_ff=cfg.d_ff,
+        h=cfg.h,
+        tie_embeddings=True,
+    )
+    assert tat.count_parameters(model) == 44_140_544 + 513 * V
+
+
+def tied_pointers(model):
+    return {
+        model.src_embed[0].lut.weight.data_ptr(),
+        model.tgt_embed[0].lut.weight.data_ptr(),
+        model.generator.proj.weight.data_ptr(),
+    }
+
+
+def test_bpe_checkpoint_records_tokenization_and_ties(bpe_run):
+    ckpt = tat.load_checkpoint(bpe_run / "final.pt")
+    assert ckpt["config"]["tokenization"] == "bpe"
+    assert ckpt["config"]["tie_embeddings"] is True
+    model, vsrc, vtgt, cfg = tat.load_trained_model(bpe_run / "final.pt")
+    assert isinstance(vsrc, tat.BpeVocab) and vsrc is vtgt
+    assert len(tied_pointers(model)) == 1
+    assert vsrc.to_str() == ckpt["bpe"]
+
+
+def test_bpe_model_translates_through_the_usual_api(bpe_run, capsys):
+    model, vsrc, vtgt, _ = tat.load_trained_model(bpe_run / "final.pt")
+    sentences = [de for de, _ in tat.read_multi30k("val")[:4]]
+    for decode_fn in (None, functools.partial(tat.beam_search, beam_size=2)):
+        out = tat.translate_batch(
+            model, sentences, None, vsrc, vtgt, decode_fn=decode_fn
+        )
+        assert len(out) == 4 and all(isinstance(s, str) for s in out)
+        assert not any("▁" in s for s in out)  # decoded, not raw pieces
+    status = tat.main(
+        [
+            "translate",
+            "--checkpoint",
+            str(bpe_run / "final.pt"),
+            "--beam",
+            "2",
+            "Ein Hund rennt.",
+        ]
+    )
+    assert status == 0 and capsys.readouterr().out.strip()
+
+
+# --- 4. checkpoint averaging ----------------------------------------------
+
+
+def tiny(seed, tie=False):
+    torch.manual_seed(seed)
+    return tat.make_model(
+        11, 11, N=1, d_model=16, d_ff=32, h=2, tie_embeddings=tie
+    )
+
+
+def test_average_is_the_mean_of_the_parameters():
+    a, b, target = tiny(1), tiny(2), tiny(3)
+    pe = target.src_embed[1].pe.clone()
+    tat.average(target, [a, b])
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    for name, p in target.named_parameters():
+        torch.testing.assert_close(p, (pa[name] + pb[name]) / 2)
+    assert torch.equal(target.src_embed[1].pe, pe)  # buffers untouched
+    # a mean, not the 2022 sum: averaging a model with itself changes nothing
+    before = {n: p.clone() for n, p in a.named_parameters()}
+    tat.average(a, [a, a])
+    for name, p in a.named_parameters():
+        assert torch.equal(p, before[name])
+
+
+def save_tiny(path, model, tie=False):
+    cfg = tat.get_config(
+        "smoke", N=1, d_model=16, d_ff=32, h=2, tie_embeddings=tie
+    )
+    itos = [*tat.SPECIALS, *"abcdefg"]
+    tat.save_checkpoint(
+        path,
+        model=model.state_dict(),
+        config=asdict(cfg),
+        vocab_src=itos,
+        vocab_tgt=itos,
+    )
+    return path
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_average_checkpoints_matches_a_hand_computed_mean(tmp_path, tie):
+    a, b = tiny(1, tie), tiny(2, tie)
+    paths = [
+        save_tiny(tmp_path / f"epoch_00{i}.pt", m, tie)
+        for i, m in enumerate((a, b))
+    ]
+    model, vsrc, _, _ = tat.average_checkpoints(paths)
+    sa, sb, avg = a.state_dict(), b.state_dict(), model.state_dict()
+    for name in sa:
+        if name.endswith(".pe"):
+            assert torch.equal(avg[name], sa[name])  # a buffer: copied
+        else:
+            torch.testing.assert_close(
+                avg[name], (sa[name] + sb[name]) / 2, atol=1e-7, rtol=0
+            )
+    assert len(vsrc) == 11
+    assert (len(tied_pointers(model)) == 1) == tie
+
+
+def test_average_checkpoints_refuses_different_buffers(tmp_path):
+    a, b = tiny(1), tiny(2)
+    with torch.no_grad():
+        b.src_embed[1].pe += 1
+    paths = [save_tiny(tmp_path / "a.pt", a), save_tiny(tmp_path / "b.pt", b)]
+    with pytest.raises(tat.UserError, match="buffer"):
+        tat.average_checkpoints(paths)
+
+
+def test_cli_evaluate_with_beam_and_average(word_run, tmp_path, capsys):
+    pairs = tat.read_multi30k("val")[:6]
+    src, ref = tmp_path / "src.de", tmp_path / "ref.en"
+    src.write_text("\n".join(de for de, _ in pairs) + "\n")
+    ref.write_text("\n".join(en for _, en in pairs) + "\n")
+    args = [
+        "evaluate",
+        "--checkpoint",
+        str(word_run / "final.pt"),
+        "--src",
+        str(src),
+        "--ref",
+        str(ref),
+    ]
+    assert tat.main([*args, "--beam", "3", "--average", "2"]) == 0
+    assert capsys.readouterr().out.startswith("BLEU")
+    assert tat.main([*args, "--average", "9"]) == 2
+    assert "--average 9" in capsys.readouterr().err
+
+
+# --- the scripts -----------------------------------------------------------
+
+
+def load_script(name):
+    spec = importlib.util.spec_from_file_location(
+        name, ROOT / "bench" / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bleu_table_on_smoke_checkpoints(word_run, bpe_run, tmp_path):
+    import json
+
+    out = tmp_path / "beyond"
+    status = load_script("bleu_table").main(
+        [
+            "--word",
+            str(word_run),
+            "--bpe",
+            str(bpe_run),
+            "--n",
+            "4",
+            "--beam",
+            "2",
+            "--average",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
+    assert status == 0
+    summary = json.loads(out.with_suffix(".json").read_text())
+    setups = [row["setup"] for row in summary["rows"]]
+    assert setups == [
+        "word, greedy",
+        "word, beam 2",
+        "word, beam 2 + average of last 2",
+        "BPE + tied, greedy",
+        "BPE + tied, beam 2 + average of last 2",
+    ]
+    assert all(0 <= row["bleu"] <= 100 for row in summary["rows"])
+    assert "cpu" in summary["hardware"] and summary["command"]
+    table = out.with_suffix(".md").read_text()
+    lines = [line for line in table.splitlines() if line.startswith("|")]
+    assert len(lines) == 2 + len(setups)  # header, rule, one per row
+
+
+def test_decoding_benchmark_runs_and_agrees(word_run, tmp_path):
+    result = tmp_path / "speed.md"
+    status = load_script("decoding").main(
+        [
+            "--checkpoint",
+            str(word_run / "final.pt"),
+            "--n",
+            "4",
+            "--runs",
+            "1",
+            "--beam",
+            "2",
+            "--out",
+            str(result),
+        ]
+    )
+    assert status == 0  # 0 means the tutorial and the cache agree
+    assert "sentences/s" in result.read_text()
+
+
+def test_scripts_have_help():
+    for name in ("decoding", "bleu_table"):
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "bench" / f"{name}.py"), "--help"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
+        assert proc.returncode == 0 and "usage" in proc.stdout
