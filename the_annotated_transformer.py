@@ -2194,14 +2194,16 @@ class DecoderCache:
     def select(self, index):
         """Keep the rows `index` (R',) of every cached tensor, in order."""
         self.self_kv = [
-            None if kv is None else [x[index] for x in kv]
+            None if kv is None else [x.index_select(0, index) for x in kv]
             for kv in self.self_kv
         ]
         sentences = index[:: self.group] // self.group  # (R' / group,)
         same = torch.arange(self.src_mask.size(0), device=index.device)
         if not torch.equal(sentences, same):  # some sentences left
-            self.src_mask = self.src_mask[sentences]
-            self.cross = [[x[sentences] for x in kv] for kv in self.cross]
+            self.src_mask = self.src_mask.index_select(0, sentences)
+            self.cross = [
+                [x.index_select(0, sentences) for x in kv] for kv in self.cross
+            ]
 
 
 # --- from notebooks/05_beyond.py ---

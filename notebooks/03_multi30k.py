@@ -1424,7 +1424,8 @@ print("two-process run, validation loss per epoch:",
 # %%
 model, vocab_src_ck, vocab_tgt_ck, trained_config = load_trained_model(
     final_checkpoint)
-check_outputs(model, splits["val"], spacy_de, vocab_src_ck, vocab_tgt_ck)
+_ = check_outputs(model, splits["val"], spacy_de, vocab_src_ck,
+                  vocab_tgt_ck)
 
 # %%
 test_pairs = splits["test"][:100] if AT_SIZE == "ci" else splits["test"]

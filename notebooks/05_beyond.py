@@ -106,10 +106,11 @@ from the_annotated_transformer import (
 #
 # Decoding needs a trained model. In a full run this notebook uses the
 # `cpu` model of Part 3, from `checkpoints/cpu/` (`final.pt` and the epoch
-# checkpoints, for averaging), when `make train` or notebook 03 has
-# written it. In a CI-sized run, or when that run is missing, it trains
-# the `smoke` preset in a few seconds instead; its translations are poor,
-# but every check below works the same on it.
+# checkpoints, for averaging), once Part 3's training has written it. In
+# a CI-sized run, or when that run is missing, it trains the `smoke`
+# preset instead, in well under a minute; its translations are poor, but
+# every check below works the same on it. The first line of output says
+# which model is in use.
 
 # %%
 spacy_de, spacy_en = load_tokenizers()
@@ -124,7 +125,7 @@ def trained_checkpoint(preset, fallback, vocabs):
         return final
     config = get_config(fallback)
     folder = ROOT / config.checkpoint_dir
-    print(f"training the {fallback!r} preset into {folder} (about a minute)")
+    print(f"training the {fallback!r} preset into {folder} (under a minute)")
     train_worker(
         0,
         1,
@@ -227,14 +228,16 @@ class DecoderCache:
     def select(self, index):
         """Keep the rows `index` (R',) of every cached tensor, in order."""
         self.self_kv = [
-            None if kv is None else [x[index] for x in kv]
+            None if kv is None else [x.index_select(0, index) for x in kv]
             for kv in self.self_kv
         ]
         sentences = index[:: self.group] // self.group  # (R' / group,)
         same = torch.arange(self.src_mask.size(0), device=index.device)
         if not torch.equal(sentences, same):  # some sentences left
-            self.src_mask = self.src_mask[sentences]
-            self.cross = [[x[sentences] for x in kv] for kv in self.cross]
+            self.src_mask = self.src_mask.index_select(0, sentences)
+            self.cross = [
+                [x.index_select(0, sentences) for x in kv] for kv in self.cross
+            ]
 
 
 # %% [markdown]

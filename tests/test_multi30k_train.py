@@ -1,6 +1,7 @@
 """Tests of Part 3's training, checkpoints, DDP, decoding and CLI."""
 
 import os
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -233,3 +234,34 @@ def test_cli_help(command, capsys):
         tat.main([command, "--help"])
     assert exit_info.value.code == 0
     assert "usage" in capsys.readouterr().out
+
+
+def test_run_epoch_enters_autocast_once_per_micro_batch():
+    """One autocast region per micro-batch, never one per epoch."""
+    entries = []
+
+    @contextmanager
+    def counting_autocast():
+        entries.append(torch.is_grad_enabled())
+        yield
+
+    torch.manual_seed(0)
+    model = tat.make_model(11, 11, N=1, d_model=32, d_ff=64, h=2)
+    loss_compute = tat.SimpleLossCompute(
+        model.generator, tat.LabelSmoothing(11, tat.COPY_PAD))
+    optimizer, scheduler = tat.make_optimizer(model, 32, 1.0, 10)
+    tat.run_epoch(tat.data_gen(11, 4, 5), model, loss_compute, optimizer,
+                  scheduler, autocast=counting_autocast)
+    assert entries == [True] * 5
+
+
+@pytest.mark.skipif(not tat.fast_bf16(torch.device("cpu")),
+                    reason="this CPU has no native bfloat16")
+def test_bf16_training_matches_float32(tmp_path, vocabs, tokenizers):
+    """Mixed precision must train the same model, up to rounding."""
+    losses = {}
+    for amp in ("none", "bf16"):
+        cfg = smoke(tmp_path / amp, num_epochs=1, max_train_pairs=400,
+                    amp=amp)
+        losses[amp] = train(cfg, vocabs, tokenizers)[-1]["val_loss"]
+    assert losses["bf16"] == pytest.approx(losses["none"], rel=0.03)
