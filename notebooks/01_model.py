@@ -769,7 +769,8 @@ def untrained_inference_example(seed):
         memory = model.encode(src, src_mask)  # (1, 10, d_model)
         ys = torch.zeros(1, 1, dtype=torch.long)  # start symbol 0
         for _ in range(9):
-            out = model.decode(memory, src_mask, ys, subsequent_mask(ys.size(1)))
+            tgt_mask = subsequent_mask(ys.size(1))
+            out = model.decode(memory, src_mask, ys, tgt_mask)
             next_word = model.generator(out[:, -1]).argmax(dim=-1)  # (1,)
             ys = torch.cat([ys, next_word.unsqueeze(1)], dim=1)
     return ys[0].tolist()

@@ -619,7 +619,8 @@ class TokenBatchSampler(torch.utils.data.Sampler):
 # The indices of left-out training pairs are in
 # `train_dataloader.batch_sampler.dropped`, and a warning reports their
 # number. `max_train_pairs` keeps only the first pairs of the training
-# set (and a quarter as many of validation), for quick runs and tests. Encoding the 29,000 training pairs takes a few seconds.
+# set (and a quarter as many of validation), for quick runs and tests.
+# Encoding the 29,000 training pairs takes a few seconds.
 
 
 # %%
@@ -813,6 +814,7 @@ from the_annotated_transformer import (
 # `cpu-bpe` and `smoke-bpe` are `cpu` and `smoke` with one BPE vocabulary
 # for both languages and tied embeddings; Part 5 explains them.
 
+
 # %%
 #| export
 @dataclass
@@ -843,20 +845,41 @@ class TrainConfig:
 
 PRESETS = {
     "paper": TrainConfig(
-        preset="paper", N=6, d_model=512, d_ff=2048, h=8, max_tokens=8000,
-        num_epochs=40, warmup=800, checkpoint_dir="checkpoints/paper",
+        preset="paper",
+        N=6,
+        d_model=512,
+        d_ff=2048,
+        h=8,
+        max_tokens=8000,
+        num_epochs=40,
+        warmup=800,
+        checkpoint_dir="checkpoints/paper",
     ),
     "cpu": TrainConfig(),
     "smoke": TrainConfig(
-        preset="smoke", N=1, d_model=64, d_ff=128, h=2, dropout=0.0,
-        max_tokens=1500, num_epochs=2, warmup=20, factor=2.0,
-        max_train_pairs=1000, amp="none", checkpoint_dir="checkpoints/smoke",
+        preset="smoke",
+        N=1,
+        d_model=64,
+        d_ff=128,
+        h=2,
+        dropout=0.0,
+        max_tokens=1500,
+        num_epochs=2,
+        warmup=20,
+        factor=2.0,
+        max_train_pairs=1000,
+        amp="none",
+        checkpoint_dir="checkpoints/smoke",
     ),
 }
 PRESETS |= {  # the same with one BPE vocabulary and tied embeddings
     f"{name}-bpe": replace(
-        PRESETS[name], preset=f"{name}-bpe", tokenization="bpe",
-        tie_embeddings=True, checkpoint_dir=f"checkpoints/{name}-bpe")
+        PRESETS[name],
+        preset=f"{name}-bpe",
+        tokenization="bpe",
+        tie_embeddings=True,
+        checkpoint_dir=f"checkpoints/{name}-bpe",
+    )
     for name in ("cpu", "smoke")
 }
 
@@ -891,6 +914,7 @@ class UserError(Exception):
 # scaling is needed (float16 would need it, and our masks are safe there
 # too). Elsewhere everything runs in float32. The `smoke` preset turns
 # autocast off, so that tests can compare runs exactly.
+
 
 # %%
 #| export
@@ -934,7 +958,9 @@ def init_distributed(rank, world_size, port=None):
         dist.init_process_group(backend, rank=rank, world_size=world_size)
     else:
         dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
             world_size=world_size,
         )
 
@@ -951,6 +977,7 @@ def init_distributed(rank, world_size, port=None):
 # 2022 version pickled whole objects, which that default refuses). It is
 # written to a temporary file and renamed, so a crash mid-write never leaves
 # half a checkpoint, and `map_location` lets a CPU open a GPU checkpoint.
+
 
 # %%
 #| export
@@ -996,8 +1023,10 @@ def as_vocab(state):
 
 def vocab_fields(vocab_src, vocab_tgt):
     """Checkpoint entries from which both vocabularies can be rebuilt."""
-    fields = {"vocab_src": vocab_src.get_itos(),
-              "vocab_tgt": vocab_tgt.get_itos()}
+    fields = {
+        "vocab_src": vocab_src.get_itos(),
+        "vocab_tgt": vocab_tgt.get_itos(),
+    }
     if not isinstance(vocab_tgt, Vocab):  # BPE: also its merges, as JSON
         fields["bpe"] = vocab_state(vocab_tgt)
     return fields
@@ -1015,6 +1044,7 @@ def vocab_fields(vocab_src, vocab_tgt):
 # it also shows the peak memory from `torch.cuda`'s own statistics (the
 # 2022 tutorial used GPUtil, which no longer imports on Python 3.12).
 
+
 # %%
 #| export
 class TrackedLossCompute(SimpleLossCompute):
@@ -1030,8 +1060,10 @@ class TrackedLossCompute(SimpleLossCompute):
         if self.bar is not None:
             self.tokens += norm
             rate = self.tokens / (time.time() - self.start)
-            postfix = {"loss": f"{total / max(norm, 1):.3f}",
-                       "tok/s": f"{rate:.0f}"}
+            postfix = {
+                "loss": f"{total / max(norm, 1):.3f}",
+                "tok/s": f"{rate:.0f}",
+            }
             if self.optimizer is not None:
                 postfix["lr"] = f"{self.optimizer.param_groups[0]['lr']:.2e}"
             if x.device.type == "cuda":
@@ -1052,8 +1084,9 @@ def params_in_sync(module):
     """True when every process holds exactly the same parameters."""
     import torch.distributed as dist
 
-    flat = torch.cat([p.detach().float().reshape(-1)
-                      for p in module.parameters()])
+    flat = torch.cat(
+        [p.detach().float().reshape(-1) for p in module.parameters()]
+    )
     gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, flat)
     return all(torch.equal(gathered[0], g) for g in gathered)
@@ -1088,30 +1121,46 @@ def train_worker(
     if device.type == "cpu" and world_size > 1:  # share the cores, no spin
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     torch.manual_seed(config.seed)
-    model = make_model(len(vocab_src), len(vocab_tgt), N=config.N,
-                       d_model=config.d_model, d_ff=config.d_ff, h=config.h,
-                       dropout=config.dropout,
-                       tie_embeddings=config.tie_embeddings).to(device)
+    model = make_model(
+        len(vocab_src),
+        len(vocab_tgt),
+        N=config.N,
+        d_model=config.d_model,
+        d_ff=config.d_ff,
+        h=config.h,
+        dropout=config.dropout,
+        tie_embeddings=config.tie_embeddings,
+    ).to(device)
     module = model
     if is_distributed:
         ids = [device.index] if device.type == "cuda" else None
-        model = torch.nn.parallel.DistributedDataParallel(module,
-                                                          device_ids=ids)
+        model = torch.nn.parallel.DistributedDataParallel(
+            module, device_ids=ids
+        )
     train_loader, valid_loader = create_dataloaders(
-        vocab_src, vocab_tgt, spacy_de, spacy_en,
-        max_tokens=config.max_tokens, max_len=config.max_len, rank=rank,
-        world_size=world_size, seed=config.seed,
+        vocab_src,
+        vocab_tgt,
+        spacy_de,
+        spacy_en,
+        max_tokens=config.max_tokens,
+        max_len=config.max_len,
+        rank=rank,
+        world_size=world_size,
+        seed=config.seed,
         num_workers=config.num_workers,
         max_train_pairs=config.max_train_pairs,
     )
-    criterion = LabelSmoothing(len(vocab_tgt), padding_idx=PAD,
-                               smoothing=config.label_smoothing)
-    optimizer, scheduler = make_optimizer(module, config.d_model,
-                                          config.factor, config.warmup)
+    criterion = LabelSmoothing(
+        len(vocab_tgt), padding_idx=PAD, smoothing=config.label_smoothing
+    )
+    optimizer, scheduler = make_optimizer(
+        module, config.d_model, config.factor, config.warmup
+    )
     state, history, first_epoch = TrainState(), [], 0
     if resume and epoch_checkpoints(config.checkpoint_dir):
-        ckpt = load_checkpoint(epoch_checkpoints(config.checkpoint_dir)[-1],
-                               device)
+        ckpt = load_checkpoint(
+            epoch_checkpoints(config.checkpoint_dir)[-1], device
+        )
         module.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
@@ -1123,41 +1172,69 @@ def train_worker(
     for epoch in range(first_epoch, config.num_epochs):
         train_loader.batch_sampler.set_epoch(epoch)
         model.train()
-        with tqdm(total=len(train_loader), disable=not show, leave=False,
-                  desc=f"epoch {epoch} train") as bar:
-            loss_compute = TrackedLossCompute(module.generator, criterion,
-                                              bar, optimizer)
+        with tqdm(
+            total=len(train_loader),
+            disable=not show,
+            leave=False,
+            desc=f"epoch {epoch} train",
+        ) as bar:
+            loss_compute = TrackedLossCompute(
+                module.generator, criterion, bar, optimizer
+            )
             train_loss, state = run_epoch(
-                device_batches(train_loader, device), model, loss_compute,
-                optimizer, scheduler, mode="train",
-                accum_iter=config.accum_iter, train_state=state,
-                autocast=amp)
+                device_batches(train_loader, device),
+                model,
+                loss_compute,
+                optimizer,
+                scheduler,
+                mode="train",
+                accum_iter=config.accum_iter,
+                train_state=state,
+                autocast=amp,
+            )
         model.eval()
         val_loss, _ = run_epoch(
-            device_batches(valid_loader, device), model,
-            SimpleLossCompute(module.generator, criterion), mode="eval",
-            autocast=amp)
-        history.append({"epoch": epoch, "train_loss": train_loss,
-                        "val_loss": val_loss, "steps": state.accum_step})
+            device_batches(valid_loader, device),
+            model,
+            SimpleLossCompute(module.generator, criterion),
+            mode="eval",
+            autocast=amp,
+        )
+        history.append(
+            {
+                "epoch": epoch,
+                "train_loss": train_loss,
+                "val_loss": val_loss,
+                "steps": state.accum_step,
+            }
+        )
         if show:
-            tqdm.write(f"epoch {epoch:3d} | train loss {train_loss:.3f} | "
-                       f"val loss {val_loss:.3f} | steps {state.accum_step}")
+            tqdm.write(
+                f"epoch {epoch:3d} | train loss {train_loss:.3f} | "
+                f"val loss {val_loss:.3f} | steps {state.accum_step}"
+            )
         if rank == 0:
             save_checkpoint(
                 Path(config.checkpoint_dir) / f"epoch_{epoch:03d}.pt",
-                model=module.state_dict(), optimizer=optimizer.state_dict(),
-                scheduler=scheduler.state_dict(), train_state=asdict(state),
-                rng_state=torch.get_rng_state(), config=asdict(config),
-                **vocab_fields(vocab_src, vocab_tgt), epoch=epoch,
+                model=module.state_dict(),
+                optimizer=optimizer.state_dict(),
+                scheduler=scheduler.state_dict(),
+                train_state=asdict(state),
+                rng_state=torch.get_rng_state(),
+                config=asdict(config),
+                **vocab_fields(vocab_src, vocab_tgt),
+                epoch=epoch,
                 history=history,
             )
     in_sync = params_in_sync(module) if is_distributed else True
     if rank == 0:
         save_checkpoint(
             Path(config.checkpoint_dir) / "final.pt",
-            model=module.state_dict(), config=asdict(config),
+            model=module.state_dict(),
+            config=asdict(config),
             **vocab_fields(vocab_src, vocab_tgt),
-            epoch=config.num_epochs - 1, history=history,
+            epoch=config.num_epochs - 1,
+            history=history,
             ranks_in_sync=in_sync,
         )
     if is_distributed:
@@ -1175,10 +1252,18 @@ def train_worker(
 # by a freshly started process, so the demonstration below calls the
 # module's copy. `train_model` picks one process or several.
 
+
 # %%
 #| export
-def train_distributed_model(vocab_src, vocab_tgt, spacy_de, spacy_en,
-                            config, world_size=None, resume=False):
+def train_distributed_model(
+    vocab_src,
+    vocab_tgt,
+    spacy_de,
+    spacy_en,
+    config,
+    world_size=None,
+    resume=False,
+):
     """Train with one process per GPU (or world_size CPU processes)."""
     import torch.multiprocessing as mp
 
@@ -1189,19 +1274,44 @@ def train_distributed_model(vocab_src, vocab_tgt, spacy_de, spacy_en,
     mp.spawn(
         train_worker,
         nprocs=world_size,
-        args=(world_size, vocab_state(vocab_src), vocab_state(vocab_tgt),
-              None, None, asdict(config), True, free_port(), resume),
+        args=(
+            world_size,
+            vocab_state(vocab_src),
+            vocab_state(vocab_tgt),
+            None,
+            None,
+            asdict(config),
+            True,
+            free_port(),
+            resume,
+        ),
     )
 
 
-def train_model(vocab_src, vocab_tgt, spacy_de, spacy_en, config,
-                distributed=False, world_size=None, resume=False):
+def train_model(
+    vocab_src,
+    vocab_tgt,
+    spacy_de,
+    spacy_en,
+    config,
+    distributed=False,
+    world_size=None,
+    resume=False,
+):
     """Train in this process, or in several when `distributed`."""
     if distributed:
-        return train_distributed_model(vocab_src, vocab_tgt, spacy_de,
-                                       spacy_en, config, world_size, resume)
-    return train_worker(0, 1, vocab_src, vocab_tgt, spacy_de, spacy_en,
-                        config, resume=resume)
+        return train_distributed_model(
+            vocab_src,
+            vocab_tgt,
+            spacy_de,
+            spacy_en,
+            config,
+            world_size,
+            resume,
+        )
+    return train_worker(
+        0, 1, vocab_src, vocab_tgt, spacy_de, spacy_en, config, resume=resume
+    )
 
 
 # %% [markdown]
@@ -1209,6 +1319,7 @@ def train_model(vocab_src, vocab_tgt, spacy_de, spacy_en, config,
 #
 # `load_trained_model` rebuilds the model, and both vocabularies, from a
 # checkpoint alone.
+
 
 # %%
 #| export
@@ -1220,12 +1331,20 @@ def load_trained_model(path, device="cpu"):
         if config.tokenization == "bpe":
             vocab_src = vocab_tgt = as_vocab(ckpt["bpe"])
         else:
-            vocab_src, vocab_tgt = Vocab(ckpt["vocab_src"]), Vocab(
-                ckpt["vocab_tgt"])
-        model = make_model(len(vocab_src), len(vocab_tgt), N=config.N,
-                           d_model=config.d_model, d_ff=config.d_ff,
-                           h=config.h, dropout=0.0,
-                           tie_embeddings=config.tie_embeddings)
+            vocab_src, vocab_tgt = (
+                Vocab(ckpt["vocab_src"]),
+                Vocab(ckpt["vocab_tgt"]),
+            )
+        model = make_model(
+            len(vocab_src),
+            len(vocab_tgt),
+            N=config.N,
+            d_model=config.d_model,
+            d_ff=config.d_ff,
+            h=config.h,
+            dropout=0.0,
+            tie_embeddings=config.tie_embeddings,
+        )
         model.load_state_dict(ckpt["model"])
     except (KeyError, TypeError, RuntimeError) as err:
         raise UserError(
@@ -1246,20 +1365,24 @@ def load_trained_model(path, device="cpu"):
 # batching, so little work is spent on padding, and the outputs are put
 # back in the input order.
 
+
 # %%
 #| export
 @torch.no_grad()
-def batch_greedy_decode(model, src, src_mask, max_len, start_symbol=BOS,
-                        end_symbol=EOS):
+def batch_greedy_decode(
+    model, src, src_mask, max_len, start_symbol=BOS, end_symbol=EOS
+):
     """Greedy decoding of a batch until every row has produced </s>."""
     memory = model.encode(src, src_mask)  # (B, S, d_model)
     B = src.size(0)
-    ys = torch.full((B, 1), start_symbol, dtype=torch.long,
-                    device=src.device)  # (B, 1)
+    ys = torch.full(
+        (B, 1), start_symbol, dtype=torch.long, device=src.device
+    )  # (B, 1)
     done = torch.zeros(B, dtype=torch.bool, device=src.device)
     for _ in range(max_len - 1):
-        out = model.decode(memory, src_mask, ys,
-                           subsequent_mask(ys.size(1)).to(src.device))
+        out = model.decode(
+            memory, src_mask, ys, subsequent_mask(ys.size(1)).to(src.device)
+        )
         next_word = model.generator(out[:, -1]).argmax(dim=-1)  # (B,)
         next_word = next_word.masked_fill(done, PAD)
         ys = torch.cat([ys, next_word.unsqueeze(1)], dim=1)
@@ -1285,8 +1408,26 @@ def strip_specials(ids, end_symbol=EOS):
 
 # %%
 #| export
-_NO_SPACE_BEFORE = {".", ",", "!", "?", ";", ":", ")", "]", "}", "%",
-                    "'s", "'re", "'ve", "'ll", "'m", "'d", "n't", "'"}
+_NO_SPACE_BEFORE = {
+    ".",
+    ",",
+    "!",
+    "?",
+    ";",
+    ":",
+    ")",
+    "]",
+    "}",
+    "%",
+    "'s",
+    "'re",
+    "'ve",
+    "'ll",
+    "'m",
+    "'d",
+    "n't",
+    "'",
+}
 _NO_SPACE_AFTER = {"(", "[", "{", "$", "#"}
 
 
@@ -1294,10 +1435,16 @@ def detokenize(tokens):
     """Join English spaCy tokens into a plain sentence."""
     out, quote_open = "", False
     for i, tok in enumerate(tokens):
-        glue = (i == 0 or tok.lower() in _NO_SPACE_BEFORE
-                or out.endswith(tuple(_NO_SPACE_AFTER)) or tok == "-"
-                or out.endswith("-") and i > 1 and tokens[i - 1] == "-"
-                and tokens[i - 2] not in {",", ".", "-"})
+        glue = (
+            i == 0
+            or tok.lower() in _NO_SPACE_BEFORE
+            or out.endswith(tuple(_NO_SPACE_AFTER))
+            or tok == "-"
+            or out.endswith("-")
+            and i > 1
+            and tokens[i - 1] == "-"
+            and tokens[i - 2] not in {",", ".", "-"}
+        )
         if tok == '"':
             glue = i == 0 or quote_open
             quote_open = not quote_open
@@ -1314,21 +1461,32 @@ def decode_text(ids, vocab):
     return vocab.decode(ids)  # a BPE vocabulary decodes itself (Part 5)
 
 
-def translate_batch(model, sentences, spacy_de, vocab_src, vocab_tgt,
-                    device="cpu", batch_size=128, max_extra=50,
-                    decode_fn=None):
+def translate_batch(
+    model,
+    sentences,
+    spacy_de,
+    vocab_src,
+    vocab_tgt,
+    device="cpu",
+    batch_size=128,
+    max_extra=50,
+    decode_fn=None,
+):
     """German sentences to detokenized English, in input order."""
     decode_fn = decode_fn or batch_greedy_decode
     model.eval()
-    encoded = [[BOS, *encode_text(s, spacy_de, vocab_src), EOS]
-               for s in sentences]
+    encoded = [
+        [BOS, *encode_text(s, spacy_de, vocab_src), EOS] for s in sentences
+    ]
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     results = [None] * len(encoded)
     for k in range(0, len(order), batch_size):
-        idx = order[k:k + batch_size]
+        idx = order[k : k + batch_size]
         src = torch.nn.utils.rnn.pad_sequence(
-            [torch.tensor(encoded[i]) for i in idx], batch_first=True,
-            padding_value=PAD).to(device)  # (B, S)
+            [torch.tensor(encoded[i]) for i in idx],
+            batch_first=True,
+            padding_value=PAD,
+        ).to(device)  # (B, S)
         src_mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
         out = decode_fn(model, src, src_mask, src.size(1) + max_extra)
         for i, row in zip(idx, out.tolist(), strict=True):
@@ -1349,17 +1507,27 @@ def compute_bleu(hypotheses, references):
 # still active and the output is noisy), and decodes each example once.
 # `run_model_example` loads a checkpoint and does the same.
 
+
 # %%
 #| export
-def check_outputs(model, pairs, spacy_de, vocab_src, vocab_tgt,
-                  n_examples=5, device="cpu"):
+def check_outputs(
+    model, pairs, spacy_de, vocab_src, vocab_tgt, n_examples=5, device="cpu"
+):
     """Print source, reference and model output for some pairs."""
     pairs = list(pairs)[:n_examples]
-    hyps = translate_batch(model.eval(), [de for de, _ in pairs], spacy_de,
-                           vocab_src, vocab_tgt, device)
+    hyps = translate_batch(
+        model.eval(),
+        [de for de, _ in pairs],
+        spacy_de,
+        vocab_src,
+        vocab_tgt,
+        device,
+    )
     for i, ((de, en), hyp) in enumerate(zip(pairs, hyps)):
-        print(f"example {i}\n  source:     {de}\n  reference:  {en}\n"
-              f"  model:      {hyp}\n")
+        print(
+            f"example {i}\n  source:     {de}\n  reference:  {en}\n"
+            f"  model:      {hyp}\n"
+        )
     return hyps
 
 
@@ -1367,8 +1535,9 @@ def run_model_example(checkpoint="checkpoints/cpu/final.pt", n_examples=5):
     """Load a trained model and show some validation translations."""
     model, vocab_src, vocab_tgt, _ = load_trained_model(checkpoint)
     spacy_de, _ = load_tokenizers()
-    return check_outputs(model, read_multi30k("val"), spacy_de, vocab_src,
-                         vocab_tgt, n_examples)
+    return check_outputs(
+        model, read_multi30k("val"), spacy_de, vocab_src, vocab_tgt, n_examples
+    )
 
 
 # %% [markdown]
@@ -1381,8 +1550,11 @@ def run_model_example(checkpoint="checkpoints/cpu/final.pt", n_examples=5):
 # full run takes about an hour on a laptop CPU.
 
 # %%
-preset = "smoke" if AT_SIZE == "ci" else (
-    "paper" if torch.cuda.is_available() else "cpu")
+preset = (
+    "smoke"
+    if AT_SIZE == "ci"
+    else ("paper" if torch.cuda.is_available() else "cpu")
+)
 config = get_config(preset)
 final_checkpoint = Path(ROOT) / config.checkpoint_dir / "final.pt"
 config = replace(config, checkpoint_dir=str(final_checkpoint.parent))
@@ -1404,13 +1576,19 @@ print(f"using {final_checkpoint.relative_to(ROOT)} (preset {preset!r})")
 # %%
 import the_annotated_transformer as tat  # what spawned processes import
 
-ddp_config = replace(get_config("smoke"), num_epochs=1,
-                     checkpoint_dir=str(ROOT / "checkpoints" / "smoke-ddp"))
-tat.train_distributed_model(vocab_src, vocab_tgt, spacy_de, spacy_en,
-                            ddp_config, world_size=2)
+ddp_config = replace(
+    get_config("smoke"),
+    num_epochs=1,
+    checkpoint_dir=str(ROOT / "checkpoints" / "smoke-ddp"),
+)
+tat.train_distributed_model(
+    vocab_src, vocab_tgt, spacy_de, spacy_en, ddp_config, world_size=2
+)
 ddp_ckpt = load_checkpoint(Path(ddp_config.checkpoint_dir) / "final.pt")
-print("two-process run, validation loss per epoch:",
-      [round(h["val_loss"], 3) for h in ddp_ckpt["history"]])
+print(
+    "two-process run, validation loss per epoch:",
+    [round(h["val_loss"], 3) for h in ddp_ckpt["history"]],
+)
 
 # %% [markdown]
 # ### Translations and BLEU
@@ -1423,14 +1601,15 @@ print("two-process run, validation loss per epoch:",
 
 # %%
 model, vocab_src_ck, vocab_tgt_ck, trained_config = load_trained_model(
-    final_checkpoint)
-_ = check_outputs(model, splits["val"], spacy_de, vocab_src_ck,
-                  vocab_tgt_ck)
+    final_checkpoint
+)
+_ = check_outputs(model, splits["val"], spacy_de, vocab_src_ck, vocab_tgt_ck)
 
 # %%
 test_pairs = splits["test"][:100] if AT_SIZE == "ci" else splits["test"]
-hypotheses = translate_batch(model, [de for de, _ in test_pairs], spacy_de,
-                             vocab_src_ck, vocab_tgt_ck)
+hypotheses = translate_batch(
+    model, [de for de, _ in test_pairs], spacy_de, vocab_src_ck, vocab_tgt_ck
+)
 print(compute_bleu(hypotheses, [en for _, en in test_pairs]))
 
 
@@ -1442,13 +1621,14 @@ print(compute_bleu(hypotheses, [en for _, en in test_pairs]))
 # ```
 # python the_annotated_transformer.py train --preset cpu
 # torchrun --nproc_per_node=2 the_annotated_transformer.py train --preset cpu
-# python the_annotated_transformer.py evaluate --src test.de.gz --ref test.en.gz
+# python the_annotated_transformer.py evaluate --src t.de.gz --ref t.en.gz
 # python the_annotated_transformer.py translate "Ein Mann fährt Fahrrad."
 # ```
 #
 # Mistakes in the input (an empty sentence, a missing or foreign checkpoint,
 # files of different lengths, no data and no network) end with a one-line
 # message and exit status 2, not a traceback.
+
 
 # %%
 #| export
@@ -1464,11 +1644,16 @@ def hardware_summary():
                 break
     except OSError:
         pass
-    info = {"cpu": cpu, "cpu_threads": torch.get_num_threads(),
-            "torch": torch.__version__}
+    info = {
+        "cpu": cpu,
+        "cpu_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
     if torch.cuda.is_available():
-        info["gpus"] = [torch.cuda.get_device_name(i)
-                        for i in range(torch.cuda.device_count())]
+        info["gpus"] = [
+            torch.cuda.get_device_name(i)
+            for i in range(torch.cuda.device_count())
+        ]
     return info
 
 
@@ -1482,8 +1667,17 @@ def read_lines(path):
         return [line.rstrip("\n") for line in f]
 
 
-def evaluate_files(model, src_path, ref_path, spacy_de, vocab_src, vocab_tgt,
-                   device="cpu", batch_size=128, decode_fn=None):
+def evaluate_files(
+    model,
+    src_path,
+    ref_path,
+    spacy_de,
+    vocab_src,
+    vocab_tgt,
+    device="cpu",
+    batch_size=128,
+    decode_fn=None,
+):
     """(BLEU, hypotheses) of a model on a parallel pair of text files."""
     sources, references = read_lines(src_path), read_lines(ref_path)
     if len(sources) != len(references):
@@ -1493,8 +1687,16 @@ def evaluate_files(model, src_path, ref_path, spacy_de, vocab_src, vocab_tgt,
         )
     if not sources:
         raise UserError(f"{src_path} is empty")
-    hyps = translate_batch(model, sources, spacy_de, vocab_src, vocab_tgt,
-                           device, batch_size, decode_fn=decode_fn)
+    hyps = translate_batch(
+        model,
+        sources,
+        spacy_de,
+        vocab_src,
+        vocab_tgt,
+        device,
+        batch_size,
+        decode_fn=decode_fn,
+    )
     return compute_bleu(hyps, references), hyps
 
 
@@ -1513,28 +1715,54 @@ def build_parser():
     train.add_argument("--epochs", type=int, help="override num_epochs")
     train.add_argument("--max-tokens", type=int, help="tokens per batch")
     train.add_argument("--checkpoint-dir", help="where checkpoints go")
-    train.add_argument("--resume", action="store_true",
-                       help="continue from the newest epoch checkpoint")
-    train.add_argument("--world-size", type=int, default=1,
-                       help="processes to spawn (torchrun sets its own)")
-    train.add_argument("--results", help="write a JSON summary here, "
-                       "including test BLEU")
-    train.add_argument("--threads", type=int,
-                       help="CPU threads per process (default: torch's)")
-    for name, text in (("evaluate", "BLEU on a parallel pair of files"),
-                       ("translate", "translate German sentences")):
+    train.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest epoch checkpoint",
+    )
+    train.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        help="processes to spawn (torchrun sets its own)",
+    )
+    train.add_argument(
+        "--results", help="write a JSON summary here, including test BLEU"
+    )
+    train.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads per process (default: torch's)",
+    )
+    for name, text in (
+        ("evaluate", "BLEU on a parallel pair of files"),
+        ("translate", "translate German sentences"),
+    ):
         p = sub.add_parser(name, help=text)
         p.add_argument("--checkpoint", default="checkpoints/cpu/final.pt")
         p.add_argument("--batch-size", type=int, default=128)
         p.add_argument("--device", default="cpu")
-        p.add_argument("--beam", type=int, default=1, metavar="K",
-                       help="beam size (default 1: greedy)")
-        p.add_argument("--average", type=int, default=0, metavar="K",
-                       help="average the last K epoch checkpoints in the "
-                       "checkpoint's folder")
+        p.add_argument(
+            "--beam",
+            type=int,
+            default=1,
+            metavar="K",
+            help="beam size (default 1: greedy)",
+        )
+        p.add_argument(
+            "--average",
+            type=int,
+            default=0,
+            metavar="K",
+            help="average the last K epoch checkpoints in the "
+            "checkpoint's folder",
+        )
     evaluate, translate = sub.choices["evaluate"], sub.choices["translate"]
-    evaluate.add_argument("--src", help="German sources, one per line "
-                          "(.gz is fine; default: Multi30k test2016)")
+    evaluate.add_argument(
+        "--src",
+        help="German sources, one per line "
+        "(.gz is fine; default: Multi30k test2016)",
+    )
     evaluate.add_argument("--ref", help="English references, one per line")
     evaluate.add_argument("--out", help="also write the translations here")
     translate.add_argument("sentence", nargs="+", help="German text")
@@ -1543,10 +1771,15 @@ def build_parser():
 
 def command_train(args):
     """`train`: run training, then optionally score and summarize."""
-    overrides = {k: v for k, v in (("num_epochs", args.epochs),
-                                   ("max_tokens", args.max_tokens),
-                                   ("checkpoint_dir", args.checkpoint_dir))
-                 if v is not None}
+    overrides = {
+        k: v
+        for k, v in (
+            ("num_epochs", args.epochs),
+            ("max_tokens", args.max_tokens),
+            ("checkpoint_dir", args.checkpoint_dir),
+        )
+        if v is not None
+    }
     config = get_config(args.preset, **overrides)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -1558,14 +1791,30 @@ def command_train(args):
     start = time.time()
     if "LOCAL_RANK" in os.environ:  # started by torchrun
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        train_worker(rank, world, vocab_src, vocab_tgt, spacy_de, spacy_en,
-                     config, is_distributed=world > 1, resume=args.resume)
+        train_worker(
+            rank,
+            world,
+            vocab_src,
+            vocab_tgt,
+            spacy_de,
+            spacy_en,
+            config,
+            is_distributed=world > 1,
+            resume=args.resume,
+        )
         if rank != 0:
             return 0
     else:
-        train_model(vocab_src, vocab_tgt, spacy_de, spacy_en, config,
-                    distributed=args.world_size > 1,
-                    world_size=args.world_size, resume=args.resume)
+        train_model(
+            vocab_src,
+            vocab_tgt,
+            spacy_de,
+            spacy_en,
+            config,
+            distributed=args.world_size > 1,
+            world_size=args.world_size,
+            resume=args.resume,
+        )
     final = Path(config.checkpoint_dir) / "final.pt"
     print(f"trained in {time.time() - start:.0f} s; model in {final}")
     if args.results:
@@ -1578,15 +1827,19 @@ def write_results(path, checkpoint, wall_time):
     model, vocab_src, vocab_tgt, config = load_trained_model(checkpoint)
     spacy_de, _ = load_tokenizers()
     test = read_multi30k("test")
-    hyps = translate_batch(model, [de for de, _ in test], spacy_de,
-                           vocab_src, vocab_tgt)
+    hyps = translate_batch(
+        model, [de for de, _ in test], spacy_de, vocab_src, vocab_tgt
+    )
     bleu = compute_bleu(hyps, [en for _, en in test])
     history = load_checkpoint(checkpoint)["history"]
     summary = {
         "command": "python " + " ".join(sys.argv),
-        "config": asdict(config), "hardware": hardware_summary(),
-        "wall_time_s": round(wall_time, 1), "epochs": len(history),
-        "history": history, "test2016_bleu_greedy": round(bleu.score, 2),
+        "config": asdict(config),
+        "hardware": hardware_summary(),
+        "wall_time_s": round(wall_time, 1),
+        "epochs": len(history),
+        "history": history,
+        "test2016_bleu_greedy": round(bleu.score, 2),
         "bleu": str(bleu),
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -1597,7 +1850,8 @@ def write_results(path, checkpoint, wall_time):
 def command_evaluate(args):
     """`evaluate`: BLEU of a checkpoint on a pair of files."""
     model, vocab_src, vocab_tgt, decode_fn = load_translator(  # noqa: F821
-        args.checkpoint, args.device, args.beam, args.average)  # (Part 5)
+        args.checkpoint, args.device, args.beam, args.average
+    )  # (Part 5)
     spacy_de, _ = load_tokenizers()
     if (args.src is None) != (args.ref is None):
         raise UserError("give both --src and --ref, or neither")
@@ -1605,9 +1859,17 @@ def command_evaluate(args):
         folder = download_multi30k()
         args.src = folder / "test_2016_flickr.de.gz"
         args.ref = folder / "test_2016_flickr.en.gz"
-    bleu, hyps = evaluate_files(model, args.src, args.ref, spacy_de,
-                                vocab_src, vocab_tgt, args.device,
-                                args.batch_size, decode_fn)
+    bleu, hyps = evaluate_files(
+        model,
+        args.src,
+        args.ref,
+        spacy_de,
+        vocab_src,
+        vocab_tgt,
+        args.device,
+        args.batch_size,
+        decode_fn,
+    )
     if args.out:
         Path(args.out).write_text("\n".join(hyps) + "\n", encoding="utf-8")
     print(bleu)
@@ -1620,24 +1882,40 @@ def command_translate(args):
     if not text:
         raise UserError("nothing to translate: the sentence is empty")
     model, vocab_src, vocab_tgt, decode_fn = load_translator(  # noqa: F821
-        args.checkpoint, args.device, args.beam, args.average)  # (Part 5)
+        args.checkpoint, args.device, args.beam, args.average
+    )  # (Part 5)
     spacy_de, _ = load_tokenizers()
     unknown = []
     if isinstance(vocab_src, Vocab):  # (BPE can spell any known letters)
         unknown = [t for t in tokenize(text, spacy_de) if t not in vocab_src]
     if unknown:
-        print("note: not in the vocabulary, read as <unk>: "
-              + ", ".join(unknown), file=sys.stderr)
-    print(translate_batch(model, [text], spacy_de, vocab_src, vocab_tgt,
-                          args.device, decode_fn=decode_fn)[0])
+        print(
+            "note: not in the vocabulary, read as <unk>: "
+            + ", ".join(unknown),
+            file=sys.stderr,
+        )
+    print(
+        translate_batch(
+            model,
+            [text],
+            spacy_de,
+            vocab_src,
+            vocab_tgt,
+            args.device,
+            decode_fn=decode_fn,
+        )[0]
+    )
     return 0
 
 
 def main(argv=None):
     """Command-line entry point; returns the exit status."""
     args = build_parser().parse_args(argv)
-    commands = {"train": command_train, "evaluate": command_evaluate,
-                "translate": command_translate}
+    commands = {
+        "train": command_train,
+        "evaluate": command_evaluate,
+        "translate": command_translate,
+    }
     try:
         return commands[args.command](args)
     except (UserError, DatasetError) as err:

@@ -5,7 +5,6 @@ import functools
 import importlib.util
 import itertools
 import math
-import os
 import subprocess
 import sys
 from dataclasses import asdict
@@ -17,33 +16,9 @@ import torch
 import the_annotated_transformer as tat
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED = ROOT.parent / "shared" / "multi30k"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def local_multi30k():
-    """Point the downloader at a local copy of Multi30k."""
-    folder = os.environ.get("MULTI30K_DIR") or (
-        str(SHARED) if SHARED.is_dir() else None
-    )
-    if folder is None:
-        pytest.skip("no local Multi30k copy (set MULTI30K_DIR)")
-    old = os.environ.get("MULTI30K_DIR")
-    os.environ["MULTI30K_DIR"] = folder
-    yield
-    if old is None:
-        os.environ.pop("MULTI30K_DIR", None)
-
-
-@pytest.fixture(scope="module")
-def tokenizers():
-    return tat.load_tokenizers()
-
-
-@pytest.fixture(scope="module")
-def vocabs(tokenizers, tmp_path_factory):
-    path = tmp_path_factory.mktemp("vocab") / "vocab.json"
-    return tat.load_vocab(*tokenizers, path=path)
+pytestmark = pytest.mark.usefixtures("local_multi30k")
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,5 @@
 """Tests of Part 3's training, checkpoints, DDP, decoding and CLI."""
 
-import os
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -10,40 +9,12 @@ import torch
 
 import the_annotated_transformer as tat
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "multi30k"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_multi30k(tmp_path_factory):
-    """Point the downloader at a local copy of Multi30k."""
-    folder = os.environ.get("MULTI30K_DIR") or (
-        str(SHARED) if SHARED.is_dir() else None
-    )
-    if folder is None:
-        pytest.skip("no local Multi30k copy (set MULTI30K_DIR)")
-    old = os.environ.get("MULTI30K_DIR")
-    os.environ["MULTI30K_DIR"] = folder
-    yield
-    if old is None:
-        os.environ.pop("MULTI30K_DIR", None)
-
-
-@pytest.fixture(scope="module")
-def tokenizers():
-    return tat.load_tokenizers()
-
-
-@pytest.fixture(scope="module")
-def vocabs(tokenizers, tmp_path_factory):
-    path = tmp_path_factory.mktemp("vocab") / "vocab.json"
-    return tat.load_vocab(*tokenizers, path=path)
+pytestmark = pytest.mark.usefixtures("local_multi30k")
 
 
 def smoke(tmp_path, **overrides):
     """The smoke preset, writing into tmp_path, with some changes."""
-    return tat.get_config(
-        "smoke", checkpoint_dir=str(tmp_path), **overrides
-    )
+    return tat.get_config("smoke", checkpoint_dir=str(tmp_path), **overrides)
 
 
 def train(cfg, vocabs, tokenizers, **kwargs):
@@ -83,11 +54,21 @@ def test_checkpoints_load_with_weights_only(smoke_run):
     cfg, _ = smoke_run
     epochs = tat.epoch_checkpoints(cfg.checkpoint_dir)
     assert [p.name for p in epochs] == [
-        "epoch_000.pt", "epoch_001.pt", "epoch_002.pt"
+        "epoch_000.pt",
+        "epoch_001.pt",
+        "epoch_002.pt",
     ]
     ckpt = torch.load(epochs[-1], map_location="cpu", weights_only=True)
-    for key in ("model", "optimizer", "scheduler", "train_state",
-                "config", "vocab_src", "vocab_tgt", "rng_state"):
+    for key in (
+        "model",
+        "optimizer",
+        "scheduler",
+        "train_state",
+        "config",
+        "vocab_src",
+        "vocab_tgt",
+        "rng_state",
+    ):
         assert key in ckpt
     assert not list(Path(cfg.checkpoint_dir).glob(".*part"))
 
@@ -101,8 +82,9 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path, vocabs, tokenizers):
     train(replace(split, num_epochs=2), vocabs, tokenizers, resume=True)
     assert_same_weights(final_weights(whole), final_weights(split))
     # and it really trained on after resuming, rather than stopping
-    first = torch.load(Path(split.checkpoint_dir) / "epoch_000.pt",
-                       weights_only=True)["model"]
+    first = torch.load(
+        Path(split.checkpoint_dir) / "epoch_000.pt", weights_only=True
+    )["model"]
     changed = final_weights(split)["generator.proj.weight"]
     assert not torch.equal(first["generator.proj.weight"], changed)
 
@@ -116,14 +98,17 @@ def test_two_processes_match_one_process_with_accumulation(
     # the same order, so accumulating pairs of batches is the same update
     # provided the number of batches is even (no batch gets split).
     loader, _ = tat.create_dataloaders(
-        *vocabs, *tokenizers, max_tokens=base.max_tokens,
-        max_len=base.max_len, max_train_pairs=base.max_train_pairs)
+        *vocabs,
+        *tokenizers,
+        max_tokens=base.max_tokens,
+        max_len=base.max_len,
+        max_train_pairs=base.max_train_pairs,
+    )
     assert len(loader) % 2 == 0, "choose max_train_pairs for an even count"
     train(replace(base, accum_iter=2), vocabs, tokenizers)
     two = replace(base, checkpoint_dir=str(tmp_path / "two"))
     tat.train_distributed_model(*vocabs, *tokenizers, two, world_size=2)
-    ckpt = torch.load(Path(two.checkpoint_dir) / "final.pt",
-                      weights_only=True)
+    ckpt = torch.load(Path(two.checkpoint_dir) / "final.pt", weights_only=True)
     assert ckpt["ranks_in_sync"] is True
     assert_same_weights(final_weights(base), ckpt["model"], atol=1e-5)
 
@@ -131,20 +116,31 @@ def test_two_processes_match_one_process_with_accumulation(
 def test_batch_greedy_matches_one_sentence_at_a_time(smoke_run, tokenizers):
     cfg, _ = smoke_run
     model, vsrc, vtgt, _ = tat.load_trained_model(
-        Path(cfg.checkpoint_dir) / "final.pt")
+        Path(cfg.checkpoint_dir) / "final.pt"
+    )
     sentences = [de for de, _ in tat.read_multi30k("val")[:12]]
-    encoded = [[tat.BOS, *vsrc(tat.tokenize(s, tokenizers[0])), tat.EOS]
-               for s in sentences]
+    encoded = [
+        [tat.BOS, *vsrc(tat.tokenize(s, tokenizers[0])), tat.EOS]
+        for s in sentences
+    ]
     src = torch.nn.utils.rnn.pad_sequence(
-        [torch.tensor(e) for e in encoded], batch_first=True,
-        padding_value=tat.PAD)
-    batched = tat.batch_greedy_decode(model, src, (src != tat.PAD)
-                                      .unsqueeze(-2), 20)
+        [torch.tensor(e) for e in encoded],
+        batch_first=True,
+        padding_value=tat.PAD,
+    )
+    batched = tat.batch_greedy_decode(
+        model, src, (src != tat.PAD).unsqueeze(-2), 20
+    )
     for row, ids in zip(batched.tolist(), encoded):
         one = torch.tensor([ids])
         with torch.no_grad():
-            alone = tat.greedy_decode(model, one, torch.ones(1, 1, len(ids),
-                                      dtype=torch.bool), 20, tat.BOS)
+            alone = tat.greedy_decode(
+                model,
+                one,
+                torch.ones(1, 1, len(ids), dtype=torch.bool),
+                20,
+                tat.BOS,
+            )
         assert tat.strip_specials(row) == tat.strip_specials(alone[0])
 
 
@@ -175,11 +171,17 @@ def run_cli(capsys, *argv):
 def test_cli_translate(smoke_run, capsys):
     cfg, _ = smoke_run
     ckpt = str(Path(cfg.checkpoint_dir) / "final.pt")
-    status, out, err = run_cli(capsys, "translate", "--checkpoint", ckpt,
-                               "Ein Mann fährt mit dem Fahrrad.")
+    status, out, err = run_cli(
+        capsys,
+        "translate",
+        "--checkpoint",
+        ckpt,
+        "Ein Mann fährt mit dem Fahrrad.",
+    )
     assert status == 0 and out.strip()
-    status, out, err = run_cli(capsys, "translate", "--checkpoint", ckpt,
-                               "Ein Quuxblorf.")
+    status, out, err = run_cli(
+        capsys, "translate", "--checkpoint", ckpt, "Ein Quuxblorf."
+    )
     assert status == 0 and "Quuxblorf" in err
 
 
@@ -187,8 +189,10 @@ def test_cli_translate(smoke_run, capsys):
     "argv, message",
     [
         (["translate", "  "], "empty"),
-        (["translate", "--checkpoint", "nowhere.pt", "Hallo"],
-         "no checkpoint"),
+        (
+            ["translate", "--checkpoint", "nowhere.pt", "Hallo"],
+            "no checkpoint",
+        ),
     ],
 )
 def test_cli_bad_input_gets_a_message(argv, message, capsys):
@@ -199,13 +203,15 @@ def test_cli_bad_input_gets_a_message(argv, message, capsys):
 def test_cli_rejects_a_foreign_checkpoint(tmp_path, capsys):
     bogus = tmp_path / "other.pt"
     torch.save({"model": {"w": torch.zeros(1)}}, bogus)
-    status, _, err = run_cli(capsys, "translate", "--checkpoint",
-                             str(bogus), "Hallo")
+    status, _, err = run_cli(
+        capsys, "translate", "--checkpoint", str(bogus), "Hallo"
+    )
     assert status == 2 and "does not match" in err
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a checkpoint")
-    status, _, err = run_cli(capsys, "translate", "--checkpoint",
-                             str(garbage), "Hallo")
+    status, _, err = run_cli(
+        capsys, "translate", "--checkpoint", str(garbage), "Hallo"
+    )
     assert status == 2 and "not a readable checkpoint" in err
 
 
@@ -217,14 +223,31 @@ def test_cli_evaluate_files(smoke_run, tmp_path, capsys):
     src.write_text("\n".join(de for de, _ in pairs) + "\n")
     ref.write_text("\n".join(en for _, en in pairs) + "\n")
     out = tmp_path / "hyp.en"
-    status, stdout, _ = run_cli(capsys, "evaluate", "--checkpoint", ckpt,
-                                "--src", str(src), "--ref", str(ref),
-                                "--out", str(out))
+    status, stdout, _ = run_cli(
+        capsys,
+        "evaluate",
+        "--checkpoint",
+        ckpt,
+        "--src",
+        str(src),
+        "--ref",
+        str(ref),
+        "--out",
+        str(out),
+    )
     assert status == 0 and stdout.startswith("BLEU")
     assert len(out.read_text().splitlines()) == 20
     ref.write_text("\n".join(en for _, en in pairs[:5]) + "\n")
-    status, _, err = run_cli(capsys, "evaluate", "--checkpoint", ckpt,
-                             "--src", str(src), "--ref", str(ref))
+    status, _, err = run_cli(
+        capsys,
+        "evaluate",
+        "--checkpoint",
+        ckpt,
+        "--src",
+        str(src),
+        "--ref",
+        str(ref),
+    )
     assert status == 2 and "20 lines" in err and "5" in err
 
 
@@ -248,20 +271,28 @@ def test_run_epoch_enters_autocast_once_per_micro_batch():
     torch.manual_seed(0)
     model = tat.make_model(11, 11, N=1, d_model=32, d_ff=64, h=2)
     loss_compute = tat.SimpleLossCompute(
-        model.generator, tat.LabelSmoothing(11, tat.COPY_PAD))
+        model.generator, tat.LabelSmoothing(11, tat.COPY_PAD)
+    )
     optimizer, scheduler = tat.make_optimizer(model, 32, 1.0, 10)
-    tat.run_epoch(tat.data_gen(11, 4, 5), model, loss_compute, optimizer,
-                  scheduler, autocast=counting_autocast)
+    tat.run_epoch(
+        tat.data_gen(11, 4, 5),
+        model,
+        loss_compute,
+        optimizer,
+        scheduler,
+        autocast=counting_autocast,
+    )
     assert entries == [True] * 5
 
 
-@pytest.mark.skipif(not tat.fast_bf16(torch.device("cpu")),
-                    reason="this CPU has no native bfloat16")
+@pytest.mark.skipif(
+    not tat.fast_bf16(torch.device("cpu")),
+    reason="this CPU has no native bfloat16",
+)
 def test_bf16_training_matches_float32(tmp_path, vocabs, tokenizers):
     """Mixed precision must train the same model, up to rounding."""
     losses = {}
     for amp in ("none", "bf16"):
-        cfg = smoke(tmp_path / amp, num_epochs=1, max_train_pairs=400,
-                    amp=amp)
+        cfg = smoke(tmp_path / amp, num_epochs=1, max_train_pairs=400, amp=amp)
         losses[amp] = train(cfg, vocabs, tokenizers)[-1]["val_loss"]
     assert losses["bf16"] == pytest.approx(losses["none"], rel=0.03)

@@ -34,13 +34,13 @@ Importing it has no side effects and needs only torch. Run
 """
 '''
 
-FOOTER = '''
+FOOTER = """
 
 # ---------------------------------------------------------------------
 # Command line entry point (added by tools/export.py).
 if __name__ == "__main__":
     raise SystemExit(main())
-'''
+"""
 
 
 def notebook_sources() -> list[Path]:
