@@ -1,5 +1,6 @@
 """Tests of Part 3's training, checkpoints, DDP, decoding and CLI."""
 
+import os
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -296,3 +297,33 @@ def test_bf16_training_matches_float32(tmp_path, vocabs, tokenizers):
         cfg = smoke(tmp_path / amp, num_epochs=1, max_train_pairs=400, amp=amp)
         losses[amp] = train(cfg, vocabs, tokenizers)[-1]["val_loss"]
     assert losses["bf16"] == pytest.approx(losses["none"], rel=0.03)
+
+
+def test_torchrun_trains_with_two_processes(tmp_path, local_multi30k):
+    """The CLI under torchrun: env:// rendezvous, gloo, ranks in sync."""
+    import subprocess
+    import sys
+
+    root = Path(tat.__file__).resolve().parent
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={tat.free_port()}",
+        str(root / "the_annotated_transformer.py"),
+        "train",
+        "--preset",
+        "smoke",
+        "--epochs",
+        "1",
+        "--checkpoint-dir",
+        str(tmp_path),
+    ]
+    env = {**os.environ, "MULTI30K_DIR": local_multi30k}
+    done = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    ckpt = torch.load(tmp_path / "final.pt", weights_only=True)
+    assert ckpt["ranks_in_sync"] is True
