@@ -87,7 +87,8 @@ def time_ours(seed, quiet):
         "seconds": seconds,
         "cpu_seconds": cpu,
         "epochs": len(history),
-        "samples": len(history) * cfg.nbatches * cfg.batch_size,
+        "steps": history[-1]["steps"],
+        "samples": history[-1]["samples"],
         "reached": history[-1]["exact_copy"] == 1.0,
         "confirm": confirm,
         "load": load,
@@ -133,17 +134,20 @@ def reference_2022(seed):
             out = model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
             loss, _ = loss_compute(out, batch.tgt_y, batch.ntokens)
             total, tokens = total + loss, tokens + batch.ntokens
-        print(f"    reference epoch {epoch:2d} | eval loss "
-              f"{total / tokens:.4f} | {time.perf_counter() - t0:6.1f} s",
-              flush=True)
+        print(
+            f"    reference epoch {epoch:2d} | eval loss "
+            f"{total / tokens:.4f} | {time.perf_counter() - t0:6.1f} s",
+            flush=True,
+        )
     seconds = time.perf_counter() - t0
     model.eval()
     check = torch.Generator().manual_seed(seed + 777)
     data = torch.randint(2, V, (1000, 10), generator=check)
     data[:, 0] = 1
     with torch.no_grad():
-        out = at.greedy_decode(model, data, torch.ones(1000, 1, 10).bool(),
-                               10, 1)
+        out = at.greedy_decode(
+            model, data, torch.ones(1000, 1, 10).bool(), 10, 1
+        )
     return seconds, (out == data).all(1).float().mean().item()
 
 
@@ -153,16 +157,29 @@ def main(argv=None):
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n".join(__doc__.splitlines()[1:]),
     )
-    parser.add_argument("--runs", type=int, default=3,
-                        help="number of timed runs (default 3)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the first run; run i uses seed+i")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads (default: torch's choice)")
-    parser.add_argument("--reference", action="store_true",
-                        help="also time the re-created 2022 procedure once")
-    parser.add_argument("--quiet", action="store_true",
-                        help="no per-epoch lines")
+    parser.add_argument(
+        "--runs", type=int, default=3, help="number of timed runs (default 3)"
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the first run; run i uses seed+i",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: torch's choice)",
+    )
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="also time the re-created 2022 procedure once",
+    )
+    parser.add_argument(
+        "--quiet", action="store_true", help="no per-epoch lines"
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -175,20 +192,27 @@ def main(argv=None):
     for i in range(args.runs):
         r = time_ours(args.seed + i, args.quiet)
         runs.append(r)
-        print(f"run {i + 1}: seed {r['seed']} | {r['seconds']:6.1f} s wall"
-              f" | {r['cpu_seconds']:6.1f} s cpu | {r['epochs']} epochs,"
-              f" {r['samples']} sequences | exact copy reached:"
-              f" {r['reached']} | 1000 more fresh: {r['confirm']:.1%}"
-              f" | load {r['load']:.2f}", flush=True)
+        print(
+            f"run {i + 1}: seed {r['seed']} | {r['seconds']:6.1f} s wall"
+            f" | {r['cpu_seconds']:6.1f} s cpu | {r['steps']} steps,"
+            f" {r['samples']} sequences | exact copy reached:"
+            f" {r['reached']} | 1000 more fresh: {r['confirm']:.1%}"
+            f" | load {r['load']:.2f}",
+            flush=True,
+        )
     median = statistics.median(r["seconds"] for r in runs)
     print(f"median: {median:.1f} s over {len(runs)} runs")
-    print(f"ratio: {ISSUE_2022_SECONDS / median:.1f}x faster than the "
-          f"{ISSUE_2022_SECONDS:.0f} s that the issue quotes for the 2022 "
-          f"code (that figure is quoted, not measured by this script)")
+    print(
+        f"ratio: {ISSUE_2022_SECONDS / median:.1f}x faster than the "
+        f"{ISSUE_2022_SECONDS:.0f} s that the issue quotes for the 2022 "
+        f"code (that figure is quoted, not measured by this script)"
+    )
     if args.reference:
         seconds, acc = reference_2022(args.seed)
-        print(f"reference (2022 procedure, measured here): {seconds:.1f} s,"
-              f" exact copy on 1000 fresh sequences: {acc:.1%}")
+        print(
+            f"reference (2022 procedure, measured here): {seconds:.1f} s,"
+            f" exact copy on 1000 fresh sequences: {acc:.1%}"
+        )
         print(f"measured ratio: {seconds / median:.1f}x")
     return 0
 

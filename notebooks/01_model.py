@@ -34,13 +34,21 @@ REPO_URL = "https://github.com/annotated-transformer/done-right"
 if "google.colab" in sys.modules and not Path("done-right").exists():
     subprocess.run(["git", "clone", "--depth=1", REPO_URL], check=True)
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "-r",
-         "done-right/requirements.txt"],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "-r",
+            "done-right/requirements.txt",
+        ],
         check=True,
     )
     os.chdir("done-right/notebooks")
 ROOT = next(
-    p for p in [Path.cwd(), *Path.cwd().parents]
+    p
+    for p in [Path.cwd(), *Path.cwd().parents]
     if (p / "the_annotated_transformer.py").exists()
 )
 sys.path.insert(0, str(ROOT))
@@ -69,6 +77,7 @@ from torch import nn
 #
 # `EncoderDecoder` only wires the five parts together; each part is defined
 # below.
+
 
 # %%
 #| export
@@ -102,6 +111,7 @@ class EncoderDecoder(nn.Module):
 # linear map to the vocabulary and a log-softmax. We return
 # log-probabilities because the loss and beam search both add them up.
 
+
 # %%
 #| export
 class Generator(nn.Module):
@@ -122,6 +132,7 @@ class Generator(nn.Module):
 # The encoder is a stack of $N = 6$ identical layers. `clones` makes $N$
 # independent deep copies of one module, so that every layer gets its own
 # weights.
+
 
 # %%
 #| export
@@ -165,6 +176,7 @@ class Encoder(nn.Module):
 # checkpoints from the 2022 code still load (their outputs differ by well
 # under 1%, from the $d/(d-1)$ factor).
 
+
 # %%
 #| export
 class LayerNorm(nn.Module):
@@ -197,6 +209,7 @@ class LayerNorm(nn.Module):
 # al., 2020). The cost is one extra norm at the top of each stack, which is
 # why `Encoder` and `Decoder` end with a `LayerNorm`.
 
+
 # %%
 #| export
 class SublayerConnection(nn.Module):
@@ -215,6 +228,7 @@ class SublayerConnection(nn.Module):
 # %% [markdown]
 # An encoder layer has two sub-layers: self-attention over the source, then
 # a position-wise feed-forward network.
+
 
 # %%
 #| export
@@ -240,6 +254,7 @@ class EncoderLayer(nn.Module):
 # The decoder is also a stack of $N$ layers. Each has a third sub-layer
 # between the two the encoder has: attention from the target positions to
 # the encoder's memory ("source attention").
+
 
 # %%
 #| export
@@ -290,6 +305,7 @@ class DecoderLayer(nn.Module):
 # attend"**, the same convention as `torch.nn.functional.
 # scaled_dot_product_attention`.
 
+
 # %%
 #| export
 def subsequent_mask(size):
@@ -329,8 +345,12 @@ def mask_chart(size=20):
         .encode(
             x="key (column):O",
             y="query (row):O",
-            color=alt.Color("allowed:N", scale=alt.Scale(
-                domain=[False, True], range=["#f2f2f2", "#3b6ea8"])),
+            color=alt.Color(
+                "allowed:N",
+                scale=alt.Scale(
+                    domain=[False, True], range=["#f2f2f2", "#3b6ea8"]
+                ),
+            ),
             tooltip=["query (row)", "key (column)", "allowed"],
         )
         .properties(title="subsequent_mask(20)", width=260, height=260)
@@ -364,6 +384,7 @@ save_chart(mask_chart(), "01_subsequent_mask", ROOT / "figures")
 # rather than the 2022 tutorial's `-1e9`, which is not representable in
 # float16 (its range ends at ±65504) and so turned into `-inf` and NaN under
 # mixed precision.
+
 
 # %%
 #| export
@@ -401,6 +422,7 @@ def attention(query, key, value, mask=None, dropout=None):
 # kept in `self.attn` only when you ask for them by setting
 # `store_attention = True` (notebook 04 does), instead of on every forward
 # pass.
+
 
 # %%
 #| export
@@ -486,8 +508,10 @@ for name, t, tag in [
 # second sentence get exactly zero weight:
 
 # %%
-print("module output matches:", torch.allclose(
-    mha(query, memory, memory, src_mask), final, atol=1e-5))
+print(
+    "module output matches:",
+    torch.allclose(mha(query, memory, memory, src_mask), final, atol=1e-5),
+)
 print("weight on pad keys:", weights[1, :, :, 5:].abs().max().item())
 
 # %% [markdown]
@@ -513,6 +537,7 @@ print("weight on pad keys:", weights[1, :, :, 5:].abs().max().item())
 # $$\mathrm{FFN}(x) = \max(0, xW_1 + b_1) W_2 + b_2 ,$$
 #
 # with inner width $d_{ff} = 2048$ for $d_{\text{model}} = 512$.
+
 
 # %%
 #| export
@@ -540,6 +565,7 @@ class PositionwiseFeedForward(nn.Module):
 # added next. The paper also shares one matrix between the two embeddings
 # and the generator; `make_model(..., tie_embeddings=True)` below does that
 # when both languages use one vocabulary (notebook 05 trains such a model).
+
 
 # %%
 #| export
@@ -572,6 +598,7 @@ class Embeddings(nn.Module):
 # in each sin/cos pair) of $PE_{pos}$, which the paper offers as the reason
 # relative positions should be easy to learn. Dropout (0.1) is applied to
 # the sum of embedding and encoding.
+
 
 # %%
 #| export
@@ -612,8 +639,12 @@ def positional_chart(d_model=20, length=100, dims=(4, 5, 6, 7)):
     return (
         alt.Chart(df)
         .mark_line()
-        .encode(x="position:Q", y="value:Q", color="dimension:N",
-                tooltip=["dimension", "position", "value"])
+        .encode(
+            x="position:Q",
+            y="value:Q",
+            color="dimension:N",
+            tooltip=["dimension", "position", "value"],
+        )
         .properties(title="Positional encoding, d_model = 20", width=480)
     )
 
@@ -636,6 +667,7 @@ save_chart(positional_chart(), "01_positional_encoding", ROOT / "figures")
 # `tie_embeddings=True` makes the source embedding, the target embedding and
 # the generator's projection share one matrix (paper, section 3.4). It
 # needs one vocabulary for both languages.
+
 
 # %%
 #| export
@@ -697,6 +729,7 @@ def make_model(
 # $44{,}140{,}544 + 513\,V$. The table below is computed from real models
 # and checked against these formulas.
 
+
 # %%
 #| export
 def count_parameters(module):
@@ -721,19 +754,34 @@ def parameter_table(V_src=8000, V_tgt=6000, V_shared=10000):
     base = make_model(V_src, V_tgt)
     tied = make_model(V_shared, V_shared, tie_embeddings=True)
     rows = [
-        ("one multi-head attention", base.encoder.layers[0].self_attn,
-         4 * (d * d + d)),
-        ("one feed-forward network", base.encoder.layers[0].feed_forward,
-         8 * d * d + 5 * d),
+        (
+            "one multi-head attention",
+            base.encoder.layers[0].self_attn,
+            4 * (d * d + d),
+        ),
+        (
+            "one feed-forward network",
+            base.encoder.layers[0].feed_forward,
+            8 * d * d + 5 * d,
+        ),
         ("one layer norm", base.encoder.norm, 2 * d),
         ("one encoder layer", base.encoder.layers[0], 12 * d * d + 13 * d),
         ("one decoder layer", base.decoder.layers[0], 16 * d * d + 19 * d),
-        ("encoder + decoder stacks",
-         nn.ModuleList([base.encoder, base.decoder]), 168 * d * d + 196 * d),
-        (f"whole model, untied (V_src={V_src}, V_tgt={V_tgt})", base,
-         closed_form_counts(d, V_src, V_tgt)),
-        (f"whole model, tied (V={V_shared})", tied,
-         closed_form_counts(d, V_shared, V_shared, tied=True)),
+        (
+            "encoder + decoder stacks",
+            nn.ModuleList([base.encoder, base.decoder]),
+            168 * d * d + 196 * d,
+        ),
+        (
+            f"whole model, untied (V_src={V_src}, V_tgt={V_tgt})",
+            base,
+            closed_form_counts(d, V_src, V_tgt),
+        ),
+        (
+            f"whole model, tied (V={V_shared})",
+            tied,
+            closed_form_counts(d, V_shared, V_shared, tied=True),
+        ),
     ]
     return pd.DataFrame(
         [
@@ -757,6 +805,7 @@ parameter_table()
 # times, feeding each choice back in. An untrained model's output is
 # arbitrary (it tends to repeat one token) but the plumbing, masks and
 # shapes all work. The seed makes the printed ids the same on every run.
+
 
 # %%
 def untrained_inference_example(seed):

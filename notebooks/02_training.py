@@ -17,8 +17,9 @@
 # Part 1 built the model. This part builds what training needs: batches
 # with their masks, a loop that accumulates gradients correctly, the
 # paper's learning-rate schedule, and label smoothing. It ends by teaching a
-# model to copy its input, a task small enough to learn in under a minute
-# on a laptop CPU and simple enough that any bug shows.
+# model to copy its input, a task small enough to learn in a few minutes
+# on a laptop CPU (in seconds with a smaller model) and simple enough that
+# any bug shows.
 
 # %%
 # Setup: find the repository (and fetch it when running on Colab).
@@ -31,13 +32,21 @@ REPO_URL = "https://github.com/annotated-transformer/done-right"
 if "google.colab" in sys.modules and not Path("done-right").exists():
     subprocess.run(["git", "clone", "--depth=1", REPO_URL], check=True)
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "-r",
-         "done-right/requirements.txt"],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "-r",
+            "done-right/requirements.txt",
+        ],
         check=True,
     )
     os.chdir("done-right/notebooks")
 ROOT = next(
-    p for p in [Path.cwd(), *Path.cwd().parents]
+    p
+    for p in [Path.cwd(), *Path.cwd().parents]
     if (p / "the_annotated_transformer.py").exists()
 )
 sys.path.insert(0, str(ROOT))
@@ -73,6 +82,7 @@ from the_annotated_transformer import make_model, save_chart, subsequent_mask
 # loss is normalized by. It is a plain Python `int`, and `to(device)` moves
 # a batch built on the CPU (for instance in a DataLoader worker) to the
 # GPU in one call.
+
 
 # %%
 #| export
@@ -128,6 +138,7 @@ class Batch:
 # * `train_state` defaults to `None` and a fresh `TrainState` is made per
 #   call: a default instance would be shared by every call.
 # * Totals are plain numbers, so no autograd graph is kept alive by them.
+
 
 # %%
 #| export
@@ -193,10 +204,12 @@ def run_epoch(
                 sync = model.no_sync()  # DDP: skip the all-reduce for now
             with sync:
                 with autocast():  # entered afresh for every micro-batch
-                    out = model(batch.src, batch.tgt, batch.src_mask,
-                                batch.tgt_mask)  # (B, T, d_model)
-                    loss, loss_node = loss_compute(out, batch.tgt_y,
-                                                   batch.ntokens)
+                    out = model(
+                        batch.src, batch.tgt, batch.src_mask, batch.tgt_mask
+                    )  # (B, T, d_model)
+                    loss, loss_node = loss_compute(
+                        out, batch.tgt_y, batch.ntokens
+                    )
                 if train:
                     (loss_node / accum_iter).backward()
             total_loss += loss
@@ -209,16 +222,22 @@ def run_epoch(
             train_state.samples += batch.src.size(0)
             train_state.tokens += batch.ntokens
             if steps_now:
-                optimizer_step(optimizer, scheduler, model.parameters(),
-                               scale=accum_iter / window)
+                optimizer_step(
+                    optimizer,
+                    scheduler,
+                    model.parameters(),
+                    scale=accum_iter / window,
+                )
                 train_state.accum_step += 1
                 window = 0
             if mode == "train+log" and i % log_every == 1:
                 lr = optimizer.param_groups[0]["lr"]
                 rate = tokens_since_log / (time.time() - start)
-                print(f"step {i:5d} | accum step {train_state.accum_step:5d}"
-                      f" | loss {loss_node.item():6.3f} | {rate:7.1f} tok/s"
-                      f" | lr {lr:6.1e}")
+                print(
+                    f"step {i:5d} | accum step {train_state.accum_step:5d}"
+                    f" | loss {loss_node.item():6.3f} | {rate:7.1f} tok/s"
+                    f" | lr {lr:6.1e}"
+                )
                 start, tokens_since_log = time.time(), 0
     return total_loss / max(total_tokens, 1), train_state
 
@@ -245,6 +264,7 @@ def run_epoch(
 # the parameters instead of several. For the copy task below, on a CPU,
 # that is about 50 ms saved per step.
 
+
 # %%
 #| export
 def rate(step, model_size, factor, warmup):
@@ -253,8 +273,7 @@ def rate(step, model_size, factor, warmup):
     return factor * model_size**-0.5 * min(step**-0.5, step * warmup**-1.5)
 
 
-def make_optimizer(model, d_model, factor=1.0, warmup=4000,
-                   betas=(0.9, 0.98)):
+def make_optimizer(model, d_model, factor=1.0, warmup=4000, betas=(0.9, 0.98)):
     """Adam (paper's betas by default) and a LambdaLR running `rate`."""
     fused = all(p.device.type in ("cpu", "cuda") for p in model.parameters())
     optimizer = torch.optim.Adam(
@@ -321,6 +340,7 @@ save_chart(learning_rate_chart(), "02_learning_rate", ROOT / "figures")
 # Smoothing hurts perplexity, since the model learns to be less sure, but
 # the paper reports that it improves accuracy and BLEU.
 
+
 # %%
 #| export
 class LabelSmoothing(nn.Module):
@@ -360,6 +380,7 @@ class LabelSmoothing(nn.Module):
 # 0.4 so that the spread is visible. Token 0 is padding: its column is
 # empty, and so is the last row, whose target is padding.
 
+
 # %%
 #| export
 def label_smoothing_chart(smoothing=0.4):
@@ -380,8 +401,9 @@ def label_smoothing_chart(smoothing=0.4):
         .encode(
             x="token:O",
             y="example:O",
-            color=alt.Color("target probability:Q",
-                            scale=alt.Scale(scheme="viridis")),
+            color=alt.Color(
+                "target probability:Q", scale=alt.Scale(scheme="viridis")
+            ),
             tooltip=["example", "token", "target probability"],
         )
         .properties(title="Smoothed targets", width=240, height=240)
@@ -400,6 +422,7 @@ save_chart(label_smoothing_chart(), "02_label_smoothing", ROOT / "figures")
 # zeros to a logarithm here and plotted NaN and infinity; our
 # probabilities come from a softmax and are never zero.
 
+
 # %%
 #| export
 def label_smoothing_penalty_rows(margins=range(0, 25), smoothing=0.1):
@@ -410,8 +433,13 @@ def label_smoothing_penalty_rows(margins=range(0, 25), smoothing=0.1):
         for m in margins:
             logits = torch.tensor([[-1e4, 0.0, float(m), 0.0, 0.0, 0.0]])
             loss = crit(logits.log_softmax(-1), torch.tensor([2]))
-            rows.append({"margin": m, "loss": float(loss),
-                         "smoothing": f"smoothing={eps}"})
+            rows.append(
+                {
+                    "margin": m,
+                    "loss": float(loss),
+                    "smoothing": f"smoothing={eps}",
+                }
+            )
     return rows
 
 
@@ -424,15 +452,22 @@ def label_smoothing_penalty_chart(smoothing=0.1):
     return (
         alt.Chart(df)
         .mark_line(point=True)
-        .encode(x="margin:Q", y="loss:Q", color="smoothing:N",
-                tooltip=["smoothing", "margin", "loss"])
+        .encode(
+            x="margin:Q",
+            y="loss:Q",
+            color="smoothing:N",
+            tooltip=["smoothing", "margin", "loss"],
+        )
         .properties(title="Loss against confidence", width=480)
     )
 
 
 # %%
-save_chart(label_smoothing_penalty_chart(), "02_label_smoothing_penalty",
-           ROOT / "figures")
+save_chart(
+    label_smoothing_penalty_chart(),
+    "02_label_smoothing_penalty",
+    ROOT / "figures",
+)
 
 # %% [markdown]
 # ## A first example: the copy task
@@ -461,6 +496,7 @@ def data_gen(V, batch_size, nbatches, seq_len=10, generator=None):
 # normalizes by the number of tokens. It returns the loss twice: as a plain
 # number for bookkeeping, and as a tensor to back-propagate.
 
+
 # %%
 #| export
 class SimpleLossCompute:
@@ -473,9 +509,10 @@ class SimpleLossCompute:
     def __call__(self, x, y, norm):
         """Return (summed loss as float, mean loss per token as tensor)."""
         logp = self.generator(x)  # (B, T, vocab)
-        sloss = self.criterion(
-            logp.reshape(-1, logp.size(-1)), y.reshape(-1)
-        ) / norm
+        sloss = (
+            self.criterion(logp.reshape(-1, logp.size(-1)), y.reshape(-1))
+            / norm
+        )
         return sloss.item() * norm, sloss
 
 
@@ -489,16 +526,19 @@ class SimpleLossCompute:
 # on a batch. Notebook 03 adds a version that stops at the end-of-sentence
 # token and notebook 05 one that caches past keys and values.
 
+
 # %%
 #| export
 def greedy_decode(model, src, src_mask, max_len, start_symbol):
     """Most-probable-token decoding: (B, S) source to (B, max_len) ids."""
     memory = model.encode(src, src_mask)  # (B, S, d_model)
-    ys = torch.full((src.size(0), 1), start_symbol, dtype=src.dtype,
-                    device=src.device)  # (B, 1)
+    ys = torch.full(
+        (src.size(0), 1), start_symbol, dtype=src.dtype, device=src.device
+    )  # (B, 1)
     for _ in range(max_len - 1):
-        out = model.decode(memory, src_mask, ys,
-                           subsequent_mask(ys.size(1)).to(src.device))
+        out = model.decode(
+            memory, src_mask, ys, subsequent_mask(ys.size(1)).to(src.device)
+        )
         next_word = model.generator(out[:, -1]).argmax(dim=-1)  # (B,)
         ys = torch.cat([ys, next_word.unsqueeze(1)], dim=1)
     return ys
@@ -507,14 +547,50 @@ def greedy_decode(model, src, src_mask, max_len, start_symbol):
 # %% [markdown]
 # ### Training to an exact copy
 #
-# `train_copy_task` trains epoch by epoch and, after each epoch, decodes a
-# fresh batch of random sequences and stops as soon as every one is copied
-# exactly. Compared with the 2022 example, which ran 20 fixed epochs with
-# a 400-step warm-up and took about 380 s on a 2-core CPU, three changes
-# make it several times faster at the same model size ($N=2$,
-# $d_{\text{model}}=512$): attention uses the fused kernel, the warm-up is
-# shorter, and training stops when the task is solved rather than after a
-# fixed budget. `bench/copy_task.py` measures it.
+# `train_copy_task` trains in short epochs of `nbatches` batches. After
+# each epoch it draws `check_size` sequences the model has never seen and
+# stops as soon as every one of them is copied exactly.
+#
+# The check is cheap thanks to a property of greedy decoding: it
+# reproduces a sequence exactly if and only if, at every position, the
+# most probable next token *given the correct prefix* is the correct one.
+# One teacher-forced forward pass computes exactly that for all positions
+# at once, so `copy_accuracy_teacher_forced` gives the same number as
+# `copy_accuracy` for a fraction of the work. We run it after every epoch,
+# and only when it reports 100% do we confirm with real greedy decoding,
+# on another fresh batch, before stopping.
+#
+# The 2022 example ran a fixed 20 epochs of 20 batches of 80 sequences,
+# with a 400-step warm-up to half the schedule's rate; the issue that
+# started this project quotes about 380 s for it on a 2-core CPU. At the
+# same model size ($N=2$, $d_{\text{model}}=512$, $d_{ff}=2048$, $h=8$) the
+# defaults below differ in these ways, each found by measuring:
+#
+# * **Small batches, more steps.** Learning to copy takes a number of
+#   optimizer *steps* more than a number of sequences: in our runs,
+#   batches of 16 reached an exact copy after fewer sequences seen than
+#   batches of 32 or 64.
+# * **A lower learning rate.** `factor=0.1` with a 10-step warm-up peaks
+#   at $1.4 \cdot 10^{-3}$ and decays from there; larger factors (0.3 and
+#   up) make the loss spike or stall at this width.
+# * **$\beta_2 = 0.999$** (PyTorch's default) instead of the paper's
+#   0.98. A longer memory of squared gradients damps the loss spikes that
+#   otherwise undo progress late in the run; on a small model it halves
+#   the steps needed.
+# * **No dropout.** Every batch is new random data, so there is nothing
+#   to overfit.
+# * **bfloat16 autocast** where the CPU computes it natively (CPUs with
+#   AVX512-BF16 or AMX), through `run_epoch`'s `autocast` argument; the
+#   checks run in float32.
+# * **Stop when solved**, with the cheap check above, instead of a fixed
+#   budget.
+#
+# `bench/copy_task.py` times it against a re-creation of the 2022
+# procedure. On one core of a busy 2-core CPU, ours reached an exact copy
+# in a median of 170 s (840 to 940 steps), while the 2022 procedure took
+# 440 s and still got only 94% of fresh sequences exactly right;
+# `bench/RESULTS.md` has the details.
+
 
 # %%
 #| export
@@ -528,56 +604,125 @@ class CopyTaskConfig:
     d_ff: int = 2048
     h: int = 8
     dropout: float = 0.0
-    batch_size: int = 80
-    nbatches: int = 20
-    max_epochs: int = 20
-    factor: float = 1.0
-    warmup: int = 100
+    batch_size: int = 16
+    nbatches: int = 20  # optimizer steps between checks
+    max_epochs: int = 100
+    factor: float = 0.1
+    warmup: int = 10
+    beta2: float = 0.999
+    bf16: bool = True  # only where bf16 is native, see native_bf16
     check_size: int = 200
     seed: int = 0
 
 
+@dataclass
+class CopyTaskCIConfig(CopyTaskConfig):
+    """A smaller model for CI: the same task and procedure, in seconds."""
+
+    N: int = 1
+    d_model: int = 64
+    d_ff: int = 256
+    h: int = 4
+    factor: float = 0.3
+    warmup: int = 30
+    bf16: bool = False
+
+
+def native_bf16(device_type="cpu"):
+    """True where bfloat16 matmuls run natively on this device type."""
+    if device_type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    try:  # CPUs with AVX512-BF16 or AMX
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# %%
+#| export
 def copy_accuracy(model, n, V=11, seq_len=10, generator=None):
-    """Fraction of n fresh random sequences the model copies exactly."""
+    """Fraction of n fresh random sequences greedy decoding copies exactly."""
     model.eval()
     batch = next(data_gen(V, n, 1, seq_len, generator=generator))
     with torch.no_grad():
-        out = greedy_decode(model, batch.src, batch.src_mask, seq_len,
-                            COPY_START)
+        out = greedy_decode(
+            model, batch.src, batch.src_mask, seq_len, COPY_START
+        )
     return (out == batch.src).all(dim=1).float().mean().item()
 
 
+def copy_accuracy_teacher_forced(model, n, V=11, seq_len=10, generator=None):
+    """The same fraction from one teacher-forced forward pass."""
+    model.eval()
+    b = next(data_gen(V, n, 1, seq_len, generator=generator))
+    with torch.no_grad():
+        out = model(b.src, b.tgt, b.src_mask, b.tgt_mask)  # (n, T, d_model)
+        pred = model.generator(out).argmax(dim=-1)  # (n, T)
+    return (pred == b.tgt_y).all(dim=1).float().mean().item()
+
+
+# %%
+#| export
 def train_copy_task(cfg=None, log=print):
     """Train until exact copy; returns (model, list of epoch records)."""
     cfg = cfg or CopyTaskConfig()
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
-    model = make_model(cfg.V, cfg.V, N=cfg.N, d_model=cfg.d_model,
-                       d_ff=cfg.d_ff, h=cfg.h, dropout=cfg.dropout)
+    model = make_model(
+        cfg.V,
+        cfg.V,
+        N=cfg.N,
+        d_model=cfg.d_model,
+        d_ff=cfg.d_ff,
+        h=cfg.h,
+        dropout=cfg.dropout,
+    )
     criterion = LabelSmoothing(cfg.V, padding_idx=COPY_PAD, smoothing=0.0)
     loss_compute = SimpleLossCompute(model.generator, criterion)
-    optimizer, scheduler = make_optimizer(model, cfg.d_model, cfg.factor,
-                                          cfg.warmup)
+    optimizer, scheduler = make_optimizer(
+        model, cfg.d_model, cfg.factor, cfg.warmup, betas=(0.9, cfg.beta2)
+    )
+    use_bf16 = cfg.bf16 and native_bf16("cpu")
+    amp = lambda: torch.autocast("cpu", torch.bfloat16, enabled=use_bf16)
     state, history, start = TrainState(), [], time.time()
     for epoch in range(cfg.max_epochs):
         model.train()
         loss, state = run_epoch(
             data_gen(cfg.V, cfg.batch_size, cfg.nbatches, generator=gen),
-            model, loss_compute, optimizer, scheduler, train_state=state)
-        acc = copy_accuracy(model, cfg.check_size, cfg.V, generator=gen)
-        history.append({"epoch": epoch, "train_loss": loss,
-                        "exact_copy": acc, "seconds": time.time() - start})
-        log(f"epoch {epoch:2d} | loss {loss:.4f} | exact copies {acc:6.1%}"
-            f" | {time.time() - start:5.1f} s")
+            model,
+            loss_compute,
+            optimizer,
+            scheduler,
+            train_state=state,
+            autocast=amp,
+        )
+        acc = copy_accuracy_teacher_forced(
+            model, cfg.check_size, cfg.V, generator=gen
+        )
+        if acc == 1.0:  # confirm by greedy decoding of other sequences
+            acc = copy_accuracy(model, cfg.check_size, cfg.V, generator=gen)
+        history.append(
+            {
+                "epoch": epoch,
+                "steps": state.accum_step,
+                "samples": state.samples,
+                "train_loss": loss,
+                "exact_copy": acc,
+                "seconds": time.time() - start,
+            }
+        )
+        log(
+            f"epoch {epoch:2d} | step {state.accum_step:4d} | loss "
+            f"{loss:.4f} | exact copies {acc:6.1%}"
+            f" | {time.time() - start:5.1f} s"
+        )
         if acc == 1.0:
             break
     return model, history
 
 
 # %%
-copy_cfg = CopyTaskConfig()
-if AT_SIZE == "ci":  # a smaller model, same procedure
-    copy_cfg = CopyTaskConfig(N=1, d_model=128, d_ff=512, h=4, warmup=50)
+copy_cfg = CopyTaskCIConfig() if AT_SIZE == "ci" else CopyTaskConfig()
 copy_model, copy_history = train_copy_task(copy_cfg)
 
 # %% [markdown]
@@ -588,8 +733,15 @@ copy_model, copy_history = train_copy_task(copy_cfg)
 copy_model.eval()
 src = torch.tensor([[COPY_START, 2, 3, 4, 5, 6, 7, 8, 9, 10]])
 with torch.no_grad():
-    print(greedy_decode(copy_model, src, torch.ones(1, 1, 10, dtype=bool),
-                        max_len=10, start_symbol=COPY_START))
+    print(
+        greedy_decode(
+            copy_model,
+            src,
+            torch.ones(1, 1, 10, dtype=bool),
+            max_len=10,
+            start_symbol=COPY_START,
+        )
+    )
 
 # %% [markdown]
 # Next, `03_multi30k.py` trains the same architecture on real German and

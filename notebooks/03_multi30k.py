@@ -790,6 +790,7 @@ from the_annotated_transformer import (
     TrainState,
     make_model,
     make_optimizer,
+    native_bf16,
     run_epoch,
     subsequent_mask,
 )
@@ -806,7 +807,7 @@ from the_annotated_transformer import (
 #   batches is about 60 steps, so we warm up for 800 steps (about 13 epochs'
 #   worth of the 40) instead. Meant for a GPU.
 # * `cpu`: $N=3$, $d_{\text{model}}=256$, $h=4$, $d_{ff}=1024$, sized to
-#   reach a useful BLEU in about an hour on a 2-core laptop CPU.
+#   reach a useful BLEU in about an hour and a half on a 2-core laptop CPU.
 # * `smoke`: a tiny model on 1,000 sentence pairs for two epochs, so that
 #   tests and the CI-sized notebook run in seconds while still exercising
 #   every line, with a loss that visibly falls.
@@ -932,19 +933,9 @@ def free_port():
         return s.getsockname()[1]
 
 
-def fast_bf16(device):
-    """Whether this device computes bfloat16 matrix products natively."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    try:  # CPUs with AVX512-BF16 or AMX: oneDNN runs bf16 at full speed
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
 def autocast_context(device, amp="bf16"):
     """bf16 autocast where the hardware runs it natively, else a no-op."""
-    if amp == "bf16" and fast_bf16(device):
+    if amp == "bf16" and native_bf16(device.type):
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return nullcontext()
 

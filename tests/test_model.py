@@ -11,6 +11,17 @@ import torch.nn.functional as F
 import the_annotated_transformer as at
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Run on one thread: these tensors are tiny, and on a shared, busy
+    machine every parallel op would wait for a thread that is not
+    running."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def qkv(B=2, h=4, T=5, S=7, d_k=8, dtype=torch.float32, seed=0):
     """Random query (B, h, T, d_k) and key/value (B, h, S, d_k)."""
     g = torch.Generator().manual_seed(seed)
@@ -214,8 +225,9 @@ def test_untied_model_parameter_count(d, N):
 
 # ------------------------------------------------------------ weight tying
 def test_tied_model_shares_one_matrix():
-    model = at.make_model(13, 13, N=1, d_model=16, d_ff=32, h=2,
-                          tie_embeddings=True)
+    model = at.make_model(
+        13, 13, N=1, d_model=16, d_ff=32, h=2, tie_embeddings=True
+    )
     mats = [
         model.src_embed[0].lut.weight,
         model.tgt_embed[0].lut.weight,
@@ -234,8 +246,9 @@ def test_tied_model_shares_one_matrix():
 
 def test_tie_embeddings_needs_one_vocabulary():
     with pytest.raises(ValueError):
-        at.make_model(11, 12, N=1, d_model=16, d_ff=32, h=2,
-                      tie_embeddings=True)
+        at.make_model(
+            11, 12, N=1, d_model=16, d_ff=32, h=2, tie_embeddings=True
+        )
 
 
 # ------------------------------------------------ 2022 checkpoint layout

@@ -287,7 +287,7 @@ def test_run_epoch_enters_autocast_once_per_micro_batch():
 
 
 @pytest.mark.skipif(
-    not tat.fast_bf16(torch.device("cpu")),
+    not tat.native_bf16("cpu"),
     reason="this CPU has no native bfloat16",
 )
 def test_bf16_training_matches_float32(tmp_path, vocabs, tokenizers):

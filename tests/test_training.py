@@ -10,6 +10,17 @@ import torch
 import the_annotated_transformer as at
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Run on one thread. These models are small enough that a second
+    thread gains nothing, and on a shared, busy machine every parallel op
+    would wait for a thread that is not running."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # ------------------------------------------------------ learning-rate rate
 @pytest.mark.parametrize(
     "d_model, factor, warmup", [(512, 1.0, 4000), (256, 2.0, 400)]
@@ -27,6 +38,19 @@ def test_rate_peaks_at_warmup_with_closed_form_value(d_model, factor, warmup):
     assert at.rate(0, d_model, factor, warmup) == at.rate(
         1, d_model, factor, warmup
     )
+
+
+def test_make_optimizer_follows_the_schedule():
+    model = at.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
+    opt, sched = at.make_optimizer(model, 16, factor=2.0, warmup=5)
+    assert opt.param_groups[0]["betas"] == (0.9, 0.98)
+    for step in range(1, 12):
+        expected = 2.0 * 16**-0.5 * min(step**-0.5, step * 5**-1.5)
+        opt.step()
+        sched.step()
+        assert opt.param_groups[0]["lr"] == pytest.approx(expected)
+    opt, _ = at.make_optimizer(model, 16, betas=(0.9, 0.999))
+    assert opt.param_groups[0]["betas"] == (0.9, 0.999)
 
 
 # --------------------------------------------------------- label smoothing
@@ -107,8 +131,12 @@ def test_batch_masks_match_hand_built_ones():
     src = torch.tensor([[1, 5, 6, 0], [1, 7, 0, 0]])
     tgt = torch.tensor([[1, 4, 4, 9, 0], [1, 8, 0, 0, 0]])
     b = at.Batch(src, tgt, pad=pad)
-    assert torch.equal(b.src_mask, torch.tensor(
-        [[[True, True, True, False]], [[True, True, False, False]]]))
+    assert torch.equal(
+        b.src_mask,
+        torch.tensor(
+            [[[True, True, True, False]], [[True, True, False, False]]]
+        ),
+    )
     assert torch.equal(b.tgt, tgt[:, :-1])
     assert torch.equal(b.tgt_y, tgt[:, 1:])
     T = 4
@@ -130,8 +158,9 @@ V = 9
 def tiny_model(seed=0):
     """A float64 model small enough to train in milliseconds."""
     torch.manual_seed(seed)
-    return at.make_model(V, V, N=1, d_model=16, d_ff=32, h=2,
-                         dropout=0.0).double()
+    return at.make_model(
+        V, V, N=1, d_model=16, d_ff=32, h=2, dropout=0.0
+    ).double()
 
 
 def batches(n, batch_size=4, seq_len=6, seed=0):
@@ -165,15 +194,18 @@ def test_accumulation_equals_one_large_batch(make_opt):
     micro = batches(k)
     model_a = tiny_model()
     model_b = copy.deepcopy(model_a)
-    opt_a, opt_b = make_opt(model_a.parameters()), make_opt(
-        model_b.parameters()
+    opt_a, opt_b = (
+        make_opt(model_a.parameters()),
+        make_opt(model_b.parameters()),
     )
     at.run_epoch(micro, model_a, loss_for(model_a), opt_a, accum_iter=k)
     at.run_epoch([concat(micro)], model_b, loss_for(model_b), opt_b)
     moved = False
-    for (name, pa), pb, p0 in zip(model_a.named_parameters(),
-                                  model_b.parameters(),
-                                  tiny_model().parameters()):
+    for (name, pa), pb, p0 in zip(
+        model_a.named_parameters(),
+        model_b.parameters(),
+        tiny_model().parameters(),
+    ):
         torch.testing.assert_close(pa, pb, atol=1e-10, rtol=1e-8, msg=name)
         moved = moved or not torch.equal(pa, p0)
     assert moved
@@ -186,10 +218,12 @@ def test_partial_final_window_is_a_mean_over_its_batches():
     model_b = copy.deepcopy(model_a)
     opt_a = torch.optim.SGD(model_a.parameters(), lr=0.5)
     opt_b = torch.optim.SGD(model_b.parameters(), lr=0.5)
-    _, state = at.run_epoch(micro, model_a, loss_for(model_a), opt_a,
-                            accum_iter=3)
-    at.run_epoch([concat(micro[:3]), micro[3]], model_b, loss_for(model_b),
-                 opt_b)
+    _, state = at.run_epoch(
+        micro, model_a, loss_for(model_a), opt_a, accum_iter=3
+    )
+    at.run_epoch(
+        [concat(micro[:3]), micro[3]], model_b, loss_for(model_b), opt_b
+    )
     assert state.accum_step == 2 and state.step == 4
     for pa, pb in zip(model_a.parameters(), model_b.parameters()):
         torch.testing.assert_close(pa, pb, atol=1e-10, rtol=1e-8)
@@ -200,8 +234,9 @@ def test_scheduler_counts_optimizer_steps():
     model = tiny_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    _, state = at.run_epoch(batches(6), model, loss_for(model), opt, sched,
-                            accum_iter=3)
+    _, state = at.run_epoch(
+        batches(6), model, loss_for(model), opt, sched, accum_iter=3
+    )
     assert sched.last_epoch == 2
     assert state.accum_step == 2
     assert state.step == 6
@@ -214,13 +249,16 @@ def test_partial_window_steps_and_leaves_no_gradients():
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    _, state = at.run_epoch(batches(5), model, loss_for(model), opt, sched,
-                            accum_iter=3)
+    _, state = at.run_epoch(
+        batches(5), model, loss_for(model), opt, sched, accum_iter=3
+    )
     assert state.accum_step == 2 and sched.last_epoch == 2
-    assert all(p.grad is None or (p.grad == 0).all()
-               for p in model.parameters())
-    assert any(not torch.equal(p, b)
-               for p, b in zip(model.parameters(), before))
+    assert all(
+        p.grad is None or (p.grad == 0).all() for p in model.parameters()
+    )
+    assert any(
+        not torch.equal(p, b) for p, b in zip(model.parameters(), before)
+    )
 
 
 def test_train_state_is_not_shared_between_calls():
@@ -230,8 +268,9 @@ def test_train_state_is_not_shared_between_calls():
     _, s2 = at.run_epoch(batches(3), model, loss_for(model), opt)
     assert s1 is not s2
     assert (s1.step, s2.step) == (2, 3)
-    _, s3 = at.run_epoch(batches(2), model, loss_for(model), opt,
-                         train_state=s2)
+    _, s3 = at.run_epoch(
+        batches(2), model, loss_for(model), opt, train_state=s2
+    )
     assert s3 is s2 and s2.step == 5
 
 
@@ -290,9 +329,52 @@ def test_copy_accuracy_decodes_from_copy_start(monkeypatch):
     assert calls == [at.COPY_START]
 
 
+class RiggedCopier(torch.nn.Module):
+    """A stand-in model that copies, except that it writes 2 after a 5."""
+
+    def __init__(self):
+        super().__init__()
+        self.generator = torch.nn.Identity()
+
+    def encode(self, src, src_mask):
+        return src  # the "memory" is the source itself
+
+    def decode(self, memory, src_mask, tgt, tgt_mask):
+        nxt = memory[:, 1 : tgt.size(1) + 1]  # the right next tokens
+        nxt = torch.where(tgt == 5, torch.full_like(nxt, 2), nxt)
+        return torch.nn.functional.one_hot(nxt, V).float()  # (B, T, V)
+
+    def forward(self, src, tgt, src_mask, tgt_mask):
+        return self.decode(self.encode(src, src_mask), src_mask, tgt, tgt_mask)
+
+
+def test_teacher_forced_check_equals_greedy_check():
+    # Greedy decoding copies a sequence exactly iff every teacher-forced
+    # argmax is right: both checks must give the fraction of sequences in
+    # which every 5 (before the last position) is followed by a 2.
+    n = 200
+    src = next(
+        at.data_gen(V, n, 1, generator=torch.Generator().manual_seed(5))
+    ).src
+    expected = (
+        sum(
+            all(row[t + 1] == 2 for t in range(9) if row[t] == 5)
+            for row in src.tolist()
+        )
+        / n
+    )
+    assert 0.1 < expected < 0.9
+    for check in (at.copy_accuracy_teacher_forced, at.copy_accuracy):
+        g = torch.Generator().manual_seed(5)
+        assert check(RiggedCopier(), n, V, generator=g) == pytest.approx(
+            expected
+        )
+
+
 def test_copy_task_learns_exact_copy_on_fresh_sequences():
-    cfg = at.CopyTaskConfig(**at.COPY_TASK_CI)
+    cfg = at.CopyTaskCIConfig()
     model, history = at.train_copy_task(cfg, log=lambda msg: None)
     assert history[-1]["exact_copy"] == 1.0
+    assert history[-1]["steps"] < cfg.max_epochs * cfg.nbatches
     fresh = torch.Generator().manual_seed(cfg.seed + 12345)
-    assert at.copy_accuracy(model, 500, cfg.V, generator=fresh) == 1.0
+    assert at.copy_accuracy(model, 500, cfg.V, generator=fresh) >= 0.98
