@@ -39,17 +39,6 @@ import the_annotated_transformer as at  # noqa: E402
 ISSUE_2022_SECONDS = 380.0  # quoted by the issue, not measured here
 
 
-def cpu_model():
-    """The CPU's model name from /proc/cpuinfo, or platform's guess."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def load_average():
     """The 1-minute load average, or None where the OS has none."""
     try:
@@ -60,9 +49,9 @@ def load_average():
 
 def machine_lines():
     """What the numbers were measured on."""
-    load = load_average()
+    load, cpu = load_average(), at.hardware_summary()["cpu"]
     return [
-        f"cpu: {cpu_model()} ({os.cpu_count()} logical cores)",
+        f"cpu: {cpu} ({os.cpu_count()} logical cores)",
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"python {platform.python_version()}",
         f"load average before the runs: "
