@@ -28,7 +28,8 @@ setup: .venv/.installed  ## create .venv with every dependency
 	$(PIP) install --quiet -r requirements.txt
 	touch $@
 
-notebook: setup  ## execute every notebook in place (AT_SIZE=ci for a quick run)
+notebook: setup  ## execute every notebook into runs/notebooks/ (AT_SIZE=ci: quick)
+	mkdir -p runs/notebooks
 	for nb in $(NOTEBOOKS); do \
 	  AT_SIZE=$(AT_SIZE) $(PY) -m jupytext --to ipynb --execute \
 	    --output runs/notebooks/$$(basename $${nb%.py}).ipynb $$nb || exit 1; \
