@@ -111,6 +111,18 @@ def test_label_smoothing_penalty_rows_are_finite_with_the_right_shape():
         at.learning_rate_chart,
         at.label_smoothing_chart,
         at.label_smoothing_penalty_chart,
+        lambda: at.copy_progress_chart(
+            [
+                {
+                    "epoch": e,
+                    "steps": 20 * (e + 1),
+                    "train_loss": 1 / (e + 1),
+                    "train_exact": e / 4,
+                    "exact_copy": None,
+                }
+                for e in range(5)
+            ]
+        ),
     ],
 )
 def test_charts_render_to_png_and_svg(make_chart, tmp_path):
@@ -369,6 +381,65 @@ def test_teacher_forced_check_equals_greedy_check():
         assert check(RiggedCopier(), n, V, generator=g) == pytest.approx(
             expected
         )
+
+
+def test_copy_loss_compute_counts_runs_of_exact_sequences():
+    # RiggedCopier gets a sequence right iff no 5 (before the last
+    # position) is followed by something other than 2. Count the run of
+    # exact sequences by hand, one sequence at a time, and compare.
+    model = RiggedCopier()
+    criterion = at.LabelSmoothing(V, padding_idx=at.COPY_PAD, smoothing=0.0)
+    counter = at.CopyLossCompute(model.generator, criterion)
+    g = torch.Generator().manual_seed(3)
+    streak = seen = exact = 0
+    longest = 0
+    for batch in at.data_gen(V, 2, 100, generator=g):
+        out = model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
+        loss, _ = counter(out.log_softmax(-1), batch.tgt_y, batch.ntokens)
+        for row in batch.src.tolist():
+            ok = all(row[t + 1] == 2 for t in range(9) if row[t] == 5)
+            streak = streak + 1 if ok else 0
+            exact += ok
+            seen += 1
+            longest = max(longest, streak)
+        assert counter.streak == streak
+        assert type(loss) is float
+    assert (counter.sequences, counter.exact) == (seen, exact)
+    assert 0 < exact < seen and longest > 2  # runs crossed batch borders
+
+
+def test_copy_loss_compute_ignores_padding():
+    criterion = at.LabelSmoothing(4, padding_idx=0, smoothing=0.0)
+    counter = at.CopyLossCompute(torch.nn.Identity(), criterion, pad=0)
+    y = torch.tensor([[2, 3, 0], [2, 3, 1]])  # row 0 ends in padding
+    logits = torch.nn.functional.one_hot(torch.tensor([[2, 3, 1]] * 2), 4)
+    counter(logits.float().log_softmax(-1), y, 5)
+    assert (counter.exact, counter.streak) == (2, 2)
+
+
+@pytest.mark.parametrize("peak, warmup, total", [(3e-4, 20, 300), (1.0, 5, 8)])
+def test_warmup_linear_decay_closed_form(peak, warmup, total):
+    lrs = [
+        at.warmup_linear_decay(s, peak, warmup, total)
+        for s in range(total + 50)
+    ]
+    top = max(range(len(lrs)), key=lrs.__getitem__)
+    assert lrs[top] == pytest.approx(peak * min(1, 1 - top / total))
+    assert lrs[0] == pytest.approx(peak / warmup)
+    for s in (warmup + 1, (warmup + total) // 2):
+        assert lrs[s] == pytest.approx(peak * (1 - s / total))
+    assert lrs[total:] == [pytest.approx(0.02 * peak)] * 50
+    assert all(a >= b for a, b in zip(lrs[top:], lrs[top + 1 :]))
+
+
+def test_make_optimizer_takes_another_schedule():
+    model = at.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
+    schedule = lambda step: at.warmup_linear_decay(step, 1e-3, 4, 10)
+    opt, sched = at.make_optimizer(model, 16, schedule=schedule)
+    for step in range(15):
+        assert opt.param_groups[0]["lr"] == pytest.approx(schedule(step))
+        opt.step()
+        sched.step()
 
 
 def test_copy_task_learns_exact_copy_on_fresh_sequences():
