@@ -381,3 +381,58 @@ def test_create_dataloaders_on_multi30k(monkeypatch):
         assert src.numel() <= 2000 and tgt.numel() <= 2000
         assert loader.batch_sampler.dropped == []
         assert len(loader.batch_sampler.kept) == n
+
+
+# ------------------------------------------------- bench/batching.py sides
+def test_batching_benchmark_feeds_both_sides_the_same_sentences():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench" / "batching.py"
+    spec = importlib.util.spec_from_file_location("batching", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    rng = random.Random(4)
+    data = [
+        (
+            [
+                at.BOS,
+                *rng.choices(range(4, 50), k=rng.randint(1, 30)),
+                at.EOS,
+            ],
+            [
+                at.BOS,
+                *rng.choices(range(4, 50), k=rng.randint(1, 30)),
+                at.EOS,
+            ],
+        )
+        for _ in range(100)
+    ]
+
+    def unpadded(batches):
+        return sorted(
+            (
+                tuple(x for x in s.tolist() if x != at.PAD),
+                tuple(x for x in t.tolist() if x != at.PAD),
+            )
+            for src, tgt in batches
+            for s, t in zip(src, tgt, strict=True)
+        )
+
+    padded = list(bench.padded_batches(data))
+    bucketed = list(bench.bucketed_batches(data, 32 * 72, seed=0))
+    assert (
+        unpadded(padded)
+        == unpadded(bucketed)
+        == sorted((tuple(s), tuple(t)) for s, t in data)
+    )
+    assert all(s.size(1) == t.size(1) == 72 for s, t in padded)
+    assert all(s.size(0) <= 32 for s, _ in padded)
+    real = sum(len(s) + len(t) for s, t in data)
+    assert bench.padded_positions(padded) == len(data) * 2 * 72
+    assert (
+        real
+        < bench.padded_positions(bucketed)
+        < 0.5 * (bench.padded_positions(padded))
+    )
