@@ -3,6 +3,7 @@
     python bench/copy_task.py                 # 3 runs, seeds 0, 1, 2
     python bench/copy_task.py --runs 5 --seed 10 --threads 1
     python bench/copy_task.py --reference     # also time the 2022 procedure
+    python bench/copy_task.py --set lr=2e-4 --set batch_size=32  # variants
 
 Each run calls `train_copy_task(CopyTaskConfig(seed=...))` from notebook 02
 (N=2, d_model=512, d_ff=2048, h=8) and measures the wall-clock seconds until
@@ -22,6 +23,7 @@ switched on, and the 2022 data (tokens 1..10, start symbol 1).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import statistics
@@ -59,9 +61,32 @@ def machine_lines():
     ]
 
 
-def time_ours(seed, quiet):
+def parse_setting(text):
+    """'lr=2e-4' -> ('lr', 0.0002), typed like the CopyTaskConfig field."""
+    name, sep, value = text.partition("=")
+    defaults = dataclasses.asdict(at.CopyTaskConfig())
+    defaults.pop("seed")  # --seed sets it
+    if not sep or name not in defaults:
+        raise argparse.ArgumentTypeError(
+            f"expected FIELD=VALUE with FIELD one of {', '.join(defaults)};"
+            f" got {text!r}"
+        )
+    kind = type(defaults[name])
+    if kind is bool:
+        if value not in ("True", "False"):
+            raise argparse.ArgumentTypeError(f"{name} is True or False")
+        return name, value == "True"
+    try:
+        return name, kind(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{name} needs a {kind.__name__}, not {value!r}"
+        ) from None
+
+
+def time_ours(seed, quiet, settings=()):
     """Train to exact copy once; returns a dict of measurements."""
-    cfg = at.CopyTaskConfig(seed=seed)
+    cfg = at.CopyTaskConfig(seed=seed, **dict(settings))
     log = (lambda msg: None) if quiet else (lambda msg: print("   ", msg))
     load = load_average()
     t0, c0 = time.perf_counter(), time.process_time()
@@ -169,6 +194,15 @@ def main(argv=None):
     parser.add_argument(
         "--quiet", action="store_true", help="no per-epoch lines"
     )
+    parser.add_argument(
+        "--set",
+        action="append",
+        type=parse_setting,
+        default=[],
+        metavar="FIELD=VALUE",
+        help="change a CopyTaskConfig field, e.g. --set lr=2e-4 "
+        "--set decay_steps=400 (repeatable)",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -176,10 +210,10 @@ def main(argv=None):
     print("Copy task to exact copy, N=2, d_model=512, d_ff=2048, h=8")
     for line in machine_lines():
         print(line)
-    print(at.CopyTaskConfig())
+    print(at.CopyTaskConfig(**dict(args.set)))
     runs = []
     for i in range(args.runs):
-        r = time_ours(args.seed + i, args.quiet)
+        r = time_ours(args.seed + i, args.quiet, args.set)
         runs.append(r)
         print(
             f"run {i + 1}: seed {r['seed']} | {r['seconds']:6.1f} s wall"
