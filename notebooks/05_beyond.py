@@ -1026,3 +1026,35 @@ if results.is_file():
     display(Markdown(results.read_text(encoding="utf-8")))
 else:
     print("no results/beyond.md yet: run bench/bleu_table.py")
+
+# %% [markdown]
+# Reading the table: for each vocabulary, how much do beam search and
+# checkpoint averaging add over greedy decoding of the last checkpoint?
+# The numbers below are computed from `results/beyond.json`, so they stay
+# true when you re-run the script on your own checkpoints.
+
+# %%
+import json
+
+summary = ROOT / "results" / "beyond.json"
+if summary.is_file():
+    rows = json.loads(summary.read_text(encoding="utf-8"))["rows"]
+    for vocabulary in sorted({row["folder"] for row in rows}):
+        runs = [row for row in rows if row["folder"] == vocabulary]
+        greedy = next(r for r in runs if r["beam"] == 1 and not r["average"])
+        best = max(runs, key=lambda r: r["bleu"])
+        print(
+            f"{vocabulary}: greedy {greedy['bleu']:.2f} BLEU; best "
+            f"{best['bleu']:.2f} with {best['setup']!r} "
+            f"({best['bleu'] - greedy['bleu']:+.2f})"
+        )
+
+# %% [markdown]
+# In the committed runs, beam search with averaging adds between two and
+# three BLEU for both vocabularies, and most of it comes from averaging
+# (beam search alone adds about 0.6 for words). The BPE model stays about
+# one BLEU below words at every setting: on a corpus of 29,000 sentence
+# pairs, with a model of 8.1 million parameters against 10.8 million
+# (tied embeddings) and 14 epochs of training against 18, subwords did
+# not pay off here, even though the word model has to write `<unk>` for
+# every word outside its vocabulary.
