@@ -546,7 +546,7 @@ def test_decoding_benchmark_runs_and_agrees(word_run, tmp_path):
 
 
 def test_scripts_have_help():
-    for name in ("decoding", "bleu_table"):
+    for name in ("decoding", "bleu_table", "copy_task", "batching"):
         proc = subprocess.run(
             [sys.executable, str(ROOT / "bench" / f"{name}.py"), "--help"],
             capture_output=True,
@@ -555,3 +555,15 @@ def test_scripts_have_help():
             cwd=ROOT,
         )
         assert proc.returncode == 0 and "usage" in proc.stdout
+
+
+def test_copy_benchmark_settings_are_typed_and_checked():
+    import argparse
+
+    bench = load_script("copy_task")
+    assert bench.parse_setting("lr=2e-4") == ("lr", 2e-4)
+    assert bench.parse_setting("batch_size=32") == ("batch_size", 32)
+    assert bench.parse_setting("bf16=False") == ("bf16", False)
+    for bad in ("lr", "nope=1", "seed=3", "batch_size=1.5", "bf16=no"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench.parse_setting(bad)
