@@ -630,13 +630,11 @@ val_sampler = TokenBatchSampler(
     [(len(s), len(t)) for s, t in val_pairs], max_tokens=32 * 72
 )
 real = sum(len(s) + len(t) for s, t in val_pairs)
-bucketed = sum(
-    len(batch)
-    * (
-        max(len(val_pairs[i][0]) for i in batch)
-        + max(len(val_pairs[i][1]) for i in batch)
+bucketed = sum(  # positions of each batch as collate_batch pads it
+    src.numel() + tgt.numel()
+    for src, tgt in (
+        collate_batch([val_pairs[i] for i in batch]) for batch in val_sampler
     )
-    for batch in val_sampler
 )
 padded = len(val_pairs) * 2 * 72
 print(
