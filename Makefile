@@ -48,9 +48,10 @@ notebook-test: setup  ## run every notebook with nbmake, CI-sized
 	AT_SIZE=ci $(PY) -m pytest -q --nbmake --nbmake-timeout=1500 \
 	  $(NOTEBOOKS:.py=.ipynb)
 
-lint: setup  ## ruff check and format check
+lint: setup  ## ruff check and format check (the module included)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) tools/lesson_stats.py --check
 
 format: setup  ## format the .py sources, then regenerate
 	$(PY) -m ruff format notebooks tools tests bench
@@ -74,13 +75,16 @@ browser:  ## install Debian's chromium when /usr/bin/chromium is missing
 	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq \
 	    chromium >/dev/null; }
 
-html: setup  ## execute every notebook CI-sized and render site/
+html: setup  ## execute every notebook CI-sized, once, and render site/
 	$(PY) tools/build_site.py --size ci
 
 site-test: setup  ## open every page of site/ in headless Chromium
 	$(PY) -m pytest -q tests/test_site.py
 
-check: test notebook-test html site-test  ## everything CI runs
+# `html` is the notebook test of `check`: it executes every notebook once and
+# stops on the first failing cell, naming the notebook and the cell.
+# `notebook-test` runs the same notebooks under nbmake, for use on its own.
+check: test html site-test  ## everything CI runs
 
 clean:
 	rm -rf runs site test-output .pytest_cache

@@ -1,26 +1,183 @@
-# =====================================================================
+# =============================================================================
 # GENERATED FILE: edit the notebooks, not this file.
 # Source: notebooks/NN_*.py (cells starting with "#| export").
 # Regenerate with `make export`; `make check-sync` fails on drift.
-# =====================================================================
+# =============================================================================
 """The Annotated Transformer, done right: the notebooks' code as a module.
 
-Importing it has no side effects and needs only torch. Run
+Importing it has no side effects and needs only torch. Each section below
+names the notebook and heading that explain it. Run
 ``python the_annotated_transformer.py --help`` for the command line.
 """
 
-
-# --- from notebooks/01_model.py ---
+import argparse
 import copy
+import functools
+import gzip
+import hashlib
+import http.client
+import json
 import math
+import os
+import random
+import socket
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import warnings
+from collections import Counter
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+__all__ = [
+    "EncoderDecoder",
+    "Generator",
+    "clones",
+    "Encoder",
+    "LayerNorm",
+    "SublayerConnection",
+    "EncoderLayer",
+    "Decoder",
+    "DecoderLayer",
+    "subsequent_mask",
+    "save_chart",
+    "attention",
+    "MultiHeadedAttention",
+    "PositionwiseFeedForward",
+    "Embeddings",
+    "PositionalEncoding",
+    "make_model",
+    "count_parameters",
+    "Batch",
+    "TrainState",
+    "with_last_flag",
+    "optimizer_step",
+    "run_epoch",
+    "rate",
+    "make_optimizer",
+    "learning_rate_chart",
+    "LabelSmoothing",
+    "label_smoothing_chart",
+    "label_smoothing_penalty_rows",
+    "label_smoothing_penalty_chart",
+    "data_gen",
+    "SimpleLossCompute",
+    "greedy_decode",
+    "warmup_linear_decay",
+    "CopyTaskConfig",
+    "CopyTaskCIConfig",
+    "native_bf16",
+    "copy_accuracy",
+    "copy_accuracy_teacher_forced",
+    "CopyLossCompute",
+    "train_copy_task",
+    "copy_progress_chart",
+    "MULTI30K_BASE_URL",
+    "MULTI30K_ENV",
+    "MULTI30K_SPLITS",
+    "MULTI30K_SHA256",
+    "DatasetError",
+    "data_dir",
+    "sha256_of",
+    "download_multi30k",
+    "read_multi30k",
+    "load_tokenizers",
+    "tokenize",
+    "SPECIALS",
+    "Vocab",
+    "build_vocabulary",
+    "load_vocab",
+    "encode_text",
+    "encode_pairs",
+    "collate_batch",
+    "TokenBatchSampler",
+    "create_dataloaders",
+    "TrainConfig",
+    "PRESETS",
+    "get_config",
+    "UserError",
+    "pick_device",
+    "free_port",
+    "autocast_context",
+    "init_distributed",
+    "save_checkpoint",
+    "load_checkpoint",
+    "epoch_checkpoints",
+    "vocab_state",
+    "as_vocab",
+    "vocab_fields",
+    "TrackedLossCompute",
+    "device_batches",
+    "params_in_sync",
+    "train_worker",
+    "train_distributed_model",
+    "train_model",
+    "load_trained_model",
+    "batch_greedy_decode",
+    "strip_specials",
+    "detokenize",
+    "decode_text",
+    "translate_batch",
+    "compute_bleu",
+    "check_outputs",
+    "run_model_example",
+    "hardware_summary",
+    "read_lines",
+    "evaluate_files",
+    "build_parser",
+    "command_train",
+    "write_results",
+    "command_evaluate",
+    "command_translate",
+    "record_attention",
+    "ATTENTION_KINDS",
+    "AttentionView",
+    "AttentionMaps",
+    "attention_maps",
+    "attention_frame",
+    "attention_chart",
+    "attention_statistics",
+    "attention_summary",
+    "attention_summary_chart",
+    "DecoderCache",
+    "attend_step",
+    "cached_self_attention",
+    "decoder_layer_step",
+    "decode_step",
+    "cached_greedy_decode",
+    "length_penalty",
+    "beam_candidates",
+    "beam_search_steps",
+    "beam_search",
+    "BPE_VOCAB_SIZE",
+    "BpeVocab",
+    "train_bpe",
+    "load_bpe",
+    "average",
+    "average_checkpoints",
+    "load_translator",
+]
 
-# --- from notebooks/01_model.py ---
+
+# =============================================================================
+# Part 1: The model architecture
+# notebooks/01_model.py
+# =============================================================================
+
+
+# -----------------------------------------------------------------------------
+# The encoder–decoder frame
+# Explained in notebooks/01_model.py, same heading.
+# -----------------------------------------------------------------------------
 class EncoderDecoder(nn.Module):
     """Encoder, decoder, the two embeddings and the output generator."""
 
@@ -46,7 +203,6 @@ class EncoderDecoder(nn.Module):
         return self.decoder(self.tgt_embed(tgt), memory, src_mask, tgt_mask)
 
 
-# --- from notebooks/01_model.py ---
 class Generator(nn.Module):
     """Linear projection to the vocabulary, then log-softmax."""
 
@@ -59,13 +215,15 @@ class Generator(nn.Module):
         return F.log_softmax(self.proj(x), dim=-1)
 
 
-# --- from notebooks/01_model.py ---
+# -----------------------------------------------------------------------------
+# Encoder
+# Explained in notebooks/01_model.py, same heading.
+# -----------------------------------------------------------------------------
 def clones(module, N):
     """N independent deep copies of a module, in a ModuleList."""
     return nn.ModuleList([copy.deepcopy(module) for _ in range(N)])
 
 
-# --- from notebooks/01_model.py ---
 class Encoder(nn.Module):
     """N encoder layers followed by a final layer norm."""
 
@@ -81,7 +239,6 @@ class Encoder(nn.Module):
         return self.norm(x)
 
 
-# --- from notebooks/01_model.py ---
 class LayerNorm(nn.Module):
     """Layer norm over the last dimension: a_2 * (x - mean) / std + b_2."""
 
@@ -98,7 +255,6 @@ class LayerNorm(nn.Module):
         return self.a_2 * (x - mean) / torch.sqrt(var + self.eps) + self.b_2
 
 
-# --- from notebooks/01_model.py ---
 class SublayerConnection(nn.Module):
     """Pre-norm residual block: x + dropout(sublayer(norm(x)))."""
 
@@ -112,7 +268,6 @@ class SublayerConnection(nn.Module):
         return x + self.dropout(sublayer(self.norm(x)))
 
 
-# --- from notebooks/01_model.py ---
 class EncoderLayer(nn.Module):
     """Self-attention then feed-forward, each in a residual block."""
 
@@ -129,7 +284,10 @@ class EncoderLayer(nn.Module):
         return self.sublayer[1](x, self.feed_forward)
 
 
-# --- from notebooks/01_model.py ---
+# -----------------------------------------------------------------------------
+# Decoder
+# Explained in notebooks/01_model.py, same heading.
+# -----------------------------------------------------------------------------
 class Decoder(nn.Module):
     """N decoder layers followed by a final layer norm."""
 
@@ -145,7 +303,6 @@ class Decoder(nn.Module):
         return self.norm(x)
 
 
-# --- from notebooks/01_model.py ---
 class DecoderLayer(nn.Module):
     """Masked self-attention, source attention, then feed-forward."""
 
@@ -165,14 +322,12 @@ class DecoderLayer(nn.Module):
         return self.sublayer[2](x, self.feed_forward)
 
 
-# --- from notebooks/01_model.py ---
 def subsequent_mask(size):
     """(1, size, size) bool mask, True where key position <= query."""
     upper = torch.triu(torch.ones(1, size, size, dtype=torch.bool), 1)
     return ~upper
 
 
-# --- from notebooks/01_model.py ---
 def save_chart(chart, name, folder="figures"):
     """Show a chart, and also write it as static SVG and PNG files."""
     folder = Path(folder)
@@ -182,7 +337,10 @@ def save_chart(chart, name, folder="figures"):
     return chart
 
 
-# --- from notebooks/01_model.py ---
+# -----------------------------------------------------------------------------
+# Attention
+# Explained in notebooks/01_model.py, same heading.
+# -----------------------------------------------------------------------------
 def attention(query, key, value, mask=None, dropout=None):
     """Scaled dot-product attention; returns (output, weights)."""
     d_k = query.size(-1)
@@ -195,7 +353,6 @@ def attention(query, key, value, mask=None, dropout=None):
     return p_attn @ value, p_attn  # (B, h, T, d_k), (B, h, T, S)
 
 
-# --- from notebooks/01_model.py ---
 class MultiHeadedAttention(nn.Module):
     """h parallel attention heads over d_model / h dimensions each."""
 
@@ -233,7 +390,10 @@ class MultiHeadedAttention(nn.Module):
         return self.linears[-1](x)  # (B, T, d_model)
 
 
-# --- from notebooks/01_model.py ---
+# -----------------------------------------------------------------------------
+# Position-wise feed-forward networks
+# Explained in notebooks/01_model.py, same heading.
+# -----------------------------------------------------------------------------
 class PositionwiseFeedForward(nn.Module):
     """Two linear maps with a ReLU between, applied at every position."""
 
@@ -248,7 +408,10 @@ class PositionwiseFeedForward(nn.Module):
         return self.w_2(self.dropout(self.w_1(x).relu()))
 
 
-# --- from notebooks/01_model.py ---
+# -----------------------------------------------------------------------------
+# Embeddings
+# Explained in notebooks/01_model.py, same heading.
+# -----------------------------------------------------------------------------
 class Embeddings(nn.Module):
     """Token embedding table scaled by sqrt(d_model)."""
 
@@ -262,7 +425,10 @@ class Embeddings(nn.Module):
         return self.lut(x) * math.sqrt(self.d_model)
 
 
-# --- from notebooks/01_model.py ---
+# -----------------------------------------------------------------------------
+# Positional encoding
+# Explained in notebooks/01_model.py, same heading.
+# -----------------------------------------------------------------------------
 class PositionalEncoding(nn.Module):
     """Add the fixed sinusoidal position signal, then dropout."""
 
@@ -283,7 +449,10 @@ class PositionalEncoding(nn.Module):
         return self.dropout(x + self.pe[:, : x.size(1)])
 
 
-# --- from notebooks/01_model.py ---
+# -----------------------------------------------------------------------------
+# The full model
+# Explained in notebooks/01_model.py, same heading.
+# -----------------------------------------------------------------------------
 def make_model(
     src_vocab,
     tgt_vocab,
@@ -321,19 +490,25 @@ def make_model(
     return model
 
 
-# --- from notebooks/01_model.py ---
+# -----------------------------------------------------------------------------
+# Counting parameters
+# Explained in notebooks/01_model.py, same heading.
+# -----------------------------------------------------------------------------
 def count_parameters(module):
     """Number of distinct trainable parameters (shared ones once)."""
     return sum(p.numel() for p in module.parameters() if p.requires_grad)
 
 
-# --- from notebooks/02_training.py ---
-import time
-from contextlib import nullcontext
-from dataclasses import dataclass
+# =============================================================================
+# Part 2: Training, and a first task: copying
+# notebooks/02_training.py
+# =============================================================================
 
 
-# --- from notebooks/02_training.py ---
+# -----------------------------------------------------------------------------
+# Batches and masks
+# Explained in notebooks/02_training.py, same heading.
+# -----------------------------------------------------------------------------
 class Batch:
     """Source and target ids with their masks, for teacher forcing."""
 
@@ -360,7 +535,10 @@ class Batch:
         return self
 
 
-# --- from notebooks/02_training.py ---
+# -----------------------------------------------------------------------------
+# The training loop
+# Explained in notebooks/02_training.py, same heading.
+# -----------------------------------------------------------------------------
 @dataclass
 class TrainState:
     """Counters that persist across epochs."""
@@ -396,7 +574,6 @@ def optimizer_step(optimizer, scheduler, parameters, scale=1.0):
         scheduler.step()
 
 
-# --- from notebooks/02_training.py ---
 def run_epoch(
     data_iter,
     model,
@@ -460,7 +637,10 @@ def run_epoch(
     return total_loss / max(total_tokens, 1), train_state
 
 
-# --- from notebooks/02_training.py ---
+# -----------------------------------------------------------------------------
+# Optimizer and learning-rate schedule
+# Explained in notebooks/02_training.py, same heading.
+# -----------------------------------------------------------------------------
 def rate(step, model_size, factor, warmup):
     """Warm-up then inverse-square-root learning rate (paper eq. 3)."""
     step = max(step, 1)
@@ -484,7 +664,6 @@ def make_optimizer(
     return optimizer, scheduler
 
 
-# --- from notebooks/02_training.py ---
 def learning_rate_chart(
     settings=((512, 1.0, 4000), (512, 1.0, 8000), (256, 1.0, 4000)),
     steps=20000,
@@ -515,7 +694,10 @@ def learning_rate_chart(
     )
 
 
-# --- from notebooks/02_training.py ---
+# -----------------------------------------------------------------------------
+# Label smoothing
+# Explained in notebooks/02_training.py, same heading.
+# -----------------------------------------------------------------------------
 class LabelSmoothing(nn.Module):
     """KL-divergence loss against label-smoothed targets; pad ignored."""
 
@@ -548,7 +730,6 @@ class LabelSmoothing(nn.Module):
         return self.criterion(x, self.true_dist)
 
 
-# --- from notebooks/02_training.py ---
 def label_smoothing_chart(smoothing=0.4):
     """Heat map of the smoothed target distribution for 5 examples."""
     import altair as alt
@@ -576,7 +757,6 @@ def label_smoothing_chart(smoothing=0.4):
     )
 
 
-# --- from notebooks/02_training.py ---
 def label_smoothing_penalty_rows(margins=range(0, 25), smoothing=0.1):
     """Loss of one prediction against its margin, with and without LS."""
     rows = []
@@ -614,7 +794,10 @@ def label_smoothing_penalty_chart(smoothing=0.1):
     )
 
 
-# --- from notebooks/02_training.py ---
+# -----------------------------------------------------------------------------
+# A first example: the copy task
+# Explained in notebooks/02_training.py, same heading.
+# -----------------------------------------------------------------------------
 COPY_PAD, COPY_START = 0, 1
 
 
@@ -626,7 +809,6 @@ def data_gen(V, batch_size, nbatches, seq_len=10, generator=None):
         yield Batch(data, data.clone(), pad=COPY_PAD)
 
 
-# --- from notebooks/02_training.py ---
 class SimpleLossCompute:
     """Generator + criterion, normalized by the token count."""
 
@@ -644,7 +826,6 @@ class SimpleLossCompute:
         return sloss.item() * norm, sloss
 
 
-# --- from notebooks/02_training.py ---
 def greedy_decode(model, src, src_mask, max_len, start_symbol):
     """Most-probable-token decoding: (B, S) source to (B, max_len) ids."""
     memory = model.encode(src, src_mask)  # (B, S, d_model)
@@ -660,7 +841,6 @@ def greedy_decode(model, src, src_mask, max_len, start_symbol):
     return ys
 
 
-# --- from notebooks/02_training.py ---
 def warmup_linear_decay(step, peak, warmup, total, floor=0.02):
     """Linear warm-up to `peak`, then linear decay to `floor * peak`."""
     ramp = (step + 1) / warmup
@@ -712,7 +892,6 @@ def native_bf16(device_type="cpu"):
         return False
 
 
-# --- from notebooks/02_training.py ---
 def copy_accuracy(model, n, V=11, seq_len=10, generator=None):
     """Fraction of n fresh random sequences greedy decoding copies exactly."""
     model.eval()
@@ -762,7 +941,6 @@ class CopyLossCompute(SimpleLossCompute):
         return result
 
 
-# --- from notebooks/02_training.py ---
 def train_copy_task(cfg=None, log=print):
     """Train until exact copy; returns (model, list of epoch records)."""
     cfg = cfg or CopyTaskConfig()
@@ -834,7 +1012,6 @@ def train_copy_task(cfg=None, log=print):
     return model, history
 
 
-# --- from notebooks/02_training.py ---
 def copy_progress_chart(history):
     """Altair chart: exactly copied training sequences per epoch."""
     import altair as alt
@@ -858,24 +1035,16 @@ def copy_progress_chart(history):
     )
 
 
-# --- from notebooks/03_multi30k.py ---
-import gzip
-import hashlib
-import http.client
-import json
-import os
-import random
-import tempfile
-import urllib.error
-import urllib.request
-import warnings
-from collections import Counter
-from pathlib import Path
-
-import torch
+# =============================================================================
+# Part 3: A real task, Multi30k German → English
+# notebooks/03_multi30k.py
+# =============================================================================
 
 
-# --- from notebooks/03_multi30k.py ---
+# -----------------------------------------------------------------------------
+# Downloading Multi30k
+# Explained in notebooks/03_multi30k.py, same heading.
+# -----------------------------------------------------------------------------
 MULTI30K_BASE_URL = (
     "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/"
 )
@@ -925,7 +1094,6 @@ def sha256_of(path):
     return digest.hexdigest()
 
 
-# --- from notebooks/03_multi30k.py ---
 def _offline_hint(folder):
     """What to do when the files cannot be fetched."""
     return (
@@ -1016,7 +1184,6 @@ def download_multi30k(
     return folder
 
 
-# --- from notebooks/03_multi30k.py ---
 def read_multi30k(split, root=None):
     """The (German, English) sentence pairs of "train", "val" or "test"."""
     if split not in MULTI30K_SPLITS:
@@ -1032,7 +1199,10 @@ def read_multi30k(split, root=None):
     return list(zip(*sides, strict=True))
 
 
-# --- from notebooks/03_multi30k.py ---
+# -----------------------------------------------------------------------------
+# Tokenizers
+# Explained in notebooks/03_multi30k.py, same heading.
+# -----------------------------------------------------------------------------
 def load_tokenizers():
     """Rule-based German and English spaCy tokenizers (no download)."""
     import spacy
@@ -1045,7 +1215,10 @@ def tokenize(text, tokenizer):
     return [tok.text for tok in tokenizer.tokenizer(text) if not tok.is_space]
 
 
-# --- from notebooks/03_multi30k.py ---
+# -----------------------------------------------------------------------------
+# Vocabulary
+# Explained in notebooks/03_multi30k.py, same heading.
+# -----------------------------------------------------------------------------
 SPECIALS = ("<s>", "</s>", "<blank>", "<unk>")
 BOS, EOS, PAD, UNK = 0, 1, 2, 3
 
@@ -1115,7 +1288,6 @@ class Vocab:
         return cls(json.loads(Path(path).read_text(encoding="utf-8"))["itos"])
 
 
-# --- from notebooks/03_multi30k.py ---
 def build_vocabulary(spacy_de, spacy_en, min_freq=2):
     """Source (German) and target (English) vocabularies of train."""
     train = read_multi30k("train")
@@ -1148,7 +1320,10 @@ def load_vocab(spacy_de, spacy_en, path=None, min_freq=2):
     return vocab_src, vocab_tgt
 
 
-# --- from notebooks/03_multi30k.py ---
+# -----------------------------------------------------------------------------
+# Batching
+# Explained in notebooks/03_multi30k.py, same heading.
+# -----------------------------------------------------------------------------
 def encode_text(text, tokenizer, vocab):
     """Ids of one sentence, without `<s>` and `</s>`."""
     if isinstance(vocab, Vocab):
@@ -1183,7 +1358,6 @@ def collate_batch(batch, pad_id=PAD):
     return src, tgt
 
 
-# --- from notebooks/03_multi30k.py ---
 class TokenBatchSampler(torch.utils.data.Sampler):
     """Length-bucketed batches within a token budget, split across ranks."""
 
@@ -1248,7 +1422,6 @@ class TokenBatchSampler(torch.utils.data.Sampler):
         return len(self.all_batches()) // self.num_replicas
 
 
-# --- from notebooks/03_multi30k.py ---
 def create_dataloaders(
     vocab_src,
     vocab_tgt,
@@ -1297,17 +1470,10 @@ def create_dataloaders(
     return tuple(loaders)
 
 
-# --- from notebooks/03_multi30k.py ---
-import argparse
-import socket
-import sys
-import time
-from contextlib import nullcontext
-from dataclasses import asdict, dataclass, replace
-from functools import partial
-
-
-# --- from notebooks/03_multi30k.py ---
+# -----------------------------------------------------------------------------
+# Training on Multi30k
+# Explained in notebooks/03_multi30k.py, same heading.
+# -----------------------------------------------------------------------------
 @dataclass
 class TrainConfig:
     """Everything that defines a Multi30k training run."""
@@ -1388,7 +1554,6 @@ class UserError(Exception):
     """A problem with the user's input, reported without a traceback."""
 
 
-# --- from notebooks/03_multi30k.py ---
 def pick_device(rank=0):
     """cuda:rank when CUDA is available, else the CPU."""
     if torch.cuda.is_available():
@@ -1426,7 +1591,6 @@ def init_distributed(rank, world_size, port=None):
         )
 
 
-# --- from notebooks/03_multi30k.py ---
 def save_checkpoint(path, **fields):
     """Write a dict of tensors and plain types atomically."""
     path = Path(path)
@@ -1478,7 +1642,6 @@ def vocab_fields(vocab_src, vocab_tgt):
     return fields
 
 
-# --- from notebooks/03_multi30k.py ---
 class TrackedLossCompute(SimpleLossCompute):
     """SimpleLossCompute that also drives a tqdm progress bar."""
 
@@ -1524,7 +1687,6 @@ def params_in_sync(module):
     return all(torch.equal(gathered[0], g) for g in gathered)
 
 
-# --- from notebooks/03_multi30k.py ---
 def train_worker(
     rank,
     world_size,
@@ -1675,7 +1837,6 @@ def train_worker(
     return history
 
 
-# --- from notebooks/03_multi30k.py ---
 def train_distributed_model(
     vocab_src,
     vocab_tgt,
@@ -1735,7 +1896,6 @@ def train_model(
     )
 
 
-# --- from notebooks/03_multi30k.py ---
 def load_trained_model(path, device="cpu"):
     """(model in eval mode, vocab_src, vocab_tgt, config) from a checkpoint."""
     ckpt = load_checkpoint(path, device)
@@ -1766,7 +1926,10 @@ def load_trained_model(path, device="cpu"):
     return model.to(device).eval(), vocab_src, vocab_tgt, config
 
 
-# --- from notebooks/03_multi30k.py ---
+# -----------------------------------------------------------------------------
+# Decoding and BLEU
+# Explained in notebooks/03_multi30k.py, same heading.
+# -----------------------------------------------------------------------------
 @torch.no_grad()
 def batch_greedy_decode(
     model, src, src_mask, max_len, start_symbol=BOS, end_symbol=EOS
@@ -1797,7 +1960,6 @@ def strip_specials(ids, end_symbol=EOS):
     return ids[: ids.index(end_symbol)] if end_symbol in ids else ids
 
 
-# --- from notebooks/03_multi30k.py ---
 _NO_SPACE_BEFORE = {
     ".",
     ",",
@@ -1891,7 +2053,6 @@ def compute_bleu(hypotheses, references):
     return sacrebleu.corpus_bleu(hypotheses, [references])
 
 
-# --- from notebooks/03_multi30k.py ---
 def check_outputs(
     model, pairs, spacy_de, vocab_src, vocab_tgt, n_examples=5, device="cpu"
 ):
@@ -1922,7 +2083,10 @@ def run_model_example(checkpoint="checkpoints/cpu/final.pt", n_examples=5):
     )
 
 
-# --- from notebooks/03_multi30k.py ---
+# -----------------------------------------------------------------------------
+# The command line
+# Explained in notebooks/03_multi30k.py, same heading.
+# -----------------------------------------------------------------------------
 def hardware_summary():
     """A short description of the CPU or GPU this process runs on."""
     import platform
@@ -1991,7 +2155,6 @@ def evaluate_files(
     return compute_bleu(hyps, references), hyps
 
 
-# --- from notebooks/03_multi30k.py ---
 def build_parser():
     """The argparse parser of the command line."""
     parser = argparse.ArgumentParser(
@@ -2216,17 +2379,16 @@ def main(argv=None):
         return 130
 
 
-# --- from notebooks/04_attention.py ---
-import json
-import math
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import NamedTuple
-
-import torch
+# =============================================================================
+# Part 4: Looking inside attention
+# notebooks/04_attention.py
+# =============================================================================
 
 
-# --- from notebooks/04_attention.py ---
+# -----------------------------------------------------------------------------
+# Recording the weights
+# Explained in notebooks/04_attention.py, same heading.
+# -----------------------------------------------------------------------------
 @contextmanager
 def record_attention(model):
     """Within the block, every attention layer keeps its weights in .attn."""
@@ -2243,7 +2405,10 @@ def record_attention(model):
             m.store_attention, m.attn = flag, None
 
 
-# --- from notebooks/04_attention.py ---
+# -----------------------------------------------------------------------------
+# One sentence, every map
+# Explained in notebooks/04_attention.py, same heading.
+# -----------------------------------------------------------------------------
 ATTENTION_KINDS = {
     "encoder self": "encoder_self",
     "decoder self": "decoder_self",
@@ -2315,7 +2480,6 @@ class AttentionMaps:
         raise ValueError(f"kind must be one of {list(ATTENTION_KINDS)}")
 
 
-# --- from notebooks/04_attention.py ---
 def _labels(ids, vocab):
     """Token strings of ids, or the ids as strings without a vocabulary."""
     ids = ids.tolist()
@@ -2364,7 +2528,10 @@ def attention_maps(
     )
 
 
-# --- from notebooks/04_attention.py ---
+# -----------------------------------------------------------------------------
+# Drawing the maps
+# Explained in notebooks/04_attention.py, same heading.
+# -----------------------------------------------------------------------------
 def attention_frame(maps, kind):
     """One kind of attention as a long pandas table, padding left out."""
     import pandas as pd
@@ -2393,7 +2560,6 @@ def attention_frame(maps, kind):
     return frame
 
 
-# --- from notebooks/04_attention.py ---
 def attention_chart(maps, kind, layer=None, columns=4, cell=18):
     """Heat maps of one kind, one per head, with a menu to pick the layer."""
     import altair as alt
@@ -2471,7 +2637,10 @@ def _token_axis(labels, title, angle=0):
     )
 
 
-# --- from notebooks/04_attention.py ---
+# -----------------------------------------------------------------------------
+# What the heads do, measured
+# Explained in notebooks/04_attention.py, same heading.
+# -----------------------------------------------------------------------------
 def _mean(x, keep):
     """Mean of (N, h, R) over the rows where keep (R,) is True; 0 if none."""
     return x[..., keep].mean(-1) if keep.any() else x.sum(-1) * 0
@@ -2520,7 +2689,6 @@ def attention_statistics(maps, specials=(BOS, EOS)):
     return out
 
 
-# --- from notebooks/04_attention.py ---
 def attention_summary(model, pairs, spacy_de, spacy_en, vocab_src, vocab_tgt):
     """attention_statistics averaged over sentence pairs (de, en)."""
     totals = {}
@@ -2538,7 +2706,6 @@ def attention_summary(model, pairs, spacy_de, spacy_en, vocab_src, vocab_tgt):
     ]
 
 
-# --- from notebooks/04_attention.py ---
 def attention_summary_chart(summary, width=170):
     """Entropy and diagonal distance per layer and head, for each kind."""
     import altair as alt
@@ -2580,17 +2747,16 @@ def attention_summary_chart(summary, width=170):
     )
 
 
-# --- from notebooks/05_beyond.py ---
-import functools
-import math
-import time
-from dataclasses import replace
-
-import torch
-import torch.nn.functional as F
+# =============================================================================
+# Part 5: Beyond the paper: what the 2022 tutorial left out
+# notebooks/05_beyond.py
+# =============================================================================
 
 
-# --- from notebooks/05_beyond.py ---
+# -----------------------------------------------------------------------------
+# 1. Incremental decoding with a key/value cache
+# Explained in notebooks/05_beyond.py, same heading.
+# -----------------------------------------------------------------------------
 class DecoderCache:
     """Per-layer keys and values that incremental decoding reuses."""
 
@@ -2622,7 +2788,6 @@ class DecoderCache:
             ]
 
 
-# --- from notebooks/05_beyond.py ---
 def attend_step(attn, x, k, v, mask=None):
     """Attention of the new positions x (R, 1, d) to k, v (B, h, S, d_k)."""
     R, B = x.size(0), k.size(0)  # R = B * group
@@ -2666,7 +2831,6 @@ def decode_step(model, ys_last, cache):
     return model.generator(model.decoder.norm(x))[:, -1]  # (R, V)
 
 
-# --- from notebooks/05_beyond.py ---
 @torch.no_grad()
 def cached_greedy_decode(
     model, src, src_mask, max_len, start_symbol=BOS, end_symbol=EOS
@@ -2691,13 +2855,15 @@ def cached_greedy_decode(
     return out[:, : t + 1]  # (B, <= max_len)
 
 
-# --- from notebooks/05_beyond.py ---
+# -----------------------------------------------------------------------------
+# 2. Beam search
+# Explained in notebooks/05_beyond.py, same heading.
+# -----------------------------------------------------------------------------
 def length_penalty(length, alpha=0.6):
     """GNMT length penalty ((5 + |Y|) / 6) ** alpha."""
     return ((5.0 + length) / 6.0) ** alpha
 
 
-# --- from notebooks/05_beyond.py ---
 def beam_candidates(logp, logp_sum, lengths, finished, alpha):
     """The best extensions of each hypothesis: score, log P, token."""
     A, k, V = logp.shape  # (sentences, beams, vocabulary)
@@ -2712,7 +2878,6 @@ def beam_candidates(logp, logp_sum, lengths, finished, alpha):
     return score.view(A, -1), cand.view(A, -1), word.view(A, -1), cand_len
 
 
-# --- from notebooks/05_beyond.py ---
 def beam_search_steps(
     step,
     select,
@@ -2768,7 +2933,6 @@ def beam_search_steps(
     return out[:, : t + 1]  # (B, <= max_len)
 
 
-# --- from notebooks/05_beyond.py ---
 @torch.no_grad()
 def beam_search(
     model,
@@ -2796,7 +2960,10 @@ def beam_search(
     )
 
 
-# --- from notebooks/05_beyond.py ---
+# -----------------------------------------------------------------------------
+# 3. A shared subword vocabulary, and one matrix for three jobs
+# Explained in notebooks/05_beyond.py, same heading.
+# -----------------------------------------------------------------------------
 BPE_VOCAB_SIZE = 10000
 
 
@@ -2840,7 +3007,6 @@ class BpeVocab:
         return self.lookup_tokens(range(len(self)))
 
 
-# --- from notebooks/05_beyond.py ---
 def train_bpe(sentences, vocab_size=BPE_VOCAB_SIZE):
     """A BpeVocab learned from an iterable of sentences."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -2874,7 +3040,10 @@ def load_bpe(path=None, vocab_size=BPE_VOCAB_SIZE):
     return bpe
 
 
-# --- from notebooks/05_beyond.py ---
+# -----------------------------------------------------------------------------
+# 4. Checkpoint averaging
+# Explained in notebooks/05_beyond.py, same heading.
+# -----------------------------------------------------------------------------
 @torch.no_grad()
 def average(model, models):
     """Set model's parameters to the mean of those of `models`."""
@@ -2908,7 +3077,10 @@ def average_checkpoints(paths, device="cpu"):
     return model.eval(), vocab_src, vocab_tgt, config
 
 
-# --- from notebooks/05_beyond.py ---
+# -----------------------------------------------------------------------------
+# 5. From the command line, and the results
+# Explained in notebooks/05_beyond.py, same heading.
+# -----------------------------------------------------------------------------
 def load_translator(checkpoint, device="cpu", beam=1, average=0):
     """(model, vocab_src, vocab_tgt, decode_fn) for greedy or beam search."""
     if average:
@@ -2927,7 +3099,5 @@ def load_translator(checkpoint, device="cpu", beam=1, average=0):
     return model, vocab_src, vocab_tgt, decode_fn
 
 
-# ---------------------------------------------------------------------
-# Command line entry point (added by tools/export.py).
 if __name__ == "__main__":
     raise SystemExit(main())

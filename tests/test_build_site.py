@@ -174,3 +174,17 @@ def test_page_template_is_offline_with_katex_and_navigation():
     assert 'src="static/vega/vega-bundle.js"' in body
     assert body.count('<nav class="at-nav">NAV</nav>') == 2
     assert re.search(r'<div class="at-chart" id="at-chart-1">', body)
+
+
+def test_a_failing_cell_stops_the_build_naming_notebook_and_cell(tmp_path):
+    source = tmp_path / "07_broken.py"
+    source.write_text(
+        "# %% [markdown]\n# # Broken\n\n# %%\nx = 1\n\n"
+        "# %%\nraise ValueError('boom')\n\n# %%\nprint('never')\n"
+    )
+    with pytest.raises(SystemExit) as stop:
+        build_site.execute(source, tmp_path / "runs", timeout=120)
+    message = str(stop.value)
+    assert message.startswith("07_broken.py: code cell 2 (\"raise")
+    assert "ValueError" in message and "boom" in message
+    assert (tmp_path / "runs" / "07_broken.ipynb").exists()

@@ -299,9 +299,25 @@ def execute(source: Path, runs: Path, timeout: int) -> nbformat.NotebookNode:
         client.execute(cwd=str(source.parent))
     except (CellExecutionError, CellTimeoutError, DeadKernelError) as err:
         nbformat.write(nb, out)
-        sys.exit(f"{source.name} failed (partial run in {out}):\n{err}")
+        sys.exit(
+            f"{source.name}: {failed_cell(nb)} failed "
+            f"(partial run in {out}):\n{err}"
+        )
     nbformat.write(nb, out)
     return nb
+
+
+def failed_cell(nb: nbformat.NotebookNode) -> str:
+    """Name the code cell that raised: its number and first line."""
+    number = 0
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        number += 1
+        if any(o.get("output_type") == "error" for o in cell.outputs):
+            first = cell.source.strip().splitlines()[0][:60]
+            return f"code cell {number} ({first!r})"
+    return "a cell (timeout or dead kernel)"
 
 
 def first_heading(nb: nbformat.NotebookNode, default: str) -> str:
