@@ -3,7 +3,6 @@ at the notebooks, an honest ``__all__``, lessons that never reach forward,
 and notebooks that keep to the lesson targets."""
 
 import ast
-import builtins
 import re
 import subprocess
 import symtable

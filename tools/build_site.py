@@ -55,6 +55,9 @@ import jinja2
 import jupytext
 import nbformat
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from export import attach_diagrams  # noqa: E402  (tools/export.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 SITE = ROOT / "site"
@@ -282,6 +285,7 @@ def execute(source: Path, runs: Path, timeout: int) -> nbformat.NotebookNode:
     )
 
     nb = jupytext.read(source)
+    attach_diagrams(nb, source.parent)
     client = NotebookClient(nb, timeout=timeout, record_timing=True)
 
     async def enable_json_charts(notebook):

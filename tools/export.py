@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import base64
+import re
 import sys
 import textwrap
 from dataclasses import dataclass, field
@@ -237,9 +239,28 @@ def _top_level_functions(text: str) -> set[str]:
     }
 
 
+ATTACHMENT = re.compile(r"\(attachment:([\w.-]+\.svg)\)")
+
+
+def attach_diagrams(nb, folder: Path) -> None:
+    """Embed each ``![..](attachment:NAME.svg)`` from ``folder/diagrams``.
+
+    A markdown attachment travels inside the .ipynb, so Jupyter, Colab,
+    GitHub and nbconvert all show the picture without the repository.
+    """
+    for cell in nb.cells:
+        if cell.cell_type != "markdown":
+            continue
+        for name in ATTACHMENT.findall(cell.source):
+            svg = (folder / "diagrams" / name).read_bytes()
+            data = base64.b64encode(svg).decode("ascii")
+            cell.setdefault("attachments", {})[name] = {"image/svg+xml": data}
+
+
 def render_ipynb(path: Path) -> str:
     """The .ipynb text that the percent file generates (no outputs)."""
     nb = jupytext.read(path)
+    attach_diagrams(nb, path.parent)
     nb.metadata.setdefault("jupytext", {})["formats"] = "ipynb,py:percent"
     for i, cell in enumerate(nb.cells):  # jupytext draws random ids
         cell.id = f"cell-{i:03d}"
