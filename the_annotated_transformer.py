@@ -30,7 +30,6 @@ import warnings
 from collections import Counter
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, replace
-from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -42,14 +41,16 @@ __all__ = [
     "EncoderDecoder",
     "Generator",
     "clones",
+    "LayerStack",
     "Encoder",
     "LayerNorm",
     "SublayerConnection",
+    "residual_blocks",
+    "sublayer_property",
     "EncoderLayer",
     "Decoder",
     "DecoderLayer",
     "subsequent_mask",
-    "save_chart",
     "attention",
     "MultiHeadedAttention",
     "PositionwiseFeedForward",
@@ -58,86 +59,69 @@ __all__ = [
     "make_model",
     "count_parameters",
     "Batch",
+    "data_gen",
+    "LabelSmoothing",
+    "save_chart",
+    "line_chart",
+    "label_smoothing_penalty_rows",
+    "label_smoothing_penalty_chart",
+    "SimpleLossCompute",
     "TrainState",
     "with_last_flag",
     "optimizer_step",
+    "micro_step",
+    "print_progress",
     "run_epoch",
     "rate",
     "make_optimizer",
     "learning_rate_chart",
-    "LabelSmoothing",
-    "label_smoothing_chart",
-    "label_smoothing_penalty_rows",
-    "label_smoothing_penalty_chart",
-    "data_gen",
-    "SimpleLossCompute",
     "greedy_decode",
-    "warmup_linear_decay",
-    "CopyTaskConfig",
-    "CopyTaskCIConfig",
-    "native_bf16",
     "copy_accuracy",
     "copy_accuracy_teacher_forced",
     "CopyLossCompute",
+    "greedy_check",
+    "warmup_linear_decay",
+    "CopyTaskConfig",
+    "native_bf16",
+    "copy_task_setup",
+    "epoch_summary",
     "train_copy_task",
     "copy_progress_chart",
-    "MULTI30K_BASE_URL",
     "MULTI30K_ENV",
     "MULTI30K_SPLITS",
-    "MULTI30K_SHA256",
     "DatasetError",
     "data_dir",
-    "sha256_of",
-    "download_multi30k",
     "read_multi30k",
     "load_tokenizers",
     "tokenize",
     "SPECIALS",
     "Vocab",
     "build_vocabulary",
-    "load_vocab",
     "encode_text",
     "encode_pairs",
     "collate_batch",
+    "bucket",
+    "split_evenly",
     "TokenBatchSampler",
     "create_dataloaders",
     "TrainConfig",
-    "PRESETS",
-    "get_config",
+    "model_from_config",
     "UserError",
-    "pick_device",
-    "free_port",
-    "autocast_context",
-    "init_distributed",
     "save_checkpoint",
     "load_checkpoint",
     "epoch_checkpoints",
-    "vocab_state",
-    "as_vocab",
-    "vocab_fields",
-    "TrackedLossCompute",
-    "device_batches",
+    "word_vocabularies",
+    "VOCAB_LOADERS",
+    "save_run",
+    "TrainingRun",
     "params_in_sync",
+    "train_epoch",
+    "save_epoch",
+    "resume_run",
     "train_worker",
-    "train_distributed_model",
-    "train_model",
     "load_trained_model",
     "batch_greedy_decode",
     "strip_specials",
-    "detokenize",
-    "decode_text",
-    "translate_batch",
-    "compute_bleu",
-    "check_outputs",
-    "run_model_example",
-    "hardware_summary",
-    "read_lines",
-    "evaluate_files",
-    "build_parser",
-    "command_train",
-    "write_results",
-    "command_evaluate",
-    "command_translate",
     "record_attention",
     "ATTENTION_KINDS",
     "AttentionView",
@@ -156,15 +140,50 @@ __all__ = [
     "cached_greedy_decode",
     "length_penalty",
     "beam_candidates",
+    "Beams",
+    "advance_beams",
+    "keep_best",
     "beam_search_steps",
     "beam_search",
-    "BPE_VOCAB_SIZE",
     "BpeVocab",
+    "BPE_VOCAB_SIZE",
     "train_bpe",
     "load_bpe",
     "average",
     "average_checkpoints",
     "load_translator",
+    "MULTI30K_BASE_URL",
+    "MULTI30K_SHA256",
+    "sha256_of",
+    "download_multi30k",
+    "PRESETS",
+    "get_config",
+    "load_vocab",
+    "load_vocabularies",
+    "bpe_vocabularies",
+    "hardware_summary",
+    "free_port",
+    "train_distributed_model",
+    "train_model",
+    "detokenize",
+    "decode_text",
+    "translate_batch",
+    "compute_bleu",
+    "translate",
+    "check_outputs",
+    "run_model_example",
+    "read_lines",
+    "evaluate_files",
+    "write_results",
+    "add_train_parser",
+    "add_decoding_options",
+    "add_evaluate_parser",
+    "add_translate_parser",
+    "build_parser",
+    "command_train",
+    "command_evaluate",
+    "command_translate",
+    "command_download",
 ]
 
 
@@ -183,10 +202,9 @@ class EncoderDecoder(nn.Module):
 
     def __init__(self, encoder, decoder, src_embed, tgt_embed, generator):
         super().__init__()
-        self.encoder = encoder
-        self.decoder = decoder
-        self.src_embed = src_embed
-        self.tgt_embed = tgt_embed
+        # The order of these lines fixes the order of the state-dict keys.
+        self.encoder, self.decoder = encoder, decoder
+        self.src_embed, self.tgt_embed = src_embed, tgt_embed
         self.generator = generator
 
     def forward(self, src, tgt, src_mask, tgt_mask):
@@ -196,11 +214,13 @@ class EncoderDecoder(nn.Module):
 
     def encode(self, src, src_mask):
         """Source token ids (B, S) to memory (B, S, d_model)."""
-        return self.encoder(self.src_embed(src), src_mask)
+        vectors = self.src_embed(src)  # (B, S, d_model)
+        return self.encoder(vectors, src_mask)
 
     def decode(self, memory, src_mask, tgt, tgt_mask):
         """Target prefix ids (B, T) to hidden states (B, T, d_model)."""
-        return self.decoder(self.tgt_embed(tgt), memory, src_mask, tgt_mask)
+        vectors = self.tgt_embed(tgt)  # (B, T, d_model)
+        return self.decoder(vectors, memory, src_mask, tgt_mask)
 
 
 class Generator(nn.Module):
@@ -224,19 +244,27 @@ def clones(module, N):
     return nn.ModuleList([copy.deepcopy(module) for _ in range(N)])
 
 
-class Encoder(nn.Module):
-    """N encoder layers followed by a final layer norm."""
+class LayerStack(nn.Module):
+    """N copies of one layer, applied in turn, then a final layer norm."""
 
     def __init__(self, layer, N):
         super().__init__()
         self.layers = clones(layer, N)
         self.norm = LayerNorm(layer.size)
 
-    def forward(self, x, mask):
-        """Run (B, S, d_model) through every layer in turn."""
+    def run(self, x, *context):
+        """Pass (B, T, d_model) through every layer, then normalize."""
         for layer in self.layers:
-            x = layer(x, mask)
+            x = layer(x, *context)
         return self.norm(x)
+
+
+class Encoder(LayerStack):
+    """The encoder: N EncoderLayers and a final layer norm."""
+
+    def forward(self, x, mask):
+        """(B, S, d_model) source vectors with a (B, 1, S) padding mask."""
+        return self.run(x, mask)
 
 
 class LayerNorm(nn.Module):
@@ -268,39 +296,45 @@ class SublayerConnection(nn.Module):
         return x + self.dropout(sublayer(self.norm(x)))
 
 
+def residual_blocks(size, dropout, n):
+    """n fresh SublayerConnections, one per sub-layer of a layer."""
+    return nn.ModuleList(SublayerConnection(size, dropout) for _ in range(n))
+
+
+def sublayer_property(i, doc):
+    """A read-only property that names the block self.sublayer[i]."""
+    return property(lambda self: self.sublayer[i], doc=doc)
+
+
 class EncoderLayer(nn.Module):
     """Self-attention then feed-forward, each in a residual block."""
 
     def __init__(self, size, self_attn, feed_forward, dropout):
         super().__init__()
+        self.size = size  # d_model, read by LayerStack
         self.self_attn = self_attn
         self.feed_forward = feed_forward
-        self.sublayer = clones(SublayerConnection(size, dropout), 2)
-        self.size = size
+        self.sublayer = residual_blocks(size, dropout, 2)
+
+    self_attn_block = sublayer_property(0, "Block around self-attention.")
+    ff_block = sublayer_property(1, "Block around the feed-forward net.")
 
     def forward(self, x, mask):
         """(B, S, d_model) with a (B, 1, S) padding mask."""
-        x = self.sublayer[0](x, lambda x: self.self_attn(x, x, x, mask))
-        return self.sublayer[1](x, self.feed_forward)
+        x = self.self_attn_block(x, lambda y: self.self_attn(y, y, y, mask))
+        return self.ff_block(x, self.feed_forward)
 
 
 # -----------------------------------------------------------------------------
 # Decoder
 # Explained in notebooks/01_model.py, same heading.
 # -----------------------------------------------------------------------------
-class Decoder(nn.Module):
-    """N decoder layers followed by a final layer norm."""
-
-    def __init__(self, layer, N):
-        super().__init__()
-        self.layers = clones(layer, N)
-        self.norm = LayerNorm(layer.size)
+class Decoder(LayerStack):
+    """The decoder: N DecoderLayers and a final layer norm."""
 
     def forward(self, x, memory, src_mask, tgt_mask):
         """Run (B, T, d_model) through every layer against the memory."""
-        for layer in self.layers:
-            x = layer(x, memory, src_mask, tgt_mask)
-        return self.norm(x)
+        return self.run(x, memory, src_mask, tgt_mask)
 
 
 class DecoderLayer(nn.Module):
@@ -312,29 +346,27 @@ class DecoderLayer(nn.Module):
         self.self_attn = self_attn
         self.src_attn = src_attn
         self.feed_forward = feed_forward
-        self.sublayer = clones(SublayerConnection(size, dropout), 3)
+        self.sublayer = residual_blocks(size, dropout, 3)
+
+    self_attn_block = sublayer_property(0, "Block around self-attention.")
+    src_attn_block = sublayer_property(1, "Block around source attention.")
+    ff_block = sublayer_property(2, "Block around the feed-forward net.")
 
     def forward(self, x, memory, src_mask, tgt_mask):
         """(B, T, d_model) target states; memory is (B, S, d_model)."""
-        m = memory
-        x = self.sublayer[0](x, lambda x: self.self_attn(x, x, x, tgt_mask))
-        x = self.sublayer[1](x, lambda x: self.src_attn(x, m, m, src_mask))
-        return self.sublayer[2](x, self.feed_forward)
+        x = self.self_attn_block(
+            x, lambda y: self.self_attn(y, y, y, tgt_mask)
+        )
+        x = self.src_attn_block(
+            x, lambda y: self.src_attn(y, memory, memory, src_mask)
+        )
+        return self.ff_block(x, self.feed_forward)
 
 
 def subsequent_mask(size):
     """(1, size, size) bool mask, True where key position <= query."""
     upper = torch.triu(torch.ones(1, size, size, dtype=torch.bool), 1)
     return ~upper
-
-
-def save_chart(chart, name, folder="figures"):
-    """Show a chart, and also write it as static SVG and PNG files."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    chart.save(str(folder / f"{name}.svg"))
-    chart.save(str(folder / f"{name}.png"), scale_factor=1.5)
-    return chart
 
 
 # -----------------------------------------------------------------------------
@@ -358,36 +390,38 @@ class MultiHeadedAttention(nn.Module):
 
     def __init__(self, h, d_model, dropout=0.1):
         super().__init__()
-        assert d_model % h == 0, "d_model must be divisible by h"
-        self.d_k = d_model // h
-        self.h = h
+        if d_model % h:
+            raise ValueError(f"d_model={d_model} is not divisible by h={h}")
+        self.h, self.d_k = h, d_model // h
+        # W^Q, W^K, W^V and W^O, in the order of the keys linears.0-3.
         self.linears = clones(nn.Linear(d_model, d_model), 4)
-        self.attn = None
-        self.store_attention = False
         self.dropout = nn.Dropout(p=dropout)
+        self.store_attention = False  # keep the weights in self.attn?
+        self.attn = None  # (B, h, T, S) when store_attention is True
+
+    w_q = property(lambda self: self.linears[0], doc="Query projection.")
+    w_k = property(lambda self: self.linears[1], doc="Key projection.")
+    w_v = property(lambda self: self.linears[2], doc="Value projection.")
+    w_o = property(lambda self: self.linears[3], doc="Output projection.")
 
     def split_heads(self, x, linear):
         """Project (B, T, d_model) and split to (B, h, T, d_k)."""
-        B = x.size(0)
-        return linear(x).view(B, -1, self.h, self.d_k).transpose(1, 2)
+        return linear(x).view(x.size(0), -1, self.h, self.d_k).transpose(1, 2)
 
     def forward(self, query, key, value, mask=None):
         """Attend from query (B, T, d) to key/value (B, S, d)."""
         if mask is not None:
-            mask = mask.unsqueeze(1)  # same mask for every head: (B, 1, *, S)
-        q, k, v = (
-            self.split_heads(x, lin)
-            for x, lin in zip((query, key, value), self.linears)
-        )  # each (B, h, T or S, d_k)
+            mask = mask.unsqueeze(1)  # one mask for every head: (B, 1, *, S)
+        q = self.split_heads(query, self.w_q)  # (B, h, T, d_k)
+        k = self.split_heads(key, self.w_k)  # (B, h, S, d_k)
+        v = self.split_heads(value, self.w_v)  # (B, h, S, d_k)
         if self.store_attention:
             x, self.attn = attention(q, k, v, mask=mask, dropout=self.dropout)
         else:
             p = self.dropout.p if self.training else 0.0
-            x = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=p
-            )  # (B, h, T, d_k)
+            x = F.scaled_dot_product_attention(q, k, v, mask, dropout_p=p)
         x = x.transpose(1, 2).reshape(query.size(0), -1, self.h * self.d_k)
-        return self.linears[-1](x)  # (B, T, d_model)
+        return self.w_o(x)  # (B, T, d_model)
 
 
 # -----------------------------------------------------------------------------
@@ -434,14 +468,12 @@ class PositionalEncoding(nn.Module):
 
     def __init__(self, d_model, dropout, max_len=5000):
         super().__init__()
+        pos = torch.arange(max_len, dtype=torch.float64)[:, None]  # (L, 1)
+        two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # (d/2,)
+        angles = pos / 10000 ** (two_i / d_model)  # (L, d/2)
+        waves = torch.stack([angles.sin(), angles.cos()], -1)  # (L, d/2, 2)
+        pe = waves.flatten(1)[:, :d_model].float()  # (L, d): sin, cos, ...
         self.dropout = nn.Dropout(p=dropout)
-        position = torch.arange(max_len).unsqueeze(1)  # (max_len, 1)
-        div_term = torch.exp(
-            torch.arange(0, d_model, 2) * -(math.log(10000.0) / d_model)
-        )  # (d_model / 2,)
-        pe = torch.zeros(max_len, d_model)
-        pe[:, 0::2] = torch.sin(position * div_term)
-        pe[:, 1::2] = torch.cos(position * div_term)
         self.register_buffer("pe", pe.unsqueeze(0))  # (1, max_len, d_model)
 
     def forward(self, x):
@@ -469,24 +501,28 @@ def make_model(
             "tie_embeddings needs one shared vocabulary, got "
             f"src_vocab={src_vocab} and tgt_vocab={tgt_vocab}"
         )
-    c = copy.deepcopy
     attn = MultiHeadedAttention(h, d_model, dropout)
-    ff = PositionwiseFeedForward(d_model, d_ff, dropout)
-    position = PositionalEncoding(d_model, dropout)
-    model = EncoderDecoder(
-        Encoder(EncoderLayer(d_model, c(attn), c(ff), dropout), N),
-        Decoder(DecoderLayer(d_model, c(attn), c(attn), c(ff), dropout), N),
-        nn.Sequential(Embeddings(d_model, src_vocab), c(position)),
-        nn.Sequential(Embeddings(d_model, tgt_vocab), c(position)),
-        Generator(d_model, tgt_vocab),
+    ffn = PositionwiseFeedForward(d_model, d_ff, dropout)
+    pe = PositionalEncoding(d_model, dropout)
+    enc_self_attn, dec_self_attn, dec_src_attn = clones(attn, 3)
+    enc_ffn, dec_ffn = clones(ffn, 2)
+    src_pe, tgt_pe = clones(pe, 2)
+
+    enc_layer = EncoderLayer(d_model, enc_self_attn, enc_ffn, dropout)
+    dec_layer = DecoderLayer(
+        d_model, dec_self_attn, dec_src_attn, dec_ffn, dropout
     )
-    for p in model.parameters():
-        if p.dim() > 1:
-            nn.init.xavier_uniform_(p)
+    src_embed = nn.Sequential(Embeddings(d_model, src_vocab), src_pe)
+    tgt_embed = nn.Sequential(Embeddings(d_model, tgt_vocab), tgt_pe)
+    generator = Generator(d_model, tgt_vocab)
+    encoder, decoder = Encoder(enc_layer, N), Decoder(dec_layer, N)
+    model = EncoderDecoder(encoder, decoder, src_embed, tgt_embed, generator)
+
+    for weight in [p for p in model.parameters() if p.dim() > 1]:
+        nn.init.xavier_uniform_(weight)
     if tie_embeddings:
-        shared = model.src_embed[0].lut.weight
-        model.tgt_embed[0].lut.weight = shared
-        model.generator.proj.weight = shared
+        shared = src_embed[0].lut.weight
+        tgt_embed[0].lut.weight = generator.proj.weight = shared
     return model
 
 
@@ -515,17 +551,18 @@ class Batch:
     def __init__(self, src, tgt=None, pad=2):
         self.src = src  # (B, S)
         self.src_mask = (src != pad).unsqueeze(-2)  # (B, 1, S)
-        if tgt is not None:
-            self.tgt = tgt[:, :-1]  # decoder input (B, T)
-            self.tgt_y = tgt[:, 1:]  # what it must predict (B, T)
-            self.tgt_mask = self.make_std_mask(self.tgt, pad)  # (B, T, T)
-            self.ntokens = int((self.tgt_y != pad).sum())
+        if tgt is None:
+            return  # a source-only batch, to decode from
+        decoder_input, expected = tgt[:, :-1], tgt[:, 1:]  # (B, T) each
+        self.tgt, self.tgt_y = decoder_input, expected
+        self.tgt_mask = self.make_std_mask(decoder_input, pad)  # (B, T, T)
+        self.ntokens = int(expected.ne(pad).sum())
 
     @staticmethod
     def make_std_mask(tgt, pad):
         """Hide padding and future positions: (B, T) to (B, T, T)."""
-        tgt_mask = (tgt != pad).unsqueeze(-2)  # (B, 1, T)
-        return tgt_mask & subsequent_mask(tgt.size(-1)).to(tgt.device)
+        real = (tgt != pad).unsqueeze(-2)  # (B, 1, T)
+        return real & subsequent_mask(tgt.size(-1)).to(tgt.device)
 
     def to(self, device):
         """Move every tensor of the batch to a device, in place."""
@@ -533,6 +570,112 @@ class Batch:
             if torch.is_tensor(value):
                 setattr(self, name, value.to(device, non_blocking=True))
         return self
+
+
+COPY_PAD, COPY_START = 0, 1
+
+
+def data_gen(V, batch_size, nbatches, seq_len=10, generator=None):
+    """Yield `nbatches` random copy-task batches over V tokens."""
+    for _ in range(nbatches):
+        data = torch.randint(2, V, (batch_size, seq_len), generator=generator)
+        data[:, 0] = COPY_START
+        yield Batch(data, data.clone(), pad=COPY_PAD)
+
+
+# -----------------------------------------------------------------------------
+# The loss: label smoothing
+# Explained in notebooks/02_training.py, same heading.
+# -----------------------------------------------------------------------------
+class LabelSmoothing(nn.Module):
+    """KL-divergence loss against label-smoothed targets; pad ignored."""
+
+    def __init__(self, size, padding_idx, smoothing=0.0):
+        super().__init__()
+        self.size = size  # vocabulary size
+        self.padding_idx = padding_idx
+        self.smoothing = smoothing  # mass moved off the correct token
+        self.confidence = 1.0 - smoothing  # mass the correct token keeps
+        self.criterion = nn.KLDivLoss(reduction="sum")
+        self.true_dist = None  # the latest smoothed targets, to look at
+
+    def smoothed_targets(self, target, dtype=torch.float32):
+        """(N,) target ids to the (N, size) smoothed distribution."""
+        fill = self.smoothing / (self.size - 2)  # for every other token
+        dist = target.new_full((len(target), self.size), fill, dtype=dtype)
+        dist.scatter_(1, target.unsqueeze(1), self.confidence)
+        dist[:, self.padding_idx] = 0
+        dist[target == self.padding_idx] = 0
+        return dist
+
+    def forward(self, x, target):
+        """Summed KL loss of (N, size) log-probs against (N,) targets."""
+        assert x.size(1) == self.size
+        self.true_dist = self.smoothed_targets(target, x.dtype)
+        return self.criterion(x, self.true_dist)
+
+
+def save_chart(chart, name, folder="figures"):
+    """Show a chart, and also write it as static SVG and PNG files."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    chart.save(str(folder / f"{name}.svg"))
+    chart.save(str(folder / f"{name}.png"), scale_factor=1.5)
+    return chart
+
+
+def line_chart(rows, x, y, color=None, title="", point=False):
+    """An altair line chart of a list of dicts, one line per `color`."""
+    import altair as alt
+    import pandas as pd
+
+    lines = {"color": f"{color}:N"} if color else {}
+    return (
+        alt.Chart(pd.DataFrame(rows))
+        .mark_line(point=point)
+        .encode(x=f"{x}:Q", y=f"{y}:Q", tooltip=[x, y], **lines)
+        .properties(title=title, width=480)
+    )
+
+
+def label_smoothing_penalty_rows(margins=range(0, 25), smoothing=0.1):
+    """Loss of one prediction against its margin, with and without LS."""
+    rows = []
+    for eps in (0.0, smoothing):
+        crit = LabelSmoothing(6, padding_idx=0, smoothing=eps)
+        for m in margins:
+            logits = torch.tensor([[-1e4, 0.0, float(m), 0.0, 0.0, 0.0]])
+            loss = crit(logits.log_softmax(-1), torch.tensor([2]))
+            rows.append(
+                {
+                    "margin": m,
+                    "loss": float(loss),
+                    "smoothing": f"smoothing={eps}",
+                }
+            )
+    return rows
+
+
+def label_smoothing_penalty_chart(smoothing=0.1):
+    """Line chart of label_smoothing_penalty_rows."""
+    rows = label_smoothing_penalty_rows(smoothing=smoothing)
+    title = "Loss against confidence"
+    return line_chart(rows, "margin", "loss", "smoothing", title, point=True)
+
+
+class SimpleLossCompute:
+    """Generator + criterion, normalized by the token count."""
+
+    def __init__(self, generator, criterion):
+        self.generator = generator
+        self.criterion = criterion
+
+    def __call__(self, x, y, norm):
+        """Return (summed loss as float, mean loss per token as tensor)."""
+        logp = self.generator(x)  # (B, T, vocab)
+        flat = logp.reshape(-1, logp.size(-1))  # (B * T, vocab)
+        sloss = self.criterion(flat, y.reshape(-1)) / norm
+        return sloss.item() * norm, sloss
 
 
 # -----------------------------------------------------------------------------
@@ -547,6 +690,12 @@ class TrainState:
     accum_step: int = 0  # optimizer steps taken
     samples: int = 0  # sentences seen
     tokens: int = 0  # target tokens seen
+
+    def count(self, batch):
+        """Record one trained micro-batch."""
+        self.step += 1
+        self.samples += batch.src.size(0)
+        self.tokens += batch.ntokens
 
 
 def with_last_flag(iterable):
@@ -574,6 +723,27 @@ def optimizer_step(optimizer, scheduler, parameters, scale=1.0):
         scheduler.step()
 
 
+def micro_step(model, batch, loss_compute, accum_iter, hold_sync, autocast):
+    """One micro-batch's loss, and its gradient when autograd is on."""
+    hold = hold_sync and hasattr(model, "no_sync")
+    with model.no_sync() if hold else nullcontext():  # DDP: no all-reduce
+        with autocast():
+            out = model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
+            loss, loss_node = loss_compute(out, batch.tgt_y, batch.ntokens)
+        if torch.is_grad_enabled():
+            (loss_node / accum_iter).backward()
+    return loss, loss_node
+
+
+def print_progress(i, state, loss_node, speed, optimizer):
+    """One log line of run_epoch's "train+log" mode."""
+    lr = optimizer.param_groups[0]["lr"]
+    print(
+        f"step {i:5d} | accum step {state.accum_step:5d} | loss "
+        f"{loss_node.item():6.3f} | {speed:7.1f} tok/s | lr {lr:6.1e}"
+    )
+
+
 def run_epoch(
     data_iter,
     model,
@@ -588,53 +758,30 @@ def run_epoch(
 ):
     """One pass over data_iter; returns (loss per token, train_state)."""
     train = mode.startswith("train")
-    train_state = TrainState() if train_state is None else train_state
+    state = TrainState() if train_state is None else train_state
     total_loss, total_tokens, window = 0.0, 0, 0
-    start, tokens_since_log = time.time(), 0
+    start, tokens_before = time.time(), state.tokens
     with torch.set_grad_enabled(train):
         for i, (batch, is_last) in enumerate(with_last_flag(data_iter)):
             steps_now = train and (window + 1 == accum_iter or is_last)
-            sync = nullcontext()
-            if train and not steps_now and hasattr(model, "no_sync"):
-                sync = model.no_sync()  # DDP: skip the all-reduce for now
-            with sync:
-                with autocast():  # entered afresh for every micro-batch
-                    out = model(
-                        batch.src, batch.tgt, batch.src_mask, batch.tgt_mask
-                    )  # (B, T, d_model)
-                    loss, loss_node = loss_compute(
-                        out, batch.tgt_y, batch.ntokens
-                    )
-                if train:
-                    (loss_node / accum_iter).backward()
+            hold = train and not steps_now  # accumulate without syncing
+            loss, loss_node = micro_step(
+                model, batch, loss_compute, accum_iter, hold, autocast
+            )
             total_loss += loss
             total_tokens += batch.ntokens
-            tokens_since_log += batch.ntokens
             if not train:
                 continue
+            state.count(batch)
             window += 1
-            train_state.step += 1
-            train_state.samples += batch.src.size(0)
-            train_state.tokens += batch.ntokens
             if steps_now:
-                optimizer_step(
-                    optimizer,
-                    scheduler,
-                    model.parameters(),
-                    scale=accum_iter / window,
-                )
-                train_state.accum_step += 1
-                window = 0
+                scale = accum_iter / window  # 1 unless the window is short
+                optimizer_step(optimizer, scheduler, model.parameters(), scale)
+                state.accum_step, window = state.accum_step + 1, 0
             if mode == "train+log" and i % log_every == 1:
-                lr = optimizer.param_groups[0]["lr"]
-                rate = tokens_since_log / (time.time() - start)
-                print(
-                    f"step {i:5d} | accum step {train_state.accum_step:5d}"
-                    f" | loss {loss_node.item():6.3f} | {rate:7.1f} tok/s"
-                    f" | lr {lr:6.1e}"
-                )
-                start, tokens_since_log = time.time(), 0
-    return total_loss / max(total_tokens, 1), train_state
+                speed = (state.tokens - tokens_before) / (time.time() - start)
+                print_progress(i, state, loss_node, speed, optimizer)
+    return total_loss / max(total_tokens, 1), state
 
 
 # -----------------------------------------------------------------------------
@@ -650,10 +797,7 @@ def rate(step, model_size, factor, warmup):
 def make_optimizer(
     model, d_model, factor=1.0, warmup=4000, betas=(0.9, 0.98), schedule=None
 ):
-    """Adam (paper's betas by default) and a LambdaLR running `rate`.
-
-    `schedule`, a function of the step, replaces `rate` when given.
-    """
+    """Adam and a LambdaLR running `rate`, or `schedule` when given."""
     fused = all(p.device.type in ("cpu", "cuda") for p in model.parameters())
     optimizer = torch.optim.Adam(
         model.parameters(), lr=1.0, betas=betas, eps=1e-9, fused=fused
@@ -669,163 +813,23 @@ def learning_rate_chart(
     steps=20000,
 ):
     """Altair line chart of `rate` for several (d_model, factor, warmup)."""
-    import altair as alt
-    import pandas as pd
-
     rows = [
         {
-            "step": step,
-            "learning rate": rate(step, d, f, w),
+            "step": s,
+            "learning rate": rate(s, d, f, w),
             "setting": f"d_model={d}, warmup={w}",
         }
         for d, f, w in settings
-        for step in range(1, steps + 1, 20)
+        for s in range(1, steps + 1, 20)
     ]
-    return (
-        alt.Chart(pd.DataFrame(rows))
-        .mark_line()
-        .encode(
-            x="step:Q",
-            y="learning rate:Q",
-            color="setting:N",
-            tooltip=["setting", "step", "learning rate"],
-        )
-        .properties(title="Learning-rate schedule", width=480)
-    )
-
-
-# -----------------------------------------------------------------------------
-# Label smoothing
-# Explained in notebooks/02_training.py, same heading.
-# -----------------------------------------------------------------------------
-class LabelSmoothing(nn.Module):
-    """KL-divergence loss against label-smoothed targets; pad ignored."""
-
-    def __init__(self, size, padding_idx, smoothing=0.0):
-        super().__init__()
-        self.criterion = nn.KLDivLoss(reduction="sum")
-        self.padding_idx = padding_idx
-        self.confidence = 1.0 - smoothing
-        self.smoothing = smoothing
-        self.size = size
-        self.true_dist = None
-
-    def smoothed_targets(self, target, dtype=torch.float32):
-        """(N,) target ids to the (N, size) smoothed distribution."""
-        dist = torch.full(
-            (target.size(0), self.size),
-            self.smoothing / (self.size - 2),
-            dtype=dtype,
-            device=target.device,
-        )
-        dist.scatter_(1, target.unsqueeze(1), self.confidence)
-        dist[:, self.padding_idx] = 0
-        dist[target == self.padding_idx] = 0
-        return dist
-
-    def forward(self, x, target):
-        """Summed KL loss of (N, size) log-probs against (N,) targets."""
-        assert x.size(1) == self.size
-        self.true_dist = self.smoothed_targets(target, x.dtype)
-        return self.criterion(x, self.true_dist)
-
-
-def label_smoothing_chart(smoothing=0.4):
-    """Heat map of the smoothed target distribution for 5 examples."""
-    import altair as alt
-    import pandas as pd
-
-    crit = LabelSmoothing(5, padding_idx=0, smoothing=smoothing)
-    dist = crit.smoothed_targets(torch.tensor([2, 1, 3, 3, 0]))
-    rows = [
-        {"example": i, "token": j, "target probability": float(dist[i, j])}
-        for i in range(dist.size(0))
-        for j in range(dist.size(1))
-    ]
-    return (
-        alt.Chart(pd.DataFrame(rows))
-        .mark_rect()
-        .encode(
-            x="token:O",
-            y="example:O",
-            color=alt.Color(
-                "target probability:Q", scale=alt.Scale(scheme="viridis")
-            ),
-            tooltip=["example", "token", "target probability"],
-        )
-        .properties(title="Smoothed targets", width=240, height=240)
-    )
-
-
-def label_smoothing_penalty_rows(margins=range(0, 25), smoothing=0.1):
-    """Loss of one prediction against its margin, with and without LS."""
-    rows = []
-    for eps in (0.0, smoothing):
-        crit = LabelSmoothing(6, padding_idx=0, smoothing=eps)
-        for m in margins:
-            logits = torch.tensor([[-1e4, 0.0, float(m), 0.0, 0.0, 0.0]])
-            loss = crit(logits.log_softmax(-1), torch.tensor([2]))
-            rows.append(
-                {
-                    "margin": m,
-                    "loss": float(loss),
-                    "smoothing": f"smoothing={eps}",
-                }
-            )
-    return rows
-
-
-def label_smoothing_penalty_chart(smoothing=0.1):
-    """Line chart of label_smoothing_penalty_rows."""
-    import altair as alt
-    import pandas as pd
-
-    df = pd.DataFrame(label_smoothing_penalty_rows(smoothing=smoothing))
-    return (
-        alt.Chart(df)
-        .mark_line(point=True)
-        .encode(
-            x="margin:Q",
-            y="loss:Q",
-            color="smoothing:N",
-            tooltip=["smoothing", "margin", "loss"],
-        )
-        .properties(title="Loss against confidence", width=480)
-    )
+    title = "Learning-rate schedule"
+    return line_chart(rows, "step", "learning rate", "setting", title)
 
 
 # -----------------------------------------------------------------------------
 # A first example: the copy task
 # Explained in notebooks/02_training.py, same heading.
 # -----------------------------------------------------------------------------
-COPY_PAD, COPY_START = 0, 1
-
-
-def data_gen(V, batch_size, nbatches, seq_len=10, generator=None):
-    """Yield `nbatches` random copy-task batches over V tokens."""
-    for _ in range(nbatches):
-        data = torch.randint(2, V, (batch_size, seq_len), generator=generator)
-        data[:, 0] = COPY_START
-        yield Batch(data, data.clone(), pad=COPY_PAD)
-
-
-class SimpleLossCompute:
-    """Generator + criterion, normalized by the token count."""
-
-    def __init__(self, generator, criterion):
-        self.generator = generator
-        self.criterion = criterion
-
-    def __call__(self, x, y, norm):
-        """Return (summed loss as float, mean loss per token as tensor)."""
-        logp = self.generator(x)  # (B, T, vocab)
-        sloss = (
-            self.criterion(logp.reshape(-1, logp.size(-1)), y.reshape(-1))
-            / norm
-        )
-        return sloss.item() * norm, sloss
-
-
 def greedy_decode(model, src, src_mask, max_len, start_symbol):
     """Most-probable-token decoding: (B, S) source to (B, max_len) ids."""
     memory = model.encode(src, src_mask)  # (B, S, d_model)
@@ -839,57 +843,6 @@ def greedy_decode(model, src, src_mask, max_len, start_symbol):
         next_word = model.generator(out[:, -1]).argmax(dim=-1)  # (B,)
         ys = torch.cat([ys, next_word.unsqueeze(1)], dim=1)
     return ys
-
-
-def warmup_linear_decay(step, peak, warmup, total, floor=0.02):
-    """Linear warm-up to `peak`, then linear decay to `floor * peak`."""
-    ramp = (step + 1) / warmup
-    decay = max(floor, 1 - step / total)
-    return peak * min(ramp, decay)
-
-
-@dataclass
-class CopyTaskConfig:
-    """Hyperparameters of the copy task (N=2, d_model=512 as in 2022)."""
-
-    V: int = 11
-    N: int = 2
-    d_model: int = 512
-    d_ff: int = 2048
-    h: int = 8
-    dropout: float = 0.0
-    batch_size: int = 16
-    nbatches: int = 20  # optimizer steps per epoch
-    max_epochs: int = 100
-    lr: float = 3e-4  # peak learning rate
-    warmup: int = 20
-    decay_steps: int = 300  # where the rate reaches its floor
-    beta2: float = 0.999
-    bf16: bool = True  # only where bf16 is native, see native_bf16
-    check_size: int = 200
-    seed: int = 0
-
-
-@dataclass
-class CopyTaskCIConfig(CopyTaskConfig):
-    """A smaller model for CI: the same task and procedure, in seconds."""
-
-    N: int = 1
-    d_model: int = 64
-    d_ff: int = 256
-    h: int = 4
-    lr: float = 3e-3
-    bf16: bool = False
-
-
-def native_bf16(device_type="cpu"):
-    """True where bfloat16 matmuls run natively on this device type."""
-    if device_type == "cuda":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    try:  # CPUs with AVX512-BF16 or AMX
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def copy_accuracy(model, n, V=11, seq_len=10, generator=None):
@@ -914,12 +867,7 @@ def copy_accuracy_teacher_forced(model, n, V=11, seq_len=10, generator=None):
 
 
 class CopyLossCompute(SimpleLossCompute):
-    """SimpleLossCompute that also counts exactly predicted sequences.
-
-    `streak` is the number of sequences in a row, up to the latest batch,
-    whose every target token was the most probable one; `sequences` and
-    `exact` are running totals.
-    """
+    """SimpleLossCompute that also counts exactly predicted sequences."""
 
     def __init__(self, generator, criterion, pad=COPY_PAD):
         super().__init__(generator, criterion)
@@ -941,55 +889,114 @@ class CopyLossCompute(SimpleLossCompute):
         return result
 
 
+def greedy_check(model, loss_compute, check_size, V, generator):
+    """Greedy-copy check once the streak is long enough, else None."""
+    if loss_compute.streak < check_size:
+        return None
+    checked = copy_accuracy(model, check_size, V, generator=generator)
+    if checked < 1.0:
+        loss_compute.streak = 0  # earn another streak first
+    return checked
+
+
+def warmup_linear_decay(step, peak, warmup, total, floor=0.02):
+    """Linear warm-up to `peak`, then linear decay to `floor * peak`."""
+    ramp = (step + 1) / warmup
+    decay = max(floor, 1 - step / total)
+    return peak * min(ramp, decay)
+
+
+@dataclass
+class CopyTaskConfig:
+    """Hyperparameters of the copy task; `for_size` picks a preset."""
+
+    V: int = 11
+    N: int = 2
+    d_model: int = 512
+    d_ff: int = 2048
+    h: int = 8
+    dropout: float = 0.0
+    batch_size: int = 16
+    nbatches: int = 20  # optimizer steps per epoch
+    max_epochs: int = 100
+    lr: float = 3e-4  # peak learning rate
+    warmup: int = 20
+    decay_steps: int = 300  # where the rate reaches its floor
+    beta2: float = 0.999
+    bf16: bool = True  # only where bf16 is native, see native_bf16
+    check_size: int = 200
+    seed: int = 0
+
+    @classmethod
+    def for_size(cls, size="full", **changes):
+        """The "full" preset, or the seconds-long "ci" one, with changes."""
+        if size not in ("full", "ci"):
+            raise ValueError(f'size is "full" or "ci", not {size!r}')
+        small = dict(N=1, d_model=64, d_ff=256, h=4, lr=3e-3, bf16=False)
+        return cls(**{**(small if size == "ci" else {}), **changes})
+
+
+def native_bf16(device_type="cpu"):
+    """True where bfloat16 matmuls run natively on this device type."""
+    if device_type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    try:  # CPUs with AVX512-BF16 or AMX
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def copy_task_setup(cfg):
+    """(model, loss_compute, optimizer, scheduler, autocast) for a run."""
+    torch.manual_seed(cfg.seed)
+    sizes = dict(N=cfg.N, d_model=cfg.d_model, d_ff=cfg.d_ff, h=cfg.h)
+    model = make_model(cfg.V, cfg.V, dropout=cfg.dropout, **sizes)
+    criterion = LabelSmoothing(cfg.V, padding_idx=COPY_PAD, smoothing=0.0)
+    loss_compute = CopyLossCompute(model.generator, criterion)
+    schedule = lambda step: warmup_linear_decay(
+        step, cfg.lr, cfg.warmup, cfg.decay_steps
+    )
+    optimizer, scheduler = make_optimizer(
+        model, cfg.d_model, betas=(0.9, cfg.beta2), schedule=schedule
+    )
+    use_bf16 = cfg.bf16 and native_bf16("cpu")
+    autocast = lambda: torch.autocast("cpu", torch.bfloat16, enabled=use_bf16)
+    return model, loss_compute, optimizer, scheduler, autocast
+
+
+def epoch_summary(r):
+    """One log line for an epoch record of train_copy_task."""
+    check = r["exact_copy"]
+    greedy = "" if check is None else f" | greedy check {check:6.1%}"
+    return (
+        f"epoch {r['epoch']:2d} | step {r['steps']:4d} | loss "
+        f"{r['train_loss']:.4f} | exact while training "
+        f"{r['train_exact']:6.1%}{greedy} | {r['seconds']:5.1f} s"
+    )
+
+
 def train_copy_task(cfg=None, log=print):
     """Train until exact copy; returns (model, list of epoch records)."""
     cfg = cfg or CopyTaskConfig()
-    torch.manual_seed(cfg.seed)
+    model, loss_compute, optimizer, scheduler, autocast = copy_task_setup(cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
-    model = make_model(
-        cfg.V,
-        cfg.V,
-        N=cfg.N,
-        d_model=cfg.d_model,
-        d_ff=cfg.d_ff,
-        h=cfg.h,
-        dropout=cfg.dropout,
-    )
-    criterion = LabelSmoothing(cfg.V, padding_idx=COPY_PAD, smoothing=0.0)
-    loss_compute = CopyLossCompute(model.generator, criterion)
-    optimizer, scheduler = make_optimizer(
-        model,
-        cfg.d_model,
-        betas=(0.9, cfg.beta2),
-        schedule=lambda step: warmup_linear_decay(
-            step, cfg.lr, cfg.warmup, cfg.decay_steps
-        ),
-    )
-    use_bf16 = cfg.bf16 and native_bf16("cpu")
-    amp = lambda: torch.autocast("cpu", torch.bfloat16, enabled=use_bf16)
     state, history, start = TrainState(), [], time.time()
     for epoch in range(cfg.max_epochs):
         model.train()
         seen, exact = loss_compute.sequences, loss_compute.exact
+        data = data_gen(cfg.V, cfg.batch_size, cfg.nbatches, generator=gen)
         loss, state = run_epoch(
-            data_gen(cfg.V, cfg.batch_size, cfg.nbatches, generator=gen),
+            data,
             model,
             loss_compute,
             optimizer,
             scheduler,
             train_state=state,
-            autocast=amp,
+            autocast=autocast,
         )
-        train_exact = (loss_compute.exact - exact) / (
-            loss_compute.sequences - seen
-        )
-        checked = None  # greedy check, only once the streak is long enough
-        if loss_compute.streak >= cfg.check_size:
-            checked = copy_accuracy(
-                model, cfg.check_size, cfg.V, generator=gen
-            )
-            if checked < 1.0:
-                loss_compute.streak = 0  # earn another streak first
+        new = loss_compute.sequences - seen
+        train_exact = (loss_compute.exact - exact) / new
+        checked = greedy_check(model, loss_compute, cfg.check_size, cfg.V, gen)
         history.append(
             {
                 "epoch": epoch,
@@ -1001,38 +1008,16 @@ def train_copy_task(cfg=None, log=print):
                 "seconds": time.time() - start,
             }
         )
-        greedy = "" if checked is None else f" | greedy check {checked:6.1%}"
-        log(
-            f"epoch {epoch:2d} | step {state.accum_step:4d} | loss "
-            f"{loss:.4f} | exact while training {train_exact:6.1%}{greedy}"
-            f" | {time.time() - start:5.1f} s"
-        )
+        log(epoch_summary(history[-1]))
         if checked == 1.0:
             break
     return model, history
 
 
 def copy_progress_chart(history):
-    """Altair chart: exactly copied training sequences per epoch."""
-    import altair as alt
-    import pandas as pd
-
-    rows = pd.DataFrame(history)
-    return (
-        alt.Chart(rows)
-        .mark_line(point=True)
-        .encode(
-            x=alt.X("steps:Q", title="optimizer steps"),
-            y=alt.Y(
-                "train_exact:Q",
-                title="sequences copied exactly",
-                axis=alt.Axis(format="%"),
-                scale=alt.Scale(domain=[0, 1]),
-            ),
-            tooltip=["epoch", "steps", "train_loss", "train_exact"],
-        )
-        .properties(width=420, height=220, title="Learning to copy")
-    )
+    """Line chart: share of training sequences copied exactly, by step."""
+    title = "Learning to copy"
+    return line_chart(history, "steps", "train_exact", None, title, True)
 
 
 # =============================================================================
@@ -1042,34 +1027,11 @@ def copy_progress_chart(history):
 
 
 # -----------------------------------------------------------------------------
-# Downloading Multi30k
+# The data
 # Explained in notebooks/03_multi30k.py, same heading.
 # -----------------------------------------------------------------------------
-MULTI30K_BASE_URL = (
-    "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/"
-)
 MULTI30K_ENV = "MULTI30K_DIR"
 MULTI30K_SPLITS = {"train": "train", "val": "val", "test": "test_2016_flickr"}
-MULTI30K_SHA256 = {
-    "train.de.gz": (
-        "726e39b2fa9eb9ffb6dc763fb35a179f80fae06ffc5d28b6ace5faa883de28a6"
-    ),
-    "train.en.gz": (
-        "d79cfa999dd4c51d2cb42499b6796d5a882c3a8a961923c25a898c90f8bbd56f"
-    ),
-    "val.de.gz": (
-        "f0cba2f995189cf5770f29a8a9a537a3ad3f51657ad873405082ff6863a5e75a"
-    ),
-    "val.en.gz": (
-        "14f7d25ddd868909a9213e361768460edcacdd6ab9d1e77b92560dc10c10dc28"
-    ),
-    "test_2016_flickr.de.gz": (
-        "9204244e408ccb38d2a55cfcd344df15005fc42a07a6e55ca6c52b6ababb8cc8"
-    ),
-    "test_2016_flickr.en.gz": (
-        "611d361c6334bc7246101d48097c13cf5c4413c5befc793cc629934359d532d9"
-    ),
-}
 
 
 class DatasetError(RuntimeError):
@@ -1078,124 +1040,23 @@ class DatasetError(RuntimeError):
 
 def data_dir():
     """`data/` in the repository root, or in the working directory."""
-    cwd = Path.cwd()
-    for folder in (cwd, *cwd.parents):
+    for folder in (Path.cwd(), *Path.cwd().parents):
         if (folder / "the_annotated_transformer.py").exists():
             return folder / "data"
-    return cwd / "data"
-
-
-def sha256_of(path):
-    """Hex SHA-256 digest of a file."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _offline_hint(folder):
-    """What to do when the files cannot be fetched."""
-    return (
-        f"The files belong in {folder}. Without internet access, copy the "
-        "six Multi30k files (train, val and test_2016_flickr, each .de.gz "
-        f"and .en.gz) there yourself, or set {MULTI30K_ENV} to a folder "
-        "that holds them."
-    )
-
-
-def _fetch(url, path, expected, timeout):
-    """Download `url` to `path`, keeping it only if its SHA-256 matches."""
-    from tqdm import tqdm
-
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(
-            prefix=f".{path.name}.", suffix=".part", dir=path.parent
-        )
-        digest = hashlib.sha256()
-        with (
-            os.fdopen(fd, "wb") as out,
-            urllib.request.urlopen(url, timeout=timeout) as response,
-        ):
-            size = int(response.headers.get("Content-Length") or 0)
-            with tqdm(
-                total=size or None, unit="B", unit_scale=True, desc=path.name
-            ) as bar:
-                while chunk := response.read(1 << 16):
-                    out.write(chunk)
-                    digest.update(chunk)
-                    bar.update(len(chunk))
-        if digest.hexdigest() != expected:
-            raise DatasetError(
-                f"{url} has SHA-256 {digest.hexdigest()}, expected "
-                f"{expected}; the file was not kept.\n"
-                + _offline_hint(path.parent)
-            )
-        os.replace(tmp, path)
-        tmp = None
-    except (OSError, http.client.HTTPException) as error:
-        reason = error
-        if type(error) is urllib.error.URLError:
-            reason = error.reason
-        raise DatasetError(
-            f"Could not download {url} ({reason}).\n"
-            + _offline_hint(path.parent)
-        ) from error
-    finally:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-
-
-def _check_folder(folder, sums):
-    """`folder` if it holds every file with the right SHA-256."""
-    problems = []
-    for name, expected in sorted(sums.items()):
-        path = folder / name
-        if not path.is_file():
-            problems.append(f"{name} is missing")
-        elif sha256_of(path) != expected:
-            problems.append(f"{name} has the wrong SHA-256")
-    if problems:
-        raise DatasetError(
-            f"{MULTI30K_ENV}={folder} does not hold Multi30k: "
-            + "; ".join(problems)
-            + f".\nPut the six files from {MULTI30K_BASE_URL} into {folder}, "
-            f"or unset {MULTI30K_ENV} to download them into "
-            f"{data_dir() / 'multi30k'}."
-        )
-    return folder
-
-
-def download_multi30k(
-    root=None, base_url=MULTI30K_BASE_URL, sha256=None, timeout=30.0
-):
-    """Folder holding the verified Multi30k files, downloaded if needed."""
-    sums = MULTI30K_SHA256 if sha256 is None else sha256
-    if root is None and os.environ.get(MULTI30K_ENV):
-        return _check_folder(Path(os.environ[MULTI30K_ENV]), sums)
-    folder = Path(root) if root is not None else data_dir() / "multi30k"
-    for name, expected in sums.items():
-        path = folder / name
-        if not (path.is_file() and sha256_of(path) == expected):
-            url = base_url.rstrip("/") + "/" + name
-            _fetch(url, path, expected, timeout)
-    return folder
+    return Path.cwd() / "data"
 
 
 def read_multi30k(split, root=None):
     """The (German, English) sentence pairs of "train", "val" or "test"."""
-    if split not in MULTI30K_SPLITS:
-        raise ValueError(f"split must be one of {list(MULTI30K_SPLITS)}")
-    folder = download_multi30k(root)
+    folder = root or os.environ.get(MULTI30K_ENV) or data_dir() / "multi30k"
     sides = []
     for lang in ("de", "en"):
-        name = f"{MULTI30K_SPLITS[split]}.{lang}.gz"
-        with gzip.open(folder / name, "rt", encoding="utf-8") as f:
-            sides.append([line.strip() for line in f])
-    if len(sides[0]) != len(sides[1]):
-        raise DatasetError(f"{split}: German and English differ in length")
+        path = Path(folder, f"{MULTI30K_SPLITS[split]}.{lang}.gz")
+        if not path.is_file():
+            hint = "run `python the_annotated_transformer.py download`"
+            raise DatasetError(f"no {path}: {hint} or set {MULTI30K_ENV}")
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            sides.append([line.strip() for line in f])  # some end in " "
     return list(zip(*sides, strict=True))
 
 
@@ -1219,30 +1080,14 @@ def tokenize(text, tokenizer):
 # Vocabulary
 # Explained in notebooks/03_multi30k.py, same heading.
 # -----------------------------------------------------------------------------
-SPECIALS = ("<s>", "</s>", "<blank>", "<unk>")
-BOS, EOS, PAD, UNK = 0, 1, 2, 3
-
-
-class Vocab:
-    """Token ↔ id maps; the specials come first and unknowns map to UNK."""
+class _TokenTable:
+    """Token ↔ id maps over a list of distinct tokens."""
 
     def __init__(self, itos):
-        itos = list(itos)
-        if tuple(itos[: len(SPECIALS)]) != SPECIALS:
-            raise ValueError(f"a vocabulary must start with {SPECIALS}")
-        if len(set(itos)) != len(itos):
+        self._itos = list(itos)
+        self._stoi = {token: i for i, token in enumerate(self._itos)}
+        if len(self._stoi) != len(self._itos):
             raise ValueError("a vocabulary cannot repeat a token")
-        self._itos = itos
-        self._stoi = {token: i for i, token in enumerate(itos)}
-
-    @classmethod
-    def build(cls, sentences, min_freq=2):
-        """Vocabulary of tokens seen at least `min_freq` times."""
-        counts = Counter(token for tokens in sentences for token in tokens)
-        kept = [t for t, n in counts.items() if n >= min_freq]
-        kept = [t for t in kept if t not in SPECIALS]
-        kept.sort(key=lambda t: (-counts[t], t))
-        return cls([*SPECIALS, *kept])
 
     def __len__(self):
         return len(self._itos)
@@ -1254,28 +1099,40 @@ class Vocab:
         return self._stoi.get(token, UNK)
 
     def __call__(self, tokens):
-        return [self._stoi.get(token, UNK) for token in tokens]
-
-    def __eq__(self, other):
-        return isinstance(other, Vocab) and self._itos == other._itos
-
-    __hash__ = None
-
-    def lookup_token(self, index):
-        """The token with id `index`."""
-        return self._itos[int(index)]
+        return [self[token] for token in tokens]
 
     def lookup_tokens(self, indices):
         """The tokens of a sequence of ids."""
         return [self._itos[int(i)] for i in indices]
 
-    def get_stoi(self):
-        """A copy of the token → id dict."""
-        return dict(self._stoi)
-
     def get_itos(self):
         """A copy of the id → token list."""
         return list(self._itos)
+
+
+SPECIALS = ("<s>", "</s>", "<blank>", "<unk>")
+BOS, EOS, PAD, UNK = 0, 1, 2, 3
+
+
+class Vocab(_TokenTable):
+    """Token ↔ id maps; the specials come first and unknowns map to UNK."""
+
+    def __init__(self, itos):
+        super().__init__(itos)
+        if tuple(self._itos[: len(SPECIALS)]) != SPECIALS:
+            raise ValueError(f"a vocabulary must start with {SPECIALS}")
+
+    @classmethod
+    def build(cls, sentences, min_freq=2):
+        """Vocabulary of tokens seen at least `min_freq` times."""
+        counts = Counter(token for tokens in sentences for token in tokens)
+        kept = {t for t, n in counts.items() if n >= min_freq} - {*SPECIALS}
+        return cls([*SPECIALS, *sorted(kept, key=lambda t: (-counts[t], t))])
+
+    def __eq__(self, other):
+        return isinstance(other, Vocab) and self._itos == other._itos
+
+    __hash__ = None
 
     def save(self, path):
         """Write the vocabulary as a JSON list of tokens."""
@@ -1291,87 +1148,66 @@ class Vocab:
 def build_vocabulary(spacy_de, spacy_en, min_freq=2):
     """Source (German) and target (English) vocabularies of train."""
     train = read_multi30k("train")
-    vocab_src = Vocab.build(
-        (tokenize(de, spacy_de) for de, _ in train), min_freq
-    )
-    vocab_tgt = Vocab.build(
-        (tokenize(en, spacy_en) for _, en in train), min_freq
-    )
-    return vocab_src, vocab_tgt
-
-
-def load_vocab(spacy_de, spacy_en, path=None, min_freq=2):
-    """The vocabularies, cached as JSON in `path` (data/vocab.json)."""
-    import spacy
-
-    path = Path(path) if path is not None else data_dir() / "vocab.json"
-    key = {"min_freq": min_freq, "spacy": spacy.__version__}
-    if path.is_file():
-        saved = json.loads(path.read_text(encoding="utf-8"))
-        if saved.get("key") == key:
-            return Vocab(saved["src"]), Vocab(saved["tgt"])
-    vocab_src, vocab_tgt = build_vocabulary(spacy_de, spacy_en, min_freq)
-    saved = {"key": key, "src": vocab_src.get_itos()}
-    saved["tgt"] = vocab_tgt.get_itos()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
-    tmp.write_text(json.dumps(saved, ensure_ascii=False), encoding="utf-8")
-    os.replace(tmp, path)  # atomic: parallel ranks never read half a file
-    return vocab_src, vocab_tgt
+    de = (tokenize(de, spacy_de) for de, _ in train)
+    en = (tokenize(en, spacy_en) for _, en in train)
+    return Vocab.build(de, min_freq), Vocab.build(en, min_freq)
 
 
 # -----------------------------------------------------------------------------
-# Batching
+# From text to batches
 # Explained in notebooks/03_multi30k.py, same heading.
 # -----------------------------------------------------------------------------
 def encode_text(text, tokenizer, vocab):
     """Ids of one sentence, without `<s>` and `</s>`."""
-    if isinstance(vocab, Vocab):
-        return vocab(tokenize(text, tokenizer))
-    return vocab.encode(text)  # a BPE vocabulary reads raw text (Part 5)
+    if hasattr(vocab, "encode"):  # a vocabulary that reads text (Part 5)
+        return vocab.encode(text)
+    return vocab(tokenize(text, tokenizer))
 
 
 def encode_pairs(pairs, vocab_src, vocab_tgt, spacy_de, spacy_en):
     """Each (de, en) pair as two id lists, `<s> ... </s>`."""
-    return [
-        (
-            [BOS, *encode_text(de, spacy_de, vocab_src), EOS],
-            [BOS, *encode_text(en, spacy_en, vocab_tgt), EOS],
-        )
-        for de, en in pairs
-    ]
+    de = [[BOS, *encode_text(s, spacy_de, vocab_src), EOS] for s, _ in pairs]
+    en = [[BOS, *encode_text(t, spacy_en, vocab_tgt), EOS] for _, t in pairs]
+    return list(zip(de, en, strict=True))
 
 
 def collate_batch(batch, pad_id=PAD):
     """Pad encoded (src, tgt) id lists to the longest in this batch."""
     pad = torch.nn.utils.rnn.pad_sequence
-    src = pad(
-        [torch.tensor(s, dtype=torch.long) for s, _ in batch],
-        batch_first=True,
-        padding_value=pad_id,
-    )  # (B, S)
-    tgt = pad(
-        [torch.tensor(t, dtype=torch.long) for _, t in batch],
-        batch_first=True,
-        padding_value=pad_id,
-    )  # (B, T)
-    return src, tgt
+    sides = [[torch.tensor(ids) for ids in side] for side in zip(*batch)]
+    return tuple(pad(s, True, pad_id) for s in sides)  # (B, S), (B, T)
+
+
+def bucket(order, sizes, max_tokens):
+    """Cut indices, sorted by size, into batches within a token budget."""
+    batches, batch = [], []
+    for i in order:  # sizes ascend, so sizes[i] is the batch's width
+        if batch and (len(batch) + 1) * sizes[i] > max_tokens:
+            batches.append(batch)
+            batch = []
+        batch.append(i)
+    return batches + [batch] if batch else batches
+
+
+def split_evenly(batches, n):
+    """Halve the largest batches until their number divides by n."""
+    while len(batches) % n:
+        k = max(range(len(batches)), key=lambda b: len(batches[b]))
+        if len(batches[k]) < 2:
+            raise ValueError("too few examples to give every rank a batch")
+        half = len(batches[k]) // 2
+        batches[k : k + 1] = [batches[k][:half], batches[k][half:]]
+    return batches
 
 
 class TokenBatchSampler(torch.utils.data.Sampler):
     """Length-bucketed batches within a token budget, split across ranks."""
 
     def __init__(
-        self,
-        lengths,
-        max_tokens,
-        max_len=None,
-        num_replicas=1,
-        rank=0,
-        shuffle=True,
-        seed=0,
-    ):
-        max_len = max_tokens if max_len is None else max_len
+        self, lengths, max_tokens, max_len=None, num_replicas=1, rank=0,
+        shuffle=True, seed=0,
+    ):  # fmt: skip
+        self.max_len = max_len = max_len or max_tokens
         if max_len > max_tokens:
             raise ValueError("max_len must not exceed max_tokens")
         if not 0 <= rank < num_replicas:
@@ -1379,10 +1215,8 @@ class TokenBatchSampler(torch.utils.data.Sampler):
         self.sizes = [max(s, t) for s, t in lengths]  # padded width per pair
         self.kept = [i for i, n in enumerate(self.sizes) if n <= max_len]
         self.dropped = [i for i, n in enumerate(self.sizes) if n > max_len]
-        self.max_tokens, self.max_len = max_tokens, max_len
-        self.num_replicas, self.rank = num_replicas, rank
-        self.shuffle, self.seed, self.epoch = shuffle, seed, 0
-        self._cache = None
+        self.max_tokens, self.shuffle, self.seed = max_tokens, shuffle, seed
+        self.num_replicas, self.rank, self.epoch = num_replicas, rank, 0
 
     def set_epoch(self, epoch):
         """Reshuffle for `epoch` (the same on every rank)."""
@@ -1390,30 +1224,12 @@ class TokenBatchSampler(torch.utils.data.Sampler):
 
     def all_batches(self):
         """The batches of every rank for the current epoch."""
-        if self._cache is not None and self._cache[0] == self.epoch:
-            return self._cache[1]
-        rng = random.Random(f"{self.seed}/{self.epoch}")
-        order = list(self.kept)
-        if self.shuffle:
-            rng.shuffle(order)
-        order.sort(key=self.sizes.__getitem__)  # stable: ties stay shuffled
-        batches, batch = [], []
-        for i in order:  # sizes ascend, so sizes[i] is the batch's width
-            if batch and (len(batch) + 1) * self.sizes[i] > self.max_tokens:
-                batches.append(batch)
-                batch = []
-            batch.append(i)
-        batches += [batch] if batch else []
-        while len(batches) % self.num_replicas:
-            k = max(range(len(batches)), key=lambda b: len(batches[b]))
-            if len(batches[k]) < 2:
-                raise ValueError("too few examples to give every rank a batch")
-            half = len(batches[k]) // 2
-            batches[k : k + 1] = [batches[k][:half], batches[k][half:]]
-        if self.shuffle:
-            rng.shuffle(batches)
-        self._cache = (self.epoch, batches)
-        return batches
+        rng, kept = random.Random(f"{self.seed}/{self.epoch}"), self.kept
+        order = rng.sample(kept, len(kept)) if self.shuffle else kept
+        order = sorted(order, key=self.sizes.__getitem__)  # stable sort
+        batches = bucket(order, self.sizes, self.max_tokens)
+        batches = split_evenly(batches, self.num_replicas)
+        return rng.sample(batches, len(batches)) if self.shuffle else batches
 
     def __iter__(self):
         yield from self.all_batches()[self.rank :: self.num_replicas]
@@ -1423,55 +1239,31 @@ class TokenBatchSampler(torch.utils.data.Sampler):
 
 
 def create_dataloaders(
-    vocab_src,
-    vocab_tgt,
-    spacy_de,
-    spacy_en,
-    max_tokens=4000,
-    max_len=128,
-    rank=0,
-    world_size=1,
-    seed=0,
-    num_workers=0,
-    max_train_pairs=0,
-):
+    vocab_src, vocab_tgt, spacy_de, spacy_en, max_tokens=4000, max_len=128,
+    rank=0, world_size=1, seed=0, num_workers=0, max_train_pairs=0,
+):  # fmt: skip
     """Train and validation DataLoaders of padded (src, tgt) CPU tensors."""
     loaders = []
-    for split, shuffle, limit, n_pairs in (
-        ("train", True, max_len, max_train_pairs),
-        ("val", False, None, max_train_pairs // 4),
-    ):
-        pairs = read_multi30k(split)
-        pairs = pairs[:n_pairs] if n_pairs else pairs
+    for split, n in ("train", max_train_pairs), ("val", max_train_pairs // 4):
+        pairs = read_multi30k(split)[: n or None]
         data = encode_pairs(pairs, vocab_src, vocab_tgt, spacy_de, spacy_en)
-        sampler = TokenBatchSampler(
-            [(len(s), len(t)) for s, t in data],
-            max_tokens,
-            max_len=limit,
-            num_replicas=world_size,
-            rank=rank,
-            shuffle=shuffle,
-            seed=seed,
-        )
+        lengths, train = [(len(s), len(t)) for s, t in data], split == "train"
+        limit = max_len if train else None
+        options = (limit, world_size, rank, train, seed)
+        sampler = TokenBatchSampler(lengths, max_tokens, *options)
         if sampler.dropped:
-            warnings.warn(
-                f"{split}: left out {len(sampler.dropped)} of {len(data)} "
-                f"pairs longer than {sampler.max_len} tokens",
-                stacklevel=2,
-            )
-        loaders.append(
-            torch.utils.data.DataLoader(
-                data,
-                batch_sampler=sampler,
-                collate_fn=collate_batch,
-                num_workers=num_workers,
-            )
+            n = f"{len(sampler.dropped)} pairs longer than {sampler.max_len}"
+            warnings.warn(f"{split}: left out {n} tokens", stacklevel=2)
+        options = {"batch_sampler": sampler, "collate_fn": collate_batch}
+        loader = torch.utils.data.DataLoader(
+            data, num_workers=num_workers, **options
         )
+        loaders.append(loader)
     return tuple(loaders)
 
 
 # -----------------------------------------------------------------------------
-# Training on Multi30k
+# Training
 # Explained in notebooks/03_multi30k.py, same heading.
 # -----------------------------------------------------------------------------
 @dataclass
@@ -1487,108 +1279,30 @@ class TrainConfig:
     label_smoothing: float = 0.1
     max_tokens: int = 3000  # token budget of one batch, per process
     accum_iter: int = 1
-    num_epochs: int = 20
+    epochs: int = 20
     factor: float = 1.0
     warmup: int = 800
     max_len: int = 128
     max_train_pairs: int = 0  # 0 means all 29,000
     seed: int = 0
-    amp: str = "bf16"  # "bf16" autocast where native, or "none"
+    precision: str = "bf16"  # "bf16": autocast where native; or "fp32"
     checkpoint_dir: str = "checkpoints/cpu"
     num_workers: int = 0
     tokenization: str = "word"  # or "bpe": one subword vocabulary (Part 5)
     tie_embeddings: bool = False  # share embeddings and generator (Part 5)
 
 
-PRESETS = {
-    "paper": TrainConfig(
-        preset="paper",
-        N=6,
-        d_model=512,
-        d_ff=2048,
-        h=8,
-        max_tokens=8000,
-        num_epochs=40,
-        warmup=800,
-        checkpoint_dir="checkpoints/paper",
-    ),
-    "cpu": TrainConfig(),
-    "smoke": TrainConfig(
-        preset="smoke",
-        N=1,
-        d_model=64,
-        d_ff=128,
-        h=2,
-        dropout=0.0,
-        max_tokens=1500,
-        num_epochs=2,
-        warmup=20,
-        factor=2.0,
-        max_train_pairs=1000,
-        amp="none",
-        checkpoint_dir="checkpoints/smoke",
-    ),
-}
-PRESETS |= {  # the same with one BPE vocabulary and tied embeddings
-    f"{name}-bpe": replace(
-        PRESETS[name],
-        preset=f"{name}-bpe",
-        tokenization="bpe",
-        tie_embeddings=True,
-        checkpoint_dir=f"checkpoints/{name}-bpe",
+def model_from_config(c, n_src, n_tgt, dropout=None):
+    """The model a TrainConfig describes, for the given vocabulary sizes."""
+    dims = {"N": c.N, "d_model": c.d_model, "d_ff": c.d_ff, "h": c.h}
+    dropout = c.dropout if dropout is None else dropout
+    return make_model(
+        n_src, n_tgt, **dims, dropout=dropout, tie_embeddings=c.tie_embeddings
     )
-    for name in ("cpu", "smoke")
-}
-
-
-def get_config(preset="cpu", **overrides):
-    """A preset's TrainConfig with some fields replaced."""
-    if preset not in PRESETS:
-        raise UserError(
-            f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}"
-        )
-    return replace(PRESETS[preset], **overrides)
 
 
 class UserError(Exception):
     """A problem with the user's input, reported without a traceback."""
-
-
-def pick_device(rank=0):
-    """cuda:rank when CUDA is available, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", rank % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
-def free_port():
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def autocast_context(device, amp="bf16"):
-    """bf16 autocast where the hardware runs it natively, else a no-op."""
-    if amp == "bf16" and native_bf16(device.type):
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return nullcontext()
-
-
-def init_distributed(rank, world_size, port=None):
-    """Join the process group (env:// under torchrun, tcp otherwise)."""
-    import torch.distributed as dist
-
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if port is None:  # torchrun sets MASTER_ADDR and MASTER_PORT
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
-    else:
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-        )
 
 
 def save_checkpoint(path, **fields):
@@ -1602,12 +1316,8 @@ def save_checkpoint(path, **fields):
 
 def load_checkpoint(path, device="cpu"):
     """Read a checkpoint safely (weights_only) onto `device`."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(
-            f"no checkpoint at {path}; train one first with "
-            "`python the_annotated_transformer.py train`"
-        )
+    if not Path(path).is_file():
+        raise UserError(f"no checkpoint at {path}; train one first")
     try:
         return torch.load(path, map_location=device, weights_only=True)
     except Exception as err:  # truncated file, not a checkpoint, ...
@@ -1619,281 +1329,139 @@ def epoch_checkpoints(folder):
     return sorted(Path(folder).glob("epoch_*.pt"))
 
 
-def vocab_state(vocab):
-    """A vocabulary as plain data: its tokens, or a BPE model's JSON."""
-    return vocab.to_str() if hasattr(vocab, "to_str") else vocab.get_itos()
+def word_vocabularies(ckpt):
+    """The word vocabularies of a checkpoint."""
+    return Vocab(ckpt["vocab_src"]), Vocab(ckpt["vocab_tgt"])
 
 
-def as_vocab(state):
-    """The vocabulary that `vocab_state` gave (or a vocabulary itself)."""
-    if isinstance(state, str):
-        return BpeVocab.from_str(state)  # noqa: F821 (Part 5)
-    return Vocab(state) if isinstance(state, (list, tuple)) else state
+VOCAB_LOADERS = {"word": word_vocabularies}  # the appendix adds "bpe"
 
 
-def vocab_fields(vocab_src, vocab_tgt):
-    """Checkpoint entries from which both vocabularies can be rebuilt."""
-    fields = {
-        "vocab_src": vocab_src.get_itos(),
-        "vocab_tgt": vocab_tgt.get_itos(),
-    }
-    if not isinstance(vocab_tgt, Vocab):  # BPE: also its merges, as JSON
-        fields["bpe"] = vocab_state(vocab_tgt)
-    return fields
+def save_run(run, name, vocab_src, vocab_tgt, **extra):
+    """Write the weights, config, vocabularies and losses, and `extra`."""
+    fields = {"model": run.module.state_dict(), "config": asdict(run.config)}
+    fields |= {"vocab_src": vocab_src.get_itos(), "history": run.history}
+    fields["vocab_tgt"] = vocab_tgt.get_itos()
+    if hasattr(vocab_tgt, "to_str"):  # Part 5's BPE: its merges, as JSON
+        fields["bpe"] = vocab_tgt.to_str()
+    save_checkpoint(Path(run.config.checkpoint_dir, name), **fields, **extra)
 
 
-class TrackedLossCompute(SimpleLossCompute):
-    """SimpleLossCompute that also drives a tqdm progress bar."""
+class TrainingRun:
+    """One process's model, loss, optimizer, schedule and history."""
 
-    def __init__(self, generator, criterion, bar=None, optimizer=None):
-        super().__init__(generator, criterion)
-        self.bar, self.optimizer = bar, optimizer
-        self.start, self.tokens = time.time(), 0
-
-    def __call__(self, x, y, norm):
-        total, sloss = super().__call__(x, y, norm)
-        if self.bar is not None:
-            self.tokens += norm
-            rate = self.tokens / (time.time() - self.start)
-            postfix = {
-                "loss": f"{total / max(norm, 1):.3f}",
-                "tok/s": f"{rate:.0f}",
-            }
-            if self.optimizer is not None:
-                postfix["lr"] = f"{self.optimizer.param_groups[0]['lr']:.2e}"
-            if x.device.type == "cuda":
-                gib = torch.cuda.max_memory_allocated(x.device) / 2**30
-                postfix["mem"] = f"{gib:.1f}GiB"
-            self.bar.set_postfix(postfix, refresh=False)
-            self.bar.update(1)
-        return total, sloss
-
-
-def device_batches(loader, device):
-    """Batches from a DataLoader of (src, tgt), moved to `device`."""
-    for src, tgt in loader:
-        yield Batch(src, tgt, pad=PAD).to(device)
+    def __init__(self, rank, world_size, sizes, c, distributed, port=None):
+        if distributed:  # env:// under torchrun, else a port on this machine
+            url = None if port is None else f"tcp://127.0.0.1:{port}"
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist = {"rank": rank, "world_size": world_size}
+            torch.distributed.init_process_group(backend, url, **dist)
+        self.config, self.rank, self.device = c, rank, torch.device("cpu")
+        if torch.cuda.is_available():
+            gpu = rank % torch.cuda.device_count()
+            self.device = torch.device("cuda", gpu)
+        elif world_size > 1:  # processes share the CPU cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.manual_seed(c.seed)
+        self.model = self.module = model_from_config(c, *sizes).to(self.device)
+        if distributed:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            DDP = torch.nn.parallel.DistributedDataParallel
+            self.model = DDP(self.module, device_ids=ids)
+        smoothing = c.label_smoothing
+        self.criterion = LabelSmoothing(sizes[1], PAD, smoothing=smoothing)
+        self.optimizer, self.scheduler = make_optimizer(
+            self.module, c.d_model, c.factor, c.warmup
+        )
+        self.state, self.history = TrainState(), []
 
 
 def params_in_sync(module):
     """True when every process holds exactly the same parameters."""
     import torch.distributed as dist
 
-    flat = torch.cat(
-        [p.detach().float().reshape(-1) for p in module.parameters()]
-    )
+    flat = torch.cat([p.detach().flatten() for p in module.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, flat)
     return all(torch.equal(gathered[0], g) for g in gathered)
 
 
+def train_epoch(run, epoch, train_loader, valid_loader, show=True):
+    """Train for one epoch, then validate; returns the history entry."""
+    loss = SimpleLossCompute(run.module.generator, run.criterion)
+    kind = run.device.type  # bf16 autocast where native, else a no-op
+    bf16 = run.config.precision == "bf16" and native_bf16(kind)
+    autocast = lambda: torch.autocast(kind, torch.bfloat16, enabled=bf16)
+    train_loader.batch_sampler.set_epoch(epoch)
+    batches = (Batch(s, t, PAD).to(run.device) for s, t in train_loader)
+    step = {"optimizer": run.optimizer, "scheduler": run.scheduler}
+    step |= {"accum_iter": run.config.accum_iter, "train_state": run.state}
+    run.model.train()
+    train_loss, run.state = run_epoch(
+        batches, run.model, loss, **step, autocast=autocast
+    )
+    run.model.eval()
+    batches = (Batch(s, t, PAD).to(run.device) for s, t in valid_loader)
+    val_loss, _ = run_epoch(
+        batches, run.model, loss, mode="eval", autocast=autocast
+    )
+    entry = {"epoch": epoch, "train_loss": train_loss, "val_loss": val_loss}
+    run.history.append(entry | {"steps": run.state.accum_step})
+    if show and run.rank == 0:
+        gpu = run.device.type == "cuda"
+        gib = torch.cuda.max_memory_allocated(run.device) / 2**30 if gpu else 0
+        report = f"epoch {epoch}: train {train_loss:.3f}, val {val_loss:.3f}"
+        print(report, f"(GPU memory {gib:.1f} GiB)" * gpu)
+    return run.history[-1]
+
+
+def save_epoch(run, epoch, vocab_src, vocab_tgt):
+    """Write epoch_NNN.pt with everything needed to resume."""
+    resume = {"epoch": epoch, "train_state": asdict(run.state)}
+    resume |= {"optimizer": run.optimizer.state_dict()}
+    resume |= {"scheduler": run.scheduler.state_dict()}
+    resume |= {"rng_state": torch.get_rng_state()}
+    save_run(run, f"epoch_{epoch:03d}.pt", vocab_src, vocab_tgt, **resume)
+
+
+def resume_run(run):
+    """Restore the newest epoch checkpoint; returns the next epoch."""
+    paths = epoch_checkpoints(run.config.checkpoint_dir)
+    if not paths:
+        return 0
+    ckpt = load_checkpoint(paths[-1], run.device)
+    run.module.load_state_dict(ckpt["model"])
+    run.optimizer.load_state_dict(ckpt["optimizer"])
+    run.scheduler.load_state_dict(ckpt["scheduler"])
+    run.state, run.history = TrainState(**ckpt["train_state"]), ckpt["history"]
+    torch.set_rng_state(ckpt["rng_state"])
+    return ckpt["epoch"] + 1
+
+
 def train_worker(
-    rank,
-    world_size,
-    vocab_src,
-    vocab_tgt,
-    spacy_de,
-    spacy_en,
-    config,
-    is_distributed=False,
-    port=None,
-    resume=False,
-    show_progress=True,
-):
-    """Train on Multi30k in one process; returns the val losses per epoch."""
-    from tqdm import tqdm
-
-    config = TrainConfig(**config) if isinstance(config, dict) else config
-    vocab_src, vocab_tgt = (as_vocab(v) for v in (vocab_src, vocab_tgt))
-    # (a spawned process receives plain token lists, or BPE JSON text)
-    if spacy_de is None or spacy_en is None:
-        spacy_de, spacy_en = load_tokenizers()
-    if is_distributed:
-        init_distributed(rank, world_size, port)
-    device = pick_device(rank)
-    if device.type == "cpu" and world_size > 1:  # share the cores, no spin
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    torch.manual_seed(config.seed)
-    model = make_model(
-        len(vocab_src),
-        len(vocab_tgt),
-        N=config.N,
-        d_model=config.d_model,
-        d_ff=config.d_ff,
-        h=config.h,
-        dropout=config.dropout,
-        tie_embeddings=config.tie_embeddings,
-    ).to(device)
-    module = model
-    if is_distributed:
-        ids = [device.index] if device.type == "cuda" else None
-        model = torch.nn.parallel.DistributedDataParallel(
-            module, device_ids=ids
-        )
-    train_loader, valid_loader = create_dataloaders(
-        vocab_src,
-        vocab_tgt,
-        spacy_de,
-        spacy_en,
-        max_tokens=config.max_tokens,
-        max_len=config.max_len,
-        rank=rank,
-        world_size=world_size,
-        seed=config.seed,
-        num_workers=config.num_workers,
-        max_train_pairs=config.max_train_pairs,
+    rank, world_size, vocab_src, vocab_tgt, spacy_de, spacy_en, config,
+    is_distributed=False, port=None, resume=False, show_progress=True,
+):  # fmt: skip
+    """Train on Multi30k in one process; returns the history of losses."""
+    sizes = (len(vocab_src), len(vocab_tgt))
+    run = TrainingRun(rank, world_size, sizes, config, is_distributed, port)
+    names = ("max_tokens", "max_len", "seed", "num_workers", "max_train_pairs")
+    options = {name: getattr(config, name) for name in names}
+    options |= {"rank": rank, "world_size": world_size}
+    loaders = create_dataloaders(
+        vocab_src, vocab_tgt, spacy_de, spacy_en, **options
     )
-    criterion = LabelSmoothing(
-        len(vocab_tgt), padding_idx=PAD, smoothing=config.label_smoothing
-    )
-    optimizer, scheduler = make_optimizer(
-        module, config.d_model, config.factor, config.warmup
-    )
-    state, history, first_epoch = TrainState(), [], 0
-    if resume and epoch_checkpoints(config.checkpoint_dir):
-        ckpt = load_checkpoint(
-            epoch_checkpoints(config.checkpoint_dir)[-1], device
-        )
-        module.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        scheduler.load_state_dict(ckpt["scheduler"])
-        state, history = TrainState(**ckpt["train_state"]), ckpt["history"]
-        torch.set_rng_state(ckpt["rng_state"])
-        first_epoch = ckpt["epoch"] + 1
-    show = show_progress and rank == 0
-    amp = partial(autocast_context, device, config.amp)
-    for epoch in range(first_epoch, config.num_epochs):
-        train_loader.batch_sampler.set_epoch(epoch)
-        model.train()
-        with tqdm(
-            total=len(train_loader),
-            disable=not show,
-            leave=False,
-            desc=f"epoch {epoch} train",
-        ) as bar:
-            loss_compute = TrackedLossCompute(
-                module.generator, criterion, bar, optimizer
-            )
-            train_loss, state = run_epoch(
-                device_batches(train_loader, device),
-                model,
-                loss_compute,
-                optimizer,
-                scheduler,
-                mode="train",
-                accum_iter=config.accum_iter,
-                train_state=state,
-                autocast=amp,
-            )
-        model.eval()
-        val_loss, _ = run_epoch(
-            device_batches(valid_loader, device),
-            model,
-            SimpleLossCompute(module.generator, criterion),
-            mode="eval",
-            autocast=amp,
-        )
-        history.append(
-            {
-                "epoch": epoch,
-                "train_loss": train_loss,
-                "val_loss": val_loss,
-                "steps": state.accum_step,
-            }
-        )
-        if show:
-            tqdm.write(
-                f"epoch {epoch:3d} | train loss {train_loss:.3f} | "
-                f"val loss {val_loss:.3f} | steps {state.accum_step}"
-            )
+    for epoch in range(resume_run(run) if resume else 0, config.epochs):
+        train_epoch(run, epoch, *loaders, show=show_progress)
         if rank == 0:
-            save_checkpoint(
-                Path(config.checkpoint_dir) / f"epoch_{epoch:03d}.pt",
-                model=module.state_dict(),
-                optimizer=optimizer.state_dict(),
-                scheduler=scheduler.state_dict(),
-                train_state=asdict(state),
-                rng_state=torch.get_rng_state(),
-                config=asdict(config),
-                **vocab_fields(vocab_src, vocab_tgt),
-                epoch=epoch,
-                history=history,
-            )
-    in_sync = params_in_sync(module) if is_distributed else True
+            save_epoch(run, epoch, vocab_src, vocab_tgt)
+    in_sync = params_in_sync(run.module) if is_distributed else True
     if rank == 0:
-        save_checkpoint(
-            Path(config.checkpoint_dir) / "final.pt",
-            model=module.state_dict(),
-            config=asdict(config),
-            **vocab_fields(vocab_src, vocab_tgt),
-            epoch=config.num_epochs - 1,
-            history=history,
-            ranks_in_sync=in_sync,
-        )
+        last = {"epoch": config.epochs - 1, "ranks_in_sync": in_sync}
+        save_run(run, "final.pt", vocab_src, vocab_tgt, **last)
     if is_distributed:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
-    return history
-
-
-def train_distributed_model(
-    vocab_src,
-    vocab_tgt,
-    spacy_de,
-    spacy_en,
-    config,
-    world_size=None,
-    resume=False,
-):
-    """Train with one process per GPU (or world_size CPU processes)."""
-    import torch.multiprocessing as mp
-
-    world_size = world_size or max(torch.cuda.device_count(), 1)
-    # Only plain data crosses to the new processes: token lists (or BPE
-    # JSON text) and a dict (spaCy tokenizers are rebuilt there; they are
-    # cheap to make).
-    mp.spawn(
-        train_worker,
-        nprocs=world_size,
-        args=(
-            world_size,
-            vocab_state(vocab_src),
-            vocab_state(vocab_tgt),
-            None,
-            None,
-            asdict(config),
-            True,
-            free_port(),
-            resume,
-        ),
-    )
-
-
-def train_model(
-    vocab_src,
-    vocab_tgt,
-    spacy_de,
-    spacy_en,
-    config,
-    distributed=False,
-    world_size=None,
-    resume=False,
-):
-    """Train in this process, or in several when `distributed`."""
-    if distributed:
-        return train_distributed_model(
-            vocab_src,
-            vocab_tgt,
-            spacy_de,
-            spacy_en,
-            config,
-            world_size,
-            resume,
-        )
-    return train_worker(
-        0, 1, vocab_src, vocab_tgt, spacy_de, spacy_en, config, resume=resume
-    )
+        torch.distributed.destroy_process_group()
+    return run.history
 
 
 def load_trained_model(path, device="cpu"):
@@ -1901,33 +1469,18 @@ def load_trained_model(path, device="cpu"):
     ckpt = load_checkpoint(path, device)
     try:
         config = TrainConfig(**ckpt["config"])
-        if config.tokenization == "bpe":
-            vocab_src = vocab_tgt = as_vocab(ckpt["bpe"])
-        else:
-            vocab_src, vocab_tgt = (
-                Vocab(ckpt["vocab_src"]),
-                Vocab(ckpt["vocab_tgt"]),
-            )
-        model = make_model(
-            len(vocab_src),
-            len(vocab_tgt),
-            N=config.N,
-            d_model=config.d_model,
-            d_ff=config.d_ff,
-            h=config.h,
-            dropout=0.0,
-            tie_embeddings=config.tie_embeddings,
-        )
+        vocab_src, vocab_tgt = VOCAB_LOADERS[config.tokenization](ckpt)
+        sizes = (len(vocab_src), len(vocab_tgt))
+        model = model_from_config(config, *sizes, dropout=0.0)
         model.load_state_dict(ckpt["model"])
     except (KeyError, TypeError, RuntimeError) as err:
-        raise UserError(
-            f"{path} does not match this code's Multi30k model: {err}"
-        ) from err
+        message = f"{path} does not match this code's Multi30k model: {err}"
+        raise UserError(message) from err
     return model.to(device).eval(), vocab_src, vocab_tgt, config
 
 
 # -----------------------------------------------------------------------------
-# Decoding and BLEU
+# Decoding
 # Explained in notebooks/03_multi30k.py, same heading.
 # -----------------------------------------------------------------------------
 @torch.no_grad()
@@ -1936,18 +1489,14 @@ def batch_greedy_decode(
 ):
     """Greedy decoding of a batch until every row has produced </s>."""
     memory = model.encode(src, src_mask)  # (B, S, d_model)
-    B = src.size(0)
-    ys = torch.full(
-        (B, 1), start_symbol, dtype=torch.long, device=src.device
-    )  # (B, 1)
-    done = torch.zeros(B, dtype=torch.bool, device=src.device)
+    ys = torch.full_like(src[:, :1], start_symbol)  # (B, 1)
+    done = torch.zeros_like(ys[:, 0], dtype=torch.bool)  # (B,)
     for _ in range(max_len - 1):
-        out = model.decode(
-            memory, src_mask, ys, subsequent_mask(ys.size(1)).to(src.device)
-        )
+        tgt_mask = subsequent_mask(ys.size(1)).to(src.device)  # (1, t, t)
+        out = model.decode(memory, src_mask, ys, tgt_mask)  # (B, t, d_model)
         next_word = model.generator(out[:, -1]).argmax(dim=-1)  # (B,)
         next_word = next_word.masked_fill(done, PAD)
-        ys = torch.cat([ys, next_word.unsqueeze(1)], dim=1)
+        ys = torch.cat([ys, next_word.unsqueeze(1)], dim=1)  # (B, t + 1)
         done |= next_word == end_symbol
         if done.all():
             break
@@ -1958,425 +1507,6 @@ def strip_specials(ids, end_symbol=EOS):
     """Token ids after <s> and before the first </s>."""
     ids = list(ids)[1:]
     return ids[: ids.index(end_symbol)] if end_symbol in ids else ids
-
-
-_NO_SPACE_BEFORE = {
-    ".",
-    ",",
-    "!",
-    "?",
-    ";",
-    ":",
-    ")",
-    "]",
-    "}",
-    "%",
-    "'s",
-    "'re",
-    "'ve",
-    "'ll",
-    "'m",
-    "'d",
-    "n't",
-    "'",
-}
-_NO_SPACE_AFTER = {"(", "[", "{", "$", "#"}
-
-
-def detokenize(tokens):
-    """Join English spaCy tokens into a plain sentence."""
-    out, quote_open = "", False
-    for i, tok in enumerate(tokens):
-        glue = (
-            i == 0
-            or tok.lower() in _NO_SPACE_BEFORE
-            or out.endswith(tuple(_NO_SPACE_AFTER))
-            or tok == "-"
-            or out.endswith("-")
-            and i > 1
-            and tokens[i - 1] == "-"
-            and tokens[i - 2] not in {",", ".", "-"}
-        )
-        if tok == '"':
-            glue = i == 0 or quote_open
-            quote_open = not quote_open
-        elif out.endswith('"') and quote_open:
-            glue = True
-        out += tok if glue else " " + tok
-    return out
-
-
-def decode_text(ids, vocab):
-    """Plain text of output ids (without `<s>` and `</s>`)."""
-    if isinstance(vocab, Vocab):
-        return detokenize(vocab.lookup_tokens(ids))
-    return vocab.decode(ids)  # a BPE vocabulary decodes itself (Part 5)
-
-
-def translate_batch(
-    model,
-    sentences,
-    spacy_de,
-    vocab_src,
-    vocab_tgt,
-    device="cpu",
-    batch_size=128,
-    max_extra=50,
-    decode_fn=None,
-):
-    """German sentences to detokenized English, in input order."""
-    decode_fn = decode_fn or batch_greedy_decode
-    model.eval()
-    encoded = [
-        [BOS, *encode_text(s, spacy_de, vocab_src), EOS] for s in sentences
-    ]
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
-    results = [None] * len(encoded)
-    for k in range(0, len(order), batch_size):
-        idx = order[k : k + batch_size]
-        src = torch.nn.utils.rnn.pad_sequence(
-            [torch.tensor(encoded[i]) for i in idx],
-            batch_first=True,
-            padding_value=PAD,
-        ).to(device)  # (B, S)
-        src_mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
-        out = decode_fn(model, src, src_mask, src.size(1) + max_extra)
-        for i, row in zip(idx, out.tolist(), strict=True):
-            results[i] = decode_text(strip_specials(row), vocab_tgt)
-    return results
-
-
-def compute_bleu(hypotheses, references):
-    """Cased corpus BLEU (sacreBLEU, 13a tokenization) of plain text."""
-    import sacrebleu
-
-    return sacrebleu.corpus_bleu(hypotheses, [references])
-
-
-def check_outputs(
-    model, pairs, spacy_de, vocab_src, vocab_tgt, n_examples=5, device="cpu"
-):
-    """Print source, reference and model output for some pairs."""
-    pairs = list(pairs)[:n_examples]
-    hyps = translate_batch(
-        model.eval(),
-        [de for de, _ in pairs],
-        spacy_de,
-        vocab_src,
-        vocab_tgt,
-        device,
-    )
-    for i, ((de, en), hyp) in enumerate(zip(pairs, hyps)):
-        print(
-            f"example {i}\n  source:     {de}\n  reference:  {en}\n"
-            f"  model:      {hyp}\n"
-        )
-    return hyps
-
-
-def run_model_example(checkpoint="checkpoints/cpu/final.pt", n_examples=5):
-    """Load a trained model and show some validation translations."""
-    model, vocab_src, vocab_tgt, _ = load_trained_model(checkpoint)
-    spacy_de, _ = load_tokenizers()
-    return check_outputs(
-        model, read_multi30k("val"), spacy_de, vocab_src, vocab_tgt, n_examples
-    )
-
-
-# -----------------------------------------------------------------------------
-# The command line
-# Explained in notebooks/03_multi30k.py, same heading.
-# -----------------------------------------------------------------------------
-def hardware_summary():
-    """A short description of the CPU or GPU this process runs on."""
-    import platform
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info = {
-        "cpu": cpu,
-        "cpu_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-    }
-    if torch.cuda.is_available():
-        info["gpus"] = [
-            torch.cuda.get_device_name(i)
-            for i in range(torch.cuda.device_count())
-        ]
-    return info
-
-
-def read_lines(path):
-    """Lines of a plain or gzipped UTF-8 text file, without newlines."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"no such file: {path}")
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [line.rstrip("\n") for line in f]
-
-
-def evaluate_files(
-    model,
-    src_path,
-    ref_path,
-    spacy_de,
-    vocab_src,
-    vocab_tgt,
-    device="cpu",
-    batch_size=128,
-    decode_fn=None,
-):
-    """(BLEU, hypotheses) of a model on a parallel pair of text files."""
-    sources, references = read_lines(src_path), read_lines(ref_path)
-    if len(sources) != len(references):
-        raise UserError(
-            f"{src_path} has {len(sources)} lines but {ref_path} has "
-            f"{len(references)}; they must be line-by-line translations"
-        )
-    if not sources:
-        raise UserError(f"{src_path} is empty")
-    hyps = translate_batch(
-        model,
-        sources,
-        spacy_de,
-        vocab_src,
-        vocab_tgt,
-        device,
-        batch_size,
-        decode_fn=decode_fn,
-    )
-    return compute_bleu(hyps, references), hyps
-
-
-def build_parser():
-    """The argparse parser of the command line."""
-    parser = argparse.ArgumentParser(
-        prog="the_annotated_transformer.py",
-        description="Train, evaluate and use the Annotated Transformer on "
-        "Multi30k German→English.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a model on Multi30k")
-    train.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    train.add_argument("--epochs", type=int, help="override num_epochs")
-    train.add_argument("--max-tokens", type=int, help="tokens per batch")
-    train.add_argument("--checkpoint-dir", help="where checkpoints go")
-    train.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue from the newest epoch checkpoint",
-    )
-    train.add_argument(
-        "--world-size",
-        type=int,
-        default=1,
-        help="processes to spawn (torchrun sets its own)",
-    )
-    train.add_argument(
-        "--results", help="write a JSON summary here, including test BLEU"
-    )
-    train.add_argument(
-        "--threads",
-        type=int,
-        help="CPU threads per process (default: torch's)",
-    )
-    for name, text in (
-        ("evaluate", "BLEU on a parallel pair of files"),
-        ("translate", "translate German sentences"),
-    ):
-        p = sub.add_parser(name, help=text)
-        p.add_argument("--checkpoint", default="checkpoints/cpu/final.pt")
-        p.add_argument("--batch-size", type=int, default=128)
-        p.add_argument("--device", default="cpu")
-        p.add_argument(
-            "--beam",
-            type=int,
-            default=1,
-            metavar="K",
-            help="beam size (default 1: greedy)",
-        )
-        p.add_argument(
-            "--average",
-            type=int,
-            default=0,
-            metavar="K",
-            help="average the last K epoch checkpoints in the "
-            "checkpoint's folder",
-        )
-    evaluate, translate = sub.choices["evaluate"], sub.choices["translate"]
-    evaluate.add_argument(
-        "--src",
-        help="German sources, one per line "
-        "(.gz is fine; default: Multi30k test2016)",
-    )
-    evaluate.add_argument("--ref", help="English references, one per line")
-    evaluate.add_argument("--out", help="also write the translations here")
-    translate.add_argument("sentence", nargs="+", help="German text")
-    return parser
-
-
-def command_train(args):
-    """`train`: run training, then optionally score and summarize."""
-    overrides = {
-        k: v
-        for k, v in (
-            ("num_epochs", args.epochs),
-            ("max_tokens", args.max_tokens),
-            ("checkpoint_dir", args.checkpoint_dir),
-        )
-        if v is not None
-    }
-    config = get_config(args.preset, **overrides)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    spacy_de, spacy_en = load_tokenizers()
-    if config.tokenization == "bpe":
-        vocab_src = vocab_tgt = load_bpe()  # noqa: F821 (Part 5)
-    else:
-        vocab_src, vocab_tgt = load_vocab(spacy_de, spacy_en)
-    start = time.time()
-    if "LOCAL_RANK" in os.environ:  # started by torchrun
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        train_worker(
-            rank,
-            world,
-            vocab_src,
-            vocab_tgt,
-            spacy_de,
-            spacy_en,
-            config,
-            is_distributed=world > 1,
-            resume=args.resume,
-        )
-        if rank != 0:
-            return 0
-    else:
-        train_model(
-            vocab_src,
-            vocab_tgt,
-            spacy_de,
-            spacy_en,
-            config,
-            distributed=args.world_size > 1,
-            world_size=args.world_size,
-            resume=args.resume,
-        )
-    final = Path(config.checkpoint_dir) / "final.pt"
-    print(f"trained in {time.time() - start:.0f} s; model in {final}")
-    if args.results:
-        write_results(args.results, final, time.time() - start)
-    return 0
-
-
-def write_results(path, checkpoint, wall_time):
-    """Score test2016 greedily and write a JSON summary of the run."""
-    model, vocab_src, vocab_tgt, config = load_trained_model(checkpoint)
-    spacy_de, _ = load_tokenizers()
-    test = read_multi30k("test")
-    hyps = translate_batch(
-        model, [de for de, _ in test], spacy_de, vocab_src, vocab_tgt
-    )
-    bleu = compute_bleu(hyps, [en for _, en in test])
-    history = load_checkpoint(checkpoint)["history"]
-    summary = {
-        "command": "python " + " ".join(sys.argv),
-        "config": asdict(config),
-        "hardware": hardware_summary(),
-        "wall_time_s": round(wall_time, 1),
-        "epochs": len(history),
-        "history": history,
-        "test2016_bleu_greedy": round(bleu.score, 2),
-        "bleu": str(bleu),
-    }
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"test2016 BLEU (greedy): {bleu.score:.2f}; summary in {path}")
-
-
-def command_evaluate(args):
-    """`evaluate`: BLEU of a checkpoint on a pair of files."""
-    model, vocab_src, vocab_tgt, decode_fn = load_translator(  # noqa: F821
-        args.checkpoint, args.device, args.beam, args.average
-    )  # (Part 5)
-    spacy_de, _ = load_tokenizers()
-    if (args.src is None) != (args.ref is None):
-        raise UserError("give both --src and --ref, or neither")
-    if args.src is None:
-        folder = download_multi30k()
-        args.src = folder / "test_2016_flickr.de.gz"
-        args.ref = folder / "test_2016_flickr.en.gz"
-    bleu, hyps = evaluate_files(
-        model,
-        args.src,
-        args.ref,
-        spacy_de,
-        vocab_src,
-        vocab_tgt,
-        args.device,
-        args.batch_size,
-        decode_fn,
-    )
-    if args.out:
-        Path(args.out).write_text("\n".join(hyps) + "\n", encoding="utf-8")
-    print(bleu)
-    return 0
-
-
-def command_translate(args):
-    """`translate`: print the English translation of German text."""
-    text = " ".join(args.sentence).strip()
-    if not text:
-        raise UserError("nothing to translate: the sentence is empty")
-    model, vocab_src, vocab_tgt, decode_fn = load_translator(  # noqa: F821
-        args.checkpoint, args.device, args.beam, args.average
-    )  # (Part 5)
-    spacy_de, _ = load_tokenizers()
-    unknown = []
-    if isinstance(vocab_src, Vocab):  # (BPE can spell any known letters)
-        unknown = [t for t in tokenize(text, spacy_de) if t not in vocab_src]
-    if unknown:
-        print(
-            "note: not in the vocabulary, read as <unk>: "
-            + ", ".join(unknown),
-            file=sys.stderr,
-        )
-    print(
-        translate_batch(
-            model,
-            [text],
-            spacy_de,
-            vocab_src,
-            vocab_tgt,
-            args.device,
-            decode_fn=decode_fn,
-        )[0]
-    )
-    return 0
-
-
-def main(argv=None):
-    """Command-line entry point; returns the exit status."""
-    args = build_parser().parse_args(argv)
-    commands = {
-        "train": command_train,
-        "evaluate": command_evaluate,
-        "translate": command_translate,
-    }
-    try:
-        return commands[args.command](args)
-    except (UserError, DatasetError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
 
 
 # =============================================================================
@@ -2444,40 +1574,33 @@ class AttentionMaps:
 
     def view(self, kind):
         """The weights of one kind with its labels and masks."""
-        src_keep, tgt_keep = self.src_ids != self.pad, self.tgt_ids != self.pad
-        S, T = len(src_keep), len(tgt_keep)
-        causal = subsequent_mask(T)[0]  # (T, T)
-        if kind == "encoder self":
-            return AttentionView(
-                self.encoder_self,
-                src_keep.expand(S, S),
-                self.src_tokens,
-                self.src_tokens,
-                src_keep,
-                src_keep,
-                self.src_ids,
-            )
+        if kind not in ATTENTION_KINDS:
+            raise ValueError(f"kind must be one of {list(ATTENTION_KINDS)}")
+        src = (self.src_tokens, self.src_ids != self.pad, self.src_ids)
+        tgt = (self.tgt_tokens, self.tgt_ids != self.pad, self.tgt_ids)
+        (rows, row_keep, _), (cols, col_keep, col_ids) = {
+            "encoder self": (src, src),
+            "decoder self": (tgt, tgt),
+            "decoder source": (tgt, src),
+        }[kind]  # (queries, keys), each (labels, keep, ids)
+        allowed = col_keep.expand(len(row_keep), len(col_keep))  # (R, C)
         if kind == "decoder self":
-            return AttentionView(
-                self.decoder_self,
-                tgt_keep & causal,
-                self.tgt_tokens,
-                self.tgt_tokens,
-                tgt_keep,
-                tgt_keep,
-                self.tgt_ids,
-            )
-        if kind == "decoder source":
-            return AttentionView(
-                self.decoder_src,
-                src_keep.expand(T, S),
-                self.tgt_tokens,
-                self.src_tokens,
-                tgt_keep,
-                src_keep,
-                self.src_ids,
-            )
-        raise ValueError(f"kind must be one of {list(ATTENTION_KINDS)}")
+            allowed = allowed & subsequent_mask(len(col_keep))[0]
+        weights = getattr(self, ATTENTION_KINDS[kind])  # (N, h, R, C)
+        return AttentionView(
+            weights, allowed, rows, cols, row_keep, col_keep, col_ids
+        )
+
+
+def _recorded_weights(model, src, src_mask, tgt_in, pad):
+    """One forward pass; each kind's weights stacked to (N, h, R, C)."""
+    tgt_mask = Batch.make_std_mask(tgt_in, pad)  # (1, T, T)
+    with record_attention(model):
+        model(src, tgt_in, src_mask, tgt_mask)
+        enc = [layer.self_attn.attn[0] for layer in model.encoder.layers]
+        dec = [layer.self_attn.attn[0] for layer in model.decoder.layers]
+        crs = [layer.src_attn.attn[0] for layer in model.decoder.layers]
+    return [torch.stack(w).float().cpu() for w in (enc, dec, crs)]
 
 
 def _labels(ids, vocab):
@@ -2505,20 +1628,12 @@ def attention_maps(
         tgt = torch.as_tensor(tgt, device=device).reshape(1, -1)  # (1, T+1)
         if tgt.size(1) < 2:
             raise ValueError("tgt needs <s> and at least one more token")
-        tgt_in = tgt[:, :-1]  # (1, T) decoder inputs
-        tgt_mask = Batch.make_std_mask(tgt_in, pad)  # (1, T, T)
-        with record_attention(core):
-            core(src, tgt_in, src_mask, tgt_mask)
-            enc = [layer.self_attn.attn[0] for layer in core.encoder.layers]
-            dec = [layer.self_attn.attn[0] for layer in core.decoder.layers]
-            crs = [layer.src_attn.attn[0] for layer in core.decoder.layers]
+        weights = _recorded_weights(core, src, src_mask, tgt[:, :-1], pad)
     finally:
         core.train(training)
     src, tgt = src[0].cpu(), tgt[0].cpu()
     return AttentionMaps(
-        encoder_self=torch.stack(enc).float().cpu(),  # (N, h, S, S)
-        decoder_self=torch.stack(dec).float().cpu(),  # (N, h, T, T)
-        decoder_src=torch.stack(crs).float().cpu(),  # (N, h, T, S)
+        *weights,  # encoder_self, decoder_self, decoder_src
         src_ids=src,
         tgt_ids=tgt[:-1],
         src_tokens=_labels(src, vocab_src),
@@ -2537,22 +1652,14 @@ def attention_frame(maps, kind):
     import pandas as pd
 
     v = maps.view(kind)
-    N, h, R, C = v.weights.shape
-    rows = [i for i in range(R) if v.row_keep[i]]
-    cols = [j for j in range(C) if v.col_keep[j]]
+    rows = v.row_keep.nonzero()[:, 0]  # (R',) positions of real tokens
+    cols = v.col_keep.nonzero()[:, 0]  # (C',)
     w = v.weights[:, :, rows][:, :, :, cols]  # (N, h, R', C')
-    n, a, i, j = torch.meshgrid(
-        *(torch.arange(s) for s in w.shape), indexing="ij"
-    )
-    frame = pd.DataFrame(
-        {
-            "layer": n.flatten().numpy() + 1,
-            "head": a.flatten().numpy() + 1,
-            "row": [rows[r] for r in i.flatten().tolist()],
-            "col": [cols[c] for c in j.flatten().tolist()],
-            "weight": w.flatten().numpy().astype(float),
-        }
-    )
+    grid = torch.meshgrid(*(torch.arange(s) for s in w.shape), indexing="ij")
+    n, a, i, j = (g.flatten() for g in grid)
+    columns = {"layer": n + 1, "head": a + 1, "row": rows[i], "col": cols[j]}
+    frame = pd.DataFrame({k: c.numpy() for k, c in columns.items()})
+    frame["weight"] = w.flatten().double().numpy()
     frame["query"] = [v.rows[r] for r in frame["row"]]
     frame["key"] = [v.cols[c] for c in frame["col"]]
     if kind != "encoder self":
@@ -2560,70 +1667,17 @@ def attention_frame(maps, kind):
     return frame
 
 
-def attention_chart(maps, kind, layer=None, columns=4, cell=18):
-    """Heat maps of one kind, one per head, with a menu to pick the layer."""
+def _layer_picker(kind, N, layer=None):
+    """A drop-down menu that selects one of the N layers (default: last)."""
     import altair as alt
 
-    frame = attention_frame(maps, kind).round({"weight": 5})
-    v = maps.view(kind)
-    N, h = v.weights.shape[:2]
-    pick = alt.param(
+    return alt.param(
         name="pick_layer",
         value=N if layer is None else layer,
         bind=alt.binding_select(
             options=list(range(1, N + 1)), name=f"{kind} attention, layer "
         ),
     )
-    # Tokens travel once, as lists; each cell carries only numbers.
-    fields = {"query": (v.rows, "row"), "key": (v.cols, "col")}
-    if "next" in frame:
-        fields["next"] = (maps.next_tokens, "row")
-    lookups = {
-        f: f"{json.dumps(labels)}[datum.{index}]"
-        for f, (labels, index) in fields.items()
-    }
-    numbers = frame[["layer", "head", "row", "col", "weight"]]
-    heat = (
-        alt.Chart(alt.Data(values=numbers.to_dict("records")))
-        .transform_filter(alt.datum.layer == pick)
-        .transform_calculate(**lookups)
-        .mark_rect()
-        .encode(
-            x=alt.X("col:O", axis=_token_axis(v.cols, "key", -60)),
-            y=alt.Y("row:O", axis=_token_axis(v.rows, "query")),
-            color=alt.Color(
-                "weight:Q",
-                scale=alt.Scale(
-                    domainMin=0,
-                    range=["#ffffff", "#08306b"],
-                    interpolate="lab",
-                ),
-            ),
-            tooltip=[
-                alt.Tooltip(f"{f}:N", title=_TOOLTIP_TITLES[f]) for f in fields
-            ]
-            + [alt.Tooltip("weight:Q", format=".3f"), "layer:O", "head:O"],
-        )
-        .properties(
-            width=cell * frame["col"].nunique(),
-            height=cell * frame["row"].nunique(),
-        )
-    )
-    return heat.add_params(pick).facet(
-        facet=alt.Facet(
-            "head:O",
-            header=alt.Header(labelExpr="'head ' + datum.value", title=None),
-        ),
-        columns=min(columns, h),
-        title=f"{kind} attention ({N} layers, {h} heads); pick a layer",
-    )
-
-
-_TOOLTIP_TITLES = {
-    "query": "query (row)",
-    "key": "key (column)",
-    "next": "next token",
-}
 
 
 def _token_axis(labels, title, angle=0):
@@ -2637,6 +1691,64 @@ def _token_axis(labels, title, angle=0):
     )
 
 
+def _token_lookups(maps, v, frame):
+    """Vega expressions that turn a cell's row or column into its token."""
+    fields = {"query": (v.rows, "row"), "key": (v.cols, "col")}
+    if "next" in frame:
+        fields["next"] = (maps.next_tokens, "row")
+    return {
+        f: f"{json.dumps(labels)}[datum.{index}]"
+        for f, (labels, index) in fields.items()
+    }
+
+
+def _heat_map(frame, v, lookups, pick, cell):
+    """One head's weights as coloured squares, filtered to the picked layer."""
+    import altair as alt
+
+    numbers = frame[["layer", "head", "row", "col", "weight"]]
+    tooltip = [alt.Tooltip(f"{f}:N") for f in lookups]  # tokens
+    tooltip += [alt.Tooltip("weight:Q", format=".3f"), "layer:O", "head:O"]
+    scale = alt.Scale(
+        domainMin=0, range=["#ffffff", "#08306b"], interpolate="lab"
+    )
+    return (
+        alt.Chart(alt.Data(values=numbers.to_dict("records")))
+        .transform_filter(alt.datum.layer == pick)
+        .transform_calculate(**lookups)
+        .mark_rect()
+        .encode(
+            x=alt.X("col:O", axis=_token_axis(v.cols, "key", -60)),
+            y=alt.Y("row:O", axis=_token_axis(v.rows, "query")),
+            color=alt.Color("weight:Q", scale=scale),
+            tooltip=tooltip,
+        )
+        .properties(
+            width=cell * frame["col"].nunique(),
+            height=cell * frame["row"].nunique(),
+        )
+    )
+
+
+def attention_chart(maps, kind, layer=None, columns=4, cell=18):
+    """Heat maps of one kind, one per head, with a menu to pick the layer."""
+    import altair as alt
+
+    frame = attention_frame(maps, kind).round({"weight": 5})
+    v = maps.view(kind)
+    N, h = v.weights.shape[:2]
+    pick = _layer_picker(kind, N, layer)
+    heat = _heat_map(frame, v, _token_lookups(maps, v, frame), pick, cell)
+    return heat.add_params(pick).facet(
+        facet=alt.Facet(
+            "head:O",
+            header=alt.Header(labelExpr="'head ' + datum.value", title=None),
+        ),
+        columns=min(columns, h),
+        title=f"{kind} attention ({N} layers, {h} heads); pick a layer",
+    )
+
+
 # -----------------------------------------------------------------------------
 # What the heads do, measured
 # Explained in notebooks/04_attention.py, same heading.
@@ -2646,46 +1758,48 @@ def _mean(x, keep):
     return x[..., keep].mean(-1) if keep.any() else x.sum(-1) * 0
 
 
+def _diagonal(v, kind):
+    """Query and key positions (R, 1) and (1, C); the diagonal is j == i."""
+    R, C = v.allowed.shape
+    i = torch.arange(R, dtype=torch.float64)[:, None]  # (R, 1)
+    j = torch.arange(C, dtype=torch.float64)[None, :]  # (1, C)
+    if kind == "decoder source":  # proportional: j = i (S-1) / (T-1)
+        rows, cols = int(v.row_keep.sum()), int(v.col_keep.sum())
+        i = i * (cols - 1) / max(rows - 1, 1)
+    return i, j
+
+
+def _head_statistics(v, kind, specials):
+    """Each statistic of one kind as an (N, h) tensor, over real rows."""
+    w = v.weights.double()  # (N, h, R, C)
+    i, j = _diagonal(v, kind)
+    offset = j - i.round()  # (R, C)
+    n = v.allowed.sum(-1)  # (R,) keys each query may see
+    H = -torch.special.xlogy(w, w).sum(-1)  # (N, h, R)
+    special = torch.isin(v.col_ids, torch.tensor(specials))  # (C,)
+    sums = {
+        "distance": (w * (j - i).abs()).sum(-1),  # each (N, h, R)
+        "previous": (w * (offset == -1)).sum(-1),
+        "same": (w * (offset == 0)).sum(-1),
+        "next": (w * (offset == 1)).sum(-1),
+        "specials": w[..., special].sum(-1),
+    }
+    entropy = _mean(H / n.clamp(min=2).log(), v.row_keep & (n > 1))
+    means = {k: _mean(s, v.row_keep) for k, s in sums.items()}
+    return {"entropy": entropy, **means}  # each (N, h)
+
+
 def attention_statistics(maps, specials=(BOS, EOS)):
     """Per kind, layer and head: entropy, distance and where weight goes."""
     out = []
     for kind in ATTENTION_KINDS:
-        v = maps.view(kind)
-        w = v.weights.double()  # (N, h, R, C)
-        R, C = v.allowed.shape
-        i = torch.arange(R, dtype=torch.float64)[:, None]  # (R, 1)
-        j = torch.arange(C, dtype=torch.float64)[None, :]  # (1, C)
-        if kind == "decoder source":
-            rows, cols = int(v.row_keep.sum()), int(v.col_keep.sum())
-            i = i * (cols - 1) / max(rows - 1, 1)
-        n = v.allowed.sum(-1)  # (R,) keys each query may see
-        H = -torch.special.xlogy(w, w).sum(-1)  # (N, h, R)
-        entropy = _mean(H / n.clamp(min=2).log(), v.row_keep & (n > 1))
-        offset = j - i.round()  # (R, C)
-        sums = {
-            "entropy": entropy,
-            "distance": (w * (j - i).abs()).sum(-1),
-            "previous": (w * (offset == -1)).sum(-1),
-            "same": (w * (offset == 0)).sum(-1),
-            "next": (w * (offset == 1)).sum(-1),
-            "specials": w[
-                ..., torch.isin(v.col_ids, torch.tensor(specials))
-            ].sum(-1),
-        }
-        stats = {
-            k: s if k == "entropy" else _mean(s, v.row_keep)
-            for k, s in sums.items()
-        }  # each (N, h)
-        for layer in range(w.size(0)):
-            for head in range(w.size(1)):
-                out.append(
-                    {
-                        "kind": kind,
-                        "layer": layer + 1,
-                        "head": head + 1,
-                        **{k: float(s[layer, head]) for k, s in stats.items()},
-                    }
-                )
+        stats = _head_statistics(maps.view(kind), kind, specials)
+        N, h = stats["entropy"].shape
+        for layer in range(N):
+            for head in range(h):
+                values = {k: float(s[layer, head]) for k, s in stats.items()}
+                row = {"kind": kind, "layer": layer + 1, "head": head + 1}
+                out.append({**row, **values})
     return out
 
 
@@ -2706,49 +1820,54 @@ def attention_summary(model, pairs, spacy_de, spacy_en, vocab_src, vocab_tgt):
     ]
 
 
+def _metric_chart(frame, metric, title, width):
+    """Dots per head and a line through their mean, by layer and kind."""
+    import altair as alt
+
+    base = alt.Chart(frame).encode(
+        x=alt.X("layer:O", title="layer", axis=alt.Axis(labelAngle=0))
+    )
+    tooltip = [
+        "kind",
+        "layer",
+        "head",
+        alt.Tooltip(f"{metric}:Q", format=".3f"),
+    ]
+    dots = base.mark_circle(size=60, opacity=0.8).encode(
+        xOffset="head:N",
+        y=alt.Y(f"{metric}:Q", title=title),
+        color=alt.Color("head:N", title="head"),
+        tooltip=tooltip,
+    )
+    mean = base.mark_line(color="#444").encode(y=f"mean({metric}):Q")
+    kinds = alt.Column("kind:N", sort=list(ATTENTION_KINDS), title=None)
+    return (
+        alt.layer(dots, mean, data=frame)
+        .properties(width=width, height=150)
+        .facet(column=kinds)
+    )
+
+
 def attention_summary_chart(summary, width=170):
     """Entropy and diagonal distance per layer and head, for each kind."""
     import altair as alt
     import pandas as pd
 
     frame = pd.DataFrame(summary)
-    titles = {
-        "entropy": "entropy (fraction of uniform)",
-        "distance": "distance from diagonal (tokens)",
-    }
-    charts = []
-    for metric, title in titles.items():
-        base = alt.Chart(frame).encode(
-            x=alt.X("layer:O", title="layer", axis=alt.Axis(labelAngle=0))
-        )
-        dots = base.mark_circle(size=60, opacity=0.8).encode(
-            xOffset="head:N",
-            y=alt.Y(f"{metric}:Q", title=title),
-            color=alt.Color("head:N", title="head"),
-            tooltip=[
-                "kind",
-                "layer",
-                "head",
-                alt.Tooltip(f"{metric}:Q", format=".3f"),
-            ],
-        )
-        mean = base.mark_line(color="#444").encode(y=f"mean({metric}):Q")
-        charts.append(
-            alt.layer(dots, mean, data=frame)
-            .properties(width=width, height=150)
-            .facet(
-                column=alt.Column(
-                    "kind:N", sort=list(ATTENTION_KINDS), title=None
-                )
-            )
-        )
-    return alt.vconcat(*charts).properties(
+    return alt.vconcat(
+        _metric_chart(
+            frame, "entropy", "entropy (fraction of uniform)", width
+        ),
+        _metric_chart(
+            frame, "distance", "distance from diagonal (tokens)", width
+        ),
+    ).properties(
         title="Attention heads by layer, averaged over validation sentences"
     )
 
 
 # =============================================================================
-# Part 5: Beyond the paper: what the 2022 tutorial left out
+# Part 5: Beyond the paper's architecture: decoding, subwords, averaging
 # notebooks/05_beyond.py
 # =============================================================================
 
@@ -2878,6 +1997,56 @@ def beam_candidates(logp, logp_sum, lengths, finished, alpha):
     return score.view(A, -1), cand.view(A, -1), word.view(A, -1), cand_len
 
 
+class Beams(NamedTuple):
+    """The k hypotheses of each sentence still searching."""
+
+    sent: torch.Tensor  # (A,) index of each sentence in the batch
+    tokens: torch.Tensor  # (A, k, max_len) ids so far, <s> first
+    logp_sum: torch.Tensor  # (A, k) log P of each hypothesis
+    lengths: torch.Tensor  # (A, k) tokens generated, </s> included
+    finished: torch.Tensor  # (A, k) bool: has produced </s>
+
+    @classmethod
+    def start(cls, B, k, max_len, start_symbol, device):
+        """k hypotheses per sentence, of which only the first is real."""
+        tokens = torch.full((B, k, max_len), PAD, dtype=torch.long)
+        tokens = tokens.to(device)
+        tokens[:, :, 0] = start_symbol  # (B, k, max_len)
+        logp_sum = torch.full((B, k), -math.inf, device=device)
+        logp_sum[:, 0] = 0.0
+        lengths = torch.zeros(B, k, dtype=torch.long, device=device)
+        sent = torch.arange(B, device=device)
+        return cls(sent, tokens, logp_sum, lengths, lengths.bool())
+
+
+def advance_beams(beams, logp, t, alpha, end_symbol):
+    """Extend every hypothesis by one token and keep the k best."""
+    k = beams.logp_sum.size(1)
+    score, cand, words, cand_len = beam_candidates(
+        logp, beams.logp_sum, beams.lengths, beams.finished, alpha
+    )  # (A, k * c), c candidates per hypothesis
+    score, idx = score.topk(k, dim=1)  # (A, k)
+    parent, word = idx // (words.size(1) // k), words.gather(1, idx)
+    was_finished = beams.finished.gather(1, parent)
+    finished = was_finished | (word == end_symbol)
+    tokens = beams.tokens.gather(
+        1, parent.unsqueeze(-1).expand_as(beams.tokens)
+    )  # (A, k, max_len): the parents' tokens
+    tokens[:, :, t] = word
+    lengths = cand_len.gather(1, parent)
+    new = Beams(beams.sent, tokens, cand.gather(1, idx), lengths, finished)
+    ended = torch.where(finished & ~was_finished, score, -math.inf)
+    return new, parent, ended  # ended: (A, k) scores, -inf if not new
+
+
+def keep_best(out, best, beams, score):
+    """Where a hypothesis (score (A, k)) beats its sentence's best, keep it."""
+    top, j = score.max(dim=1)  # (A,)
+    better = top > best[beams.sent]
+    best[beams.sent[better]] = top[better]
+    out[beams.sent[better]] = beams.tokens[better, j[better]]
+
+
 def beam_search_steps(
     step,
     select,
@@ -2894,42 +2063,23 @@ def beam_search_steps(
     out = torch.full((B, max_len), PAD, dtype=torch.long, device=device)
     out[:, 0] = start_symbol  # (B, max_len): the answers
     best = torch.full((B,), -math.inf, device=device)  # their scores
-    tokens = out.unsqueeze(1).repeat(1, k, 1)  # (A, k, max_len)
-    logp_sum = torch.full((B, k), -math.inf, device=device)  # (A, k)
-    logp_sum[:, 0] = 0.0  # one real hypothesis to start from
-    lengths = torch.zeros(B, k, dtype=torch.long, device=device)
-    finished = torch.zeros(B, k, dtype=torch.bool, device=device)
-    sent = torch.arange(B, device=device)  # (A,) sentences still searching
+    beams = Beams.start(B, k, max_len, start_symbol, device)
     t = 0
     for t in range(1, max_len):
-        A = sent.numel()
-        logp = step(tokens[:, :, t - 1].reshape(A * k, 1)).view(A, k, -1)
-        score, cand, words, cand_len = beam_candidates(
-            logp, logp_sum, lengths, finished, alpha
-        )  # (A, k * c), c candidates per hypothesis
-        score, idx = score.topk(k, dim=1)  # (A, k)
-        parent, word = idx // (words.size(1) // k), words.gather(1, idx)
-        was_finished = finished.gather(1, parent)
-        logp_sum, lengths = cand.gather(1, idx), cand_len.gather(1, parent)
-        finished = was_finished | (word == end_symbol)
-        tokens = tokens.gather(1, parent.unsqueeze(-1).expand_as(tokens))
-        tokens[:, :, t] = word
-        new = torch.where(finished & ~was_finished, score, -math.inf)
-        top, j = new.max(dim=1)  # the best hypothesis that ended now
-        better = top > best[sent]
-        best[sent[better]] = top[better]
-        out[sent[better]] = tokens[better, j[better]]
-        keep = ~finished.all(dim=1)  # (A,) sentences with beams running
+        A = beams.sent.numel()
+        logp = step(beams.tokens[:, :, t - 1].reshape(A * k, 1))  # (A*k, V)
+        beams, parent, ended = advance_beams(
+            beams, logp.view(A, k, -1), t, alpha, end_symbol
+        )
+        keep_best(out, best, beams, ended)
+        keep = ~beams.finished.all(dim=1)  # (A,) sentences with beams running
         if t == max_len - 1 or not keep.any():
             break
         rows = torch.arange(A, device=device).unsqueeze(1) * k + parent
         select(rows[keep].view(-1))  # (A' * k,) parents of the survivors
-        sent, tokens, logp_sum = sent[keep], tokens[keep], logp_sum[keep]
-        lengths, finished = lengths[keep], finished[keep]
-    running = logp_sum / length_penalty(lengths, alpha)  # at max_len
-    top, j = running.masked_fill(finished, -math.inf).max(dim=1)
-    better = top > best[sent]
-    out[sent[better]] = tokens[better, j[better]]
+        beams = Beams(*(x[keep] for x in beams))
+    running = beams.logp_sum / length_penalty(beams.lengths, alpha)
+    keep_best(out, best, beams, running.masked_fill(beams.finished, -math.inf))
     return out[:, : t + 1]  # (B, <= max_len)
 
 
@@ -2947,26 +2097,15 @@ def beam_search(
     """Batched beam search with a length penalty; (B, L) best ids."""
     memory = model.encode(src, src_mask)  # (B, S, d_model)
     cache = DecoderCache(model, memory, src_mask, group=beam_size)
-    return beam_search_steps(
-        lambda ys: decode_step(model, ys, cache),  # (B*k, 1) -> (B*k, V)
-        cache.select,
-        src.size(0),
-        max_len,
-        beam_size,
-        alpha,
-        start_symbol,
-        end_symbol,
-        src.device,
-    )
+    step = lambda ys: decode_step(model, ys, cache)  # (B*k, 1) -> (B*k, V)
+    args = (beam_size, alpha, start_symbol, end_symbol, src.device)
+    return beam_search_steps(step, cache.select, src.size(0), max_len, *args)
 
 
 # -----------------------------------------------------------------------------
 # 3. A shared subword vocabulary, and one matrix for three jobs
 # Explained in notebooks/05_beyond.py, same heading.
 # -----------------------------------------------------------------------------
-BPE_VOCAB_SIZE = 10000
-
-
 class BpeVocab:
     """One subword vocabulary for both languages (HF `tokenizers` BPE)."""
 
@@ -3005,6 +2144,9 @@ class BpeVocab:
     def get_itos(self):
         """Every subword, in id order."""
         return self.lookup_tokens(range(len(self)))
+
+
+BPE_VOCAB_SIZE = 10000
 
 
 def train_bpe(sentences, vocab_size=BPE_VOCAB_SIZE):
@@ -3097,6 +2239,686 @@ def load_translator(checkpoint, device="cpu", beam=1, average=0):
     if beam > 1:
         decode_fn = functools.partial(beam_search, beam_size=beam)
     return model, vocab_src, vocab_tgt, decode_fn
+
+
+# =============================================================================
+# Appendix: the machinery
+# notebooks/06_tools.py
+# =============================================================================
+
+
+# -----------------------------------------------------------------------------
+# Downloading Multi30k
+# Explained in notebooks/06_tools.py, same heading.
+# -----------------------------------------------------------------------------
+MULTI30K_BASE_URL = (
+    "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/"
+)
+MULTI30K_SHA256 = {
+    "train.de.gz": (
+        "726e39b2fa9eb9ffb6dc763fb35a179f80fae06ffc5d28b6ace5faa883de28a6"
+    ),
+    "train.en.gz": (
+        "d79cfa999dd4c51d2cb42499b6796d5a882c3a8a961923c25a898c90f8bbd56f"
+    ),
+    "val.de.gz": (
+        "f0cba2f995189cf5770f29a8a9a537a3ad3f51657ad873405082ff6863a5e75a"
+    ),
+    "val.en.gz": (
+        "14f7d25ddd868909a9213e361768460edcacdd6ab9d1e77b92560dc10c10dc28"
+    ),
+    "test_2016_flickr.de.gz": (
+        "9204244e408ccb38d2a55cfcd344df15005fc42a07a6e55ca6c52b6ababb8cc8"
+    ),
+    "test_2016_flickr.en.gz": (
+        "611d361c6334bc7246101d48097c13cf5c4413c5befc793cc629934359d532d9"
+    ),
+}
+
+
+def sha256_of(path):
+    """Hex SHA-256 digest of a file."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _offline_hint(folder):
+    """What to do when the files cannot be fetched."""
+    return (
+        f"The files belong in {folder}. Without internet access, copy the "
+        "six Multi30k files (train, val and test_2016_flickr, each .de.gz "
+        f"and .en.gz) there yourself, or set {MULTI30K_ENV} to a folder "
+        "that holds them."
+    )
+
+
+def _fetch(url, path, expected, timeout):
+    """Download `url` to `path`, keeping it only if its SHA-256 matches."""
+    from tqdm import tqdm
+
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(
+            prefix=f".{path.name}.", suffix=".part", dir=path.parent
+        )
+        digest = hashlib.sha256()
+        with (
+            os.fdopen(fd, "wb") as out,
+            urllib.request.urlopen(url, timeout=timeout) as response,
+        ):
+            size = int(response.headers.get("Content-Length") or 0)
+            with tqdm(
+                total=size or None, unit="B", unit_scale=True, desc=path.name
+            ) as bar:
+                while chunk := response.read(1 << 16):
+                    out.write(chunk)
+                    digest.update(chunk)
+                    bar.update(len(chunk))
+        if digest.hexdigest() != expected:
+            raise DatasetError(
+                f"{url} has SHA-256 {digest.hexdigest()}, expected "
+                f"{expected}; the file was not kept.\n"
+                + _offline_hint(path.parent)
+            )
+        os.replace(tmp, path)
+        tmp = None
+    except (OSError, http.client.HTTPException) as error:
+        reason = error
+        if type(error) is urllib.error.URLError:
+            reason = error.reason
+        raise DatasetError(
+            f"Could not download {url} ({reason}).\n"
+            + _offline_hint(path.parent)
+        ) from error
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+
+
+def _check_folder(folder, sums):
+    """`folder` if it holds every file with the right SHA-256."""
+    problems = []
+    for name, expected in sorted(sums.items()):
+        path = folder / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif sha256_of(path) != expected:
+            problems.append(f"{name} has the wrong SHA-256")
+    if problems:
+        raise DatasetError(
+            f"{MULTI30K_ENV}={folder} does not hold Multi30k: "
+            + "; ".join(problems)
+            + f".\nPut the six files from {MULTI30K_BASE_URL} into {folder}, "
+            f"or unset {MULTI30K_ENV} to download them into "
+            f"{data_dir() / 'multi30k'}."
+        )
+    return folder
+
+
+def download_multi30k(
+    root=None, base_url=MULTI30K_BASE_URL, sha256=None, timeout=30.0
+):
+    """Folder holding the verified Multi30k files, downloaded if needed."""
+    sums = MULTI30K_SHA256 if sha256 is None else sha256
+    if root is None and os.environ.get(MULTI30K_ENV):
+        return _check_folder(Path(os.environ[MULTI30K_ENV]), sums)
+    folder = Path(root) if root is not None else data_dir() / "multi30k"
+    for name, expected in sums.items():
+        path = folder / name
+        if not (path.is_file() and sha256_of(path) == expected):
+            url = base_url.rstrip("/") + "/" + name
+            _fetch(url, path, expected, timeout)
+    return folder
+
+
+# -----------------------------------------------------------------------------
+# Presets
+# Explained in notebooks/06_tools.py, same heading.
+# -----------------------------------------------------------------------------
+PRESETS = {
+    "paper": TrainConfig(
+        preset="paper",
+        N=6,
+        d_model=512,
+        d_ff=2048,
+        h=8,
+        max_tokens=8000,
+        epochs=40,
+        checkpoint_dir="checkpoints/paper",
+    ),
+    "cpu": TrainConfig(),
+    "ci": TrainConfig(
+        preset="ci",
+        N=1,
+        d_model=64,
+        d_ff=128,
+        h=2,
+        dropout=0.0,
+        max_tokens=1500,
+        epochs=2,
+        warmup=20,
+        factor=2.0,
+        max_train_pairs=1000,
+        precision="fp32",
+        checkpoint_dir="checkpoints/ci",
+    ),
+}
+PRESETS |= {  # the same with one BPE vocabulary and tied embeddings
+    f"{name}-bpe": replace(
+        PRESETS[name],
+        preset=f"{name}-bpe",
+        tokenization="bpe",
+        tie_embeddings=True,
+        checkpoint_dir=f"checkpoints/{name}-bpe",
+    )
+    for name in ("cpu", "ci")
+}
+
+
+def get_config(preset="cpu", **overrides):
+    """A preset's TrainConfig with some fields replaced."""
+    if preset not in PRESETS:
+        raise UserError(
+            f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}"
+        )
+    return replace(PRESETS[preset], **overrides)
+
+
+# -----------------------------------------------------------------------------
+# Vocabularies
+# Explained in notebooks/06_tools.py, same heading.
+# -----------------------------------------------------------------------------
+def load_vocab(spacy_de, spacy_en, path=None, min_freq=2):
+    """The word vocabularies, cached as JSON in `path` (data/vocab.json)."""
+    import spacy
+
+    path = Path(path) if path is not None else data_dir() / "vocab.json"
+    key = {"min_freq": min_freq, "spacy": spacy.__version__}
+    if path.is_file():
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        if saved.get("key") == key:
+            return Vocab(saved["src"]), Vocab(saved["tgt"])
+    vocab_src, vocab_tgt = build_vocabulary(spacy_de, spacy_en, min_freq)
+    saved = {"key": key, "src": vocab_src.get_itos()}
+    saved["tgt"] = vocab_tgt.get_itos()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
+    tmp.write_text(json.dumps(saved, ensure_ascii=False), encoding="utf-8")
+    os.replace(tmp, path)  # atomic: parallel ranks never read half a file
+    return vocab_src, vocab_tgt
+
+
+def load_vocabularies(config, spacy_de, spacy_en):
+    """(vocab_src, vocab_tgt) for a config: words, or one BPE for both."""
+    if config.tokenization == "bpe":
+        bpe = load_bpe()
+        return bpe, bpe
+    return load_vocab(spacy_de, spacy_en)
+
+
+def bpe_vocabularies(ckpt):
+    """The BPE vocabulary of a checkpoint, for both sides."""
+    bpe = BpeVocab.from_str(ckpt["bpe"])
+    return bpe, bpe
+
+
+VOCAB_LOADERS["bpe"] = bpe_vocabularies
+
+
+# -----------------------------------------------------------------------------
+# Hardware
+# Explained in notebooks/06_tools.py, same heading.
+# -----------------------------------------------------------------------------
+def hardware_summary():
+    """A short description of the CPU or GPU this process runs on."""
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "cpu_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+    if torch.cuda.is_available():
+        info["gpus"] = [
+            torch.cuda.get_device_name(i)
+            for i in range(torch.cuda.device_count())
+        ]
+    return info
+
+
+# -----------------------------------------------------------------------------
+# Starting processes
+# Explained in notebooks/06_tools.py, same heading.
+# -----------------------------------------------------------------------------
+def free_port():
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_distributed_model(
+    vocab_src,
+    vocab_tgt,
+    spacy_de,
+    spacy_en,
+    config,
+    world_size=None,
+    resume=False,
+):
+    """Train with one process per GPU (or world_size CPU processes)."""
+    import torch.multiprocessing as mp
+
+    world_size = world_size or max(torch.cuda.device_count(), 1)
+    args = (vocab_src, vocab_tgt, spacy_de, spacy_en, config)
+    mp.spawn(
+        train_worker,
+        nprocs=world_size,
+        args=(world_size, *args, True, free_port(), resume),
+    )
+
+
+def train_model(
+    vocab_src,
+    vocab_tgt,
+    spacy_de,
+    spacy_en,
+    config,
+    distributed=False,
+    world_size=None,
+    resume=False,
+):
+    """Train in this process, or in several when `distributed`."""
+    args = (vocab_src, vocab_tgt, spacy_de, spacy_en, config)
+    if distributed:
+        return train_distributed_model(*args, world_size, resume)
+    return train_worker(0, 1, *args, resume=resume)
+
+
+# -----------------------------------------------------------------------------
+# Translating for users
+# Explained in notebooks/06_tools.py, same heading.
+# -----------------------------------------------------------------------------
+_NO_SPACE_BEFORE = set(
+    ". , ! ? ; : ) ] } % 's 're 've 'll 'm 'd n't '".split()
+)
+_NO_SPACE_AFTER = ("(", "[", "{", "$", "#")
+
+
+def detokenize(tokens):
+    """Join English spaCy tokens into a plain sentence."""
+    out, quote_open = "", False
+    for i, tok in enumerate(tokens):
+        hyphen = out.endswith("-") and i > 1 and tokens[i - 1] == "-"
+        glue = (
+            i == 0
+            or tok.lower() in _NO_SPACE_BEFORE
+            or out.endswith(_NO_SPACE_AFTER)
+            or tok == "-"
+            or (hyphen and tokens[i - 2] not in {",", ".", "-"})
+        )
+        if tok == '"':
+            glue = i == 0 or quote_open
+            quote_open = not quote_open
+        elif out.endswith('"') and quote_open:
+            glue = True
+        out += tok if glue else " " + tok
+    return out
+
+
+def decode_text(ids, vocab):
+    """Plain text of output ids (without `<s>` and `</s>`)."""
+    if hasattr(vocab, "decode"):  # a vocabulary that writes text (Part 5)
+        return vocab.decode(ids)
+    return detokenize(vocab.lookup_tokens(ids))
+
+
+def translate_batch(
+    model, sentences, spacy_de, vocab_src, vocab_tgt, device="cpu",
+    batch_size=128, max_extra=50, decode_fn=cached_greedy_decode,
+):  # fmt: skip
+    """German sentences to detokenized English, in input order."""
+    decode_fn = decode_fn or cached_greedy_decode
+    model.eval()
+    encoded = [
+        [BOS, *encode_text(s, spacy_de, vocab_src), EOS] for s in sentences
+    ]
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+    results = [None] * len(encoded)
+    for k in range(0, len(order), batch_size):
+        idx = order[k : k + batch_size]
+        src, _ = collate_batch([(encoded[i], []) for i in idx])
+        src = src.to(device)  # (B, S)
+        mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
+        out = decode_fn(model, src, mask, src.size(1) + max_extra)
+        for i, row in zip(idx, out.tolist(), strict=True):
+            results[i] = decode_text(strip_specials(row), vocab_tgt)
+    return results
+
+
+def compute_bleu(hypotheses, references):
+    """Cased corpus BLEU (sacreBLEU, 13a tokenization) of plain text."""
+    import sacrebleu
+
+    return sacrebleu.corpus_bleu(hypotheses, [references])
+
+
+def translate(
+    sentences, checkpoint="checkpoints/cpu/final.pt", beam=1, average=0
+):
+    """English translations of German sentences, with a trained model."""
+    model, vocab_src, vocab_tgt, decode_fn = load_translator(
+        checkpoint, "cpu", beam, average
+    )
+    spacy_de, _ = load_tokenizers()
+    return translate_batch(
+        model, sentences, spacy_de, vocab_src, vocab_tgt, decode_fn=decode_fn
+    )
+
+
+def check_outputs(model, pairs, spacy_de, vocab_src, vocab_tgt, n_examples=5):
+    """Print source, reference and model output for some pairs."""
+    pairs = list(pairs)[:n_examples]
+    hyps = translate_batch(
+        model, [de for de, _ in pairs], spacy_de, vocab_src, vocab_tgt
+    )
+    for i, ((de, en), hyp) in enumerate(zip(pairs, hyps, strict=True)):
+        print(f"example {i}\n  source: {de}\n  reference: {en}")
+        print(f"  model: {hyp}")
+    return hyps
+
+
+def run_model_example(checkpoint="checkpoints/cpu/final.pt", n_examples=5):
+    """Load a trained model and show some validation translations."""
+    model, vocab_src, vocab_tgt, _ = load_trained_model(checkpoint)
+    spacy_de, _ = load_tokenizers()
+    pairs = read_multi30k("val")
+    return check_outputs(
+        model, pairs, spacy_de, vocab_src, vocab_tgt, n_examples
+    )
+
+
+def read_lines(path):
+    """Lines of a plain or gzipped UTF-8 text file, without newlines."""
+    import gzip
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"no such file: {path}")
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [line.rstrip("\n") for line in f]
+
+
+def evaluate_files(
+    model,
+    src_path,
+    ref_path,
+    spacy_de,
+    vocab_src,
+    vocab_tgt,
+    device="cpu",
+    batch_size=128,
+    decode_fn=cached_greedy_decode,
+):
+    """(BLEU, hypotheses) of a model on a parallel pair of text files."""
+    sources, references = read_lines(src_path), read_lines(ref_path)
+    if len(sources) != len(references):
+        raise UserError(
+            f"{src_path} has {len(sources)} lines but {ref_path} has "
+            f"{len(references)}; they must be line-by-line translations"
+        )
+    if not sources:
+        raise UserError(f"{src_path} is empty")
+    hyps = translate_batch(
+        model,
+        sources,
+        spacy_de,
+        vocab_src,
+        vocab_tgt,
+        device,
+        batch_size,
+        decode_fn=decode_fn,
+    )
+    return compute_bleu(hyps, references), hyps
+
+
+def write_results(path, checkpoint, wall_time):
+    """Score test2016 and write a JSON summary of the training run."""
+    test = read_multi30k("test")
+    hyps = translate([de for de, _ in test], checkpoint)
+    bleu = compute_bleu(hyps, [en for _, en in test])
+    ckpt = load_checkpoint(checkpoint)
+    summary = {
+        "command": "python " + " ".join(sys.argv),
+        "config": ckpt["config"],
+        "hardware": hardware_summary(),
+        "wall_time_s": round(wall_time, 1),
+        "epochs": len(ckpt["history"]),
+        "history": ckpt["history"],
+        "test2016_bleu_greedy": round(bleu.score, 2),
+        "bleu": str(bleu),
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"test2016 BLEU (greedy): {bleu.score:.2f}; summary in {path}")
+
+
+# -----------------------------------------------------------------------------
+# The command line
+# Explained in notebooks/06_tools.py, same heading.
+# -----------------------------------------------------------------------------
+def add_train_parser(sub):
+    """`train`: its options."""
+    train = sub.add_parser("train", help="train a model on Multi30k")
+    train.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    train.add_argument("--epochs", type=int, help="override the epochs")
+    train.add_argument("--max-tokens", type=int, help="tokens per batch")
+    train.add_argument("--checkpoint-dir", help="where checkpoints go")
+    train.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest epoch checkpoint",
+    )
+    train.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        help="processes to spawn (torchrun sets its own)",
+    )
+    train.add_argument(
+        "--results", help="write a JSON summary here, including test BLEU"
+    )
+    train.add_argument("--threads", type=int, help="CPU threads per process")
+
+
+def add_decoding_options(parser):
+    """Options shared by `evaluate` and `translate`."""
+    parser.add_argument("--checkpoint", default="checkpoints/cpu/final.pt")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--beam",
+        type=int,
+        default=1,
+        metavar="K",
+        help="beam size (1: greedy)",
+    )
+    parser.add_argument(
+        "--average",
+        type=int,
+        default=0,
+        metavar="K",
+        help="average the last K epoch checkpoints next to the checkpoint",
+    )
+
+
+def add_evaluate_parser(sub):
+    """`evaluate`: its options."""
+    evaluate = sub.add_parser("evaluate", help="BLEU on a pair of files")
+    add_decoding_options(evaluate)
+    evaluate.add_argument(
+        "--src",
+        help="German sources, one per line "
+        "(.gz is fine; default: Multi30k test2016)",
+    )
+    evaluate.add_argument("--ref", help="English references, one per line")
+    evaluate.add_argument("--out", help="also write the translations here")
+
+
+def add_translate_parser(sub):
+    """`translate`: its options."""
+    translate = sub.add_parser("translate", help="translate German text")
+    add_decoding_options(translate)
+    translate.add_argument("sentence", nargs="+", help="German text")
+
+
+def build_parser():
+    """The argparse parser of the command line."""
+    parser = argparse.ArgumentParser(
+        prog="the_annotated_transformer.py",
+        description="Train, evaluate and use the Annotated Transformer on "
+        "Multi30k German→English.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("download", help="download and verify Multi30k")
+    add_train_parser(sub)
+    add_evaluate_parser(sub)
+    add_translate_parser(sub)
+    return parser
+
+
+def command_train(args):
+    """`train`: run training, then optionally score and summarize."""
+    overrides = {
+        k: v
+        for k, v in (
+            ("epochs", args.epochs),
+            ("max_tokens", args.max_tokens),
+            ("checkpoint_dir", args.checkpoint_dir),
+        )
+        if v is not None
+    }
+    config = get_config(args.preset, **overrides)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    download_multi30k()
+    tokenizers = load_tokenizers()
+    data = (*load_vocabularies(config, *tokenizers), *tokenizers, config)
+    start = time.time()
+    if "LOCAL_RANK" in os.environ:  # started by torchrun
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        train_worker(rank, world, *data, world > 1, resume=args.resume)
+        if rank != 0:
+            return 0
+    else:
+        train_model(
+            *data,
+            distributed=args.world_size > 1,
+            world_size=args.world_size,
+            resume=args.resume,
+        )
+    final = Path(config.checkpoint_dir) / "final.pt"
+    print(f"trained in {time.time() - start:.0f} s; model in {final}")
+    if args.results:
+        write_results(args.results, final, time.time() - start)
+    return 0
+
+
+def command_evaluate(args):
+    """`evaluate`: BLEU of a checkpoint on a pair of files."""
+    if (args.src is None) != (args.ref is None):
+        raise UserError("give both --src and --ref, or neither")
+    model, vocab_src, vocab_tgt, decode_fn = load_translator(
+        args.checkpoint, args.device, args.beam, args.average
+    )
+    if args.src is None:
+        folder = download_multi30k()
+        args.src = folder / "test_2016_flickr.de.gz"
+        args.ref = folder / "test_2016_flickr.en.gz"
+    spacy_de, _ = load_tokenizers()
+    bleu, hyps = evaluate_files(
+        model,
+        args.src,
+        args.ref,
+        spacy_de,
+        vocab_src,
+        vocab_tgt,
+        args.device,
+        args.batch_size,
+        decode_fn,
+    )
+    if args.out:
+        Path(args.out).write_text("\n".join(hyps) + "\n", encoding="utf-8")
+    print(bleu)
+    return 0
+
+
+def command_translate(args):
+    """`translate`: print the English translation of German text."""
+    text = " ".join(args.sentence).strip()
+    if not text:
+        raise UserError("nothing to translate: the sentence is empty")
+    model, vocab_src, vocab_tgt, decode_fn = load_translator(
+        args.checkpoint, args.device, args.beam, args.average
+    )
+    spacy_de, _ = load_tokenizers()
+    if isinstance(vocab_src, Vocab):  # (BPE can spell any known letters)
+        unknown = [t for t in tokenize(text, spacy_de) if t not in vocab_src]
+        if unknown:
+            print(
+                "note: not in the vocabulary, read as <unk>: "
+                + ", ".join(unknown),
+                file=sys.stderr,
+            )
+    hyps = translate_batch(
+        model,
+        [text],
+        spacy_de,
+        vocab_src,
+        vocab_tgt,
+        args.device,
+        decode_fn=decode_fn,
+    )
+    print(hyps[0])
+    return 0
+
+
+def command_download(args):
+    """`download`: fetch and verify Multi30k, print where it is."""
+    print(download_multi30k())
+    return 0
+
+
+def main(argv=None):
+    """Command-line entry point; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    commands = {
+        "download": command_download,
+        "train": command_train,
+        "evaluate": command_evaluate,
+        "translate": command_translate,
+    }
+    try:
+        return commands[args.command](args)
+    except (UserError, DatasetError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-import the_annotated_transformer as at  # noqa: E402
+import the_annotated_transformer as tat  # noqa: E402
 
 ISSUE_2022_SECONDS = 380.0  # quoted by the issue, not measured here
 
@@ -51,7 +51,7 @@ def load_average():
 
 def machine_lines():
     """What the numbers were measured on."""
-    load, cpu = load_average(), at.hardware_summary()["cpu"]
+    load, cpu = load_average(), tat.hardware_summary()["cpu"]
     return [
         f"cpu: {cpu} ({os.cpu_count()} logical cores)",
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
@@ -64,7 +64,7 @@ def machine_lines():
 def parse_setting(text):
     """'lr=2e-4' -> ('lr', 0.0002), typed like the CopyTaskConfig field."""
     name, sep, value = text.partition("=")
-    defaults = dataclasses.asdict(at.CopyTaskConfig())
+    defaults = dataclasses.asdict(tat.CopyTaskConfig())
     defaults.pop("seed")  # --seed sets it
     if not sep or name not in defaults:
         raise argparse.ArgumentTypeError(
@@ -86,14 +86,14 @@ def parse_setting(text):
 
 def time_ours(seed, quiet, settings=()):
     """Train to exact copy once; returns a dict of measurements."""
-    cfg = at.CopyTaskConfig(seed=seed, **dict(settings))
+    cfg = tat.CopyTaskConfig(seed=seed, **dict(settings))
     log = (lambda msg: None) if quiet else (lambda msg: print("   ", msg))
     load = load_average()
     t0, c0 = time.perf_counter(), time.process_time()
-    model, history = at.train_copy_task(cfg, log=log)
+    model, history = tat.train_copy_task(cfg, log=log)
     seconds = time.perf_counter() - t0
     cpu = time.process_time() - c0
-    confirm = at.copy_accuracy(
+    confirm = tat.copy_accuracy(
         model, 1000, cfg.V, generator=torch.Generator().manual_seed(seed + 777)
     )
     return {
@@ -113,24 +113,24 @@ def reference_2022(seed):
     """The 2022 copy example, re-created; returns (seconds, exact copy)."""
     torch.manual_seed(seed)
     V = 11
-    model = at.make_model(V, V, N=2)  # dropout 0.1, as in 2022
+    model = tat.make_model(V, V, N=2)  # dropout 0.1, as in 2022
     for module in model.modules():
-        if isinstance(module, at.MultiHeadedAttention):
+        if isinstance(module, tat.MultiHeadedAttention):
             module.store_attention = True  # explicit path, weights kept
-    criterion = at.LabelSmoothing(V, padding_idx=0, smoothing=0.0)
-    loss_compute = at.SimpleLossCompute(model.generator, criterion)
+    criterion = tat.LabelSmoothing(V, padding_idx=0, smoothing=0.0)
+    loss_compute = tat.SimpleLossCompute(model.generator, criterion)
     optimizer = torch.optim.Adam(
         model.parameters(), lr=0.5, betas=(0.9, 0.98), eps=1e-9
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: at.rate(step, 512, 1.0, 400)
+        optimizer, lambda step: tat.rate(step, 512, 1.0, 400)
     )
 
     def data_gen_2022(batch_size, nbatches):
         for _ in range(nbatches):
             data = torch.randint(1, V, (batch_size, 10))
             data[:, 0] = 1
-            yield at.Batch(data, data.clone(), pad=0)
+            yield tat.Batch(data, data.clone(), pad=0)
 
     t0 = time.perf_counter()
     for epoch in range(20):
@@ -159,7 +159,7 @@ def reference_2022(seed):
     data = torch.randint(2, V, (1000, 10), generator=check)
     data[:, 0] = 1
     with torch.no_grad():
-        out = at.greedy_decode(
+        out = tat.greedy_decode(
             model, data, torch.ones(1000, 1, 10).bool(), 10, 1
         )
     return seconds, (out == data).all(1).float().mean().item()
@@ -210,7 +210,7 @@ def main(argv=None):
     print("Copy task to exact copy, N=2, d_model=512, d_ff=2048, h=8")
     for line in machine_lines():
         print(line)
-    print(at.CopyTaskConfig(**dict(args.set)))
+    print(tat.CopyTaskConfig(**dict(args.set)))
     runs = []
     for i in range(args.runs):
         r = time_ours(args.seed + i, args.quiet, args.set)

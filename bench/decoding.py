@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 import the_annotated_transformer as tat  # noqa: E402
 
-CANDIDATES = ("checkpoints/cpu/final.pt", "checkpoints/smoke/final.pt")
+CANDIDATES = ("checkpoints/cpu/final.pt", "checkpoints/ci/final.pt")
 
 
 def parse_args(argv=None):
@@ -53,7 +53,7 @@ def parse_args(argv=None):
         "--checkpoint",
         help="model to decode with (default: the first of "
         + ", ".join(CANDIDATES)
-        + " that exists; otherwise the smoke preset is trained)",
+        + " that exists; otherwise the ci preset is trained)",
     )
     parser.add_argument("--runs", type=int, default=3, help="timed runs")
     parser.add_argument("--batch-size", type=int, default=128)
@@ -71,18 +71,16 @@ def parse_args(argv=None):
 
 
 def find_checkpoint(path):
-    """The checkpoint to use, training the smoke preset if there is none."""
+    """The checkpoint to use, training the ci preset if there is none."""
     if path:
         return Path(path)
     for candidate in CANDIDATES:
         if (ROOT / candidate).is_file():
             return ROOT / candidate
-    print("no trained checkpoint found: training the smoke preset")
+    print("no trained checkpoint found: training the ci preset")
     spacy_de, spacy_en = tat.load_tokenizers()
     vocabs = tat.load_vocab(spacy_de, spacy_en)
-    config = tat.get_config(
-        "smoke", checkpoint_dir=str(ROOT / "checkpoints/smoke")
-    )
+    config = tat.get_config("ci", checkpoint_dir=str(ROOT / "checkpoints/ci"))
     tat.train_worker(0, 1, *vocabs, spacy_de, spacy_en, config)
     return ROOT / CANDIDATES[1]
 

@@ -14,63 +14,44 @@
 # %% [markdown]
 # # Part 4: Looking inside attention
 #
-# A trained translator has learned, in every layer and every head, where
-# each position should look. This notebook takes one validation sentence
-# and draws all three kinds of attention of Part 1, for every layer and
-# every head: the encoder's self-attention over the German source, the
-# decoder's masked self-attention over the English it has written so far,
-# and the decoder's attention to the source. Then it condenses the heads of
-# many sentences into two numbers each, how spread out and how far from the
-# diagonal their attention is, which the 2022 tutorial never measured.
+# Every attention layer of Part 1 computes, for each query position, a
+# probability distribution over the key positions it may see:
+# $\mathrm{softmax}(QK^\top / \sqrt{d_k})$. In a trained translator these
+# distributions are where the model has learned to look, and they can be
+# drawn. This notebook takes one validation sentence and draws all three
+# kinds of attention, in every layer and every head: the encoder's
+# self-attention over the German source, the decoder's masked
+# self-attention over the English written so far, and the decoder's
+# attention to the source. Then it condenses the heads of many sentences
+# into two numbers each, how spread out and how far from the diagonal
+# their attention is, so that what we say about a head rests on
+# measurements rather than on one pretty picture.
 #
-# Three things differ from the 2022 version, whose plots had bugs:
+# Three choices keep the pictures honest:
 #
-# * The model is in `eval()` mode. The 2022 `check_outputs` never switched
-#   dropout off, so the weights it drew were randomly zeroed and scaled by
-#   $1/0.9$: rows no longer summed to 1 and cells could exceed 1.
+# * The model is in `eval()` mode. With dropout active, a tenth of the
+#   weights are zeroed and the rest scaled by $1/0.9$, so a drawn row no
+#   longer sums to 1 and a cell can exceed 1. A cell below shows it.
 # * Recording is an explicit opt-in. Training runs the fused
 #   `scaled_dot_product_attention`, which never materializes the weights;
-#   `record_attention` switches every layer to the explicit computation for
-#   the duration of a `with` block only.
-# * The number of layers $N$ and heads $h$ are read from the model; the
-#   2022 `visualize_layer` assumed 8 heads.
+#   recording switches every layer to the explicit computation only for
+#   the length of a `with` block.
+# * The number of layers $N$ and of heads $h$ are read from the model, so
+#   the same code draws a 2-layer toy and the 6-layer base model.
 
 # %%
-# Setup: find the repository (and fetch it when running on Colab).
+# Setup: on Colab, clone the repository and install its requirements.
+# !test -n "$COLAB_RELEASE_TAG" -a ! -d done-right && git clone -q --depth=1 https://github.com/annotated-transformer/done-right && pip install -q -r done-right/requirements.txt  # noqa: E501
 import os
-import subprocess
 import sys
-from pathlib import Path
 
-REPO_URL = "https://github.com/annotated-transformer/done-right"
-if "google.colab" in sys.modules and not Path("done-right").exists():
-    subprocess.run(["git", "clone", "--depth=1", REPO_URL], check=True)
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "-r",
-            "done-right/requirements.txt",
-        ],
-        check=True,
-    )
-    os.chdir("done-right/notebooks")
-ROOT = next(
-    p
-    for p in [Path.cwd(), *Path.cwd().parents]
-    if (p / "the_annotated_transformer.py").exists()
-)
-sys.path.insert(0, str(ROOT))
-os.environ["PYTHONPATH"] = str(ROOT)
-AT_SIZE = os.environ.get("AT_SIZE", "full")  # "ci" runs in seconds
+ROOT = os.path.abspath("done-right" if os.path.isdir("done-right") else "..")
+sys.path.insert(0, ROOT)
+AT_SIZE = os.environ.get("AT_SIZE", "full")  # "ci": minutes, not hours
 
 # %%
 #| export
 import json
-import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -98,17 +79,18 @@ from the_annotated_transformer import (
     translate_batch,
 )
 
+FIGURES = os.path.join(ROOT, "figures")
+
 # %% [markdown]
 # ## Recording the weights
 #
-# Every `MultiHeadedAttention` has a `store_attention` flag, off by
-# default. When it is on, the layer computes
-# $\mathrm{softmax}(QK^\top / \sqrt{d_k})$ explicitly and keeps it in
-# `self.attn`, shape `(B, h, T, S)`: one row per query position, one
-# column per key position. `record_attention` turns the flag on for every
-# attention layer of a model and, when the block ends (normally or through
-# an exception), puts each flag back as it was and drops the stored
-# tensors, so that no later forward pass keeps weights by accident.
+# Every `MultiHeadedAttention` of Part 1 has a `store_attention` flag, off
+# by default. When it is on, the layer computes the softmax explicitly and
+# keeps it in `self.attn`, shape `(B, h, T, S)`: one row per query
+# position, one column per key position. `record_attention` turns the flag
+# on for every attention layer of a model. When the block ends, normally or
+# through an exception, it puts each flag back as it was and drops the
+# stored tensors, so that no later forward pass keeps weights by accident.
 
 
 # %%
@@ -132,9 +114,9 @@ def record_attention(model):
 # %% [markdown]
 # ## One sentence, every map
 #
-# `attention_maps` runs one forward pass over a sentence pair, in `eval()`
-# mode and without autograd, and collects the weights of every layer into
-# an `AttentionMaps`: three tensors of shape `(N, h, rows, cols)`.
+# `attention_maps` runs one forward pass over a sentence pair and collects
+# the weights of every layer into an `AttentionMaps`: three tensors of
+# shape `(N, h, rows, cols)`, one per kind of attention.
 #
 # | kind | queries (rows) | keys (columns) | shape |
 # |---|---|---|---|
@@ -142,13 +124,13 @@ def record_attention(model):
 # | decoder self | decoder inputs | decoder inputs | `(N, h, T, T)` |
 # | decoder source | decoder inputs | source tokens | `(N, h, T, S)` |
 #
-# The decoder runs with teacher forcing on a given target `<s> y_1 ... </s>`:
-# its inputs are every token but the last, and row $t$ is the position that
-# predicts token $t+1$ (kept in `next_tokens` for the tooltips). Without a
-# target, the model first translates the sentence greedily and the maps are
-# those of its own translation. Because the decoder is causal, one pass
-# over the finished translation gives the same weights (up to rounding) as
-# it used while writing it, one token at a time.
+# A kind is one of these three strings everywhere below, and
+# `ATTENTION_KINDS` maps it to its field. `view(kind)` returns the weights
+# of one kind together with everything a chart or a statistic needs: the
+# labels of the rows and columns, which rows and columns are real tokens
+# rather than padding, and which cells the masks allow at all. Only the
+# decoder's self-attention has cells that are never allowed: the future
+# positions, which the subsequent mask of Part 1 hides.
 
 
 # %%
@@ -172,6 +154,15 @@ class AttentionView(NamedTuple):
     col_ids: torch.Tensor  # (C,) token ids of the keys
 
 
+# %% [markdown]
+# `AttentionMaps` keeps the weights of one sentence with its token ids and
+# labels. Its `view` picks, for each kind, which side gives the queries
+# and which the keys: the source for the encoder, the English for the
+# decoder's own attention, and both for the decoder's look at the source.
+
+
+# %%
+#| export
 @dataclass
 class AttentionMaps:
     """One sentence's attention weights, (N, h, rows, cols) for each kind."""
@@ -188,57 +179,62 @@ class AttentionMaps:
 
     def view(self, kind):
         """The weights of one kind with its labels and masks."""
-        src_keep, tgt_keep = self.src_ids != self.pad, self.tgt_ids != self.pad
-        S, T = len(src_keep), len(tgt_keep)
-        causal = subsequent_mask(T)[0]  # (T, T)
-        if kind == "encoder self":
-            return AttentionView(
-                self.encoder_self,
-                src_keep.expand(S, S),
-                self.src_tokens,
-                self.src_tokens,
-                src_keep,
-                src_keep,
-                self.src_ids,
-            )
+        if kind not in ATTENTION_KINDS:
+            raise ValueError(f"kind must be one of {list(ATTENTION_KINDS)}")
+        src = (self.src_tokens, self.src_ids != self.pad, self.src_ids)
+        tgt = (self.tgt_tokens, self.tgt_ids != self.pad, self.tgt_ids)
+        (rows, row_keep, _), (cols, col_keep, col_ids) = {
+            "encoder self": (src, src),
+            "decoder self": (tgt, tgt),
+            "decoder source": (tgt, src),
+        }[kind]  # (queries, keys), each (labels, keep, ids)
+        allowed = col_keep.expand(len(row_keep), len(col_keep))  # (R, C)
         if kind == "decoder self":
-            return AttentionView(
-                self.decoder_self,
-                tgt_keep & causal,
-                self.tgt_tokens,
-                self.tgt_tokens,
-                tgt_keep,
-                tgt_keep,
-                self.tgt_ids,
-            )
-        if kind == "decoder source":
-            return AttentionView(
-                self.decoder_src,
-                src_keep.expand(T, S),
-                self.tgt_tokens,
-                self.src_tokens,
-                tgt_keep,
-                src_keep,
-                self.src_ids,
-            )
-        raise ValueError(f"kind must be one of {list(ATTENTION_KINDS)}")
+            allowed = allowed & subsequent_mask(len(col_keep))[0]
+        weights = getattr(self, ATTENTION_KINDS[kind])  # (N, h, R, C)
+        return AttentionView(
+            weights, allowed, rows, cols, row_keep, col_keep, col_ids
+        )
 
 
 # %% [markdown]
-# The function itself: build the masks exactly as training does
-# (`Batch.make_std_mask` hides padding and the future), run the model once
-# inside `record_attention`, and stack the layers. Any padding in `src` or
-# `tgt` stays in the maps, as columns of exact zeros, which the tests use.
+# The decoder runs with teacher forcing on a given target
+# `<s> y_1 ... </s>`: its inputs are every token but the last, and row $t$
+# is the position that predicts token $t+1$, kept in `next_tokens` for the
+# tooltips. Without a target, the model first translates the sentence
+# greedily and the maps are those of its own translation. Because the
+# decoder is causal, one pass over the finished translation gives the same
+# weights, up to rounding, as it used while writing it one token at a time.
+#
+# The forward pass builds its masks exactly as training does
+# (`Batch.make_std_mask` hides padding and the future) and runs the model
+# once inside `record_attention`. Any padding in `src` or `tgt` stays in
+# the maps, as columns of exact zeros. `attention_maps` itself switches the
+# model to `eval()` for the pass, without autograd, and restores its mode
+# afterwards, so that calling it in the middle of training changes nothing.
 
 
 # %%
 #| export
+def _recorded_weights(model, src, src_mask, tgt_in, pad):
+    """One forward pass; each kind's weights stacked to (N, h, R, C)."""
+    tgt_mask = Batch.make_std_mask(tgt_in, pad)  # (1, T, T)
+    with record_attention(model):
+        model(src, tgt_in, src_mask, tgt_mask)
+        enc = [layer.self_attn.attn[0] for layer in model.encoder.layers]
+        dec = [layer.self_attn.attn[0] for layer in model.decoder.layers]
+        crs = [layer.src_attn.attn[0] for layer in model.decoder.layers]
+    return [torch.stack(w).float().cpu() for w in (enc, dec, crs)]
+
+
 def _labels(ids, vocab):
     """Token strings of ids, or the ids as strings without a vocabulary."""
     ids = ids.tolist()
     return vocab.lookup_tokens(ids) if vocab else [str(i) for i in ids]
 
 
+# %%
+#| export
 @torch.no_grad()
 def attention_maps(
     model, src, tgt=None, vocab_src=None, vocab_tgt=None, max_extra=50, pad=PAD
@@ -258,20 +254,12 @@ def attention_maps(
         tgt = torch.as_tensor(tgt, device=device).reshape(1, -1)  # (1, T+1)
         if tgt.size(1) < 2:
             raise ValueError("tgt needs <s> and at least one more token")
-        tgt_in = tgt[:, :-1]  # (1, T) decoder inputs
-        tgt_mask = Batch.make_std_mask(tgt_in, pad)  # (1, T, T)
-        with record_attention(core):
-            core(src, tgt_in, src_mask, tgt_mask)
-            enc = [layer.self_attn.attn[0] for layer in core.encoder.layers]
-            dec = [layer.self_attn.attn[0] for layer in core.decoder.layers]
-            crs = [layer.src_attn.attn[0] for layer in core.decoder.layers]
+        weights = _recorded_weights(core, src, src_mask, tgt[:, :-1], pad)
     finally:
         core.train(training)
     src, tgt = src[0].cpu(), tgt[0].cpu()
     return AttentionMaps(
-        encoder_self=torch.stack(enc).float().cpu(),  # (N, h, S, S)
-        decoder_self=torch.stack(dec).float().cpu(),  # (N, h, T, T)
-        decoder_src=torch.stack(crs).float().cpu(),  # (N, h, T, S)
+        *weights,  # encoder_self, decoder_self, decoder_src
         src_ids=src,
         tgt_ids=tgt[:-1],
         src_tokens=_labels(src, vocab_src),
@@ -284,33 +272,35 @@ def attention_maps(
 # %% [markdown]
 # ## A trained model
 #
-# With the full `cpu` run of Part 3 done (`make train` writes
-# `checkpoints/cpu/final.pt`), this notebook reads that model. In a
-# CI-sized run, or before that checkpoint exists, it trains the `smoke`
-# preset instead (under a minute on a laptop CPU), with two layers and four
-# heads rather than one and two, so that there is more than one layer and
-# head to look at. A smoke model has seen 1,000 sentences for two epochs:
-# its maps show the machinery, not linguistics. The cell prints which model
-# it used.
+# Maps of an untrained model are noise, so we read Part 3's translator:
+# the `cpu` model once `make train` has written `checkpoints/cpu/final.pt`.
+# In a CI-sized run, or before that, we train the `ci` preset here in about
+# a minute, with two layers and four heads so that there is more than one
+# of each to look at. Having seen 1,000 sentences for two epochs, its maps
+# show the machinery, not linguistics.
+
 
 # %%
+def attention_checkpoint(spacy_de, spacy_en):
+    """The cpu (or paper) model of Part 3, else a freshly trained ci one."""
+    for preset in ("cpu", "paper"):
+        final = os.path.join(ROOT, "checkpoints", preset, "final.pt")
+        if AT_SIZE != "ci" and os.path.isfile(final):
+            return final
+    folder = os.path.join(ROOT, "checkpoints", "ci-attention")
+    config = get_config("ci", N=2, h=4, checkpoint_dir=folder)
+    vocabs = load_vocab(spacy_de, spacy_en)
+    train_worker(
+        0, 1, *vocabs, spacy_de, spacy_en, config, show_progress=False
+    )
+    return os.path.join(folder, "final.pt")
+
+
 spacy_de, spacy_en = load_tokenizers()
-candidates = [ROOT / "checkpoints" / p / "final.pt" for p in ("cpu", "paper")]
-found = [p for p in candidates if p.is_file()]
-if AT_SIZE != "ci" and found:
-    checkpoint = found[0]
-else:
-    data = (*load_vocab(spacy_de, spacy_en), spacy_de, spacy_en)
-    folder = ROOT / "checkpoints" / "smoke-attention"
-    smoke = get_config("smoke", N=2, h=4, checkpoint_dir=str(folder))
-    train_worker(0, 1, *data, smoke, show_progress=False)
-    checkpoint = Path(smoke.checkpoint_dir) / "final.pt"
+checkpoint = attention_checkpoint(spacy_de, spacy_en)
 model, vocab_src, vocab_tgt, config = load_trained_model(checkpoint)
 N, h = len(model.encoder.layers), model.encoder.layers[0].self_attn.h
-print(
-    f"using {checkpoint.relative_to(ROOT)}: preset {config.preset!r}, "
-    f"N={N} layers, h={h} heads, d_model={config.d_model}"
-)
+print(f"{os.path.relpath(checkpoint, ROOT)}: N={N} layers, h={h} heads")
 
 # %% [markdown]
 # The sentence is validation pair 6, which has one word twice on each side
@@ -329,8 +319,7 @@ hypothesis = translate_batch(
     model, [de], spacy_de, vocab_src, vocab_tgt, max_extra=10
 )
 print(f"source:     {de}\nreference:  {en}\nmodel:      {hypothesis[0]}\n")
-for kind, field in ATTENTION_KINDS.items():
-    print(f"{kind:15s} {field:13s} {tuple(getattr(maps, field).shape)}")
+print({k: tuple(getattr(maps, f).shape) for k, f in ATTENTION_KINDS.items()})
 
 # %% [markdown]
 # ### See, it adds up
@@ -339,34 +328,24 @@ for kind, field in ATTENTION_KINDS.items():
 # it sums to 1 and no entry exceeds 1. Masked keys, here the future
 # positions of the decoder, get exactly zero weight. And recording changes
 # nothing about what the model computes: the output of the explicit path
-# matches the fused one.
+# matches that of the fused kernel.
 
 # %%
 for kind in ATTENTION_KINDS:
     v = maps.view(kind)
     sums = v.weights.sum(-1)  # (N, h, R)
-    masked = v.weights[..., ~v.allowed]
-    print(
-        f"{kind:15s} row sums in [{sums.min():.6f}, {sums.max():.6f}], "
-        f"max weight {v.weights.max():.4f}, {masked.numel()} masked "
-        f"cells, all exactly 0: {bool((masked == 0).all())}"
-    )
+    assert torch.allclose(sums, torch.ones_like(sums), atol=1e-5), kind
+    assert v.weights.max() <= 1 and (v.weights[..., ~v.allowed] == 0).all()
+    print(f"{kind:15s} {int((~v.allowed).sum())} masked cells, all 0")
 
 tgt_in = maps.tgt_ids.unsqueeze(0)  # (1, T)
-args = (
-    src.unsqueeze(0),
-    tgt_in,
-    (src != PAD)[None, None],
-    Batch.make_std_mask(tgt_in, PAD),
-)
+src_mask = (src != PAD)[None, None]  # (1, 1, S)
+args = (src.unsqueeze(0), tgt_in, src_mask, Batch.make_std_mask(tgt_in, PAD))
 with torch.no_grad():
-    fused = model(*args)
+    fused = model(*args)  # (1, T, d_model)
     with record_attention(model):
         explicit = model(*args)
-print(
-    "explicit output matches fused:",
-    torch.allclose(fused, explicit, atol=1e-5),
-)
+assert torch.allclose(fused, explicit, atol=1e-5)
 
 # %% [markdown]
 # A second check recomputes the first encoder layer's weights from its
@@ -375,6 +354,8 @@ print(
 # softmax of the scaled dot products.
 
 # %%
+import math
+
 with torch.no_grad():
     layer = model.encoder.layers[0]
     x = layer.sublayer[0].norm(model.src_embed(src.unsqueeze(0)))  # (1, S, d)
@@ -383,17 +364,15 @@ with torch.no_grad():
     q = W_q(x).view(len(src), h, d_k).transpose(0, 1)  # (h, S, d_k)
     k = W_k(x).view(len(src), h, d_k).transpose(0, 1)  # (h, S, d_k)
     by_hand = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(d_k), -1)
-print(
-    "layer 1 by hand matches:",
-    torch.allclose(by_hand, maps.encoder_self[0], atol=1e-5),
-)
+assert torch.allclose(by_hand, maps.encoder_self[0], atol=1e-5)
 
 # %% [markdown]
 # ### Why `eval()` matters
 #
-# The same recording with dropout still active, as in 2022, on a fresh
-# model with the paper's dropout of 0.1: rows no longer sum to 1, since
-# dropout zeroes a tenth of the weights and scales the rest by $1/0.9$.
+# The same recording with dropout still active, on a fresh model with the
+# paper's dropout of 0.1: rows no longer sum to 1, since dropout zeroes a
+# tenth of the weights and scales the rest by $1/0.9$. In `eval()` mode
+# the same model gives rows that sum to 1 again.
 
 # %%
 torch.manual_seed(0)
@@ -405,23 +384,18 @@ for mode in ("train", "eval"):
     demo.train(mode == "train")
     with torch.no_grad(), record_attention(demo):
         demo.encode(demo_src, (demo_src != PAD).unsqueeze(-2))
-        p = demo.encoder.layers[0].self_attn.attn  # (1, h, S, S)
-        print(
-            f"{mode:5s} mode: row sums from {p.sum(-1).min():.3f} "
-            f"to {p.sum(-1).max():.3f}"
-        )
+        sums = demo.encoder.layers[0].self_attn.attn.sum(-1)  # (1, h, S)
+    print(f"{mode:5s} mode: row sums {sums.min():.3f} to {sums.max():.3f}")
 
 # %% [markdown]
 # ## Drawing the maps
 #
 # `attention_frame` flattens one kind into a table with one row per
-# (layer, head, query, key), leaving out padding. `attention_chart` draws it
-# as one heat map per head, side by side, with a menu to pick the layer.
-# Layers and heads are numbered from 1 in the charts (layer 1 is the one
-# nearest the embeddings); the tensors index them from 0. A token that
-# occurs twice gets two rows: the axes are positions, labelled with their
-# tokens. Hover over a cell to read the query token, the key token and the
-# weight.
+# (layer, head, query, key), leaving out padding. Layers and heads are
+# numbered from 1 in the table and the charts (layer 1 is the one nearest
+# the embeddings); the tensors index them from 0. A token that occurs
+# twice gets two rows: rows and columns are positions, labelled with their
+# tokens.
 
 
 # %%
@@ -431,22 +405,14 @@ def attention_frame(maps, kind):
     import pandas as pd
 
     v = maps.view(kind)
-    N, h, R, C = v.weights.shape
-    rows = [i for i in range(R) if v.row_keep[i]]
-    cols = [j for j in range(C) if v.col_keep[j]]
+    rows = v.row_keep.nonzero()[:, 0]  # (R',) positions of real tokens
+    cols = v.col_keep.nonzero()[:, 0]  # (C',)
     w = v.weights[:, :, rows][:, :, :, cols]  # (N, h, R', C')
-    n, a, i, j = torch.meshgrid(
-        *(torch.arange(s) for s in w.shape), indexing="ij"
-    )
-    frame = pd.DataFrame(
-        {
-            "layer": n.flatten().numpy() + 1,
-            "head": a.flatten().numpy() + 1,
-            "row": [rows[r] for r in i.flatten().tolist()],
-            "col": [cols[c] for c in j.flatten().tolist()],
-            "weight": w.flatten().numpy().astype(float),
-        }
-    )
+    grid = torch.meshgrid(*(torch.arange(s) for s in w.shape), indexing="ij")
+    n, a, i, j = (g.flatten() for g in grid)
+    columns = {"layer": n + 1, "head": a + 1, "row": rows[i], "col": cols[j]}
+    frame = pd.DataFrame({k: c.numpy() for k, c in columns.items()})
+    frame["weight"] = w.flatten().double().numpy()
     frame["query"] = [v.rows[r] for r in frame["row"]]
     frame["key"] = [v.cols[c] for c in frame["col"]]
     if kind != "encoder self":
@@ -454,74 +420,39 @@ def attention_frame(maps, kind):
     return frame
 
 
+# %% [markdown]
+# `attention_chart` draws such a table with altair as one heat map per
+# head, side by side, with a menu to pick the layer. It is built from
+# three small pieces. First, the layer menu: a parameter bound to a
+# drop-down list, which filters the table to one layer in the browser, so
+# that switching layers needs no Python.
+
+
 # %%
 #| export
-def attention_chart(maps, kind, layer=None, columns=4, cell=18):
-    """Heat maps of one kind, one per head, with a menu to pick the layer."""
+def _layer_picker(kind, N, layer=None):
+    """A drop-down menu that selects one of the N layers (default: last)."""
     import altair as alt
 
-    frame = attention_frame(maps, kind).round({"weight": 5})
-    v = maps.view(kind)
-    N, h = v.weights.shape[:2]
-    pick = alt.param(
+    return alt.param(
         name="pick_layer",
         value=N if layer is None else layer,
         bind=alt.binding_select(
             options=list(range(1, N + 1)), name=f"{kind} attention, layer "
         ),
     )
-    # Tokens travel once, as lists; each cell carries only numbers.
-    fields = {"query": (v.rows, "row"), "key": (v.cols, "col")}
-    if "next" in frame:
-        fields["next"] = (maps.next_tokens, "row")
-    lookups = {
-        f: f"{json.dumps(labels)}[datum.{index}]"
-        for f, (labels, index) in fields.items()
-    }
-    numbers = frame[["layer", "head", "row", "col", "weight"]]
-    heat = (
-        alt.Chart(alt.Data(values=numbers.to_dict("records")))
-        .transform_filter(alt.datum.layer == pick)
-        .transform_calculate(**lookups)
-        .mark_rect()
-        .encode(
-            x=alt.X("col:O", axis=_token_axis(v.cols, "key", -60)),
-            y=alt.Y("row:O", axis=_token_axis(v.rows, "query")),
-            color=alt.Color(
-                "weight:Q",
-                scale=alt.Scale(
-                    domainMin=0,
-                    range=["#ffffff", "#08306b"],
-                    interpolate="lab",
-                ),
-            ),
-            tooltip=[
-                alt.Tooltip(f"{f}:N", title=_TOOLTIP_TITLES[f]) for f in fields
-            ]
-            + [alt.Tooltip("weight:Q", format=".3f"), "layer:O", "head:O"],
-        )
-        .properties(
-            width=cell * frame["col"].nunique(),
-            height=cell * frame["row"].nunique(),
-        )
-    )
-    return heat.add_params(pick).facet(
-        facet=alt.Facet(
-            "head:O",
-            header=alt.Header(labelExpr="'head ' + datum.value", title=None),
-        ),
-        columns=min(columns, h),
-        title=f"{kind} attention ({N} layers, {h} heads); pick a layer",
-    )
 
 
-_TOOLTIP_TITLES = {
-    "query": "query (row)",
-    "key": "key (column)",
-    "next": "next token",
-}
+# %% [markdown]
+# Second, the token labels. Every cell of the chart carries only numbers
+# (layer, head, row, column, weight); the tokens travel once, as a list,
+# and an expression looks them up by position, for the axes and for the
+# tooltips. This keeps the saved page small: a 6-layer, 8-head model has
+# tens of thousands of cells per kind.
 
 
+# %%
+#| export
 def _token_axis(labels, title, angle=0):
     """An axis over positions that shows the token at each position."""
     import altair as alt
@@ -533,6 +464,81 @@ def _token_axis(labels, title, angle=0):
     )
 
 
+def _token_lookups(maps, v, frame):
+    """Vega expressions that turn a cell's row or column into its token."""
+    fields = {"query": (v.rows, "row"), "key": (v.cols, "col")}
+    if "next" in frame:
+        fields["next"] = (maps.next_tokens, "row")
+    return {
+        f: f"{json.dumps(labels)}[datum.{index}]"
+        for f, (labels, index) in fields.items()
+    }
+
+
+# %% [markdown]
+# Third, the heat map of one head: white for weight 0, dark blue for the
+# largest weight, one square of `cell` pixels per (query, key) pair, and a
+# tooltip that names the query, the key, the next token and the weight.
+# `attention_chart` then repeats it for every head, in rows of `columns`.
+
+
+# %%
+#| export
+def _heat_map(frame, v, lookups, pick, cell):
+    """One head's weights as coloured squares, filtered to the picked layer."""
+    import altair as alt
+
+    numbers = frame[["layer", "head", "row", "col", "weight"]]
+    tooltip = [alt.Tooltip(f"{f}:N") for f in lookups]  # tokens
+    tooltip += [alt.Tooltip("weight:Q", format=".3f"), "layer:O", "head:O"]
+    scale = alt.Scale(
+        domainMin=0, range=["#ffffff", "#08306b"], interpolate="lab"
+    )
+    return (
+        alt.Chart(alt.Data(values=numbers.to_dict("records")))
+        .transform_filter(alt.datum.layer == pick)
+        .transform_calculate(**lookups)
+        .mark_rect()
+        .encode(
+            x=alt.X("col:O", axis=_token_axis(v.cols, "key", -60)),
+            y=alt.Y("row:O", axis=_token_axis(v.rows, "query")),
+            color=alt.Color("weight:Q", scale=scale),
+            tooltip=tooltip,
+        )
+        .properties(
+            width=cell * frame["col"].nunique(),
+            height=cell * frame["row"].nunique(),
+        )
+    )
+
+
+# %% [markdown]
+# `attention_chart` puts the pieces together: the long table of one kind,
+# its weights rounded to five decimals to keep the page small, one heat
+# map per head, and the layer menu attached to the whole grid of heads.
+
+
+# %%
+#| export
+def attention_chart(maps, kind, layer=None, columns=4, cell=18):
+    """Heat maps of one kind, one per head, with a menu to pick the layer."""
+    import altair as alt
+
+    frame = attention_frame(maps, kind).round({"weight": 5})
+    v = maps.view(kind)
+    N, h = v.weights.shape[:2]
+    pick = _layer_picker(kind, N, layer)
+    heat = _heat_map(frame, v, _token_lookups(maps, v, frame), pick, cell)
+    return heat.add_params(pick).facet(
+        facet=alt.Facet(
+            "head:O",
+            header=alt.Header(labelExpr="'head ' + datum.value", title=None),
+        ),
+        columns=min(columns, h),
+        title=f"{kind} attention ({N} layers, {h} heads); pick a layer",
+    )
+
+
 # %% [markdown]
 # ### Encoder self-attention
 #
@@ -541,9 +547,7 @@ def _token_axis(labels, title, angle=0):
 # neighbour; a bright column is a token that many positions read.
 
 # %%
-save_chart(
-    attention_chart(maps, "encoder self"), "04_encoder_self", ROOT / "figures"
-)
+save_chart(attention_chart(maps, "encoder self"), "04_encoder_self", FIGURES)
 
 # %% [markdown]
 # ### Decoder self-attention
@@ -552,9 +556,7 @@ save_chart(
 # from seeing the words after it. Row 1 (`<s>`) can only look at itself.
 
 # %%
-save_chart(
-    attention_chart(maps, "decoder self"), "04_decoder_self", ROOT / "figures"
-)
+save_chart(attention_chart(maps, "decoder self"), "04_decoder_self", FIGURES)
 
 # %% [markdown]
 # ### Decoder–source attention
@@ -569,9 +571,7 @@ save_chart(
 
 # %%
 save_chart(
-    attention_chart(maps, "decoder source"),
-    "04_decoder_source",
-    ROOT / "figures",
+    attention_chart(maps, "decoder source"), "04_decoder_source", FIGURES
 )
 
 # %% [markdown]
@@ -605,13 +605,13 @@ for layer in range(N):
 #   one key, and 1 when it is spread evenly. (The decoder's first row sees
 #   only `<s>` and has no choice, so it is left out.)
 # * **Distance from the diagonal**, $\sum_j p_{ij}\,|j - i|$ in tokens:
-#   how far from its own position a query looks. For decoder–source
-#   attention the diagonal is the proportional one, $j = i (S-1)/(T-1)$,
-#   the alignment of a translation that keeps the word order.
+#   how far from its own position a query looks.
 #
-# `attention_statistics` also records how much weight falls one position
-# before the diagonal, on it, and one position after it, and how much on
-# the special tokens `<s>` and `</s>`.
+# For decoder–source attention "the diagonal" needs a definition, since
+# the two sentences have different lengths $T$ and $S$. We use the
+# proportional one, $j = i (S-1)/(T-1)$: the alignment of a translation
+# that keeps the word order and stretches it evenly. `_diagonal` returns
+# the positions $i$ and $j$ with that convention.
 
 
 # %%
@@ -621,54 +621,81 @@ def _mean(x, keep):
     return x[..., keep].mean(-1) if keep.any() else x.sum(-1) * 0
 
 
+def _diagonal(v, kind):
+    """Query and key positions (R, 1) and (1, C); the diagonal is j == i."""
+    R, C = v.allowed.shape
+    i = torch.arange(R, dtype=torch.float64)[:, None]  # (R, 1)
+    j = torch.arange(C, dtype=torch.float64)[None, :]  # (1, C)
+    if kind == "decoder source":  # proportional: j = i (S-1) / (T-1)
+        rows, cols = int(v.row_keep.sum()), int(v.col_keep.sum())
+        i = i * (cols - 1) / max(rows - 1, 1)
+    return i, j
+
+
+# %% [markdown]
+# Besides the two headline numbers, `_head_statistics` records where the
+# weight of each row goes: one position before the diagonal, on it, one
+# position after it, and on the special tokens `<s>` and `</s>`. Each
+# statistic is computed per row and then averaged over the rows that are
+# real tokens, which leaves one number per layer and head.
+
+
+# %%
+#| export
+def _head_statistics(v, kind, specials):
+    """Each statistic of one kind as an (N, h) tensor, over real rows."""
+    w = v.weights.double()  # (N, h, R, C)
+    i, j = _diagonal(v, kind)
+    offset = j - i.round()  # (R, C)
+    n = v.allowed.sum(-1)  # (R,) keys each query may see
+    H = -torch.special.xlogy(w, w).sum(-1)  # (N, h, R)
+    special = torch.isin(v.col_ids, torch.tensor(specials))  # (C,)
+    sums = {
+        "distance": (w * (j - i).abs()).sum(-1),  # each (N, h, R)
+        "previous": (w * (offset == -1)).sum(-1),
+        "same": (w * (offset == 0)).sum(-1),
+        "next": (w * (offset == 1)).sum(-1),
+        "specials": w[..., special].sum(-1),
+    }
+    entropy = _mean(H / n.clamp(min=2).log(), v.row_keep & (n > 1))
+    means = {k: _mean(s, v.row_keep) for k, s in sums.items()}
+    return {"entropy": entropy, **means}  # each (N, h)
+
+
 def attention_statistics(maps, specials=(BOS, EOS)):
     """Per kind, layer and head: entropy, distance and where weight goes."""
     out = []
     for kind in ATTENTION_KINDS:
-        v = maps.view(kind)
-        w = v.weights.double()  # (N, h, R, C)
-        R, C = v.allowed.shape
-        i = torch.arange(R, dtype=torch.float64)[:, None]  # (R, 1)
-        j = torch.arange(C, dtype=torch.float64)[None, :]  # (1, C)
-        if kind == "decoder source":
-            rows, cols = int(v.row_keep.sum()), int(v.col_keep.sum())
-            i = i * (cols - 1) / max(rows - 1, 1)
-        n = v.allowed.sum(-1)  # (R,) keys each query may see
-        H = -torch.special.xlogy(w, w).sum(-1)  # (N, h, R)
-        entropy = _mean(H / n.clamp(min=2).log(), v.row_keep & (n > 1))
-        offset = j - i.round()  # (R, C)
-        sums = {
-            "entropy": entropy,
-            "distance": (w * (j - i).abs()).sum(-1),
-            "previous": (w * (offset == -1)).sum(-1),
-            "same": (w * (offset == 0)).sum(-1),
-            "next": (w * (offset == 1)).sum(-1),
-            "specials": w[
-                ..., torch.isin(v.col_ids, torch.tensor(specials))
-            ].sum(-1),
-        }
-        stats = {
-            k: s if k == "entropy" else _mean(s, v.row_keep)
-            for k, s in sums.items()
-        }  # each (N, h)
-        for layer in range(w.size(0)):
-            for head in range(w.size(1)):
-                out.append(
-                    {
-                        "kind": kind,
-                        "layer": layer + 1,
-                        "head": head + 1,
-                        **{k: float(s[layer, head]) for k, s in stats.items()},
-                    }
-                )
+        stats = _head_statistics(maps.view(kind), kind, specials)
+        N, h = stats["entropy"].shape
+        for layer in range(N):
+            for head in range(h):
+                values = {k: float(s[layer, head]) for k, s in stats.items()}
+                row = {"kind": kind, "layer": layer + 1, "head": head + 1}
+                out.append({**row, **values})
     return out
 
 
 # %% [markdown]
+# **See, it matches.** The entropy and the distance of the first encoder
+# head, recomputed from the formulas above with plain Python loops over
+# the $S \times S$ weights of our sentence, which has no padding:
+
+# %%
+p = maps.encoder_self[0, 0].tolist()  # S rows of S weights
+S = len(p)
+entropy = sum(-x * math.log(x) for row in p for x in row if x > 0)
+distance = sum(
+    x * abs(r - c) for r, row in enumerate(p) for c, x in enumerate(row)
+)
+first = attention_statistics(maps)[0]  # encoder self, layer 1, head 1
+assert math.isclose(first["entropy"], entropy / S / math.log(S), abs_tol=1e-5)
+assert math.isclose(first["distance"], distance / S, abs_tol=1e-5)
+print(f"entropy {first['entropy']:.3f}, distance {first['distance']:.3f}")
+
+# %% [markdown]
 # `attention_summary` averages those numbers over many validation
-# sentences, each teacher-forced with its reference translation, and
-# `attention_summary_chart` plots them: a dot per head and a line through
-# the heads' mean, for each layer and each kind.
+# sentences, each teacher-forced with its reference translation.
 
 
 # %%
@@ -690,6 +717,44 @@ def attention_summary(model, pairs, spacy_de, spacy_en, vocab_src, vocab_tgt):
     ]
 
 
+# %% [markdown]
+# `attention_summary_chart` plots the summary: for each kind and each of
+# the two numbers, a dot per head above its layer and a line through the
+# mean of the heads, so that a trend from layer to layer shows as a slope.
+# Stacking the two metrics gives the whole picture of a model on one page:
+# entropy on top, distance from the diagonal below, one column per kind.
+
+
+# %%
+#| export
+def _metric_chart(frame, metric, title, width):
+    """Dots per head and a line through their mean, by layer and kind."""
+    import altair as alt
+
+    base = alt.Chart(frame).encode(
+        x=alt.X("layer:O", title="layer", axis=alt.Axis(labelAngle=0))
+    )
+    tooltip = [
+        "kind",
+        "layer",
+        "head",
+        alt.Tooltip(f"{metric}:Q", format=".3f"),
+    ]
+    dots = base.mark_circle(size=60, opacity=0.8).encode(
+        xOffset="head:N",
+        y=alt.Y(f"{metric}:Q", title=title),
+        color=alt.Color("head:N", title="head"),
+        tooltip=tooltip,
+    )
+    mean = base.mark_line(color="#444").encode(y=f"mean({metric}):Q")
+    kinds = alt.Column("kind:N", sort=list(ATTENTION_KINDS), title=None)
+    return (
+        alt.layer(dots, mean, data=frame)
+        .properties(width=width, height=150)
+        .facet(column=kinds)
+    )
+
+
 # %%
 #| export
 def attention_summary_chart(summary, width=170):
@@ -698,37 +763,14 @@ def attention_summary_chart(summary, width=170):
     import pandas as pd
 
     frame = pd.DataFrame(summary)
-    titles = {
-        "entropy": "entropy (fraction of uniform)",
-        "distance": "distance from diagonal (tokens)",
-    }
-    charts = []
-    for metric, title in titles.items():
-        base = alt.Chart(frame).encode(
-            x=alt.X("layer:O", title="layer", axis=alt.Axis(labelAngle=0))
-        )
-        dots = base.mark_circle(size=60, opacity=0.8).encode(
-            xOffset="head:N",
-            y=alt.Y(f"{metric}:Q", title=title),
-            color=alt.Color("head:N", title="head"),
-            tooltip=[
-                "kind",
-                "layer",
-                "head",
-                alt.Tooltip(f"{metric}:Q", format=".3f"),
-            ],
-        )
-        mean = base.mark_line(color="#444").encode(y=f"mean({metric}):Q")
-        charts.append(
-            alt.layer(dots, mean, data=frame)
-            .properties(width=width, height=150)
-            .facet(
-                column=alt.Column(
-                    "kind:N", sort=list(ATTENTION_KINDS), title=None
-                )
-            )
-        )
-    return alt.vconcat(*charts).properties(
+    return alt.vconcat(
+        _metric_chart(
+            frame, "entropy", "entropy (fraction of uniform)", width
+        ),
+        _metric_chart(
+            frame, "distance", "distance from diagonal (tokens)", width
+        ),
+    ).properties(
         title="Attention heads by layer, averaged over validation sentences"
     )
 
@@ -738,31 +780,58 @@ pairs = val[:40] if AT_SIZE == "ci" else val  # all 1,014 take ~30 s
 summary = attention_summary(
     model, pairs, spacy_de, spacy_en, vocab_src, vocab_tgt
 )
-save_chart(
-    attention_summary_chart(summary), "04_attention_summary", ROOT / "figures"
-)
+save_chart(attention_summary_chart(summary), "04_attention_summary", FIGURES)
 
 # %% [markdown]
-# The numbers behind the chart, one row per head:
+# The numbers behind the chart, one row per head, averaged over the
+# validation sentences:
 
 # %%
 import pandas as pd
 
 table = pd.DataFrame(summary).set_index(["kind", "layer", "head"])
-print(f"averaged over {len(pairs)} validation sentences")
 table.round(2)
 
 # %% [markdown]
 # ## What the heads appear to do
 #
-# Rather than describe a model from memory, the next cell reads its
+# Rather than describe a model from memory, the next cells read their
 # observations off the table above, so that they hold for whichever model
-# this page was built with (the small smoke model in a CI build, the `cpu`
-# model after `make train`). For each kind it names the most focused and
-# the most diffuse head, how the mean entropy changes from the first layer
-# to the last, and every head that puts at least half of its weight in one
+# this page was built with: the small `ci` model in a CI build, the `cpu`
+# model after `make train`. For each kind they name the most focused and
+# the most diffuse head, and how the mean entropy changes from the first
+# layer to the last.
+
+
+# %%
+def focus(kind, t):
+    """The most focused and the most diffuse head of one kind."""
+    lo, hi = t["entropy"].idxmin(), t["entropy"].idxmax()
+    return (
+        f"{kind}: most focused head is layer {lo[0]} head {lo[1]} "
+        f"(entropy {t.loc[lo, 'entropy']:.2f} of uniform, "
+        f"{t.loc[lo, 'distance']:.1f} tokens from the diagonal); most "
+        f"diffuse is layer {hi[0]} head {hi[1]} ({t.loc[hi, 'entropy']:.2f})."
+    )
+
+
+def trend(t):
+    """How the mean entropy changes from the first layer to the last."""
+    by_layer = t["entropy"].groupby(level="layer").mean()
+    if len(by_layer) < 2:
+        return []
+    first, last = by_layer.iloc[0], by_layer.iloc[-1]
+    word = "falls" if last < first else "rises"
+    word = "stays level" if abs(last - first) < 0.005 else word
+    values = ", ".join(f"{x:.2f}" for x in by_layer)
+    return [f"  mean entropy per layer {word}: {values} (layers 1 to N)"]
+
+
+# %% [markdown]
+# They also list every head that puts at least half of its weight in one
 # place: on the previous token, on its own position, on the next one, or
-# on `<s>` and `</s>`.
+# on `<s>` and `</s>`. For decoder–source attention, "its own position"
+# means the source word on the proportional diagonal.
 
 
 # %%
@@ -772,11 +841,21 @@ PLACES = {
     "next": "the position after its own",
     "specials": "<s> and </s>",
 }
-SOURCE_PLACES = {
-    "previous": "the source word just before the proportional diagonal",
-    "same": "the source word on the proportional diagonal",
-    "next": "the source word just after the proportional diagonal",
-}
+
+
+def places(kind, t, threshold):
+    """Every head with at least `threshold` of its weight in one place."""
+    lines = []
+    for (layer, head), row in t[list(PLACES)].iterrows():
+        if row.max() >= threshold:
+            where = PLACES[row.idxmax()]
+            if kind == "decoder source" and row.idxmax() != "specials":
+                where += " (on the proportional diagonal)"
+            lines.append(
+                f"  layer {layer} head {head} puts {row.max():.0%} of "
+                f"its weight on {where}"
+            )
+    return lines
 
 
 def observations(table, threshold=0.5):
@@ -784,40 +863,7 @@ def observations(table, threshold=0.5):
     lines = []
     for kind in ATTENTION_KINDS:
         t = table.loc[kind]
-        lo, hi = t["entropy"].idxmin(), t["entropy"].idxmax()
-        lines.append(
-            f"{kind}: most focused head is layer {lo[0]} head {lo[1]} "
-            f"(entropy {t.loc[lo, 'entropy']:.2f} of uniform, "
-            f"{t.loc[lo, 'distance']:.1f} tokens from the diagonal); most "
-            f"diffuse is layer {hi[0]} head {hi[1]} "
-            f"({t.loc[hi, 'entropy']:.2f})."
-        )
-        by_layer = t["entropy"].groupby(level="layer").mean()
-        first, last = by_layer.iloc[0], by_layer.iloc[-1]
-        if len(by_layer) > 1:
-            trend = "falls" if last < first else "rises"
-            if abs(last - first) < 0.005:
-                trend = "stays level"
-            lines.append(
-                f"  mean entropy per layer {trend}: "
-                + ", ".join(f"{x:.2f}" for x in by_layer)
-                + f" (layers 1 to {len(by_layer)})"
-            )
-        for (layer, head), row in t[list(PLACES)].iterrows():
-            if row.max() >= threshold:
-                where = PLACES[row.idxmax()]
-                if kind == "decoder source":
-                    where = SOURCE_PLACES.get(row.idxmax(), where)
-                lines.append(
-                    f"  layer {layer} head {head} puts {row.max():.0%} of "
-                    f"its weight on {where}"
-                )
-    means = table.groupby(level="kind")["entropy"].mean()
-    lines.append(
-        f"Most focused kind on average: {means.idxmin()} "
-        f"({means.min():.2f}); most diffuse: {means.idxmax()} "
-        f"({means.max():.2f})."
-    )
+        lines += [focus(kind, t), *trend(t), *places(kind, t, threshold)]
     return lines
 
 
@@ -840,6 +886,6 @@ print("\n".join(observations(table)))
 #
 # The printed lines are the evidence, and the only claims this page makes
 # about its model: a head not listed did not reach the 50% mark anywhere.
-# A smoke model's heads can be sharply focused without meaning much, as it
+# A `ci` model's heads can be sharply focused without meaning much, as it
 # has seen 1,000 sentences; the full `cpu` model is the one to read for
 # linguistic patterns.

@@ -12,11 +12,11 @@
 # ---
 
 # %% [markdown]
-# # Part 5: Beyond the paper: what the 2022 tutorial left out
+# # Part 5: Beyond the paper's architecture: decoding, subwords, averaging
 #
 # The paper's results rest on more than the architecture. Its section 6
-# mentions, in a sentence or two each, four pieces that the 2022 Annotated
-# Transformer either skipped or shipped broken:
+# mentions, in a sentence or two each, pieces that a minimal
+# implementation of the model leaves out:
 #
 # 1. **Fast decoding.** Nothing in the paper says how to decode quickly, but
 #    every real implementation keeps the keys and values of past positions
@@ -27,48 +27,27 @@
 # 4. **Checkpoint averaging**: the reported base models average the last 5
 #    checkpoints, the big ones the last 20.
 #
-# Each section explains one idea, implements it on top of the modules of
-# Parts 1–3 without changing how they train, and ends with a check that it
-# computes what it should. The last section collects BLEU scores.
+# Each section explains one idea, builds it on the modules of Parts 1–3
+# without changing how they train, and ends with a check that it computes
+# what it should.
 
 # %%
-# Setup: find the repository (and fetch it when running on Colab).
+# Setup: on Colab, clone the repository and install its requirements.
+# !test -n "$COLAB_RELEASE_TAG" -a ! -d done-right && git clone -q --depth=1 https://github.com/annotated-transformer/done-right && pip install -q -r done-right/requirements.txt  # noqa: E501
 import os
-import subprocess
 import sys
-from pathlib import Path
 
-REPO_URL = "https://github.com/annotated-transformer/done-right"
-if "google.colab" in sys.modules and not Path("done-right").exists():
-    subprocess.run(["git", "clone", "--depth=1", REPO_URL], check=True)
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "-r",
-            "done-right/requirements.txt",
-        ],
-        check=True,
-    )
-    os.chdir("done-right/notebooks")
-ROOT = next(
-    p
-    for p in [Path.cwd(), *Path.cwd().parents]
-    if (p / "the_annotated_transformer.py").exists()
-)
-sys.path.insert(0, str(ROOT))
-os.environ["PYTHONPATH"] = str(ROOT)
-AT_SIZE = os.environ.get("AT_SIZE", "full")  # "ci" runs in seconds
+ROOT = os.path.abspath("done-right" if os.path.isdir("done-right") else "..")
+sys.path.insert(0, ROOT)
+AT_SIZE = os.environ.get("AT_SIZE", "full")  # "ci": minutes, not hours
 
 # %%
 #| export
 import functools
 import math
-import time
-from dataclasses import replace
+import os
+from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -82,9 +61,11 @@ from the_annotated_transformer import (
     UNK,
     UserError,
     batch_greedy_decode,
+    collate_batch,
     compute_bleu,
     count_parameters,
     data_dir,
+    encode_pairs,
     epoch_checkpoints,
     get_config,
     greedy_decode,
@@ -104,107 +85,64 @@ from the_annotated_transformer import (
 # %% [markdown]
 # ## The models we look at
 #
-# Decoding needs a trained model. In a full run this notebook uses the
-# `cpu` model of Part 3, from `checkpoints/cpu/` (`final.pt` and the epoch
-# checkpoints, for averaging), once Part 3's training has written it. In
-# a CI-sized run, or when that run is missing, it trains the `smoke`
-# preset instead, in well under a minute; its translations are poor, but
-# every check below works the same on it. The first line of output says
-# which model is in use.
+# Decoding needs a trained model: in a full run, Part 3's `cpu` model and
+# its epoch checkpoints, from `checkpoints/cpu/`. In a CI-sized run, or
+# before that folder exists, `trained_checkpoint` trains the `ci` preset
+# here in about a minute; its translations are poor, but every check
+# works the same. We also make one padded batch of 16 validation
+# sentences of different lengths, to call the decoders directly.
+
 
 # %%
+def trained_checkpoint(preset, vocabs):
+    """final.pt of `preset` in full runs, else train its ci twin here."""
+    final = os.path.join(ROOT, get_config(preset).checkpoint_dir, "final.pt")
+    if AT_SIZE != "ci" and os.path.isfile(final):
+        return final
+    ci = preset.replace("cpu", "ci")  # cpu -> ci, cpu-bpe -> ci-bpe
+    folder = os.path.join(ROOT, get_config(ci).checkpoint_dir)
+    config = get_config(ci, checkpoint_dir=folder)
+    train_worker(
+        0, 1, *vocabs, spacy_de, spacy_en, config, show_progress=False
+    )
+    return os.path.join(folder, "final.pt")
+
+
 spacy_de, spacy_en = load_tokenizers()
 splits = {split: read_multi30k(split) for split in ("val", "test")}
-
-
-def trained_checkpoint(preset, fallback, vocabs):
-    """final.pt of `preset` if it exists (full runs), else train fallback."""
-    final = ROOT / get_config(preset).checkpoint_dir / "final.pt"
-    if AT_SIZE != "ci" and final.is_file():
-        print(f"using the trained {preset!r} model in {final.parent}")
-        return final
-    config = get_config(fallback)
-    folder = ROOT / config.checkpoint_dir
-    print(f"training the {fallback!r} preset into {folder} (under a minute)")
-    train_worker(
-        0,
-        1,
-        *vocabs,
-        spacy_de,
-        spacy_en,
-        replace(config, checkpoint_dir=str(folder)),
-        show_progress=False,
-    )
-    return folder / "final.pt"
-
-
-word_vocabs = load_vocab(spacy_de, spacy_en)
-checkpoint = trained_checkpoint("cpu", "smoke", word_vocabs)
+checkpoint = trained_checkpoint("cpu", load_vocab(spacy_de, spacy_en))
 model, vocab_src, vocab_tgt, config = load_trained_model(checkpoint)
-print(
-    f"{config.preset}: N={config.N}, d_model={config.d_model}, "
-    f"{count_parameters(model):,d} parameters"
-)
-
-# %% [markdown]
-# A helper turns German sentences into one padded batch of source ids, the
-# way `translate_batch` does, so that we can call the decoders directly.
-
-
-# %%
-def source_batch(sentences, vocab=vocab_src):
-    """Padded (B, S) ids and (B, 1, S) mask of some German sentences."""
-    ids = [
-        torch.tensor([BOS, *vocab(tokenize(s, spacy_de)), EOS])
-        for s in sentences
-    ]
-    src = torch.nn.utils.rnn.pad_sequence(
-        ids, batch_first=True, padding_value=PAD
-    )  # (B, S)
-    return src, (src != PAD).unsqueeze(-2)
-
-
-val_de = [de for de, _ in splits["val"][:16]]
-src, src_mask = source_batch(val_de)
-print(
-    "source batch",
-    tuple(src.shape),
-    "lengths",
-    src_mask.sum(-1).squeeze(1).tolist(),
-)
+print(f"{config.preset}: {count_parameters(model):,d} parameters")
+vocabs = (vocab_src, vocab_tgt, spacy_de, spacy_en)
+src, _ = collate_batch(encode_pairs(splits["val"][:16], *vocabs))  # (B, S)
+src_mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
 
 # %% [markdown]
 # ## 1. Incremental decoding with a key/value cache
 #
 # `greedy_decode` (Part 2) and `batch_greedy_decode` (Part 3) grow the
-# output one token at a time, and at every step they run the decoder over
-# the whole prefix again. Yet most of that work repeats itself. Because of
-# the subsequent mask, the hidden state at position $i$ depends only on the
-# tokens up to $i$: adding token $t$ changes nothing at the earlier
-# positions. In each decoder layer, the keys and values that self-attention
-# computed for positions $0 \dots t-1$ are the same as at the previous
-# step, and the keys and values of source attention depend only on the
-# encoder's memory, so they are the same at every step.
+# output one token at a time, and at every step run the decoder over the
+# whole prefix again. Most of that work repeats itself. Because of the
+# subsequent mask, position $i$ depends only on the tokens up to $i$, so
+# the keys and values that self-attention computed for positions
+# $0 \dots t-1$ are the same as at the previous step; those of source
+# attention depend only on the encoder's memory, and never change.
 #
 # Incremental decoding keeps them. At step $t$ it feeds the decoder only
-# the newest token: a query, key and value for one position per layer, the
-# new key and value appended to that layer's cache, attention over the
-# $t+1$ cached positions, and one position through the feed-forward
-# network. A step costs $O(t)$ instead of $O(t^2)$ in attention, and the
-# projections and feed-forward networks run on one position rather than
-# $t+1$. (The paper does not discuss decoding speed; this is how
-# production implementations such as fairseq and tensor2tensor decode.)
+# the newest token: one query, key and value per layer, the new key and
+# value appended to the layer's cache, and one position through the
+# feed-forward network. Attention then costs $O(t)$ per step instead of
+# $O(t^2)$. The paper does not discuss decoding speed; this is how
+# production implementations such as fairseq and tensor2tensor decode.
 #
-# `DecoderCache` holds, for every decoder layer, the self-attention keys
-# and values so far and the source-attention keys and values, which it
-# computes once per sentence from the memory, with the layer's own
-# projections (`src_attn.linears[1]` and `[2]`). Each sentence can have
-# `group` rows of hypotheses: beam search decodes $k$ of them per
-# sentence, and they all read the same memory, so they share one copy of
-# its keys and values instead of $k$. `select` keeps some rows of the
-# batch, in any order, as long as each run of `group` rows comes from one
-# sentence: greedy decoding uses it to drop finished sentences, beam
-# search to follow each hypothesis back to its parent.
+# `DecoderCache` holds, per decoder layer, the self-attention keys and
+# values so far and the source-attention keys and values, computed once
+# from the memory with the layer's own projections (`src_attn.linears[1]`
+# and `[2]`). Each sentence can have `group` rows: beam search decodes
+# $k$ hypotheses per sentence, which share one copy of the source's keys
+# and values. `select` keeps some rows, in any order, as long as each run
+# of `group` rows comes from one sentence: greedy decoding uses it to drop
+# finished sentences, beam search to follow hypotheses to their parents.
 
 
 # %%
@@ -241,15 +179,13 @@ class DecoderCache:
 
 
 # %% [markdown]
-# One decoding step reuses the trained modules as they are: the target
-# embedding, the positional encoding at position $t$ (read from its `pe`
-# buffer, since the new token is the only one we embed), each layer's
-# three `SublayerConnection`s with their norms and residuals, the final
-# norm and the generator. Only the attention calls change: the query is one
-# position, and the keys and values come from the cache. Self-attention
-# needs no mask, because every cached position lies in the past. In source
-# attention, the `group` hypotheses of a sentence are its queries, side by
-# side, against that sentence's keys and values.
+# One decoding step reuses the trained modules as they are; only the
+# attention calls change. `attend_step` attends from new positions, one
+# per row, to keys and values already projected; in source attention the
+# `group` hypotheses of a sentence are its queries, side by side.
+# `cached_self_attention` appends the newest position's key and value to
+# the layer's cache and attends over all of it, with no mask, since every
+# cached position lies in the past.
 
 
 # %%
@@ -274,6 +210,16 @@ def cached_self_attention(attn, x, cache, i):
     return attend_step(attn, x, k, v)
 
 
+# %% [markdown]
+# The rest is the decoder of Part 1, applied to one position: each
+# layer's three `SublayerConnection`s with their norms and residuals, then
+# the final norm and the generator. The new token is the only one we
+# embed, so its positional encoding is read from the `pe` buffer at
+# position $t$.
+
+
+# %%
+#| export
 def decoder_layer_step(layer, x, cache, i):
     """One DecoderLayer applied to the newest position only."""
     k, v = cache.cross[i]  # (B, h, S, d_k)
@@ -298,11 +244,17 @@ def decode_step(model, ys_last, cache):
 
 
 # %% [markdown]
-# With that step, greedy decoding keeps the same contract as
-# `batch_greedy_decode`: it returns `(B, L)` ids that start with `<s>`,
-# with `<blank>` after each sentence's `</s>`, and stops when every
-# sentence has ended or at `max_len`. A sentence that has ended leaves the
-# batch, so the remaining steps only compute the sentences still running.
+# With that step, greedy decoding keeps the contract of
+# `batch_greedy_decode`: `(B, L)` ids that start with `<s>`, `<blank>`
+# after each `</s>`, stopping when every sentence has ended or at
+# `max_len`. A sentence that has ended leaves the batch.
+#
+# This is the decoder that `translate_batch` and the command line use by
+# default. The other two stay, each for a reason: `batch_greedy_decode`
+# is the plain reference, short enough to read at a glance, that the
+# cached version is tested against; `greedy_decode` is the one-sentence
+# function of the original tutorial, whose name and signature other code
+# may rely on.
 
 
 # %%
@@ -334,87 +286,57 @@ def cached_greedy_decode(
 # %% [markdown]
 # **See, it matches.** We teacher-force the tokens that greedy decoding
 # chose and compare, at every step, the log-probabilities of the cached
-# step with those of the full decoder run over the whole prefix, for a
-# batch of 16 validation sentences of different lengths (so the source
-# padding masks matter too). Then we compare the tokens themselves with
-# the tutorial's `greedy_decode`, run on one unpadded sentence at a time
-# with the same length limit.
+# step with those of the full decoder run over the whole prefix. They
+# agree to float32 rounding. So do the tokens, compared with
+# `greedy_decode` run on one unpadded sentence at a time.
 
 # %%
 with torch.no_grad():
     reference = batch_greedy_decode(model, src, src_mask, 25)  # (B, L)
-    memory = model.encode(src, src_mask)
+    memory = model.encode(src, src_mask)  # (B, S, d_model)
     cache = DecoderCache(model, memory, src_mask)
-    worst = 0.0
     for t in range(1, reference.size(1)):
-        full = model.generator(
-            model.decode(
-                memory, src_mask, reference[:, :t], subsequent_mask(t)
-            )[:, -1]
-        )  # (B, V): the whole prefix again
+        prefix = model.decode(
+            memory, src_mask, reference[:, :t], subsequent_mask(t)
+        )  # (B, t, d_model): the whole prefix again
+        full = model.generator(prefix[:, -1])  # (B, V)
         step = decode_step(model, reference[:, t - 1 : t], cache)  # (B, V)
-        worst = max(worst, (full - step).abs().max().item())
-print(
-    f"largest log-prob difference over {reference.size(1) - 1} steps: "
-    f"{worst:.1e}"
-)
-assert worst < 1e-4
+        assert torch.allclose(full, step, atol=1e-4), t
 
 max_len = src.size(1) + 50  # the batch's limit, used for both
 cached = cached_greedy_decode(model, src, src_mask, max_len)
-same = 0
-for i in range(len(val_de)):
-    n = int(src_mask[i].sum())  # the sentence without its padding
-    one = greedy_decode(
-        model, src[i : i + 1, :n], src_mask[i : i + 1, :, :n], max_len, BOS
-    )
-    same += strip_specials(one[0].tolist()) == strip_specials(
-        cached[i].tolist()
-    )
-print(f"identical translations: {same} of {len(val_de)}")
-assert same == len(val_de)
+for ids, mask, row in zip(src, src_mask, cached):
+    n = int(mask.sum())  # the sentence without its padding
+    one = greedy_decode(model, ids[None, :n], mask[None, :, :n], max_len, BOS)
+    assert strip_specials(one[0].tolist()) == strip_specials(row.tolist())
 
 # %% [markdown]
-# The log-probabilities agree to float32 rounding, and so do the tokens.
 # How much time does it save? Here is the 16-sentence batch decoded three
-# ways: the tutorial's function one sentence at a time with a fixed output
-# length of source length + 50 (it has no notion of `</s>`), the batched
-# full recomputation of Part 3, and the cached version. `bench/decoding.py`
+# ways: `greedy_decode` one sentence at a time with a fixed output length
+# of source length + 50 (it has no notion of `</s>`), the batched full
+# recomputation of Part 3, and the cached version. `bench/decoding.py`
 # measures this properly on the whole test set; its results are in
 # `bench/RESULTS_decoding.md`.
 
 
 # %%
-def seconds(fn):
-    """Wall-clock seconds of one call."""
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+import time
 
 
-def tutorial_one_by_one():
-    """The 2022 way: one sentence, fixed length, full recompute."""
-    for i in range(len(val_de)):
-        n = int(src_mask[i].sum())
-        greedy_decode(
-            model, src[i : i + 1, :n], src_mask[i : i + 1, :, :n], n + 50, BOS
-        )
+def one_by_one(model, src, src_mask, _):
+    """greedy_decode, one unpadded sentence at a time, fixed length."""
+    for ids, mask in zip(src, src_mask):
+        n = int(mask.sum())
+        greedy_decode(model, ids[None, :n], mask[None, :, :n], n + 50, BOS)
 
 
+batch = (model, src, src_mask, src.size(1) + 50)
 with torch.no_grad():
-    timings = {
-        "tutorial greedy_decode, one by one": seconds(tutorial_one_by_one),
-        "batch_greedy_decode (Part 3)": seconds(
-            lambda: batch_greedy_decode(model, src, src_mask, src.size(1) + 50)
-        ),
-        "cached_greedy_decode": seconds(
-            lambda: cached_greedy_decode(
-                model, src, src_mask, src.size(1) + 50
-            )
-        ),
-    }
-for name, s in timings.items():
-    print(f"{name:36s} {s:6.2f} s  {len(val_de) / s:7.1f} sentences/s")
+    for fn in (one_by_one, batch_greedy_decode, cached_greedy_decode):
+        start = time.perf_counter()
+        fn(*batch)
+        s = time.perf_counter() - start
+        print(f"{fn.__name__:20s} {s:6.2f} s {len(src) / s:7.1f} sentences/s")
 
 # %% [markdown]
 # ## 2. Beam search
@@ -436,33 +358,11 @@ for name, s in timings.items():
 # with $\alpha = 0.6$, beam size $k = 4$, and outputs of at most the input
 # length + 50 tokens (paper, section 6.1). We count $|Y|$ as the tokens
 # generated, `</s>` included.
-
-
-# %%
-#| export
-def length_penalty(length, alpha=0.6):
-    """GNMT length penalty ((5 + |Y|) / 6) ** alpha."""
-    return ((5.0 + length) / 6.0) ** alpha
-
-
-# %% [markdown]
+#
 # Hypotheses end at different times. Here, one that has produced `</s>`
 # stays in the beam with its score frozen: its only continuation is
 # `<blank>` at no cost, and its length no longer grows, so it keeps
-# competing for a place with the hypotheses still running. A finished
-# hypothesis can still be pushed out by $k$ better running ones that
-# later fall behind it, so we also remember, for every sentence, the best
-# finished hypothesis seen so far. A sentence is done when all $k$ of its
-# beams have finished, and the search stops when every sentence is done or
-# at `max_len`; hypotheses still running at `max_len` then compete too.
-#
-# Beam search itself only needs two things from a model: the next-token
-# log-probabilities of each hypothesis, and a way to reorder the model's
-# state when hypotheses are reordered, which is the cache's `select`.
-# `beam_search_steps` is written against just those two functions, so that
-# a test can drive it with a hand-made table of probabilities. The `k`
-# hypotheses of sentence `b` are rows `b * k ... b * k + k - 1`.
-# Sentences that are done leave the batch, as in greedy decoding.
+# competing for a place with the hypotheses still running.
 #
 # Scoring all $k \cdot V$ extensions is wasteful: only the $k$ best tokens
 # of a hypothesis can be among the $k$ best candidates of its sentence, so
@@ -473,6 +373,11 @@ def length_penalty(length, alpha=0.6):
 
 # %%
 #| export
+def length_penalty(length, alpha=0.6):
+    """GNMT length penalty ((5 + |Y|) / 6) ** alpha."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
 def beam_candidates(logp, logp_sum, lengths, finished, alpha):
     """The best extensions of each hypothesis: score, log P, token."""
     A, k, V = logp.shape  # (sentences, beams, vocabulary)
@@ -485,6 +390,88 @@ def beam_candidates(logp, logp_sum, lengths, finished, alpha):
     cand_len = lengths + (~finished).long()  # (A, k)
     score = cand / length_penalty(cand_len, alpha).unsqueeze(-1)
     return score.view(A, -1), cand.view(A, -1), word.view(A, -1), cand_len
+
+
+# %% [markdown]
+# The search keeps, for the $A$ sentences still searching, $k$ hypotheses
+# each, in a `Beams`: their tokens so far, their log-probabilities, their
+# lengths and whether they have ended. At the start every sentence has one
+# real hypothesis, `<s>`, and $k-1$ copies with log-probability
+# $-\infty$, which can never win a place.
+
+
+# %%
+#| export
+class Beams(NamedTuple):
+    """The k hypotheses of each sentence still searching."""
+
+    sent: torch.Tensor  # (A,) index of each sentence in the batch
+    tokens: torch.Tensor  # (A, k, max_len) ids so far, <s> first
+    logp_sum: torch.Tensor  # (A, k) log P of each hypothesis
+    lengths: torch.Tensor  # (A, k) tokens generated, </s> included
+    finished: torch.Tensor  # (A, k) bool: has produced </s>
+
+    @classmethod
+    def start(cls, B, k, max_len, start_symbol, device):
+        """k hypotheses per sentence, of which only the first is real."""
+        tokens = torch.full((B, k, max_len), PAD, dtype=torch.long)
+        tokens = tokens.to(device)
+        tokens[:, :, 0] = start_symbol  # (B, k, max_len)
+        logp_sum = torch.full((B, k), -math.inf, device=device)
+        logp_sum[:, 0] = 0.0
+        lengths = torch.zeros(B, k, dtype=torch.long, device=device)
+        sent = torch.arange(B, device=device)
+        return cls(sent, tokens, logp_sum, lengths, lengths.bool())
+
+
+# %% [markdown]
+# One step: score the candidates, keep the $k$ best of each sentence, and
+# copy the tokens of each survivor's *parent*, the hypothesis it extends.
+# `advance_beams` also returns the parents, which the cache needs, and
+# the scores of the hypotheses that ended at this step. Since a finished
+# hypothesis can later be pushed out of the beam by running ones that
+# then fall behind it, `keep_best` remembers each sentence's best
+# finished hypothesis so far.
+
+
+# %%
+#| export
+def advance_beams(beams, logp, t, alpha, end_symbol):
+    """Extend every hypothesis by one token and keep the k best."""
+    k = beams.logp_sum.size(1)
+    score, cand, words, cand_len = beam_candidates(
+        logp, beams.logp_sum, beams.lengths, beams.finished, alpha
+    )  # (A, k * c), c candidates per hypothesis
+    score, idx = score.topk(k, dim=1)  # (A, k)
+    parent, word = idx // (words.size(1) // k), words.gather(1, idx)
+    was_finished = beams.finished.gather(1, parent)
+    finished = was_finished | (word == end_symbol)
+    tokens = beams.tokens.gather(
+        1, parent.unsqueeze(-1).expand_as(beams.tokens)
+    )  # (A, k, max_len): the parents' tokens
+    tokens[:, :, t] = word
+    lengths = cand_len.gather(1, parent)
+    new = Beams(beams.sent, tokens, cand.gather(1, idx), lengths, finished)
+    ended = torch.where(finished & ~was_finished, score, -math.inf)
+    return new, parent, ended  # ended: (A, k) scores, -inf if not new
+
+
+def keep_best(out, best, beams, score):
+    """Where a hypothesis (score (A, k)) beats its sentence's best, keep it."""
+    top, j = score.max(dim=1)  # (A,)
+    better = top > best[beams.sent]
+    best[beams.sent[better]] = top[better]
+    out[beams.sent[better]] = beams.tokens[better, j[better]]
+
+
+# %% [markdown]
+# The loop itself needs only two things from a model: `step`, the
+# next-token log-probabilities of each hypothesis, and `select`, which
+# reorders the model's state (the cache) when hypotheses are reordered;
+# so a test can drive it with a hand-made table of probabilities. The $k$
+# hypotheses of sentence `b` are rows `b * k ... b * k + k - 1`. A
+# sentence whose $k$ beams have all finished leaves the batch. At
+# `max_len`, hypotheses still running compete for the answer too.
 
 
 # %%
@@ -505,51 +492,30 @@ def beam_search_steps(
     out = torch.full((B, max_len), PAD, dtype=torch.long, device=device)
     out[:, 0] = start_symbol  # (B, max_len): the answers
     best = torch.full((B,), -math.inf, device=device)  # their scores
-    tokens = out.unsqueeze(1).repeat(1, k, 1)  # (A, k, max_len)
-    logp_sum = torch.full((B, k), -math.inf, device=device)  # (A, k)
-    logp_sum[:, 0] = 0.0  # one real hypothesis to start from
-    lengths = torch.zeros(B, k, dtype=torch.long, device=device)
-    finished = torch.zeros(B, k, dtype=torch.bool, device=device)
-    sent = torch.arange(B, device=device)  # (A,) sentences still searching
+    beams = Beams.start(B, k, max_len, start_symbol, device)
     t = 0
     for t in range(1, max_len):
-        A = sent.numel()
-        logp = step(tokens[:, :, t - 1].reshape(A * k, 1)).view(A, k, -1)
-        score, cand, words, cand_len = beam_candidates(
-            logp, logp_sum, lengths, finished, alpha
-        )  # (A, k * c), c candidates per hypothesis
-        score, idx = score.topk(k, dim=1)  # (A, k)
-        parent, word = idx // (words.size(1) // k), words.gather(1, idx)
-        was_finished = finished.gather(1, parent)
-        logp_sum, lengths = cand.gather(1, idx), cand_len.gather(1, parent)
-        finished = was_finished | (word == end_symbol)
-        tokens = tokens.gather(1, parent.unsqueeze(-1).expand_as(tokens))
-        tokens[:, :, t] = word
-        new = torch.where(finished & ~was_finished, score, -math.inf)
-        top, j = new.max(dim=1)  # the best hypothesis that ended now
-        better = top > best[sent]
-        best[sent[better]] = top[better]
-        out[sent[better]] = tokens[better, j[better]]
-        keep = ~finished.all(dim=1)  # (A,) sentences with beams running
+        A = beams.sent.numel()
+        logp = step(beams.tokens[:, :, t - 1].reshape(A * k, 1))  # (A*k, V)
+        beams, parent, ended = advance_beams(
+            beams, logp.view(A, k, -1), t, alpha, end_symbol
+        )
+        keep_best(out, best, beams, ended)
+        keep = ~beams.finished.all(dim=1)  # (A,) sentences with beams running
         if t == max_len - 1 or not keep.any():
             break
         rows = torch.arange(A, device=device).unsqueeze(1) * k + parent
         select(rows[keep].view(-1))  # (A' * k,) parents of the survivors
-        sent, tokens, logp_sum = sent[keep], tokens[keep], logp_sum[keep]
-        lengths, finished = lengths[keep], finished[keep]
-    running = logp_sum / length_penalty(lengths, alpha)  # at max_len
-    top, j = running.masked_fill(finished, -math.inf).max(dim=1)
-    better = top > best[sent]
-    out[sent[better]] = tokens[better, j[better]]
+        beams = Beams(*(x[keep] for x in beams))
+    running = beams.logp_sum / length_penalty(beams.lengths, alpha)
+    keep_best(out, best, beams, running.masked_fill(beams.finished, -math.inf))
     return out[:, : t + 1]  # (B, <= max_len)
 
 
 # %% [markdown]
-# `beam_search` connects it to the model: a `DecoderCache` with `group=k`
-# holds one row of self-attention keys and values per hypothesis and one
-# copy of the source's keys and values per sentence, and its `select`
-# follows each surviving hypothesis back to its parent's row. It has the
-# signature of the greedy decoders, so
+# `beam_search` connects it to the model through a `DecoderCache` with
+# `group=k`, whose `select` follows each surviving hypothesis back to its
+# parent's row. It has the signature of the greedy decoders, so
 # `translate_batch(..., decode_fn=functools.partial(beam_search,
 # beam_size=4))` translates with it.
 
@@ -570,80 +536,55 @@ def beam_search(
     """Batched beam search with a length penalty; (B, L) best ids."""
     memory = model.encode(src, src_mask)  # (B, S, d_model)
     cache = DecoderCache(model, memory, src_mask, group=beam_size)
-    return beam_search_steps(
-        lambda ys: decode_step(model, ys, cache),  # (B*k, 1) -> (B*k, V)
-        cache.select,
-        src.size(0),
-        max_len,
-        beam_size,
-        alpha,
-        start_symbol,
-        end_symbol,
-        src.device,
-    )
+    step = lambda ys: decode_step(model, ys, cache)  # (B*k, 1) -> (B*k, V)
+    args = (beam_size, alpha, start_symbol, end_symbol, src.device)
+    return beam_search_steps(step, cache.select, src.size(0), max_len, *args)
 
 
 # %% [markdown]
 # **See, it matches.** With a beam of one, beam search keeps the single
-# most probable extension at every step, which is greedy decoding:
+# most probable extension at every step, which is greedy decoding. And a
+# case where greedy decoding goes wrong: a hand-made "model" over five
+# tokens, whose next-token probabilities depend only on the last token.
+# After `<s>` it prefers `a` (0.5) to `b` (0.4), but after `a` every
+# continuation is unlikely, while `b` is almost always followed by `</s>`.
+# Greedy takes `a` and ends with probability $0.5 \cdot 0.4 = 0.20$; a
+# beam of two also keeps `b` and finds $0.4 \cdot 0.9 = 0.36$.
 
 # %%
 beam1 = beam_search(model, src, src_mask, max_len, beam_size=1)
-print("beam size 1 == greedy:", torch.equal(beam1, cached))
 assert torch.equal(beam1, cached)
 
-# %% [markdown]
-# And a case where greedy decoding goes wrong. A hand-made "model" over
-# five tokens, whose next-token probabilities depend only on the last
-# token: after `<s>` it prefers `a` (0.5) to `b` (0.4), but after `a`
-# every continuation is unlikely, while `b` is almost always followed by
-# `</s>`. Greedy takes `a` and ends with probability $0.5 \cdot 0.4 =
-# 0.20$; a beam of two also keeps `b` and finds $0.4 \cdot 0.9 = 0.36$.
-
-# %%
 toy_names = ["<s>", "</s>", "<blank>", "a", "b"]
-toy = (
-    torch.tensor(
-        [  # next-token probabilities; row = previous token
-            [0.00, 0.10, 0.00, 0.50, 0.40],  # after <s>
-            [0.00, 1.00, 0.00, 0.00, 0.00],  # after </s> (unused)
-            [0.00, 1.00, 0.00, 0.00, 0.00],  # after <blank> (unused)
-            [0.00, 0.40, 0.00, 0.30, 0.30],  # after a
-            [0.00, 0.90, 0.00, 0.05, 0.05],  # after b
-        ]
-    )
-    .clamp_min(1e-9)
-    .log()
-)
-
-
-def toy_decode(beam_size):
-    """Decode the toy table for one 'sentence', at most 4 tokens."""
-    return beam_search_steps(
-        lambda ys: toy[ys[:, 0]], lambda rows: None, 1, 5, beam_size
-    )
-
-
+toy = torch.tensor(
+    [  # next-token probabilities; row = previous token
+        [0.00, 0.10, 0.00, 0.50, 0.40],  # after <s>
+        [0.00, 1.00, 0.00, 0.00, 0.00],  # after </s> (unused)
+        [0.00, 1.00, 0.00, 0.00, 0.00],  # after <blank> (unused)
+        [0.00, 0.40, 0.00, 0.30, 0.30],  # after a
+        [0.00, 0.90, 0.00, 0.05, 0.05],  # after b
+    ]
+).clamp_min(1e-9)
 for k in (1, 2):
-    ids = strip_specials(toy_decode(k)[0].tolist()) + [EOS]
-    logp = sum(
-        toy[a, b].item() for a, b in zip([BOS, *ids], ids, strict=False)
-    )
-    print(
-        f"beam {k}: {' '.join(toy_names[i] for i in ids):10s} "
-        f"P = {math.exp(logp):.2f}"
-    )
+    step = lambda ys: toy[ys[:, 0]].log()  # (R, 1) -> (R, 5)
+    out = beam_search_steps(step, lambda rows: None, 1, 5, beam_size=k)
+    ids = strip_specials(out[0].tolist()) + [EOS]
+    p = math.prod(toy[a, b].item() for a, b in zip([BOS, *ids], ids))
+    print(f"beam {k}: {' '.join(toy_names[i] for i in ids):8s} P = {p:.2f}")
 
 # %% [markdown]
 # On real sentences, beam search costs about $k$ times the work of greedy
 # decoding per step. Here are BLEU scores on test2016 (the first 100
 # sentences in a CI-sized run) for greedy decoding and a beam of 4; the
-# table at the end has the full-data numbers.
+# README has the full-data numbers.
 
 # %%
 test_pairs = splits["test"][:100] if AT_SIZE == "ci" else splits["test"]
-test_de = [de for de, _ in test_pairs]
-test_en = [en for _, en in test_pairs]
+test_de, test_en = zip(*test_pairs)
+DECODERS = {
+    "greedy": cached_greedy_decode,
+    "beam 4": functools.partial(beam_search, beam_size=4),
+}
 
 
 def bleu_of(model, vocab_src, vocab_tgt, decode_fn):
@@ -652,50 +593,34 @@ def bleu_of(model, vocab_src, vocab_tgt, decode_fn):
     hyps = translate_batch(
         model, test_de, spacy_de, vocab_src, vocab_tgt, decode_fn=decode_fn
     )
-    return compute_bleu(hyps, test_en), time.perf_counter() - start
+    return compute_bleu(hyps, list(test_en)), time.perf_counter() - start
 
 
-for name, fn in [
-    ("greedy", cached_greedy_decode),
-    ("beam 4", functools.partial(beam_search, beam_size=4)),
-]:
+for name, fn in DECODERS.items():
     bleu, s = bleu_of(model, vocab_src, vocab_tgt, fn)
     print(f"{name:7s} BLEU {bleu.score:5.2f}  ({s:.1f} s)")
 
 # %% [markdown]
 # ## 3. A shared subword vocabulary, and one matrix for three jobs
 #
-# Part 3 splits sentences into words and gives each language its own
-# vocabulary of words seen at least twice. Every other word becomes
-# `<unk>`, and the model cannot produce a name or number it has not seen
-# twice. The paper instead encodes both languages with one vocabulary of
-# about 37,000 *subword* units learned by byte-pair encoding (BPE;
-# Sennrich et al., 2016). BPE starts from single characters and repeatedly
-# merges the most frequent adjacent pair into a new unit, until the
-# vocabulary has the size asked for. Frequent words end up as one unit,
-# rare words as a few pieces, and any word made of known characters can
-# be written, so `<unk>` all but disappears.
+# Part 3 gives each language its own vocabulary of words seen at least
+# twice; every other word becomes `<unk>`. The paper instead encodes both
+# languages with one vocabulary of about 37,000 *subword* units learned by
+# byte-pair encoding (BPE; Sennrich et al., 2016): starting from single
+# characters, repeatedly merge the most frequent adjacent pair into a new
+# unit, until the vocabulary has the size asked for. Frequent words end up
+# as one unit, rare words as a few pieces, and any word made of known
+# characters can be written, so `<unk>` all but disappears.
 #
-# We train one BPE vocabulary of 10,000 units on the German and English
-# sides of the **training split only** (Multi30k is about 150 times
-# smaller than WMT 2014, so the paper's 37,000 would hold mostly whole
-# words), with HuggingFace `tokenizers`. The `Metaspace` pre-tokenizer
-# turns each space into `▁` and attaches it to the following word, so
-# decoding is just joining the pieces and turning `▁` back into spaces:
-# no detokenizer is needed. The four specials take ids 0–3 as in Part 3,
-# so `BOS`, `EOS`, `PAD` and `UNK` keep their meaning.
-#
-# `BpeVocab` wraps the trained tokenizer with the parts of `Vocab`'s
-# interface that training and translation use. Part 3's `encode_text` and
-# `decode_text` send raw text to a `BpeVocab` instead of spaCy tokens, and
-# checkpoints store its JSON, so `load_trained_model`, `translate_batch`
-# and the command line work on BPE models unchanged.
+# `BpeVocab` wraps a trained HuggingFace `tokenizers` model with the parts
+# of `Vocab`'s interface that training and translation use. Part 3's
+# `encode_text` sends raw text to it instead of spaCy tokens, and
+# checkpoints store its JSON, so loading, translating and the command line
+# work on BPE models unchanged. The four specials keep ids 0–3.
+
 
 # %%
 #| export
-BPE_VOCAB_SIZE = 10000
-
-
 class BpeVocab:
     """One subword vocabulary for both languages (HF `tokenizers` BPE)."""
 
@@ -737,13 +662,21 @@ class BpeVocab:
 
 
 # %% [markdown]
+# We train one BPE vocabulary of 10,000 units on the German and English
+# sides of the **training split only**. Multi30k is about 150 times
+# smaller than WMT 2014, so the paper's 37,000 would hold mostly whole
+# words. The `Metaspace` pre-tokenizer turns each space into `▁` and
+# attaches it to the following word, so decoding is just joining the
+# pieces and turning `▁` back into spaces: no detokenizer is needed.
 # `load_bpe` caches the trained tokenizer in `data/bpe.json` and retrains
-# it when the file is missing or has another size. Training takes a few
-# seconds.
+# it, in a few seconds, when the file is missing or has another size.
 
 
 # %%
 #| export
+BPE_VOCAB_SIZE = 10000
+
+
 def train_bpe(sentences, vocab_size=BPE_VOCAB_SIZE):
     """A BpeVocab learned from an iterable of sentences."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -779,8 +712,7 @@ def load_bpe(path=None, vocab_size=BPE_VOCAB_SIZE):
 
 # %%
 bpe = load_bpe()
-print("vocabulary size:", len(bpe))
-print("ids 0-3:", bpe.lookup_tokens(range(4)))
+print("vocabulary size:", len(bpe), "ids 0-3:", bpe.lookup_tokens(range(4)))
 for de, en in splits["val"][:2]:
     print(bpe.lookup_tokens(bpe.encode(de)))
     print(bpe.lookup_tokens(bpe.encode(en)))
@@ -792,112 +724,76 @@ for de, en in splits["val"][:2]:
 # vocabularies of Part 3 miss a few percent of its tokens.
 
 # %%
+bpe = load_bpe()
+for de, en in splits["val"][:2]:
+    print(bpe.lookup_tokens(bpe.encode(de)))
+    print(bpe.lookup_tokens(bpe.encode(en)))
 val_sentences = [s for pair in splits["val"] for s in pair]
-exact = sum(bpe.decode(bpe.encode(s)) == s for s in val_sentences)
-print(f"round trip exact: {exact} of {len(val_sentences)} sentences")
+assert all(bpe.decode(bpe.encode(s)) == s for s in val_sentences)
 test_ids = [i for pair in splits["test"] for s in pair for i in bpe.encode(s)]
-print(
-    f"<unk> in test2016 after BPE: {test_ids.count(UNK)} of "
-    f"{len(test_ids):,d} ids"
-)
-word_vocab_src, word_vocab_tgt = word_vocabs
-word_ids = [
-    i
-    for de, en in splits["test"]
-    for i in word_vocab_tgt(tokenize(en, spacy_en))
-]
-print(
-    f"<unk> in test2016 English, word vocabulary: "
-    f"{word_ids.count(UNK) / len(word_ids):.2%}"
-)
+print(f"<unk> in test2016 after BPE: {test_ids.count(UNK)}")
+words = [i for en in test_en for i in vocab_tgt(tokenize(en, spacy_en))]
+print(f"<unk> with the word vocabulary: {words.count(UNK) / len(words):.2%}")
 
 # %% [markdown]
 # ### Tying the embeddings
 #
-# With one vocabulary, three matrices in the model have the same shape
-# $V \times d_{\text{model}}$ and index the same units: the source
-# embedding, the target embedding, and the generator's projection to the
-# vocabulary (section 3.4 of the paper; Press and Wolf, 2017). Sharing
-# one matrix among the three removes two thirds of the vocabulary
-# parameters, and each row then learns from every place its unit occurs.
+# With one vocabulary, three $V \times d_{\text{model}}$ matrices index the
+# same units: the source embedding, the target embedding, and the
+# generator's projection (section 3.4 of the paper; Press and Wolf, 2017).
+# Sharing one matrix removes two thirds of the vocabulary parameters, and
+# each row learns from every place its unit occurs.
 # `make_model(V, V, tie_embeddings=True)` of Part 1 makes the three point
-# at one tensor; the embeddings still multiply by $\sqrt{d_{\text{model}}}$,
-# as the paper does. **See, it matches:** the three share storage, and the
-# parameter count of the base model follows the closed form of Part 1,
-# $44{,}140{,}544 + 513\,V$.
+# at one tensor. **See, it matches:** they share storage, and the base
+# model's parameter count follows Part 1's closed form $44{,}140{,}544 +
+# 513\,V$.
 
 # %%
-paper = get_config("paper")
-tied = make_model(
-    len(bpe),
-    len(bpe),
-    N=paper.N,
-    d_model=paper.d_model,
-    d_ff=paper.d_ff,
-    h=paper.h,
-    tie_embeddings=True,
-)
-pointers = {
-    "src_embed[0].lut.weight": tied.src_embed[0].lut.weight.data_ptr(),
-    "tgt_embed[0].lut.weight": tied.tgt_embed[0].lut.weight.data_ptr(),
-    "generator.proj.weight": tied.generator.proj.weight.data_ptr(),
-}
-print("one storage for all three:", len(set(pointers.values())) == 1)
-print(
-    f"paper preset, tied, V={len(bpe)}: {count_parameters(tied):,d} "
-    f"parameters; closed form {44_140_544 + 513 * len(bpe):,d}"
-)
+V = len(bpe)
+tied = make_model(V, V, N=6, d_model=512, d_ff=2048, h=8, tie_embeddings=True)
+weights = [
+    tied.src_embed[0].lut.weight,
+    tied.tgt_embed[0].lut.weight,
+    tied.generator.proj.weight,
+]
+assert len({w.data_ptr() for w in weights}) == 1  # one storage for three
+assert count_parameters(tied) == 44_140_544 + 513 * V
+print(f"base model, tied, V={V}: {count_parameters(tied):,d} parameters")
 del tied
 
 # %% [markdown]
 # ### Training with BPE
 #
-# Two presets of Part 3 switch this on: `cpu-bpe` and `smoke-bpe` set
-# `tokenization="bpe"` and `tie_embeddings=True`. `train_worker` is the
-# same; it only receives the `BpeVocab` as both vocabularies:
-#
-# ```
-# python the_annotated_transformer.py train --preset cpu-bpe
-# ```
-#
-# A full run uses `checkpoints/cpu-bpe/` when it exists; otherwise, and in
-# a CI-sized run, we train `smoke-bpe` here.
+# The presets `cpu-bpe` and `ci-bpe` set `tokenization="bpe"` and
+# `tie_embeddings=True`; `train_worker` receives the `BpeVocab` as both
+# vocabularies. As before, we train `ci-bpe` here unless a full run finds
+# `checkpoints/cpu-bpe/`.
 
 # %%
-bpe_checkpoint = trained_checkpoint("cpu-bpe", "smoke-bpe", (bpe, bpe))
+bpe_checkpoint = trained_checkpoint("cpu-bpe", (bpe, bpe))
 bpe_model, bpe_src, bpe_tgt, bpe_config = load_trained_model(bpe_checkpoint)
-print(
-    type(bpe_src).__name__,
-    "tokenization:",
-    bpe_config.tokenization,
-    "tied:",
-    bpe_model.generator.proj.weight is bpe_model.src_embed[0].lut.weight,
-)
+proj = bpe_model.generator.proj.weight
+assert proj is bpe_model.src_embed[0].lut.weight  # still tied after loading
 for de, en in splits["val"][:3]:
-    hyp = translate_batch(
-        bpe_model, [de], None, bpe_src, bpe_tgt, decode_fn=cached_greedy_decode
-    )[0]
+    hyp = translate_batch(bpe_model, [de], None, bpe_src, bpe_tgt)[0]
     print(f"source:    {de}\nreference: {en}\nmodel:     {hyp}\n")
 
 # %% [markdown]
 # ## 4. Checkpoint averaging
 #
-# For its base models the paper reports a single model obtained by
-# averaging the weights of the last 5 checkpoints, written every 10
-# minutes; for the big models, the last 20. Late in training the weights
-# wander around a good region, following the noise of the last batches;
-# their mean sits nearer its centre. Averaging costs nothing at training
-# time, and the result is used like any other model.
+# The paper's base models average the weights of the last 5 checkpoints,
+# written every 10 minutes; the big ones, the last 20. Late in training
+# the weights wander around a good region, following the noise of the
+# last batches, and their mean sits nearer its centre. It costs nothing
+# at training time.
 #
-# Only the parameters are averaged. Buffers are not weights: the one our
-# model has, the positional encoding `pe`, is a fixed table, identical in
-# every checkpoint, so it is copied and checked to be equal. Tied
-# parameters are one tensor, averaged once. The 2022 tutorial's
-# `average(model, models)` called a method that does not exist
-# (`params()`) and used `torch.sum` where a mean was meant; ours keeps
-# its name and meaning (set `model`'s parameters to the mean of `models`'),
-# and `average_checkpoints` does the same from checkpoint files, one file
-# at a time, summing in float64.
+# `average(model, models)` sets `model`'s parameters to the mean of those
+# of `models`, in memory; tied parameters are one tensor, averaged once.
+# `average_checkpoints` does the same from files, reading one at a time
+# and summing in float64, so that averaging 20 checkpoints needs memory
+# for two models, not 21. Buffers are not weights: our one buffer, the
+# positional encoding `pe`, is a fixed table, so it is kept and checked to
+# be equal in every file.
 
 
 # %%
@@ -937,38 +833,22 @@ def average_checkpoints(paths, device="cpu"):
 
 # %% [markdown]
 # **See, it matches.** We average the epoch checkpoints of our model (the
-# last 5 of a full `cpu` run; both epochs of `smoke`) and compare one
-# weight matrix with the mean computed by hand, and the `pe` buffer with
-# that of the last checkpoint.
+# last 5 of a full `cpu` run; both epochs of `ci`) and compare one weight
+# matrix with the mean computed by hand, and the `pe` buffer with that of
+# the last checkpoint. Then we score the averaged model, to compare with
+# the last checkpoint's BLEU above.
 
 # %%
-epochs = epoch_checkpoints(checkpoint.parent)[-5:]
+epochs = epoch_checkpoints(os.path.dirname(checkpoint))[-5:]
 averaged, *_ = average_checkpoints(epochs)
 states = [load_checkpoint(p)["model"] for p in epochs]
 name = "decoder.layers.0.feed_forward.w_1.weight"
 by_hand = sum(s[name] for s in states) / len(states)
+assert torch.allclose(averaged.state_dict()[name], by_hand, atol=1e-6)
+pe = "tgt_embed.1.pe"
+assert torch.equal(averaged.state_dict()[pe], states[-1][pe])
 print(f"averaged {len(epochs)} checkpoints: {[p.name for p in epochs]}")
-print(
-    f"{name} equals the mean:",
-    torch.allclose(averaged.state_dict()[name], by_hand, atol=1e-6),
-)
-print(
-    "pe untouched:",
-    torch.equal(
-        averaged.state_dict()["tgt_embed.1.pe"], states[-1]["tgt_embed.1.pe"]
-    ),
-)
-del states
-
-# %% [markdown]
-# Greedy and beam-4 BLEU of the averaged model, to compare with the final
-# checkpoint's scores above:
-
-# %%
-for name, fn in [
-    ("greedy", cached_greedy_decode),
-    ("beam 4", functools.partial(beam_search, beam_size=4)),
-]:
+for name, fn in DECODERS.items():
     bleu, s = bleu_of(averaged, vocab_src, vocab_tgt, fn)
     print(f"averaged, {name:7s} BLEU {bleu.score:5.2f}  ({s:.1f} s)")
 
@@ -979,11 +859,6 @@ for name, fn in [
 # for the command line's `evaluate` and `translate`: a checkpoint, a beam
 # size (1 means greedy, with the cache) and a number of epoch checkpoints
 # to average, taken from the checkpoint's folder.
-#
-# ```
-# python the_annotated_transformer.py evaluate --beam 4 --average 5
-# python the_annotated_transformer.py translate --beam 4 "Ein Hund rennt."
-# ```
 
 
 # %%
@@ -1007,49 +882,9 @@ def load_translator(checkpoint, device="cpu", beam=1, average=0):
 
 
 # %% [markdown]
-# `bench/decoding.py` measures decoding speed, and `bench/bleu_table.py`
-# scores test2016 for every combination above, writing
-# `results/beyond.json` and `results/beyond.md`:
-#
-# ```
-# python bench/decoding.py --n 1000
-# python bench/bleu_table.py --word checkpoints/cpu --bpe checkpoints/cpu-bpe
-# ```
-#
-# The table below is the committed result of that script, when it exists.
-
-# %%
-results = ROOT / "results" / "beyond.md"
-if results.is_file():
-    from IPython.display import Markdown, display
-
-    display(Markdown(results.read_text(encoding="utf-8")))
-else:
-    print("no results/beyond.md yet: run bench/bleu_table.py")
-
-# %% [markdown]
-# Reading the table: for each vocabulary, how much do beam search and
-# checkpoint averaging add over greedy decoding of the last checkpoint?
-# The numbers below are computed from `results/beyond.json`, so they stay
-# true when you re-run the script on your own checkpoints.
-
-# %%
-import json
-
-summary = ROOT / "results" / "beyond.json"
-if summary.is_file():
-    rows = json.loads(summary.read_text(encoding="utf-8"))["rows"]
-    for vocabulary in sorted({row["folder"] for row in rows}):
-        runs = [row for row in rows if row["folder"] == vocabulary]
-        greedy = next(r for r in runs if r["beam"] == 1 and not r["average"])
-        best = max(runs, key=lambda r: r["bleu"])
-        print(
-            f"{vocabulary}: greedy {greedy['bleu']:.2f} BLEU; best "
-            f"{best['bleu']:.2f} with {best['setup']!r} "
-            f"({best['bleu'] - greedy['bleu']:+.2f})"
-        )
-
-# %% [markdown]
+# `python the_annotated_transformer.py evaluate --beam 4 --average 5`
+# scores a checkpoint that way. `bench/bleu_table.py` scores test2016 for
+# every combination above and writes the table of the README.
 # In the committed runs, beam search with averaging adds between two and
 # three BLEU for both vocabularies, and most of it comes from averaging
 # (beam search alone adds about 0.6 for words). The BPE model stays about

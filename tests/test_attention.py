@@ -8,21 +8,29 @@ import pytest
 import torch
 from torch import nn
 
-import the_annotated_transformer as at
+import the_annotated_transformer as tat
 
 N, H, D = 2, 4, 32
 SRC_WORDS = ["ein", "hund", "rennt", "dem", "schwarzen", "hinterher", "."]
 TGT_WORDS = ["a", "dog", "runs", "after", "the", "black", "."]
 # Ids below count the four specials: <s>=0, </s>=1, <blank>=2, <unk>=3.
-SRC = [at.BOS, 4, 5, 6, 5, 7, at.EOS, at.PAD, at.PAD]  # S = 9, 2 pads
-TGT = [at.BOS, 4, 5, 6, at.EOS, at.PAD, at.PAD]  # decoder input: T = 6, 1 pad
+SRC = [tat.BOS, 4, 5, 6, 5, 7, tat.EOS, tat.PAD, tat.PAD]  # S = 9, 2 pads
+TGT = [
+    tat.BOS,
+    4,
+    5,
+    6,
+    tat.EOS,
+    tat.PAD,
+    tat.PAD,
+]  # decoder input: T = 6, 1 pad
 
 
 @pytest.fixture
 def vocabs():
     return (
-        at.Vocab([*at.SPECIALS, *SRC_WORDS]),
-        at.Vocab([*at.SPECIALS, *TGT_WORDS]),
+        tat.Vocab([*tat.SPECIALS, *SRC_WORDS]),
+        tat.Vocab([*tat.SPECIALS, *TGT_WORDS]),
     )
 
 
@@ -30,19 +38,19 @@ def vocabs():
 def model(vocabs):
     """A random small model, left in train mode with dropout on."""
     torch.manual_seed(0)
-    return at.make_model(
+    return tat.make_model(
         len(vocabs[0]), len(vocabs[1]), N=N, d_model=D, d_ff=64, h=H
     )
 
 
 @pytest.fixture
 def maps(model, vocabs):
-    return at.attention_maps(model, SRC, TGT, *vocabs)
+    return tat.attention_maps(model, SRC, TGT, *vocabs)
 
 
 def attention_layers(model):
     return [
-        m for m in model.modules() if isinstance(m, at.MultiHeadedAttention)
+        m for m in model.modules() if isinstance(m, tat.MultiHeadedAttention)
     ]
 
 
@@ -64,8 +72,8 @@ def inputs():
     return (
         src,
         tgt,
-        (src != at.PAD).unsqueeze(-2),
-        at.Batch.make_std_mask(tgt, at.PAD),
+        (src != tat.PAD).unsqueeze(-2),
+        tat.Batch.make_std_mask(tgt, tat.PAD),
     )
 
 
@@ -82,11 +90,11 @@ def test_shapes_and_labels(maps, vocabs):
 
 
 def test_labels_without_vocabularies_are_ids(model):
-    maps = at.attention_maps(model, SRC, TGT)
+    maps = tat.attention_maps(model, SRC, TGT)
     assert maps.src_tokens == [str(i) for i in SRC]
 
 
-@pytest.mark.parametrize("kind", list(at.ATTENTION_KINDS))
+@pytest.mark.parametrize("kind", list(tat.ATTENTION_KINDS))
 def test_rows_are_distributions_and_masked_cells_are_zero(maps, kind):
     v = maps.view(kind)
     torch.testing.assert_close(
@@ -108,10 +116,10 @@ def test_pad_keys_and_future_positions_are_exactly_zero(maps):
 
 def test_eval_mode_is_used_and_the_mode_restored(model):
     assert model.training  # dropout 0.1 is active in train mode
-    maps = at.attention_maps(model, SRC, TGT)
+    maps = tat.attention_maps(model, SRC, TGT)
     assert model.training
     assert all(m.training for m in model.modules())
-    again = at.attention_maps(model, SRC, TGT)
+    again = tat.attention_maps(model, SRC, TGT)
     torch.testing.assert_close(maps.encoder_self, again.encoder_self)
 
 
@@ -124,7 +132,7 @@ def test_default_stores_no_weights(model):
         layers = attention_layers(model)
         assert len(layers) == 3 * N
         assert all(m.attn is None and not m.store_attention for m in layers)
-    at.attention_maps(model, SRC, TGT)
+    tat.attention_maps(model, SRC, TGT)
     assert all(m.attn is None for m in attention_layers(model))
     assert not any(m.store_attention for m in attention_layers(model))
 
@@ -134,7 +142,7 @@ def test_record_attention_stores_then_restores(model):
     layers = attention_layers(model)
     layers[0].store_attention = True  # restored as it was, not to False
     before = [m.store_attention for m in layers]
-    with torch.no_grad(), at.record_attention(model.eval()) as recorded:
+    with torch.no_grad(), tat.record_attention(model.eval()) as recorded:
         assert recorded == layers
         assert all(m.store_attention for m in layers)
         model(src, tgt, src_mask, tgt_mask)
@@ -148,7 +156,7 @@ def test_record_attention_restores_on_exception(model):
     layers[-1].store_attention = True
     before = [m.store_attention for m in layers]
     with pytest.raises(RuntimeError, match="boom"):
-        with at.record_attention(model):
+        with tat.record_attention(model):
             model.encode(*inputs()[::2])
             raise RuntimeError("boom")
     assert [m.store_attention for m in layers] == before
@@ -159,7 +167,7 @@ def test_recording_does_not_change_the_output(model):
     model.eval()
     with torch.no_grad():
         fused = model(*inputs())
-        with at.record_attention(model):
+        with tat.record_attention(model):
             explicit = model(*inputs())
     torch.testing.assert_close(explicit, fused, atol=1e-5, rtol=1e-5)
 
@@ -221,11 +229,11 @@ def test_decoder_self_layer_matches_a_softmax_by_hand(model, maps):
 def test_without_a_target_the_maps_follow_greedy_decoding(model):
     model.eval()
     src = torch.tensor([SRC[:7]])  # no padding
-    src_mask = (src != at.PAD).unsqueeze(-2)  # (1, 1, S)
-    decoded = at.batch_greedy_decode(model, src, src_mask, 9)[0]
-    maps = at.attention_maps(model, SRC[:7], max_extra=2)
+    src_mask = (src != tat.PAD).unsqueeze(-2)  # (1, 1, S)
+    decoded = tat.batch_greedy_decode(model, src, src_mask, 9)[0]
+    maps = tat.attention_maps(model, SRC[:7], max_extra=2)
     torch.testing.assert_close(maps.tgt_ids, decoded[:-1])
-    forced = at.attention_maps(model, SRC[:7], decoded)
+    forced = tat.attention_maps(model, SRC[:7], decoded)
     torch.testing.assert_close(maps.decoder_src, forced.decoder_src)
 
 
@@ -235,12 +243,12 @@ def handmade_maps(S=5, T=4):
     prev = torch.zeros(T, T)
     prev[0, 0] = 1.0
     prev[torch.arange(1, T), torch.arange(T - 1)] = 1.0
-    return at.AttentionMaps(
+    return tat.AttentionMaps(
         encoder_self=torch.full((1, 1, S, S), 1 / S),
         decoder_self=prev.expand(1, 1, T, T),
         decoder_src=torch.full((1, 1, T, S), 1 / S),
-        src_ids=torch.tensor([at.BOS, *range(4, 4 + S - 2), at.EOS]),
-        tgt_ids=torch.tensor([at.BOS, *range(4, 4 + T - 1)]),
+        src_ids=torch.tensor([tat.BOS, *range(4, 4 + S - 2), tat.EOS]),
+        tgt_ids=torch.tensor([tat.BOS, *range(4, 4 + T - 1)]),
         src_tokens=[f"s{i}" for i in range(S)],
         tgt_tokens=[f"t{i}" for i in range(T)],
         next_tokens=[f"t{i + 1}" for i in range(T)],
@@ -250,8 +258,8 @@ def handmade_maps(S=5, T=4):
 def test_statistics_match_closed_forms():
     S, T = 5, 4
     maps = handmade_maps(S, T)
-    stats = {r["kind"]: r for r in at.attention_statistics(maps)}
-    enc, dec, crs = (stats[k] for k in at.ATTENTION_KINDS)
+    stats = {r["kind"]: r for r in tat.attention_statistics(maps)}
+    enc, dec, crs = (stats[k] for k in tat.ATTENTION_KINDS)
     assert enc["entropy"] == pytest.approx(1.0)
     # E|i - j| for i, j independent and uniform on 0 .. S-1.
     assert enc["distance"] == pytest.approx((S * S - 1) / (3 * S))
@@ -266,14 +274,14 @@ def test_statistics_match_closed_forms():
 
 
 def test_summary_averages_sentences(model, vocabs):
-    spacy_de, spacy_en = at.load_tokenizers()
+    spacy_de, spacy_en = tat.load_tokenizers()
     pair = ("ein hund rennt .", "a dog runs .")
-    summary = at.attention_summary(
+    summary = tat.attention_summary(
         model, [pair, pair], spacy_de, spacy_en, *vocabs
     )
-    src = [at.BOS, *vocabs[0](pair[0].split()), at.EOS]
-    tgt = [at.BOS, *vocabs[1](pair[1].split()), at.EOS]
-    once = at.attention_statistics(at.attention_maps(model, src, tgt))
+    src = [tat.BOS, *vocabs[0](pair[0].split()), tat.EOS]
+    tgt = [tat.BOS, *vocabs[1](pair[1].split()), tat.EOS]
+    once = tat.attention_statistics(tat.attention_maps(model, src, tgt))
     assert len(summary) == len(once) == 3 * N * H
     for a, b in zip(summary, once, strict=True):
         assert a.keys() == b.keys()
@@ -306,16 +314,16 @@ def no_nan(rows):
     )
 
 
-@pytest.mark.parametrize("kind", list(at.ATTENTION_KINDS))
+@pytest.mark.parametrize("kind", list(tat.ATTENTION_KINDS))
 def test_attention_chart_has_every_head_and_layer_and_no_nan(maps, kind):
-    frame = at.attention_frame(maps, kind)
+    frame = tat.attention_frame(maps, kind)
     assert not frame.isna().any().any()
     assert sorted(frame["head"].unique()) == list(range(1, H + 1))
     assert sorted(frame["layer"].unique()) == list(range(1, N + 1))
     assert "<blank>" not in set(frame["query"]) | set(frame["key"])
     sums = frame.groupby(["layer", "head", "row"])["weight"].sum()
     assert sums.to_numpy() == pytest.approx(1.0, abs=1e-6)
-    spec, rows = chart_values(at.attention_chart(maps, kind))
+    spec, rows = chart_values(tat.attention_chart(maps, kind))
     assert rows and no_nan(rows)
     assert len(rows) == len(frame)
     assert max(r["weight"] for r in rows) <= 1.0
@@ -324,13 +332,13 @@ def test_attention_chart_has_every_head_and_layer_and_no_nan(maps, kind):
 
 
 def test_summary_chart_has_no_nan(model, maps):
-    summary = at.attention_statistics(maps)
-    _, rows = chart_values(at.attention_summary_chart(summary))
+    summary = tat.attention_statistics(maps)
+    _, rows = chart_values(tat.attention_summary_chart(summary))
     assert len(rows) == 3 * N * H and no_nan(rows)
 
 
 def test_charts_render_offline(maps):
     vlc = pytest.importorskip("vl_convert")
-    chart = at.attention_chart(maps, "decoder source")
+    chart = tat.attention_chart(maps, "decoder source")
     svg = vlc.vegalite_to_svg(chart.to_dict())
     assert "hund" in svg and "head 4" in svg

@@ -5,6 +5,7 @@ import functools
 import importlib.util
 import itertools
 import math
+import os
 import subprocess
 import sys
 from dataclasses import asdict
@@ -58,7 +59,7 @@ def random_model(vocabs):
     return model.eval()
 
 
-def train_smoke(folder, vocab_src, vocab_tgt, tokenizers, preset="smoke"):
+def train_ci(folder, vocab_src, vocab_tgt, tokenizers, preset="ci"):
     cfg = tat.get_config(
         preset, checkpoint_dir=str(folder), max_train_pairs=200
     )
@@ -70,15 +71,15 @@ def train_smoke(folder, vocab_src, vocab_tgt, tokenizers, preset="smoke"):
 
 @pytest.fixture(scope="module")
 def word_run(tmp_path_factory, vocabs, tokenizers):
-    """A smoke run (2 epochs, 200 pairs) with word vocabularies."""
-    return train_smoke(tmp_path_factory.mktemp("word"), *vocabs, tokenizers)
+    """A ci run (2 epochs, 200 pairs) with word vocabularies."""
+    return train_ci(tmp_path_factory.mktemp("word"), *vocabs, tokenizers)
 
 
 @pytest.fixture(scope="module")
 def bpe_run(tmp_path_factory, bpe, tokenizers):
-    """A smoke-bpe run: one BPE vocabulary, tied embeddings."""
+    """A ci-bpe run: one BPE vocabulary, tied embeddings."""
     folder = tmp_path_factory.mktemp("bpe_run")
-    return train_smoke(folder, bpe, bpe, tokenizers, preset="smoke-bpe")
+    return train_ci(folder, bpe, bpe, tokenizers, preset="ci-bpe")
 
 
 # --- 1. incremental decoding ---------------------------------------------
@@ -365,12 +366,14 @@ def test_bpe_checkpoint_records_tokenization_and_ties(bpe_run):
     assert vsrc.to_str() == ckpt["bpe"]
 
 
-def test_bpe_model_translates_through_the_usual_api(bpe_run, capsys):
+def test_bpe_model_translates_through_the_usual_api(
+    bpe_run, tokenizers, capsys
+):
     model, vsrc, vtgt, _ = tat.load_trained_model(bpe_run / "final.pt")
     sentences = [de for de, _ in tat.read_multi30k("val")[:4]]
     for decode_fn in (None, functools.partial(tat.beam_search, beam_size=2)):
         out = tat.translate_batch(
-            model, sentences, None, vsrc, vtgt, decode_fn=decode_fn
+            model, sentences, tokenizers[0], vsrc, vtgt, decode_fn=decode_fn
         )
         assert len(out) == 4 and all(isinstance(s, str) for s in out)
         assert not any("▁" in s for s in out)  # decoded, not raw pieces
@@ -384,7 +387,16 @@ def test_bpe_model_translates_through_the_usual_api(bpe_run, capsys):
             "Ein Hund rennt.",
         ]
     )
-    assert status == 0 and capsys.readouterr().out.strip()
+    # The command line prints what the library call above gives.
+    expected = tat.translate_batch(
+        model,
+        ["Ein Hund rennt."],
+        None,
+        vsrc,
+        vtgt,
+        decode_fn=functools.partial(tat.beam_search, beam_size=2),
+    )[0]
+    assert status == 0 and capsys.readouterr().out == expected + "\n"
 
 
 # --- 4. checkpoint averaging ----------------------------------------------
@@ -414,7 +426,7 @@ def test_average_is_the_mean_of_the_parameters():
 
 def save_tiny(path, model, tie=False):
     cfg = tat.get_config(
-        "smoke", N=1, d_model=16, d_ff=32, h=2, tie_embeddings=tie
+        "ci", N=1, d_model=16, d_ff=32, h=2, tie_embeddings=tie
     )
     itos = [*tat.SPECIALS, *"abcdefg"]
     tat.save_checkpoint(
@@ -456,7 +468,9 @@ def test_average_checkpoints_refuses_different_buffers(tmp_path):
         tat.average_checkpoints(paths)
 
 
-def test_cli_evaluate_with_beam_and_average(word_run, tmp_path, capsys):
+def test_cli_evaluate_with_beam_and_average(
+    word_run, tokenizers, tmp_path, capsys
+):
     pairs = tat.read_multi30k("val")[:6]
     src, ref = tmp_path / "src.de", tmp_path / "ref.en"
     src.write_text("\n".join(de for de, _ in pairs) + "\n")
@@ -471,7 +485,29 @@ def test_cli_evaluate_with_beam_and_average(word_run, tmp_path, capsys):
         str(ref),
     ]
     assert tat.main([*args, "--beam", "3", "--average", "2"]) == 0
-    assert capsys.readouterr().out.startswith("BLEU")
+    printed = capsys.readouterr().out
+    # The reference: the last two epochs' weights averaged by hand, beam 3
+    # through the library call, scored by sacreBLEU directly.
+    import sacrebleu
+
+    model, vsrc, vtgt, _ = tat.load_trained_model(word_run / "final.pt")
+    states = [
+        torch.load(path, weights_only=True)["model"]
+        for path in tat.epoch_checkpoints(word_run)[-2:]
+    ]
+    model.load_state_dict(
+        {k: torch.stack([s[k] for s in states]).mean(0) for k in states[0]}
+    )
+    hyps = tat.translate_batch(
+        model,
+        [de for de, _ in pairs],
+        tokenizers[0],
+        vsrc,
+        vtgt,
+        decode_fn=functools.partial(tat.beam_search, beam_size=3),
+    )
+    expected = sacrebleu.corpus_bleu(hyps, [[en for _, en in pairs]])
+    assert printed.startswith(f"BLEU = {expected.score:.2f} "), printed
     assert tat.main([*args, "--average", "9"]) == 2
     assert "--average 9" in capsys.readouterr().err
 
@@ -488,7 +524,7 @@ def load_script(name):
     return module
 
 
-def test_bleu_table_on_smoke_checkpoints(word_run, bpe_run, tmp_path):
+def test_bleu_table_on_ci_checkpoints(word_run, bpe_run, tmp_path):
     import json
 
     out = tmp_path / "beyond"
@@ -545,16 +581,21 @@ def test_decoding_benchmark_runs_and_agrees(word_run, tmp_path):
     assert "sentences/s" in result.read_text()
 
 
-def test_scripts_have_help():
-    for name in ("decoding", "bleu_table", "copy_task", "batching"):
+def test_scripts_find_the_module_from_anywhere(tmp_path):
+    # Started from another folder with no PYTHONPATH, each script must
+    # still import the module (it puts the repository on sys.path itself).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for script in sorted((ROOT / "bench").glob("*.py")):
         proc = subprocess.run(
-            [sys.executable, str(ROOT / "bench" / f"{name}.py"), "--help"],
+            [sys.executable, str(script), "--help"],
             capture_output=True,
             text=True,
             timeout=120,
-            cwd=ROOT,
+            cwd=tmp_path,
+            env=env,
         )
-        assert proc.returncode == 0 and "usage" in proc.stdout
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith(f"usage: {script.name}")
 
 
 def test_copy_benchmark_settings_are_typed_and_checked():

@@ -8,18 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import the_annotated_transformer as at
+import the_annotated_transformer as tat
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Run on one thread: these tensors are tiny, and on a shared, busy
-    machine every parallel op would wait for a thread that is not
-    running."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def qkv(B=2, h=4, T=5, S=7, d_k=8, dtype=torch.float32, seed=0):
@@ -39,7 +30,7 @@ def padding_mask(lengths, S):
 # --------------------------------------------------------------- attention
 def test_attention_without_mask_matches_sdpa():
     q, k, v = qkv()
-    out, p = at.attention(q, k, v)
+    out, p = tat.attention(q, k, v)
     ref = F.scaled_dot_product_attention(q, k, v)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(p.sum(-1), torch.ones(2, 4, 5))
@@ -48,7 +39,7 @@ def test_attention_without_mask_matches_sdpa():
 def test_attention_padding_mask_matches_sdpa():
     q, k, v = qkv()
     mask = padding_mask([7, 4], 7)  # (B, 1, 1, S)
-    out, p = at.attention(q, k, v, mask=mask)
+    out, p = tat.attention(q, k, v, mask=mask)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     torch.testing.assert_close(out, ref)
     assert (p[1, :, :, 4:] == 0).all()
@@ -57,7 +48,7 @@ def test_attention_padding_mask_matches_sdpa():
 
 def test_attention_causal_mask_matches_sdpa_is_causal():
     q, k, v = qkv(T=6, S=6)
-    out, p = at.attention(q, k, v, mask=at.subsequent_mask(6)[None])
+    out, p = tat.attention(q, k, v, mask=tat.subsequent_mask(6)[None])
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     torch.testing.assert_close(out, ref)
     assert (p.triu(1) == 0).all()
@@ -69,7 +60,7 @@ def test_attention_mask_broadcast_over_heads_matches_sdpa():
     pad = torch.arange(6) < torch.tensor([6, 3])[:, None]  # (B, S)
     mask = (pad[:, None, :] & torch.ones(6, 6).tril().bool())[:, None]
     assert mask.shape == (2, 1, 6, 6)
-    out, p = at.attention(q, k, v, mask=mask)
+    out, p = tat.attention(q, k, v, mask=mask)
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     torch.testing.assert_close(out, ref)
     assert (p.masked_select(~mask.expand_as(p)) == 0).all()
@@ -77,11 +68,11 @@ def test_attention_mask_broadcast_over_heads_matches_sdpa():
 
 def test_multi_head_sdpa_path_equals_explicit_path_in_eval():
     torch.manual_seed(0)
-    mha = at.MultiHeadedAttention(h=4, d_model=32, dropout=0.1).eval()
+    mha = tat.MultiHeadedAttention(h=4, d_model=32, dropout=0.1).eval()
     x = torch.randn(2, 6, 32)
     mem = torch.randn(2, 5, 32)
     src_mask = torch.tensor([[[1, 1, 1, 1, 1]], [[1, 1, 1, 0, 0]]]).bool()
-    tgt_mask = at.subsequent_mask(6)
+    tgt_mask = tat.subsequent_mask(6)
     for query, kv, mask in [(x, mem, src_mask), (x, x, tgt_mask)]:
         mha.store_attention = False
         fused = mha(query, kv, kv, mask)
@@ -101,7 +92,7 @@ def test_attention_masking_in_half_precision(dtype):
     pad = torch.arange(6) < torch.tensor([6, 2])[:, None]
     mask = (pad[:, None, :] & torch.ones(6, 6).tril().bool())[:, None]
     try:
-        out, p = at.attention(q, k, v, mask=mask)
+        out, p = tat.attention(q, k, v, mask=mask)
     except RuntimeError as err:  # an op without a CPU kernel for dtype
         pytest.skip(f"{dtype} attention not supported on CPU: {err}")
     assert out.dtype == dtype and p.dtype == dtype
@@ -116,7 +107,7 @@ def test_attention_masking_in_half_precision(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_multi_head_attention_masked_in_half_precision(dtype):
     torch.manual_seed(0)
-    mha = at.MultiHeadedAttention(h=2, d_model=16, dropout=0.0).eval()
+    mha = tat.MultiHeadedAttention(h=2, d_model=16, dropout=0.0).eval()
     mha = mha.to(dtype)
     mha.store_attention = True
     x = torch.randn(2, 4, 16).to(dtype)
@@ -133,7 +124,7 @@ def test_multi_head_attention_masked_in_half_precision(dtype):
 def test_subsequent_mask_equals_tril():
     for size in (1, 2, 7):
         ref = torch.tril(torch.ones(size, size)).bool()[None]
-        m = at.subsequent_mask(size)
+        m = tat.subsequent_mask(size)
         assert m.dtype == torch.bool and m.shape == (1, size, size)
         assert torch.equal(m, ref)
 
@@ -141,7 +132,7 @@ def test_subsequent_mask_equals_tril():
 # ------------------------------------------------------ positional encoding
 def test_positional_encoding_matches_closed_form():
     d_model, max_len = 6, 40
-    pe = at.PositionalEncoding(d_model, dropout=0.0, max_len=max_len)
+    pe = tat.PositionalEncoding(d_model, dropout=0.0, max_len=max_len)
     ref = torch.empty(max_len, d_model, dtype=torch.float64)
     for pos in range(max_len):
         for i in range(d_model // 2):
@@ -160,7 +151,7 @@ def test_positional_encoding_matches_closed_form():
 def test_layer_norm_matches_torch_layer_norm():
     torch.manual_seed(0)
     d = 24
-    ln = at.LayerNorm(d)
+    ln = tat.LayerNorm(d)
     with torch.no_grad():
         ln.a_2.copy_(torch.randn(d))
         ln.b_2.copy_(torch.randn(d))
@@ -169,7 +160,7 @@ def test_layer_norm_matches_torch_layer_norm():
     torch.testing.assert_close(ln(x), ref, atol=1e-5, rtol=1e-5)
     # The eps sits inside the square root: visible for tiny variance.
     small = torch.randn(2, d) * 1e-3
-    ln_big_eps = at.LayerNorm(d, eps=1e-4)
+    ln_big_eps = tat.LayerNorm(d, eps=1e-4)
     ref = F.layer_norm(small, (d,), eps=1e-4)
     torch.testing.assert_close(ln_big_eps(small), ref, atol=1e-5, rtol=1e-4)
 
@@ -183,25 +174,25 @@ def params_by_name(module):
 @pytest.mark.parametrize("d", [16, 64, 512])
 def test_block_parameter_counts_match_closed_forms(d):
     with torch.device("meta"):
-        mha = at.MultiHeadedAttention(8, d)
-        ff = at.PositionwiseFeedForward(d, 4 * d)
-        ln = at.LayerNorm(d)
+        mha = tat.MultiHeadedAttention(8, d)
+        ff = tat.PositionwiseFeedForward(d, 4 * d)
+        ln = tat.LayerNorm(d)
     for module, expected in [
         (mha, 4 * (d * d + d)),
         (ff, 8 * d * d + 5 * d),
         (ln, 2 * d),
     ]:
-        assert at.count_parameters(module) == expected
+        assert tat.count_parameters(module) == expected
         assert params_by_name(module) == expected
 
 
 def test_tied_model_parameter_count():
     d, V = 512, 10000
     with torch.device("meta"):  # shapes only: no memory, no init time
-        model = at.make_model(V, V, d_model=d, tie_embeddings=True)
+        model = tat.make_model(V, V, d_model=d, tie_embeddings=True)
     expected = 168 * d * d + 196 * d + V * d + V
     assert expected == 44_140_544 + 513 * V
-    assert at.count_parameters(model) == expected
+    assert tat.count_parameters(model) == expected
     assert params_by_name(model) == expected
     # Counting every use of the shared matrix adds it twice more.
     every_use = sum(
@@ -214,18 +205,18 @@ def test_tied_model_parameter_count():
 def test_untied_model_parameter_count(d, N):
     V_src, V_tgt = 8000, 6000
     with torch.device("meta"):
-        model = at.make_model(V_src, V_tgt, N=N, d_model=d, d_ff=4 * d)
+        model = tat.make_model(V_src, V_tgt, N=N, d_model=d, d_ff=4 * d)
     stacks = N * (12 * d * d + 13 * d) + N * (16 * d * d + 19 * d) + 4 * d
     if N == 6:
         assert stacks == 168 * d * d + 196 * d
     expected = stacks + V_src * d + 2 * V_tgt * d + V_tgt
-    assert at.count_parameters(model) == expected
+    assert tat.count_parameters(model) == expected
     assert params_by_name(model) == expected
 
 
 # ------------------------------------------------------------ weight tying
 def test_tied_model_shares_one_matrix():
-    model = at.make_model(
+    model = tat.make_model(
         13, 13, N=1, d_model=16, d_ff=32, h=2, tie_embeddings=True
     )
     mats = [
@@ -235,7 +226,7 @@ def test_tied_model_shares_one_matrix():
     ]
     assert len({m.data_ptr() for m in mats}) == 1
     assert mats[0] is mats[1] is mats[2]
-    untied = at.make_model(13, 13, N=1, d_model=16, d_ff=32, h=2)
+    untied = tat.make_model(13, 13, N=1, d_model=16, d_ff=32, h=2)
     ptrs = {
         untied.src_embed[0].lut.weight.data_ptr(),
         untied.tgt_embed[0].lut.weight.data_ptr(),
@@ -246,7 +237,7 @@ def test_tied_model_shares_one_matrix():
 
 def test_tie_embeddings_needs_one_vocabulary():
     with pytest.raises(ValueError):
-        at.make_model(
+        tat.make_model(
             11, 12, N=1, d_model=16, d_ff=32, h=2, tie_embeddings=True
         )
 
@@ -311,19 +302,19 @@ KEYS_2022_N1 = [
 
 
 def test_state_dict_keeps_2022_key_names():
-    model = at.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
+    model = tat.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
     assert list(model.state_dict().keys()) == KEYS_2022_N1
 
 
 def test_state_dict_round_trip_gives_identical_outputs():
     torch.manual_seed(0)
-    model = at.make_model(11, 11, N=1, d_model=32, d_ff=64, h=4).eval()
+    model = tat.make_model(11, 11, N=1, d_model=32, d_ff=64, h=4).eval()
     torch.manual_seed(1)  # a fresh model with different weights
-    fresh = at.make_model(11, 11, N=1, d_model=32, d_ff=64, h=4).eval()
+    fresh = tat.make_model(11, 11, N=1, d_model=32, d_ff=64, h=4).eval()
     src = torch.randint(1, 11, (3, 9))
     tgt = torch.randint(1, 11, (3, 6))
     src_mask = torch.ones(3, 1, 9, dtype=torch.bool)
-    tgt_mask = at.subsequent_mask(6)
+    tgt_mask = tat.subsequent_mask(6)
     with torch.no_grad():
         before = model(src, tgt, src_mask, tgt_mask)
         assert not torch.allclose(fresh(src, tgt, src_mask, tgt_mask), before)

@@ -13,9 +13,9 @@ import the_annotated_transformer as tat
 pytestmark = pytest.mark.usefixtures("local_multi30k")
 
 
-def smoke(tmp_path, **overrides):
-    """The smoke preset, writing into tmp_path, with some changes."""
-    return tat.get_config("smoke", checkpoint_dir=str(tmp_path), **overrides)
+def ci_config(tmp_path, **overrides):
+    """The ci preset, writing into tmp_path, with some changes."""
+    return tat.get_config("ci", checkpoint_dir=str(tmp_path), **overrides)
 
 
 def train(cfg, vocabs, tokenizers, **kwargs):
@@ -36,23 +36,23 @@ def assert_same_weights(a, b, atol=0.0):
 
 
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory, vocabs, tokenizers):
-    """One trained smoke model, shared by several tests."""
-    cfg = smoke(tmp_path_factory.mktemp("smoke"), num_epochs=3)
+def ci_run(tmp_path_factory, vocabs, tokenizers):
+    """One trained ci model, shared by several tests."""
+    cfg = ci_config(tmp_path_factory.mktemp("ci"), epochs=3)
     history = train(cfg, vocabs, tokenizers)
     return cfg, history
 
 
-def test_smoke_training_lowers_the_loss(smoke_run):
-    _, history = smoke_run
+def test_ci_training_lowers_the_loss(ci_run):
+    _, history = ci_run
     losses = [h["val_loss"] for h in history]
     assert len(losses) == 3
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
     assert losses[-1] < 0.95 * losses[0], losses
 
 
-def test_checkpoints_load_with_weights_only(smoke_run):
-    cfg, _ = smoke_run
+def test_checkpoints_load_with_weights_only(ci_run):
+    cfg, _ = ci_run
     epochs = tat.epoch_checkpoints(cfg.checkpoint_dir)
     assert [p.name for p in epochs] == [
         "epoch_000.pt",
@@ -76,11 +76,11 @@ def test_checkpoints_load_with_weights_only(smoke_run):
 
 def test_resumed_run_matches_uninterrupted_run(tmp_path, vocabs, tokenizers):
     kw = dict(dropout=0.1, max_train_pairs=300)
-    whole = smoke(tmp_path / "whole", num_epochs=2, **kw)
+    whole = ci_config(tmp_path / "whole", epochs=2, **kw)
     train(whole, vocabs, tokenizers)
-    split = smoke(tmp_path / "split", num_epochs=1, **kw)
+    split = ci_config(tmp_path / "split", epochs=1, **kw)
     train(split, vocabs, tokenizers)
-    train(replace(split, num_epochs=2), vocabs, tokenizers, resume=True)
+    train(replace(split, epochs=2), vocabs, tokenizers, resume=True)
     assert_same_weights(final_weights(whole), final_weights(split))
     # and it really trained on after resuming, rather than stopping
     first = torch.load(
@@ -94,7 +94,7 @@ def test_two_processes_match_one_process_with_accumulation(
     tmp_path, vocabs, tokenizers
 ):
     """DDP over 2 ranks averages the grads of 2 batches: accum_iter=2."""
-    base = smoke(tmp_path / "one", num_epochs=1, max_train_pairs=400)
+    base = ci_config(tmp_path / "one", epochs=1, max_train_pairs=400)
     # The sampler deals batch k to rank k % 2; one process sees them in
     # the same order, so accumulating pairs of batches is the same update
     # provided the number of batches is even (no batch gets split).
@@ -114,8 +114,8 @@ def test_two_processes_match_one_process_with_accumulation(
     assert_same_weights(final_weights(base), ckpt["model"], atol=1e-5)
 
 
-def test_batch_greedy_matches_one_sentence_at_a_time(smoke_run, tokenizers):
-    cfg, _ = smoke_run
+def test_batch_greedy_matches_one_sentence_at_a_time(ci_run, tokenizers):
+    cfg, _ = ci_run
     model, vsrc, vtgt, _ = tat.load_trained_model(
         Path(cfg.checkpoint_dir) / "final.pt"
     )
@@ -169,17 +169,22 @@ def run_cli(capsys, *argv):
     return status, out.out, out.err
 
 
-def test_cli_translate(smoke_run, capsys):
-    cfg, _ = smoke_run
+def test_cli_translate(ci_run, tokenizers, capsys):
+    cfg, _ = ci_run
     ckpt = str(Path(cfg.checkpoint_dir) / "final.pt")
+    sentence = "Ein Mann fährt mit dem Fahrrad."
     status, out, err = run_cli(
-        capsys,
-        "translate",
-        "--checkpoint",
-        ckpt,
-        "Ein Mann fährt mit dem Fahrrad.",
+        capsys, "translate", "--checkpoint", ckpt, sentence
     )
-    assert status == 0 and out.strip()
+    # The reference: the tutorial's one-sentence greedy_decode, by hand.
+    model, vocab_src, vocab_tgt, _ = tat.load_trained_model(ckpt)
+    ids = [tat.BOS, *tat.encode_text(sentence, tokenizers[0], vocab_src)]
+    src = torch.tensor([ids + [tat.EOS]])  # (1, S)
+    src_mask = torch.ones(1, 1, src.size(1), dtype=torch.bool)
+    with torch.no_grad():
+        ys = tat.greedy_decode(model, src, src_mask, src.size(1) + 50, tat.BOS)
+    expected = tat.decode_text(tat.strip_specials(ys[0].tolist()), vocab_tgt)
+    assert status == 0 and expected and out == expected + "\n"
     status, out, err = run_cli(
         capsys, "translate", "--checkpoint", ckpt, "Ein Quuxblorf."
     )
@@ -216,8 +221,8 @@ def test_cli_rejects_a_foreign_checkpoint(tmp_path, capsys):
     assert status == 2 and "not a readable checkpoint" in err
 
 
-def test_cli_evaluate_files(smoke_run, tmp_path, capsys):
-    cfg, _ = smoke_run
+def test_cli_evaluate_files(ci_run, tmp_path, capsys):
+    cfg, _ = ci_run
     ckpt = str(Path(cfg.checkpoint_dir) / "final.pt")
     pairs = tat.read_multi30k("val")[:20]
     src, ref = tmp_path / "src.de", tmp_path / "ref.en"
@@ -236,8 +241,14 @@ def test_cli_evaluate_files(smoke_run, tmp_path, capsys):
         "--out",
         str(out),
     )
-    assert status == 0 and stdout.startswith("BLEU")
-    assert len(out.read_text().splitlines()) == 20
+    hyps = out.read_text().splitlines()
+    assert status == 0 and len(hyps) == 20
+    # The printed score is sacreBLEU's on the written hypotheses.
+    import sacrebleu
+
+    refs = [en for _, en in pairs]
+    expected = sacrebleu.corpus_bleu(hyps, [refs]).score
+    assert stdout.startswith(f"BLEU = {expected:.2f} ")
     ref.write_text("\n".join(en for _, en in pairs[:5]) + "\n")
     status, _, err = run_cli(
         capsys,
@@ -257,7 +268,19 @@ def test_cli_help(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         tat.main([command, "--help"])
     assert exit_info.value.code == 0
-    assert "usage" in capsys.readouterr().out
+    assert capsys.readouterr().out.startswith("usage:")
+
+
+def test_cli_defaults_fit_together():
+    # With no options, evaluate and translate read the checkpoint that
+    # train writes with no options.
+    parser = tat.build_parser()
+    preset = parser.parse_args(["train"]).preset
+    written = Path(tat.get_config(preset).checkpoint_dir) / "final.pt"
+    for argv in (["evaluate"], ["translate", "Hallo"]):
+        args = parser.parse_args(argv)
+        assert Path(args.checkpoint) == written, argv
+        assert args.beam == 1 and args.average == 0  # plain greedy
 
 
 def test_run_epoch_enters_autocast_once_per_micro_batch():
@@ -293,10 +316,13 @@ def test_run_epoch_enters_autocast_once_per_micro_batch():
 def test_bf16_training_matches_float32(tmp_path, vocabs, tokenizers):
     """Mixed precision must train the same model, up to rounding."""
     losses = {}
-    for amp in ("none", "bf16"):
-        cfg = smoke(tmp_path / amp, num_epochs=1, max_train_pairs=400, amp=amp)
-        losses[amp] = train(cfg, vocabs, tokenizers)[-1]["val_loss"]
-    assert losses["bf16"] == pytest.approx(losses["none"], rel=0.03)
+    for precision in ("fp32", "bf16"):
+        cfg = ci_config(
+            tmp_path / precision, epochs=1, max_train_pairs=400,
+            precision=precision,
+        )  # fmt: skip
+        losses[precision] = train(cfg, vocabs, tokenizers)[-1]["val_loss"]
+    assert losses["bf16"] == pytest.approx(losses["fp32"], rel=0.03)
 
 
 def test_torchrun_trains_with_two_processes(tmp_path, local_multi30k):
@@ -314,7 +340,7 @@ def test_torchrun_trains_with_two_processes(tmp_path, local_multi30k):
         str(root / "the_annotated_transformer.py"),
         "train",
         "--preset",
-        "smoke",
+        "ci",
         "--epochs",
         "1",
         "--checkpoint-dir",

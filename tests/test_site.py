@@ -113,18 +113,18 @@ def browser():
         chromium.close()
 
 
-def test_site_is_built():
-    """`make html` wrote site/index.html."""
-    require_site()
-
-
 def test_index_lists_every_notebook():
-    """The index links every notebook's page once, in reading order."""
+    """The index links every notebook's page once, in reading order, and
+    every page it links was written."""
     require_site()
     index = (SITE / "index.html").read_text(encoding="utf-8")
     links = re.findall(r'<a href="(\d\d_[^"]+)\.html"', index)
     notebooks = sorted(p.stem for p in ROOT.glob("notebooks/[0-9][0-9]_*.py"))
     assert links == notebooks, "stale site: run `make html` again"
+    missing = [
+        f"{n}.html" for n in links if not (SITE / f"{n}.html").is_file()
+    ]
+    assert not missing, f"index links pages that were not built: {missing}"
 
 
 @pytest.mark.parametrize("name", PAGES)

@@ -7,18 +7,9 @@ import math
 import pytest
 import torch
 
-import the_annotated_transformer as at
+import the_annotated_transformer as tat
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Run on one thread. These models are small enough that a second
-    thread gains nothing, and on a shared, busy machine every parallel op
-    would wait for a thread that is not running."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------ learning-rate rate
@@ -27,7 +18,7 @@ def one_thread():
 )
 def test_rate_peaks_at_warmup_with_closed_form_value(d_model, factor, warmup):
     steps = range(1, 3 * warmup)
-    lrs = [at.rate(s, d_model, factor, warmup) for s in steps]
+    lrs = [tat.rate(s, d_model, factor, warmup) for s in steps]
     peak = max(range(len(lrs)), key=lrs.__getitem__)
     assert steps[peak] == warmup
     expected = factor * d_model**-0.5 * warmup**-0.5
@@ -35,28 +26,28 @@ def test_rate_peaks_at_warmup_with_closed_form_value(d_model, factor, warmup):
     before, after = lrs[: peak + 1], lrs[peak:]
     assert all(a < b for a, b in zip(before, before[1:]))
     assert all(a > b for a, b in zip(after, after[1:]))
-    assert at.rate(0, d_model, factor, warmup) == at.rate(
+    assert tat.rate(0, d_model, factor, warmup) == tat.rate(
         1, d_model, factor, warmup
     )
 
 
 def test_make_optimizer_follows_the_schedule():
-    model = at.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
-    opt, sched = at.make_optimizer(model, 16, factor=2.0, warmup=5)
+    model = tat.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
+    opt, sched = tat.make_optimizer(model, 16, factor=2.0, warmup=5)
     assert opt.param_groups[0]["betas"] == (0.9, 0.98)
     for step in range(1, 12):
         expected = 2.0 * 16**-0.5 * min(step**-0.5, step * 5**-1.5)
         opt.step()
         sched.step()
         assert opt.param_groups[0]["lr"] == pytest.approx(expected)
-    opt, _ = at.make_optimizer(model, 16, betas=(0.9, 0.999))
+    opt, _ = tat.make_optimizer(model, 16, betas=(0.9, 0.999))
     assert opt.param_groups[0]["betas"] == (0.9, 0.999)
 
 
 # --------------------------------------------------------- label smoothing
 def test_label_smoothing_targets():
     V, pad, eps = 7, 0, 0.3
-    crit = at.LabelSmoothing(V, padding_idx=pad, smoothing=eps)
+    crit = tat.LabelSmoothing(V, padding_idx=pad, smoothing=eps)
     target = torch.tensor([3, 1, 0, 6, 0, 2])
     dist = crit.smoothed_targets(target)
     real = target != pad
@@ -73,7 +64,7 @@ def test_label_smoothing_targets():
 def test_label_smoothing_loss_equals_independent_kl(eps):
     torch.manual_seed(0)
     V, pad = 6, 0
-    crit = at.LabelSmoothing(V, padding_idx=pad, smoothing=eps)
+    crit = tat.LabelSmoothing(V, padding_idx=pad, smoothing=eps)
     x = torch.randn(5, V).log_softmax(-1)
     target = torch.tensor([2, 0, 5, 1, 3])
     loss = crit(x, target)
@@ -91,7 +82,7 @@ def test_label_smoothing_loss_equals_independent_kl(eps):
 
 
 def test_label_smoothing_penalty_rows_are_finite_with_the_right_shape():
-    rows = at.label_smoothing_penalty_rows(smoothing=0.1)
+    rows = tat.label_smoothing_penalty_rows(smoothing=0.1)
     assert all(math.isfinite(r["loss"]) for r in rows)
     curves = {}
     for r in rows:
@@ -108,10 +99,9 @@ def test_label_smoothing_penalty_rows_are_finite_with_the_right_shape():
 @pytest.mark.parametrize(
     "make_chart",
     [
-        at.learning_rate_chart,
-        at.label_smoothing_chart,
-        at.label_smoothing_penalty_chart,
-        lambda: at.copy_progress_chart(
+        tat.learning_rate_chart,
+        tat.label_smoothing_penalty_chart,
+        lambda: tat.copy_progress_chart(
             [
                 {
                     "epoch": e,
@@ -130,7 +120,7 @@ def test_charts_render_to_png_and_svg(make_chart, tmp_path):
     pytest.importorskip("vl_convert")
     chart = make_chart()
     chart.to_dict()  # validates against the installed altair's schema
-    at.save_chart(chart, "chart", tmp_path)
+    tat.save_chart(chart, "chart", tmp_path)
     png = (tmp_path / "chart.png").read_bytes()
     svg = (tmp_path / "chart.svg").read_text()
     assert png.startswith(b"\x89PNG") and len(png) > 1000
@@ -142,7 +132,7 @@ def test_batch_masks_match_hand_built_ones():
     pad = 0
     src = torch.tensor([[1, 5, 6, 0], [1, 7, 0, 0]])
     tgt = torch.tensor([[1, 4, 4, 9, 0], [1, 8, 0, 0, 0]])
-    b = at.Batch(src, tgt, pad=pad)
+    b = tat.Batch(src, tgt, pad=pad)
     assert torch.equal(
         b.src_mask,
         torch.tensor(
@@ -170,7 +160,7 @@ V = 9
 def tiny_model(seed=0):
     """A float64 model small enough to train in milliseconds."""
     torch.manual_seed(seed)
-    return at.make_model(
+    return tat.make_model(
         V, V, N=1, d_model=16, d_ff=32, h=2, dropout=0.0
     ).double()
 
@@ -178,18 +168,18 @@ def tiny_model(seed=0):
 def batches(n, batch_size=4, seq_len=6, seed=0):
     """n copy-task batches without padding (equal token counts)."""
     g = torch.Generator().manual_seed(seed)
-    return list(at.data_gen(V, batch_size, n, seq_len, generator=g))
+    return list(tat.data_gen(V, batch_size, n, seq_len, generator=g))
 
 
 def concat(parts):
     """One big Batch holding all the rows of the given batches."""
     src = torch.cat([b.src for b in parts])
-    return at.Batch(src, src.clone(), pad=at.COPY_PAD)
+    return tat.Batch(src, src.clone(), pad=tat.COPY_PAD)
 
 
 def loss_for(model):
-    return at.SimpleLossCompute(
-        model.generator, at.LabelSmoothing(V, at.COPY_PAD, 0.1)
+    return tat.SimpleLossCompute(
+        model.generator, tat.LabelSmoothing(V, tat.COPY_PAD, 0.1)
     )
 
 
@@ -210,8 +200,8 @@ def test_accumulation_equals_one_large_batch(make_opt):
         make_opt(model_a.parameters()),
         make_opt(model_b.parameters()),
     )
-    at.run_epoch(micro, model_a, loss_for(model_a), opt_a, accum_iter=k)
-    at.run_epoch([concat(micro)], model_b, loss_for(model_b), opt_b)
+    tat.run_epoch(micro, model_a, loss_for(model_a), opt_a, accum_iter=k)
+    tat.run_epoch([concat(micro)], model_b, loss_for(model_b), opt_b)
     moved = False
     for (name, pa), pb, p0 in zip(
         model_a.named_parameters(),
@@ -230,10 +220,10 @@ def test_partial_final_window_is_a_mean_over_its_batches():
     model_b = copy.deepcopy(model_a)
     opt_a = torch.optim.SGD(model_a.parameters(), lr=0.5)
     opt_b = torch.optim.SGD(model_b.parameters(), lr=0.5)
-    _, state = at.run_epoch(
+    _, state = tat.run_epoch(
         micro, model_a, loss_for(model_a), opt_a, accum_iter=3
     )
-    at.run_epoch(
+    tat.run_epoch(
         [concat(micro[:3]), micro[3]], model_b, loss_for(model_b), opt_b
     )
     assert state.accum_step == 2 and state.step == 4
@@ -246,7 +236,7 @@ def test_scheduler_counts_optimizer_steps():
     model = tiny_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    _, state = at.run_epoch(
+    _, state = tat.run_epoch(
         batches(6), model, loss_for(model), opt, sched, accum_iter=3
     )
     assert sched.last_epoch == 2
@@ -261,7 +251,7 @@ def test_partial_window_steps_and_leaves_no_gradients():
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    _, state = at.run_epoch(
+    _, state = tat.run_epoch(
         batches(5), model, loss_for(model), opt, sched, accum_iter=3
     )
     assert state.accum_step == 2 and sched.last_epoch == 2
@@ -276,11 +266,11 @@ def test_partial_window_steps_and_leaves_no_gradients():
 def test_train_state_is_not_shared_between_calls():
     model = tiny_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    _, s1 = at.run_epoch(batches(2), model, loss_for(model), opt)
-    _, s2 = at.run_epoch(batches(3), model, loss_for(model), opt)
+    _, s1 = tat.run_epoch(batches(2), model, loss_for(model), opt)
+    _, s2 = tat.run_epoch(batches(3), model, loss_for(model), opt)
     assert s1 is not s2
     assert (s1.step, s2.step) == (2, 3)
-    _, s3 = at.run_epoch(
+    _, s3 = tat.run_epoch(
         batches(2), model, loss_for(model), opt, train_state=s2
     )
     assert s3 is s2 and s2.step == 5
@@ -300,14 +290,14 @@ class RecordingLoss:
 def test_eval_runs_without_autograd_and_returns_floats():
     model = tiny_model().eval()
     rec = RecordingLoss(loss_for(model))
-    loss, _ = at.run_epoch(batches(3), model, rec, mode="eval")
+    loss, _ = tat.run_epoch(batches(3), model, rec, mode="eval")
     assert rec.grad_enabled == [False] * 3
     assert type(loss) is float and loss > 0
     assert all(p.grad is None for p in model.parameters())
     model.train()
     rec = RecordingLoss(loss_for(model))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    loss, _ = at.run_epoch(batches(2), model, rec, opt)
+    loss, _ = tat.run_epoch(batches(2), model, rec, opt)
     assert rec.grad_enabled == [True] * 2
     assert type(loss) is float
 
@@ -315,11 +305,11 @@ def test_eval_runs_without_autograd_and_returns_floats():
 # --------------------------------------------------------------- copy task
 def test_data_gen_starts_with_copy_start():
     g = torch.Generator().manual_seed(0)
-    bs = list(at.data_gen(11, 8, 3, seq_len=10, generator=g))
+    bs = list(tat.data_gen(11, 8, 3, seq_len=10, generator=g))
     assert len(bs) == 3
-    assert at.COPY_START != at.COPY_PAD
+    assert tat.COPY_START != tat.COPY_PAD
     for b in bs:
-        assert (b.src[:, 0] == at.COPY_START).all()
+        assert (b.src[:, 0] == tat.COPY_START).all()
         assert ((b.src[:, 1:] >= 2) & (b.src[:, 1:] < 11)).all()
         assert torch.equal(b.src, torch.cat([b.tgt[:, :1], b.tgt_y], 1))
         assert b.src_mask.all()
@@ -327,7 +317,7 @@ def test_data_gen_starts_with_copy_start():
 
 def test_copy_accuracy_decodes_from_copy_start(monkeypatch):
     calls = []
-    real = at.greedy_decode
+    real = tat.greedy_decode
 
     def spy(model, src, src_mask, max_len, start_symbol):
         calls.append(start_symbol)
@@ -335,10 +325,10 @@ def test_copy_accuracy_decodes_from_copy_start(monkeypatch):
         assert (out[:, 0] == start_symbol).all()
         return out
 
-    monkeypatch.setattr(at, "greedy_decode", spy)
+    monkeypatch.setattr(tat, "greedy_decode", spy)
     model = tiny_model().float()
-    at.copy_accuracy(model, 4, V=V, generator=torch.Generator())
-    assert calls == [at.COPY_START]
+    tat.copy_accuracy(model, 4, V=V, generator=torch.Generator())
+    assert calls == [tat.COPY_START]
 
 
 class RiggedCopier(torch.nn.Module):
@@ -366,7 +356,7 @@ def test_teacher_forced_check_equals_greedy_check():
     # which every 5 (before the last position) is followed by a 2.
     n = 200
     src = next(
-        at.data_gen(V, n, 1, generator=torch.Generator().manual_seed(5))
+        tat.data_gen(V, n, 1, generator=torch.Generator().manual_seed(5))
     ).src
     expected = (
         sum(
@@ -376,7 +366,7 @@ def test_teacher_forced_check_equals_greedy_check():
         / n
     )
     assert 0.1 < expected < 0.9
-    for check in (at.copy_accuracy_teacher_forced, at.copy_accuracy):
+    for check in (tat.copy_accuracy_teacher_forced, tat.copy_accuracy):
         g = torch.Generator().manual_seed(5)
         assert check(RiggedCopier(), n, V, generator=g) == pytest.approx(
             expected
@@ -388,12 +378,12 @@ def test_copy_loss_compute_counts_runs_of_exact_sequences():
     # position) is followed by something other than 2. Count the run of
     # exact sequences by hand, one sequence at a time, and compare.
     model = RiggedCopier()
-    criterion = at.LabelSmoothing(V, padding_idx=at.COPY_PAD, smoothing=0.0)
-    counter = at.CopyLossCompute(model.generator, criterion)
+    criterion = tat.LabelSmoothing(V, padding_idx=tat.COPY_PAD, smoothing=0.0)
+    counter = tat.CopyLossCompute(model.generator, criterion)
     g = torch.Generator().manual_seed(3)
     streak = seen = exact = 0
     longest = 0
-    for batch in at.data_gen(V, 2, 100, generator=g):
+    for batch in tat.data_gen(V, 2, 100, generator=g):
         out = model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
         loss, _ = counter(out.log_softmax(-1), batch.tgt_y, batch.ntokens)
         for row in batch.src.tolist():
@@ -409,8 +399,8 @@ def test_copy_loss_compute_counts_runs_of_exact_sequences():
 
 
 def test_copy_loss_compute_ignores_padding():
-    criterion = at.LabelSmoothing(4, padding_idx=0, smoothing=0.0)
-    counter = at.CopyLossCompute(torch.nn.Identity(), criterion, pad=0)
+    criterion = tat.LabelSmoothing(4, padding_idx=0, smoothing=0.0)
+    counter = tat.CopyLossCompute(torch.nn.Identity(), criterion, pad=0)
     y = torch.tensor([[2, 3, 0], [2, 3, 1]])  # row 0 ends in padding
     logits = torch.nn.functional.one_hot(torch.tensor([[2, 3, 1]] * 2), 4)
     counter(logits.float().log_softmax(-1), y, 5)
@@ -420,7 +410,7 @@ def test_copy_loss_compute_ignores_padding():
 @pytest.mark.parametrize("peak, warmup, total", [(3e-4, 20, 300), (1.0, 5, 8)])
 def test_warmup_linear_decay_closed_form(peak, warmup, total):
     lrs = [
-        at.warmup_linear_decay(s, peak, warmup, total)
+        tat.warmup_linear_decay(s, peak, warmup, total)
         for s in range(total + 50)
     ]
     top = max(range(len(lrs)), key=lrs.__getitem__)
@@ -433,9 +423,9 @@ def test_warmup_linear_decay_closed_form(peak, warmup, total):
 
 
 def test_make_optimizer_takes_another_schedule():
-    model = at.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
-    schedule = lambda step: at.warmup_linear_decay(step, 1e-3, 4, 10)
-    opt, sched = at.make_optimizer(model, 16, schedule=schedule)
+    model = tat.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
+    schedule = lambda step: tat.warmup_linear_decay(step, 1e-3, 4, 10)
+    opt, sched = tat.make_optimizer(model, 16, schedule=schedule)
     for step in range(15):
         assert opt.param_groups[0]["lr"] == pytest.approx(schedule(step))
         opt.step()
@@ -443,9 +433,9 @@ def test_make_optimizer_takes_another_schedule():
 
 
 def test_copy_task_learns_exact_copy_on_fresh_sequences():
-    cfg = at.CopyTaskCIConfig()
-    model, history = at.train_copy_task(cfg, log=lambda msg: None)
+    cfg = tat.CopyTaskConfig.for_size("ci")
+    model, history = tat.train_copy_task(cfg, log=lambda msg: None)
     assert history[-1]["exact_copy"] == 1.0
     assert history[-1]["steps"] < cfg.max_epochs * cfg.nbatches
     fresh = torch.Generator().manual_seed(cfg.seed + 12345)
-    assert at.copy_accuracy(model, 500, cfg.V, generator=fresh) >= 0.98
+    assert tat.copy_accuracy(model, 500, cfg.V, generator=fresh) >= 0.98

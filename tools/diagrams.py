@@ -305,8 +305,8 @@ def multihead_svg() -> str:
         for i, name in enumerate(("query", "key", "value"))
     ]
     proj = [
-        Box(b.x, 400, 110, "nn.Linear", f"linears[{i}]", "ffn", h=36)
-        for i, b in enumerate(inputs)
+        Box(b.x, 400, 110, "nn.Linear", name, "ffn", h=36)
+        for name, b in zip(("w_q", "w_k", "w_v"), inputs)
     ]
     split = Box(
         x, 320, W, "MultiHeadedAttention", "split: (B, h, T|S, d_k)", "attn"
@@ -317,7 +317,7 @@ def multihead_svg() -> str:
     merge = Box(
         x, 160, W, "MultiHeadedAttention", "concat: (B, T, h*d_k)", "attn"
     )
-    out = Box(x, 80, W, "nn.Linear", "linears[3]: (B, T, d_model)", "ffn")
+    out = Box(x, 80, W, "nn.Linear", "w_o: (B, T, d_model)", "ffn")
     parts = [b.svg() for b in (*inputs, *proj, split, attend, merge, out)]
     parts += [arrow(a.top, b.bottom) for a, b in zip(inputs, proj)]
     parts += [arrow(p.top, (p.top[0], split.y + 40)) for p in proj]

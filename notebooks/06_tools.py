@@ -1,0 +1,947 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Appendix: the machinery
+#
+# The lessons teach the model, its training and its decoding. Around them
+# sits code that a working program needs but a reader need not study:
+# downloading and verifying the data, the training presets, a description
+# of the hardware, starting several processes, and the command line.
+# It lives here, after the lessons, and is exported into
+# `the_annotated_transformer.py` like the rest. Code in this appendix may
+# use anything the lessons defined; no lesson's exported code uses it.
+
+# %%
+# Setup: on Colab, clone the repository and install its requirements.
+# !test -n "$COLAB_RELEASE_TAG" -a ! -d done-right && git clone -q --depth=1 https://github.com/annotated-transformer/done-right && pip install -q -r done-right/requirements.txt  # noqa: E501
+import os
+import sys
+
+ROOT = os.path.abspath("done-right" if os.path.isdir("done-right") else "..")
+sys.path.insert(0, ROOT)
+AT_SIZE = os.environ.get("AT_SIZE", "full")  # "ci": minutes, not hours
+
+# %%
+#| export
+import argparse
+import hashlib
+import http.client
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+# %% [markdown]
+# The appendix calls functions of every lesson. In the notebook they come
+# from the module; in the module they are simply defined above.
+# %%
+from the_annotated_transformer import (
+    BOS,
+    EOS,
+    MULTI30K_ENV,
+    PAD,
+    VOCAB_LOADERS,
+    BpeVocab,
+    DatasetError,
+    TrainConfig,
+    UserError,
+    Vocab,
+    build_vocabulary,
+    cached_greedy_decode,
+    collate_batch,
+    data_dir,
+    encode_text,
+    load_bpe,
+    load_checkpoint,
+    load_tokenizers,
+    load_trained_model,
+    load_translator,
+    read_multi30k,
+    strip_specials,
+    tokenize,
+    train_worker,
+)
+
+# %% [markdown]
+# ## Downloading Multi30k
+#
+# Part 3 reads Multi30k from six gzip files: `train`, `val` and
+# `test_2016_flickr`, each in German and English. They come from the
+# `data/task1/raw/` folder of the multi30k/dataset repository on GitHub.
+# Each file's SHA-256 sum is pinned here, so a changed or truncated file is
+# never used.
+
+# %%
+#| export
+MULTI30K_BASE_URL = (
+    "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/"
+)
+MULTI30K_SHA256 = {
+    "train.de.gz": (
+        "726e39b2fa9eb9ffb6dc763fb35a179f80fae06ffc5d28b6ace5faa883de28a6"
+    ),
+    "train.en.gz": (
+        "d79cfa999dd4c51d2cb42499b6796d5a882c3a8a961923c25a898c90f8bbd56f"
+    ),
+    "val.de.gz": (
+        "f0cba2f995189cf5770f29a8a9a537a3ad3f51657ad873405082ff6863a5e75a"
+    ),
+    "val.en.gz": (
+        "14f7d25ddd868909a9213e361768460edcacdd6ab9d1e77b92560dc10c10dc28"
+    ),
+    "test_2016_flickr.de.gz": (
+        "9204244e408ccb38d2a55cfcd344df15005fc42a07a6e55ca6c52b6ababb8cc8"
+    ),
+    "test_2016_flickr.en.gz": (
+        "611d361c6334bc7246101d48097c13cf5c4413c5befc793cc629934359d532d9"
+    ),
+}
+
+
+def sha256_of(path):
+    """Hex SHA-256 digest of a file."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _offline_hint(folder):
+    """What to do when the files cannot be fetched."""
+    return (
+        f"The files belong in {folder}. Without internet access, copy the "
+        "six Multi30k files (train, val and test_2016_flickr, each .de.gz "
+        f"and .en.gz) there yourself, or set {MULTI30K_ENV} to a folder "
+        "that holds them."
+    )
+
+
+# %% [markdown]
+# A download goes to a temporary file next to its final place, with a
+# progress bar, and is renamed only once its sum matches: an interrupted or
+# corrupted download never leaves a file that looks valid. Every failure is
+# a `DatasetError` whose message says what to do.
+
+
+# %%
+#| export
+def _fetch(url, path, expected, timeout):
+    """Download `url` to `path`, keeping it only if its SHA-256 matches."""
+    from tqdm import tqdm
+
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(
+            prefix=f".{path.name}.", suffix=".part", dir=path.parent
+        )
+        digest = hashlib.sha256()
+        with (
+            os.fdopen(fd, "wb") as out,
+            urllib.request.urlopen(url, timeout=timeout) as response,
+        ):
+            size = int(response.headers.get("Content-Length") or 0)
+            with tqdm(
+                total=size or None, unit="B", unit_scale=True, desc=path.name
+            ) as bar:
+                while chunk := response.read(1 << 16):
+                    out.write(chunk)
+                    digest.update(chunk)
+                    bar.update(len(chunk))
+        if digest.hexdigest() != expected:
+            raise DatasetError(
+                f"{url} has SHA-256 {digest.hexdigest()}, expected "
+                f"{expected}; the file was not kept.\n"
+                + _offline_hint(path.parent)
+            )
+        os.replace(tmp, path)
+        tmp = None
+    except (OSError, http.client.HTTPException) as error:
+        reason = error
+        if type(error) is urllib.error.URLError:
+            reason = error.reason
+        raise DatasetError(
+            f"Could not download {url} ({reason}).\n"
+            + _offline_hint(path.parent)
+        ) from error
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+
+
+# %% [markdown]
+# `download_multi30k` returns the folder that holds the verified files.
+# When `MULTI30K_DIR` is set (a machine without internet access, or CI),
+# that folder is checked and never written to; otherwise the files are
+# cached in `data/multi30k/` (or `root`) and fetched only when missing or
+# wrong.
+
+
+# %%
+#| export
+def _check_folder(folder, sums):
+    """`folder` if it holds every file with the right SHA-256."""
+    problems = []
+    for name, expected in sorted(sums.items()):
+        path = folder / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif sha256_of(path) != expected:
+            problems.append(f"{name} has the wrong SHA-256")
+    if problems:
+        raise DatasetError(
+            f"{MULTI30K_ENV}={folder} does not hold Multi30k: "
+            + "; ".join(problems)
+            + f".\nPut the six files from {MULTI30K_BASE_URL} into {folder}, "
+            f"or unset {MULTI30K_ENV} to download them into "
+            f"{data_dir() / 'multi30k'}."
+        )
+    return folder
+
+
+def download_multi30k(
+    root=None, base_url=MULTI30K_BASE_URL, sha256=None, timeout=30.0
+):
+    """Folder holding the verified Multi30k files, downloaded if needed."""
+    sums = MULTI30K_SHA256 if sha256 is None else sha256
+    if root is None and os.environ.get(MULTI30K_ENV):
+        return _check_folder(Path(os.environ[MULTI30K_ENV]), sums)
+    folder = Path(root) if root is not None else data_dir() / "multi30k"
+    for name, expected in sums.items():
+        path = folder / name
+        if not (path.is_file() and sha256_of(path) == expected):
+            url = base_url.rstrip("/") + "/" + name
+            _fetch(url, path, expected, timeout)
+    return folder
+
+
+# %% [markdown]
+# Check: every pinned sum matches the file the lessons read.
+
+# %%
+folder = download_multi30k()
+assert read_multi30k("val", folder) == read_multi30k("val")
+assert all(sha256_of(folder / n) == s for n, s in MULTI30K_SHA256.items())
+print(f"{len(MULTI30K_SHA256)} files verified in {folder}")
+
+# %% [markdown]
+# ## Presets
+#
+# A preset is a `TrainConfig` (Part 3) with a name. `cpu` is the
+# dataclass's defaults; `paper` is the paper's base model, for a GPU; `ci`
+# is a tiny model on 1,000 sentence pairs for two epochs, so that tests and
+# the CI-sized notebooks finish in seconds. Each has a BPE twin (Part 5),
+# with one subword vocabulary and tied embeddings.
+
+# %%
+#| export
+PRESETS = {
+    "paper": TrainConfig(
+        preset="paper",
+        N=6,
+        d_model=512,
+        d_ff=2048,
+        h=8,
+        max_tokens=8000,
+        epochs=40,
+        checkpoint_dir="checkpoints/paper",
+    ),
+    "cpu": TrainConfig(),
+    "ci": TrainConfig(
+        preset="ci",
+        N=1,
+        d_model=64,
+        d_ff=128,
+        h=2,
+        dropout=0.0,
+        max_tokens=1500,
+        epochs=2,
+        warmup=20,
+        factor=2.0,
+        max_train_pairs=1000,
+        precision="fp32",
+        checkpoint_dir="checkpoints/ci",
+    ),
+}
+PRESETS |= {  # the same with one BPE vocabulary and tied embeddings
+    f"{name}-bpe": replace(
+        PRESETS[name],
+        preset=f"{name}-bpe",
+        tokenization="bpe",
+        tie_embeddings=True,
+        checkpoint_dir=f"checkpoints/{name}-bpe",
+    )
+    for name in ("cpu", "ci")
+}
+
+
+def get_config(preset="cpu", **overrides):
+    """A preset's TrainConfig with some fields replaced."""
+    if preset not in PRESETS:
+        raise UserError(
+            f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}"
+        )
+    return replace(PRESETS[preset], **overrides)
+
+
+# %% [markdown]
+# ## Vocabularies
+#
+# Building the word vocabularies (Part 3) takes a few seconds, so
+# `load_vocab` caches them in `data/vocab.json`, keyed by `min_freq` and the
+# spaCy version, and writes the file atomically so that processes starting
+# together never read half of it.
+
+
+# %%
+#| export
+def load_vocab(spacy_de, spacy_en, path=None, min_freq=2):
+    """The word vocabularies, cached as JSON in `path` (data/vocab.json)."""
+    import spacy
+
+    path = Path(path) if path is not None else data_dir() / "vocab.json"
+    key = {"min_freq": min_freq, "spacy": spacy.__version__}
+    if path.is_file():
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        if saved.get("key") == key:
+            return Vocab(saved["src"]), Vocab(saved["tgt"])
+    vocab_src, vocab_tgt = build_vocabulary(spacy_de, spacy_en, min_freq)
+    saved = {"key": key, "src": vocab_src.get_itos()}
+    saved["tgt"] = vocab_tgt.get_itos()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
+    tmp.write_text(json.dumps(saved, ensure_ascii=False), encoding="utf-8")
+    os.replace(tmp, path)  # atomic: parallel ranks never read half a file
+    return vocab_src, vocab_tgt
+
+
+# %% [markdown]
+# A preset names its tokenization, and `load_vocabularies` turns that name
+# into vocabularies for training: word vocabularies (Part 3), or one BPE
+# vocabulary (Part 5) for both languages. `bpe_vocabularies` rebuilds the
+# BPE vocabulary that a checkpoint stores as JSON text; adding it to Part
+# 3's `VOCAB_LOADERS` lets `load_trained_model` open BPE checkpoints.
+
+
+# %%
+#| export
+def load_vocabularies(config, spacy_de, spacy_en):
+    """(vocab_src, vocab_tgt) for a config: words, or one BPE for both."""
+    if config.tokenization == "bpe":
+        bpe = load_bpe()
+        return bpe, bpe
+    return load_vocab(spacy_de, spacy_en)
+
+
+def bpe_vocabularies(ckpt):
+    """The BPE vocabulary of a checkpoint, for both sides."""
+    bpe = BpeVocab.from_str(ckpt["bpe"])
+    return bpe, bpe
+
+
+VOCAB_LOADERS["bpe"] = bpe_vocabularies
+
+# %% [markdown]
+# Check: the cache gives back the vocabularies that Part 3 builds.
+
+# %%
+tokenizers = load_tokenizers()
+vocabs = load_vocab(*tokenizers)
+assert vocabs == build_vocabulary(*tokenizers)
+
+
+# %% [markdown]
+# ## Hardware
+#
+# Every result file records where it was measured: the CPU model, the
+# number of threads torch uses, the torch version and any GPUs.
+
+
+# %%
+#| export
+def hardware_summary():
+    """A short description of the CPU or GPU this process runs on."""
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "cpu_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+    }
+    if torch.cuda.is_available():
+        info["gpus"] = [
+            torch.cuda.get_device_name(i)
+            for i in range(torch.cuda.device_count())
+        ]
+    return info
+
+
+# %%
+summary = hardware_summary()
+assert summary["cpu_threads"] == torch.get_num_threads()
+print(summary)
+
+# %% [markdown]
+# ## Starting processes
+#
+# Part 3's `train_worker` trains in one process. To use several, the
+# processes need a rendezvous: `free_port` asks the operating system for a
+# TCP port nobody listens on, and `train_distributed_model` starts one
+# process per GPU (or `world_size` CPU processes) with
+# `torch.multiprocessing.spawn`. Each new process imports `train_worker`
+# from the module and receives the vocabularies and tokenizers pickled.
+# Under `torchrun` none of this is needed: it starts the processes and
+# sets the rendezvous address itself.
+
+
+# %%
+#| export
+def free_port():
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_distributed_model(
+    vocab_src,
+    vocab_tgt,
+    spacy_de,
+    spacy_en,
+    config,
+    world_size=None,
+    resume=False,
+):
+    """Train with one process per GPU (or world_size CPU processes)."""
+    import torch.multiprocessing as mp
+
+    world_size = world_size or max(torch.cuda.device_count(), 1)
+    args = (vocab_src, vocab_tgt, spacy_de, spacy_en, config)
+    mp.spawn(
+        train_worker,
+        nprocs=world_size,
+        args=(world_size, *args, True, free_port(), resume),
+    )
+
+
+def train_model(
+    vocab_src,
+    vocab_tgt,
+    spacy_de,
+    spacy_en,
+    config,
+    distributed=False,
+    world_size=None,
+    resume=False,
+):
+    """Train in this process, or in several when `distributed`."""
+    args = (vocab_src, vocab_tgt, spacy_de, spacy_en, config)
+    if distributed:
+        return train_distributed_model(*args, world_size, resume)
+    return train_worker(0, 1, *args, resume=resume)
+
+
+# %% [markdown]
+# Check: a port from `free_port` can be bound right away.
+
+# %%
+with socket.socket() as s:
+    s.bind(("127.0.0.1", free_port()))
+
+# %% [markdown]
+# ## Translating for users
+#
+# Three greedy decoders exist, and each has a reason to. `greedy_decode`
+# (Part 2) is the original tutorial's, one sentence at a time, kept for its
+# API. `batch_greedy_decode` (Part 3) is the readable batched version that
+# a lesson can explain in one cell, and the reference that the cached
+# decoder is tested against. `cached_greedy_decode` (Part 5) gives the same
+# outputs, much faster, with a key/value cache, and it is the one default
+# of everything a user calls: `translate_batch`, `translate`, and the
+# command line (`--beam K` switches to beam search).
+#
+# The model writes spaCy tokens, while BLEU is computed by sacreBLEU on
+# plain text against untouched references, so the tokens are joined back
+# into a sentence. `detokenize` undoes what spaCy's English tokenizer
+# splits off: punctuation, clitics such as `'s` and `n't`, and hyphens
+# inside words. A vocabulary with its own `decode` (Part 5) needs none of
+# this.
+
+
+# %%
+#| export
+_NO_SPACE_BEFORE = set(
+    ". , ! ? ; : ) ] } % 's 're 've 'll 'm 'd n't '".split()
+)
+_NO_SPACE_AFTER = ("(", "[", "{", "$", "#")
+
+
+def detokenize(tokens):
+    """Join English spaCy tokens into a plain sentence."""
+    out, quote_open = "", False
+    for i, tok in enumerate(tokens):
+        hyphen = out.endswith("-") and i > 1 and tokens[i - 1] == "-"
+        glue = (
+            i == 0
+            or tok.lower() in _NO_SPACE_BEFORE
+            or out.endswith(_NO_SPACE_AFTER)
+            or tok == "-"
+            or (hyphen and tokens[i - 2] not in {",", ".", "-"})
+        )
+        if tok == '"':
+            glue = i == 0 or quote_open
+            quote_open = not quote_open
+        elif out.endswith('"') and quote_open:
+            glue = True
+        out += tok if glue else " " + tok
+    return out
+
+
+def decode_text(ids, vocab):
+    """Plain text of output ids (without `<s>` and `</s>`)."""
+    if hasattr(vocab, "decode"):  # a vocabulary that writes text (Part 5)
+        return vocab.decode(ids)
+    return detokenize(vocab.lookup_tokens(ids))
+
+
+# %% [markdown]
+# `translate_batch` sorts the sentences by length so that a batch wastes
+# little on padding, decodes up to the source length + 50 tokens (the
+# paper's limit), and returns the outputs in the input order. `decode_fn`
+# can be any decoder with the signature of the greedy ones.
+
+
+# %%
+#| export
+def translate_batch(
+    model, sentences, spacy_de, vocab_src, vocab_tgt, device="cpu",
+    batch_size=128, max_extra=50, decode_fn=cached_greedy_decode,
+):  # fmt: skip
+    """German sentences to detokenized English, in input order."""
+    decode_fn = decode_fn or cached_greedy_decode
+    model.eval()
+    encoded = [
+        [BOS, *encode_text(s, spacy_de, vocab_src), EOS] for s in sentences
+    ]
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+    results = [None] * len(encoded)
+    for k in range(0, len(order), batch_size):
+        idx = order[k : k + batch_size]
+        src, _ = collate_batch([(encoded[i], []) for i in idx])
+        src = src.to(device)  # (B, S)
+        mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
+        out = decode_fn(model, src, mask, src.size(1) + max_extra)
+        for i, row in zip(idx, out.tolist(), strict=True):
+            results[i] = decode_text(strip_specials(row), vocab_tgt)
+    return results
+
+
+def compute_bleu(hypotheses, references):
+    """Cased corpus BLEU (sacreBLEU, 13a tokenization) of plain text."""
+    import sacrebleu
+
+    return sacrebleu.corpus_bleu(hypotheses, [references])
+
+
+# %% [markdown]
+# `translate` is the shortest way to use a trained model, and
+# `check_outputs` and `run_model_example` keep the original tutorial's
+# names for printing a few validation translations.
+
+
+# %%
+#| export
+def translate(
+    sentences, checkpoint="checkpoints/cpu/final.pt", beam=1, average=0
+):
+    """English translations of German sentences, with a trained model."""
+    model, vocab_src, vocab_tgt, decode_fn = load_translator(
+        checkpoint, "cpu", beam, average
+    )
+    spacy_de, _ = load_tokenizers()
+    return translate_batch(
+        model, sentences, spacy_de, vocab_src, vocab_tgt, decode_fn=decode_fn
+    )
+
+
+def check_outputs(model, pairs, spacy_de, vocab_src, vocab_tgt, n_examples=5):
+    """Print source, reference and model output for some pairs."""
+    pairs = list(pairs)[:n_examples]
+    hyps = translate_batch(
+        model, [de for de, _ in pairs], spacy_de, vocab_src, vocab_tgt
+    )
+    for i, ((de, en), hyp) in enumerate(zip(pairs, hyps, strict=True)):
+        print(f"example {i}\n  source: {de}\n  reference: {en}")
+        print(f"  model: {hyp}")
+    return hyps
+
+
+def run_model_example(checkpoint="checkpoints/cpu/final.pt", n_examples=5):
+    """Load a trained model and show some validation translations."""
+    model, vocab_src, vocab_tgt, _ = load_trained_model(checkpoint)
+    spacy_de, _ = load_tokenizers()
+    pairs = read_multi30k("val")
+    return check_outputs(
+        model, pairs, spacy_de, vocab_src, vocab_tgt, n_examples
+    )
+
+
+def read_lines(path):
+    """Lines of a plain or gzipped UTF-8 text file, without newlines."""
+    import gzip
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"no such file: {path}")
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [line.rstrip("\n") for line in f]
+
+
+# %% [markdown]
+# `evaluate_files` scores a model on any pair of line-by-line translations
+# and refuses files of different lengths with a message, not a traceback.
+# `write_results` scores test2016 after a training run and writes a JSON
+# summary with the command, the config, the hardware and the losses.
+
+
+# %%
+#| export
+def evaluate_files(
+    model,
+    src_path,
+    ref_path,
+    spacy_de,
+    vocab_src,
+    vocab_tgt,
+    device="cpu",
+    batch_size=128,
+    decode_fn=cached_greedy_decode,
+):
+    """(BLEU, hypotheses) of a model on a parallel pair of text files."""
+    sources, references = read_lines(src_path), read_lines(ref_path)
+    if len(sources) != len(references):
+        raise UserError(
+            f"{src_path} has {len(sources)} lines but {ref_path} has "
+            f"{len(references)}; they must be line-by-line translations"
+        )
+    if not sources:
+        raise UserError(f"{src_path} is empty")
+    hyps = translate_batch(
+        model,
+        sources,
+        spacy_de,
+        vocab_src,
+        vocab_tgt,
+        device,
+        batch_size,
+        decode_fn=decode_fn,
+    )
+    return compute_bleu(hyps, references), hyps
+
+
+def write_results(path, checkpoint, wall_time):
+    """Score test2016 and write a JSON summary of the training run."""
+    test = read_multi30k("test")
+    hyps = translate([de for de, _ in test], checkpoint)
+    bleu = compute_bleu(hyps, [en for _, en in test])
+    ckpt = load_checkpoint(checkpoint)
+    summary = {
+        "command": "python " + " ".join(sys.argv),
+        "config": ckpt["config"],
+        "hardware": hardware_summary(),
+        "wall_time_s": round(wall_time, 1),
+        "epochs": len(ckpt["history"]),
+        "history": ckpt["history"],
+        "test2016_bleu_greedy": round(bleu.score, 2),
+        "bleu": str(bleu),
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"test2016 BLEU (greedy): {bleu.score:.2f}; summary in {path}")
+
+
+# %% [markdown]
+# ## The command line
+#
+# The exported module doubles as a program with four sub-commands:
+#
+# ```
+# python the_annotated_transformer.py download
+# python the_annotated_transformer.py train --preset cpu --epochs 18
+# torchrun --nproc_per_node=2 the_annotated_transformer.py train
+# python the_annotated_transformer.py evaluate --beam 4 --average 5
+# python the_annotated_transformer.py translate "Ein Mann fährt Fahrrad."
+# ```
+#
+# Each sub-command gets its own small parser function. Mistakes in the
+# input end with a one-line message and exit status 2.
+
+
+# %%
+#| export
+def add_train_parser(sub):
+    """`train`: its options."""
+    train = sub.add_parser("train", help="train a model on Multi30k")
+    train.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    train.add_argument("--epochs", type=int, help="override the epochs")
+    train.add_argument("--max-tokens", type=int, help="tokens per batch")
+    train.add_argument("--checkpoint-dir", help="where checkpoints go")
+    train.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest epoch checkpoint",
+    )
+    train.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        help="processes to spawn (torchrun sets its own)",
+    )
+    train.add_argument(
+        "--results", help="write a JSON summary here, including test BLEU"
+    )
+    train.add_argument("--threads", type=int, help="CPU threads per process")
+
+
+def add_decoding_options(parser):
+    """Options shared by `evaluate` and `translate`."""
+    parser.add_argument("--checkpoint", default="checkpoints/cpu/final.pt")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--beam",
+        type=int,
+        default=1,
+        metavar="K",
+        help="beam size (1: greedy)",
+    )
+    parser.add_argument(
+        "--average",
+        type=int,
+        default=0,
+        metavar="K",
+        help="average the last K epoch checkpoints next to the checkpoint",
+    )
+
+
+# %%
+#| export
+def add_evaluate_parser(sub):
+    """`evaluate`: its options."""
+    evaluate = sub.add_parser("evaluate", help="BLEU on a pair of files")
+    add_decoding_options(evaluate)
+    evaluate.add_argument(
+        "--src",
+        help="German sources, one per line "
+        "(.gz is fine; default: Multi30k test2016)",
+    )
+    evaluate.add_argument("--ref", help="English references, one per line")
+    evaluate.add_argument("--out", help="also write the translations here")
+
+
+def add_translate_parser(sub):
+    """`translate`: its options."""
+    translate = sub.add_parser("translate", help="translate German text")
+    add_decoding_options(translate)
+    translate.add_argument("sentence", nargs="+", help="German text")
+
+
+def build_parser():
+    """The argparse parser of the command line."""
+    parser = argparse.ArgumentParser(
+        prog="the_annotated_transformer.py",
+        description="Train, evaluate and use the Annotated Transformer on "
+        "Multi30k German→English.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("download", help="download and verify Multi30k")
+    add_train_parser(sub)
+    add_evaluate_parser(sub)
+    add_translate_parser(sub)
+    return parser
+
+
+# %% [markdown]
+# `train` builds the config from the preset and the flags, makes the
+# vocabularies, and trains: in this process, in `--world-size` spawned
+# ones, or as one of the processes that `torchrun` started (it sets
+# `RANK` and `WORLD_SIZE`).
+
+
+# %%
+#| export
+def command_train(args):
+    """`train`: run training, then optionally score and summarize."""
+    overrides = {
+        k: v
+        for k, v in (
+            ("epochs", args.epochs),
+            ("max_tokens", args.max_tokens),
+            ("checkpoint_dir", args.checkpoint_dir),
+        )
+        if v is not None
+    }
+    config = get_config(args.preset, **overrides)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    download_multi30k()
+    tokenizers = load_tokenizers()
+    data = (*load_vocabularies(config, *tokenizers), *tokenizers, config)
+    start = time.time()
+    if "LOCAL_RANK" in os.environ:  # started by torchrun
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        train_worker(rank, world, *data, world > 1, resume=args.resume)
+        if rank != 0:
+            return 0
+    else:
+        train_model(
+            *data,
+            distributed=args.world_size > 1,
+            world_size=args.world_size,
+            resume=args.resume,
+        )
+    final = Path(config.checkpoint_dir) / "final.pt"
+    print(f"trained in {time.time() - start:.0f} s; model in {final}")
+    if args.results:
+        write_results(args.results, final, time.time() - start)
+    return 0
+
+
+# %% [markdown]
+# `evaluate` and `translate` load a model through `load_translator`
+# (cached greedy decoding, or beam search with `--beam`). `translate`
+# warns about German words that a word vocabulary does not know, since
+# they are read as `<unk>`.
+
+
+# %%
+#| export
+def command_evaluate(args):
+    """`evaluate`: BLEU of a checkpoint on a pair of files."""
+    if (args.src is None) != (args.ref is None):
+        raise UserError("give both --src and --ref, or neither")
+    model, vocab_src, vocab_tgt, decode_fn = load_translator(
+        args.checkpoint, args.device, args.beam, args.average
+    )
+    if args.src is None:
+        folder = download_multi30k()
+        args.src = folder / "test_2016_flickr.de.gz"
+        args.ref = folder / "test_2016_flickr.en.gz"
+    spacy_de, _ = load_tokenizers()
+    bleu, hyps = evaluate_files(
+        model,
+        args.src,
+        args.ref,
+        spacy_de,
+        vocab_src,
+        vocab_tgt,
+        args.device,
+        args.batch_size,
+        decode_fn,
+    )
+    if args.out:
+        Path(args.out).write_text("\n".join(hyps) + "\n", encoding="utf-8")
+    print(bleu)
+    return 0
+
+
+# %%
+#| export
+def command_translate(args):
+    """`translate`: print the English translation of German text."""
+    text = " ".join(args.sentence).strip()
+    if not text:
+        raise UserError("nothing to translate: the sentence is empty")
+    model, vocab_src, vocab_tgt, decode_fn = load_translator(
+        args.checkpoint, args.device, args.beam, args.average
+    )
+    spacy_de, _ = load_tokenizers()
+    if isinstance(vocab_src, Vocab):  # (BPE can spell any known letters)
+        unknown = [t for t in tokenize(text, spacy_de) if t not in vocab_src]
+        if unknown:
+            print(
+                "note: not in the vocabulary, read as <unk>: "
+                + ", ".join(unknown),
+                file=sys.stderr,
+            )
+    hyps = translate_batch(
+        model,
+        [text],
+        spacy_de,
+        vocab_src,
+        vocab_tgt,
+        args.device,
+        decode_fn=decode_fn,
+    )
+    print(hyps[0])
+    return 0
+
+
+def command_download(args):
+    """`download`: fetch and verify Multi30k, print where it is."""
+    print(download_multi30k())
+    return 0
+
+
+# %%
+#| export
+def main(argv=None):
+    """Command-line entry point; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    commands = {
+        "download": command_download,
+        "train": command_train,
+        "evaluate": command_evaluate,
+        "translate": command_translate,
+    }
+    try:
+        return commands[args.command](args)
+    except (UserError, DatasetError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+# %% [markdown]
+# Check: the parser knows every sub-command, a bad input gives exit status
+# 2 and a message rather than a traceback, and `--epochs` reaches the
+# config.
+
+# %%
+parser = build_parser()
+for command in ("download", "train", "evaluate", "translate"):
+    assert command in parser.format_help()
+assert main(["translate", "  "]) == 2
+args = parser.parse_args(["train", "--preset", "ci", "--epochs", "3"])
+assert get_config(args.preset, epochs=args.epochs).epochs == 3
