@@ -61,6 +61,7 @@ __all__ = [
     "Batch",
     "data_gen",
     "LabelSmoothing",
+    "smoothed_kl",
     "save_chart",
     "line_chart",
     "label_smoothing_penalty_rows",
@@ -590,14 +591,15 @@ def data_gen(V, batch_size, nbatches, seq_len=10, generator=None):
 class LabelSmoothing(nn.Module):
     """KL-divergence loss against label-smoothed targets; pad ignored."""
 
-    def __init__(self, size, padding_idx, smoothing=0.0):
+    def __init__(self, size, padding_idx, smoothing=0.0, keep_targets=False):
         super().__init__()
         self.size = size  # vocabulary size
         self.padding_idx = padding_idx
         self.smoothing = smoothing  # mass moved off the correct token
         self.confidence = 1.0 - smoothing  # mass the correct token keeps
         self.criterion = nn.KLDivLoss(reduction="sum")
-        self.true_dist = None  # the latest smoothed targets, to look at
+        self.keep_targets = keep_targets  # build (N, size) targets, slower
+        self.true_dist = None  # the latest smoothed targets, if kept
 
     def smoothed_targets(self, target, dtype=torch.float32):
         """(N,) target ids to the (N, size) smoothed distribution."""
@@ -611,8 +613,20 @@ class LabelSmoothing(nn.Module):
     def forward(self, x, target):
         """Summed KL loss of (N, size) log-probs against (N,) targets."""
         assert x.size(1) == self.size
+        if not self.keep_targets:
+            return smoothed_kl(x, target, self.padding_idx, self.smoothing)
         self.true_dist = self.smoothed_targets(target, x.dtype)
         return self.criterion(x, self.true_dist)
+
+
+def smoothed_kl(x, target, padding_idx, smoothing):
+    """LabelSmoothing's loss in closed form: no (N, V) target matrix."""
+    c, f = 1.0 - smoothing, smoothing / (x.size(1) - 2)
+    picked = x.gather(1, target.unsqueeze(1)).squeeze(1)  # (N,)
+    rest = x.sum(1) - picked - x[:, padding_idx]  # (N,)
+    plogp = sum(p * math.log(q) for p, q in ((c, c), (smoothing, f)) if p)
+    per_row = plogp - c * picked - f * rest  # (N,)
+    return per_row.masked_fill(target == padding_idx, 0).sum()
 
 
 def save_chart(chart, name, folder="figures"):
@@ -646,13 +660,7 @@ def label_smoothing_penalty_rows(margins=range(0, 25), smoothing=0.1):
         for m in margins:
             logits = torch.tensor([[-1e4, 0.0, float(m), 0.0, 0.0, 0.0]])
             loss = crit(logits.log_softmax(-1), torch.tensor([2]))
-            rows.append(
-                {
-                    "margin": m,
-                    "loss": float(loss),
-                    "smoothing": f"smoothing={eps}",
-                }
-            )
+            rows.append(dict(margin=m, loss=float(loss), smoothing=eps))
     return rows
 
 
@@ -813,17 +821,13 @@ def learning_rate_chart(
     steps=20000,
 ):
     """Altair line chart of `rate` for several (d_model, factor, warmup)."""
-    rows = [
-        {
-            "step": s,
-            "learning rate": rate(s, d, f, w),
-            "setting": f"d_model={d}, warmup={w}",
-        }
-        for d, f, w in settings
-        for s in range(1, steps + 1, 20)
-    ]
+    rows = []
+    for d, f, w in settings:
+        name = f"d_model={d}, warmup={w}"
+        for s in range(1, steps + 1, 20):
+            rows.append(dict(step=s, lr=rate(s, d, f, w), setting=name))
     title = "Learning-rate schedule"
-    return line_chart(rows, "step", "learning rate", "setting", title)
+    return line_chart(rows, "step", "lr", "setting", title)
 
 
 # -----------------------------------------------------------------------------
@@ -985,15 +989,8 @@ def train_copy_task(cfg=None, log=print):
         model.train()
         seen, exact = loss_compute.sequences, loss_compute.exact
         data = data_gen(cfg.V, cfg.batch_size, cfg.nbatches, generator=gen)
-        loss, state = run_epoch(
-            data,
-            model,
-            loss_compute,
-            optimizer,
-            scheduler,
-            train_state=state,
-            autocast=autocast,
-        )
+        args = (data, model, loss_compute, optimizer, scheduler)
+        loss, state = run_epoch(*args, train_state=state, autocast=autocast)
         new = loss_compute.sequences - seen
         train_exact = (loss_compute.exact - exact) / new
         checked = greedy_check(model, loss_compute, cfg.check_size, cfg.V, gen)
@@ -2327,9 +2324,8 @@ def _fetch(url, path, expected, timeout):
         os.replace(tmp, path)
         tmp = None
     except (OSError, http.client.HTTPException) as error:
-        reason = error
-        if type(error) is urllib.error.URLError:
-            reason = error.reason
+        url_error = type(error) is urllib.error.URLError
+        reason = error.reason if url_error else error
         raise DatasetError(
             f"Could not download {url} ({reason}).\n"
             + _offline_hint(path.parent)
@@ -2407,6 +2403,8 @@ PRESETS = {
         checkpoint_dir="checkpoints/ci",
     ),
 }
+
+
 PRESETS |= {  # the same with one BPE vocabulary and tied embeddings
     f"{name}-bpe": replace(
         PRESETS[name],

@@ -660,7 +660,8 @@ def params_in_sync(module):
 
 # %% [markdown]
 # The second runs one epoch: a training pass, then a validation pass, both
-# through Part 2's `run_epoch`, and it records both losses. Batches move
+# through Part 2's `run_epoch`, and it records both losses. Validation
+# runs without gradients and with dropout off (`eval()`). Batches move
 # to the device here. Only rank 0 prints, with the peak GPU memory from
 # `torch.cuda`'s own statistics.
 
@@ -877,13 +878,13 @@ for (ids, _), row in zip(batch, batched.tolist(), strict=True):
 # \exp\Big(\tfrac14 \textstyle\sum_{n=1}^{4} \log p_n\Big),$$
 #
 # reported times 100. The first factor penalizes output that is too short,
-# which precision alone would reward. We score with sacreBLEU on plain, cased text, today's
-# standard, so the model's English tokens are first joined back into
-# sentences. That joining, and translating a long list of sentences in
-# length-sorted batches, are plumbing: `detokenize` and `translate_batch`
-# in the appendix. The tiny `ci` model gets little more than common words
-# right; the full `cpu` run scores about 37.5 greedily
-# (`results/multi30k_cpu.json`). Check: references score 100.
+# which precision alone would reward. We score with sacreBLEU on plain, cased
+# text, today's standard, so the model's English tokens are first joined back
+# into sentences. That joining, and translating a long list of sentences in
+# length-sorted batches, are plumbing: `detokenize` and `translate_batch` in
+# the appendix. The tiny `ci` model gets little more than common words right;
+# the full `cpu` run scores about 37.5 greedily (`results/multi30k_cpu.json`).
+# Check: references score 100.
 
 # %%
 test = splits["test"][:100] if AT_SIZE == "ci" else splits["test"]

@@ -824,7 +824,7 @@ def trend(t):
     word = "falls" if last < first else "rises"
     word = "stays level" if abs(last - first) < 0.005 else word
     values = ", ".join(f"{x:.2f}" for x in by_layer)
-    return [f"  mean entropy per layer {word}: {values} (layers 1 to N)"]
+    return [f"  mean entropy per layer, first to last, {word}: {values}"]
 
 
 # %% [markdown]

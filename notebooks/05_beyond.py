@@ -775,7 +775,7 @@ bpe_model, bpe_src, bpe_tgt, bpe_config = load_trained_model(bpe_checkpoint)
 proj = bpe_model.generator.proj.weight
 assert proj is bpe_model.src_embed[0].lut.weight  # still tied after loading
 for de, en in splits["val"][:3]:
-    hyp = translate_batch(bpe_model, [de], None, bpe_src, bpe_tgt)[0]
+    hyp = translate_batch(bpe_model, [de], spacy_de, bpe_src, bpe_tgt)[0]
     print(f"source:    {de}\nreference: {en}\nmodel:     {hyp}\n")
 
 # %% [markdown]

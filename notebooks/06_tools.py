@@ -117,12 +117,33 @@ MULTI30K_SHA256 = {
 }
 
 
+# %% [markdown]
+# Three helpers: the SHA-256 sum of a file, a copy loop that computes it
+# while showing progress, and the advice every download error ends with.
+
+
+# %%
+#| export
 def sha256_of(path):
     """Hex SHA-256 digest of a file."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _stream(response, out, name):
+    """Copy a download into `out` with a progress bar; its SHA-256."""
+    from tqdm import tqdm
+
+    digest = hashlib.sha256()
+    size = int(response.headers.get("Content-Length") or 0) or None
+    with tqdm(total=size, unit="B", unit_scale=True, desc=name) as bar:
+        while chunk := response.read(1 << 16):
+            out.write(chunk)
+            digest.update(chunk)
+            bar.update(len(chunk))
     return digest.hexdigest()
 
 
@@ -147,39 +168,28 @@ def _offline_hint(folder):
 #| export
 def _fetch(url, path, expected, timeout):
     """Download `url` to `path`, keeping it only if its SHA-256 matches."""
-    from tqdm import tqdm
-
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(
             prefix=f".{path.name}.", suffix=".part", dir=path.parent
         )
-        digest = hashlib.sha256()
         with (
             os.fdopen(fd, "wb") as out,
             urllib.request.urlopen(url, timeout=timeout) as response,
         ):
-            size = int(response.headers.get("Content-Length") or 0)
-            with tqdm(
-                total=size or None, unit="B", unit_scale=True, desc=path.name
-            ) as bar:
-                while chunk := response.read(1 << 16):
-                    out.write(chunk)
-                    digest.update(chunk)
-                    bar.update(len(chunk))
-        if digest.hexdigest() != expected:
+            digest = _stream(response, out, path.name)
+        if digest != expected:
             raise DatasetError(
-                f"{url} has SHA-256 {digest.hexdigest()}, expected "
+                f"{url} has SHA-256 {digest}, expected "
                 f"{expected}; the file was not kept.\n"
                 + _offline_hint(path.parent)
             )
         os.replace(tmp, path)
         tmp = None
     except (OSError, http.client.HTTPException) as error:
-        reason = error
-        if type(error) is urllib.error.URLError:
-            reason = error.reason
+        url_error = type(error) is urllib.error.URLError
+        reason = error.reason if url_error else error
         raise DatasetError(
             f"Could not download {url} ({reason}).\n"
             + _offline_hint(path.parent)
@@ -283,6 +293,13 @@ PRESETS = {
         checkpoint_dir="checkpoints/ci",
     ),
 }
+
+# %% [markdown]
+# The BPE twins, and `get_config`, which returns a preset with some fields
+# replaced (the command line's `--epochs`, for instance).
+
+# %%
+#| export
 PRESETS |= {  # the same with one BPE vocabulary and tied embeddings
     f"{name}-bpe": replace(
         PRESETS[name],
@@ -452,6 +469,12 @@ def train_distributed_model(
     )
 
 
+# %% [markdown]
+# `train_model` chooses between one process and several.
+
+
+# %%
+#| export
 def train_model(
     vocab_src,
     vocab_tgt,
@@ -572,9 +595,7 @@ def compute_bleu(hypotheses, references):
 
 
 # %% [markdown]
-# `translate` is the shortest way to use a trained model, and
-# `check_outputs` and `run_model_example` keep the original tutorial's
-# names for printing a few validation translations.
+# `translate` is the shortest way to use a trained model.
 
 
 # %%
@@ -592,6 +613,13 @@ def translate(
     )
 
 
+# %% [markdown]
+# `check_outputs` and `run_model_example` keep the original tutorial's
+# names for printing a few validation translations.
+
+
+# %%
+#| export
 def check_outputs(model, pairs, spacy_de, vocab_src, vocab_tgt, n_examples=5):
     """Print source, reference and model output for some pairs."""
     pairs = list(pairs)[:n_examples]
@@ -614,6 +642,12 @@ def run_model_example(checkpoint="checkpoints/cpu/final.pt", n_examples=5):
     )
 
 
+# %% [markdown]
+# `read_lines` reads a text file to translate or score, gzipped or not.
+
+
+# %%
+#| export
 def read_lines(path):
     """Lines of a plain or gzipped UTF-8 text file, without newlines."""
     import gzip
@@ -668,6 +702,8 @@ def evaluate_files(
     return compute_bleu(hyps, references), hyps
 
 
+# %%
+#| export
 def write_results(path, checkpoint, wall_time):
     """Score test2016 and write a JSON summary of the training run."""
     test = read_multi30k("test")
@@ -732,6 +768,8 @@ def add_train_parser(sub):
     train.add_argument("--threads", type=int, help="CPU threads per process")
 
 
+# %%
+#| export
 def add_decoding_options(parser):
     """Options shared by `evaluate` and `translate`."""
     parser.add_argument("--checkpoint", default="checkpoints/cpu/final.pt")

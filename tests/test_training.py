@@ -81,13 +81,37 @@ def test_label_smoothing_loss_equals_independent_kl(eps):
     assert float(loss) == pytest.approx(ref, rel=1e-5)
 
 
+@pytest.mark.parametrize("eps", [0.0, 0.1, 0.4])
+@pytest.mark.parametrize("keep_targets", [False, True])
+def test_both_label_smoothing_paths_equal_independent_kl(eps, keep_targets):
+    # The closed form (default) and the target matrix against PyTorch's
+    # own kl_div on a hand-built distribution, values and gradients.
+    torch.manual_seed(1)
+    V, pad = 9, 2
+    x = torch.randn(7, V, dtype=torch.float64).log_softmax(-1)
+    x.requires_grad_(True)
+    target = torch.tensor([3, 2, 8, 0, 2, 5, 1])
+    dist = torch.full((7, V), eps / (V - 2), dtype=torch.float64)
+    dist[torch.arange(7), target] = 1 - eps
+    dist[:, pad] = 0
+    dist[target == pad] = 0
+    ref = torch.nn.functional.kl_div(x, dist, reduction="sum")
+    (ref_grad,) = torch.autograd.grad(ref, x)
+    crit = tat.LabelSmoothing(V, pad, eps, keep_targets=keep_targets)
+    loss = crit(x, target)
+    (grad,) = torch.autograd.grad(loss, x)
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(grad, ref_grad)
+    assert (crit.true_dist is not None) == keep_targets
+
+
 def test_label_smoothing_penalty_rows_are_finite_with_the_right_shape():
     rows = tat.label_smoothing_penalty_rows(smoothing=0.1)
     assert all(math.isfinite(r["loss"]) for r in rows)
     curves = {}
     for r in rows:
         curves.setdefault(r["smoothing"], []).append(r["loss"])
-    plain, smooth = curves["smoothing=0.0"], curves["smoothing=0.1"]
+    plain, smooth = curves[0.0], curves[0.1]
     assert all(b <= a for a, b in zip(plain, plain[1:]))
     assert plain[-1] < plain[0]
     best = min(range(len(smooth)), key=smooth.__getitem__)
