@@ -1408,7 +1408,7 @@ def train_epoch(run, epoch, train_loader, valid_loader, show=True):
         gpu = run.device.type == "cuda"
         gib = torch.cuda.max_memory_allocated(run.device) / 2**30 if gpu else 0
         report = f"epoch {epoch}: train {train_loss:.3f}, val {val_loss:.3f}"
-        print(report, f"(GPU memory {gib:.1f} GiB)" * gpu)
+        print(report + f" (GPU memory {gib:.1f} GiB)" * gpu)
     return run.history[-1]
 
 
@@ -1465,7 +1465,9 @@ def load_trained_model(path, device="cpu"):
     """(model in eval mode, vocab_src, vocab_tgt, config) from a checkpoint."""
     ckpt = load_checkpoint(path, device)
     try:
-        config = TrainConfig(**ckpt["config"])
+        renamed = {"num_epochs": "epochs", "amp": "precision"}  # older runs
+        saved = {renamed.get(k, k): v for k, v in ckpt["config"].items()}
+        config = TrainConfig(**saved)
         vocab_src, vocab_tgt = VOCAB_LOADERS[config.tokenization](ckpt)
         sizes = (len(vocab_src), len(vocab_tgt))
         model = model_from_config(config, *sizes, dropout=0.0)
@@ -2282,6 +2284,20 @@ def sha256_of(path):
     return digest.hexdigest()
 
 
+def _stream(response, out, name):
+    """Copy a download into `out` with a progress bar; its SHA-256."""
+    from tqdm import tqdm
+
+    digest = hashlib.sha256()
+    size = int(response.headers.get("Content-Length") or 0) or None
+    with tqdm(total=size, unit="B", unit_scale=True, desc=name) as bar:
+        while chunk := response.read(1 << 16):
+            out.write(chunk)
+            digest.update(chunk)
+            bar.update(len(chunk))
+    return digest.hexdigest()
+
+
 def _offline_hint(folder):
     """What to do when the files cannot be fetched."""
     return (
@@ -2294,30 +2310,20 @@ def _offline_hint(folder):
 
 def _fetch(url, path, expected, timeout):
     """Download `url` to `path`, keeping it only if its SHA-256 matches."""
-    from tqdm import tqdm
-
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(
             prefix=f".{path.name}.", suffix=".part", dir=path.parent
         )
-        digest = hashlib.sha256()
         with (
             os.fdopen(fd, "wb") as out,
             urllib.request.urlopen(url, timeout=timeout) as response,
         ):
-            size = int(response.headers.get("Content-Length") or 0)
-            with tqdm(
-                total=size or None, unit="B", unit_scale=True, desc=path.name
-            ) as bar:
-                while chunk := response.read(1 << 16):
-                    out.write(chunk)
-                    digest.update(chunk)
-                    bar.update(len(chunk))
-        if digest.hexdigest() != expected:
+            digest = _stream(response, out, path.name)
+        if digest != expected:
             raise DatasetError(
-                f"{url} has SHA-256 {digest.hexdigest()}, expected "
+                f"{url} has SHA-256 {digest}, expected "
                 f"{expected}; the file was not kept.\n"
                 + _offline_hint(path.parent)
             )
@@ -2507,25 +2513,30 @@ def free_port():
         return s.getsockname()[1]
 
 
+def _spawned_worker(rank, world_size, vocabs, tokenizers, config, *options):
+    """train_worker in a new process, from plain data."""
+    vocabs = [
+        BpeVocab.from_str(v) if isinstance(v, str) else Vocab(v)
+        for v in vocabs
+    ]
+    config = TrainConfig(**config)
+    train_worker(
+        rank, world_size, *vocabs, *tokenizers, config, True, *options
+    )
+
+
 def train_distributed_model(
-    vocab_src,
-    vocab_tgt,
-    spacy_de,
-    spacy_en,
-    config,
-    world_size=None,
+    vocab_src, vocab_tgt, spacy_de, spacy_en, config, world_size=None,
     resume=False,
-):
+):  # fmt: skip
     """Train with one process per GPU (or world_size CPU processes)."""
     import torch.multiprocessing as mp
 
     world_size = world_size or max(torch.cuda.device_count(), 1)
-    args = (vocab_src, vocab_tgt, spacy_de, spacy_en, config)
-    mp.spawn(
-        train_worker,
-        nprocs=world_size,
-        args=(world_size, *args, True, free_port(), resume),
-    )
+    plain = lambda v: v.to_str() if hasattr(v, "to_str") else v.get_itos()
+    vocabs = [plain(vocab_src), plain(vocab_tgt)]
+    data = (vocabs, (spacy_de, spacy_en), asdict(config), free_port(), resume)
+    mp.spawn(_spawned_worker, (world_size, *data), nprocs=world_size)
 
 
 def train_model(

@@ -45,7 +45,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -433,8 +433,10 @@ print(summary)
 # processes need a rendezvous: `free_port` asks the operating system for a
 # TCP port nobody listens on, and `train_distributed_model` starts one
 # process per GPU (or `world_size` CPU processes) with
-# `torch.multiprocessing.spawn`. Each new process imports `train_worker`
-# from the module and receives the vocabularies and tokenizers pickled.
+# `torch.multiprocessing.spawn`. A new process imports the module, not the
+# notebook that started it, so only plain data crosses over: vocabularies
+# as token lists (or BPE JSON text) and the config as a dict, which
+# `_spawned_worker` turns back into objects before it calls `train_worker`.
 # Under `torchrun` none of this is needed: it starts the processes and
 # sets the rendezvous address itself.
 
@@ -448,25 +450,30 @@ def free_port():
         return s.getsockname()[1]
 
 
+def _spawned_worker(rank, world_size, vocabs, tokenizers, config, *options):
+    """train_worker in a new process, from plain data."""
+    vocabs = [
+        BpeVocab.from_str(v) if isinstance(v, str) else Vocab(v)
+        for v in vocabs
+    ]
+    config = TrainConfig(**config)
+    train_worker(
+        rank, world_size, *vocabs, *tokenizers, config, True, *options
+    )
+
+
 def train_distributed_model(
-    vocab_src,
-    vocab_tgt,
-    spacy_de,
-    spacy_en,
-    config,
-    world_size=None,
+    vocab_src, vocab_tgt, spacy_de, spacy_en, config, world_size=None,
     resume=False,
-):
+):  # fmt: skip
     """Train with one process per GPU (or world_size CPU processes)."""
     import torch.multiprocessing as mp
 
     world_size = world_size or max(torch.cuda.device_count(), 1)
-    args = (vocab_src, vocab_tgt, spacy_de, spacy_en, config)
-    mp.spawn(
-        train_worker,
-        nprocs=world_size,
-        args=(world_size, *args, True, free_port(), resume),
-    )
+    plain = lambda v: v.to_str() if hasattr(v, "to_str") else v.get_itos()
+    vocabs = [plain(vocab_src), plain(vocab_tgt)]
+    data = (vocabs, (spacy_de, spacy_en), asdict(config), free_port(), resume)
+    mp.spawn(_spawned_worker, (world_size, *data), nprocs=world_size)
 
 
 # %% [markdown]

@@ -185,6 +185,6 @@ def test_a_failing_cell_stops_the_build_naming_notebook_and_cell(tmp_path):
     with pytest.raises(SystemExit) as stop:
         build_site.execute(source, tmp_path / "runs", timeout=120)
     message = str(stop.value)
-    assert message.startswith("07_broken.py: code cell 2 (\"raise")
+    assert message.startswith('07_broken.py: code cell 2 ("raise')
     assert "ValueError" in message and "boom" in message
     assert (tmp_path / "runs" / "07_broken.ipynb").exists()
