@@ -37,6 +37,7 @@ notebook: setup  ## execute every notebook into runs/notebooks/ (AT_SIZE=ci: qui
 
 export: setup  ## regenerate the_annotated_transformer.py and the .ipynb pairs
 	$(PY) tools/export.py
+	$(PY) tools/lesson_stats.py --readme >/dev/null
 
 check-sync: setup  ## fail when the module or an .ipynb drifted from its .py
 	$(PY) tools/export.py --check
@@ -56,6 +57,7 @@ lint: setup  ## ruff check and format check (the module included)
 format: setup  ## format the .py sources, then regenerate
 	$(PY) -m ruff format notebooks tools tests bench
 	$(PY) tools/export.py
+	$(PY) tools/lesson_stats.py --readme >/dev/null
 
 bench: setup  ## speed benchmarks (prints medians and ratios)
 	$(PY) bench/copy_task.py

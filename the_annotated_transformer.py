@@ -16,9 +16,11 @@ import functools
 import gzip
 import hashlib
 import http.client
+import itertools
 import json
 import math
 import os
+import pickle
 import random
 import socket
 import sys
@@ -168,21 +170,32 @@ __all__ = [
     "train_model",
     "detokenize",
     "decode_text",
+    "source_alignment",
+    "replace_unknowns",
     "translate_batch",
     "compute_bleu",
     "translate",
     "check_outputs",
     "run_model_example",
+    "iter_lines",
     "read_lines",
+    "read_parallel",
     "evaluate_files",
     "write_results",
+    "positive_int",
+    "existing_device",
+    "OneLineParser",
     "add_train_parser",
     "add_decoding_options",
     "add_evaluate_parser",
     "add_translate_parser",
     "build_parser",
     "command_train",
+    "load_for_decoding",
     "command_evaluate",
+    "translate_lines",
+    "sentences_to_translate",
+    "warn_unknown_words",
     "command_translate",
     "command_download",
 ]
@@ -203,7 +216,6 @@ class EncoderDecoder(nn.Module):
 
     def __init__(self, encoder, decoder, src_embed, tgt_embed, generator):
         super().__init__()
-        # The order of these lines fixes the order of the state-dict keys.
         self.encoder, self.decoder = encoder, decoder
         self.src_embed, self.tgt_embed = src_embed, tgt_embed
         self.generator = generator
@@ -279,9 +291,8 @@ class LayerNorm(nn.Module):
 
     def forward(self, x):
         """Normalize (..., features) with the biased variance."""
-        mean = x.mean(-1, keepdim=True)
-        var = x.var(-1, keepdim=True, unbiased=False)
-        return self.a_2 * (x - mean) / torch.sqrt(var + self.eps) + self.b_2
+        # One fused kernel; the cell below checks it against the formula.
+        return F.layer_norm(x, self.a_2.shape, self.a_2, self.b_2, self.eps)
 
 
 class SublayerConnection(nn.Module):
@@ -394,7 +405,7 @@ class MultiHeadedAttention(nn.Module):
         if d_model % h:
             raise ValueError(f"d_model={d_model} is not divisible by h={h}")
         self.h, self.d_k = h, d_model // h
-        # W^Q, W^K, W^V and W^O, in the order of the keys linears.0-3.
+        # W^Q, W^K, W^V and W^O, named by the properties below.
         self.linears = clones(nn.Linear(d_model, d_model), 4)
         self.dropout = nn.Dropout(p=dropout)
         self.store_attention = False  # keep the weights in self.attn?
@@ -549,7 +560,7 @@ def count_parameters(module):
 class Batch:
     """Source and target ids with their masks, for teacher forcing."""
 
-    def __init__(self, src, tgt=None, pad=2):
+    def __init__(self, src, tgt=None, pad=2):  # 2: <blank> in Part 3
         self.src = src  # (B, S)
         self.src_mask = (src != pad).unsqueeze(-2)  # (B, 1, S)
         if tgt is None:
@@ -644,12 +655,9 @@ def line_chart(rows, x, y, color=None, title="", point=False):
     import pandas as pd
 
     lines = {"color": f"{color}:N"} if color else {}
-    return (
-        alt.Chart(pd.DataFrame(rows))
-        .mark_line(point=point)
-        .encode(x=f"{x}:Q", y=f"{y}:Q", tooltip=[x, y], **lines)
-        .properties(title=title, width=480)
-    )
+    chart = alt.Chart(pd.DataFrame(rows)).mark_line(point=point)
+    chart = chart.encode(x=f"{x}:Q", y=f"{y}:Q", tooltip=[x, y], **lines)
+    return chart.properties(title=title, width=480)
 
 
 def label_smoothing_penalty_rows(margins=range(0, 25), smoothing=0.1):
@@ -837,13 +845,10 @@ def learning_rate_chart(
 def greedy_decode(model, src, src_mask, max_len, start_symbol):
     """Most-probable-token decoding: (B, S) source to (B, max_len) ids."""
     memory = model.encode(src, src_mask)  # (B, S, d_model)
-    ys = torch.full(
-        (src.size(0), 1), start_symbol, dtype=src.dtype, device=src.device
-    )  # (B, 1)
+    ys = src.new_full((src.size(0), 1), start_symbol)  # (B, 1)
     for _ in range(max_len - 1):
-        out = model.decode(
-            memory, src_mask, ys, subsequent_mask(ys.size(1)).to(src.device)
-        )
+        mask = subsequent_mask(ys.size(1)).to(src.device)  # (1, t, t)
+        out = model.decode(memory, src_mask, ys, mask)  # (B, t, d_model)
         next_word = model.generator(out[:, -1]).argmax(dim=-1)  # (B,)
         ys = torch.cat([ys, next_word.unsqueeze(1)], dim=1)
     return ys
@@ -852,12 +857,10 @@ def greedy_decode(model, src, src_mask, max_len, start_symbol):
 def copy_accuracy(model, n, V=11, seq_len=10, generator=None):
     """Fraction of n fresh random sequences greedy decoding copies exactly."""
     model.eval()
-    batch = next(data_gen(V, n, 1, seq_len, generator=generator))
+    b = next(data_gen(V, n, 1, seq_len, generator=generator))
     with torch.no_grad():
-        out = greedy_decode(
-            model, batch.src, batch.src_mask, seq_len, COPY_START
-        )
-    return (out == batch.src).all(dim=1).float().mean().item()
+        out = greedy_decode(model, b.src, b.src_mask, seq_len, COPY_START)
+    return (out == b.src).all(dim=1).float().mean().item()
 
 
 def copy_accuracy_teacher_forced(model, n, V=11, seq_len=10, generator=None):
@@ -1252,10 +1255,8 @@ def create_dataloaders(
             n = f"{len(sampler.dropped)} pairs longer than {sampler.max_len}"
             warnings.warn(f"{split}: left out {n} tokens", stacklevel=2)
         options = {"batch_sampler": sampler, "collate_fn": collate_batch}
-        loader = torch.utils.data.DataLoader(
-            data, num_workers=num_workers, **options
-        )
-        loaders.append(loader)
+        options |= {"num_workers": num_workers}
+        loaders.append(torch.utils.data.DataLoader(data, **options))
     return tuple(loaders)
 
 
@@ -1287,6 +1288,7 @@ class TrainConfig:
     num_workers: int = 0
     tokenization: str = "word"  # or "bpe": one subword vocabulary (Part 5)
     tie_embeddings: bool = False  # share embeddings and generator (Part 5)
+    keep_last: int = 5  # epoch files kept, for averaging (0: all)
 
 
 def model_from_config(c, n_src, n_tgt, dropout=None):
@@ -1317,6 +1319,9 @@ def load_checkpoint(path, device="cpu"):
         raise UserError(f"no checkpoint at {path}; train one first")
     try:
         return torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as err:  # it would build other objects
+        why = "holds more than tensors, so it is not loaded, for safety"
+        raise UserError(f"{path} {why}") from err
     except Exception as err:  # truncated file, not a checkpoint, ...
         raise UserError(f"{path} is not a readable checkpoint: {err}") from err
 
@@ -1365,11 +1370,9 @@ class TrainingRun:
             ids = [self.device.index] if self.device.type == "cuda" else None
             DDP = torch.nn.parallel.DistributedDataParallel
             self.model = DDP(self.module, device_ids=ids)
-        smoothing = c.label_smoothing
-        self.criterion = LabelSmoothing(sizes[1], PAD, smoothing=smoothing)
-        self.optimizer, self.scheduler = make_optimizer(
-            self.module, c.d_model, c.factor, c.warmup
-        )
+        self.criterion = LabelSmoothing(sizes[1], PAD, c.label_smoothing)
+        schedule = (c.d_model, c.factor, c.warmup)
+        self.optimizer, self.scheduler = make_optimizer(self.module, *schedule)
         self.state, self.history = TrainState(), []
 
 
@@ -1413,20 +1416,26 @@ def train_epoch(run, epoch, train_loader, valid_loader, show=True):
 
 
 def save_epoch(run, epoch, vocab_src, vocab_tgt):
-    """Write epoch_NNN.pt with everything needed to resume."""
+    """Write a lean epoch_NNN.pt, then last.pt; keep `keep_last` epochs."""
+    save_run(run, f"epoch_{epoch:03d}.pt", vocab_src, vocab_tgt, epoch=epoch)
     resume = {"epoch": epoch, "train_state": asdict(run.state)}
     resume |= {"optimizer": run.optimizer.state_dict()}
     resume |= {"scheduler": run.scheduler.state_dict()}
     resume |= {"rng_state": torch.get_rng_state()}
-    save_run(run, f"epoch_{epoch:03d}.pt", vocab_src, vocab_tgt, **resume)
+    save_run(run, "last.pt", vocab_src, vocab_tgt, **resume)
+    keep, folder = run.config.keep_last, run.config.checkpoint_dir
+    for old in epoch_checkpoints(folder)[:-keep] if keep > 0 else []:
+        old.unlink()
 
 
 def resume_run(run):
-    """Restore the newest epoch checkpoint; returns the next epoch."""
-    paths = epoch_checkpoints(run.config.checkpoint_dir)
-    if not paths:
+    """Restore the newest training state; returns the next epoch."""
+    folder = run.config.checkpoint_dir
+    paths = [Path(folder, "last.pt"), *epoch_checkpoints(folder)[-1:]]
+    paths = [p for p in paths if p.is_file()]
+    ckpt = load_checkpoint(paths[0], run.device) if paths else {}
+    if "optimizer" not in ckpt:  # nothing to resume from: start afresh
         return 0
-    ckpt = load_checkpoint(paths[-1], run.device)
     run.module.load_state_dict(ckpt["model"])
     run.optimizer.load_state_dict(ckpt["optimizer"])
     run.scheduler.load_state_dict(ckpt["scheduler"])
@@ -1883,8 +1892,8 @@ class DecoderCache:
         self.src_mask = src_mask.unsqueeze(1)  # (B, 1, 1, S)
         self.cross = [
             [
-                layer.src_attn.split_heads(memory, layer.src_attn.linears[1]),
-                layer.src_attn.split_heads(memory, layer.src_attn.linears[2]),
+                layer.src_attn.split_heads(memory, layer.src_attn.w_k),
+                layer.src_attn.split_heads(memory, layer.src_attn.w_v),
             ]
             for layer in model.decoder.layers
         ]  # per layer: keys and values, each (B, h, S, d_k)
@@ -1909,16 +1918,16 @@ class DecoderCache:
 def attend_step(attn, x, k, v, mask=None):
     """Attention of the new positions x (R, 1, d) to k, v (B, h, S, d_k)."""
     R, B = x.size(0), k.size(0)  # R = B * group
-    q = attn.split_heads(x.reshape(B, -1, x.size(-1)), attn.linears[0])
+    q = attn.split_heads(x.reshape(B, -1, x.size(-1)), attn.w_q)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     out = out.transpose(1, 2).reshape(R, 1, attn.h * attn.d_k)
-    return attn.linears[-1](out)  # (R, 1, d_model)
+    return attn.w_o(out)  # (R, 1, d_model)
 
 
 def cached_self_attention(attn, x, cache, i):
     """Self-attention of layer i for the new position, growing its cache."""
-    k = attn.split_heads(x, attn.linears[1])  # (R, h, 1, d_k)
-    v = attn.split_heads(x, attn.linears[2])
+    k = attn.split_heads(x, attn.w_k)  # (R, h, 1, d_k)
+    v = attn.split_heads(x, attn.w_v)
     if cache.self_kv[i] is not None:
         k = torch.cat([cache.self_kv[i][0], k], dim=2)  # (R, h, t+1, d_k)
         v = torch.cat([cache.self_kv[i][1], v], dim=2)
@@ -1929,13 +1938,13 @@ def cached_self_attention(attn, x, cache, i):
 def decoder_layer_step(layer, x, cache, i):
     """One DecoderLayer applied to the newest position only."""
     k, v = cache.cross[i]  # (B, h, S, d_k)
-    x = layer.sublayer[0](
+    x = layer.self_attn_block(
         x, lambda y: cached_self_attention(layer.self_attn, y, cache, i)
     )
-    x = layer.sublayer[1](
+    x = layer.src_attn_block(
         x, lambda y: attend_step(layer.src_attn, y, k, v, cache.src_mask)
     )
-    return layer.sublayer[2](x, layer.feed_forward)  # (R, 1, d_model)
+    return layer.ff_block(x, layer.feed_forward)  # (R, 1, d_model)
 
 
 def decode_step(model, ys_last, cache):
@@ -2229,7 +2238,8 @@ def load_translator(checkpoint, device="cpu", beam=1, average=0):
         if len(paths) < average:
             raise UserError(
                 f"--average {average} needs {average} epoch checkpoints "
-                f"next to {checkpoint}; found {len(paths)}"
+                f"next to {checkpoint}; found {len(paths)} (training keeps "
+                "the newest --keep-last)"
             )
         model, vocab_src, vocab_tgt, _ = average_checkpoints(paths, device)
     else:
@@ -2367,7 +2377,11 @@ def download_multi30k(
     """Folder holding the verified Multi30k files, downloaded if needed."""
     sums = MULTI30K_SHA256 if sha256 is None else sha256
     if root is None and os.environ.get(MULTI30K_ENV):
-        return _check_folder(Path(os.environ[MULTI30K_ENV]), sums)
+        given = os.environ[MULTI30K_ENV]
+        folder = Path(given).absolute()  # relative: to the working directory
+        if not folder.is_dir():
+            raise DatasetError(f"{MULTI30K_ENV}={given}: no folder {folder}")
+        return _check_folder(folder, sums)
     folder = Path(root) if root is not None else data_dir() / "multi30k"
     for name, expected in sums.items():
         path = folder / name
@@ -2594,16 +2608,46 @@ def decode_text(ids, vocab):
     return detokenize(vocab.lookup_tokens(ids))
 
 
+@torch.no_grad()
+def source_alignment(model, src, src_mask, out):
+    """(B, L-1): the source position each output token after <s> read most."""
+    memory = model.encode(src, src_mask)  # (B, S, d_model)
+    ys = out[:, :-1]  # (B, T): decoder inputs; row t wrote out[:, t + 1]
+    tgt_mask = subsequent_mask(ys.size(1)).to(src.device)  # (1, T, T)
+    with record_attention(model):
+        model.decode(memory, src_mask, ys, tgt_mask)
+        attn = model.decoder.layers[-1].src_attn.attn  # (B, h, T, S)
+    words = src_mask & ((src != BOS) & (src != EOS)).unsqueeze(1)  # (B, 1, S)
+    return attn.mean(dim=1).masked_fill(~words, -1.0).argmax(dim=-1)
+
+
+def replace_unknowns(ids, aligned, src_words, vocab_tgt):
+    """Output tokens, each <unk> replaced by the source word it read most."""
+    tokens = vocab_tgt.lookup_tokens(ids)
+    for k, token_id in enumerate(ids):
+        j = aligned[k] if token_id == UNK else 0  # 0 is <s>: no word
+        if 0 < j <= len(src_words):  # source position j is word j - 1
+            tokens[k] = src_words[j - 1]
+    return tokens
+
+
 def translate_batch(
     model, sentences, spacy_de, vocab_src, vocab_tgt, device="cpu",
     batch_size=128, max_extra=50, decode_fn=cached_greedy_decode,
+    replace_unk=True,
 ):  # fmt: skip
     """German sentences to detokenized English, in input order."""
     decode_fn = decode_fn or cached_greedy_decode
     model.eval()
-    encoded = [
-        [BOS, *encode_text(s, spacy_de, vocab_src), EOS] for s in sentences
-    ]
+    if hasattr(vocab_src, "encode") or hasattr(vocab_tgt, "decode"):
+        replace_unk = False  # BPE: no <unk> to replace
+    if replace_unk:  # keep the German words: an <unk> id has lost its word
+        german = [tokenize(s, spacy_de) for s in sentences]
+        encoded = [[BOS, *vocab_src(w), EOS] for w in german]
+    else:
+        encoded = [
+            [BOS, *encode_text(s, spacy_de, vocab_src), EOS] for s in sentences
+        ]
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     results = [None] * len(encoded)
     for k in range(0, len(order), batch_size):
@@ -2611,9 +2655,17 @@ def translate_batch(
         src, _ = collate_batch([(encoded[i], []) for i in idx])
         src = src.to(device)  # (B, S)
         mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
-        out = decode_fn(model, src, mask, src.size(1) + max_extra)
-        for i, row in zip(idx, out.tolist(), strict=True):
-            results[i] = decode_text(strip_specials(row), vocab_tgt)
+        out = decode_fn(model, src, mask, src.size(1) + max_extra)  # (B, L)
+        aligned = [None] * len(idx)
+        if replace_unk and (out == UNK).any():  # one more decoder pass
+            aligned = source_alignment(model, src, mask, out).tolist()
+        for i, row, at in zip(idx, out.tolist(), aligned, strict=True):
+            ids = strip_specials(row)
+            if at is None:
+                results[i] = decode_text(ids, vocab_tgt)
+            else:
+                tokens = replace_unknowns(ids, at, german[i], vocab_tgt)
+                results[i] = detokenize(tokens)
     return results
 
 
@@ -2625,16 +2677,18 @@ def compute_bleu(hypotheses, references):
 
 
 def translate(
-    sentences, checkpoint="checkpoints/cpu/final.pt", beam=1, average=0
-):
+    sentences, checkpoint="checkpoints/cpu/final.pt", beam=1, average=0,
+    replace_unk=True,
+):  # fmt: skip
     """English translations of German sentences, with a trained model."""
     model, vocab_src, vocab_tgt, decode_fn = load_translator(
         checkpoint, "cpu", beam, average
     )
     spacy_de, _ = load_tokenizers()
     return translate_batch(
-        model, sentences, spacy_de, vocab_src, vocab_tgt, decode_fn=decode_fn
-    )
+        model, sentences, spacy_de, vocab_src, vocab_tgt, decode_fn=decode_fn,
+        replace_unk=replace_unk,
+    )  # fmt: skip
 
 
 def check_outputs(model, pairs, spacy_de, vocab_src, vocab_tgt, n_examples=5):
@@ -2659,16 +2713,50 @@ def run_model_example(checkpoint="checkpoints/cpu/final.pt", n_examples=5):
     )
 
 
+# -----------------------------------------------------------------------------
+# Reading text files
+# Explained in notebooks/06_tools.py, same heading.
+# -----------------------------------------------------------------------------
+def iter_lines(path):
+    """Lines of a UTF-8 text file (plain, .gz, or "-": stdin), lazily."""
+    import gzip
+    from contextlib import nullcontext
+
+    stdin = str(path) == "-"
+    name, number = "standard input" if stdin else Path(path), 0
+    try:
+        if stdin:
+            opened = nullcontext(sys.stdin.buffer)
+        elif not name.is_file():
+            raise UserError(f"no such file: {name}")
+        else:
+            opened = (gzip.open if name.suffix == ".gz" else open)(name, "rb")
+        with opened as f:
+            for line in f:
+                number += 1
+                yield line.rstrip(b"\r\n").decode("utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{name} is not UTF-8 text (line {number})") from None
+    except (OSError, EOFError) as err:  # not gzip, truncated, unreadable
+        raise UserError(f"cannot read {name}: {err}") from None
+
+
 def read_lines(path):
     """Lines of a plain or gzipped UTF-8 text file, without newlines."""
-    import gzip
+    return list(iter_lines(path))
 
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"no such file: {path}")
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [line.rstrip("\n") for line in f]
+
+def read_parallel(src_path, ref_path):
+    """(sources, references): two files of line-by-line translations."""
+    sources, references = read_lines(src_path), read_lines(ref_path)
+    if len(sources) != len(references):
+        raise UserError(
+            f"{src_path} has {len(sources)} lines but {ref_path} has "
+            f"{len(references)}; they must be line-by-line translations"
+        )
+    if not sources:
+        raise UserError(f"{src_path} is empty")
+    return sources, references
 
 
 def evaluate_files(
@@ -2681,16 +2769,10 @@ def evaluate_files(
     device="cpu",
     batch_size=128,
     decode_fn=cached_greedy_decode,
+    replace_unk=True,
 ):
     """(BLEU, hypotheses) of a model on a parallel pair of text files."""
-    sources, references = read_lines(src_path), read_lines(ref_path)
-    if len(sources) != len(references):
-        raise UserError(
-            f"{src_path} has {len(sources)} lines but {ref_path} has "
-            f"{len(references)}; they must be line-by-line translations"
-        )
-    if not sources:
-        raise UserError(f"{src_path} is empty")
+    sources, references = read_parallel(src_path, ref_path)
     hyps = translate_batch(
         model,
         sources,
@@ -2700,6 +2782,7 @@ def evaluate_files(
         device,
         batch_size,
         decode_fn=decode_fn,
+        replace_unk=replace_unk,
     )
     return compute_bleu(hyps, references), hyps
 
@@ -2729,48 +2812,111 @@ def write_results(path, checkpoint, wall_time):
 # The command line
 # Explained in notebooks/06_tools.py, same heading.
 # -----------------------------------------------------------------------------
+def positive_int(text):
+    """argparse type: a whole number of at least 1."""
+    try:
+        number = int(text)
+    except ValueError:
+        number = None
+    if number is None or number < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, not {text}")
+    return number
+
+
+def existing_device(name):
+    """argparse type: a torch device that this machine has."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"{name!r} is not a device; try cpu, cuda or cuda:1"
+        ) from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count()  # 0 without CUDA
+        if (device.index or 0) >= count:
+            raise argparse.ArgumentTypeError(
+                f"no {name} here: this machine has {count} CUDA devices"
+            )
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise argparse.ArgumentTypeError("no mps (Apple GPU) here")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise argparse.ArgumentTypeError(f"{name} is not supported here")
+    return str(device)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors take one line of stderr."""
+
+    def error(self, message):
+        """Print `prog: error: message` on one line; exit with status 2."""
+        message = " ".join(message.split())
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def add_train_parser(sub):
     """`train`: its options."""
     train = sub.add_parser("train", help="train a model on Multi30k")
     train.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    train.add_argument("--epochs", type=int, help="override the epochs")
-    train.add_argument("--max-tokens", type=int, help="tokens per batch")
+    train.add_argument("--epochs", type=positive_int, help="epochs to train")
+    train.add_argument("--max-tokens", type=positive_int, help="batch size")
     train.add_argument("--checkpoint-dir", help="where checkpoints go")
     train.add_argument(
         "--resume",
         action="store_true",
-        help="continue from the newest epoch checkpoint",
+        help="continue from last.pt, the newest training state",
+    )
+    train.add_argument(
+        "--keep-last",
+        type=int,
+        metavar="K",
+        help="keep the newest K epoch checkpoints, for --average "
+        f"(default {TrainConfig.keep_last}; 0: all)",
     )
     train.add_argument(
         "--world-size",
-        type=int,
+        type=positive_int,
         default=1,
         help="processes to spawn (torchrun sets its own)",
     )
     train.add_argument(
         "--results", help="write a JSON summary here, including test BLEU"
     )
-    train.add_argument("--threads", type=int, help="CPU threads per process")
+    train.add_argument(
+        "--threads", type=positive_int, help="CPU threads per process"
+    )
 
 
 def add_decoding_options(parser):
     """Options shared by `evaluate` and `translate`."""
     parser.add_argument("--checkpoint", default="checkpoints/cpu/final.pt")
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=128,
+        help="sentences decoded together",
+    )
+    parser.add_argument(
+        "--device", type=existing_device, default="cpu", help="cpu, cuda:0…"
+    )
     parser.add_argument(
         "--beam",
-        type=int,
+        type=positive_int,
         default=1,
         metavar="K",
         help="beam size (1: greedy)",
     )
     parser.add_argument(
         "--average",
-        type=int,
-        default=0,
+        type=positive_int,
         metavar="K",
         help="average the last K epoch checkpoints next to the checkpoint",
+    )
+    parser.add_argument(
+        "--no-replace-unk",
+        dest="replace_unk",
+        action="store_false",
+        help="keep <unk> in the output (default: copy the attended source "
+        "word; word vocabularies only)",
     )
 
 
@@ -2791,13 +2937,26 @@ def add_translate_parser(sub):
     """`translate`: its options."""
     translate = sub.add_parser("translate", help="translate German text")
     add_decoding_options(translate)
-    translate.add_argument("sentence", nargs="+", help="German text")
+    translate.add_argument(
+        "sentence",
+        nargs="*",
+        help="German sentences, one per argument (none, or -: read "
+        "standard input, one sentence per line)",
+    )
+    translate.add_argument(
+        "--input",
+        metavar="FILE",
+        help="translate FILE line by line (.gz is fine; -: standard input)",
+    )
 
 
 def build_parser():
     """The argparse parser of the command line."""
-    parser = argparse.ArgumentParser(
-        prog="the_annotated_transformer.py",
+    prog = os.path.basename(sys.argv[0] or "")
+    if prog != "annotated-transformer":  # the installed console script
+        prog = "the_annotated_transformer.py"
+    parser = OneLineParser(
+        prog=prog,
         description="Train, evaluate and use the Annotated Transformer on "
         "Multi30k German→English.",
     )
@@ -2817,6 +2976,7 @@ def command_train(args):
             ("epochs", args.epochs),
             ("max_tokens", args.max_tokens),
             ("checkpoint_dir", args.checkpoint_dir),
+            ("keep_last", args.keep_last),
         )
         if v is not None
     }
@@ -2846,62 +3006,102 @@ def command_train(args):
     return 0
 
 
+def load_for_decoding(args):
+    """`load_translator` for the command line, refusing a too-wide beam."""
+    model, vocab_src, vocab_tgt, decode_fn = load_translator(
+        args.checkpoint, args.device, args.beam, args.average
+    )
+    if args.beam > len(vocab_tgt):
+        raise UserError(
+            f"--beam {args.beam} is wider than the {len(vocab_tgt)} tokens "
+            f"of the target vocabulary of {args.checkpoint}"
+        )
+    return model, vocab_src, vocab_tgt, decode_fn
+
+
 def command_evaluate(args):
     """`evaluate`: BLEU of a checkpoint on a pair of files."""
     if (args.src is None) != (args.ref is None):
         raise UserError("give both --src and --ref, or neither")
-    model, vocab_src, vocab_tgt, decode_fn = load_translator(
-        args.checkpoint, args.device, args.beam, args.average
-    )
     if args.src is None:
         folder = download_multi30k()
         args.src = folder / "test_2016_flickr.de.gz"
         args.ref = folder / "test_2016_flickr.en.gz"
+    sources, references = read_parallel(args.src, args.ref)
+    model, vocab_src, vocab_tgt, decode_fn = load_for_decoding(args)
     spacy_de, _ = load_tokenizers()
-    bleu, hyps = evaluate_files(
-        model,
-        args.src,
-        args.ref,
-        spacy_de,
-        vocab_src,
-        vocab_tgt,
-        args.device,
-        args.batch_size,
-        decode_fn,
-    )
+    hyps = translate_batch(
+        model, sources, spacy_de, vocab_src, vocab_tgt, args.device,
+        args.batch_size, decode_fn=decode_fn, replace_unk=args.replace_unk,
+    )  # fmt: skip
     if args.out:
-        Path(args.out).write_text("\n".join(hyps) + "\n", encoding="utf-8")
-    print(bleu)
+        try:
+            Path(args.out).write_text("\n".join(hyps) + "\n", "utf-8")
+        except OSError as err:
+            raise UserError(f"cannot write {args.out}: {err}") from err
+    print(compute_bleu(hyps, references))
     return 0
 
 
-def command_translate(args):
-    """`translate`: print the English translation of German text."""
-    text = " ".join(args.sentence).strip()
-    if not text:
-        raise UserError("nothing to translate: the sentence is empty")
-    model, vocab_src, vocab_tgt, decode_fn = load_translator(
-        args.checkpoint, args.device, args.beam, args.average
-    )
-    spacy_de, _ = load_tokenizers()
+def translate_lines(lines, translate_fn, chunk=1024):
+    """Translations of `lines`, one list per `chunk` lines read."""
+    lines = iter(lines)
+    while batch := list(itertools.islice(lines, chunk)):
+        todo = [line for line in batch if line.strip()]
+        hyps = iter(translate_fn(todo) if todo else [])
+        yield [next(hyps) if line.strip() else "" for line in batch]
+
+
+def sentences_to_translate(args):
+    """What `translate` reads: its arguments, a file or standard input."""
+    if args.input is not None and args.sentence:
+        raise UserError("give sentences or --input FILE, not both")
+    if args.input is None and args.sentence in ([], ["-"]):
+        args.input = "-"
+    if args.input is not None:
+        return iter_lines(args.input)
+    for number, sentence in enumerate(args.sentence, 1):
+        if sentence == "-":
+            raise UserError("- (standard input) cannot follow sentences")
+        if not sentence.strip():
+            raise UserError(f"sentence {number} is empty: no German to read")
+    return iter(args.sentence)
+
+
+def warn_unknown_words(sentences, spacy_de, vocab_src):
+    """Name, on stderr, the words a word vocabulary reads as `<unk>`."""
     if isinstance(vocab_src, Vocab):  # (BPE can spell any known letters)
-        unknown = [t for t in tokenize(text, spacy_de) if t not in vocab_src]
+        words = [tokenize(s, spacy_de) for s in sentences]
+        unknown = {w: 1 for ws in words for w in ws if w not in vocab_src}
         if unknown:
             print(
                 "note: not in the vocabulary, read as <unk>: "
                 + ", ".join(unknown),
                 file=sys.stderr,
             )
-    hyps = translate_batch(
-        model,
-        [text],
-        spacy_de,
-        vocab_src,
-        vocab_tgt,
-        args.device,
-        decode_fn=decode_fn,
-    )
-    print(hyps[0])
+
+
+def command_translate(args):
+    """`translate`: one line of English per German sentence, in order."""
+    lines = sentences_to_translate(args)
+    typing = args.input == "-" and sys.stdin.isatty()
+    chunk = 1 if typing else 8 * args.batch_size
+    first = list(itertools.islice(lines, chunk))  # input errors come first
+    if not first:
+        where = "standard input" if args.input == "-" else args.input
+        raise UserError(f"nothing to translate: {where} is empty")
+    model, vocab_src, vocab_tgt, decode_fn = load_for_decoding(args)
+    spacy_de, _ = load_tokenizers()
+    if args.input is None:
+        warn_unknown_words(args.sentence, spacy_de, vocab_src)
+    translate_fn = functools.partial(
+        translate_batch, model, spacy_de=spacy_de, vocab_src=vocab_src,
+        vocab_tgt=vocab_tgt, device=args.device, batch_size=args.batch_size,
+        decode_fn=decode_fn, replace_unk=args.replace_unk,
+    )  # fmt: skip
+    stream = itertools.chain(first, lines)
+    for hyps in translate_lines(stream, translate_fn, chunk):
+        print(*hyps, sep="\n", flush=True)
     return 0
 
 
@@ -2921,13 +3121,18 @@ def main(argv=None):
         "translate": command_translate,
     }
     try:
-        return commands[args.command](args)
+        with warnings.catch_warnings():  # torch's note on an old pickle
+            warnings.filterwarnings("ignore", "Detected pickle protocol")
+            return commands[args.command](args)
     except (UserError, DatasetError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print("error: " + " ".join(str(err).split()), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader left early: `translate | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -8,6 +8,9 @@ real Multi30k sentences with
 * peer: `torch.nn.Transformer(norm_first=True, batch_first=True)` with the
   same sizes, wrapped in the same `Embeddings`, `PositionalEncoding` and
   `Generator`, and trained with the same loss and optimizer;
+* ours, before: our model with the explained paths that the fast ones
+  replaced (LayerNorm written as its formula, label smoothing through a
+  full target matrix), for a before/after in the same run;
 
 and prints, for every run and as medians: real target tokens per second,
 achieved model FLOP/s and its fraction of the matmul peak measured in this
@@ -19,7 +22,7 @@ decoder and generator on target tokens, attention scores included; layer
 norms, softmax and the loss are left out, as is usual. MFU counts the FLOPs
 of the real (non-pad) tokens only, so padding shows up as lost efficiency.
 
-    python bench/efficiency.py --threads 2 --runs 3
+    python bench/efficiency.py --threads 2 --runs 3 --profile 5
 """
 
 from __future__ import annotations
@@ -60,6 +63,13 @@ def parse_args(argv=None):
         "--threads", type=int, default=0, help="torch threads (default: all)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="also print the top operators over STEPS training steps",
+    )
     parser.add_argument(
         "--max-tokens",
         type=int,
@@ -175,6 +185,8 @@ class TorchPeer(nn.Module):
 class Ours(nn.Module):
     """The tutorial's model behind the same one-argument forward."""
 
+    keep_targets = False  # LabelSmoothing's closed form (the fast path)
+
     def __init__(self, src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout):
         super().__init__()
         self.model = tat.make_model(
@@ -186,16 +198,37 @@ class Ours(nn.Module):
         return self.model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
 
 
+def layer_norm_by_hand(self, x):
+    """LayerNorm as the formula reads, one elementwise op at a time."""
+    mean = x.mean(-1, keepdim=True)
+    var = x.var(-1, keepdim=True, unbiased=False)
+    return self.a_2 * (x - mean) / torch.sqrt(var + self.eps) + self.b_2
+
+
+class OursBefore(Ours):
+    """Ours with the explained paths the fast ones replaced: LayerNorm as
+    the formula reads and label smoothing through its target matrix."""
+
+    keep_targets = True
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        for module in self.modules():
+            if isinstance(module, tat.LayerNorm):
+                module.forward = layer_norm_by_hand.__get__(module)
+
+
 # --- timing ---------------------------------------------------------------
 
 
-def train_pass(model_cls, batches, sizes, config, seed):
+def train_pass(model_cls, batches, sizes, config, seed, profile=0):
     """Real target tokens and seconds for one training pass."""
     torch.manual_seed(seed)
     model = model_cls(
         *sizes, config.N, config.d_model, config.d_ff, config.h, 0.1
     )
-    criterion = tat.LabelSmoothing(sizes[1], tat.PAD, 0.1)
+    keep = getattr(model_cls, "keep_targets", False)
+    criterion = tat.LabelSmoothing(sizes[1], tat.PAD, 0.1, keep_targets=keep)
     optimizer = torch.optim.Adam(
         model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9
     )
@@ -211,11 +244,27 @@ def train_pass(model_cls, batches, sizes, config, seed):
         optimizer.zero_grad(set_to_none=True)
 
     step(batches[0])  # untimed: Adam's state, first-touch memory
+    if profile:
+        return profile_steps(step, batches[:profile])
     start = time.perf_counter()
     for batch in batches:
         step(batch)
     seconds = time.perf_counter() - start
     return sum(b.ntokens for b in batches), seconds
+
+
+def profile_steps(step, batches, rows=12):
+    """Top operators by their own CPU time over a few training steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for batch in batches:
+            step(batch)
+    table = prof.key_averages().table(
+        sort_by="self_cpu_time_total", row_limit=rows
+    )
+    print(table)
+    return table
 
 
 def bucketed(data, max_tokens, seed):
@@ -250,9 +299,14 @@ def measure_preset(name, data, sizes, peak, args):
         f"<= {max_tokens} tokens; {model_flops / 1e12:.2f} TFLOP of "
         "model work per pass"
     )
-    rates = {"ours": [], "nn.Transformer": []}
-    for run in range(args.runs):  # interleaved, so drift hits both alike
-        for label, cls in (("ours", Ours), ("nn.Transformer", TorchPeer)):
+    contestants = {
+        "ours": Ours,
+        "nn.Transformer": TorchPeer,
+        "ours, before": OursBefore,
+    }
+    rates = {label: [] for label in contestants}
+    for run in range(args.runs):  # interleaved, so drift hits all alike
+        for label, cls in contestants.items():
             tokens, seconds = train_pass(cls, batches, sizes, config, run)
             rates[label].append((tokens / seconds, model_flops / seconds))
             tok_s, flop_s = rates[label][-1]
@@ -270,7 +324,13 @@ def measure_preset(name, data, sizes, peak, args):
             f"{flop_s / 1e9:7.1f} GFLOP/s  MFU {flop_s / peak:5.1%}"
         )
     ratio = medians["ours"][0] / medians["nn.Transformer"][0]
+    gain = medians["ours"][0] / medians["ours, before"][0]
     print(f"  ours / nn.Transformer (tok/s): {ratio:.2f}")
+    print(f"  ours / ours before the fast paths (tok/s): {gain:.2f}")
+    if args.profile:
+        for label, cls in (("ours", Ours), ("ours, before", OursBefore)):
+            print(f"  top operators, {label}, {args.profile} steps:")
+            train_pass(cls, batches, sizes, config, 0, args.profile)
     return medians, ratio
 
 

@@ -19,9 +19,8 @@
 # through it. Every cell marked `#| export` is also copied into
 # `the_annotated_transformer.py`, so the code you read here is the code you
 # import later. After most definitions a short cell checks the new piece
-# against something independent: a PyTorch built-in, a closed form, or a
-# property the paper promises.
-# Where this version departs from the paper, one sentence says so and why.
+# against a PyTorch built-in, a closed form, or a property the paper
+# promises. Where we depart from the paper, one sentence says so and why.
 
 # %%
 # Setup: on Colab, clone the repository and install its requirements.
@@ -69,7 +68,6 @@ class EncoderDecoder(nn.Module):
 
     def __init__(self, encoder, decoder, src_embed, tgt_embed, generator):
         super().__init__()
-        # The order of these lines fixes the order of the state-dict keys.
         self.encoder, self.decoder = encoder, decoder
         self.src_embed, self.tgt_embed = src_embed, tgt_embed
         self.generator = generator
@@ -114,8 +112,8 @@ class Generator(nn.Module):
 #
 # The encoder is a stack of $N = 6$ identical layers. Identical in shape,
 # not in weights: `clones` makes $N$ independent deep copies of one module.
-# Both stacks end with a layer norm (the pre-norm section says why) and
-# share one base class, `LayerStack`.
+# Both stacks end with a `LayerNorm` (explained just below; the pre-norm
+# section says why) and share one base class, `LayerStack`.
 
 
 # %%
@@ -160,9 +158,7 @@ class Encoder(LayerStack):
 #
 # **Our choice.** The 2022 tutorial divided by the *unbiased* standard
 # deviation plus $\epsilon$. We use the standard form above, which is what
-# `torch.nn.LayerNorm` computes, so the two can be compared directly. The
-# parameter names `a_2` and `b_2` stay as they were, so older checkpoints
-# still load (their outputs differ by well under 1%).
+# `torch.nn.LayerNorm` computes, so the two can be compared directly.
 
 
 # %%
@@ -178,13 +174,13 @@ class LayerNorm(nn.Module):
 
     def forward(self, x):
         """Normalize (..., features) with the biased variance."""
-        mean = x.mean(-1, keepdim=True)
-        var = x.var(-1, keepdim=True, unbiased=False)
-        return self.a_2 * (x - mean) / torch.sqrt(var + self.eps) + self.b_2
+        # One fused kernel; the cell below checks it against the formula.
+        return F.layer_norm(x, self.a_2.shape, self.a_2, self.b_2, self.eps)
 
 
 # %% [markdown]
-# With a random gain and bias, it matches PyTorch's own layer norm:
+# The formula, written out, gives the same numbers as the fused kernel
+# that `forward` calls (which is several times faster in training):
 
 # %%
 torch.manual_seed(0)
@@ -192,8 +188,9 @@ norm = LayerNorm(24)
 nn.init.normal_(norm.a_2)
 nn.init.normal_(norm.b_2)
 x = torch.randn(4, 5, 24) * 3 + 1
-reference = F.layer_norm(x, (24,), norm.a_2, norm.b_2, eps=norm.eps)
-assert torch.allclose(norm(x), reference, atol=1e-5)
+mean, var = x.mean(-1, keepdim=True), x.var(-1, keepdim=True, unbiased=False)
+by_hand = norm.a_2 * (x - mean) / torch.sqrt(var + norm.eps) + norm.b_2
+assert torch.allclose(norm(x), by_hand, atol=1e-5)
 
 # %% [markdown]
 # ### Residual connections, pre-norm
@@ -248,8 +245,8 @@ assert torch.equal(block(x, torch.zeros_like), x)
 # %% [markdown]
 # An encoder layer has two sub-layers: self-attention over the source, then
 # a position-wise feed-forward network. Each sits in its own residual
-# block. The blocks live in the list `sublayer`, whose name and order every
-# checkpoint's keys record; `sublayer_property` gives each a name to read.
+# block. The blocks live in the list `sublayer` (a name that checkpoints
+# keep), and `sublayer_property` gives each of them a readable name.
 
 
 # %%
@@ -377,30 +374,31 @@ save_chart(mask_chart(), "01_subsequent_mask", Path(ROOT, "figures"))
 
 # %% [markdown]
 # Blue cells are the pairs the decoder may use: the first position sees only
-# itself, the last sees the whole prefix. (`save_chart` also writes every
-# chart as SVG and PNG into `figures/`.)
+# itself, the last sees the whole prefix.
 
 # %% [markdown]
 # ## Attention
 #
-# An attention function maps a *query* and a set of *key*–*value* pairs to
-# a weighted sum of the values, with weights given by how well the query
-# matches each key. The Transformer uses *scaled dot-product attention*:
+# Attention lets each position read from other positions. The reader
+# brings a *query* vector, each position it may read offers a *key* to be
+# compared with that query and a *value* to hand over, and the result is
+# an average of the values weighted by the query's agreement with each
+# key. The Transformer measures agreement with a scaled dot product:
 #
 # $$\mathrm{Attention}(Q, K, V) = \mathrm{softmax}\!\left(
 # \frac{QK^\top}{\sqrt{d_k}}\right) V .$$
 #
-# Dividing by $\sqrt{d_k}$ keeps the dot products from growing with the
-# dimension: for unit-variance entries, $q \cdot k$ has variance $d_k$, and
-# large logits would push the softmax into regions where its gradient
-# vanishes.
+# Why divide by $\sqrt{d_k}$? With unit-variance entries, $q \cdot k$ has
+# variance $d_k$: at $d_k = 64$ the raw scores have a standard deviation of
+# 8, the softmax tends to put most of the weight on one key, and there its
+# gradient is small. The division brings the variance back to 1.
 #
 # ![Scaled dot-product attention, step by step](attachment:attention.svg)
 #
-# A masked position gets the most negative number the scores' dtype can
-# hold, so its weight after the softmax is exactly zero. A fixed constant
-# such as $-10^9$ would not do: float16 ends at $\pm 65504$, so under mixed
-# precision it would turn into $-\infty$ and then NaN.
+# A masked position gets `torch.finfo(dtype).min`, the most negative number
+# the scores' dtype holds, so its weight after the softmax is exactly zero.
+# A fixed $-10^9$ does not fit every dtype: float16 ends at $\pm 65504$,
+# and `masked_fill` on float16 scores with $-10^9$ raises an overflow error.
 
 
 # %%
@@ -443,9 +441,8 @@ assert (weights.triu(1) == 0).all()  # no weight on future keys
 #
 # With $h = 8$ and $d_k = 64$ the total cost is about that of one head at
 # full width. The four projections $W^Q, W^K, W^V, W^O$ are kept in the
-# list `linears` (the checkpoints' keys) and read through the properties
-# `w_q`, `w_k`, `w_v`, `w_o`; the $h$ per-head projections live side by
-# side inside each.
+# list `linears` and read through the properties `w_q`, `w_k`, `w_v`,
+# `w_o`; the $h$ per-head projections live side by side inside each.
 #
 # ![Multi-head attention](attachment:multihead.svg)
 #
@@ -465,7 +462,7 @@ class MultiHeadedAttention(nn.Module):
         if d_model % h:
             raise ValueError(f"d_model={d_model} is not divisible by h={h}")
         self.h, self.d_k = h, d_model // h
-        # W^Q, W^K, W^V and W^O, in the order of the keys linears.0-3.
+        # W^Q, W^K, W^V and W^O, named by the properties below.
         self.linears = clones(nn.Linear(d_model, d_model), 4)
         self.dropout = nn.Dropout(p=dropout)
         self.store_attention = False  # keep the weights in self.attn?
@@ -499,12 +496,10 @@ class MultiHeadedAttention(nn.Module):
 # %% [markdown]
 # ### Shape walkthrough
 #
-# To see every reshape, push one concrete batch through a fresh
-# `MultiHeadedAttention` by hand: $B=2$ sentences, $T=5$ query positions,
-# $S=7$ key positions, $d_{\text{model}}=512$, $h=8$. Letters follow one
-# scheme across the project: `B` batch, `h` heads, `T` target or query
-# length, `S` source or key length, `d_k` per-head width. Each `assert`
-# states the shape that the comment on its line promises.
+# To see every reshape, push one batch through a `MultiHeadedAttention` by
+# hand: $B=2$ sentences, $T=5$ queries, $S=7$ keys, $d_{\text{model}}=512$,
+# $h=8$. The letters (`B`, `h`, `T` for queries or target, `S` for keys or
+# source, `d_k`) are the project's one scheme; the asserts check them.
 
 # %%
 torch.manual_seed(0)
@@ -588,12 +583,11 @@ assert torch.allclose(ffn(x)[:, shuffle], ffn(x[:, shuffle]), atol=1e-6)
 # ## Embeddings
 #
 # Token ids become $d_{\text{model}}$-dimensional vectors through a learned
-# table. The paper multiplies the embedding by $\sqrt{d_{\text{model}}}$,
-# which brings Xavier-initialized rows (entries of size about
-# $1/\sqrt{d_{\text{model}}}$) up to the scale of the positional encoding
-# added next. The paper also shares one matrix between the two embeddings
-# and the generator; `make_model(..., tie_embeddings=True)` below does that
-# when both languages use one vocabulary (notebook 05 trains such a model).
+# table, whose output the paper multiplies by $\sqrt{d_{\text{model}}}$
+# (section 3.4, with no reason given; we keep the factor). The paper also
+# shares one matrix between the two embeddings and the generator;
+# `make_model(..., tie_embeddings=True)` below does that when both
+# languages use one vocabulary (notebook 05 trains such a model).
 
 
 # %%
@@ -611,13 +605,18 @@ class Embeddings(nn.Module):
         return self.lut(x) * math.sqrt(self.d_model)
 
 
+# %%
+emb, ids = Embeddings(16, 11), torch.randint(0, 11, (2, 5))
+assert torch.equal(emb(ids), emb.lut(ids) * 4)  # sqrt(16) = 4
+
 # %% [markdown]
 # ## Positional encoding
 #
 # Attention by itself ignores order: permuting the source permutes the
-# memory the same way. The model learns word order from a fixed signal
-# added to each embedding, a set of sinusoids with wavelengths in a
-# geometric progression from $2\pi$ to $10000 \cdot 2\pi$:
+# memory the same way. Word order comes from a fixed signal added to each
+# embedding: a sine and a cosine per pair of dimensions, the first pair
+# repeating every $2\pi$ positions and each next pair slower by one
+# constant factor, down to a period of about 60,000 positions:
 #
 # $$PE_{(pos, 2i)} = \sin\!\left(pos / 10000^{2i/d_{\text{model}}}\right),
 # \qquad PE_{(pos, 2i+1)} = \cos\!\left(pos / 10000^{2i/d_{\text{model}}}
@@ -765,9 +764,10 @@ def make_model(
 
 
 # %% [markdown]
-# PyTorch has its own pre-norm Transformer layers. With our weights copied
-# into `nn.TransformerEncoderLayer` (its `in_proj_weight` stacks $W^Q$,
-# $W^K$ and $W^V$), one of our encoder layers computes the same function:
+# PyTorch's pre-norm `nn.TransformerEncoderLayer` gets our encoder layer's
+# weights: $W^Q, W^K, W^V$ stacked into `in_proj_weight` and `in_proj_bias`,
+# $W^O$ into `out_proj`, `w_1`, `w_2` into `linear1`, `linear2`, and the
+# norms' `a_2`, `b_2` into `norm1`, `norm2`. Both compute the same:
 
 # %%
 torch.manual_seed(0)
@@ -817,9 +817,8 @@ assert torch.allclose(
 # d + V_{tgt}$. With one shared vocabulary of size $V$ and three-way tying,
 # the total is $168d^2 + 196d + Vd + V$; for $d = 512$ that is
 # $44{,}140{,}544 + 513\,V$. `count_parameters` counts a shared matrix
-# once. The table below counts real base-size models (built on the `meta`
-# device, which records shapes without allocating memory) and compares
-# every row with its formula.
+# once. The table counts base-size models built on the `meta` device
+# (shapes only, no memory) and compares every row with its formula.
 
 
 # %%

@@ -59,25 +59,17 @@ from typing import NamedTuple
 import torch
 
 # %%
-from the_annotated_transformer import (
-    BOS,
-    EOS,
-    PAD,
-    Batch,
-    MultiHeadedAttention,
-    batch_greedy_decode,
-    get_config,
-    load_tokenizers,
-    load_trained_model,
-    load_vocab,
-    make_model,
-    read_multi30k,
-    save_chart,
-    subsequent_mask,
-    tokenize,
-    train_worker,
-    translate_batch,
-)
+import math
+
+import pandas as pd
+
+from the_annotated_transformer import BOS, EOS, PAD, Batch
+from the_annotated_transformer import MultiHeadedAttention, batch_greedy_decode
+from the_annotated_transformer import get_config, load_tokenizers
+from the_annotated_transformer import load_trained_model, load_vocab
+from the_annotated_transformer import make_model, read_multi30k, save_chart
+from the_annotated_transformer import subsequent_mask, tokenize, train_worker
+from the_annotated_transformer import translate_batch
 
 FIGURES = os.path.join(ROOT, "figures")
 
@@ -354,12 +346,10 @@ assert torch.allclose(fused, explicit, atol=1e-5)
 # softmax of the scaled dot products.
 
 # %%
-import math
-
 with torch.no_grad():
     layer = model.encoder.layers[0]
-    x = layer.sublayer[0].norm(model.src_embed(src.unsqueeze(0)))  # (1, S, d)
-    W_q, W_k = layer.self_attn.linears[0], layer.self_attn.linears[1]
+    x = layer.self_attn_block.norm(model.src_embed(src.unsqueeze(0)))
+    W_q, W_k = layer.self_attn.w_q, layer.self_attn.w_k  # x is (1, S, d)
     d_k = layer.self_attn.d_k
     q = W_q(x).view(len(src), h, d_k).transpose(0, 1)  # (h, S, d_k)
     k = W_k(x).view(len(src), h, d_k).transpose(0, 1)  # (h, S, d_k)
@@ -386,6 +376,8 @@ for mode in ("train", "eval"):
         demo.encode(demo_src, (demo_src != PAD).unsqueeze(-2))
         sums = demo.encoder.layers[0].self_attn.attn.sum(-1)  # (1, h, S)
     print(f"{mode:5s} mode: row sums {sums.min():.3f} to {sums.max():.3f}")
+    close = torch.allclose(sums, torch.ones_like(sums), atol=1e-5)
+    assert close == (mode == "eval"), mode  # only eval rows sum to 1
 
 # %% [markdown]
 # ## Drawing the maps
@@ -578,20 +570,23 @@ save_chart(
 # Back to the two dogs. For each English position whose next token is
 # "dog", the weight that decoder–source attention puts on each "Hund",
 # averaged over the heads of a layer, next to the $1/S$ of a uniform
-# spread. A model that tells the copies apart weights the first "Hund"
-# more for the first "dog", and the second for the second.
+# spread. Compare each dog's two numbers: a layer that tells the copies
+# apart weights the first "Hund" more for the first "dog", and the second
+# for the second, and prints `apart: True`.
 
 # %%
 hund = [j for j, t in enumerate(maps.src_tokens) if t == "Hund"]
 dogs = [i for i, t in enumerate(maps.next_tokens) if t == "dog"]
+assert len(hund) == len(dogs) == 2  # the word twice on each side
 print(f"uniform weight 1/S = {1 / len(maps.src_tokens):.2f}")
 for layer in range(N):
-    w = maps.decoder_src[layer].mean(0)  # (T, S), mean over heads
-    for k, i in enumerate(dogs, start=1):
-        on = ", ".join(
-            f"Hund #{n} {w[i, j]:.2f}" for n, j in enumerate(hund, start=1)
-        )
-        print(f"layer {layer + 1}, row before dog #{k}: {on}")
+    w = maps.decoder_src[layer].mean(0)[dogs][:, hund]  # (dog, Hund)
+    apart = bool(w[0, 0] > w[0, 1] and w[1, 1] > w[1, 0])
+    on = "; ".join(
+        f"dog #{k} on Hund #1, #2: {a:.2f}, {b:.2f}"
+        for k, (a, b) in enumerate(w.tolist(), start=1)
+    )
+    print(f"layer {layer + 1}: {on}; apart: {apart}")
 
 # %% [markdown]
 # ## What the heads do, measured
@@ -776,7 +771,7 @@ def attention_summary_chart(summary, width=170):
 
 
 # %%
-pairs = val[:40] if AT_SIZE == "ci" else val  # all 1,014 take ~30 s
+pairs = val[:40] if AT_SIZE == "ci" else val  # else all 1,014
 summary = attention_summary(
     model, pairs, spacy_de, spacy_en, vocab_src, vocab_tgt
 )
@@ -787,8 +782,6 @@ save_chart(attention_summary_chart(summary), "04_attention_summary", FIGURES)
 # validation sentences:
 
 # %%
-import pandas as pd
-
 table = pd.DataFrame(summary).set_index(["kind", "layer", "head"])
 table.round(2)
 

@@ -14,18 +14,20 @@
 # %% [markdown]
 # # Part 5: Beyond the paper's architecture: decoding, subwords, averaging
 #
-# The paper's results rest on more than the architecture. Its section 6
-# mentions, in a sentence or two each, pieces that a minimal
-# implementation of the model leaves out:
+# The paper's results rest on more than the architecture. It mentions, in
+# a sentence or two each, pieces that a minimal implementation of the
+# model leaves out; we add them, and one piece of our own:
 #
-# 1. **Fast decoding.** Nothing in the paper says how to decode quickly, but
-#    every real implementation keeps the keys and values of past positions
+# 1. **Fast decoding** (ours). The paper does not say how it decodes, but
+#    real implementations keep the keys and values of past positions
 #    instead of recomputing them. We add such a cache.
-# 2. **Beam search** with beam size 4 and a length penalty $\alpha = 0.6$.
-# 3. **A shared subword vocabulary** (byte-pair encoding) with the two
-#    embeddings and the output projection tied to one matrix.
-# 4. **Checkpoint averaging**: the reported base models average the last 5
-#    checkpoints, the big ones the last 20.
+# 2. **Beam search** with beam size 4 and a length penalty $\alpha = 0.6$
+#    (section 6.1).
+# 3. **A shared subword vocabulary** (byte-pair encoding, section 5.1) with
+#    the two embeddings and the output projection tied to one matrix
+#    (section 3.4).
+# 4. **Checkpoint averaging** (section 6.1): the reported base models
+#    average the last 5 checkpoints, the big ones the last 20.
 #
 # Each section explains one idea, builds it on the modules of Parts 1–3
 # without changing how they train, and ends with a check that it computes
@@ -53,34 +55,16 @@ import torch
 import torch.nn.functional as F
 
 # %%
-from the_annotated_transformer import (
-    BOS,
-    EOS,
-    PAD,
-    SPECIALS,
-    UNK,
-    UserError,
-    batch_greedy_decode,
-    collate_batch,
-    compute_bleu,
-    count_parameters,
-    data_dir,
-    encode_pairs,
-    epoch_checkpoints,
-    get_config,
-    greedy_decode,
-    load_checkpoint,
-    load_tokenizers,
-    load_trained_model,
-    load_vocab,
-    make_model,
-    read_multi30k,
-    strip_specials,
-    subsequent_mask,
-    tokenize,
-    train_worker,
-    translate_batch,
-)
+from the_annotated_transformer import BOS, EOS, PAD, SPECIALS, UNK, UserError
+from the_annotated_transformer import batch_greedy_decode, collate_batch
+from the_annotated_transformer import compute_bleu, count_parameters, data_dir
+from the_annotated_transformer import encode_pairs, epoch_checkpoints
+from the_annotated_transformer import get_config, greedy_decode
+from the_annotated_transformer import load_checkpoint, load_tokenizers
+from the_annotated_transformer import load_trained_model, load_vocab
+from the_annotated_transformer import make_model, read_multi30k, strip_specials
+from the_annotated_transformer import subsequent_mask, tokenize, train_worker
+from the_annotated_transformer import translate_batch
 
 # %% [markdown]
 # ## The models we look at
@@ -137,8 +121,8 @@ src_mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
 #
 # `DecoderCache` holds, per decoder layer, the self-attention keys and
 # values so far and the source-attention keys and values, computed once
-# from the memory with the layer's own projections (`src_attn.linears[1]`
-# and `[2]`). Each sentence can have `group` rows: beam search decodes
+# from the memory with the layer's own projections (`src_attn.w_k` and
+# `w_v`). Each sentence can have `group` rows: beam search decodes
 # $k$ hypotheses per sentence, which share one copy of the source's keys
 # and values. `select` keeps some rows, in any order, as long as each run
 # of `group` rows comes from one sentence: greedy decoding uses it to drop
@@ -155,8 +139,8 @@ class DecoderCache:
         self.src_mask = src_mask.unsqueeze(1)  # (B, 1, 1, S)
         self.cross = [
             [
-                layer.src_attn.split_heads(memory, layer.src_attn.linears[1]),
-                layer.src_attn.split_heads(memory, layer.src_attn.linears[2]),
+                layer.src_attn.split_heads(memory, layer.src_attn.w_k),
+                layer.src_attn.split_heads(memory, layer.src_attn.w_v),
             ]
             for layer in model.decoder.layers
         ]  # per layer: keys and values, each (B, h, S, d_k)
@@ -193,16 +177,16 @@ class DecoderCache:
 def attend_step(attn, x, k, v, mask=None):
     """Attention of the new positions x (R, 1, d) to k, v (B, h, S, d_k)."""
     R, B = x.size(0), k.size(0)  # R = B * group
-    q = attn.split_heads(x.reshape(B, -1, x.size(-1)), attn.linears[0])
+    q = attn.split_heads(x.reshape(B, -1, x.size(-1)), attn.w_q)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     out = out.transpose(1, 2).reshape(R, 1, attn.h * attn.d_k)
-    return attn.linears[-1](out)  # (R, 1, d_model)
+    return attn.w_o(out)  # (R, 1, d_model)
 
 
 def cached_self_attention(attn, x, cache, i):
     """Self-attention of layer i for the new position, growing its cache."""
-    k = attn.split_heads(x, attn.linears[1])  # (R, h, 1, d_k)
-    v = attn.split_heads(x, attn.linears[2])
+    k = attn.split_heads(x, attn.w_k)  # (R, h, 1, d_k)
+    v = attn.split_heads(x, attn.w_v)
     if cache.self_kv[i] is not None:
         k = torch.cat([cache.self_kv[i][0], k], dim=2)  # (R, h, t+1, d_k)
         v = torch.cat([cache.self_kv[i][1], v], dim=2)
@@ -223,13 +207,13 @@ def cached_self_attention(attn, x, cache, i):
 def decoder_layer_step(layer, x, cache, i):
     """One DecoderLayer applied to the newest position only."""
     k, v = cache.cross[i]  # (B, h, S, d_k)
-    x = layer.sublayer[0](
+    x = layer.self_attn_block(
         x, lambda y: cached_self_attention(layer.self_attn, y, cache, i)
     )
-    x = layer.sublayer[1](
+    x = layer.src_attn_block(
         x, lambda y: attend_step(layer.src_attn, y, k, v, cache.src_mask)
     )
-    return layer.sublayer[2](x, layer.feed_forward)  # (R, 1, d_model)
+    return layer.ff_block(x, layer.feed_forward)  # (R, 1, d_model)
 
 
 def decode_step(model, ys_last, cache):
@@ -252,9 +236,8 @@ def decode_step(model, ys_last, cache):
 # This is the decoder that `translate_batch` and the command line use by
 # default. The other two stay, each for a reason: `batch_greedy_decode`
 # is the plain reference, short enough to read at a glance, that the
-# cached version is tested against; `greedy_decode` is the one-sentence
-# function of the original tutorial, whose name and signature other code
-# may rely on.
+# cached version is tested against; `greedy_decode` is Part 2's
+# one-sentence decoder, the simplest of the three, used by the copy task.
 
 
 # %%
@@ -337,6 +320,11 @@ with torch.no_grad():
         fn(*batch)
         s = time.perf_counter() - start
         print(f"{fn.__name__:20s} {s:6.2f} s {len(src) / s:7.1f} sentences/s")
+
+# %% [markdown]
+# Expect each line to be faster than the one before. `greedy_decode` is
+# slowest: it decodes one sentence at a time and, knowing no `</s>`,
+# always writes 50 tokens past the source length.
 
 # %% [markdown]
 # ## 2. Beam search
@@ -565,12 +553,14 @@ toy = torch.tensor(
         [0.00, 0.90, 0.00, 0.05, 0.05],  # after b
     ]
 ).clamp_min(1e-9)
-for k in (1, 2):
+want = {1: (["a", "</s>"], 0.20), 2: (["b", "</s>"], 0.36)}
+for k, (words, prob) in want.items():
     step = lambda ys: toy[ys[:, 0]].log()  # (R, 1) -> (R, 5)
     out = beam_search_steps(step, lambda rows: None, 1, 5, beam_size=k)
     ids = strip_specials(out[0].tolist()) + [EOS]
     p = math.prod(toy[a, b].item() for a, b in zip([BOS, *ids], ids))
     print(f"beam {k}: {' '.join(toy_names[i] for i in ids):8s} P = {p:.2f}")
+    assert [toy_names[i] for i in ids] == words and abs(p - prob) < 1e-6
 
 # %% [markdown]
 # On real sentences, beam search costs about $k$ times the work of greedy
@@ -710,21 +700,16 @@ def load_bpe(path=None, vocab_size=BPE_VOCAB_SIZE):
     return bpe
 
 
-# %%
-bpe = load_bpe()
-print("vocabulary size:", len(bpe), "ids 0-3:", bpe.lookup_tokens(range(4)))
-for de, en in splits["val"][:2]:
-    print(bpe.lookup_tokens(bpe.encode(de)))
-    print(bpe.lookup_tokens(bpe.encode(en)))
-
 # %% [markdown]
-# Frequent words are single units and rarer ones split into pieces. Two
-# checks: decoding the encoding of every validation sentence gives the
-# sentence back, and the test set has no `<unk>`, whereas the word
-# vocabularies of Part 3 miss a few percent of its tokens.
+# Below, two validation sentences in subwords: frequent words are single
+# units and rarer ones split into pieces. Two checks: decoding the encoding
+# of every validation sentence gives the sentence back, and the test set
+# has no `<unk>`, whereas Part 3's word vocabulary misses some of its words.
 
 # %%
 bpe = load_bpe()
+assert len(bpe) == BPE_VOCAB_SIZE
+assert bpe.lookup_tokens(range(4)) == list(SPECIALS)
 for de, en in splits["val"][:2]:
     print(bpe.lookup_tokens(bpe.encode(de)))
     print(bpe.lookup_tokens(bpe.encode(en)))
@@ -734,6 +719,7 @@ test_ids = [i for pair in splits["test"] for s in pair for i in bpe.encode(s)]
 print(f"<unk> in test2016 after BPE: {test_ids.count(UNK)}")
 words = [i for en in test_en for i in vocab_tgt(tokenize(en, spacy_en))]
 print(f"<unk> with the word vocabulary: {words.count(UNK) / len(words):.2%}")
+assert test_ids.count(UNK) == 0 < words.count(UNK)
 
 # %% [markdown]
 # ### Tying the embeddings
@@ -791,9 +777,9 @@ for de, en in splits["val"][:3]:
 # of `models`, in memory; tied parameters are one tensor, averaged once.
 # `average_checkpoints` does the same from files, reading one at a time
 # and summing in float64, so that averaging 20 checkpoints needs memory
-# for two models, not 21. Buffers are not weights: our one buffer, the
-# positional encoding `pe`, is a fixed table, so it is kept and checked to
-# be equal in every file.
+# for two models, not 21. Buffers are not weights: our two buffers, the
+# positional encodings `src_embed.1.pe` and `tgt_embed.1.pe`, are fixed
+# tables, so they are kept and checked to be equal in every file.
 
 
 # %%
@@ -870,7 +856,8 @@ def load_translator(checkpoint, device="cpu", beam=1, average=0):
         if len(paths) < average:
             raise UserError(
                 f"--average {average} needs {average} epoch checkpoints "
-                f"next to {checkpoint}; found {len(paths)}"
+                f"next to {checkpoint}; found {len(paths)} (training keeps "
+                "the newest --keep-last)"
             )
         model, vocab_src, vocab_tgt, _ = average_checkpoints(paths, device)
     else:

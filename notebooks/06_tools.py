@@ -35,8 +35,10 @@ AT_SIZE = os.environ.get("AT_SIZE", "full")  # "ci": minutes, not hours
 # %%
 #| export
 import argparse
+import functools
 import hashlib
 import http.client
+import itertools
 import json
 import os
 import socket
@@ -45,6 +47,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import warnings
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -54,32 +57,16 @@ import torch
 # The appendix calls functions of every lesson. In the notebook they come
 # from the module; in the module they are simply defined above.
 # %%
-from the_annotated_transformer import (
-    BOS,
-    EOS,
-    MULTI30K_ENV,
-    PAD,
-    VOCAB_LOADERS,
-    BpeVocab,
-    DatasetError,
-    TrainConfig,
-    UserError,
-    Vocab,
-    build_vocabulary,
-    cached_greedy_decode,
-    collate_batch,
-    data_dir,
-    encode_text,
-    load_bpe,
-    load_checkpoint,
-    load_tokenizers,
-    load_trained_model,
-    load_translator,
-    read_multi30k,
-    strip_specials,
-    tokenize,
-    train_worker,
-)
+from the_annotated_transformer import BOS, EOS, MULTI30K_ENV, PAD
+from the_annotated_transformer import VOCAB_LOADERS, BpeVocab, DatasetError
+from the_annotated_transformer import TrainConfig, UserError, Vocab
+from the_annotated_transformer import build_vocabulary, cached_greedy_decode
+from the_annotated_transformer import collate_batch, data_dir, encode_text
+from the_annotated_transformer import load_bpe, load_checkpoint
+from the_annotated_transformer import load_tokenizers, load_trained_model
+from the_annotated_transformer import load_translator, read_multi30k
+from the_annotated_transformer import strip_specials, tokenize, train_worker
+from the_annotated_transformer import UNK, record_attention, subsequent_mask
 
 # %% [markdown]
 # ## Downloading Multi30k
@@ -202,9 +189,10 @@ def _fetch(url, path, expected, timeout):
 # %% [markdown]
 # `download_multi30k` returns the folder that holds the verified files.
 # When `MULTI30K_DIR` is set (a machine without internet access, or CI),
-# that folder is checked and never written to; otherwise the files are
-# cached in `data/multi30k/` (or `root`) and fetched only when missing or
-# wrong.
+# that folder is checked and never written to (a relative path counts from
+# the working directory, and an error names the absolute path it tried);
+# otherwise the files are cached in `data/multi30k/` (or `root`) and
+# fetched only when missing or wrong.
 
 
 # %%
@@ -235,7 +223,11 @@ def download_multi30k(
     """Folder holding the verified Multi30k files, downloaded if needed."""
     sums = MULTI30K_SHA256 if sha256 is None else sha256
     if root is None and os.environ.get(MULTI30K_ENV):
-        return _check_folder(Path(os.environ[MULTI30K_ENV]), sums)
+        given = os.environ[MULTI30K_ENV]
+        folder = Path(given).absolute()  # relative: to the working directory
+        if not folder.is_dir():
+            raise DatasetError(f"{MULTI30K_ENV}={given}: no folder {folder}")
+        return _check_folder(folder, sums)
     folder = Path(root) if root is not None else data_dir() / "multi30k"
     for name, expected in sums.items():
         path = folder / name
@@ -563,10 +555,61 @@ def decode_text(ids, vocab):
 
 
 # %% [markdown]
+# ### Unknown words
+#
+# A word vocabulary writes `<unk>` for every English word it does not know,
+# and the trained `cpu` model does so, often where the German has a name,
+# a number or a rare noun that could simply be copied. Unknown-word
+# replacement (Luong et al., 2015; Jean et al., 2015, who used the
+# attention weights as we do) copies, for each `<unk>`, the German word
+# that the decoder attended to most when it wrote the `<unk>`. We read the
+# last decoder layer's source attention (Part 4), averaged over its
+# heads: it is the layer whose output the generator turns into the word.
+#
+# The decoders do not keep their attention, so `source_alignment` runs the
+# decoder once more over the finished output, teacher-forced, inside Part
+# 4's `record_attention`. The decoder is causal, so each row sees the same
+# prefix as when that token was written, and the weights are the same up
+# to rounding; one batched pass serves greedy and beam search alike. Row
+# $t$ reads the decoder input $t$ and wrote output token $t+1$ (the `<s>`
+# offset). The argmax runs over the source's words only, never over `<s>`,
+# `</s>` or padding. `replace_unknowns` then takes the words from spaCy's
+# tokens of the German text, not from the ids: a German word outside the
+# vocabulary is itself an `<unk>` there. A BPE vocabulary spells every
+# word from pieces and is left alone.
+
+
+# %%
+#| export
+@torch.no_grad()
+def source_alignment(model, src, src_mask, out):
+    """(B, L-1): the source position each output token after <s> read most."""
+    memory = model.encode(src, src_mask)  # (B, S, d_model)
+    ys = out[:, :-1]  # (B, T): decoder inputs; row t wrote out[:, t + 1]
+    tgt_mask = subsequent_mask(ys.size(1)).to(src.device)  # (1, T, T)
+    with record_attention(model):
+        model.decode(memory, src_mask, ys, tgt_mask)
+        attn = model.decoder.layers[-1].src_attn.attn  # (B, h, T, S)
+    words = src_mask & ((src != BOS) & (src != EOS)).unsqueeze(1)  # (B, 1, S)
+    return attn.mean(dim=1).masked_fill(~words, -1.0).argmax(dim=-1)
+
+
+def replace_unknowns(ids, aligned, src_words, vocab_tgt):
+    """Output tokens, each <unk> replaced by the source word it read most."""
+    tokens = vocab_tgt.lookup_tokens(ids)
+    for k, token_id in enumerate(ids):
+        j = aligned[k] if token_id == UNK else 0  # 0 is <s>: no word
+        if 0 < j <= len(src_words):  # source position j is word j - 1
+            tokens[k] = src_words[j - 1]
+    return tokens
+
+
+# %% [markdown]
 # `translate_batch` sorts the sentences by length so that a batch wastes
 # little on padding, decodes up to the source length + 50 tokens (the
-# paper's limit), and returns the outputs in the input order. `decode_fn`
-# can be any decoder with the signature of the greedy ones.
+# paper's limit), replaces unknown words (unless `replace_unk=False`), and
+# returns the outputs in the input order. `decode_fn` can be any decoder
+# with the signature of the greedy ones.
 
 
 # %%
@@ -574,13 +617,20 @@ def decode_text(ids, vocab):
 def translate_batch(
     model, sentences, spacy_de, vocab_src, vocab_tgt, device="cpu",
     batch_size=128, max_extra=50, decode_fn=cached_greedy_decode,
+    replace_unk=True,
 ):  # fmt: skip
     """German sentences to detokenized English, in input order."""
     decode_fn = decode_fn or cached_greedy_decode
     model.eval()
-    encoded = [
-        [BOS, *encode_text(s, spacy_de, vocab_src), EOS] for s in sentences
-    ]
+    if hasattr(vocab_src, "encode") or hasattr(vocab_tgt, "decode"):
+        replace_unk = False  # BPE: no <unk> to replace
+    if replace_unk:  # keep the German words: an <unk> id has lost its word
+        german = [tokenize(s, spacy_de) for s in sentences]
+        encoded = [[BOS, *vocab_src(w), EOS] for w in german]
+    else:
+        encoded = [
+            [BOS, *encode_text(s, spacy_de, vocab_src), EOS] for s in sentences
+        ]
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     results = [None] * len(encoded)
     for k in range(0, len(order), batch_size):
@@ -588,9 +638,17 @@ def translate_batch(
         src, _ = collate_batch([(encoded[i], []) for i in idx])
         src = src.to(device)  # (B, S)
         mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
-        out = decode_fn(model, src, mask, src.size(1) + max_extra)
-        for i, row in zip(idx, out.tolist(), strict=True):
-            results[i] = decode_text(strip_specials(row), vocab_tgt)
+        out = decode_fn(model, src, mask, src.size(1) + max_extra)  # (B, L)
+        aligned = [None] * len(idx)
+        if replace_unk and (out == UNK).any():  # one more decoder pass
+            aligned = source_alignment(model, src, mask, out).tolist()
+        for i, row, at in zip(idx, out.tolist(), aligned, strict=True):
+            ids = strip_specials(row)
+            if at is None:
+                results[i] = decode_text(ids, vocab_tgt)
+            else:
+                tokens = replace_unknowns(ids, at, german[i], vocab_tgt)
+                results[i] = detokenize(tokens)
     return results
 
 
@@ -608,16 +666,18 @@ def compute_bleu(hypotheses, references):
 # %%
 #| export
 def translate(
-    sentences, checkpoint="checkpoints/cpu/final.pt", beam=1, average=0
-):
+    sentences, checkpoint="checkpoints/cpu/final.pt", beam=1, average=0,
+    replace_unk=True,
+):  # fmt: skip
     """English translations of German sentences, with a trained model."""
     model, vocab_src, vocab_tgt, decode_fn = load_translator(
         checkpoint, "cpu", beam, average
     )
     spacy_de, _ = load_tokenizers()
     return translate_batch(
-        model, sentences, spacy_de, vocab_src, vocab_tgt, decode_fn=decode_fn
-    )
+        model, sentences, spacy_de, vocab_src, vocab_tgt, decode_fn=decode_fn,
+        replace_unk=replace_unk,
+    )  # fmt: skip
 
 
 # %% [markdown]
@@ -650,32 +710,69 @@ def run_model_example(checkpoint="checkpoints/cpu/final.pt", n_examples=5):
 
 
 # %% [markdown]
-# `read_lines` reads a text file to translate or score, gzipped or not.
+# ## Reading text files
+#
+# `iter_lines` reads the text to translate or score one line at a time:
+# a plain file, a gzipped one, or standard input for `-`. It decodes each
+# line by itself, so a file that is not UTF-8 is refused with the number
+# of its first bad line, as a `UserError` rather than a traceback.
+# `read_lines` reads a whole file.
 
 
 # %%
 #| export
+def iter_lines(path):
+    """Lines of a UTF-8 text file (plain, .gz, or "-": stdin), lazily."""
+    import gzip
+    from contextlib import nullcontext
+
+    stdin = str(path) == "-"
+    name, number = "standard input" if stdin else Path(path), 0
+    try:
+        if stdin:
+            opened = nullcontext(sys.stdin.buffer)
+        elif not name.is_file():
+            raise UserError(f"no such file: {name}")
+        else:
+            opened = (gzip.open if name.suffix == ".gz" else open)(name, "rb")
+        with opened as f:
+            for line in f:
+                number += 1
+                yield line.rstrip(b"\r\n").decode("utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{name} is not UTF-8 text (line {number})") from None
+    except (OSError, EOFError) as err:  # not gzip, truncated, unreadable
+        raise UserError(f"cannot read {name}: {err}") from None
+
+
 def read_lines(path):
     """Lines of a plain or gzipped UTF-8 text file, without newlines."""
-    import gzip
-
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"no such file: {path}")
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [line.rstrip("\n") for line in f]
+    return list(iter_lines(path))
 
 
 # %% [markdown]
-# `evaluate_files` scores a model on any pair of line-by-line translations
-# and refuses files of different lengths with a message, not a traceback.
+# `evaluate_files` scores a model on any pair of line-by-line translations.
+# `read_parallel` reads the pair first and refuses files of different
+# lengths, or empty ones, with a message, not a traceback.
 # `write_results` scores test2016 after a training run and writes a JSON
 # summary with the command, the config, the hardware and the losses.
 
 
 # %%
 #| export
+def read_parallel(src_path, ref_path):
+    """(sources, references): two files of line-by-line translations."""
+    sources, references = read_lines(src_path), read_lines(ref_path)
+    if len(sources) != len(references):
+        raise UserError(
+            f"{src_path} has {len(sources)} lines but {ref_path} has "
+            f"{len(references)}; they must be line-by-line translations"
+        )
+    if not sources:
+        raise UserError(f"{src_path} is empty")
+    return sources, references
+
+
 def evaluate_files(
     model,
     src_path,
@@ -686,16 +783,10 @@ def evaluate_files(
     device="cpu",
     batch_size=128,
     decode_fn=cached_greedy_decode,
+    replace_unk=True,
 ):
     """(BLEU, hypotheses) of a model on a parallel pair of text files."""
-    sources, references = read_lines(src_path), read_lines(ref_path)
-    if len(sources) != len(references):
-        raise UserError(
-            f"{src_path} has {len(sources)} lines but {ref_path} has "
-            f"{len(references)}; they must be line-by-line translations"
-        )
-    if not sources:
-        raise UserError(f"{src_path} is empty")
+    sources, references = read_parallel(src_path, ref_path)
     hyps = translate_batch(
         model,
         sources,
@@ -705,6 +796,7 @@ def evaluate_files(
         device,
         batch_size,
         decode_fn=decode_fn,
+        replace_unk=replace_unk,
     )
     return compute_bleu(hyps, references), hyps
 
@@ -735,18 +827,69 @@ def write_results(path, checkpoint, wall_time):
 # %% [markdown]
 # ## The command line
 #
-# The exported module doubles as a program with four sub-commands:
+# The exported module doubles as a program with four sub-commands. After
+# `pip install .` the same program is also on the path as
+# `annotated-transformer`.
 #
 # ```
 # python the_annotated_transformer.py download
 # python the_annotated_transformer.py train --preset cpu --epochs 18
 # torchrun --nproc_per_node=2 the_annotated_transformer.py train
 # python the_annotated_transformer.py evaluate --beam 4 --average 5
-# python the_annotated_transformer.py translate "Ein Mann fährt Fahrrad."
+# python the_annotated_transformer.py translate "Ein Hund." "Zwei Katzen."
+# python the_annotated_transformer.py translate < sentences.de > out.en
 # ```
 #
-# Each sub-command gets its own small parser function. Mistakes in the
-# input end with a one-line message and exit status 2.
+# A program for people should answer every mistake with one line that
+# says what is wrong, and exit status 2, never with a traceback: a bad
+# number or device, a missing, damaged or unsafe checkpoint, a file that
+# is not UTF-8. The first line of defence is argparse itself. Its `type`
+# functions refuse a count below 1 and a device this machine does not
+# have, and `OneLineParser` shortens argparse's own complaint (usage, then
+# the error) to a single line.
+
+
+# %%
+#| export
+def positive_int(text):
+    """argparse type: a whole number of at least 1."""
+    try:
+        number = int(text)
+    except ValueError:
+        number = None
+    if number is None or number < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, not {text}")
+    return number
+
+
+def existing_device(name):
+    """argparse type: a torch device that this machine has."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"{name!r} is not a device; try cpu, cuda or cuda:1"
+        ) from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count()  # 0 without CUDA
+        if (device.index or 0) >= count:
+            raise argparse.ArgumentTypeError(
+                f"no {name} here: this machine has {count} CUDA devices"
+            )
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise argparse.ArgumentTypeError("no mps (Apple GPU) here")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise argparse.ArgumentTypeError(f"{name} is not supported here")
+    return str(device)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors take one line of stderr."""
+
+    def error(self, message):
+        """Print `prog: error: message` on one line; exit with status 2."""
+        message = " ".join(message.split())
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
 # %%
@@ -755,24 +898,33 @@ def add_train_parser(sub):
     """`train`: its options."""
     train = sub.add_parser("train", help="train a model on Multi30k")
     train.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    train.add_argument("--epochs", type=int, help="override the epochs")
-    train.add_argument("--max-tokens", type=int, help="tokens per batch")
+    train.add_argument("--epochs", type=positive_int, help="epochs to train")
+    train.add_argument("--max-tokens", type=positive_int, help="batch size")
     train.add_argument("--checkpoint-dir", help="where checkpoints go")
     train.add_argument(
         "--resume",
         action="store_true",
-        help="continue from the newest epoch checkpoint",
+        help="continue from last.pt, the newest training state",
+    )
+    train.add_argument(
+        "--keep-last",
+        type=int,
+        metavar="K",
+        help="keep the newest K epoch checkpoints, for --average "
+        f"(default {TrainConfig.keep_last}; 0: all)",
     )
     train.add_argument(
         "--world-size",
-        type=int,
+        type=positive_int,
         default=1,
         help="processes to spawn (torchrun sets its own)",
     )
     train.add_argument(
         "--results", help="write a JSON summary here, including test BLEU"
     )
-    train.add_argument("--threads", type=int, help="CPU threads per process")
+    train.add_argument(
+        "--threads", type=positive_int, help="CPU threads per process"
+    )
 
 
 # %%
@@ -780,21 +932,34 @@ def add_train_parser(sub):
 def add_decoding_options(parser):
     """Options shared by `evaluate` and `translate`."""
     parser.add_argument("--checkpoint", default="checkpoints/cpu/final.pt")
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--batch-size",
+        type=positive_int,
+        default=128,
+        help="sentences decoded together",
+    )
+    parser.add_argument(
+        "--device", type=existing_device, default="cpu", help="cpu, cuda:0…"
+    )
     parser.add_argument(
         "--beam",
-        type=int,
+        type=positive_int,
         default=1,
         metavar="K",
         help="beam size (1: greedy)",
     )
     parser.add_argument(
         "--average",
-        type=int,
-        default=0,
+        type=positive_int,
         metavar="K",
         help="average the last K epoch checkpoints next to the checkpoint",
+    )
+    parser.add_argument(
+        "--no-replace-unk",
+        dest="replace_unk",
+        action="store_false",
+        help="keep <unk> in the output (default: copy the attended source "
+        "word; word vocabularies only)",
     )
 
 
@@ -817,13 +982,26 @@ def add_translate_parser(sub):
     """`translate`: its options."""
     translate = sub.add_parser("translate", help="translate German text")
     add_decoding_options(translate)
-    translate.add_argument("sentence", nargs="+", help="German text")
+    translate.add_argument(
+        "sentence",
+        nargs="*",
+        help="German sentences, one per argument (none, or -: read "
+        "standard input, one sentence per line)",
+    )
+    translate.add_argument(
+        "--input",
+        metavar="FILE",
+        help="translate FILE line by line (.gz is fine; -: standard input)",
+    )
 
 
 def build_parser():
     """The argparse parser of the command line."""
-    parser = argparse.ArgumentParser(
-        prog="the_annotated_transformer.py",
+    prog = os.path.basename(sys.argv[0] or "")
+    if prog != "annotated-transformer":  # the installed console script
+        prog = "the_annotated_transformer.py"
+    parser = OneLineParser(
+        prog=prog,
         description="Train, evaluate and use the Annotated Transformer on "
         "Multi30k German→English.",
     )
@@ -852,6 +1030,7 @@ def command_train(args):
             ("epochs", args.epochs),
             ("max_tokens", args.max_tokens),
             ("checkpoint_dir", args.checkpoint_dir),
+            ("keep_last", args.keep_last),
         )
         if v is not None
     }
@@ -882,72 +1061,128 @@ def command_train(args):
 
 
 # %% [markdown]
-# `evaluate` and `translate` load a model through `load_translator`
-# (cached greedy decoding, or beam search with `--beam`). `translate`
-# warns about German words that a word vocabulary does not know, since
-# they are read as `<unk>`.
+# `evaluate` and `translate` read and check their input before they load
+# anything, so that a mistake there costs no waiting. `load_for_decoding`
+# then loads the model through `load_translator` (cached greedy decoding,
+# or beam search with `--beam`) and refuses a beam wider than the target
+# vocabulary, which could never fill it.
 
 
 # %%
 #| export
+def load_for_decoding(args):
+    """`load_translator` for the command line, refusing a too-wide beam."""
+    model, vocab_src, vocab_tgt, decode_fn = load_translator(
+        args.checkpoint, args.device, args.beam, args.average
+    )
+    if args.beam > len(vocab_tgt):
+        raise UserError(
+            f"--beam {args.beam} is wider than the {len(vocab_tgt)} tokens "
+            f"of the target vocabulary of {args.checkpoint}"
+        )
+    return model, vocab_src, vocab_tgt, decode_fn
+
+
 def command_evaluate(args):
     """`evaluate`: BLEU of a checkpoint on a pair of files."""
     if (args.src is None) != (args.ref is None):
         raise UserError("give both --src and --ref, or neither")
-    model, vocab_src, vocab_tgt, decode_fn = load_translator(
-        args.checkpoint, args.device, args.beam, args.average
-    )
     if args.src is None:
         folder = download_multi30k()
         args.src = folder / "test_2016_flickr.de.gz"
         args.ref = folder / "test_2016_flickr.en.gz"
+    sources, references = read_parallel(args.src, args.ref)
+    model, vocab_src, vocab_tgt, decode_fn = load_for_decoding(args)
     spacy_de, _ = load_tokenizers()
-    bleu, hyps = evaluate_files(
-        model,
-        args.src,
-        args.ref,
-        spacy_de,
-        vocab_src,
-        vocab_tgt,
-        args.device,
-        args.batch_size,
-        decode_fn,
-    )
+    hyps = translate_batch(
+        model, sources, spacy_de, vocab_src, vocab_tgt, args.device,
+        args.batch_size, decode_fn=decode_fn, replace_unk=args.replace_unk,
+    )  # fmt: skip
     if args.out:
-        Path(args.out).write_text("\n".join(hyps) + "\n", encoding="utf-8")
-    print(bleu)
+        try:
+            Path(args.out).write_text("\n".join(hyps) + "\n", "utf-8")
+        except OSError as err:
+            raise UserError(f"cannot write {args.out}: {err}") from err
+    print(compute_bleu(hyps, references))
     return 0
+
+
+# %% [markdown]
+# `translate` prints one line for each sentence it is given, in order.
+# Given no sentence, or `-`, it reads standard input, one sentence per
+# line, and with `--input FILE` a file, as Unix filters and sacreBLEU do.
+# `translate_lines` streams such input: it reads `chunk` lines (eight
+# batches' worth), decodes them together in length-sorted batches, prints
+# their translations and reads on, so a long file never waits in memory
+# and never goes through the model one sentence at a time. An empty line
+# gets an empty line back, so that line $n$ of the output always
+# translates line $n$ of the input. Only a person typing at a terminal
+# gets each line translated as soon as it is typed.
 
 
 # %%
 #| export
-def command_translate(args):
-    """`translate`: print the English translation of German text."""
-    text = " ".join(args.sentence).strip()
-    if not text:
-        raise UserError("nothing to translate: the sentence is empty")
-    model, vocab_src, vocab_tgt, decode_fn = load_translator(
-        args.checkpoint, args.device, args.beam, args.average
-    )
-    spacy_de, _ = load_tokenizers()
+def translate_lines(lines, translate_fn, chunk=1024):
+    """Translations of `lines`, one list per `chunk` lines read."""
+    lines = iter(lines)
+    while batch := list(itertools.islice(lines, chunk)):
+        todo = [line for line in batch if line.strip()]
+        hyps = iter(translate_fn(todo) if todo else [])
+        yield [next(hyps) if line.strip() else "" for line in batch]
+
+
+def sentences_to_translate(args):
+    """What `translate` reads: its arguments, a file or standard input."""
+    if args.input is not None and args.sentence:
+        raise UserError("give sentences or --input FILE, not both")
+    if args.input is None and args.sentence in ([], ["-"]):
+        args.input = "-"
+    if args.input is not None:
+        return iter_lines(args.input)
+    for number, sentence in enumerate(args.sentence, 1):
+        if sentence == "-":
+            raise UserError("- (standard input) cannot follow sentences")
+        if not sentence.strip():
+            raise UserError(f"sentence {number} is empty: no German to read")
+    return iter(args.sentence)
+
+
+# %%
+#| export
+def warn_unknown_words(sentences, spacy_de, vocab_src):
+    """Name, on stderr, the words a word vocabulary reads as `<unk>`."""
     if isinstance(vocab_src, Vocab):  # (BPE can spell any known letters)
-        unknown = [t for t in tokenize(text, spacy_de) if t not in vocab_src]
+        words = [tokenize(s, spacy_de) for s in sentences]
+        unknown = {w: 1 for ws in words for w in ws if w not in vocab_src}
         if unknown:
             print(
                 "note: not in the vocabulary, read as <unk>: "
                 + ", ".join(unknown),
                 file=sys.stderr,
             )
-    hyps = translate_batch(
-        model,
-        [text],
-        spacy_de,
-        vocab_src,
-        vocab_tgt,
-        args.device,
-        decode_fn=decode_fn,
-    )
-    print(hyps[0])
+
+
+def command_translate(args):
+    """`translate`: one line of English per German sentence, in order."""
+    lines = sentences_to_translate(args)
+    typing = args.input == "-" and sys.stdin.isatty()
+    chunk = 1 if typing else 8 * args.batch_size
+    first = list(itertools.islice(lines, chunk))  # input errors come first
+    if not first:
+        where = "standard input" if args.input == "-" else args.input
+        raise UserError(f"nothing to translate: {where} is empty")
+    model, vocab_src, vocab_tgt, decode_fn = load_for_decoding(args)
+    spacy_de, _ = load_tokenizers()
+    if args.input is None:
+        warn_unknown_words(args.sentence, spacy_de, vocab_src)
+    translate_fn = functools.partial(
+        translate_batch, model, spacy_de=spacy_de, vocab_src=vocab_src,
+        vocab_tgt=vocab_tgt, device=args.device, batch_size=args.batch_size,
+        decode_fn=decode_fn, replace_unk=args.replace_unk,
+    )  # fmt: skip
+    stream = itertools.chain(first, lines)
+    for hyps in translate_lines(stream, translate_fn, chunk):
+        print(*hyps, sep="\n", flush=True)
     return 0
 
 
@@ -955,6 +1190,13 @@ def command_download(args):
     """`download`: fetch and verify Multi30k, print where it is."""
     print(download_multi30k())
     return 0
+
+
+# %% [markdown]
+# `main` runs a sub-command and turns every `UserError` and `DatasetError`
+# into `error: ...` on one line (a message of several lines is joined)
+# and exit status 2. It also hides the warning torch prints before it
+# refuses an old-style pickle, which would be a second line.
 
 
 # %%
@@ -969,24 +1211,50 @@ def main(argv=None):
         "translate": command_translate,
     }
     try:
-        return commands[args.command](args)
+        with warnings.catch_warnings():  # torch's note on an old pickle
+            warnings.filterwarnings("ignore", "Detected pickle protocol")
+            return commands[args.command](args)
     except (UserError, DatasetError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print("error: " + " ".join(str(err).split()), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader left early: `translate | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 # %% [markdown]
-# Check: the parser knows every sub-command, a bad input gives exit status
-# 2 and a message rather than a traceback, and `--epochs` reaches the
-# config.
+# Check, without loading a model: the parser knows every sub-command;
+# `translate_lines` keeps empty lines in place and decodes each chunk in
+# one call; a count of 0 and a file that is not UTF-8 are refused with one
+# line on stderr and status 2; and `--epochs` reaches the config.
 
 # %%
+import contextlib
+import io
+
 parser = build_parser()
 for command in ("download", "train", "evaluate", "translate"):
     assert command in parser.format_help()
-assert main(["translate", "  "]) == 2
+calls = []
+upper = lambda batch: calls.append(batch) or [s.upper() for s in batch]
+out = list(translate_lines(["a", "", "b", "c"], upper, chunk=2))
+assert out == [["A", ""], ["B", "C"]] and calls == [["a"], ["b", "c"]]
+with tempfile.TemporaryDirectory() as tmp:
+    Path(tmp, "de.txt").write_bytes("Gut.\nSch\xf6n.\n".encode("latin-1"))
+    for argv in (
+        ["translate", "--beam", "0", "Hallo"],
+        ["translate", "--input", f"{tmp}/de.txt"],
+    ):
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            try:
+                status = main(argv)
+            except SystemExit as stop:  # argparse's own errors
+                status = stop.code
+        print(err.getvalue(), end="")
+        assert status == 2 and err.getvalue().count("\n") == 1
+assert "line 2" in err.getvalue()
 args = parser.parse_args(["train", "--preset", "ci", "--epochs", "3"])
 assert get_config(args.preset, epochs=args.epochs).epochs == 3

@@ -66,6 +66,18 @@ def torch_mha(attn):
     return ref.eval()
 
 
+def torch_weights(attn, query, memory, src_mask):
+    """Per-head attention weights that torch computes with our weights."""
+    _, weights = torch_mha(attn)(
+        query,
+        memory,
+        memory,
+        key_padding_mask=~src_mask[:, 0],
+        average_attn_weights=False,
+    )
+    return weights[0]  # (h, T, S)
+
+
 def inputs():
     """Batched ids and masks for SRC and TGT, as training builds them."""
     src, tgt = torch.tensor([SRC]), torch.tensor([TGT[:-1]])  # (1, S), (1, T)
@@ -180,14 +192,8 @@ def test_encoder_layer_matches_torch_multihead_attention(model, maps):
         x = model.src_embed(src)  # (1, S, D)
         for n, layer in enumerate(model.encoder.layers):
             xn = layer.sublayer[0].norm(x)
-            _, ref = torch_mha(layer.self_attn)(
-                xn,
-                xn,
-                xn,
-                key_padding_mask=~src_mask[:, 0],
-                average_attn_weights=False,
-            )  # (1, h, S, S)
-            torch.testing.assert_close(maps.encoder_self[n], ref[0])
+            ref = torch_weights(layer.self_attn, xn, xn, src_mask)
+            torch.testing.assert_close(maps.encoder_self[n], ref)
             x = layer(x, src_mask)
 
 
@@ -201,14 +207,8 @@ def test_decoder_source_layer_matches_torch_multihead_attention(model, maps):
         layer = model.decoder.layers[1]
         x = layer.sublayer[0](x, lambda y: layer.self_attn(y, y, y, tgt_mask))
         query = layer.sublayer[1].norm(x)
-        _, ref = torch_mha(layer.src_attn)(
-            query,
-            memory,
-            memory,
-            key_padding_mask=~src_mask[:, 0],
-            average_attn_weights=False,
-        )  # (1, h, T, S)
-    torch.testing.assert_close(maps.decoder_src[1], ref[0])
+        ref = torch_weights(layer.src_attn, query, memory, src_mask)
+    torch.testing.assert_close(maps.decoder_src[1], ref)
 
 
 def test_decoder_self_layer_matches_a_softmax_by_hand(model, maps):

@@ -76,6 +76,36 @@ def test_real_token_flops_ignore_padding():
     assert total == one + two
 
 
+def loss_and_grads(model_cls, batch, V=50):
+    """Summed training loss and every gradient, dropout off."""
+    torch.manual_seed(0)
+    model = model_cls(V, V, 2, 32, 64, 4, 0.0)
+    criterion = tat.LabelSmoothing(
+        V, tat.PAD, 0.1, keep_targets=model_cls.keep_targets
+    )
+    logp = model.generator(model(batch))
+    loss = criterion(logp.reshape(-1, V), batch.tgt_y.reshape(-1))
+    loss.backward()
+    return loss, [p.grad for p in model.parameters()]
+
+
+def test_fast_paths_train_like_the_explained_ones():
+    batch = small_batch()
+    before = efficiency.OursBefore
+    assert before.keep_targets and not efficiency.Ours.keep_targets
+    norms = [m for m in before(50, 50, 2, 32, 64, 4, 0.0).modules()]
+    assert any(
+        m.forward.__func__ is efficiency.layer_norm_by_hand
+        for m in norms
+        if isinstance(m, tat.LayerNorm)
+    )
+    loss_fast, grads_fast = loss_and_grads(efficiency.Ours, batch)
+    loss_slow, grads_slow = loss_and_grads(before, batch)
+    torch.testing.assert_close(loss_fast, loss_slow)
+    for fast, slow in zip(grads_fast, grads_slow, strict=True):
+        torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-4)
+
+
 def test_help():
     proc = subprocess.run(
         [sys.executable, "bench/efficiency.py", "--help"],

@@ -198,3 +198,27 @@ def test_lesson_stats_command_runs():
     )
     assert proc.returncode == 0, proc.stderr
     assert "| 01_model |" in proc.stdout
+
+
+def test_readme_table_lists_every_notebook_as_measured():
+    paths = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
+    stats = [lesson_stats.measure(p) for p in paths]
+    readme = (ROOT / "README.md").read_text()
+    fresh = lesson_stats.with_readme_table(readme, stats)
+    assert fresh == readme, "README's notebook table is stale: make export"
+    for s in stats:
+        row = f"| [{s.name}](notebooks/{s.name}.ipynb) | {s.title} | "
+        assert row + f"{s.lines} | {s.ratio:.2f} |" in readme
+
+
+def test_readme_table_notices_a_changed_notebook(tmp_path):
+    path = tmp_path / "01_x.py"
+    path.write_text("# %% [markdown]\n# # Part 1\n\n# %%\na = 1\n")
+    stats = [lesson_stats.measure(path)]
+    readme = lesson_stats.with_readme_table(
+        f"intro\n{lesson_stats.START}\n{lesson_stats.END}\nrest\n", stats
+    )
+    assert "| Part 1 | 5 | 1.00 |" in readme and readme.endswith("rest\n")
+    path.write_text(path.read_text() + "b = 2\n")
+    stats = [lesson_stats.measure(path)]
+    assert lesson_stats.with_readme_table(readme, stats) != readme

@@ -148,21 +148,35 @@ def test_positional_encoding_matches_closed_form():
 
 
 # -------------------------------------------------------------- layer norm
-def test_layer_norm_matches_torch_layer_norm():
+def layer_norm_by_hand(x, gain, bias, eps):
+    """The formula in float64: gain * (x - mean) / sqrt(var + eps) + bias."""
+    x, gain, bias = x.double(), gain.double(), bias.double()
+    mean = x.mean(-1, keepdim=True)
+    var = ((x - mean) ** 2).mean(-1, keepdim=True)  # biased variance
+    return gain * (x - mean) / torch.sqrt(var + eps) + bias
+
+
+@pytest.mark.parametrize("eps", [1e-6, 1e-2])
+def test_layer_norm_matches_the_formula_with_gradients(eps):
     torch.manual_seed(0)
     d = 24
-    ln = tat.LayerNorm(d)
+    ln = tat.LayerNorm(d, eps=eps)
     with torch.no_grad():
         ln.a_2.copy_(torch.randn(d))
         ln.b_2.copy_(torch.randn(d))
-    x = torch.randn(4, 5, d) * 3 + 1
-    ref = F.layer_norm(x, (d,), weight=ln.a_2, bias=ln.b_2, eps=ln.eps)
-    torch.testing.assert_close(ln(x), ref, atol=1e-5, rtol=1e-5)
-    # The eps sits inside the square root: visible for tiny variance.
-    small = torch.randn(2, d) * 1e-3
-    ln_big_eps = tat.LayerNorm(d, eps=1e-4)
-    ref = F.layer_norm(small, (d,), eps=1e-4)
-    torch.testing.assert_close(ln_big_eps(small), ref, atol=1e-5, rtol=1e-4)
+    # Small inputs make the eps inside the square root visible.
+    x = (torch.randn(4, 5, d) * 0.1 + 1).requires_grad_()
+    grad = torch.randn(4, 5, d)
+    ours = ln(x)
+    ours.backward(grad)
+    got = [x.grad, ln.a_2.grad, ln.b_2.grad]
+    for t in (x, ln.a_2, ln.b_2):
+        t.grad = None
+    ref = layer_norm_by_hand(x, ln.a_2, ln.b_2, eps)
+    ref.backward(grad.double())
+    torch.testing.assert_close(ours, ref.float(), atol=1e-5, rtol=1e-5)
+    for g, t in zip(got, (x, ln.a_2, ln.b_2)):
+        torch.testing.assert_close(g, t.grad, atol=1e-4, rtol=1e-4)
 
 
 # -------------------------------------------------------- parameter counts

@@ -1,4 +1,4 @@
-"""Tests of Part 3's training, checkpoints, DDP, decoding and CLI."""
+"""Tests of Part 3's training, checkpoints, DDP and decoding."""
 
 import os
 from contextlib import contextmanager
@@ -51,6 +51,9 @@ def test_ci_training_lowers_the_loss(ci_run):
     assert losses[-1] < 0.95 * losses[0], losses
 
 
+RESUME_KEYS = ("optimizer", "scheduler", "train_state", "rng_state")
+
+
 def test_checkpoints_load_with_weights_only(ci_run):
     cfg, _ = ci_run
     epochs = tat.epoch_checkpoints(cfg.checkpoint_dir)
@@ -59,19 +62,57 @@ def test_checkpoints_load_with_weights_only(ci_run):
         "epoch_001.pt",
         "epoch_002.pt",
     ]
-    ckpt = torch.load(epochs[-1], map_location="cpu", weights_only=True)
-    for key in (
-        "model",
-        "optimizer",
-        "scheduler",
-        "train_state",
-        "config",
-        "vocab_src",
-        "vocab_tgt",
-        "rng_state",
-    ):
-        assert key in ckpt
-    assert not list(Path(cfg.checkpoint_dir).glob(".*part"))
+    folder = Path(cfg.checkpoint_dir)
+    for path in (*epochs, folder / "last.pt", folder / "final.pt"):
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        for key in ("model", "config", "vocab_src", "vocab_tgt", "epoch"):
+            assert key in ckpt, (path.name, key)
+    last = torch.load(folder / "last.pt", weights_only=True)
+    assert all(key in last for key in RESUME_KEYS)
+    assert last["epoch"] == 2
+    assert not list(folder.glob(".*part"))
+
+
+def test_epoch_checkpoints_are_lean_and_only_the_last_k_stay(
+    tmp_path, vocabs, tokenizers
+):
+    cfg = ci_config(tmp_path, epochs=4, keep_last=2, max_train_pairs=200)
+    train(cfg, vocabs, tokenizers)
+    folder = Path(cfg.checkpoint_dir)
+    epochs = tat.epoch_checkpoints(folder)
+    assert [p.name for p in epochs] == ["epoch_002.pt", "epoch_003.pt"]
+    states = []
+    for path in epochs:
+        ckpt = torch.load(path, weights_only=True)
+        assert not set(RESUME_KEYS) & ckpt.keys(), path.name
+        assert ckpt["epoch"] == int(path.stem[-3:])
+        states.append(ckpt["model"])
+    # last.pt: the newest weights, with the state that resuming needs
+    last = torch.load(folder / "last.pt", weights_only=True)
+    assert set(RESUME_KEYS) <= last.keys() and last["epoch"] == 3
+    assert_same_weights(last["model"], states[-1])
+    assert_same_weights(final_weights(cfg), states[-1])
+    assert last["optimizer"]["state"], "Adam's moments are saved"
+    # and the lean files still average: against a mean taken by hand
+    model, *_ = tat.load_translator(folder / "final.pt", average=2)
+    by_hand = {k: (states[0][k] + states[1][k]) / 2 for k in states[0]}
+    assert_same_weights(model.state_dict(), by_hand, atol=1e-6)
+    with pytest.raises(tat.UserError, match="--keep-last"):
+        tat.load_translator(folder / "final.pt", average=3)
+
+
+def test_resume_reads_an_older_full_epoch_file(tmp_path, vocabs, tokenizers):
+    """Runs from before last.pt kept the whole state in each epoch file."""
+    kw = dict(dropout=0.1, max_train_pairs=200)
+    whole = ci_config(tmp_path / "whole", epochs=2, **kw)
+    train(whole, vocabs, tokenizers)
+    old = ci_config(tmp_path / "old", epochs=1, **kw)
+    train(old, vocabs, tokenizers)
+    folder = Path(old.checkpoint_dir)
+    os.replace(folder / "last.pt", folder / "epoch_000.pt")  # old layout
+    (folder / "final.pt").unlink()
+    train(replace(old, epochs=2), vocabs, tokenizers, resume=True)
+    assert_same_weights(final_weights(whole), final_weights(old))
 
 
 def test_resumed_run_matches_uninterrupted_run(tmp_path, vocabs, tokenizers):
@@ -158,129 +199,6 @@ def test_bleu_is_cased_and_perfect_on_references():
     assert tat.compute_bleu(refs, refs).score == pytest.approx(100.0)
     lowered = [r.lower() for r in refs]
     assert tat.compute_bleu(lowered, refs).score < 100.0
-
-
-# --- command line -------------------------------------------------------
-
-
-def run_cli(capsys, *argv):
-    status = tat.main(list(argv))
-    out = capsys.readouterr()
-    return status, out.out, out.err
-
-
-def test_cli_translate(ci_run, tokenizers, capsys):
-    cfg, _ = ci_run
-    ckpt = str(Path(cfg.checkpoint_dir) / "final.pt")
-    sentence = "Ein Mann fährt mit dem Fahrrad."
-    status, out, err = run_cli(
-        capsys, "translate", "--checkpoint", ckpt, sentence
-    )
-    # The reference: the tutorial's one-sentence greedy_decode, by hand.
-    model, vocab_src, vocab_tgt, _ = tat.load_trained_model(ckpt)
-    ids = [tat.BOS, *tat.encode_text(sentence, tokenizers[0], vocab_src)]
-    src = torch.tensor([ids + [tat.EOS]])  # (1, S)
-    src_mask = torch.ones(1, 1, src.size(1), dtype=torch.bool)
-    with torch.no_grad():
-        ys = tat.greedy_decode(model, src, src_mask, src.size(1) + 50, tat.BOS)
-    expected = tat.decode_text(tat.strip_specials(ys[0].tolist()), vocab_tgt)
-    assert status == 0 and expected and out == expected + "\n"
-    status, out, err = run_cli(
-        capsys, "translate", "--checkpoint", ckpt, "Ein Quuxblorf."
-    )
-    assert status == 0 and "Quuxblorf" in err
-
-
-@pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["translate", "  "], "empty"),
-        (
-            ["translate", "--checkpoint", "nowhere.pt", "Hallo"],
-            "no checkpoint",
-        ),
-    ],
-)
-def test_cli_bad_input_gets_a_message(argv, message, capsys):
-    status, out, err = run_cli(capsys, *argv)
-    assert status == 2 and message in err and "Traceback" not in err
-
-
-def test_cli_rejects_a_foreign_checkpoint(tmp_path, capsys):
-    bogus = tmp_path / "other.pt"
-    torch.save({"model": {"w": torch.zeros(1)}}, bogus)
-    status, _, err = run_cli(
-        capsys, "translate", "--checkpoint", str(bogus), "Hallo"
-    )
-    assert status == 2 and "does not match" in err
-    garbage = tmp_path / "garbage.pt"
-    garbage.write_bytes(b"not a checkpoint")
-    status, _, err = run_cli(
-        capsys, "translate", "--checkpoint", str(garbage), "Hallo"
-    )
-    assert status == 2 and "not a readable checkpoint" in err
-
-
-def test_cli_evaluate_files(ci_run, tmp_path, capsys):
-    cfg, _ = ci_run
-    ckpt = str(Path(cfg.checkpoint_dir) / "final.pt")
-    pairs = tat.read_multi30k("val")[:20]
-    src, ref = tmp_path / "src.de", tmp_path / "ref.en"
-    src.write_text("\n".join(de for de, _ in pairs) + "\n")
-    ref.write_text("\n".join(en for _, en in pairs) + "\n")
-    out = tmp_path / "hyp.en"
-    status, stdout, _ = run_cli(
-        capsys,
-        "evaluate",
-        "--checkpoint",
-        ckpt,
-        "--src",
-        str(src),
-        "--ref",
-        str(ref),
-        "--out",
-        str(out),
-    )
-    hyps = out.read_text().splitlines()
-    assert status == 0 and len(hyps) == 20
-    # The printed score is sacreBLEU's on the written hypotheses.
-    import sacrebleu
-
-    refs = [en for _, en in pairs]
-    expected = sacrebleu.corpus_bleu(hyps, [refs]).score
-    assert stdout.startswith(f"BLEU = {expected:.2f} ")
-    ref.write_text("\n".join(en for _, en in pairs[:5]) + "\n")
-    status, _, err = run_cli(
-        capsys,
-        "evaluate",
-        "--checkpoint",
-        ckpt,
-        "--src",
-        str(src),
-        "--ref",
-        str(ref),
-    )
-    assert status == 2 and "20 lines" in err and "5" in err
-
-
-@pytest.mark.parametrize("command", ["train", "evaluate", "translate"])
-def test_cli_help(command, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        tat.main([command, "--help"])
-    assert exit_info.value.code == 0
-    assert capsys.readouterr().out.startswith("usage:")
-
-
-def test_cli_defaults_fit_together():
-    # With no options, evaluate and translate read the checkpoint that
-    # train writes with no options.
-    parser = tat.build_parser()
-    preset = parser.parse_args(["train"]).preset
-    written = Path(tat.get_config(preset).checkpoint_dir) / "final.pt"
-    for argv in (["evaluate"], ["translate", "Hallo"]):
-        args = parser.parse_args(argv)
-        assert Path(args.checkpoint) == written, argv
-        assert args.beam == 1 and args.average == 0  # plain greedy
 
 
 def test_run_epoch_enters_autocast_once_per_micro_batch():

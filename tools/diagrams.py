@@ -136,6 +136,14 @@ def text(x, y, words, size=12, anchor="middle", color="#222") -> str:
     )
 
 
+def heading(x, width, title, note) -> list[str]:
+    """A title line and a grey note under it, centred over `width`."""
+    return [
+        text(x + width / 2, 40, title, 13),
+        text(x + width / 2, 60, note, 10, color="#666"),
+    ]
+
+
 def document(width, height, title, parts) -> str:
     """Wrap drawing parts into a standalone SVG document."""
     head = (
@@ -285,15 +293,13 @@ def attention_svg() -> str:
         arrow(masked.top, soft.bottom),
         arrow(soft.top, (x + 80, out.y + 40)),
         arrow(v.top, out.right, [(v.top[0], out.right[1])]),
-        text(x + W / 2, 40, "attention(query, key, value, mask)", 13),
-        text(
-            x + W / 2,
-            60,
-            "'..' = (B, h) batch and head axes",
-            10,
-            color="#666",
-        ),
     ]
+    parts += heading(
+        x,
+        W,
+        "attention(query, key, value, mask)",
+        "'..' = (B, h) batch and head axes",
+    )
     return document(350, 530, "Scaled dot-product attention", parts)
 
 
@@ -325,15 +331,13 @@ def multihead_svg() -> str:
         arrow(split.top, attend.bottom),
         arrow(attend.top, merge.bottom),
         arrow(merge.top, out.bottom),
-        text(x + W / 2, 40, "MultiHeadedAttention(h, d_model)", 13),
-        text(
-            x + W / 2,
-            60,
-            "d_k = d_model / h; h heads in one batched call",
-            10,
-            color="#666",
-        ),
     ]
+    parts += heading(
+        x,
+        W,
+        "MultiHeadedAttention(h, d_model)",
+        "d_k = d_model / h; h heads in one batched call",
+    )
     return document(420, 530, "Multi-head attention", parts)
 
 

@@ -2,7 +2,9 @@
 
     python tools/lesson_stats.py             # a Markdown table
     python tools/lesson_stats.py --check     # exit 1 when a lesson is over
-                                             # its targets (see LIMITS)
+                                             # its targets (see LIMITS) or
+                                             # README's table is out of date
+    python tools/lesson_stats.py --readme    # rewrite README's table
 
 Prose is every line of the markdown cells; code is every non-blank line of
 the code cells. The lessons are notebooks 01-05; the appendix (06) is
@@ -19,6 +21,13 @@ from pathlib import Path
 import jupytext
 
 ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+START, END = "<!-- notebooks: start -->", "<!-- notebooks: end -->"
+COLAB = (
+    "https://colab.research.google.com/github/annotated-transformer/"
+    "done-right/blob/main/notebooks/"
+)
+BADGE = "https://colab.research.google.com/assets/colab-badge.svg"
 LESSONS = ("01", "02", "03", "04", "05")
 LIMITS = {"lines": 900, "min_ratio": 0.45, "cell": 40, "mentions_2022": 3}
 
@@ -97,16 +106,52 @@ def table(stats: list[Stats]) -> str:
     return "\n".join(rows)
 
 
+def readme_table(stats: list[Stats]) -> str:
+    """README's table: each notebook, what it teaches, its size, Colab."""
+    rows = [
+        START,
+        "| notebook | teaches | lines | prose : code | |",
+        "|---|---|---:|---:|---|",
+    ]
+    for s in stats:
+        link = f"[{s.name}](notebooks/{s.name}.ipynb)"
+        colab = f"[![Open in Colab]({BADGE})]({COLAB}{s.name}.ipynb)"
+        rows.append(
+            f"| {link} | {s.title} | {s.lines} | {s.ratio:.2f} | {colab} |"
+        )
+    return "\n".join([*rows, END])
+
+
+def with_readme_table(readme: str, stats: list[Stats]) -> str:
+    """The README text with its notebook table replaced by a fresh one."""
+    head, found, rest = readme.partition(START)
+    _, found_end, tail = rest.partition(END)
+    if not (found and found_end):
+        raise SystemExit(f"README.md lacks the markers {START} ... {END}")
+    return head + readme_table(stats) + tail
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--check", action="store_true", help="exit 1 when a lesson misses"
+        "--check",
+        action="store_true",
+        help="exit 1 when a lesson misses or README's table is stale",
+    )
+    parser.add_argument(
+        "--readme", action="store_true", help="rewrite README's table"
     )
     args = parser.parse_args(argv)
     paths = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
     stats = [measure(p) for p in paths]
     print(table(stats))
     failed = [(s.name, p) for s in stats for p in problems(s)]
+    readme = README.read_text()
+    fresh = with_readme_table(readme, stats)
+    if args.readme and fresh != readme:
+        README.write_text(fresh)
+    elif fresh != readme:
+        failed.append(("README.md", "table out of date (make export)"))
     for name, p in failed:
         print(f"{name}: {p}", file=sys.stderr)
     return 1 if args.check and failed else 0
