@@ -13,7 +13,7 @@ AT_SIZE ?= full
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.py))
 
 .PHONY: all setup notebook export check-sync test notebook-test lint format \
-        html site-test browser bench train check clean help
+        html site-test site browser bench train check clean help
 
 all: check
 
@@ -64,9 +64,11 @@ bench: setup  ## speed benchmarks (prints medians and ratios)
 	$(PY) bench/batching.py
 	$(PY) bench/decoding.py
 
-train: setup  ## train the cpu preset, then score test2016 into results/
+train: setup  ## train the cpu and cpu-bpe presets; test BLEU into results/
 	$(PY) the_annotated_transformer.py train --preset cpu \
 	  --results results/multi30k_cpu.json
+	$(PY) the_annotated_transformer.py train --preset cpu-bpe \
+	  --results results/multi30k_cpu-bpe.json
 
 # Debian's chromium, for the site test (root, or sudo, for apt-get).
 SUDO := $(shell test "$$(id -u)" = 0 || echo sudo)
@@ -83,10 +85,14 @@ html: setup  ## execute every notebook CI-sized, once, and render site/
 site-test: setup  ## open every page of site/ in headless Chromium
 	$(PY) -m pytest -q tests/test_site.py
 
+site: setup  ## full-size site in site-full/, from the checkpoints of `make train`
+	$(PY) tools/build_site.py --size full --out site-full --runs runs/site-full
+	AT_SITE=site-full $(PY) -m pytest -q tests/test_site.py
+
 # `html` is the notebook test of `check`: it executes every notebook once and
 # stops on the first failing cell, naming the notebook and the cell.
 # `notebook-test` runs the same notebooks under nbmake, for use on its own.
 check: test html site-test  ## everything CI runs
 
 clean:
-	rm -rf runs site test-output .pytest_cache
+	rm -rf runs site site-full test-output .pytest_cache

@@ -1481,7 +1481,7 @@ def load_trained_model(path, device="cpu"):
         sizes = (len(vocab_src), len(vocab_tgt))
         model = model_from_config(config, *sizes, dropout=0.0)
         model.load_state_dict(ckpt["model"])
-    except (KeyError, TypeError, RuntimeError) as err:
+    except Exception as err:  # keys, types or sizes that are not ours
         message = f"{path} does not match this code's Multi30k model: {err}"
         raise UserError(message) from err
     return model.to(device).eval(), vocab_src, vocab_tgt, config
@@ -3062,7 +3062,7 @@ def sentences_to_translate(args):
         return iter_lines(args.input)
     for number, sentence in enumerate(args.sentence, 1):
         if sentence == "-":
-            raise UserError("- (standard input) cannot follow sentences")
+            raise UserError("- (standard input) cannot mix with sentences")
         if not sentence.strip():
             raise UserError(f"sentence {number} is empty: no German to read")
     return iter(args.sentence)

@@ -559,7 +559,9 @@ save_chart(attention_chart(maps, "decoder self"), "04_decoder_self", FIGURES)
 # draws a rough diagonal here. The tooltip also shows the next token, the
 # word each row is asked to predict, which is the alignment to read: in an
 # aligning head, the row whose next token is "dog" puts its weight on a
-# "Hund".
+# "Hund". `translate` (appendix) puts this alignment to use: where the
+# word model writes `<unk>`, it copies the German word that the last
+# layer's source attention, averaged over heads, weighs most.
 
 # %%
 save_chart(

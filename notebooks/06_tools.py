@@ -67,6 +67,7 @@ from the_annotated_transformer import load_tokenizers, load_trained_model
 from the_annotated_transformer import load_translator, read_multi30k
 from the_annotated_transformer import strip_specials, tokenize, train_worker
 from the_annotated_transformer import UNK, record_attention, subsequent_mask
+from the_annotated_transformer import attention_maps, make_model
 
 # %% [markdown]
 # ## Downloading Multi30k
@@ -605,6 +606,28 @@ def replace_unknowns(ids, aligned, src_words, vocab_tgt):
 
 
 # %% [markdown]
+# **See, it matches.** For a small random model and three sentences of
+# different lengths decoded as one padded batch, the alignment equals the
+# argmax of Part 4's `attention_maps`, computed for each sentence alone
+# and without padding, over its words.
+
+# %%
+torch.manual_seed(0)
+toy = make_model(20, 20, N=2, d_model=32, d_ff=64, h=4).eval()
+rows = [[BOS, *range(4, 4 + n), EOS] for n in (7, 3, 5)]
+src, _ = collate_batch([(r, []) for r in rows])  # (B, S)
+src_mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
+out = cached_greedy_decode(toy, src, src_mask, 8)  # (B, L)
+aligned = source_alignment(toy, src, src_mask, out)  # (B, L - 1)
+for ids, row, at in zip(rows, out.tolist(), aligned.tolist(), strict=True):
+    maps = attention_maps(toy, ids, [BOS, *strip_specials(row), EOS])
+    words = maps.decoder_src[-1].mean(0)[:, 1 : len(ids) - 1]  # (T, words)
+    alone = (words.argmax(-1) + 1).tolist()  # back to source positions
+    m = min(len(alone), len(at))  # rows up to </s>
+    assert at[:m] == alone[:m] and all(1 <= j < len(ids) - 1 for j in at)
+
+
+# %% [markdown]
 # `translate_batch` sorts the sentences by length so that a batch wastes
 # little on padding, decodes up to the source length + 50 tokens (the
 # paper's limit), replaces unknown words (unless `replace_unk=False`), and
@@ -828,7 +851,7 @@ def write_results(path, checkpoint, wall_time):
 # ## The command line
 #
 # The exported module doubles as a program with four sub-commands. After
-# `pip install .` the same program is also on the path as
+# `pip install ".[cli]"` the same program is also on the path as
 # `annotated-transformer`.
 #
 # ```
@@ -843,10 +866,10 @@ def write_results(path, checkpoint, wall_time):
 # A program for people should answer every mistake with one line that
 # says what is wrong, and exit status 2, never with a traceback: a bad
 # number or device, a missing, damaged or unsafe checkpoint, a file that
-# is not UTF-8. The first line of defence is argparse itself. Its `type`
-# functions refuse a count below 1 and a device this machine does not
-# have, and `OneLineParser` shortens argparse's own complaint (usage, then
-# the error) to a single line.
+# is not UTF-8. Mistakes in the arguments are argparse's to catch. Its
+# `type` functions refuse a count below 1 and a device this machine does
+# not have, and `OneLineParser` shortens argparse's own complaint (the
+# usage, then the error) to a single line.
 
 
 # %%
@@ -1141,10 +1164,16 @@ def sentences_to_translate(args):
         return iter_lines(args.input)
     for number, sentence in enumerate(args.sentence, 1):
         if sentence == "-":
-            raise UserError("- (standard input) cannot follow sentences")
+            raise UserError("- (standard input) cannot mix with sentences")
         if not sentence.strip():
             raise UserError(f"sentence {number} is empty: no German to read")
     return iter(args.sentence)
+
+
+# %% [markdown]
+# For sentences given as arguments, `translate` also names, on stderr, the
+# German words that a word vocabulary does not know and reads as `<unk>`.
+# It does not for a file or a stream, where such notes would pile up.
 
 
 # %%

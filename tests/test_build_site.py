@@ -188,3 +188,31 @@ def test_a_failing_cell_stops_the_build_naming_notebook_and_cell(tmp_path):
     assert message.startswith('07_broken.py: code cell 2 ("raise')
     assert "ValueError" in message and "boom" in message
     assert (tmp_path / "runs" / "07_broken.ipynb").exists()
+
+
+def test_provenance_names_the_models_a_notebook_printed():
+    nb = v4.new_notebook()
+    stream = v4.new_output(
+        "stream",
+        name="stdout",
+        text="model: checkpoints/cpu/final.pt, preset cpu\nloss 1.2\n",
+    )
+    again = v4.new_output(
+        "stream",
+        name="stdout",
+        text="model: checkpoints/cpu/final.pt, "
+        "preset cpu\nmodel: checkpoints/cpu-bpe/final.pt <b>\n",
+    )
+    nb.cells = [
+        v4.new_code_cell("x", outputs=[stream]),
+        v4.new_code_cell("y", outputs=[again]),
+    ]
+    assert build_site.models_used(nb) == [
+        "checkpoints/cpu/final.pt, preset cpu",
+        "checkpoints/cpu-bpe/final.pt <b>",
+    ]
+    line = build_site.provenance(nb, "full")
+    assert "AT_SIZE=full" in line and "preset cpu;" in line
+    assert "&lt;b&gt;" in line and "<b>" not in line  # escaped
+    empty = build_site.provenance(v4.new_notebook(), "ci")
+    assert "AT_SIZE=ci" in empty and "no trained checkpoint" in empty

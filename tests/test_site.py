@@ -3,8 +3,9 @@
 Serves site/ on 127.0.0.1 and opens every page in Debian's chromium
 through Playwright. Each page must log no console error, fetch nothing from
 another host, draw every chart and typeset its math. Screenshots go to
-test-output/screenshots/. Without Chromium or without a built site the
-tests skip locally and fail under CI (CI=true).
+test-output/screenshots-site/. With AT_SITE=site-full it checks the
+full-size build of `make site` instead. Without Chromium or without a
+built site the tests skip locally and fail under CI (CI=true).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from urllib.parse import urlparse
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SITE = ROOT / "site"
-SHOTS = ROOT / "test-output" / "screenshots"
+# AT_SITE=site-full checks the full-size build of `make site` instead.
+SITE = ROOT / os.environ.get("AT_SITE", "site")
+SHOTS = ROOT / "test-output" / f"screenshots-{SITE.name}"
 CHROMIUM = Path(os.environ.get("AT_CHROMIUM", "/usr/bin/chromium"))
 CHROMIUM_ARGS = [
     "--no-sandbox",

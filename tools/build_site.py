@@ -115,6 +115,7 @@ PAGE_TEMPLATE = """\
 {% block body_header %}
 {{ super() }}
 {{ resources.site.nav }}
+<p class="at-provenance">{{ resources.site.provenance }}</p>
 {% endblock %}
 {% block body_footer %}
 {{ resources.site.nav }}
@@ -135,7 +136,7 @@ INDEX_TEMPLATE = """\
 <body class="at-index">
 <main>
 <h1>{title}</h1>
-<p>The notebooks, in reading order, executed at CI size.</p>
+<p>The notebooks, in reading order, executed with {size}.</p>
 <ol class="at-toc">
 {items}
 </ol>
@@ -156,6 +157,8 @@ main + .at-nav { border-top: 1px solid #ddd; border-bottom: none; }
 .at-toc li { margin: 0.4em 0; }
 .at-toc a { color: #1a5fb4; text-decoration: none; }
 .at-toc .at-file { color: #777; font-size: 0.85em; margin-left: 0.5em; }
+.at-provenance { background: #f4f6fa; border-left: 3px solid #1a5fb4;
+  padding: 0.4em 0.8em; font-size: 0.9em; }
 .at-chart { min-height: 1em; }
 """
 
@@ -489,7 +492,40 @@ def check_offline(page: str, name: str) -> None:
         )
 
 
-def render_pages(notebooks, sources, out: Path) -> list[str]:
+SIZES = {
+    "ci": "AT_SIZE=ci (small models, trained in minutes)",
+    "full": "AT_SIZE=full (full-size models)",
+}
+MODEL_LINE = "model: "  # how a notebook names a model it loaded or trained
+
+
+def models_used(nb) -> list[str]:
+    """The `model: ...` lines a notebook printed, in order, once each."""
+    found = []
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            if output.get("output_type") != "stream":
+                continue
+            for line in output.get("text", "").splitlines():
+                if line.startswith(MODEL_LINE) and line not in found:
+                    found.append(line)
+    return [line.removeprefix(MODEL_LINE) for line in found]
+
+
+def provenance(nb, size: str) -> str:
+    """One sentence for the top of a page: what produced its outputs."""
+    where = html.escape(SIZES.get(size, f"AT_SIZE={size}"))
+    models = models_used(nb)
+    if not models:
+        return (
+            f"Outputs on this page were computed with {where}; it loads no "
+            "trained checkpoint."
+        )
+    listed = "; ".join(html.escape(m) for m in models)
+    return f"Outputs on this page were computed with {where}, by: {listed}."
+
+
+def render_pages(notebooks, sources, out: Path, size="ci") -> list[str]:
     """Write one page per notebook; return the Vega-Lite schemas used."""
     pages = [
         (s.stem, first_heading(nb, s.stem))
@@ -506,6 +542,7 @@ def render_pages(notebooks, sources, out: Path) -> list[str]:
             "nav": nav_html(pages, i),
             "math": math_count(nb),
             "charts": len(charts),
+            "provenance": provenance(nb, size),
         }
         resources = {"site": site, "metadata": {"path": str(source.parent)}}
         body, _ = export.from_notebook_node(nb, resources=resources)
@@ -520,7 +557,11 @@ def render_pages(notebooks, sources, out: Path) -> list[str]:
         f'<span class="at-file">{name}</span></li>'
         for name, title in pages
     )
-    index = INDEX_TEMPLATE.format(title=SITE_TITLE, items=items)
+    index = INDEX_TEMPLATE.format(
+        title=SITE_TITLE,
+        items=items,
+        size=html.escape(SIZES.get(size, f"AT_SIZE={size}")),
+    )
     (out / "index.html").write_text(index, encoding="utf-8")
     return schemas
 
@@ -553,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  done in {time.perf_counter() - start:.0f} s", flush=True)
     clean(args.out)
     print(f"rendering {len(notebooks)} pages into {args.out}")
-    schemas = render_pages(notebooks, sources, args.out)
+    schemas = render_pages(notebooks, sources, args.out, args.size)
     static = args.out / "static"
     write_static(static)
     if schemas:
