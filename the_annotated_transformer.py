@@ -177,6 +177,7 @@ __all__ = [
     "translate",
     "check_outputs",
     "run_model_example",
+    "describe_checkpoint",
     "iter_lines",
     "read_lines",
     "read_parallel",
@@ -2710,6 +2711,27 @@ def run_model_example(checkpoint="checkpoints/cpu/final.pt", n_examples=5):
     pairs = read_multi30k("val")
     return check_outputs(
         model, pairs, spacy_de, vocab_src, vocab_tgt, n_examples
+    )
+
+
+# -----------------------------------------------------------------------------
+# Which model is this?
+# Explained in notebooks/06_tools.py, same heading.
+# -----------------------------------------------------------------------------
+def describe_checkpoint(path):
+    """One line: a checkpoint's file, preset, sizes and training."""
+    ckpt = load_checkpoint(path)
+    c, history = ckpt["config"], ckpt.get("history") or []
+    pairs = c.get("max_train_pairs") or 0
+    data = f"{pairs:,d} training pairs" if pairs else "all training pairs"
+    trained = f"{len(history)} epochs on {data}"
+    if history:
+        trained += f", validation loss {history[-1]['val_loss']:.2f}"
+    name = f"{Path(path).parent.name}/{Path(path).name}"
+    return (
+        f"{name}, preset {c.get('preset', '?')} (N={c['N']}, "
+        f"d_model={c['d_model']}, h={c['h']}, "
+        f"{c.get('tokenization', 'word')} vocabulary), {trained}"
     )
 
 

@@ -861,6 +861,7 @@ def strip_specials(ids, end_symbol=EOS):
 
 # %%
 model, *vocabs, _ = load_trained_model(final_checkpoint)  # its vocabularies
+print("model:", tat.describe_checkpoint(final_checkpoint))
 batch = encode_pairs(splits["val"][:12], *vocabs, *tokenizers)
 src, _ = collate_batch(batch)
 batched = batch_greedy_decode(model, src, (src != PAD).unsqueeze(-2), 20)

@@ -69,7 +69,7 @@ from the_annotated_transformer import get_config, load_tokenizers
 from the_annotated_transformer import load_trained_model, load_vocab
 from the_annotated_transformer import make_model, read_multi30k, save_chart
 from the_annotated_transformer import subsequent_mask, tokenize, train_worker
-from the_annotated_transformer import translate_batch
+from the_annotated_transformer import describe_checkpoint, translate_batch
 
 FIGURES = os.path.join(ROOT, "figures")
 
@@ -292,7 +292,7 @@ spacy_de, spacy_en = load_tokenizers()
 checkpoint = attention_checkpoint(spacy_de, spacy_en)
 model, vocab_src, vocab_tgt, config = load_trained_model(checkpoint)
 N, h = len(model.encoder.layers), model.encoder.layers[0].self_attn.h
-print(f"{os.path.relpath(checkpoint, ROOT)}: N={N} layers, h={h} heads")
+print("model:", describe_checkpoint(checkpoint))
 
 # %% [markdown]
 # The sentence is validation pair 6, which has one word twice on each side

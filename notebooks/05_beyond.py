@@ -64,7 +64,7 @@ from the_annotated_transformer import load_checkpoint, load_tokenizers
 from the_annotated_transformer import load_trained_model, load_vocab
 from the_annotated_transformer import make_model, read_multi30k, strip_specials
 from the_annotated_transformer import subsequent_mask, tokenize, train_worker
-from the_annotated_transformer import translate_batch
+from the_annotated_transformer import describe_checkpoint, translate_batch
 
 # %% [markdown]
 # ## The models we look at
@@ -96,7 +96,7 @@ spacy_de, spacy_en = load_tokenizers()
 splits = {split: read_multi30k(split) for split in ("val", "test")}
 checkpoint = trained_checkpoint("cpu", load_vocab(spacy_de, spacy_en))
 model, vocab_src, vocab_tgt, config = load_trained_model(checkpoint)
-print(f"{config.preset}: {count_parameters(model):,d} parameters")
+print("model:", describe_checkpoint(checkpoint))
 vocabs = (vocab_src, vocab_tgt, spacy_de, spacy_en)
 src, _ = collate_batch(encode_pairs(splits["val"][:16], *vocabs))  # (B, S)
 src_mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
@@ -758,6 +758,7 @@ del tied
 # %%
 bpe_checkpoint = trained_checkpoint("cpu-bpe", (bpe, bpe))
 bpe_model, bpe_src, bpe_tgt, bpe_config = load_trained_model(bpe_checkpoint)
+print("model:", describe_checkpoint(bpe_checkpoint))
 proj = bpe_model.generator.proj.weight
 assert proj is bpe_model.src_embed[0].lut.weight  # still tied after loading
 for de, en in splits["val"][:3]:

@@ -733,6 +733,35 @@ def run_model_example(checkpoint="checkpoints/cpu/final.pt", n_examples=5):
 
 
 # %% [markdown]
+# ## Which model is this?
+#
+# A translation, an attention map or a BLEU score means little without
+# the model behind it. `describe_checkpoint` names a checkpoint in one
+# line: its preset and sizes, its vocabulary and how long it trained. The
+# notebooks print it as `model: ...` whenever they load one, and the
+# website puts those lines at the top of each page.
+
+
+# %%
+#| export
+def describe_checkpoint(path):
+    """One line: a checkpoint's file, preset, sizes and training."""
+    ckpt = load_checkpoint(path)
+    c, history = ckpt["config"], ckpt.get("history") or []
+    pairs = c.get("max_train_pairs") or 0
+    data = f"{pairs:,d} training pairs" if pairs else "all training pairs"
+    trained = f"{len(history)} epochs on {data}"
+    if history:
+        trained += f", validation loss {history[-1]['val_loss']:.2f}"
+    name = f"{Path(path).parent.name}/{Path(path).name}"
+    return (
+        f"{name}, preset {c.get('preset', '?')} (N={c['N']}, "
+        f"d_model={c['d_model']}, h={c['h']}, "
+        f"{c.get('tokenization', 'word')} vocabulary), {trained}"
+    )
+
+
+# %% [markdown]
 # ## Reading text files
 #
 # `iter_lines` reads the text to translate or score one line at a time:

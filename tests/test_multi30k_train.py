@@ -33,7 +33,8 @@ def final_weights(cfg):
 def assert_same_weights(a, b, atol=0.0):
     assert a.keys() == b.keys()
     for key in a:
-        assert torch.allclose(a[key], b[key], atol=atol, rtol=0), key
+        gap = (a[key].float() - b[key].float()).abs().max().item()
+        assert gap <= atol, f"{key}: weights differ by {gap:.2e}"
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +51,19 @@ def test_ci_training_lowers_the_loss(ci_run):
     assert len(losses) == 3
     assert all(b < a for a, b in zip(losses, losses[1:])), losses
     assert losses[-1] < 0.95 * losses[0], losses
+
+
+def test_describe_checkpoint_names_the_model_and_its_training(ci_run):
+    cfg, history = ci_run
+    path = Path(cfg.checkpoint_dir) / "final.pt"
+    line = tat.describe_checkpoint(path)
+    folder = Path(cfg.checkpoint_dir).name
+    assert line.startswith(f"{folder}/final.pt, preset ci (N={cfg.N}, ")
+    assert f"d_model={cfg.d_model}, h={cfg.h}, word vocabulary" in line
+    assert (
+        f"{len(history)} epochs on {cfg.max_train_pairs:,d} training" in line
+    )
+    assert line.endswith(f"validation loss {history[-1]['val_loss']:.2f}")
 
 
 RESUME_KEYS = ("optimizer", "scheduler", "train_state", "rng_state")
@@ -151,7 +165,11 @@ def test_two_processes_match_one_process_with_accumulation(
     tat.train_distributed_model(*vocabs, *tokenizers, two, world_size=2)
     ckpt = torch.load(Path(two.checkpoint_dir) / "final.pt", weights_only=True)
     assert ckpt["ranks_in_sync"] is True
-    assert_same_weights(final_weights(base), ckpt["model"], atol=1e-5)
+    # Summing gradients across processes reorders float additions; Adam
+    # turns such rounding into weight gaps of about 1e-4 over this run,
+    # where the learning rate moves weights by about 5e-2 a step. A
+    # missing or doubled batch would show up as gaps of that size.
+    assert_same_weights(final_weights(base), ckpt["model"], atol=5e-4)
 
 
 def test_batch_greedy_matches_one_sentence_at_a_time(ci_run, tokenizers):
