@@ -184,6 +184,7 @@ __all__ = [
     "evaluate_files",
     "write_results",
     "positive_int",
+    "count_or_zero",
     "existing_device",
     "OneLineParser",
     "add_train_parser",
@@ -2217,6 +2218,9 @@ def average_checkpoints(paths, device="cpu"):
     }
     for path in paths:
         state = load_checkpoint(path, device)["model"]
+        shapes = {n: state[n].shape for n in sums if n in state}
+        if shapes != {n: s.shape for n, s in sums.items()}:
+            raise UserError(f"{path} is not the same model as {paths[0]}")
         for name in sums:
             sums[name] += state[name].double()
         for name, b in buffers.items():
@@ -2661,7 +2665,8 @@ def translate_batch(
         if replace_unk and (out == UNK).any():  # one more decoder pass
             aligned = source_alignment(model, src, mask, out).tolist()
         for i, row, at in zip(idx, out.tolist(), aligned, strict=True):
-            ids = strip_specials(row)
+            # Stop at this sentence's own limit, whatever its batch-mates.
+            ids = strip_specials(row[: len(encoded[i]) + max_extra])
             if at is None:
                 results[i] = decode_text(ids, vocab_tgt)
             else:
@@ -2834,15 +2839,22 @@ def write_results(path, checkpoint, wall_time):
 # The command line
 # Explained in notebooks/06_tools.py, same heading.
 # -----------------------------------------------------------------------------
-def positive_int(text):
-    """argparse type: a whole number of at least 1."""
+def positive_int(text, least=1):
+    """argparse type: a whole number of at least 1 (or `least`)."""
     try:
         number = int(text)
     except ValueError:
         number = None
-    if number is None or number < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, not {text}")
+    if number is None or number < least:
+        raise argparse.ArgumentTypeError(
+            f"expected a number >= {least}, not {text}"
+        )
     return number
+
+
+def count_or_zero(text):
+    """argparse type: a whole number of at least 0."""
+    return positive_int(text, least=0)
 
 
 def existing_device(name):
@@ -2889,7 +2901,7 @@ def add_train_parser(sub):
     )
     train.add_argument(
         "--keep-last",
-        type=int,
+        type=count_or_zero,
         metavar="K",
         help="keep the newest K epoch checkpoints, for --average "
         f"(default {TrainConfig.keep_last}; 0: all)",

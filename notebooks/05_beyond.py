@@ -807,6 +807,9 @@ def average_checkpoints(paths, device="cpu"):
     }
     for path in paths:
         state = load_checkpoint(path, device)["model"]
+        shapes = {n: state[n].shape for n in sums if n in state}
+        if shapes != {n: s.shape for n, s in sums.items()}:
+            raise UserError(f"{path} is not the same model as {paths[0]}")
         for name in sums:
             sums[name] += state[name].double()
         for name, b in buffers.items():

@@ -666,7 +666,8 @@ def translate_batch(
         if replace_unk and (out == UNK).any():  # one more decoder pass
             aligned = source_alignment(model, src, mask, out).tolist()
         for i, row, at in zip(idx, out.tolist(), aligned, strict=True):
-            ids = strip_specials(row)
+            # Stop at this sentence's own limit, whatever its batch-mates.
+            ids = strip_specials(row[: len(encoded[i]) + max_extra])
             if at is None:
                 results[i] = decode_text(ids, vocab_tgt)
             else:
@@ -903,15 +904,22 @@ def write_results(path, checkpoint, wall_time):
 
 # %%
 #| export
-def positive_int(text):
-    """argparse type: a whole number of at least 1."""
+def positive_int(text, least=1):
+    """argparse type: a whole number of at least 1 (or `least`)."""
     try:
         number = int(text)
     except ValueError:
         number = None
-    if number is None or number < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, not {text}")
+    if number is None or number < least:
+        raise argparse.ArgumentTypeError(
+            f"expected a number >= {least}, not {text}"
+        )
     return number
+
+
+def count_or_zero(text):
+    """argparse type: a whole number of at least 0."""
+    return positive_int(text, least=0)
 
 
 def existing_device(name):
@@ -960,7 +968,7 @@ def add_train_parser(sub):
     )
     train.add_argument(
         "--keep-last",
-        type=int,
+        type=count_or_zero,
         metavar="K",
         help="keep the newest K epoch checkpoints, for --average "
         f"(default {TrainConfig.keep_last}; 0: all)",

@@ -468,6 +468,17 @@ def test_average_checkpoints_refuses_different_buffers(tmp_path):
         tat.average_checkpoints(paths)
 
 
+def test_average_checkpoints_refuses_another_model(tmp_path):
+    a, wider = tiny(1), tat.make_model(11, 11, N=1, d_model=16, d_ff=64, h=2)
+    paths = [save_tiny(tmp_path / "a.pt", a)]
+    bad = tmp_path / "wider.pt"
+    tat.save_checkpoint(
+        bad, **{**torch.load(paths[0]), "model": wider.state_dict()}
+    )
+    with pytest.raises(tat.UserError, match="not the same model"):
+        tat.average_checkpoints([*paths, bad])
+
+
 def test_cli_evaluate_with_beam_and_average(
     word_run, tokenizers, tmp_path, capsys
 ):

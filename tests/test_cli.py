@@ -436,3 +436,25 @@ def test_relative_multi30k_dir_counts_from_the_working_directory(
     monkeypatch.chdir(multi30k_dir.parent)
     monkeypatch.setenv("MULTI30K_DIR", multi30k_dir.name)
     assert tat.download_multi30k() == multi30k_dir.resolve()
+
+
+def test_translations_do_not_depend_on_their_batch(tiny, tokenizers):
+    """A sentence that never ends stops at its own length limit."""
+    _, _, vocab_src, vocab_tgt = tiny
+    torch.manual_seed(0)
+    model = tat.make_model(len(vocab_src), len(vocab_tgt), N=1, d_model=32)
+    with torch.no_grad():  # never </s>: every sentence runs to its limit
+        model.generator.proj.bias[tat.EOS] = -1e4
+    sentences = ["Ein Hund .", "Zwei Kinder spielen im Schnee ."]
+    options = dict(max_extra=3, replace_unk=False)
+    together = tat.translate_batch(
+        model, sentences, tokenizers[0], vocab_src, vocab_tgt, **options
+    )
+    alone = [
+        tat.translate_batch(
+            model, [s], tokenizers[0], vocab_src, vocab_tgt, **options
+        )[0]
+        for s in sentences
+    ]
+    assert together == alone
+    assert len(alone[0].split()) < len(alone[1].split())
