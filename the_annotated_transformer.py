@@ -2816,9 +2816,10 @@ def evaluate_files(
 
 def write_results(path, checkpoint, wall_time):
     """Score test2016 and write a JSON summary of the training run."""
-    test = read_multi30k("test")
-    hyps = translate([de for de, _ in test], checkpoint)
-    bleu = compute_bleu(hyps, [en for _, en in test])
+    sources, references = zip(*read_multi30k("test"), strict=True)
+    kept = translate(list(sources), checkpoint, replace_unk=False)
+    bleu = compute_bleu(translate(list(sources), checkpoint), references)
+    kept_bleu = compute_bleu(kept, references)  # <unk> left in the output
     ckpt = load_checkpoint(checkpoint)
     summary = {
         "command": "python " + " ".join(sys.argv),
@@ -2829,6 +2830,9 @@ def write_results(path, checkpoint, wall_time):
         "history": ckpt["history"],
         "test2016_bleu_greedy": round(bleu.score, 2),
         "bleu": str(bleu),
+        "test2016_bleu_greedy_without_unk_replacement": round(
+            kept_bleu.score, 2
+        ),
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(summary, indent=2) + "\n")

@@ -1,5 +1,6 @@
 """Tests of Part 3's training, checkpoints, DDP and decoding."""
 
+import json
 import os
 import shutil
 from contextlib import contextmanager
@@ -64,6 +65,26 @@ def test_describe_checkpoint_names_the_model_and_its_training(ci_run):
         f"{len(history)} epochs on {cfg.max_train_pairs:,d} training" in line
     )
     assert line.endswith(f"validation loss {history[-1]['val_loss']:.2f}")
+
+
+def test_write_results_scores_with_and_without_unk_replacement(
+    ci_run, tmp_path, monkeypatch
+):
+    cfg, history = ci_run
+    final = Path(cfg.checkpoint_dir) / "final.pt"
+    pairs = tat.read_multi30k("test")[:40]
+    monkeypatch.setattr(tat, "read_multi30k", lambda split: pairs)
+    tat.write_results(tmp_path / "r.json", final, wall_time=12.34)
+    summary = json.loads((tmp_path / "r.json").read_text())
+    sources, refs = [de for de, _ in pairs], [en for _, en in pairs]
+    for key, swap in (
+        ("test2016_bleu_greedy", True),
+        ("test2016_bleu_greedy_without_unk_replacement", False),
+    ):
+        hyps = tat.translate(sources, final, replace_unk=swap)
+        assert summary[key] == round(tat.compute_bleu(hyps, refs).score, 2)
+    assert summary["history"] == history and summary["wall_time_s"] == 12.3
+    assert summary["config"]["preset"] == "ci"
 
 
 RESUME_KEYS = ("optimizer", "scheduler", "train_state", "rng_state")
