@@ -215,4 +215,4 @@ def test_provenance_names_the_models_a_notebook_printed():
     assert "AT_SIZE=full" in line and "preset cpu;" in line
     assert "&lt;b&gt;" in line and "<b>" not in line  # escaped
     empty = build_site.provenance(v4.new_notebook(), "ci")
-    assert "AT_SIZE=ci" in empty and "no trained checkpoint" in empty
+    assert "AT_SIZE=ci" in empty and "loads no checkpoint" in empty

@@ -519,7 +519,7 @@ def provenance(nb, size: str) -> str:
     if not models:
         return (
             f"Outputs on this page were computed with {where}; it loads no "
-            "trained checkpoint."
+            "checkpoint: every model on it is built or trained right here."
         )
     listed = "; ".join(html.escape(m) for m in models)
     return f"Outputs on this page were computed with {where}, by: {listed}."
