@@ -195,13 +195,14 @@ def test_provenance_names_the_models_a_notebook_printed():
     stream = v4.new_output(
         "stream",
         name="stdout",
-        text="model: checkpoints/cpu/final.pt, preset cpu\nloss 1.2\n",
+        text="model: checkpoints/cpu/final.pt, preset cpu\nloss 1.2\n"
+        "model:  A dog runs.\n",
     )
     again = v4.new_output(
         "stream",
         name="stdout",
         text="model: checkpoints/cpu/final.pt, "
-        "preset cpu\nmodel: checkpoints/cpu-bpe/final.pt <b>\n",
+        "preset cpu\nmodel: checkpoints/cpu-bpe/final.pt, preset <b>\n",
     )
     nb.cells = [
         v4.new_code_cell("x", outputs=[stream]),
@@ -209,7 +210,7 @@ def test_provenance_names_the_models_a_notebook_printed():
     ]
     assert build_site.models_used(nb) == [
         "checkpoints/cpu/final.pt, preset cpu",
-        "checkpoints/cpu-bpe/final.pt <b>",
+        "checkpoints/cpu-bpe/final.pt, preset <b>",
     ]
     line = build_site.provenance(nb, "full")
     assert "AT_SIZE=full" in line and "preset cpu;" in line

@@ -496,7 +496,8 @@ SIZES = {
     "ci": "AT_SIZE=ci (small models, trained in minutes)",
     "full": "AT_SIZE=full (full-size models)",
 }
-MODEL_LINE = "model: "  # how a notebook names a model it loaded or trained
+# How a notebook names a checkpoint it loaded: print("model:", describe_...)
+MODEL_LINE, MODEL_MARK = "model: ", ".pt, preset "
 
 
 def models_used(nb) -> list[str]:
@@ -507,7 +508,8 @@ def models_used(nb) -> list[str]:
             if output.get("output_type") != "stream":
                 continue
             for line in output.get("text", "").splitlines():
-                if line.startswith(MODEL_LINE) and line not in found:
+                named = line.startswith(MODEL_LINE) and MODEL_MARK in line
+                if named and line not in found:
                     found.append(line)
     return [line.removeprefix(MODEL_LINE) for line in found]
 
