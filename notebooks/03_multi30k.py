@@ -888,7 +888,7 @@ for (ids, _), row in zip(batch, batched.tolist(), strict=True):
 # into sentences. That joining, and translating a long list of sentences in
 # length-sorted batches, are plumbing: `detokenize` and `translate_batch` in
 # the appendix. The tiny `ci` model gets little more than common words right;
-# the full `cpu` run scores about 37.5 greedily (`results/multi30k_cpu.json`).
+# a full `cpu` run scores 37 to 38 greedily (`results/multi30k_cpu*.json`).
 # Check: references score 100.
 
 # %%
