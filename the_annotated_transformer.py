@@ -178,6 +178,7 @@ __all__ = [
     "check_outputs",
     "run_model_example",
     "describe_checkpoint",
+    "find_or_train",
     "iter_lines",
     "read_lines",
     "read_parallel",
@@ -1296,10 +1297,8 @@ class TrainConfig:
 def model_from_config(c, n_src, n_tgt, dropout=None):
     """The model a TrainConfig describes, for the given vocabulary sizes."""
     dims = {"N": c.N, "d_model": c.d_model, "d_ff": c.d_ff, "h": c.h}
-    dropout = c.dropout if dropout is None else dropout
-    return make_model(
-        n_src, n_tgt, **dims, dropout=dropout, tie_embeddings=c.tie_embeddings
-    )
+    dims |= {"dropout": c.dropout if dropout is None else dropout}
+    return make_model(n_src, n_tgt, **dims, tie_embeddings=c.tie_embeddings)
 
 
 class UserError(Exception):
@@ -1391,22 +1390,23 @@ def params_in_sync(module):
 def train_epoch(run, epoch, train_loader, valid_loader, show=True):
     """Train for one epoch, then validate; returns the history entry."""
     loss = SimpleLossCompute(run.module.generator, run.criterion)
-    kind = run.device.type  # bf16 autocast where native, else a no-op
-    bf16 = run.config.precision == "bf16" and native_bf16(kind)
-    autocast = lambda: torch.autocast(kind, torch.bfloat16, enabled=bf16)
+    bf16 = run.config.precision == "bf16" and native_bf16(run.device.type)
+    amp = lambda: torch.autocast(run.device.type, torch.bfloat16, enabled=bf16)
     train_loader.batch_sampler.set_epoch(epoch)
+    if show and run.rank == 0:  # a bar, once an epoch takes over 3 s
+        from tqdm.auto import tqdm  # here: the module needs only torch
+
+        train_loader = tqdm(train_loader, f"epoch {epoch}", delay=3)
     batches = (Batch(s, t, PAD).to(run.device) for s, t in train_loader)
     step = {"optimizer": run.optimizer, "scheduler": run.scheduler}
     step |= {"accum_iter": run.config.accum_iter, "train_state": run.state}
     run.model.train()
     train_loss, run.state = run_epoch(
-        batches, run.model, loss, **step, autocast=autocast
+        batches, run.model, loss, **step, autocast=amp
     )
     run.model.eval()
-    batches = (Batch(s, t, PAD).to(run.device) for s, t in valid_loader)
-    val_loss, _ = run_epoch(
-        batches, run.model, loss, mode="eval", autocast=autocast
-    )
+    val = (Batch(s, t, PAD).to(run.device) for s, t in valid_loader)
+    val_loss, _ = run_epoch(val, run.model, loss, mode="eval", autocast=amp)
     entry = {"epoch": epoch, "train_loss": train_loss, "val_loss": val_loss}
     run.history.append(entry | {"steps": run.state.accum_step})
     if show and run.rank == 0:
@@ -2738,6 +2738,22 @@ def describe_checkpoint(path):
         f"d_model={c['d_model']}, h={c['h']}, "
         f"{c.get('tokenization', 'word')} vocabulary), {trained}"
     )
+
+
+# -----------------------------------------------------------------------------
+# A trained model, or a small one trained now
+# Explained in notebooks/06_tools.py, same heading.
+# -----------------------------------------------------------------------------
+def find_or_train(
+    presets, stand_in, vocabs, tokenizers, root=".", size="full"
+):
+    """final.pt of the first trained preset, else train `stand_in` now."""
+    for preset in presets if size != "ci" else ():
+        final = Path(root, get_config(preset).checkpoint_dir, "final.pt")
+        if final.is_file():
+            return str(final)
+    train_worker(0, 1, *vocabs, *tokenizers, stand_in, show_progress=False)
+    return str(Path(stand_in.checkpoint_dir, "final.pt"))
 
 
 # -----------------------------------------------------------------------------

@@ -518,10 +518,8 @@ class TrainConfig:
 def model_from_config(c, n_src, n_tgt, dropout=None):
     """The model a TrainConfig describes, for the given vocabulary sizes."""
     dims = {"N": c.N, "d_model": c.d_model, "d_ff": c.d_ff, "h": c.h}
-    dropout = c.dropout if dropout is None else dropout
-    return make_model(
-        n_src, n_tgt, **dims, dropout=dropout, tie_embeddings=c.tie_embeddings
-    )
+    dims |= {"dropout": c.dropout if dropout is None else dropout}
+    return make_model(n_src, n_tgt, **dims, tie_embeddings=c.tie_embeddings)
 
 
 # %% [markdown]
@@ -655,10 +653,11 @@ def params_in_sync(module):
 
 # %% [markdown]
 # The second runs one epoch: a training pass, then a validation pass, both
-# through Part 2's `run_epoch`, and it records both losses. Validation
-# runs without gradients and with dropout off (`eval()`). Batches move
-# to the device here. Only rank 0 prints, with the peak GPU memory from
-# `torch.cuda`'s own statistics.
+# through Part 2's `run_epoch`, and it records both losses. Validation runs
+# without gradients and with dropout off (`eval()`). Batches move to the device
+# here. Only rank 0 prints: a tqdm bar over the batches, once an epoch has
+# taken more than three seconds, then both losses, with the peak GPU memory
+# from `torch.cuda`'s own statistics.
 
 
 # %%
@@ -666,22 +665,23 @@ def params_in_sync(module):
 def train_epoch(run, epoch, train_loader, valid_loader, show=True):
     """Train for one epoch, then validate; returns the history entry."""
     loss = SimpleLossCompute(run.module.generator, run.criterion)
-    kind = run.device.type  # bf16 autocast where native, else a no-op
-    bf16 = run.config.precision == "bf16" and native_bf16(kind)
-    autocast = lambda: torch.autocast(kind, torch.bfloat16, enabled=bf16)
+    bf16 = run.config.precision == "bf16" and native_bf16(run.device.type)
+    amp = lambda: torch.autocast(run.device.type, torch.bfloat16, enabled=bf16)
     train_loader.batch_sampler.set_epoch(epoch)
+    if show and run.rank == 0:  # a bar, once an epoch takes over 3 s
+        from tqdm.auto import tqdm  # here: the module needs only torch
+
+        train_loader = tqdm(train_loader, f"epoch {epoch}", delay=3)
     batches = (Batch(s, t, PAD).to(run.device) for s, t in train_loader)
     step = {"optimizer": run.optimizer, "scheduler": run.scheduler}
     step |= {"accum_iter": run.config.accum_iter, "train_state": run.state}
     run.model.train()
     train_loss, run.state = run_epoch(
-        batches, run.model, loss, **step, autocast=autocast
+        batches, run.model, loss, **step, autocast=amp
     )
     run.model.eval()
-    batches = (Batch(s, t, PAD).to(run.device) for s, t in valid_loader)
-    val_loss, _ = run_epoch(
-        batches, run.model, loss, mode="eval", autocast=autocast
-    )
+    val = (Batch(s, t, PAD).to(run.device) for s, t in valid_loader)
+    val_loss, _ = run_epoch(val, run.model, loss, mode="eval", autocast=amp)
     entry = {"epoch": epoch, "train_loss": train_loss, "val_loss": val_loss}
     run.history.append(entry | {"steps": run.state.accum_step})
     if show and run.rank == 0:

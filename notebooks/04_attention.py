@@ -68,7 +68,7 @@ from the_annotated_transformer import MultiHeadedAttention, batch_greedy_decode
 from the_annotated_transformer import get_config, load_tokenizers
 from the_annotated_transformer import load_trained_model, load_vocab
 from the_annotated_transformer import make_model, read_multi30k, save_chart
-from the_annotated_transformer import subsequent_mask, tokenize, train_worker
+from the_annotated_transformer import subsequent_mask, tokenize, find_or_train
 from the_annotated_transformer import describe_checkpoint, translate_batch
 
 FIGURES = os.path.join(ROOT, "figures")
@@ -264,32 +264,22 @@ def attention_maps(
 # %% [markdown]
 # ## A trained model
 #
-# Maps of an untrained model are noise, so we read Part 3's translator:
-# the `cpu` model once `make train` has written `checkpoints/cpu/final.pt`.
-# In a CI-sized run, or before that, we train the `ci` preset here in about
-# a minute, with two layers and four heads so that there is more than one
-# of each to look at. Having seen 1,000 sentences for two epochs, its maps
-# show the machinery, not linguistics.
+# Maps of an untrained model are noise, so we read Part 3's translator: the
+# `cpu` model once `make train` has written `checkpoints/cpu/final.pt`. In a
+# CI-sized run, or before that, the appendix's `find_or_train` trains the `ci`
+# preset here in about a minute, with two layers and four heads so that there
+# is more than one of each to look at. Having seen 1,000 sentences for two
+# epochs, its maps show the machinery, not linguistics.
 
 
 # %%
-def attention_checkpoint(spacy_de, spacy_en):
-    """The cpu (or paper) model of Part 3, else a freshly trained ci one."""
-    for preset in ("cpu", "paper"):
-        final = os.path.join(ROOT, "checkpoints", preset, "final.pt")
-        if AT_SIZE != "ci" and os.path.isfile(final):
-            return final
-    folder = os.path.join(ROOT, "checkpoints", "ci-attention")
-    config = get_config("ci", N=2, h=4, checkpoint_dir=folder)
-    vocabs = load_vocab(spacy_de, spacy_en)
-    train_worker(
-        0, 1, *vocabs, spacy_de, spacy_en, config, show_progress=False
-    )
-    return os.path.join(folder, "final.pt")
-
-
-spacy_de, spacy_en = load_tokenizers()
-checkpoint = attention_checkpoint(spacy_de, spacy_en)
+tokenizers = spacy_de, spacy_en = load_tokenizers()
+folder = f"{ROOT}/checkpoints/ci-attention"
+stand_in = get_config("ci", N=2, h=4, checkpoint_dir=folder)
+vocabs = load_vocab(*tokenizers)
+checkpoint = find_or_train(
+    ["cpu", "paper"], stand_in, vocabs, tokenizers, ROOT, AT_SIZE
+)
 model, vocab_src, vocab_tgt, config = load_trained_model(checkpoint)
 N, h = len(model.encoder.layers), model.encoder.layers[0].self_attn.h
 print("model:", describe_checkpoint(checkpoint))

@@ -63,38 +63,29 @@ from the_annotated_transformer import get_config, greedy_decode
 from the_annotated_transformer import load_checkpoint, load_tokenizers
 from the_annotated_transformer import load_trained_model, load_vocab
 from the_annotated_transformer import make_model, read_multi30k, strip_specials
-from the_annotated_transformer import subsequent_mask, tokenize, train_worker
+from the_annotated_transformer import subsequent_mask, tokenize, find_or_train
 from the_annotated_transformer import describe_checkpoint, translate_batch
 
 # %% [markdown]
 # ## The models we look at
 #
-# Decoding needs a trained model: in a full run, Part 3's `cpu` model and
-# its epoch checkpoints, from `checkpoints/cpu/`. In a CI-sized run, or
-# before that folder exists, `trained_checkpoint` trains the `ci` preset
-# here in about a minute; its translations are poor, but every check
-# works the same. We also make one padded batch of 16 validation
-# sentences of different lengths, to call the decoders directly.
+# Decoding needs a trained model: in a full run, Part 3's `cpu` model and its
+# epoch checkpoints, from `checkpoints/cpu/`. In a CI-sized run, or before that
+# folder exists, the appendix's `find_or_train` trains the `ci` preset here in
+# about a minute; its translations are poor, but every check works the same. We
+# also make one padded batch of 16 validation sentences of different lengths,
+# to call the decoders directly.
 
 
 # %%
-def trained_checkpoint(preset, vocabs):
-    """final.pt of `preset` in full runs, else train its ci twin here."""
-    final = os.path.join(ROOT, get_config(preset).checkpoint_dir, "final.pt")
-    if AT_SIZE != "ci" and os.path.isfile(final):
-        return final
-    ci = preset.replace("cpu", "ci")  # cpu -> ci, cpu-bpe -> ci-bpe
-    folder = os.path.join(ROOT, get_config(ci).checkpoint_dir)
-    config = get_config(ci, checkpoint_dir=folder)
-    train_worker(
-        0, 1, *vocabs, spacy_de, spacy_en, config, show_progress=False
-    )
-    return os.path.join(folder, "final.pt")
-
-
-spacy_de, spacy_en = load_tokenizers()
+tokenizers = spacy_de, spacy_en = load_tokenizers()
 splits = {split: read_multi30k(split) for split in ("val", "test")}
-checkpoint = trained_checkpoint("cpu", load_vocab(spacy_de, spacy_en))
+folder = f"{ROOT}/checkpoints/ci"
+stand_in = get_config("ci", checkpoint_dir=folder)
+word_vocabs = load_vocab(*tokenizers)
+checkpoint = find_or_train(
+    ["cpu"], stand_in, word_vocabs, tokenizers, ROOT, AT_SIZE
+)
 model, vocab_src, vocab_tgt, config = load_trained_model(checkpoint)
 print("model:", describe_checkpoint(checkpoint))
 vocabs = (vocab_src, vocab_tgt, spacy_de, spacy_en)
@@ -756,7 +747,10 @@ del tied
 # `checkpoints/cpu-bpe/`.
 
 # %%
-bpe_checkpoint = trained_checkpoint("cpu-bpe", (bpe, bpe))
+stand_in = get_config("ci-bpe", checkpoint_dir=f"{ROOT}/checkpoints/ci-bpe")
+bpe_checkpoint = find_or_train(
+    ["cpu-bpe"], stand_in, (bpe, bpe), tokenizers, ROOT, AT_SIZE
+)
 bpe_model, bpe_src, bpe_tgt, bpe_config = load_trained_model(bpe_checkpoint)
 print("model:", describe_checkpoint(bpe_checkpoint))
 proj = bpe_model.generator.proj.weight

@@ -763,6 +763,50 @@ def describe_checkpoint(path):
 
 
 # %% [markdown]
+# ## A trained model, or a small one trained now
+#
+# Parts 4 and 5 show a trained model's attention and translations.
+# `find_or_train` returns the `final.pt` of the first preset that `make
+# train` has already trained. When there is none, or in a CI-sized run,
+# it trains a small stand-in there and then, in seconds, so every
+# notebook runs on a fresh clone and CI checks the training code rather
+# than a leftover file.
+
+
+# %%
+#| export
+def find_or_train(
+    presets, stand_in, vocabs, tokenizers, root=".", size="full"
+):
+    """final.pt of the first trained preset, else train `stand_in` now."""
+    for preset in presets if size != "ci" else ():
+        final = Path(root, get_config(preset).checkpoint_dir, "final.pt")
+        if final.is_file():
+            return str(final)
+    train_worker(0, 1, *vocabs, *tokenizers, stand_in, show_progress=False)
+    return str(Path(stand_in.checkpoint_dir, "final.pt"))
+
+
+# %% [markdown]
+# Check: the first call trains (there is nothing to find), the second
+# finds that model and leaves it untouched, and a CI-sized call trains
+# again.
+
+# %%
+with tempfile.TemporaryDirectory() as tmp:
+    folder = f"{tmp}/{get_config('ci').checkpoint_dir}"
+    small = get_config(
+        "ci", epochs=1, max_train_pairs=200, checkpoint_dir=folder
+    )
+    found = find_or_train(["ci"], small, vocabs, tokenizers, root=tmp)
+    written = os.stat(found).st_mtime_ns
+    assert find_or_train(["ci"], small, vocabs, tokenizers, tmp) == found
+    assert os.stat(found).st_mtime_ns == written
+    find_or_train(["ci"], small, vocabs, tokenizers, tmp, size="ci")
+    assert os.stat(found).st_mtime_ns != written
+
+
+# %% [markdown]
 # ## Reading text files
 #
 # `iter_lines` reads the text to translate or score one line at a time:

@@ -309,3 +309,62 @@ def test_torchrun_trains_with_two_processes(tmp_path, local_multi30k):
     assert done.returncode == 0, done.stderr[-2000:]
     ckpt = torch.load(tmp_path / "final.pt", weights_only=True)
     assert ckpt["ranks_in_sync"] is True
+
+
+def test_find_or_train_finds_a_trained_preset(
+    ci_run, tmp_path, vocabs, monkeypatch
+):
+    cfg, _ = ci_run  # stands for a preset that `make train` has trained
+    root, name = Path(cfg.checkpoint_dir).parent, Path(cfg.checkpoint_dir).name
+    monkeypatch.setitem(
+        tat.PRESETS, "trained", replace(cfg, checkpoint_dir=name)
+    )
+    empty = replace(cfg, checkpoint_dir="never-trained")
+    monkeypatch.setitem(tat.PRESETS, "untrained", empty)
+    stand_in = ci_config(tmp_path / "stand-in")
+    presets = ["untrained", "trained"]
+    found = tat.find_or_train(presets, stand_in, vocabs, None, root=root)
+    assert found == str(Path(cfg.checkpoint_dir) / "final.pt")
+    assert not (tmp_path / "stand-in").exists()  # nothing was trained
+
+
+def test_find_or_train_trains_the_stand_in(
+    tmp_path, vocabs, tokenizers, monkeypatch
+):
+    trained = ci_config(tmp_path / "trained", epochs=1, max_train_pairs=100)
+    train(trained, vocabs, tokenizers)
+    found_here = replace(trained, checkpoint_dir="trained")
+    monkeypatch.setitem(tat.PRESETS, "trained", found_here)
+    empty = replace(trained, checkpoint_dir="never-trained")
+    monkeypatch.setitem(tat.PRESETS, "untrained", empty)
+    stand_in = ci_config(tmp_path / "stand-in", epochs=1, max_train_pairs=100)
+    # a CI-sized run ignores what is there; a full one finds nothing
+    for presets, size in ((["trained"], "ci"), (["untrained"], "full")):
+        shutil.rmtree(tmp_path / "stand-in", ignore_errors=True)
+        found = tat.find_or_train(
+            presets, stand_in, vocabs, tokenizers, tmp_path, size
+        )
+        assert found == str(tmp_path / "stand-in" / "final.pt")
+        assert Path(found).is_file()
+
+
+def test_progress_bar_wraps_the_batches_and_changes_nothing(
+    tmp_path, vocabs, tokenizers, monkeypatch
+):
+    import tqdm.auto
+
+    bars = []
+
+    def recording_tqdm(iterable, desc, **options):
+        bars.append((desc, options))
+        return iter(list(iterable))
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", recording_tqdm)
+    weights = []
+    for show in (False, True):
+        cfg = ci_config(tmp_path / str(show), epochs=2, max_train_pairs=100)
+        tat.train_worker(0, 1, *vocabs, *tokenizers, cfg, show_progress=show)
+        weights.append(final_weights(cfg))
+    assert [desc for desc, _ in bars] == ["epoch 0", "epoch 1"]
+    assert bars[0][1]["delay"] > 0  # quick runs print no bar
+    assert_same_weights(*weights)
