@@ -2621,9 +2621,10 @@ def source_alignment(model, src, src_mask, out):
     tgt_mask = subsequent_mask(ys.size(1)).to(src.device)  # (1, T, T)
     with record_attention(model):
         model.decode(memory, src_mask, ys, tgt_mask)
-        attn = model.decoder.layers[-1].src_attn.attn  # (B, h, T, S)
+        layers = [layer.src_attn.attn for layer in model.decoder.layers]
+    attn = torch.stack(layers).mean(dim=(0, 2))  # (B, T, S): layers, heads
     words = src_mask & ((src != BOS) & (src != EOS)).unsqueeze(1)  # (B, 1, S)
-    return attn.mean(dim=1).masked_fill(~words, -1.0).argmax(dim=-1)
+    return attn.masked_fill(~words, -1.0).argmax(dim=-1)
 
 
 def replace_unknowns(ids, aligned, src_words, vocab_tgt):

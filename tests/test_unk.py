@@ -42,10 +42,11 @@ class ForcedSourceAttention(tat.MultiHeadedAttention):
 
 
 def forced_model():
-    """A small model whose last layer's source attention is hand-set."""
+    """A small model whose source attention is hand-set in every layer."""
     torch.manual_seed(0)
     model = tat.make_model(len(SRC), len(TGT), N=2, d_model=16, d_ff=32, h=2)
-    model.decoder.layers[-1].src_attn = ForcedSourceAttention(2, 16)
+    for layer in model.decoder.layers:
+        layer.src_attn = ForcedSourceAttention(2, 16)
     return model.eval()
 
 
@@ -150,7 +151,8 @@ def test_alignment_matches_part4_maps_of_each_sentence_alone():
         assert ((aligned[b] >= 1) & (aligned[b] <= n)).all()
         tgt = tat.strip_specials(out[b].tolist())
         maps = tat.attention_maps(model, ids, [BOS, *tgt, EOS])
-        mean = maps.decoder_src[-1].mean(0)[:, 1 : n + 1]  # (T, n): words
+        # (N, h, T, S) -> (T, n): mean over layers and heads, words only
+        mean = maps.decoder_src.mean(dim=(0, 1))[:, 1 : n + 1]
         expected = (mean.argmax(-1) + 1).tolist()  # source positions
         m = min(len(expected), aligned.size(1))  # rows up to </s>
         assert aligned[b, :m].tolist() == expected[:m]
@@ -201,3 +203,25 @@ def test_cli_replaces_unk_unless_told_not_to(tmp_path, spacy_de, capsys):
     for sentence, line in zip(SENTENCES, lines, strict=True):
         words = set(tat.tokenize(sentence, spacy_de))
         assert line.split() and set(line.split()) <= words, line
+
+
+def test_bench_default_row_is_the_real_source_alignment():
+    """bench/unk_alignment.py's "mean of all layers" is the default."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "bench/unk_alignment.py"
+    spec = importlib.util.spec_from_file_location("unk_alignment", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    torch.manual_seed(2)
+    model = tat.make_model(20, 20, N=3, d_model=32, d_ff=64, h=4).eval()
+    src = torch.randint(4, 20, (3, 9))
+    src[:, 0], src[:, -1] = BOS, EOS
+    mask = (src != PAD).unsqueeze(-2)
+    out = tat.cached_greedy_decode(model, src, mask, 8)
+    default = tat.source_alignment(model, src, mask, out)
+    assert torch.equal(bench.alignment_from([0, 1, 2])(model, src, mask, out),
+                       default)  # fmt: skip
+    last = bench.alignment_from([2])(model, src, mask, out)
+    assert not torch.equal(last, default)  # a real choice, for this seed
