@@ -613,8 +613,8 @@ def replace_unknowns(ids, aligned, src_words, vocab_tgt):
 # %% [markdown]
 # **See, it matches.** For a small random model and three sentences of
 # different lengths decoded as one padded batch, the alignment equals the
-# argmax of Part 4's `attention_maps`, computed for each sentence alone
-# and without padding, over its words.
+# argmax of Part 4's `attention_maps` (averaged over layers and heads),
+# computed for each sentence alone and without padding, over its words.
 
 # %%
 torch.manual_seed(0)
@@ -626,7 +626,8 @@ out = cached_greedy_decode(toy, src, src_mask, 8)  # (B, L)
 aligned = source_alignment(toy, src, src_mask, out)  # (B, L - 1)
 for ids, row, at in zip(rows, out.tolist(), aligned.tolist(), strict=True):
     maps = attention_maps(toy, ids, [BOS, *strip_specials(row), EOS])
-    words = maps.decoder_src[-1].mean(0)[:, 1 : len(ids) - 1]  # (T, words)
+    mean = maps.decoder_src.mean(dim=(0, 1))  # (T, S): layers and heads
+    words = mean[:, 1 : len(ids) - 1]  # (T, words)
     alone = (words.argmax(-1) + 1).tolist()  # back to source positions
     m = min(len(alone), len(at))  # rows up to </s>
     assert at[:m] == alone[:m] and all(1 <= j < len(ids) - 1 for j in at)

@@ -91,3 +91,12 @@ def test_notebooks_carry_the_diagrams_they_show():
                 data = cell["attachments"][name]["image/svg+xml"]
                 assert data, name
     assert shown >= 3
+
+
+@pytest.mark.parametrize("path", svg_files(), ids=lambda p: p.name)
+def test_no_label_says_a_word_twice_in_a_row(path):
+    root = ET.fromstring(path.read_text())
+    labels = [el.text or "" for el in root.iter() if el.tag.endswith("text")]
+    assert labels
+    doubled = [t for t in labels if re.search(r"\b(\w+) \1\b", t)]
+    assert doubled == [], doubled

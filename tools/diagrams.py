@@ -110,7 +110,7 @@ def frame(x, y, w, h, label, code) -> str:
         f"<rect x='{x}' y='{y}' width='{w}' height='{h}' rx='10' "
         "fill='none' stroke='#888' stroke-dasharray='5,4'/>\n"
         f"<text x='{x + 8}' y='{y + h - 8}' text-anchor='start' "
-        f"font-size='12' fill='#555'>{escape(label)} {code}</text></g>"
+        f"font-size='12' fill='#555'>{escape(label)}</text></g>"
     )
 
 
