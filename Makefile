@@ -88,6 +88,9 @@ site-test: setup  ## open every page of site/ in headless Chromium
 site: setup  ## full-size site in site-full/, from the checkpoints of `make train`
 	$(PY) tools/build_site.py --size full --out site-full --runs runs/site-full
 	AT_SITE=site-full $(PY) -m pytest -q tests/test_site.py
+	# the README's picture of the trained model, when there is one
+	test ! -f checkpoints/cpu/final.pt || \
+	  cp figures/04_decoder_source.png docs/trained_attention.png
 
 # `html` is the notebook test of `check`: it executes every notebook once and
 # stops on the first failing cell, naming the notebook and the cell.

@@ -222,3 +222,21 @@ def test_readme_table_notices_a_changed_notebook(tmp_path):
     path.write_text(path.read_text() + "b = 2\n")
     stats = [lesson_stats.measure(path)]
     assert lesson_stats.with_readme_table(readme, stats) != readme
+
+
+def local_links(markdown):
+    """Paths that Markdown links and <img> tags point at in the repo."""
+    targets = re.findall(r"\]\(([^)\s]+)\)", markdown)
+    targets += re.findall(r"<img src=\"([^\"]+)\"", markdown)
+    return [t for t in targets if not re.match(r"[a-z]+:|#", t)]
+
+
+def test_every_file_the_readme_shows_or_links_exists():
+    links = local_links((ROOT / "README.md").read_text())
+    assert "docs/trained_attention.png" in links
+    missing = [t for t in links if not (ROOT / t.split("#")[0]).exists()]
+    assert missing == [], missing
+    assert local_links('[a](gone.md) <img src="x.svg">') == [
+        "gone.md",
+        "x.svg",
+    ]
