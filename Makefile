@@ -63,12 +63,13 @@ bench: setup  ## speed benchmarks (prints medians and ratios)
 	$(PY) bench/copy_task.py
 	$(PY) bench/batching.py
 	$(PY) bench/decoding.py
+	$(PY) bench/efficiency.py
 
-train: setup  ## train the cpu and cpu-bpe presets; test BLEU into results/
+train: setup  ## train the cpu and cpu-bpe presets; summaries and test BLEU into runs/
 	$(PY) the_annotated_transformer.py train --preset cpu \
-	  --results results/multi30k_cpu.json
+	  --results runs/multi30k_cpu.json
 	$(PY) the_annotated_transformer.py train --preset cpu-bpe \
-	  --results results/multi30k_cpu-bpe.json
+	  --results runs/multi30k_cpu-bpe.json
 
 # Debian's chromium, for the site test (root, or sudo, for apt-get).
 SUDO := $(shell test "$$(id -u)" = 0 || echo sudo)

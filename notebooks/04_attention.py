@@ -550,8 +550,8 @@ save_chart(attention_chart(maps, "decoder self"), "04_decoder_self", FIGURES)
 # word each row is asked to predict, which is the alignment to read: in an
 # aligning head, the row whose next token is "dog" puts its weight on a
 # "Hund". `translate` (appendix) puts this alignment to use: where the
-# word model writes `<unk>`, it copies the German word that the last
-# layer's source attention, averaged over heads, weighs most.
+# word model writes `<unk>`, it copies the German word that this
+# attention, averaged over every head of every layer, weighs most.
 
 # %%
 save_chart(
