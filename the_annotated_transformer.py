@@ -2614,15 +2614,19 @@ def decode_text(ids, vocab):
 
 
 @torch.no_grad()
-def source_alignment(model, src, src_mask, out):
-    """(B, L-1): the source position each output token after <s> read most."""
+def source_alignment(model, src, src_mask, out, layers=None):
+    """(B, L-1): the source position each output token after <s> read most.
+
+    `layers` picks the decoder layers to average (default: all)."""
     memory = model.encode(src, src_mask)  # (B, S, d_model)
     ys = out[:, :-1]  # (B, T): decoder inputs; row t wrote out[:, t + 1]
     tgt_mask = subsequent_mask(ys.size(1)).to(src.device)  # (1, T, T)
+    decoder = model.decoder.layers
+    chosen = range(len(decoder)) if layers is None else layers
     with record_attention(model):
         model.decode(memory, src_mask, ys, tgt_mask)
-        layers = [layer.src_attn.attn for layer in model.decoder.layers]
-    attn = torch.stack(layers).mean(dim=(0, 2))  # (B, T, S): layers, heads
+        weights = [decoder[i].src_attn.attn for i in chosen]  # (B, h, T, S)
+    attn = torch.stack(weights).mean(dim=(0, 2))  # (B, T, S): layers, heads
     words = src_mask & ((src != BOS) & (src != EOS)).unsqueeze(1)  # (B, 1, S)
     return attn.masked_fill(~words, -1.0).argmax(dim=-1)
 
