@@ -870,11 +870,15 @@ def load_translator(checkpoint, device="cpu", beam=1, average=0):
 # `python the_annotated_transformer.py evaluate --beam 4 --average 5`
 # scores a checkpoint that way. `bench/bleu_table.py` scores test2016 for
 # every combination above and writes the table of the README.
-# In the committed runs, beam search with averaging adds between two and
-# three BLEU for both vocabularies, and most of it comes from averaging
-# (beam search alone adds about 0.6 for words). The BPE model stays about
-# one BLEU below words at every setting: on a corpus of 29,000 sentence
-# pairs, with a model of 8.1 million parameters against 10.8 million
-# (tied embeddings) and 14 epochs of training against 18, subwords did
-# not pay off here, even though the word model has to write `<unk>` for
-# every word outside its vocabulary.
+# In the runs on record (`results/beyond.md`: 18 epochs for words, 14 for
+# BPE), beam search with averaging adds two to three BLEU for both
+# vocabularies, most of it from averaging (beam search alone adds about
+# 0.6 for words). Averaging needs checkpoints from the end of training,
+# though: for a word model trained only 10 epochs, whose fifth-last epoch
+# was still far from its final loss, it cost 0.7 BLEU
+# (`results/site_full.md`). The BPE model of record stays about one BLEU
+# below words at every setting: on 29,000 sentence pairs, with 8.1
+# million parameters (its embeddings tied) against the word model's 10.8
+# million, and 14 epochs against 18, subwords did not pay off here, even
+# though the word model has to write `<unk>` for every word outside its
+# vocabulary.
