@@ -1749,13 +1749,14 @@ def attention_chart(maps, kind, layer=None, columns=4, cell=18):
     N, h = v.weights.shape[:2]
     pick = _layer_picker(kind, N, layer)
     heat = _heat_map(frame, v, _token_lookups(maps, v, frame), pick, cell)
+    title = f"'{kind} attention, layer ' + pick_layer + ' of {N} ({h} heads)'"
     return heat.add_params(pick).facet(
         facet=alt.Facet(
             "head:O",
             header=alt.Header(labelExpr="'head ' + datum.value", title=None),
         ),
         columns=min(columns, h),
-        title=f"{kind} attention ({N} layers, {h} heads); pick a layer",
+        title=alt.TitleParams(alt.expr(title)),  # follows the layer menu
     )
 
 

@@ -342,3 +342,11 @@ def test_charts_render_offline(maps):
     chart = tat.attention_chart(maps, "decoder source")
     svg = vlc.vegalite_to_svg(chart.to_dict())
     assert "hund" in svg and "head 4" in svg
+
+
+def test_chart_title_names_the_layer_shown(maps):
+    vlc = pytest.importorskip("vl_convert")
+    for layer in (1, N):
+        chart = tat.attention_chart(maps, "encoder self", layer=layer)
+        svg = vlc.vegalite_to_svg(chart.to_dict())
+        assert f"encoder self attention, layer {layer} of {N}" in svg
