@@ -18,7 +18,7 @@
 # order a training step uses it: batches with their masks, a loss with
 # label smoothing, the loop itself, and the paper's optimizer and
 # learning-rate schedule. It ends by teaching a model to copy its input, a
-# task small enough to learn in under a minute on a laptop CPU and simple
+# task small enough to learn in about a minute on a laptop CPU and simple
 # enough that any bug shows.
 
 # %%
@@ -843,9 +843,9 @@ def train_copy_task(cfg=None, log=print):
 
 
 # %% [markdown]
-# On a 2-core CPU the full-size run reaches an exact copy in under a minute
-# ([bench/RESULTS.md](../bench/RESULTS.md) has the runs, and the sweeps
-# behind every default).
+# On a 2-core CPU the full-size run reaches an exact copy in about a minute
+# (24 s median in [bench/RESULTS.md](../bench/RESULTS.md), which has the
+# runs, and the sweeps behind every default).
 
 # %%
 copy_cfg = CopyTaskConfig.for_size("ci" if AT_SIZE == "ci" else "full")

@@ -18,7 +18,7 @@
 # train on real sentences: Multi30k (Elliott et al., 2016), about 31,000
 # image captions written in English and translated into German. It is tiny
 # next to the 4.5 million sentence pairs of WMT 2014 that the paper used,
-# but large enough to learn a usable translator in 83 minutes on a CPU.
+# but large enough to learn a usable translator in one to two hours on a CPU.
 #
 # From text to translator takes five steps, one section each: read the
 # sentence pairs, cut them into tokens, number the tokens, group sentences
@@ -792,12 +792,12 @@ def load_trained_model(path, device="cpu"):
 # %% [markdown]
 # Now we train: in a CI-sized run (`AT_SIZE=ci`) the tiny `ci` preset, a
 # few seconds of work; otherwise `paper` on a GPU and `cpu` on a CPU,
-# skipped when its `final.pt` already exists (for instance after
-# `make train`). Check: the validation loss falls. Then the same worker in
-# two processes, started by the appendix's `train_distributed_model` (from
-# a terminal: `torchrun --nproc_per_node=2 the_annotated_transformer.py
-# train`). Each sees half of the batches, so together they do an epoch in
-# half the steps. Check: both ranks end with identical weights.
+# skipped when its `final.pt` already exists (`make train`). Check: the
+# validation loss falls. Then the tiny `ci` preset, for one epoch, in two
+# processes, started by the appendix's `train_distributed_model` (from a
+# terminal: `torchrun --nproc_per_node=2 the_annotated_transformer.py
+# train`); its losses are the last line printed. Each process sees half of
+# the batches. Check: both ranks end with identical weights.
 
 # %%
 import the_annotated_transformer as tat  # Appendix, 06 (spawned processes)
@@ -887,9 +887,9 @@ for (ids, _), row in zip(batch, batched.tolist(), strict=True):
 # text, today's standard, so the model's English tokens are first joined back
 # into sentences. That joining, and translating a long list of sentences in
 # length-sorted batches, are plumbing: `detokenize` and `translate_batch` in
-# the appendix. The tiny `ci` model gets little more than common words right;
-# a full `cpu` run scores 37 to 38 greedily (`results/multi30k_cpu*.json`).
-# Check: references score 100.
+# the appendix, which also swaps each `<unk>` for a German word (hence German
+# in the output). The tiny `ci` model gets few words right; a full `cpu` run
+# scores 37 to 38 greedily. Check: references score 100.
 
 # %%
 test = splits["test"][:100] if AT_SIZE == "ci" else splits["test"]

@@ -801,14 +801,14 @@ def focus(kind, t):
     )
 
 
-def trend(t):
-    """How the mean entropy changes from the first layer to the last."""
-    by_layer = t["entropy"].groupby(level="layer").mean()
+def trend(by_layer):
+    """How the mean entropy (one value per layer) changes up the stack."""
     if len(by_layer) < 2:
         return []
-    first, last = by_layer.iloc[0], by_layer.iloc[-1]
-    word = "falls" if last < first else "rises"
-    word = "stays level" if abs(last - first) < 0.005 else word
+    steps = by_layer.diff().iloc[1:]
+    word = "falls" if (steps < 0).all() else "goes up and down"
+    word = "rises" if (steps > 0).all() else word
+    word = "stays level" if (steps.abs() < 0.005).all() else word
     values = ", ".join(f"{x:.2f}" for x in by_layer)
     return [f"  mean entropy per layer, first to last, {word}: {values}"]
 
@@ -849,26 +849,34 @@ def observations(table, threshold=0.5):
     lines = []
     for kind in ATTENTION_KINDS:
         t = table.loc[kind]
-        lines += [focus(kind, t), *trend(t), *places(kind, t, threshold)]
+        by_layer = t["entropy"].groupby(level="layer").mean()
+        lines += [
+            focus(kind, t),
+            *trend(by_layer),
+            *places(kind, t, threshold),
+        ]
     return lines
 
 
 print("\n".join(observations(table)))
+assert "goes up and down" in trend(pd.Series([0.42, 0.28, 0.37]))[0]
+assert "rises" in trend(pd.Series([0.2, 0.4, 0.6]))[0]
 
 # %% [markdown]
 # How to read these lines against the charts:
 #
-# * An entropy well below 1 with a distance under one token is a
-#   *positional* head: it reads a fixed neighbour or the token itself,
-#   whatever the sentence says. Such heads appear above as putting their
-#   weight on "its own position" or on the position before or after it.
-# * A head listed with "<s> and </s>" parks most of its weight on a token
-#   that every sentence has. One plausible reading: a softmax must put its
-#   weight somewhere, and such a token is a harmless place to leave it
-#   when the head has nothing to add for that query.
+# * A head listed as putting most of its weight on "its own position", or
+#   on the position before or after it, is a *positional* head: it reads a
+#   fixed neighbour or the token itself, whatever the sentence says. Its
+#   mean distance can still exceed one token, when the rest of its weight
+#   lands far away.
+# * A head listed with "<s> and </s>", if any, parks most of its weight on
+#   a token that every sentence has. One plausible reading: a softmax must
+#   put its weight somewhere, and such a token is a harmless place to
+#   leave it when the head has nothing to add for that query.
 # * For decoder–source attention a small distance means the head follows
-#   the word order of the source, and a lower entropy in the higher layers
-#   means they commit to fewer source words.
+#   the word order of the source, and a layer with a lower mean entropy
+#   commits to fewer source words.
 #
 # The printed lines are the evidence, and the only claims this page makes
 # about its model: a head not listed did not reach the 50% mark anywhere.

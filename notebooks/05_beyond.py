@@ -554,10 +554,11 @@ for k, (words, prob) in want.items():
     assert [toy_names[i] for i in ids] == words and abs(p - prob) < 1e-6
 
 # %% [markdown]
-# On real sentences, beam search costs about $k$ times the work of greedy
-# decoding per step. Here are BLEU scores on test2016 (the first 100
-# sentences in a CI-sized run) for greedy decoding and a beam of 4; the
-# README has the full-data numbers.
+# On real sentences, beam search does about $k$ times the arithmetic of
+# greedy decoding per step, but as the $k$ hypotheses run as one batch,
+# its time grows less. Here are BLEU scores and times on test2016 (the
+# first 100 sentences in a CI-sized run) for greedy decoding and a beam
+# of 4; the README has the full-data numbers.
 
 # %%
 test_pairs = splits["test"][:100] if AT_SIZE == "ci" else splits["test"]
@@ -648,7 +649,8 @@ class BpeVocab:
 # smaller than WMT 2014, so the paper's 37,000 would hold mostly whole
 # words. The `Metaspace` pre-tokenizer turns each space into `▁` and
 # attaches it to the following word, so decoding is just joining the
-# pieces and turning `▁` back into spaces: no detokenizer is needed.
+# pieces and turning `▁` back into spaces: no detokenizer is needed. It
+# splits only at spaces, so a full stop can share a unit with its word.
 # `load_bpe` caches the trained tokenizer in `data/bpe.json` and retrains
 # it, in a few seconds, when the file is missing or has another size.
 
@@ -709,7 +711,9 @@ assert all(bpe.decode(bpe.encode(s)) == s for s in val_sentences)
 test_ids = [i for pair in splits["test"] for s in pair for i in bpe.encode(s)]
 print(f"<unk> in test2016 after BPE: {test_ids.count(UNK)}")
 words = [i for en in test_en for i in vocab_tgt(tokenize(en, spacy_en))]
-print(f"<unk> with the word vocabulary: {words.count(UNK) / len(words):.2%}")
+print(
+    f"English <unk> with Part 3's words: {words.count(UNK) / len(words):.2%}"
+)
 assert test_ids.count(UNK) == 0 < words.count(UNK)
 
 # %% [markdown]
@@ -744,7 +748,8 @@ del tied
 # The presets `cpu-bpe` and `ci-bpe` set `tokenization="bpe"` and
 # `tie_embeddings=True`; `train_worker` receives the `BpeVocab` as both
 # vocabularies. As before, we train `ci-bpe` here unless a full run finds
-# `checkpoints/cpu-bpe/`.
+# `checkpoints/cpu-bpe/`. Its translations are as good as its training:
+# the `model:` line says how long that was.
 
 # %%
 stand_in = get_config("ci-bpe", checkpoint_dir=f"{ROOT}/checkpoints/ci-bpe")
@@ -870,15 +875,15 @@ def load_translator(checkpoint, device="cpu", beam=1, average=0):
 # `python the_annotated_transformer.py evaluate --beam 4 --average 5`
 # scores a checkpoint that way. `bench/bleu_table.py` scores test2016 for
 # every combination above and writes the table of the README.
-# In the runs on record (`results/beyond.md`: 18 epochs for words, 14 for
-# BPE), beam search with averaging adds two to three BLEU for both
-# vocabularies, most of it from averaging (beam search alone adds about
-# 0.6 for words). Averaging needs checkpoints from the end of training,
-# though: for a word model trained only 10 epochs, whose fifth-last epoch
-# was still far from its final loss, it cost 0.7 BLEU
-# (`results/site_full.md`). The BPE model of record stays about one BLEU
-# below words at every setting: on 29,000 sentence pairs, with 8.1
-# million parameters (its embeddings tied) against the word model's 10.8
-# million, and 14 epochs against 18, subwords did not pay off here, even
-# though the word model has to write `<unk>` for every word outside its
-# vocabulary.
+# In the runs on record (`results/beyond.md`: 18 epochs for words, 14 for BPE),
+# beam search with averaging adds two to three BLEU for both vocabularies, most
+# of it from averaging (beam search alone adds about 0.6 for words), and the
+# BPE model stays about one BLEU below words at every setting. Both depend on
+# the run. Averaging needs checkpoints from the end of training: for a word
+# model trained only 10 epochs, whose fifth-last epoch was still far from its
+# final loss, it cost 0.7 BLEU with greedy decoding and 1.2 with beam 4, while
+# beam search alone added 1.3; and a BPE model trained 8 epochs scored 4.4
+# below it (`results/site_full.md`). On 29,000 sentence pairs, with 8.1 million
+# parameters (its embeddings tied) against the word model's 10.8 million,
+# subwords did not pay off here, even though the word model has to write
+# `<unk>` for every word outside its vocabulary.
