@@ -28,11 +28,13 @@ setup: .venv/.installed  ## create .venv with every dependency
 	$(PIP) install --quiet -r requirements.txt
 	touch $@
 
+# The .ipynb twins carry the diagrams; they run in notebooks/, as in Jupyter.
 notebook: setup  ## execute every notebook into runs/notebooks/ (AT_SIZE=ci: quick)
 	mkdir -p runs/notebooks
-	for nb in $(NOTEBOOKS); do \
+	for nb in $(NOTEBOOKS:.py=.ipynb); do \
 	  AT_SIZE=$(AT_SIZE) $(PY) -m jupytext --to ipynb --execute \
-	    --output runs/notebooks/$$(basename $${nb%.py}).ipynb $$nb || exit 1; \
+	    --run-path notebooks --output runs/notebooks/$$(basename $$nb) \
+	    $$nb || exit 1; \
 	done
 
 export: setup  ## regenerate the_annotated_transformer.py and the .ipynb pairs
