@@ -3,6 +3,8 @@ section they link to is there, and every score in their tables is found
 in a results file they link."""
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,6 +105,23 @@ def test_the_readme_shows_the_trained_model_and_links_every_doc():
 @pytest.mark.parametrize("page", PAGES, ids=relative)
 def test_every_score_in_a_table_is_in_a_linked_results_file(page):
     assert unrecorded_scores(page) == []
+
+
+def test_the_readme_library_example_runs_in_five_lines():
+    readme = (ROOT / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    assert len([line for line in code.splitlines() if line.strip()]) <= 5
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    # greedy_decode writes max_len=10 ids, the first the start symbol 0
+    ids = [int(i) for i in re.findall(r"\d+", proc.stdout)]
+    assert len(ids) == 10 and ids[0] == 0, proc.stdout
 
 
 def test_the_readme_keeps_no_lesson_statistics():
