@@ -65,11 +65,14 @@ import pandas as pd
 
 from the_annotated_transformer import BOS, EOS, PAD, Batch
 from the_annotated_transformer import MultiHeadedAttention, batch_greedy_decode
-from the_annotated_transformer import get_config, load_tokenizers
-from the_annotated_transformer import load_trained_model, load_vocab
+from annotated_transformer_tools import get_config
+from the_annotated_transformer import load_tokenizers
+from annotated_transformer_tools import load_vocab
+from the_annotated_transformer import load_trained_model
 from the_annotated_transformer import make_model, read_multi30k, save_chart
-from the_annotated_transformer import subsequent_mask, tokenize, find_or_train
-from the_annotated_transformer import describe_checkpoint, translate_batch
+from annotated_transformer_tools import find_or_train
+from the_annotated_transformer import subsequent_mask, tokenize
+from annotated_transformer_tools import describe_checkpoint, translate_batch
 
 FIGURES = os.path.join(ROOT, "figures")
 

@@ -57,14 +57,18 @@ import torch.nn.functional as F
 # %%
 from the_annotated_transformer import BOS, EOS, PAD, SPECIALS, UNK, UserError
 from the_annotated_transformer import batch_greedy_decode, collate_batch
-from the_annotated_transformer import compute_bleu, count_parameters, data_dir
+from annotated_transformer_tools import compute_bleu
+from the_annotated_transformer import count_parameters, data_dir
 from the_annotated_transformer import encode_pairs, epoch_checkpoints
-from the_annotated_transformer import get_config, greedy_decode
+from annotated_transformer_tools import get_config
+from the_annotated_transformer import greedy_decode
 from the_annotated_transformer import load_checkpoint, load_tokenizers
-from the_annotated_transformer import load_trained_model, load_vocab
+from annotated_transformer_tools import load_vocab
+from the_annotated_transformer import load_trained_model
 from the_annotated_transformer import make_model, read_multi30k, strip_specials
-from the_annotated_transformer import subsequent_mask, tokenize, find_or_train
-from the_annotated_transformer import describe_checkpoint, translate_batch
+from annotated_transformer_tools import find_or_train
+from the_annotated_transformer import subsequent_mask, tokenize
+from annotated_transformer_tools import describe_checkpoint, translate_batch
 
 # %% [markdown]
 # ## The models we look at
@@ -872,7 +876,7 @@ def load_translator(checkpoint, device="cpu", beam=1, average=0):
 
 
 # %% [markdown]
-# `python the_annotated_transformer.py evaluate --beam 4 --average 5`
+# `python annotated_transformer_tools.py evaluate --beam 4 --average 5`
 # scores a checkpoint that way. `bench/bleu_table.py` scores test2016 for
 # every combination above and writes the table of the README.
 # In the runs on record (`results/beyond.md`: 18 epochs for words, 14 for BPE),

@@ -943,12 +943,12 @@ def write_results(path, checkpoint, wall_time):
 # `annotated-transformer`.
 #
 # ```
-# python the_annotated_transformer.py download
-# python the_annotated_transformer.py train --preset cpu --epochs 18
-# torchrun --nproc_per_node=2 the_annotated_transformer.py train
-# python the_annotated_transformer.py evaluate --beam 4 --average 5
-# python the_annotated_transformer.py translate "Ein Hund." "Zwei Katzen."
-# python the_annotated_transformer.py translate < sentences.de > out.en
+# python annotated_transformer_tools.py download
+# python annotated_transformer_tools.py train --preset cpu --epochs 18
+# torchrun --nproc_per_node=2 annotated_transformer_tools.py train
+# python annotated_transformer_tools.py evaluate --beam 4 --average 5
+# python annotated_transformer_tools.py translate "Ein Hund." "Zwei Katzen."
+# python annotated_transformer_tools.py translate < sentences.de > out.en
 # ```
 #
 # A program for people should answer every mistake with one line that
@@ -1117,7 +1117,7 @@ def build_parser():
     """The argparse parser of the command line."""
     prog = os.path.basename(sys.argv[0] or "")
     if prog != "annotated-transformer":  # the installed console script
-        prog = "the_annotated_transformer.py"
+        prog = "annotated_transformer_tools.py"
     parser = OneLineParser(
         prog=prog,
         description="Train, evaluate and use the Annotated Transformer on "
