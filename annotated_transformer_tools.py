@@ -530,6 +530,42 @@ def run_model_example(checkpoint="checkpoints/cpu/final.pt", n_examples=5):
 
 
 # -----------------------------------------------------------------------------
+# Checkpoints from older versions
+# Explained in notebooks/06_tools.py, same heading.
+# -----------------------------------------------------------------------------
+OLD_PROJECTIONS = {"0": "w_q", "1": "w_k", "2": "w_v", "3": "w_o"}
+OLD_BLOCKS = {
+    "encoder": {"0": "self_attn_block", "1": "ff_block"},
+    "decoder": {
+        "0": "self_attn_block",
+        "1": "src_attn_block",
+        "2": "ff_block",
+    },
+}
+
+
+def rename_old_key(key):
+    """One state-dict key with the old list names replaced by new names."""
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        following = parts[i + 1]
+        if part == "linears" and following in OLD_PROJECTIONS:
+            parts[i : i + 2] = [OLD_PROJECTIONS[following]]
+            break
+        if part == "sublayer" and parts[0] in OLD_BLOCKS:
+            blocks = OLD_BLOCKS[parts[0]]  # encoder or decoder layer
+            if following in blocks:
+                parts[i : i + 2] = [blocks[following]]
+                break
+    return ".".join(parts)
+
+
+def rename_old_keys(state_dict):
+    """A state dict (old or new names) with the names Part 1 uses now."""
+    return {rename_old_key(key): value for key, value in state_dict.items()}
+
+
+# -----------------------------------------------------------------------------
 # Which model is this?
 # Explained in notebooks/06_tools.py, same heading.
 # -----------------------------------------------------------------------------
@@ -1023,6 +1059,10 @@ __all__ = [
     "translate",
     "check_outputs",
     "run_model_example",
+    "OLD_PROJECTIONS",
+    "OLD_BLOCKS",
+    "rename_old_key",
+    "rename_old_keys",
     "describe_checkpoint",
     "find_or_train",
     "iter_lines",

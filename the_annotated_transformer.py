@@ -139,16 +139,6 @@ class SublayerConnection(nn.Module):
         return x + self.dropout(sublayer(self.norm(x)))
 
 
-def residual_blocks(size, dropout, n):
-    """n fresh SublayerConnections, one per sub-layer of a layer."""
-    return nn.ModuleList(SublayerConnection(size, dropout) for _ in range(n))
-
-
-def sublayer_property(i, doc):
-    """A read-only property that names the block self.sublayer[i]."""
-    return property(lambda self: self.sublayer[i], doc=doc)
-
-
 class EncoderLayer(nn.Module):
     """Self-attention then feed-forward, each in a residual block."""
 
@@ -157,10 +147,8 @@ class EncoderLayer(nn.Module):
         self.size = size  # d_model, read by LayerStack
         self.self_attn = self_attn
         self.feed_forward = feed_forward
-        self.sublayer = residual_blocks(size, dropout, 2)
-
-    self_attn_block = sublayer_property(0, "Block around self-attention.")
-    ff_block = sublayer_property(1, "Block around the feed-forward net.")
+        self.self_attn_block = SublayerConnection(size, dropout)
+        self.ff_block = SublayerConnection(size, dropout)
 
     def forward(self, x, mask):
         """(B, S, d_model) with a (B, 1, S) padding mask."""
@@ -189,11 +177,9 @@ class DecoderLayer(nn.Module):
         self.self_attn = self_attn
         self.src_attn = src_attn
         self.feed_forward = feed_forward
-        self.sublayer = residual_blocks(size, dropout, 3)
-
-    self_attn_block = sublayer_property(0, "Block around self-attention.")
-    src_attn_block = sublayer_property(1, "Block around source attention.")
-    ff_block = sublayer_property(2, "Block around the feed-forward net.")
+        self.self_attn_block = SublayerConnection(size, dropout)
+        self.src_attn_block = SublayerConnection(size, dropout)
+        self.ff_block = SublayerConnection(size, dropout)
 
     def forward(self, x, memory, src_mask, tgt_mask):
         """(B, T, d_model) target states; memory is (B, S, d_model)."""
@@ -235,17 +221,15 @@ class MultiHeadedAttention(nn.Module):
         super().__init__()
         if d_model % h:
             raise ValueError(f"d_model={d_model} is not divisible by h={h}")
-        self.h, self.d_k = h, d_model // h
-        # W^Q, W^K, W^V and W^O, named by the properties below.
-        self.linears = clones(nn.Linear(d_model, d_model), 4)
+        self.h = h
+        self.d_k = d_model // h
+        self.w_q = nn.Linear(d_model, d_model)  # query projection, W^Q
+        self.w_k = nn.Linear(d_model, d_model)  # key projection, W^K
+        self.w_v = nn.Linear(d_model, d_model)  # value projection, W^V
+        self.w_o = nn.Linear(d_model, d_model)  # output projection, W^O
         self.dropout = nn.Dropout(p=dropout)
         self.store_attention = False  # keep the weights in self.attn?
         self.attn = None  # (B, h, T, S) when store_attention is True
-
-    w_q = property(lambda self: self.linears[0], doc="Query projection.")
-    w_k = property(lambda self: self.linears[1], doc="Key projection.")
-    w_v = property(lambda self: self.linears[2], doc="Value projection.")
-    w_o = property(lambda self: self.linears[3], doc="Output projection.")
 
     def split_heads(self, x, linear):
         """Project (B, T, d_model) and split to (B, h, T, d_k)."""
@@ -329,21 +313,9 @@ class PositionalEncoding(nn.Module):
 # Explained in notebooks/01_model.py, same heading.
 # -----------------------------------------------------------------------------
 def make_model(
-    src_vocab,
-    tgt_vocab,
-    N=6,
-    d_model=512,
-    d_ff=2048,
-    h=8,
-    dropout=0.1,
-    tie_embeddings=False,
+    src_vocab, tgt_vocab, N=6, d_model=512, d_ff=2048, h=8, dropout=0.1
 ):
     """Build an EncoderDecoder Transformer from hyperparameters."""
-    if tie_embeddings and src_vocab != tgt_vocab:
-        raise ValueError(
-            "tie_embeddings needs one shared vocabulary, got "
-            f"src_vocab={src_vocab} and tgt_vocab={tgt_vocab}"
-        )
     attn = MultiHeadedAttention(h, d_model, dropout)
     ffn = PositionwiseFeedForward(d_model, d_ff, dropout)
     pe = PositionalEncoding(d_model, dropout)
@@ -363,9 +335,6 @@ def make_model(
 
     for weight in [p for p in model.parameters() if p.dim() > 1]:
         nn.init.xavier_uniform_(weight)
-    if tie_embeddings:
-        shared = src_embed[0].lut.weight
-        tgt_embed[0].lut.weight = generator.proj.weight = shared
     return model
 
 
@@ -1126,7 +1095,12 @@ def model_from_config(c, n_src, n_tgt, dropout=None):
     """The model a TrainConfig describes, for the given vocabulary sizes."""
     dims = {"N": c.N, "d_model": c.d_model, "d_ff": c.d_ff, "h": c.h}
     dims |= {"dropout": c.dropout if dropout is None else dropout}
-    return make_model(n_src, n_tgt, **dims, tie_embeddings=c.tie_embeddings)
+    model = make_model(n_src, n_tgt, **dims)
+    if c.tie_embeddings:  # one matrix for three jobs: Part 5 explains it
+        shared = model.src_embed[0].lut.weight
+        model.tgt_embed[0].lut.weight = shared
+        model.generator.proj.weight = shared
+    return model
 
 
 class UserError(Exception):
@@ -2021,6 +1995,20 @@ def load_bpe(path=None, vocab_size=BPE_VOCAB_SIZE):
     return bpe
 
 
+def tie_embeddings(model):
+    """Share one matrix among both embeddings and the generator."""
+    shared = model.src_embed[0].lut.weight  # (V, d_model)
+    if model.tgt_embed[0].lut.weight.shape != shared.shape:
+        raise ValueError(
+            "tie_embeddings needs one shared vocabulary, got "
+            f"{model.src_embed[0].lut.num_embeddings} source and "
+            f"{model.tgt_embed[0].lut.num_embeddings} target units"
+        )
+    model.tgt_embed[0].lut.weight = shared
+    model.generator.proj.weight = shared
+    return model
+
+
 # -----------------------------------------------------------------------------
 # 4. Checkpoint averaging
 # Explained in notebooks/05_beyond.py, same heading.
@@ -2093,8 +2081,6 @@ __all__ = [
     "Encoder",
     "LayerNorm",
     "SublayerConnection",
-    "residual_blocks",
-    "sublayer_property",
     "EncoderLayer",
     "Decoder",
     "DecoderLayer",
@@ -2204,6 +2190,7 @@ __all__ = [
     "BPE_VOCAB_SIZE",
     "train_bpe",
     "load_bpe",
+    "tie_embeddings",
     "average",
     "average_checkpoints",
     "load_translator",

@@ -519,7 +519,12 @@ def model_from_config(c, n_src, n_tgt, dropout=None):
     """The model a TrainConfig describes, for the given vocabulary sizes."""
     dims = {"N": c.N, "d_model": c.d_model, "d_ff": c.d_ff, "h": c.h}
     dims |= {"dropout": c.dropout if dropout is None else dropout}
-    return make_model(n_src, n_tgt, **dims, tie_embeddings=c.tie_embeddings)
+    model = make_model(n_src, n_tgt, **dims)
+    if c.tie_embeddings:  # one matrix for three jobs: Part 5 explains it
+        shared = model.src_embed[0].lut.weight
+        model.tgt_embed[0].lut.weight = shared
+        model.generator.proj.weight = shared
+    return model
 
 
 # %% [markdown]

@@ -728,14 +728,35 @@ assert test_ids.count(UNK) == 0 < words.count(UNK)
 # generator's projection (section 3.4 of the paper; Press and Wolf, 2017).
 # Sharing one matrix removes two thirds of the vocabulary parameters, and
 # each row learns from every place its unit occurs.
-# `make_model(V, V, tie_embeddings=True)` of Part 1 makes the three point
-# at one tensor. **See, it matches:** they share storage, and the base
-# model's parameter count follows Part 1's closed form $44{,}140{,}544 +
-# 513\,V$.
+# `tie_embeddings` takes a model from Part 1's `make_model` and makes the
+# three point at one tensor.
+
+
+# %%
+#| export
+def tie_embeddings(model):
+    """Share one matrix among both embeddings and the generator."""
+    shared = model.src_embed[0].lut.weight  # (V, d_model)
+    if model.tgt_embed[0].lut.weight.shape != shared.shape:
+        raise ValueError(
+            "tie_embeddings needs one shared vocabulary, got "
+            f"{model.src_embed[0].lut.num_embeddings} source and "
+            f"{model.tgt_embed[0].lut.num_embeddings} target units"
+        )
+    model.tgt_embed[0].lut.weight = shared
+    model.generator.proj.weight = shared
+    return model
+
+
+# %% [markdown]
+# **See, it matches:** the three share storage, and the base model's
+# parameter count follows Part 1's table with two of the three $V \times
+# d_{\text{model}}$ matrices gone: $168d^2 + 196d + Vd + V$, which for
+# $d = 512$ is $44{,}140{,}544 + 513\,V$.
 
 # %%
 V = len(bpe)
-tied = make_model(V, V, N=6, d_model=512, d_ff=2048, h=8, tie_embeddings=True)
+tied = tie_embeddings(make_model(V, V, N=6, d_model=512, d_ff=2048, h=8))
 weights = [
     tied.src_embed[0].lut.weight,
     tied.tgt_embed[0].lut.weight,

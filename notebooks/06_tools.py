@@ -744,6 +744,72 @@ def run_model_example(checkpoint="checkpoints/cpu/final.pt", n_examples=5):
 
 
 # %% [markdown]
+# ## Checkpoints from older versions
+#
+# Part 1 names every weight for what it is: an attention layer's four
+# projections are `w_q`, `w_k`, `w_v` and `w_o`, and a layer's residual
+# blocks are `self_attn_block`, `src_attn_block` and `ff_block`. Earlier
+# versions of this project kept the 2022 names: a list `linears` of four
+# projections, in that order, and a list `sublayer` of residual blocks,
+# in the order the layer applies them. `rename_old_keys` maps a state dict
+# with the old names to the new ones; keys already new pass unchanged, in
+# their order. (2022 checkpoint files themselves cannot be used: their
+# vocabularies are pickled torchtext objects.)
+
+
+# %%
+#| export
+OLD_PROJECTIONS = {"0": "w_q", "1": "w_k", "2": "w_v", "3": "w_o"}
+OLD_BLOCKS = {
+    "encoder": {"0": "self_attn_block", "1": "ff_block"},
+    "decoder": {
+        "0": "self_attn_block",
+        "1": "src_attn_block",
+        "2": "ff_block",
+    },
+}
+
+
+def rename_old_key(key):
+    """One state-dict key with the old list names replaced by new names."""
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        following = parts[i + 1]
+        if part == "linears" and following in OLD_PROJECTIONS:
+            parts[i : i + 2] = [OLD_PROJECTIONS[following]]
+            break
+        if part == "sublayer" and parts[0] in OLD_BLOCKS:
+            blocks = OLD_BLOCKS[parts[0]]  # encoder or decoder layer
+            if following in blocks:
+                parts[i : i + 2] = [blocks[following]]
+                break
+    return ".".join(parts)
+
+
+def rename_old_keys(state_dict):
+    """A state dict (old or new names) with the names Part 1 uses now."""
+    return {rename_old_key(key): value for key, value in state_dict.items()}
+
+
+# %% [markdown]
+# **See, it matches.** Old keys from each kind of place land on keys that
+# a new model has. (`tests/test_model.py` loads a whole model saved with
+# the old names and checks that it computes the same outputs.)
+
+# %%
+model = make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
+old_keys = [
+    "encoder.layers.0.self_attn.linears.0.weight",
+    "encoder.layers.0.sublayer.1.norm.a_2",
+    "decoder.layers.0.src_attn.linears.3.bias",
+    "decoder.layers.0.sublayer.1.norm.b_2",
+]
+for key in old_keys:
+    print(f"{key:45s} -> {rename_old_key(key)}")
+    assert rename_old_key(key) in model.state_dict()
+
+
+# %% [markdown]
 # ## Which model is this?
 #
 # A translation, an attention map or a BLEU score means little without

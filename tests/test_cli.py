@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import annotated_transformer_tools as tools
 import the_annotated_transformer as tat
 
-SCRIPT = Path(tat.__file__).resolve()
+SCRIPT = Path(tools.__file__).resolve()
 
 # A model that learns these five pairs by heart in a second gives each
 # sentence its own translation, so a test can tell the lines apart.
