@@ -410,7 +410,8 @@ class LabelSmoothing(nn.Module):
         self.confidence = 1.0 - smoothing  # mass the correct token keeps
         self.criterion = nn.KLDivLoss(reduction="sum")
         self.keep_targets = keep_targets  # build (N, size) targets, slower
-        self.true_dist = None  # the latest smoothed targets, if kept
+        self.last_target = None  # (N,) targets of the latest call
+        self.last_dtype = torch.float32
 
     def smoothed_targets(self, target, dtype=torch.float32):
         """(N,) target ids to the (N, size) smoothed distribution."""
@@ -421,12 +422,19 @@ class LabelSmoothing(nn.Module):
         dist[target == self.padding_idx] = 0
         return dist
 
+    @property
+    def true_dist(self):
+        """The (N, size) smoothed targets of the latest call, or None."""
+        if self.last_target is None:
+            return None
+        return self.smoothed_targets(self.last_target, self.last_dtype)
+
     def forward(self, x, target):
         """Summed KL loss of (N, size) log-probs against (N,) targets."""
         assert x.size(1) == self.size
+        self.last_target, self.last_dtype = target.detach(), x.dtype
         if not self.keep_targets:
             return smoothed_kl(x, target, self.padding_idx, self.smoothing)
-        self.true_dist = self.smoothed_targets(target, x.dtype)
         return self.criterion(x, self.true_dist)
 
 
