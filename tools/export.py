@@ -1,8 +1,9 @@
 """Generate the two modules and the .ipynb pairs from notebooks/NN_*.py.
 
     python tools/export.py           # rewrite the_annotated_transformer.py,
-                                     # annotated_transformer_tools.py and
-                                     # every notebooks/NN_*.ipynb
+                                     # annotated_transformer_tools.py,
+                                     # every notebooks/NN_*.ipynb and the
+                                     # repository's address in NN_*.py
     python tools/export.py --check   # exit 1 when anything is out of sync
 
 Only code cells whose first line is ``#| export`` reach a module, in
@@ -13,7 +14,9 @@ the names it uses (found here, never written by hand). In each module the
 top-level imports are hoisted into one block, which ruff sorts; ``__all__``
 at the end lists every public top-level name; and each notebook ``## ``
 section that exports code gets one heading that names the notebook and
-section it came from.
+section it came from. The repository's address is written once, in
+pyproject.toml's ``[project.urls]``; each notebook's Colab badge and
+clone line are rewritten from it.
 """
 
 from __future__ import annotations
@@ -348,9 +351,9 @@ def attach_diagrams(nb, folder: Path) -> None:
             cell.setdefault("attachments", {})[name] = {"image/svg+xml": data}
 
 
-def render_ipynb(path: Path) -> str:
+def render_ipynb(path: Path, text: str) -> str:
     """The .ipynb text that the percent file generates (no outputs)."""
-    nb = jupytext.read(path)
+    nb = jupytext.reads(text, fmt="py:percent")
     attach_diagrams(nb, path.parent)
     nb.metadata.setdefault("jupytext", {})["formats"] = "ipynb,py:percent"
     for i, cell in enumerate(nb.cells):  # jupytext draws random ids
@@ -358,11 +361,64 @@ def render_ipynb(path: Path) -> str:
     return jupytext.writes(nb, fmt="ipynb")
 
 
+# --- the repository's address ------------------------------------------
+
+PYPROJECT = ROOT / "pyproject.toml"
+REPO_LINE = re.compile(r'^REPO = "[^"\n]*"$', re.M)
+BADGE_LINE = re.compile(
+    r"^# \[!\[Open in Colab\]\((?P<image>[^)\n]*)\)\]\([^)\n]*\)$", re.M
+)
+
+
+def repository() -> str:
+    """The address in pyproject.toml's [project.urls], the only copy.
+
+    (Read with a pattern: tomllib is not in Python 3.10's library.)
+    """
+    text = PYPROJECT.read_text()
+    urls = text.split("[project.urls]", 1)[-1].split("\n[", 1)[0]
+    found = re.findall(r'^Repository = "([^"]+)"$', urls, re.M)
+    if len(found) != 1:
+        raise SystemExit("pyproject.toml: no Repository in [project.urls]")
+    return found[0]
+
+
+def colab_link(repo: str, stem: str) -> str:
+    """Colab's address for opening notebooks/<stem>.ipynb of the repo."""
+    github = "https://github.com/"
+    if not repo.startswith(github):
+        raise SystemExit(f"Colab opens GitHub repositories only, not {repo}")
+    path = repo.removeprefix(github).removesuffix(".git")
+    return (
+        f"https://colab.research.google.com/github/{path}/blob/main/"
+        f"notebooks/{stem}.ipynb"
+    )
+
+
+def with_repository(text: str, stem: str, repo: str) -> str:
+    """A notebook's source with its clone line and Colab badge on ``repo``.
+
+    The setup cell's ``REPO = "..."`` line and the badge's markdown line
+    are the two places that name the repository; each must occur once.
+    """
+    for pattern, what in ((REPO_LINE, "REPO = ..."), (BADGE_LINE, "badge")):
+        if len(pattern.findall(text)) != 1:
+            raise SystemExit(f"{stem}.py needs exactly one {what} line")
+    text = REPO_LINE.sub(f'REPO = "{repo}"', text)
+    link = colab_link(repo, stem)
+    return BADGE_LINE.sub(
+        lambda m: f"# [![Open in Colab]({m['image']})]({link})", text
+    )
+
+
 def targets() -> dict[Path, str]:
     """Every generated file with the text it should hold."""
     out = render_modules()
+    repo = repository()
     for path in notebook_sources():
-        out[path.with_suffix(".ipynb")] = render_ipynb(path)
+        text = with_repository(path.read_text(), path.stem, repo)
+        out[path] = text
+        out[path.with_suffix(".ipynb")] = render_ipynb(path, text)
     return out
 
 
