@@ -18,9 +18,11 @@
 # sits code that a working program needs but a reader need not study:
 # downloading and verifying the data, the training presets, a description
 # of the hardware, starting several processes, and the command line.
-# It lives here, after the lessons, and is exported into
-# `the_annotated_transformer.py` like the rest. Code in this appendix may
-# use anything the lessons defined; no lesson's exported code uses it.
+# It lives here, after the lessons, and is exported into a second module,
+# `annotated_transformer_tools.py`, which the `annotated-transformer`
+# command runs. Code in this appendix may use anything the lessons defined
+# (the tools module imports it from `the_annotated_transformer.py`); no
+# lesson's exported code uses the appendix.
 
 # %% [markdown]
 # [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/annotated-transformer/done-right/blob/main/notebooks/06_tools.ipynb)
@@ -67,8 +69,9 @@ from pathlib import Path
 import torch
 
 # %% [markdown]
-# The appendix calls functions of every lesson. In the notebook they come
-# from the module; in the module they are simply defined above.
+# The appendix calls functions of every lesson. Here they come from the
+# lessons' module; `tools/export.py` writes the same import, generated
+# from the names the exported code uses, into the tools module.
 # %%
 from the_annotated_transformer import BOS, EOS, MULTI30K_ENV, PAD
 from the_annotated_transformer import VOCAB_LOADERS, BpeVocab, DatasetError
