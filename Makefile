@@ -37,11 +37,10 @@ notebook: setup  ## execute every notebook into runs/notebooks/ (AT_SIZE=ci: qui
 	    $$nb || exit 1; \
 	done
 
-export: setup  ## regenerate the_annotated_transformer.py and the .ipynb pairs
+export: setup  ## regenerate both modules and the .ipynb pairs
 	$(PY) tools/export.py
-	$(PY) tools/lesson_stats.py --readme >/dev/null
 
-check-sync: setup  ## fail when the module or an .ipynb drifted from its .py
+check-sync: setup  ## fail when a module or an .ipynb drifted from its .py
 	$(PY) tools/export.py --check
 
 test: setup  ## unit tests, including the sync check
@@ -51,15 +50,13 @@ notebook-test: setup  ## run every notebook with nbmake, CI-sized
 	AT_SIZE=ci $(PY) -m pytest -q --nbmake --nbmake-timeout=1500 \
 	  $(NOTEBOOKS:.py=.ipynb)
 
-lint: setup  ## ruff check and format check (the module included)
+lint: setup  ## ruff check and format check (the modules included)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) tools/lesson_stats.py --check
 
 format: setup  ## format the .py sources, then regenerate
 	$(PY) -m ruff format notebooks tools tests bench
 	$(PY) tools/export.py
-	$(PY) tools/lesson_stats.py --readme >/dev/null
 
 bench: setup  ## speed benchmarks (prints medians and ratios)
 	$(PY) bench/copy_task.py
@@ -68,9 +65,9 @@ bench: setup  ## speed benchmarks (prints medians and ratios)
 	$(PY) bench/efficiency.py
 
 train: setup  ## train the cpu and cpu-bpe presets; summaries and test BLEU into runs/
-	$(PY) the_annotated_transformer.py train --preset cpu \
+	$(PY) annotated_transformer_tools.py train --preset cpu \
 	  --results runs/multi30k_cpu.json
-	$(PY) the_annotated_transformer.py train --preset cpu-bpe \
+	$(PY) annotated_transformer_tools.py train --preset cpu-bpe \
 	  --results runs/multi30k_cpu-bpe.json
 
 # Debian's chromium, for the site test (root, or sudo, for apt-get).

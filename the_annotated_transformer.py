@@ -1,208 +1,36 @@
 # =============================================================================
 # GENERATED FILE: edit the notebooks, not this file.
-# Source: notebooks/NN_*.py (cells starting with "#| export").
+# Source: notebooks/01_*.py to 05_*.py (cells starting with "#| export").
 # Regenerate with `make export`; `make check-sync` fails on drift.
 # =============================================================================
-"""The Annotated Transformer, done right: the notebooks' code as a module.
+"""The Annotated Transformer, done right: the lessons' code as a module.
 
-Importing it has no side effects and needs only torch. Each section below
-names the notebook and heading that explain it. Run
-``python the_annotated_transformer.py --help`` for the command line.
+The model comes first (Part 1), then its training (Parts 2 and 3), its
+attention (Part 4) and what goes beyond the paper (Part 5). Importing it
+has no side effects and needs only torch. Each section below names the
+notebook and heading that explain it. The command line, downloads and
+process launch live in ``annotated_transformer_tools.py``.
 """
 
-import argparse
 import copy
 import functools
 import gzip
-import hashlib
-import http.client
-import itertools
 import json
 import math
 import os
 import pickle
 import random
-import socket
-import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
 import warnings
 from collections import Counter
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-__all__ = [
-    "EncoderDecoder",
-    "Generator",
-    "clones",
-    "LayerStack",
-    "Encoder",
-    "LayerNorm",
-    "SublayerConnection",
-    "residual_blocks",
-    "sublayer_property",
-    "EncoderLayer",
-    "Decoder",
-    "DecoderLayer",
-    "subsequent_mask",
-    "attention",
-    "MultiHeadedAttention",
-    "PositionwiseFeedForward",
-    "Embeddings",
-    "PositionalEncoding",
-    "make_model",
-    "count_parameters",
-    "Batch",
-    "data_gen",
-    "LabelSmoothing",
-    "smoothed_kl",
-    "save_chart",
-    "line_chart",
-    "label_smoothing_penalty_rows",
-    "label_smoothing_penalty_chart",
-    "SimpleLossCompute",
-    "TrainState",
-    "with_last_flag",
-    "optimizer_step",
-    "micro_step",
-    "print_progress",
-    "run_epoch",
-    "rate",
-    "make_optimizer",
-    "learning_rate_chart",
-    "greedy_decode",
-    "copy_accuracy",
-    "copy_accuracy_teacher_forced",
-    "CopyLossCompute",
-    "greedy_check",
-    "warmup_linear_decay",
-    "CopyTaskConfig",
-    "native_bf16",
-    "copy_task_setup",
-    "epoch_summary",
-    "train_copy_task",
-    "copy_progress_chart",
-    "MULTI30K_ENV",
-    "MULTI30K_SPLITS",
-    "DatasetError",
-    "data_dir",
-    "read_multi30k",
-    "load_tokenizers",
-    "tokenize",
-    "SPECIALS",
-    "Vocab",
-    "build_vocabulary",
-    "encode_text",
-    "encode_pairs",
-    "collate_batch",
-    "bucket",
-    "split_evenly",
-    "TokenBatchSampler",
-    "create_dataloaders",
-    "TrainConfig",
-    "model_from_config",
-    "UserError",
-    "save_checkpoint",
-    "load_checkpoint",
-    "epoch_checkpoints",
-    "word_vocabularies",
-    "VOCAB_LOADERS",
-    "save_run",
-    "TrainingRun",
-    "params_in_sync",
-    "train_epoch",
-    "save_epoch",
-    "resume_run",
-    "train_worker",
-    "load_trained_model",
-    "batch_greedy_decode",
-    "strip_specials",
-    "record_attention",
-    "ATTENTION_KINDS",
-    "AttentionView",
-    "AttentionMaps",
-    "attention_maps",
-    "attention_frame",
-    "attention_chart",
-    "attention_statistics",
-    "attention_summary",
-    "attention_summary_chart",
-    "DecoderCache",
-    "attend_step",
-    "cached_self_attention",
-    "decoder_layer_step",
-    "decode_step",
-    "cached_greedy_decode",
-    "length_penalty",
-    "beam_candidates",
-    "Beams",
-    "advance_beams",
-    "keep_best",
-    "beam_search_steps",
-    "beam_search",
-    "BpeVocab",
-    "BPE_VOCAB_SIZE",
-    "train_bpe",
-    "load_bpe",
-    "average",
-    "average_checkpoints",
-    "load_translator",
-    "MULTI30K_BASE_URL",
-    "MULTI30K_SHA256",
-    "sha256_of",
-    "download_multi30k",
-    "PRESETS",
-    "get_config",
-    "load_vocab",
-    "load_vocabularies",
-    "bpe_vocabularies",
-    "hardware_summary",
-    "free_port",
-    "train_distributed_model",
-    "train_model",
-    "detokenize",
-    "decode_text",
-    "source_alignment",
-    "replace_unknowns",
-    "translate_batch",
-    "compute_bleu",
-    "translate",
-    "check_outputs",
-    "run_model_example",
-    "describe_checkpoint",
-    "find_or_train",
-    "iter_lines",
-    "read_lines",
-    "read_parallel",
-    "evaluate_files",
-    "write_results",
-    "positive_int",
-    "count_or_zero",
-    "existing_device",
-    "OneLineParser",
-    "add_train_parser",
-    "add_decoding_options",
-    "add_evaluate_parser",
-    "add_translate_parser",
-    "build_parser",
-    "command_train",
-    "load_for_decoding",
-    "command_evaluate",
-    "translate_lines",
-    "sentences_to_translate",
-    "warn_unknown_words",
-    "command_translate",
-    "command_download",
-]
-
 
 # =============================================================================
 # Part 1: The model architecture
@@ -311,16 +139,6 @@ class SublayerConnection(nn.Module):
         return x + self.dropout(sublayer(self.norm(x)))
 
 
-def residual_blocks(size, dropout, n):
-    """n fresh SublayerConnections, one per sub-layer of a layer."""
-    return nn.ModuleList(SublayerConnection(size, dropout) for _ in range(n))
-
-
-def sublayer_property(i, doc):
-    """A read-only property that names the block self.sublayer[i]."""
-    return property(lambda self: self.sublayer[i], doc=doc)
-
-
 class EncoderLayer(nn.Module):
     """Self-attention then feed-forward, each in a residual block."""
 
@@ -329,10 +147,8 @@ class EncoderLayer(nn.Module):
         self.size = size  # d_model, read by LayerStack
         self.self_attn = self_attn
         self.feed_forward = feed_forward
-        self.sublayer = residual_blocks(size, dropout, 2)
-
-    self_attn_block = sublayer_property(0, "Block around self-attention.")
-    ff_block = sublayer_property(1, "Block around the feed-forward net.")
+        self.self_attn_block = SublayerConnection(size, dropout)
+        self.ff_block = SublayerConnection(size, dropout)
 
     def forward(self, x, mask):
         """(B, S, d_model) with a (B, 1, S) padding mask."""
@@ -361,11 +177,9 @@ class DecoderLayer(nn.Module):
         self.self_attn = self_attn
         self.src_attn = src_attn
         self.feed_forward = feed_forward
-        self.sublayer = residual_blocks(size, dropout, 3)
-
-    self_attn_block = sublayer_property(0, "Block around self-attention.")
-    src_attn_block = sublayer_property(1, "Block around source attention.")
-    ff_block = sublayer_property(2, "Block around the feed-forward net.")
+        self.self_attn_block = SublayerConnection(size, dropout)
+        self.src_attn_block = SublayerConnection(size, dropout)
+        self.ff_block = SublayerConnection(size, dropout)
 
     def forward(self, x, memory, src_mask, tgt_mask):
         """(B, T, d_model) target states; memory is (B, S, d_model)."""
@@ -407,17 +221,15 @@ class MultiHeadedAttention(nn.Module):
         super().__init__()
         if d_model % h:
             raise ValueError(f"d_model={d_model} is not divisible by h={h}")
-        self.h, self.d_k = h, d_model // h
-        # W^Q, W^K, W^V and W^O, named by the properties below.
-        self.linears = clones(nn.Linear(d_model, d_model), 4)
+        self.h = h
+        self.d_k = d_model // h
+        self.w_q = nn.Linear(d_model, d_model)  # query projection, W^Q
+        self.w_k = nn.Linear(d_model, d_model)  # key projection, W^K
+        self.w_v = nn.Linear(d_model, d_model)  # value projection, W^V
+        self.w_o = nn.Linear(d_model, d_model)  # output projection, W^O
         self.dropout = nn.Dropout(p=dropout)
         self.store_attention = False  # keep the weights in self.attn?
         self.attn = None  # (B, h, T, S) when store_attention is True
-
-    w_q = property(lambda self: self.linears[0], doc="Query projection.")
-    w_k = property(lambda self: self.linears[1], doc="Key projection.")
-    w_v = property(lambda self: self.linears[2], doc="Value projection.")
-    w_o = property(lambda self: self.linears[3], doc="Output projection.")
 
     def split_heads(self, x, linear):
         """Project (B, T, d_model) and split to (B, h, T, d_k)."""
@@ -501,21 +313,9 @@ class PositionalEncoding(nn.Module):
 # Explained in notebooks/01_model.py, same heading.
 # -----------------------------------------------------------------------------
 def make_model(
-    src_vocab,
-    tgt_vocab,
-    N=6,
-    d_model=512,
-    d_ff=2048,
-    h=8,
-    dropout=0.1,
-    tie_embeddings=False,
+    src_vocab, tgt_vocab, N=6, d_model=512, d_ff=2048, h=8, dropout=0.1
 ):
     """Build an EncoderDecoder Transformer from hyperparameters."""
-    if tie_embeddings and src_vocab != tgt_vocab:
-        raise ValueError(
-            "tie_embeddings needs one shared vocabulary, got "
-            f"src_vocab={src_vocab} and tgt_vocab={tgt_vocab}"
-        )
     attn = MultiHeadedAttention(h, d_model, dropout)
     ffn = PositionwiseFeedForward(d_model, d_ff, dropout)
     pe = PositionalEncoding(d_model, dropout)
@@ -535,9 +335,6 @@ def make_model(
 
     for weight in [p for p in model.parameters() if p.dim() > 1]:
         nn.init.xavier_uniform_(weight)
-    if tie_embeddings:
-        shared = src_embed[0].lut.weight
-        tgt_embed[0].lut.weight = generator.proj.weight = shared
     return model
 
 
@@ -613,7 +410,8 @@ class LabelSmoothing(nn.Module):
         self.confidence = 1.0 - smoothing  # mass the correct token keeps
         self.criterion = nn.KLDivLoss(reduction="sum")
         self.keep_targets = keep_targets  # build (N, size) targets, slower
-        self.true_dist = None  # the latest smoothed targets, if kept
+        self.last_target = None  # (N,) targets of the latest call
+        self.last_dtype = torch.float32
 
     def smoothed_targets(self, target, dtype=torch.float32):
         """(N,) target ids to the (N, size) smoothed distribution."""
@@ -624,12 +422,19 @@ class LabelSmoothing(nn.Module):
         dist[target == self.padding_idx] = 0
         return dist
 
+    @property
+    def true_dist(self):
+        """The (N, size) smoothed targets of the latest call, or None."""
+        if self.last_target is None:
+            return None
+        return self.smoothed_targets(self.last_target, self.last_dtype)
+
     def forward(self, x, target):
         """Summed KL loss of (N, size) log-probs against (N,) targets."""
         assert x.size(1) == self.size
+        self.last_target, self.last_dtype = target.detach(), x.dtype
         if not self.keep_targets:
             return smoothed_kl(x, target, self.padding_idx, self.smoothing)
-        self.true_dist = self.smoothed_targets(target, x.dtype)
         return self.criterion(x, self.true_dist)
 
 
@@ -1056,7 +861,7 @@ def read_multi30k(split, root=None):
     for lang in ("de", "en"):
         path = Path(folder, f"{MULTI30K_SPLITS[split]}.{lang}.gz")
         if not path.is_file():
-            hint = "run `python the_annotated_transformer.py download`"
+            hint = "run `python annotated_transformer_tools.py download`"
             raise DatasetError(f"no {path}: {hint} or set {MULTI30K_ENV}")
         with gzip.open(path, "rt", encoding="utf-8") as f:
             sides.append([line.strip() for line in f])  # some end in " "
@@ -1298,7 +1103,12 @@ def model_from_config(c, n_src, n_tgt, dropout=None):
     """The model a TrainConfig describes, for the given vocabulary sizes."""
     dims = {"N": c.N, "d_model": c.d_model, "d_ff": c.d_ff, "h": c.h}
     dims |= {"dropout": c.dropout if dropout is None else dropout}
-    return make_model(n_src, n_tgt, **dims, tie_embeddings=c.tie_embeddings)
+    model = make_model(n_src, n_tgt, **dims)
+    if c.tie_embeddings:  # one matrix for three jobs: Part 5 explains it
+        shared = model.src_embed[0].lut.weight
+        model.tgt_embed[0].lut.weight = shared
+        model.generator.proj.weight = shared
+    return model
 
 
 class UserError(Exception):
@@ -2193,6 +2003,20 @@ def load_bpe(path=None, vocab_size=BPE_VOCAB_SIZE):
     return bpe
 
 
+def tie_embeddings(model):
+    """Share one matrix among both embeddings and the generator."""
+    shared = model.src_embed[0].lut.weight  # (V, d_model)
+    if model.tgt_embed[0].lut.weight.shape != shared.shape:
+        raise ValueError(
+            "tie_embeddings needs one shared vocabulary, got "
+            f"{model.src_embed[0].lut.num_embeddings} source and "
+            f"{model.tgt_embed[0].lut.num_embeddings} target units"
+        )
+    model.tgt_embed[0].lut.weight = shared
+    model.generator.proj.weight = shared
+    return model
+
+
 # -----------------------------------------------------------------------------
 # 4. Checkpoint averaging
 # Explained in notebooks/05_beyond.py, same heading.
@@ -2256,944 +2080,126 @@ def load_translator(checkpoint, device="cpu", beam=1, average=0):
     return model, vocab_src, vocab_tgt, decode_fn
 
 
-# =============================================================================
-# Appendix: the machinery
-# notebooks/06_tools.py
-# =============================================================================
-
-
-# -----------------------------------------------------------------------------
-# Downloading Multi30k
-# Explained in notebooks/06_tools.py, same heading.
-# -----------------------------------------------------------------------------
-MULTI30K_BASE_URL = (
-    "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/"
-)
-MULTI30K_SHA256 = {
-    "train.de.gz": (
-        "726e39b2fa9eb9ffb6dc763fb35a179f80fae06ffc5d28b6ace5faa883de28a6"
-    ),
-    "train.en.gz": (
-        "d79cfa999dd4c51d2cb42499b6796d5a882c3a8a961923c25a898c90f8bbd56f"
-    ),
-    "val.de.gz": (
-        "f0cba2f995189cf5770f29a8a9a537a3ad3f51657ad873405082ff6863a5e75a"
-    ),
-    "val.en.gz": (
-        "14f7d25ddd868909a9213e361768460edcacdd6ab9d1e77b92560dc10c10dc28"
-    ),
-    "test_2016_flickr.de.gz": (
-        "9204244e408ccb38d2a55cfcd344df15005fc42a07a6e55ca6c52b6ababb8cc8"
-    ),
-    "test_2016_flickr.en.gz": (
-        "611d361c6334bc7246101d48097c13cf5c4413c5befc793cc629934359d532d9"
-    ),
-}
-
-
-def sha256_of(path):
-    """Hex SHA-256 digest of a file."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _stream(response, out, name):
-    """Copy a download into `out` with a progress bar; its SHA-256."""
-    from tqdm import tqdm
-
-    digest = hashlib.sha256()
-    size = int(response.headers.get("Content-Length") or 0) or None
-    with tqdm(total=size, unit="B", unit_scale=True, desc=name) as bar:
-        while chunk := response.read(1 << 16):
-            out.write(chunk)
-            digest.update(chunk)
-            bar.update(len(chunk))
-    return digest.hexdigest()
-
-
-def _offline_hint(folder):
-    """What to do when the files cannot be fetched."""
-    return (
-        f"The files belong in {folder}. Without internet access, copy the "
-        "six Multi30k files (train, val and test_2016_flickr, each .de.gz "
-        f"and .en.gz) there yourself, or set {MULTI30K_ENV} to a folder "
-        "that holds them."
-    )
-
-
-def _fetch(url, path, expected, timeout):
-    """Download `url` to `path`, keeping it only if its SHA-256 matches."""
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(
-            prefix=f".{path.name}.", suffix=".part", dir=path.parent
-        )
-        with (
-            os.fdopen(fd, "wb") as out,
-            urllib.request.urlopen(url, timeout=timeout) as response,
-        ):
-            digest = _stream(response, out, path.name)
-        if digest != expected:
-            raise DatasetError(
-                f"{url} has SHA-256 {digest}, expected "
-                f"{expected}; the file was not kept.\n"
-                + _offline_hint(path.parent)
-            )
-        os.replace(tmp, path)
-        tmp = None
-    except (OSError, http.client.HTTPException) as error:
-        url_error = type(error) is urllib.error.URLError
-        reason = error.reason if url_error else error
-        raise DatasetError(
-            f"Could not download {url} ({reason}).\n"
-            + _offline_hint(path.parent)
-        ) from error
-    finally:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-
-
-def _check_folder(folder, sums):
-    """`folder` if it holds every file with the right SHA-256."""
-    problems = []
-    for name, expected in sorted(sums.items()):
-        path = folder / name
-        if not path.is_file():
-            problems.append(f"{name} is missing")
-        elif sha256_of(path) != expected:
-            problems.append(f"{name} has the wrong SHA-256")
-    if problems:
-        raise DatasetError(
-            f"{MULTI30K_ENV}={folder} does not hold Multi30k: "
-            + "; ".join(problems)
-            + f".\nPut the six files from {MULTI30K_BASE_URL} into {folder}, "
-            f"or unset {MULTI30K_ENV} to download them into "
-            f"{data_dir() / 'multi30k'}."
-        )
-    return folder
-
-
-def download_multi30k(
-    root=None, base_url=MULTI30K_BASE_URL, sha256=None, timeout=30.0
-):
-    """Folder holding the verified Multi30k files, downloaded if needed."""
-    sums = MULTI30K_SHA256 if sha256 is None else sha256
-    if root is None and os.environ.get(MULTI30K_ENV):
-        given = os.environ[MULTI30K_ENV]
-        folder = Path(given).absolute()  # relative: to the working directory
-        if not folder.is_dir():
-            raise DatasetError(f"{MULTI30K_ENV}={given}: no folder {folder}")
-        return _check_folder(folder, sums)
-    folder = Path(root) if root is not None else data_dir() / "multi30k"
-    for name, expected in sums.items():
-        path = folder / name
-        if not (path.is_file() and sha256_of(path) == expected):
-            url = base_url.rstrip("/") + "/" + name
-            _fetch(url, path, expected, timeout)
-    return folder
-
-
-# -----------------------------------------------------------------------------
-# Presets
-# Explained in notebooks/06_tools.py, same heading.
-# -----------------------------------------------------------------------------
-PRESETS = {
-    "paper": TrainConfig(
-        preset="paper",
-        N=6,
-        d_model=512,
-        d_ff=2048,
-        h=8,
-        max_tokens=8000,
-        epochs=40,
-        checkpoint_dir="checkpoints/paper",
-    ),
-    "cpu": TrainConfig(),
-    "ci": TrainConfig(
-        preset="ci",
-        N=1,
-        d_model=64,
-        d_ff=128,
-        h=2,
-        dropout=0.0,
-        max_tokens=1500,
-        epochs=2,
-        warmup=20,
-        factor=2.0,
-        max_train_pairs=1000,
-        precision="fp32",
-        checkpoint_dir="checkpoints/ci",
-    ),
-}
-
-
-PRESETS |= {  # the same with one BPE vocabulary and tied embeddings
-    f"{name}-bpe": replace(
-        PRESETS[name],
-        preset=f"{name}-bpe",
-        tokenization="bpe",
-        tie_embeddings=True,
-        checkpoint_dir=f"checkpoints/{name}-bpe",
-    )
-    for name in ("cpu", "ci")
-}
-
-
-def get_config(preset="cpu", **overrides):
-    """A preset's TrainConfig with some fields replaced."""
-    if preset not in PRESETS:
-        raise UserError(
-            f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}"
-        )
-    return replace(PRESETS[preset], **overrides)
-
-
-# -----------------------------------------------------------------------------
-# Vocabularies
-# Explained in notebooks/06_tools.py, same heading.
-# -----------------------------------------------------------------------------
-def load_vocab(spacy_de, spacy_en, path=None, min_freq=2):
-    """The word vocabularies, cached as JSON in `path` (data/vocab.json)."""
-    import spacy
-
-    path = Path(path) if path is not None else data_dir() / "vocab.json"
-    key = {"min_freq": min_freq, "spacy": spacy.__version__}
-    if path.is_file():
-        saved = json.loads(path.read_text(encoding="utf-8"))
-        if saved.get("key") == key:
-            return Vocab(saved["src"]), Vocab(saved["tgt"])
-    vocab_src, vocab_tgt = build_vocabulary(spacy_de, spacy_en, min_freq)
-    saved = {"key": key, "src": vocab_src.get_itos()}
-    saved["tgt"] = vocab_tgt.get_itos()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
-    tmp.write_text(json.dumps(saved, ensure_ascii=False), encoding="utf-8")
-    os.replace(tmp, path)  # atomic: parallel ranks never read half a file
-    return vocab_src, vocab_tgt
-
-
-def load_vocabularies(config, spacy_de, spacy_en):
-    """(vocab_src, vocab_tgt) for a config: words, or one BPE for both."""
-    if config.tokenization == "bpe":
-        bpe = load_bpe()
-        return bpe, bpe
-    return load_vocab(spacy_de, spacy_en)
-
-
-def bpe_vocabularies(ckpt):
-    """The BPE vocabulary of a checkpoint, for both sides."""
-    bpe = BpeVocab.from_str(ckpt["bpe"])
-    return bpe, bpe
-
-
-VOCAB_LOADERS["bpe"] = bpe_vocabularies
-
-
-# -----------------------------------------------------------------------------
-# Hardware
-# Explained in notebooks/06_tools.py, same heading.
-# -----------------------------------------------------------------------------
-def hardware_summary():
-    """A short description of the CPU or GPU this process runs on."""
-    import platform
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info = {
-        "cpu": cpu,
-        "cpu_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-    }
-    if torch.cuda.is_available():
-        info["gpus"] = [
-            torch.cuda.get_device_name(i)
-            for i in range(torch.cuda.device_count())
-        ]
-    return info
-
-
-# -----------------------------------------------------------------------------
-# Starting processes
-# Explained in notebooks/06_tools.py, same heading.
-# -----------------------------------------------------------------------------
-def free_port():
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawned_worker(rank, world_size, vocabs, tokenizers, config, *options):
-    """train_worker in a new process, from plain data."""
-    vocabs = [
-        BpeVocab.from_str(v) if isinstance(v, str) else Vocab(v)
-        for v in vocabs
-    ]
-    config = TrainConfig(**config)
-    train_worker(
-        rank, world_size, *vocabs, *tokenizers, config, True, *options
-    )
-
-
-def train_distributed_model(
-    vocab_src, vocab_tgt, spacy_de, spacy_en, config, world_size=None,
-    resume=False,
-):  # fmt: skip
-    """Train with one process per GPU (or world_size CPU processes)."""
-    import torch.multiprocessing as mp
-
-    world_size = world_size or max(torch.cuda.device_count(), 1)
-    plain = lambda v: v.to_str() if hasattr(v, "to_str") else v.get_itos()
-    vocabs = [plain(vocab_src), plain(vocab_tgt)]
-    data = (vocabs, (spacy_de, spacy_en), asdict(config), free_port(), resume)
-    mp.spawn(_spawned_worker, (world_size, *data), nprocs=world_size)
-
-
-def train_model(
-    vocab_src,
-    vocab_tgt,
-    spacy_de,
-    spacy_en,
-    config,
-    distributed=False,
-    world_size=None,
-    resume=False,
-):
-    """Train in this process, or in several when `distributed`."""
-    args = (vocab_src, vocab_tgt, spacy_de, spacy_en, config)
-    if distributed:
-        return train_distributed_model(*args, world_size, resume)
-    return train_worker(0, 1, *args, resume=resume)
-
-
-# -----------------------------------------------------------------------------
-# Translating for users
-# Explained in notebooks/06_tools.py, same heading.
-# -----------------------------------------------------------------------------
-_NO_SPACE_BEFORE = set(
-    ". , ! ? ; : ) ] } % 's 're 've 'll 'm 'd n't '".split()
-)
-_NO_SPACE_AFTER = ("(", "[", "{", "$", "#")
-
-
-def detokenize(tokens):
-    """Join English spaCy tokens into a plain sentence."""
-    out, quote_open = "", False
-    for i, tok in enumerate(tokens):
-        hyphen = out.endswith("-") and i > 1 and tokens[i - 1] == "-"
-        glue = (
-            i == 0
-            or tok.lower() in _NO_SPACE_BEFORE
-            or out.endswith(_NO_SPACE_AFTER)
-            or tok == "-"
-            or (hyphen and tokens[i - 2] not in {",", ".", "-"})
-        )
-        if tok == '"':
-            glue = i == 0 or quote_open
-            quote_open = not quote_open
-        elif out.endswith('"') and quote_open:
-            glue = True
-        out += tok if glue else " " + tok
-    return out
-
-
-def decode_text(ids, vocab):
-    """Plain text of output ids (without `<s>` and `</s>`)."""
-    if hasattr(vocab, "decode"):  # a vocabulary that writes text (Part 5)
-        return vocab.decode(ids)
-    return detokenize(vocab.lookup_tokens(ids))
-
-
-@torch.no_grad()
-def source_alignment(model, src, src_mask, out, layers=None):
-    """(B, L-1): the source position each output token after <s> read most.
-
-    `layers` picks the decoder layers to average (default: all)."""
-    memory = model.encode(src, src_mask)  # (B, S, d_model)
-    ys = out[:, :-1]  # (B, T): decoder inputs; row t wrote out[:, t + 1]
-    tgt_mask = subsequent_mask(ys.size(1)).to(src.device)  # (1, T, T)
-    decoder = model.decoder.layers
-    chosen = range(len(decoder)) if layers is None else layers
-    with record_attention(model):
-        model.decode(memory, src_mask, ys, tgt_mask)
-        weights = [decoder[i].src_attn.attn for i in chosen]  # (B, h, T, S)
-    attn = torch.stack(weights).mean(dim=(0, 2))  # (B, T, S): layers, heads
-    words = src_mask & ((src != BOS) & (src != EOS)).unsqueeze(1)  # (B, 1, S)
-    return attn.masked_fill(~words, -1.0).argmax(dim=-1)
-
-
-def replace_unknowns(ids, aligned, src_words, vocab_tgt):
-    """Output tokens, each <unk> replaced by the source word it read most."""
-    tokens = vocab_tgt.lookup_tokens(ids)
-    for k, token_id in enumerate(ids):
-        j = aligned[k] if token_id == UNK else 0  # 0 is <s>: no word
-        if 0 < j <= len(src_words):  # source position j is word j - 1
-            tokens[k] = src_words[j - 1]
-    return tokens
-
-
-def translate_batch(
-    model, sentences, spacy_de, vocab_src, vocab_tgt, device="cpu",
-    batch_size=128, max_extra=50, decode_fn=cached_greedy_decode,
-    replace_unk=True,
-):  # fmt: skip
-    """German sentences to detokenized English, in input order."""
-    decode_fn = decode_fn or cached_greedy_decode
-    model.eval()
-    if hasattr(vocab_src, "encode") or hasattr(vocab_tgt, "decode"):
-        replace_unk = False  # BPE: no <unk> to replace
-    if replace_unk:  # keep the German words: an <unk> id has lost its word
-        german = [tokenize(s, spacy_de) for s in sentences]
-        encoded = [[BOS, *vocab_src(w), EOS] for w in german]
-    else:
-        encoded = [
-            [BOS, *encode_text(s, spacy_de, vocab_src), EOS] for s in sentences
-        ]
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
-    results = [None] * len(encoded)
-    for k in range(0, len(order), batch_size):
-        idx = order[k : k + batch_size]
-        src, _ = collate_batch([(encoded[i], []) for i in idx])
-        src = src.to(device)  # (B, S)
-        mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
-        out = decode_fn(model, src, mask, src.size(1) + max_extra)  # (B, L)
-        aligned = [None] * len(idx)
-        if replace_unk and (out == UNK).any():  # one more decoder pass
-            aligned = source_alignment(model, src, mask, out).tolist()
-        for i, row, at in zip(idx, out.tolist(), aligned, strict=True):
-            # Stop at this sentence's own limit, whatever its batch-mates.
-            ids = strip_specials(row[: len(encoded[i]) + max_extra])
-            if at is None:
-                results[i] = decode_text(ids, vocab_tgt)
-            else:
-                tokens = replace_unknowns(ids, at, german[i], vocab_tgt)
-                results[i] = detokenize(tokens)
-    return results
-
-
-def compute_bleu(hypotheses, references):
-    """Cased corpus BLEU (sacreBLEU, 13a tokenization) of plain text."""
-    import sacrebleu
-
-    return sacrebleu.corpus_bleu(hypotheses, [references])
-
-
-def translate(
-    sentences, checkpoint="checkpoints/cpu/final.pt", beam=1, average=0,
-    replace_unk=True,
-):  # fmt: skip
-    """English translations of German sentences, with a trained model."""
-    model, vocab_src, vocab_tgt, decode_fn = load_translator(
-        checkpoint, "cpu", beam, average
-    )
-    spacy_de, _ = load_tokenizers()
-    return translate_batch(
-        model, sentences, spacy_de, vocab_src, vocab_tgt, decode_fn=decode_fn,
-        replace_unk=replace_unk,
-    )  # fmt: skip
-
-
-def check_outputs(model, pairs, spacy_de, vocab_src, vocab_tgt, n_examples=5):
-    """Print source, reference and model output for some pairs."""
-    pairs = list(pairs)[:n_examples]
-    hyps = translate_batch(
-        model, [de for de, _ in pairs], spacy_de, vocab_src, vocab_tgt
-    )
-    for i, ((de, en), hyp) in enumerate(zip(pairs, hyps, strict=True)):
-        print(f"example {i}\n  source: {de}\n  reference: {en}")
-        print(f"  model: {hyp}")
-    return hyps
-
-
-def run_model_example(checkpoint="checkpoints/cpu/final.pt", n_examples=5):
-    """Load a trained model and show some validation translations."""
-    model, vocab_src, vocab_tgt, _ = load_trained_model(checkpoint)
-    spacy_de, _ = load_tokenizers()
-    pairs = read_multi30k("val")
-    return check_outputs(
-        model, pairs, spacy_de, vocab_src, vocab_tgt, n_examples
-    )
-
-
-# -----------------------------------------------------------------------------
-# Which model is this?
-# Explained in notebooks/06_tools.py, same heading.
-# -----------------------------------------------------------------------------
-def describe_checkpoint(path):
-    """One line: a checkpoint's file, preset, sizes and training."""
-    ckpt = load_checkpoint(path)
-    c, history = ckpt["config"], ckpt.get("history") or []
-    pairs = c.get("max_train_pairs") or 0
-    data = f"{pairs:,d} training pairs" if pairs else "all training pairs"
-    trained = f"{len(history)} epochs on {data}"
-    if history:
-        trained += f", validation loss {history[-1]['val_loss']:.2f}"
-    name = f"{Path(path).parent.name}/{Path(path).name}"
-    return (
-        f"{name}, preset {c.get('preset', '?')} (N={c['N']}, "
-        f"d_model={c['d_model']}, h={c['h']}, "
-        f"{c.get('tokenization', 'word')} vocabulary), {trained}"
-    )
-
-
-# -----------------------------------------------------------------------------
-# A trained model, or a small one trained now
-# Explained in notebooks/06_tools.py, same heading.
-# -----------------------------------------------------------------------------
-def find_or_train(
-    presets, stand_in, vocabs, tokenizers, root=".", size="full"
-):
-    """final.pt of the first trained preset, else train `stand_in` now."""
-    for preset in presets if size != "ci" else ():
-        final = Path(root, get_config(preset).checkpoint_dir, "final.pt")
-        if final.is_file():
-            return str(final)
-    train_worker(0, 1, *vocabs, *tokenizers, stand_in, show_progress=False)
-    return str(Path(stand_in.checkpoint_dir, "final.pt"))
-
-
-# -----------------------------------------------------------------------------
-# Reading text files
-# Explained in notebooks/06_tools.py, same heading.
-# -----------------------------------------------------------------------------
-def iter_lines(path):
-    """Lines of a UTF-8 text file (plain, .gz, or "-": stdin), lazily."""
-    import gzip
-    from contextlib import nullcontext
-
-    stdin = str(path) == "-"
-    name, number = "standard input" if stdin else Path(path), 0
-    try:
-        if stdin:
-            opened = nullcontext(sys.stdin.buffer)
-        elif not name.is_file():
-            raise UserError(f"no such file: {name}")
-        else:
-            opened = (gzip.open if name.suffix == ".gz" else open)(name, "rb")
-        with opened as f:
-            for line in f:
-                number += 1
-                yield line.rstrip(b"\r\n").decode("utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"{name} is not UTF-8 text (line {number})") from None
-    except (OSError, EOFError) as err:  # not gzip, truncated, unreadable
-        raise UserError(f"cannot read {name}: {err}") from None
-
-
-def read_lines(path):
-    """Lines of a plain or gzipped UTF-8 text file, without newlines."""
-    return list(iter_lines(path))
-
-
-def read_parallel(src_path, ref_path):
-    """(sources, references): two files of line-by-line translations."""
-    sources, references = read_lines(src_path), read_lines(ref_path)
-    if len(sources) != len(references):
-        raise UserError(
-            f"{src_path} has {len(sources)} lines but {ref_path} has "
-            f"{len(references)}; they must be line-by-line translations"
-        )
-    if not sources:
-        raise UserError(f"{src_path} is empty")
-    return sources, references
-
-
-def evaluate_files(
-    model,
-    src_path,
-    ref_path,
-    spacy_de,
-    vocab_src,
-    vocab_tgt,
-    device="cpu",
-    batch_size=128,
-    decode_fn=cached_greedy_decode,
-    replace_unk=True,
-):
-    """(BLEU, hypotheses) of a model on a parallel pair of text files."""
-    sources, references = read_parallel(src_path, ref_path)
-    hyps = translate_batch(
-        model,
-        sources,
-        spacy_de,
-        vocab_src,
-        vocab_tgt,
-        device,
-        batch_size,
-        decode_fn=decode_fn,
-        replace_unk=replace_unk,
-    )
-    return compute_bleu(hyps, references), hyps
-
-
-def write_results(path, checkpoint, wall_time):
-    """Score test2016 and write a JSON summary of the training run."""
-    sources, references = zip(*read_multi30k("test"), strict=True)
-    kept = translate(list(sources), checkpoint, replace_unk=False)
-    bleu = compute_bleu(translate(list(sources), checkpoint), references)
-    kept_bleu = compute_bleu(kept, references)  # <unk> left in the output
-    ckpt = load_checkpoint(checkpoint)
-    summary = {
-        "command": "python " + " ".join(sys.argv),
-        "config": ckpt["config"],
-        "hardware": hardware_summary(),
-        "wall_time_s": round(wall_time, 1),
-        "epochs": len(ckpt["history"]),
-        "history": ckpt["history"],
-        "test2016_bleu_greedy": round(bleu.score, 2),
-        "bleu": str(bleu),
-        "test2016_bleu_greedy_without_unk_replacement": round(
-            kept_bleu.score, 2
-        ),
-    }
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"test2016 BLEU (greedy): {bleu.score:.2f}; summary in {path}")
-
-
-# -----------------------------------------------------------------------------
-# The command line
-# Explained in notebooks/06_tools.py, same heading.
-# -----------------------------------------------------------------------------
-def positive_int(text, least=1):
-    """argparse type: a whole number of at least 1 (or `least`)."""
-    try:
-        number = int(text)
-    except ValueError:
-        number = None
-    if number is None or number < least:
-        raise argparse.ArgumentTypeError(
-            f"expected a number >= {least}, not {text}"
-        )
-    return number
-
-
-def count_or_zero(text):
-    """argparse type: a whole number of at least 0."""
-    return positive_int(text, least=0)
-
-
-def existing_device(name):
-    """argparse type: a torch device that this machine has."""
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise argparse.ArgumentTypeError(
-            f"{name!r} is not a device; try cpu, cuda or cuda:1"
-        ) from None
-    if device.type == "cuda":
-        count = torch.cuda.device_count()  # 0 without CUDA
-        if (device.index or 0) >= count:
-            raise argparse.ArgumentTypeError(
-                f"no {name} here: this machine has {count} CUDA devices"
-            )
-    elif device.type == "mps" and not torch.backends.mps.is_available():
-        raise argparse.ArgumentTypeError("no mps (Apple GPU) here")
-    elif device.type not in ("cpu", "cuda", "mps"):
-        raise argparse.ArgumentTypeError(f"{name} is not supported here")
-    return str(device)
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors take one line of stderr."""
-
-    def error(self, message):
-        """Print `prog: error: message` on one line; exit with status 2."""
-        message = " ".join(message.split())
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-def add_train_parser(sub):
-    """`train`: its options."""
-    train = sub.add_parser("train", help="train a model on Multi30k")
-    train.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    train.add_argument("--epochs", type=positive_int, help="epochs to train")
-    train.add_argument("--max-tokens", type=positive_int, help="batch size")
-    train.add_argument("--checkpoint-dir", help="where checkpoints go")
-    train.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue from last.pt, the newest training state",
-    )
-    train.add_argument(
-        "--keep-last",
-        type=count_or_zero,
-        metavar="K",
-        help="keep the newest K epoch checkpoints, for --average "
-        f"(default {TrainConfig.keep_last}; 0: all)",
-    )
-    train.add_argument(
-        "--world-size",
-        type=positive_int,
-        default=1,
-        help="processes to spawn (torchrun sets its own)",
-    )
-    train.add_argument(
-        "--results", help="write a JSON summary here, including test BLEU"
-    )
-    train.add_argument(
-        "--threads", type=positive_int, help="CPU threads per process"
-    )
-
-
-def add_decoding_options(parser):
-    """Options shared by `evaluate` and `translate`."""
-    parser.add_argument("--checkpoint", default="checkpoints/cpu/final.pt")
-    parser.add_argument(
-        "--batch-size",
-        type=positive_int,
-        default=128,
-        help="sentences decoded together",
-    )
-    parser.add_argument(
-        "--device", type=existing_device, default="cpu", help="cpu, cuda:0…"
-    )
-    parser.add_argument(
-        "--beam",
-        type=positive_int,
-        default=1,
-        metavar="K",
-        help="beam size (1: greedy)",
-    )
-    parser.add_argument(
-        "--average",
-        type=positive_int,
-        metavar="K",
-        help="average the last K epoch checkpoints next to the checkpoint",
-    )
-    parser.add_argument(
-        "--no-replace-unk",
-        dest="replace_unk",
-        action="store_false",
-        help="keep <unk> in the output (default: copy the attended source "
-        "word; word vocabularies only)",
-    )
-
-
-def add_evaluate_parser(sub):
-    """`evaluate`: its options."""
-    evaluate = sub.add_parser("evaluate", help="BLEU on a pair of files")
-    add_decoding_options(evaluate)
-    evaluate.add_argument(
-        "--src",
-        help="German sources, one per line "
-        "(.gz is fine; default: Multi30k test2016)",
-    )
-    evaluate.add_argument("--ref", help="English references, one per line")
-    evaluate.add_argument("--out", help="also write the translations here")
-
-
-def add_translate_parser(sub):
-    """`translate`: its options."""
-    translate = sub.add_parser("translate", help="translate German text")
-    add_decoding_options(translate)
-    translate.add_argument(
-        "sentence",
-        nargs="*",
-        help="German sentences, one per argument (none, or -: read "
-        "standard input, one sentence per line)",
-    )
-    translate.add_argument(
-        "--input",
-        metavar="FILE",
-        help="translate FILE line by line (.gz is fine; -: standard input)",
-    )
-
-
-def build_parser():
-    """The argparse parser of the command line."""
-    prog = os.path.basename(sys.argv[0] or "")
-    if prog != "annotated-transformer":  # the installed console script
-        prog = "the_annotated_transformer.py"
-    parser = OneLineParser(
-        prog=prog,
-        description="Train, evaluate and use the Annotated Transformer on "
-        "Multi30k German→English.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("download", help="download and verify Multi30k")
-    add_train_parser(sub)
-    add_evaluate_parser(sub)
-    add_translate_parser(sub)
-    return parser
-
-
-def command_train(args):
-    """`train`: run training, then optionally score and summarize."""
-    overrides = {
-        k: v
-        for k, v in (
-            ("epochs", args.epochs),
-            ("max_tokens", args.max_tokens),
-            ("checkpoint_dir", args.checkpoint_dir),
-            ("keep_last", args.keep_last),
-        )
-        if v is not None
-    }
-    config = get_config(args.preset, **overrides)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    download_multi30k()
-    tokenizers = load_tokenizers()
-    data = (*load_vocabularies(config, *tokenizers), *tokenizers, config)
-    start = time.time()
-    if "LOCAL_RANK" in os.environ:  # started by torchrun
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        train_worker(rank, world, *data, world > 1, resume=args.resume)
-        if rank != 0:
-            return 0
-    else:
-        train_model(
-            *data,
-            distributed=args.world_size > 1,
-            world_size=args.world_size,
-            resume=args.resume,
-        )
-    final = Path(config.checkpoint_dir) / "final.pt"
-    print(f"trained in {time.time() - start:.0f} s; model in {final}")
-    if args.results:
-        write_results(args.results, final, time.time() - start)
-    return 0
-
-
-def load_for_decoding(args):
-    """`load_translator` for the command line, refusing a too-wide beam."""
-    model, vocab_src, vocab_tgt, decode_fn = load_translator(
-        args.checkpoint, args.device, args.beam, args.average
-    )
-    if args.beam > len(vocab_tgt):
-        raise UserError(
-            f"--beam {args.beam} is wider than the {len(vocab_tgt)} tokens "
-            f"of the target vocabulary of {args.checkpoint}"
-        )
-    return model, vocab_src, vocab_tgt, decode_fn
-
-
-def command_evaluate(args):
-    """`evaluate`: BLEU of a checkpoint on a pair of files."""
-    if (args.src is None) != (args.ref is None):
-        raise UserError("give both --src and --ref, or neither")
-    if args.src is None:
-        folder = download_multi30k()
-        args.src = folder / "test_2016_flickr.de.gz"
-        args.ref = folder / "test_2016_flickr.en.gz"
-    sources, references = read_parallel(args.src, args.ref)
-    model, vocab_src, vocab_tgt, decode_fn = load_for_decoding(args)
-    spacy_de, _ = load_tokenizers()
-    hyps = translate_batch(
-        model, sources, spacy_de, vocab_src, vocab_tgt, args.device,
-        args.batch_size, decode_fn=decode_fn, replace_unk=args.replace_unk,
-    )  # fmt: skip
-    if args.out:
-        try:
-            Path(args.out).write_text("\n".join(hyps) + "\n", "utf-8")
-        except OSError as err:
-            raise UserError(f"cannot write {args.out}: {err}") from err
-    print(compute_bleu(hyps, references))
-    return 0
-
-
-def translate_lines(lines, translate_fn, chunk=1024):
-    """Translations of `lines`, one list per `chunk` lines read."""
-    lines = iter(lines)
-    while batch := list(itertools.islice(lines, chunk)):
-        todo = [line for line in batch if line.strip()]
-        hyps = iter(translate_fn(todo) if todo else [])
-        yield [next(hyps) if line.strip() else "" for line in batch]
-
-
-def sentences_to_translate(args):
-    """What `translate` reads: its arguments, a file or standard input."""
-    if args.input is not None and args.sentence:
-        raise UserError("give sentences or --input FILE, not both")
-    if args.input is None and args.sentence in ([], ["-"]):
-        args.input = "-"
-    if args.input is not None:
-        return iter_lines(args.input)
-    for number, sentence in enumerate(args.sentence, 1):
-        if sentence == "-":
-            raise UserError("- (standard input) cannot mix with sentences")
-        if not sentence.strip():
-            raise UserError(f"sentence {number} is empty: no German to read")
-    return iter(args.sentence)
-
-
-def warn_unknown_words(sentences, spacy_de, vocab_src):
-    """Name, on stderr, the words a word vocabulary reads as `<unk>`."""
-    if isinstance(vocab_src, Vocab):  # (BPE can spell any known letters)
-        words = [tokenize(s, spacy_de) for s in sentences]
-        unknown = {w: 1 for ws in words for w in ws if w not in vocab_src}
-        if unknown:
-            print(
-                "note: not in the vocabulary, read as <unk>: "
-                + ", ".join(unknown),
-                file=sys.stderr,
-            )
-
-
-def command_translate(args):
-    """`translate`: one line of English per German sentence, in order."""
-    lines = sentences_to_translate(args)
-    typing = args.input == "-" and sys.stdin.isatty()
-    chunk = 1 if typing else 8 * args.batch_size
-    first = list(itertools.islice(lines, chunk))  # input errors come first
-    if not first:
-        where = "standard input" if args.input == "-" else args.input
-        raise UserError(f"nothing to translate: {where} is empty")
-    model, vocab_src, vocab_tgt, decode_fn = load_for_decoding(args)
-    spacy_de, _ = load_tokenizers()
-    if args.input is None:
-        warn_unknown_words(args.sentence, spacy_de, vocab_src)
-    translate_fn = functools.partial(
-        translate_batch, model, spacy_de=spacy_de, vocab_src=vocab_src,
-        vocab_tgt=vocab_tgt, device=args.device, batch_size=args.batch_size,
-        decode_fn=decode_fn, replace_unk=args.replace_unk,
-    )  # fmt: skip
-    stream = itertools.chain(first, lines)
-    for hyps in translate_lines(stream, translate_fn, chunk):
-        print(*hyps, sep="\n", flush=True)
-    return 0
-
-
-def command_download(args):
-    """`download`: fetch and verify Multi30k, print where it is."""
-    print(download_multi30k())
-    return 0
-
-
-def main(argv=None):
-    """Command-line entry point; returns the exit status."""
-    args = build_parser().parse_args(argv)
-    commands = {
-        "download": command_download,
-        "train": command_train,
-        "evaluate": command_evaluate,
-        "translate": command_translate,
-    }
-    try:
-        with warnings.catch_warnings():  # torch's note on an old pickle
-            warnings.filterwarnings("ignore", "Detected pickle protocol")
-            return commands[args.command](args)
-    except (UserError, DatasetError) as err:
-        print("error: " + " ".join(str(err).split()), file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # the reader left early: `translate | head`
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+# The public names, for `from ... import *` and the docs.
+__all__ = [
+    "EncoderDecoder",
+    "Generator",
+    "clones",
+    "LayerStack",
+    "Encoder",
+    "LayerNorm",
+    "SublayerConnection",
+    "EncoderLayer",
+    "Decoder",
+    "DecoderLayer",
+    "subsequent_mask",
+    "attention",
+    "MultiHeadedAttention",
+    "PositionwiseFeedForward",
+    "Embeddings",
+    "PositionalEncoding",
+    "make_model",
+    "count_parameters",
+    "Batch",
+    "COPY_PAD",
+    "COPY_START",
+    "data_gen",
+    "LabelSmoothing",
+    "smoothed_kl",
+    "save_chart",
+    "line_chart",
+    "label_smoothing_penalty_rows",
+    "label_smoothing_penalty_chart",
+    "SimpleLossCompute",
+    "TrainState",
+    "with_last_flag",
+    "optimizer_step",
+    "micro_step",
+    "print_progress",
+    "run_epoch",
+    "rate",
+    "make_optimizer",
+    "learning_rate_chart",
+    "greedy_decode",
+    "copy_accuracy",
+    "copy_accuracy_teacher_forced",
+    "CopyLossCompute",
+    "greedy_check",
+    "warmup_linear_decay",
+    "CopyTaskConfig",
+    "native_bf16",
+    "copy_task_setup",
+    "epoch_summary",
+    "train_copy_task",
+    "copy_progress_chart",
+    "MULTI30K_ENV",
+    "MULTI30K_SPLITS",
+    "DatasetError",
+    "data_dir",
+    "read_multi30k",
+    "load_tokenizers",
+    "tokenize",
+    "SPECIALS",
+    "BOS",
+    "EOS",
+    "PAD",
+    "UNK",
+    "Vocab",
+    "build_vocabulary",
+    "encode_text",
+    "encode_pairs",
+    "collate_batch",
+    "bucket",
+    "split_evenly",
+    "TokenBatchSampler",
+    "create_dataloaders",
+    "TrainConfig",
+    "model_from_config",
+    "UserError",
+    "save_checkpoint",
+    "load_checkpoint",
+    "epoch_checkpoints",
+    "word_vocabularies",
+    "VOCAB_LOADERS",
+    "save_run",
+    "TrainingRun",
+    "params_in_sync",
+    "train_epoch",
+    "save_epoch",
+    "resume_run",
+    "train_worker",
+    "load_trained_model",
+    "batch_greedy_decode",
+    "strip_specials",
+    "record_attention",
+    "ATTENTION_KINDS",
+    "AttentionView",
+    "AttentionMaps",
+    "attention_maps",
+    "attention_frame",
+    "attention_chart",
+    "attention_statistics",
+    "attention_summary",
+    "attention_summary_chart",
+    "DecoderCache",
+    "attend_step",
+    "cached_self_attention",
+    "decoder_layer_step",
+    "decode_step",
+    "cached_greedy_decode",
+    "length_penalty",
+    "beam_candidates",
+    "Beams",
+    "advance_beams",
+    "keep_best",
+    "beam_search_steps",
+    "beam_search",
+    "BpeVocab",
+    "BPE_VOCAB_SIZE",
+    "train_bpe",
+    "load_bpe",
+    "tie_embeddings",
+    "average",
+    "average_checkpoints",
+    "load_translator",
+]

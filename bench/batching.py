@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import annotated_transformer_tools as tools  # noqa: E402
 import the_annotated_transformer as tat  # noqa: E402
 
 
@@ -101,13 +102,13 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     spacy_de, spacy_en = tat.load_tokenizers()
-    vocab_src, vocab_tgt = tat.load_vocab(spacy_de, spacy_en)
+    vocab_src, vocab_tgt = tools.load_vocab(spacy_de, spacy_en)
     pairs = random.Random(args.seed).sample(
         tat.read_multi30k("train"), args.sentences
     )
     data = tat.encode_pairs(pairs, vocab_src, vocab_tgt, spacy_de, spacy_en)
     sizes = (len(vocab_src), len(vocab_tgt))
-    print(f"machine: {tat.hardware_summary()}")
+    print(f"machine: {tools.hardware_summary()}")
     print(f"{args.sentences} sentences, paper model, {args.runs} runs")
     positions = {
         "padded to 72": padded_positions(padded_batches(data)),

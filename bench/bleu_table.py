@@ -23,6 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import annotated_transformer_tools as tools  # noqa: E402
 import the_annotated_transformer as tat  # noqa: E402
 
 
@@ -92,7 +93,7 @@ def score(folder, beam, average, pairs, spacy_de, batch_size):
         checkpoint, beam=beam, average=average
     )
     start = time.perf_counter()
-    hyps = tat.translate_batch(
+    hyps = tools.translate_batch(
         model,
         [de for de, _ in pairs],
         spacy_de,
@@ -102,7 +103,7 @@ def score(folder, beam, average, pairs, spacy_de, batch_size):
         decode_fn=decode_fn,
     )
     seconds = time.perf_counter() - start
-    bleu = tat.compute_bleu(hyps, [en for _, en in pairs])
+    bleu = tools.compute_bleu(hyps, [en for _, en in pairs])
     used = [p.name for p in tat.epoch_checkpoints(folder)[-average:]]
     return {
         "checkpoints": used if average else ["final.pt"],
@@ -144,7 +145,7 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     pairs = tat.read_multi30k("test")
     pairs = pairs[: args.n] if args.n else pairs
-    hardware = tat.hardware_summary()
+    hardware = tools.hardware_summary()
     summary = {
         "command": "python bench/bleu_table.py " + " ".join(sys.argv[1:]),
         "hardware": hardware,

@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+import annotated_transformer_tools as tools  # noqa: E402
 import the_annotated_transformer as tat  # noqa: E402
 
 ISSUE_2022_SECONDS = 380.0  # quoted by the issue, not measured here
@@ -51,7 +52,7 @@ def load_average():
 
 def machine_lines():
     """What the numbers were measured on."""
-    load, cpu = load_average(), tat.hardware_summary()["cpu"]
+    load, cpu = load_average(), tools.hardware_summary()["cpu"]
     return [
         f"cpu: {cpu} ({os.cpu_count()} logical cores)",
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "

@@ -34,6 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import annotated_transformer_tools as tools  # noqa: E402
 import the_annotated_transformer as tat  # noqa: E402
 
 CANDIDATES = ("checkpoints/cpu/final.pt", "checkpoints/ci/final.pt")
@@ -79,8 +80,10 @@ def find_checkpoint(path):
             return ROOT / candidate
     print("no trained checkpoint found: training the ci preset")
     spacy_de, spacy_en = tat.load_tokenizers()
-    vocabs = tat.load_vocab(spacy_de, spacy_en)
-    config = tat.get_config("ci", checkpoint_dir=str(ROOT / "checkpoints/ci"))
+    vocabs = tools.load_vocab(spacy_de, spacy_en)
+    config = tools.get_config(
+        "ci", checkpoint_dir=str(ROOT / "checkpoints/ci")
+    )
     tat.train_worker(0, 1, *vocabs, spacy_de, spacy_en, config)
     return ROOT / CANDIDATES[1]
 
@@ -137,7 +140,7 @@ def batched(decode_fn, model, encoded, batch_size):
 
 def machine():
     """One line about this machine."""
-    info = tat.hardware_summary()
+    info = tools.hardware_summary()
     return (
         f"{info['cpu']}, {info['cpu_threads']} torch thread(s), "
         f"torch {info['torch']}, Python {platform.python_version()}"

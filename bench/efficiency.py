@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import annotated_transformer_tools as tools  # noqa: E402
 import the_annotated_transformer as tat  # noqa: E402
 
 PEAK_SIZES = (256, 512, 1024, 2048)
@@ -281,7 +282,7 @@ def bucketed(data, max_tokens, seed):
 def load_sentences(count, seed):
     """Encoded (source ids, target ids) pairs of Multi30k training data."""
     spacy_de, spacy_en = tat.load_tokenizers()
-    vocab_src, vocab_tgt = tat.load_vocab(spacy_de, spacy_en)
+    vocab_src, vocab_tgt = tools.load_vocab(spacy_de, spacy_en)
     pairs = random.Random(seed).sample(tat.read_multi30k("train"), count)
     data = tat.encode_pairs(pairs, vocab_src, vocab_tgt, spacy_de, spacy_en)
     return data, (len(vocab_src), len(vocab_tgt))
@@ -289,7 +290,7 @@ def load_sentences(count, seed):
 
 def measure_preset(name, data, sizes, peak, args):
     """Print every run and the medians for one preset; return them."""
-    config = tat.get_config(name)
+    config = tools.get_config(name)
     max_tokens = args.max_tokens or config.max_tokens
     batches = bucketed(data, max_tokens, args.seed)
     model_flops = real_token_flops(data, config, sizes[1])
@@ -338,7 +339,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"machine: {tat.hardware_summary()}")
+    print(f"machine: {tools.hardware_summary()}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     peaks = matmul_peak()
     peak = max(peaks.values())

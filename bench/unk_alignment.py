@@ -28,9 +28,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import annotated_transformer_tools as tools  # noqa: E402
 import the_annotated_transformer as tat  # noqa: E402
 
-plain_alignment = tat.source_alignment  # before main() swaps it
+plain_alignment = tools.source_alignment  # before main() swaps it
 
 
 def parse_args(argv=None):
@@ -61,7 +62,7 @@ def main(argv=None):
         tuple(tat.tokenize(de, spacy_de)): en.split() for de, en in pairs
     }
     copies = []  # (copied word, its sentence's reference words)
-    plain_replace = tat.replace_unknowns
+    plain_replace = tools.replace_unknowns
 
     def recording_replace(ids, aligned, src_words, vocab):
         tokens = plain_replace(ids, aligned, src_words, vocab)
@@ -70,7 +71,7 @@ def main(argv=None):
                 copies.append((tokens[k], reference_of[tuple(src_words)]))
         return tokens
 
-    tat.replace_unknowns = recording_replace
+    tools.replace_unknowns = recording_replace
     n = len(model.decoder.layers)
     choices = [(f"layer {i + 1} of {n}", [i]) for i in range(n)]
     choices.append((f"mean of all {n} layers (default)", list(range(n))))
@@ -79,12 +80,12 @@ def main(argv=None):
           "vocabulary | copied word in the reference | BLEU |")  # fmt: skip
     print("|---|---:|---:|---:|---:|")
     for name, layers in choices:
-        tat.source_alignment = alignment_from(layers)
+        tools.source_alignment = alignment_from(layers)
         copies.clear()
-        hyps = tat.translate_batch(
+        hyps = tools.translate_batch(
             model, sources, spacy_de, vocab_src, vocab_tgt
         )
-        bleu = tat.compute_bleu(hyps, [en for _, en in pairs]).score
+        bleu = tools.compute_bleu(hyps, [en for _, en in pairs]).score
         rare = sum(vocab_src([w])[0] == tat.UNK for w, _ in copies)
         in_ref = sum(w in ref for w, ref in copies)
         share = f"{rare} ({rare / max(len(copies), 1):.0%})"

@@ -22,13 +22,26 @@
 # against a PyTorch built-in, a closed form, or a property the paper
 # promises. Where we depart from the paper, one sentence says so and why.
 
+# %% [markdown]
+# [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/annotated-transformer/done-right/blob/main/notebooks/01_model.ipynb)
+
 # %%
-# Setup: on Colab, clone the repository and install its requirements.
-# !test -n "$COLAB_RELEASE_TAG" -a ! -d done-right && git clone -q --depth=1 https://github.com/annotated-transformer/done-right && pip install -q -r done-right/requirements.txt  # noqa: E501
+# Setup. On Colab: clone the repository, then install what the notebooks
+# need. Elsewhere: use the checkout this notebook sits in.
 import os
+import subprocess
 import sys
 
-ROOT = os.path.abspath("done-right" if os.path.isdir("done-right") else "..")
+REPO = "https://github.com/annotated-transformer/done-right"
+CLONE = REPO.rsplit("/", 1)[-1]  # the folder `git clone` makes
+if "COLAB_RELEASE_TAG" in os.environ and not os.path.isdir(CLONE):
+    no_prompt = {**os.environ, "GIT_TERMINAL_PROMPT": "0"}  # no password
+    git = ["git", "clone", "-q", "--depth=1", REPO, CLONE]
+    if subprocess.run(git, env=no_prompt).returncode != 0:
+        raise SystemExit(f"could not clone {REPO}; nothing else will run")
+    pip = ["pip", "install", "-q", "-e", f"./{CLONE}[notebooks]"]
+    subprocess.run([sys.executable, "-m", *pip], check=True)
+ROOT = os.path.abspath(CLONE if os.path.isdir(CLONE) else "..")
 sys.path.insert(0, ROOT)
 AT_SIZE = os.environ.get("AT_SIZE", "full")  # "ci": minutes, not hours
 
@@ -224,16 +237,6 @@ class SublayerConnection(nn.Module):
         return x + self.dropout(sublayer(self.norm(x)))
 
 
-def residual_blocks(size, dropout, n):
-    """n fresh SublayerConnections, one per sub-layer of a layer."""
-    return nn.ModuleList(SublayerConnection(size, dropout) for _ in range(n))
-
-
-def sublayer_property(i, doc):
-    """A read-only property that names the block self.sublayer[i]."""
-    return property(lambda self: self.sublayer[i], doc=doc)
-
-
 # %% [markdown]
 # The identity path is easy to see: a sub-layer that outputs zeros leaves
 # its input unchanged.
@@ -245,8 +248,8 @@ assert torch.equal(block(x, torch.zeros_like), x)
 # %% [markdown]
 # An encoder layer has two sub-layers: self-attention over the source, then
 # a position-wise feed-forward network. Each sits in its own residual
-# block. The blocks live in the list `sublayer` (a name that checkpoints
-# keep), and `sublayer_property` gives each of them a readable name.
+# block, named for the sub-layer it wraps: `self_attn_block` and
+# `ff_block`.
 
 
 # %%
@@ -259,10 +262,8 @@ class EncoderLayer(nn.Module):
         self.size = size  # d_model, read by LayerStack
         self.self_attn = self_attn
         self.feed_forward = feed_forward
-        self.sublayer = residual_blocks(size, dropout, 2)
-
-    self_attn_block = sublayer_property(0, "Block around self-attention.")
-    ff_block = sublayer_property(1, "Block around the feed-forward net.")
+        self.self_attn_block = SublayerConnection(size, dropout)
+        self.ff_block = SublayerConnection(size, dropout)
 
     def forward(self, x, mask):
         """(B, S, d_model) with a (B, 1, S) padding mask."""
@@ -299,11 +300,9 @@ class DecoderLayer(nn.Module):
         self.self_attn = self_attn
         self.src_attn = src_attn
         self.feed_forward = feed_forward
-        self.sublayer = residual_blocks(size, dropout, 3)
-
-    self_attn_block = sublayer_property(0, "Block around self-attention.")
-    src_attn_block = sublayer_property(1, "Block around source attention.")
-    ff_block = sublayer_property(2, "Block around the feed-forward net.")
+        self.self_attn_block = SublayerConnection(size, dropout)
+        self.src_attn_block = SublayerConnection(size, dropout)
+        self.ff_block = SublayerConnection(size, dropout)
 
     def forward(self, x, memory, src_mask, tgt_mask):
         """(B, T, d_model) target states; memory is (B, S, d_model)."""
@@ -440,9 +439,9 @@ assert (weights.triu(1) == 0).all()  # no weight on future keys
 # KW_i^K, VW_i^V).$$
 #
 # With $h = 8$ and $d_k = 64$ the total cost is about that of one head at
-# full width. The four projections $W^Q, W^K, W^V, W^O$ are kept in the
-# list `linears` and read through the properties `w_q`, `w_k`, `w_v`,
-# `w_o`; the $h$ per-head projections live side by side inside each.
+# full width. The four projections $W^Q, W^K, W^V, W^O$ are the layers
+# `w_q`, `w_k`, `w_v` and `w_o`; inside each, the $h$ per-head projections
+# sit side by side ($h$ blocks of $d_k$ output columns).
 #
 # ![Multi-head attention](attachment:multihead.svg)
 #
@@ -461,17 +460,15 @@ class MultiHeadedAttention(nn.Module):
         super().__init__()
         if d_model % h:
             raise ValueError(f"d_model={d_model} is not divisible by h={h}")
-        self.h, self.d_k = h, d_model // h
-        # W^Q, W^K, W^V and W^O, named by the properties below.
-        self.linears = clones(nn.Linear(d_model, d_model), 4)
+        self.h = h
+        self.d_k = d_model // h
+        self.w_q = nn.Linear(d_model, d_model)  # query projection, W^Q
+        self.w_k = nn.Linear(d_model, d_model)  # key projection, W^K
+        self.w_v = nn.Linear(d_model, d_model)  # value projection, W^V
+        self.w_o = nn.Linear(d_model, d_model)  # output projection, W^O
         self.dropout = nn.Dropout(p=dropout)
         self.store_attention = False  # keep the weights in self.attn?
         self.attn = None  # (B, h, T, S) when store_attention is True
-
-    w_q = property(lambda self: self.linears[0], doc="Query projection.")
-    w_k = property(lambda self: self.linears[1], doc="Key projection.")
-    w_v = property(lambda self: self.linears[2], doc="Value projection.")
-    w_o = property(lambda self: self.linears[3], doc="Output projection.")
 
     def split_heads(self, x, linear):
         """Project (B, T, d_model) and split to (B, h, T, d_k)."""
@@ -585,9 +582,8 @@ assert torch.allclose(ffn(x)[:, shuffle], ffn(x[:, shuffle]), atol=1e-6)
 # Token ids become $d_{\text{model}}$-dimensional vectors through a learned
 # table, whose output the paper multiplies by $\sqrt{d_{\text{model}}}$
 # (section 3.4, with no reason given; we keep the factor). The paper also
-# shares one matrix between the two embeddings and the generator;
-# `make_model(..., tie_embeddings=True)` below does that when both
-# languages use one vocabulary (notebook 05 trains such a model).
+# shares one matrix between the two embeddings and the generator; that
+# needs one vocabulary for both languages, which Part 5 builds.
 
 
 # %%
@@ -714,30 +710,14 @@ save_chart(positional_chart(), "01_positional_encoding", Path(ROOT, "figures"))
 # 3. Each language gets an embedding and a positional encoding; the
 #    generator maps back to the target vocabulary.
 # 4. Every weight matrix is reset with Xavier/Glorot uniform initialization.
-#
-# `tie_embeddings=True` then makes the source embedding, the target
-# embedding and the generator's projection share one matrix (paper,
-# section 3.4). It needs one vocabulary for both languages.
 
 
 # %%
 #| export
 def make_model(
-    src_vocab,
-    tgt_vocab,
-    N=6,
-    d_model=512,
-    d_ff=2048,
-    h=8,
-    dropout=0.1,
-    tie_embeddings=False,
+    src_vocab, tgt_vocab, N=6, d_model=512, d_ff=2048, h=8, dropout=0.1
 ):
     """Build an EncoderDecoder Transformer from hyperparameters."""
-    if tie_embeddings and src_vocab != tgt_vocab:
-        raise ValueError(
-            "tie_embeddings needs one shared vocabulary, got "
-            f"src_vocab={src_vocab} and tgt_vocab={tgt_vocab}"
-        )
     attn = MultiHeadedAttention(h, d_model, dropout)
     ffn = PositionwiseFeedForward(d_model, d_ff, dropout)
     pe = PositionalEncoding(d_model, dropout)
@@ -757,9 +737,6 @@ def make_model(
 
     for weight in [p for p in model.parameters() if p.dim() > 1]:
         nn.init.xavier_uniform_(weight)
-    if tie_embeddings:
-        shared = src_embed[0].lut.weight
-        tgt_embed[0].lut.weight = generator.proj.weight = shared
     return model
 
 
@@ -814,11 +791,9 @@ assert torch.allclose(
 #
 # Six of each plus the two final norms give $168d^2 + 196d$ for the
 # stacks. Embeddings add $V_{src} d + V_{tgt} d$, and the generator $V_{tgt}
-# d + V_{tgt}$. With one shared vocabulary of size $V$ and three-way tying,
-# the total is $168d^2 + 196d + Vd + V$; for $d = 512$ that is
-# $44{,}140{,}544 + 513\,V$. `count_parameters` counts a shared matrix
-# once. The table counts base-size models built on the `meta` device
-# (shapes only, no memory) and compares every row with its formula.
+# d + V_{tgt}$. `count_parameters` counts a shared matrix once (Part 5
+# shares one). The table counts a base-size model built on the `meta`
+# device (shapes only, no memory) and compares every row with its formula.
 
 
 # %%
@@ -829,21 +804,18 @@ def count_parameters(module):
 
 
 # %%
-def closed_form_counts(d, V_src, V_tgt, N=6, tied=False):
+def closed_form_counts(d, V_src, V_tgt, N=6):
     """Parameter counts predicted by the formulas above (d_ff = 4d)."""
     stacks = N * (12 * d * d + 13 * d) + N * (16 * d * d + 19 * d) + 4 * d
-    if tied:
-        return stacks + V_tgt * d + V_tgt
     return stacks + V_src * d + 2 * V_tgt * d + V_tgt
 
 
-def parameter_table(V_src=8000, V_tgt=6000, V=10000, d=512):
+def parameter_table(V_src=8000, V_tgt=6000, d=512):
     """Counted and closed-form parameters of the base model's parts."""
     import pandas as pd
 
     with torch.device("meta"):
         base = make_model(V_src, V_tgt, d_model=d, d_ff=4 * d)
-        tied = make_model(V, V, d_model=d, d_ff=4 * d, tie_embeddings=True)
     enc = base.encoder.layers[0]
     rows = {
         "one multi-head attention": (enc.self_attn, 4 * (d * d + d)),
@@ -855,11 +827,10 @@ def parameter_table(V_src=8000, V_tgt=6000, V=10000, d=512):
             nn.ModuleList([base.encoder, base.decoder]),
             168 * d * d + 196 * d,
         ),
-        f"untied, V_src={V_src}, V_tgt={V_tgt}": (
+        f"whole model, V_src={V_src}, V_tgt={V_tgt}": (
             base,
             closed_form_counts(d, V_src, V_tgt),
         ),
-        f"tied, V={V}": (tied, closed_form_counts(d, V, V, tied=True)),
     }
     counts = {k: (count_parameters(m), f) for k, (m, f) in rows.items()}
     table = pd.DataFrame(counts, index=["counted", "formula"]).T
@@ -870,8 +841,7 @@ def parameter_table(V_src=8000, V_tgt=6000, V=10000, d=512):
 parameter_table()
 
 # %% [markdown]
-# Every row matches. With tying, one 10,000-row vocabulary costs 5.1M
-# parameters instead of the 15.4M that three separate matrices would.
+# Every row matches.
 
 # %% [markdown]
 # ## The whole model, end to end

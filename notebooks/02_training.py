@@ -21,13 +21,26 @@
 # task small enough to learn in about a minute on a laptop CPU and simple
 # enough that any bug shows.
 
+# %% [markdown]
+# [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/annotated-transformer/done-right/blob/main/notebooks/02_training.ipynb)
+
 # %%
-# Setup: on Colab, clone the repository and install its requirements.
-# !test -n "$COLAB_RELEASE_TAG" -a ! -d done-right && git clone -q --depth=1 https://github.com/annotated-transformer/done-right && pip install -q -r done-right/requirements.txt  # noqa: E501
+# Setup. On Colab: clone the repository, then install what the notebooks
+# need. Elsewhere: use the checkout this notebook sits in.
 import os
+import subprocess
 import sys
 
-ROOT = os.path.abspath("done-right" if os.path.isdir("done-right") else "..")
+REPO = "https://github.com/annotated-transformer/done-right"
+CLONE = REPO.rsplit("/", 1)[-1]  # the folder `git clone` makes
+if "COLAB_RELEASE_TAG" in os.environ and not os.path.isdir(CLONE):
+    no_prompt = {**os.environ, "GIT_TERMINAL_PROMPT": "0"}  # no password
+    git = ["git", "clone", "-q", "--depth=1", REPO, CLONE]
+    if subprocess.run(git, env=no_prompt).returncode != 0:
+        raise SystemExit(f"could not clone {REPO}; nothing else will run")
+    pip = ["pip", "install", "-q", "-e", f"./{CLONE}[notebooks]"]
+    subprocess.run([sys.executable, "-m", *pip], check=True)
+ROOT = os.path.abspath(CLONE if os.path.isdir(CLONE) else "..")
 sys.path.insert(0, ROOT)
 AT_SIZE = os.environ.get("AT_SIZE", "full")  # "ci": minutes, not hours
 
@@ -146,7 +159,8 @@ def data_gen(V, batch_size, nbatches, seq_len=10, generator=None):
 # $f = \epsilon / (V - 2)$ elsewhere, 0 at padding), so the KL sum collapses
 # to $c \log c + \epsilon \log f - c \log q_y - f \sum_{j \ne y,
 # \mathrm{pad}} \log q_j$. `forward` uses this closed form, `smoothed_kl`;
-# `keep_targets=True` builds the matrix instead, kept in `true_dist`.
+# `keep_targets=True` builds the matrix instead. Either way, `true_dist`
+# gives the matrix of the latest call, built when it is read (as in 2022).
 #
 # This matters more than it looks. With Multi30k's 6,190 English words and
 # a 3,000-token batch, the matrix alone is 74 MB of float32 that is
@@ -167,7 +181,8 @@ class LabelSmoothing(nn.Module):
         self.confidence = 1.0 - smoothing  # mass the correct token keeps
         self.criterion = nn.KLDivLoss(reduction="sum")
         self.keep_targets = keep_targets  # build (N, size) targets, slower
-        self.true_dist = None  # the latest smoothed targets, if kept
+        self.last_target = None  # (N,) targets of the latest call
+        self.last_dtype = torch.float32
 
     def smoothed_targets(self, target, dtype=torch.float32):
         """(N,) target ids to the (N, size) smoothed distribution."""
@@ -178,12 +193,19 @@ class LabelSmoothing(nn.Module):
         dist[target == self.padding_idx] = 0
         return dist
 
+    @property
+    def true_dist(self):
+        """The (N, size) smoothed targets of the latest call, or None."""
+        if self.last_target is None:
+            return None
+        return self.smoothed_targets(self.last_target, self.last_dtype)
+
     def forward(self, x, target):
         """Summed KL loss of (N, size) log-probs against (N,) targets."""
         assert x.size(1) == self.size
+        self.last_target, self.last_dtype = target.detach(), x.dtype
         if not self.keep_targets:
             return smoothed_kl(x, target, self.padding_idx, self.smoothing)
-        self.true_dist = self.smoothed_targets(target, x.dtype)
         return self.criterion(x, self.true_dist)
 
 

@@ -25,13 +25,26 @@
 # of similar length into batches, and train, in one process or several.
 # Then we decode, and score the translations with BLEU.
 
+# %% [markdown]
+# [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/annotated-transformer/done-right/blob/main/notebooks/03_multi30k.ipynb)
+
 # %%
-# Setup: on Colab, clone the repository and install its requirements.
-# !test -n "$COLAB_RELEASE_TAG" -a ! -d done-right && git clone -q --depth=1 https://github.com/annotated-transformer/done-right && pip install -q -r done-right/requirements.txt  # noqa: E501
+# Setup. On Colab: clone the repository, then install what the notebooks
+# need. Elsewhere: use the checkout this notebook sits in.
 import os
+import subprocess
 import sys
 
-ROOT = os.path.abspath("done-right" if os.path.isdir("done-right") else "..")
+REPO = "https://github.com/annotated-transformer/done-right"
+CLONE = REPO.rsplit("/", 1)[-1]  # the folder `git clone` makes
+if "COLAB_RELEASE_TAG" in os.environ and not os.path.isdir(CLONE):
+    no_prompt = {**os.environ, "GIT_TERMINAL_PROMPT": "0"}  # no password
+    git = ["git", "clone", "-q", "--depth=1", REPO, CLONE]
+    if subprocess.run(git, env=no_prompt).returncode != 0:
+        raise SystemExit(f"could not clone {REPO}; nothing else will run")
+    pip = ["pip", "install", "-q", "-e", f"./{CLONE}[notebooks]"]
+    subprocess.run([sys.executable, "-m", *pip], check=True)
+ROOT = os.path.abspath(CLONE if os.path.isdir(CLONE) else "..")
 sys.path.insert(0, ROOT)
 AT_SIZE = os.environ.get("AT_SIZE", "full")  # "ci": minutes, not hours
 
@@ -97,7 +110,7 @@ def read_multi30k(split, root=None):
     for lang in ("de", "en"):
         path = Path(folder, f"{MULTI30K_SPLITS[split]}.{lang}.gz")
         if not path.is_file():
-            hint = "run `python the_annotated_transformer.py download`"
+            hint = "run `python annotated_transformer_tools.py download`"
             raise DatasetError(f"no {path}: {hint} or set {MULTI30K_ENV}")
         with gzip.open(path, "rt", encoding="utf-8") as f:
             sides.append([line.strip() for line in f])  # some end in " "
@@ -105,7 +118,7 @@ def read_multi30k(split, root=None):
 
 
 # %%
-from the_annotated_transformer import download_multi30k  # Appendix, 06
+from annotated_transformer_tools import download_multi30k  # Appendix, 06
 
 download_multi30k()  # verifies the files, fetching them on first use
 splits = {split: read_multi30k(split) for split in MULTI30K_SPLITS}
@@ -519,7 +532,12 @@ def model_from_config(c, n_src, n_tgt, dropout=None):
     """The model a TrainConfig describes, for the given vocabulary sizes."""
     dims = {"N": c.N, "d_model": c.d_model, "d_ff": c.d_ff, "h": c.h}
     dims |= {"dropout": c.dropout if dropout is None else dropout}
-    return make_model(n_src, n_tgt, **dims, tie_embeddings=c.tie_embeddings)
+    model = make_model(n_src, n_tgt, **dims)
+    if c.tie_embeddings:  # one matrix for three jobs: Part 5 explains it
+        shared = model.src_embed[0].lut.weight
+        model.tgt_embed[0].lut.weight = shared
+        model.generator.proj.weight = shared
+    return model
 
 
 # %% [markdown]
@@ -795,22 +813,26 @@ def load_trained_model(path, device="cpu"):
 # skipped when its `final.pt` already exists (`make train`). Check: the
 # validation loss falls. Then the tiny `ci` preset, for one epoch, in two
 # processes, started by the appendix's `train_distributed_model` (from a
-# terminal: `torchrun --nproc_per_node=2 the_annotated_transformer.py
+# terminal: `torchrun --nproc_per_node=2 annotated_transformer_tools.py
 # train`); its losses are the last line printed. Each process sees half of
 # the batches. Check: both ranks end with identical weights.
 
 # %%
-import the_annotated_transformer as tat  # Appendix, 06 (spawned processes)
+import annotated_transformer_tools as tools  # Appendix, 06 (spawned processes)
 
 preset = "paper" if torch.cuda.is_available() else "cpu"
 preset = "ci" if AT_SIZE == "ci" else preset
-config = tat.get_config(preset, checkpoint_dir=f"{ROOT}/checkpoints/{preset}")
+config = tools.get_config(
+    preset, checkpoint_dir=f"{ROOT}/checkpoints/{preset}"
+)
 final_checkpoint = Path(config.checkpoint_dir, "final.pt")
 if preset == "ci" or not final_checkpoint.exists():
     history = train_worker(0, 1, *vocabs, *tokenizers, config)
     assert history[-1]["val_loss"] < history[0]["val_loss"]
-ddp = tat.get_config("ci", epochs=1, checkpoint_dir=f"{ROOT}/checkpoints/ddp")
-tat.train_distributed_model(*vocabs, *tokenizers, ddp, world_size=2)
+ddp = tools.get_config(
+    "ci", epochs=1, checkpoint_dir=f"{ROOT}/checkpoints/ddp"
+)
+tools.train_distributed_model(*vocabs, *tokenizers, ddp, world_size=2)
 assert load_checkpoint(f"{ddp.checkpoint_dir}/final.pt")["ranks_in_sync"]
 
 # %% [markdown]
@@ -861,7 +883,7 @@ def strip_specials(ids, end_symbol=EOS):
 
 # %%
 model, *vocabs, _ = load_trained_model(final_checkpoint)  # its vocabularies
-print("model:", tat.describe_checkpoint(final_checkpoint))
+print("model:", tools.describe_checkpoint(final_checkpoint))
 batch = encode_pairs(splits["val"][:12], *vocabs, *tokenizers)
 src, _ = collate_batch(batch)
 batched = batch_greedy_decode(model, src, (src != PAD).unsqueeze(-2), 20)
@@ -894,7 +916,7 @@ for (ids, _), row in zip(batch, batched.tolist(), strict=True):
 # %%
 test = splits["test"][:100] if AT_SIZE == "ci" else splits["test"]
 sources, references = zip(*test, strict=True)
-hyps = tat.translate_batch(model, sources, spacy_de, *vocabs)
+hyps = tools.translate_batch(model, sources, spacy_de, *vocabs)
 print(*[f"{de}\n  → {hyp}" for de, hyp in zip(sources[:3], hyps)], sep="\n")
-print(tat.compute_bleu(hyps, references))
-assert abs(tat.compute_bleu(references, references).score - 100) < 1e-9
+print(tools.compute_bleu(hyps, references))
+assert abs(tools.compute_bleu(references, references).score - 100) < 1e-9

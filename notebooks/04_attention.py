@@ -39,13 +39,26 @@
 # * The number of layers $N$ and of heads $h$ are read from the model, so
 #   the same code draws a 2-layer toy and the 6-layer base model.
 
+# %% [markdown]
+# [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/annotated-transformer/done-right/blob/main/notebooks/04_attention.ipynb)
+
 # %%
-# Setup: on Colab, clone the repository and install its requirements.
-# !test -n "$COLAB_RELEASE_TAG" -a ! -d done-right && git clone -q --depth=1 https://github.com/annotated-transformer/done-right && pip install -q -r done-right/requirements.txt  # noqa: E501
+# Setup. On Colab: clone the repository, then install what the notebooks
+# need. Elsewhere: use the checkout this notebook sits in.
 import os
+import subprocess
 import sys
 
-ROOT = os.path.abspath("done-right" if os.path.isdir("done-right") else "..")
+REPO = "https://github.com/annotated-transformer/done-right"
+CLONE = REPO.rsplit("/", 1)[-1]  # the folder `git clone` makes
+if "COLAB_RELEASE_TAG" in os.environ and not os.path.isdir(CLONE):
+    no_prompt = {**os.environ, "GIT_TERMINAL_PROMPT": "0"}  # no password
+    git = ["git", "clone", "-q", "--depth=1", REPO, CLONE]
+    if subprocess.run(git, env=no_prompt).returncode != 0:
+        raise SystemExit(f"could not clone {REPO}; nothing else will run")
+    pip = ["pip", "install", "-q", "-e", f"./{CLONE}[notebooks]"]
+    subprocess.run([sys.executable, "-m", *pip], check=True)
+ROOT = os.path.abspath(CLONE if os.path.isdir(CLONE) else "..")
 sys.path.insert(0, ROOT)
 AT_SIZE = os.environ.get("AT_SIZE", "full")  # "ci": minutes, not hours
 
@@ -65,11 +78,14 @@ import pandas as pd
 
 from the_annotated_transformer import BOS, EOS, PAD, Batch
 from the_annotated_transformer import MultiHeadedAttention, batch_greedy_decode
-from the_annotated_transformer import get_config, load_tokenizers
-from the_annotated_transformer import load_trained_model, load_vocab
+from annotated_transformer_tools import get_config
+from the_annotated_transformer import load_tokenizers
+from annotated_transformer_tools import load_vocab
+from the_annotated_transformer import load_trained_model
 from the_annotated_transformer import make_model, read_multi30k, save_chart
-from the_annotated_transformer import subsequent_mask, tokenize, find_or_train
-from the_annotated_transformer import describe_checkpoint, translate_batch
+from annotated_transformer_tools import find_or_train
+from the_annotated_transformer import subsequent_mask, tokenize
+from annotated_transformer_tools import describe_checkpoint, translate_batch
 
 FIGURES = os.path.join(ROOT, "figures")
 

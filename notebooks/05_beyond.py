@@ -33,13 +33,26 @@
 # without changing how they train, and ends with a check that it computes
 # what it should.
 
+# %% [markdown]
+# [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/annotated-transformer/done-right/blob/main/notebooks/05_beyond.ipynb)
+
 # %%
-# Setup: on Colab, clone the repository and install its requirements.
-# !test -n "$COLAB_RELEASE_TAG" -a ! -d done-right && git clone -q --depth=1 https://github.com/annotated-transformer/done-right && pip install -q -r done-right/requirements.txt  # noqa: E501
+# Setup. On Colab: clone the repository, then install what the notebooks
+# need. Elsewhere: use the checkout this notebook sits in.
 import os
+import subprocess
 import sys
 
-ROOT = os.path.abspath("done-right" if os.path.isdir("done-right") else "..")
+REPO = "https://github.com/annotated-transformer/done-right"
+CLONE = REPO.rsplit("/", 1)[-1]  # the folder `git clone` makes
+if "COLAB_RELEASE_TAG" in os.environ and not os.path.isdir(CLONE):
+    no_prompt = {**os.environ, "GIT_TERMINAL_PROMPT": "0"}  # no password
+    git = ["git", "clone", "-q", "--depth=1", REPO, CLONE]
+    if subprocess.run(git, env=no_prompt).returncode != 0:
+        raise SystemExit(f"could not clone {REPO}; nothing else will run")
+    pip = ["pip", "install", "-q", "-e", f"./{CLONE}[notebooks]"]
+    subprocess.run([sys.executable, "-m", *pip], check=True)
+ROOT = os.path.abspath(CLONE if os.path.isdir(CLONE) else "..")
 sys.path.insert(0, ROOT)
 AT_SIZE = os.environ.get("AT_SIZE", "full")  # "ci": minutes, not hours
 
@@ -57,14 +70,18 @@ import torch.nn.functional as F
 # %%
 from the_annotated_transformer import BOS, EOS, PAD, SPECIALS, UNK, UserError
 from the_annotated_transformer import batch_greedy_decode, collate_batch
-from the_annotated_transformer import compute_bleu, count_parameters, data_dir
+from annotated_transformer_tools import compute_bleu
+from the_annotated_transformer import count_parameters, data_dir
 from the_annotated_transformer import encode_pairs, epoch_checkpoints
-from the_annotated_transformer import get_config, greedy_decode
+from annotated_transformer_tools import get_config
+from the_annotated_transformer import greedy_decode
 from the_annotated_transformer import load_checkpoint, load_tokenizers
-from the_annotated_transformer import load_trained_model, load_vocab
+from annotated_transformer_tools import load_vocab
+from the_annotated_transformer import load_trained_model
 from the_annotated_transformer import make_model, read_multi30k, strip_specials
-from the_annotated_transformer import subsequent_mask, tokenize, find_or_train
-from the_annotated_transformer import describe_checkpoint, translate_batch
+from annotated_transformer_tools import find_or_train
+from the_annotated_transformer import subsequent_mask, tokenize
+from annotated_transformer_tools import describe_checkpoint, translate_batch
 
 # %% [markdown]
 # ## The models we look at
@@ -724,14 +741,35 @@ assert test_ids.count(UNK) == 0 < words.count(UNK)
 # generator's projection (section 3.4 of the paper; Press and Wolf, 2017).
 # Sharing one matrix removes two thirds of the vocabulary parameters, and
 # each row learns from every place its unit occurs.
-# `make_model(V, V, tie_embeddings=True)` of Part 1 makes the three point
-# at one tensor. **See, it matches:** they share storage, and the base
-# model's parameter count follows Part 1's closed form $44{,}140{,}544 +
-# 513\,V$.
+# `tie_embeddings` takes a model from Part 1's `make_model` and makes the
+# three point at one tensor.
+
+
+# %%
+#| export
+def tie_embeddings(model):
+    """Share one matrix among both embeddings and the generator."""
+    shared = model.src_embed[0].lut.weight  # (V, d_model)
+    if model.tgt_embed[0].lut.weight.shape != shared.shape:
+        raise ValueError(
+            "tie_embeddings needs one shared vocabulary, got "
+            f"{model.src_embed[0].lut.num_embeddings} source and "
+            f"{model.tgt_embed[0].lut.num_embeddings} target units"
+        )
+    model.tgt_embed[0].lut.weight = shared
+    model.generator.proj.weight = shared
+    return model
+
+
+# %% [markdown]
+# **See, it matches:** the three share storage, and the base model's
+# parameter count follows Part 1's table with two of the three $V \times
+# d_{\text{model}}$ matrices gone: $168d^2 + 196d + Vd + V$, which for
+# $d = 512$ is $44{,}140{,}544 + 513\,V$.
 
 # %%
 V = len(bpe)
-tied = make_model(V, V, N=6, d_model=512, d_ff=2048, h=8, tie_embeddings=True)
+tied = tie_embeddings(make_model(V, V, N=6, d_model=512, d_ff=2048, h=8))
 weights = [
     tied.src_embed[0].lut.weight,
     tied.tgt_embed[0].lut.weight,
@@ -872,7 +910,7 @@ def load_translator(checkpoint, device="cpu", beam=1, average=0):
 
 
 # %% [markdown]
-# `python the_annotated_transformer.py evaluate --beam 4 --average 5`
+# `python annotated_transformer_tools.py evaluate --beam 4 --average 5`
 # scores a checkpoint that way. `bench/bleu_table.py` scores test2016 for
 # every combination above and writes the table of the README.
 # In the runs on record (`results/beyond.md`: 18 epochs for words, 14 for BPE),

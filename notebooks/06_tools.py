@@ -18,17 +18,32 @@
 # sits code that a working program needs but a reader need not study:
 # downloading and verifying the data, the training presets, a description
 # of the hardware, starting several processes, and the command line.
-# It lives here, after the lessons, and is exported into
-# `the_annotated_transformer.py` like the rest. Code in this appendix may
-# use anything the lessons defined; no lesson's exported code uses it.
+# It lives here, after the lessons, and is exported into a second module,
+# `annotated_transformer_tools.py`, which the `annotated-transformer`
+# command runs. Code in this appendix may use anything the lessons defined
+# (the tools module imports it from `the_annotated_transformer.py`); no
+# lesson's exported code uses the appendix.
+
+# %% [markdown]
+# [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/annotated-transformer/done-right/blob/main/notebooks/06_tools.ipynb)
 
 # %%
-# Setup: on Colab, clone the repository and install its requirements.
-# !test -n "$COLAB_RELEASE_TAG" -a ! -d done-right && git clone -q --depth=1 https://github.com/annotated-transformer/done-right && pip install -q -r done-right/requirements.txt  # noqa: E501
+# Setup. On Colab: clone the repository, then install what the notebooks
+# need. Elsewhere: use the checkout this notebook sits in.
 import os
+import subprocess
 import sys
 
-ROOT = os.path.abspath("done-right" if os.path.isdir("done-right") else "..")
+REPO = "https://github.com/annotated-transformer/done-right"
+CLONE = REPO.rsplit("/", 1)[-1]  # the folder `git clone` makes
+if "COLAB_RELEASE_TAG" in os.environ and not os.path.isdir(CLONE):
+    no_prompt = {**os.environ, "GIT_TERMINAL_PROMPT": "0"}  # no password
+    git = ["git", "clone", "-q", "--depth=1", REPO, CLONE]
+    if subprocess.run(git, env=no_prompt).returncode != 0:
+        raise SystemExit(f"could not clone {REPO}; nothing else will run")
+    pip = ["pip", "install", "-q", "-e", f"./{CLONE}[notebooks]"]
+    subprocess.run([sys.executable, "-m", *pip], check=True)
+ROOT = os.path.abspath(CLONE if os.path.isdir(CLONE) else "..")
 sys.path.insert(0, ROOT)
 AT_SIZE = os.environ.get("AT_SIZE", "full")  # "ci": minutes, not hours
 
@@ -54,8 +69,9 @@ from pathlib import Path
 import torch
 
 # %% [markdown]
-# The appendix calls functions of every lesson. In the notebook they come
-# from the module; in the module they are simply defined above.
+# The appendix calls functions of every lesson. Here they come from the
+# lessons' module; `tools/export.py` writes the same import, generated
+# from the names the exported code uses, into the tools module.
 # %%
 from the_annotated_transformer import BOS, EOS, MULTI30K_ENV, PAD
 from the_annotated_transformer import VOCAB_LOADERS, BpeVocab, DatasetError
@@ -744,6 +760,72 @@ def run_model_example(checkpoint="checkpoints/cpu/final.pt", n_examples=5):
 
 
 # %% [markdown]
+# ## Checkpoints from older versions
+#
+# Part 1 names every weight for what it is: an attention layer's four
+# projections are `w_q`, `w_k`, `w_v` and `w_o`, and a layer's residual
+# blocks are `self_attn_block`, `src_attn_block` and `ff_block`. Earlier
+# versions of this project kept the 2022 names: a list `linears` of four
+# projections, in that order, and a list `sublayer` of residual blocks,
+# in the order the layer applies them. `rename_old_keys` maps a state dict
+# with the old names to the new ones; keys already new pass unchanged, in
+# their order. (2022 checkpoint files themselves cannot be used: their
+# vocabularies are pickled torchtext objects.)
+
+
+# %%
+#| export
+OLD_PROJECTIONS = {"0": "w_q", "1": "w_k", "2": "w_v", "3": "w_o"}
+OLD_BLOCKS = {
+    "encoder": {"0": "self_attn_block", "1": "ff_block"},
+    "decoder": {
+        "0": "self_attn_block",
+        "1": "src_attn_block",
+        "2": "ff_block",
+    },
+}
+
+
+def rename_old_key(key):
+    """One state-dict key with the old list names replaced by new names."""
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        following = parts[i + 1]
+        if part == "linears" and following in OLD_PROJECTIONS:
+            parts[i : i + 2] = [OLD_PROJECTIONS[following]]
+            break
+        if part == "sublayer" and parts[0] in OLD_BLOCKS:
+            blocks = OLD_BLOCKS[parts[0]]  # encoder or decoder layer
+            if following in blocks:
+                parts[i : i + 2] = [blocks[following]]
+                break
+    return ".".join(parts)
+
+
+def rename_old_keys(state_dict):
+    """A state dict (old or new names) with the names Part 1 uses now."""
+    return {rename_old_key(key): value for key, value in state_dict.items()}
+
+
+# %% [markdown]
+# **See, it matches.** Old keys from each kind of place land on keys that
+# a new model has. (`tests/test_model.py` loads a whole model saved with
+# the old names and checks that it computes the same outputs.)
+
+# %%
+model = make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
+old_keys = [
+    "encoder.layers.0.self_attn.linears.0.weight",
+    "encoder.layers.0.sublayer.1.norm.a_2",
+    "decoder.layers.0.src_attn.linears.3.bias",
+    "decoder.layers.0.sublayer.1.norm.b_2",
+]
+for key in old_keys:
+    print(f"{key:45s} -> {rename_old_key(key)}")
+    assert rename_old_key(key) in model.state_dict()
+
+
+# %% [markdown]
 # ## Which model is this?
 #
 # A translation, an attention map or a BLEU score means little without
@@ -943,12 +1025,12 @@ def write_results(path, checkpoint, wall_time):
 # `annotated-transformer`.
 #
 # ```
-# python the_annotated_transformer.py download
-# python the_annotated_transformer.py train --preset cpu --epochs 18
-# torchrun --nproc_per_node=2 the_annotated_transformer.py train
-# python the_annotated_transformer.py evaluate --beam 4 --average 5
-# python the_annotated_transformer.py translate "Ein Hund." "Zwei Katzen."
-# python the_annotated_transformer.py translate < sentences.de > out.en
+# python annotated_transformer_tools.py download
+# python annotated_transformer_tools.py train --preset cpu --epochs 18
+# torchrun --nproc_per_node=2 annotated_transformer_tools.py train
+# python annotated_transformer_tools.py evaluate --beam 4 --average 5
+# python annotated_transformer_tools.py translate "Ein Hund." "Zwei Katzen."
+# python annotated_transformer_tools.py translate < sentences.de > out.en
 # ```
 #
 # A program for people should answer every mistake with one line that
@@ -1117,7 +1199,7 @@ def build_parser():
     """The argparse parser of the command line."""
     prog = os.path.basename(sys.argv[0] or "")
     if prog != "annotated-transformer":  # the installed console script
-        prog = "the_annotated_transformer.py"
+        prog = "annotated_transformer_tools.py"
     parser = OneLineParser(
         prog=prog,
         description="Train, evaluate and use the Annotated Transformer on "

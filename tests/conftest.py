@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import annotated_transformer_tools as tools
 import the_annotated_transformer as tat
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,4 +57,4 @@ def tokenizers():
 def vocabs(local_multi30k, tokenizers, tmp_path_factory):
     """Word vocabularies built from the training split."""
     path = tmp_path_factory.mktemp("vocab") / "vocab.json"
-    return tat.load_vocab(*tokenizers, path=path)
+    return tools.load_vocab(*tokenizers, path=path)

@@ -56,13 +56,13 @@ def attention_layers(model):
 
 def torch_mha(attn):
     """torch.nn.MultiheadAttention holding the weights of our layer."""
-    lin = attn.linears
+    qkv = [attn.w_q, attn.w_k, attn.w_v]
     ref = nn.MultiheadAttention(D, attn.h, batch_first=True)
     with torch.no_grad():
-        ref.in_proj_weight.copy_(torch.cat([m.weight for m in lin[:3]]))
-        ref.in_proj_bias.copy_(torch.cat([m.bias for m in lin[:3]]))
-        ref.out_proj.weight.copy_(lin[3].weight)
-        ref.out_proj.bias.copy_(lin[3].bias)
+        ref.in_proj_weight.copy_(torch.cat([m.weight for m in qkv]))
+        ref.in_proj_bias.copy_(torch.cat([m.bias for m in qkv]))
+        ref.out_proj.weight.copy_(attn.w_o.weight)
+        ref.out_proj.bias.copy_(attn.w_o.bias)
     return ref.eval()
 
 
@@ -191,7 +191,7 @@ def test_encoder_layer_matches_torch_multihead_attention(model, maps):
     with torch.no_grad():
         x = model.src_embed(src)  # (1, S, D)
         for n, layer in enumerate(model.encoder.layers):
-            xn = layer.sublayer[0].norm(x)
+            xn = layer.self_attn_block.norm(x)
             ref = torch_weights(layer.self_attn, xn, xn, src_mask)
             torch.testing.assert_close(maps.encoder_self[n], ref)
             x = layer(x, src_mask)
@@ -205,8 +205,10 @@ def test_decoder_source_layer_matches_torch_multihead_attention(model, maps):
         x = model.tgt_embed(tgt)  # (1, T, D)
         x = model.decoder.layers[0](x, memory, src_mask, tgt_mask)
         layer = model.decoder.layers[1]
-        x = layer.sublayer[0](x, lambda y: layer.self_attn(y, y, y, tgt_mask))
-        query = layer.sublayer[1].norm(x)
+        x = layer.self_attn_block(
+            x, lambda y: layer.self_attn(y, y, y, tgt_mask)
+        )
+        query = layer.src_attn_block.norm(x)
         ref = torch_weights(layer.src_attn, query, memory, src_mask)
     torch.testing.assert_close(maps.decoder_src[1], ref)
 
@@ -217,9 +219,10 @@ def test_decoder_self_layer_matches_a_softmax_by_hand(model, maps):
     attn = model.decoder.layers[0].self_attn
     T, d_k = tgt.size(1), D // H
     with torch.no_grad():
-        x = model.decoder.layers[0].sublayer[0].norm(model.tgt_embed(tgt))
-        q = attn.linears[0](x)[0].view(T, H, d_k).transpose(0, 1)
-        k = attn.linears[1](x)[0].view(T, H, d_k).transpose(0, 1)
+        block = model.decoder.layers[0].self_attn_block
+        x = block.norm(model.tgt_embed(tgt))
+        q = attn.w_q(x)[0].view(T, H, d_k).transpose(0, 1)
+        k = attn.w_k(x)[0].view(T, H, d_k).transpose(0, 1)
         scores = q @ k.transpose(1, 2) / math.sqrt(d_k)  # (h, T, T)
         scores = scores.masked_fill(~tgt_mask, float("-inf"))
         ref = torch.softmax(scores, dim=-1)

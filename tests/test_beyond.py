@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import annotated_transformer_tools as tools
 import the_annotated_transformer as tat
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,7 +61,7 @@ def random_model(vocabs):
 
 
 def train_ci(folder, vocab_src, vocab_tgt, tokenizers, preset="ci"):
-    cfg = tat.get_config(
+    cfg = tools.get_config(
         preset, checkpoint_dir=str(folder), max_train_pairs=200
     )
     tat.train_worker(
@@ -326,6 +327,7 @@ def test_bpe_is_learned_from_the_train_split_only(tmp_path, monkeypatch):
         return read(split, root)
 
     monkeypatch.setattr(tat, "read_multi30k", spy)
+    monkeypatch.setattr(tools, "read_multi30k", spy)
     path = tmp_path / "bpe.json"
     small = tat.load_bpe(path, vocab_size=600)
     assert asked == ["train"] and path.is_file() and len(small) == 600
@@ -334,17 +336,12 @@ def test_bpe_is_learned_from_the_train_split_only(tmp_path, monkeypatch):
 
 
 def test_tied_paper_model_has_the_closed_form_size(bpe):
-    cfg = tat.get_config("paper")
+    cfg = tools.get_config("paper")
     V = len(bpe)
     model = tat.make_model(
-        V,
-        V,
-        N=cfg.N,
-        d_model=cfg.d_model,
-        d_ff=cfg.d_ff,
-        h=cfg.h,
-        tie_embeddings=True,
+        V, V, N=cfg.N, d_model=cfg.d_model, d_ff=cfg.d_ff, h=cfg.h
     )
+    model = tat.tie_embeddings(model)
     assert tat.count_parameters(model) == 44_140_544 + 513 * V
 
 
@@ -372,12 +369,12 @@ def test_bpe_model_translates_through_the_usual_api(
     model, vsrc, vtgt, _ = tat.load_trained_model(bpe_run / "final.pt")
     sentences = [de for de, _ in tat.read_multi30k("val")[:4]]
     for decode_fn in (None, functools.partial(tat.beam_search, beam_size=2)):
-        out = tat.translate_batch(
+        out = tools.translate_batch(
             model, sentences, tokenizers[0], vsrc, vtgt, decode_fn=decode_fn
         )
         assert len(out) == 4 and all(isinstance(s, str) for s in out)
         assert not any("▁" in s for s in out)  # decoded, not raw pieces
-    status = tat.main(
+    status = tools.main(
         [
             "translate",
             "--checkpoint",
@@ -388,7 +385,7 @@ def test_bpe_model_translates_through_the_usual_api(
         ]
     )
     # The command line prints what the library call above gives.
-    expected = tat.translate_batch(
+    expected = tools.translate_batch(
         model,
         ["Ein Hund rennt."],
         None,
@@ -404,9 +401,8 @@ def test_bpe_model_translates_through_the_usual_api(
 
 def tiny(seed, tie=False):
     torch.manual_seed(seed)
-    return tat.make_model(
-        11, 11, N=1, d_model=16, d_ff=32, h=2, tie_embeddings=tie
-    )
+    model = tat.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
+    return tat.tie_embeddings(model) if tie else model
 
 
 def test_average_is_the_mean_of_the_parameters():
@@ -425,7 +421,7 @@ def test_average_is_the_mean_of_the_parameters():
 
 
 def save_tiny(path, model, tie=False):
-    cfg = tat.get_config(
+    cfg = tools.get_config(
         "ci", N=1, d_model=16, d_ff=32, h=2, tie_embeddings=tie
     )
     itos = [*tat.SPECIALS, *"abcdefg"]
@@ -495,7 +491,7 @@ def test_cli_evaluate_with_beam_and_average(
         "--ref",
         str(ref),
     ]
-    assert tat.main([*args, "--beam", "3", "--average", "2"]) == 0
+    assert tools.main([*args, "--beam", "3", "--average", "2"]) == 0
     printed = capsys.readouterr().out
     # The reference: the last two epochs' weights averaged by hand, beam 3
     # through the library call, scored by sacreBLEU directly.
@@ -509,7 +505,7 @@ def test_cli_evaluate_with_beam_and_average(
     model.load_state_dict(
         {k: torch.stack([s[k] for s in states]).mean(0) for k in states[0]}
     )
-    hyps = tat.translate_batch(
+    hyps = tools.translate_batch(
         model,
         [de for de, _ in pairs],
         tokenizers[0],
@@ -519,7 +515,7 @@ def test_cli_evaluate_with_beam_and_average(
     )
     expected = sacrebleu.corpus_bleu(hyps, [[en for _, en in pairs]])
     assert printed.startswith(f"BLEU = {expected.score:.2f} "), printed
-    assert tat.main([*args, "--average", "9"]) == 2
+    assert tools.main([*args, "--average", "9"]) == 2
     assert "--average 9" in capsys.readouterr().err
 
 

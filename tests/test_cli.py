@@ -14,9 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import annotated_transformer_tools as tools
 import the_annotated_transformer as tat
 
-SCRIPT = Path(tat.__file__).resolve()
+SCRIPT = Path(tools.__file__).resolve()
 
 # A model that learns these five pairs by heart in a second gives each
 # sentence its own translation, so a test can tell the lines apart.
@@ -47,7 +48,7 @@ def tiny(tmp_path_factory, tokenizers):
     vocab_tgt = tat.Vocab.build(
         (tat.tokenize(en, spacy_en) for _, en in PAIRS), 1
     )
-    config = tat.get_config("ci", N=1, d_model=32, d_ff=64, h=2, dropout=0.0)
+    config = tools.get_config("ci", N=1, d_model=32, d_ff=64, h=2, dropout=0.0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensors on a shared machine
     torch.manual_seed(0)
@@ -72,7 +73,7 @@ def tiny(tmp_path_factory, tokenizers):
 def reference(tiny, tokenizers, sentences, **options):
     """The library's translations of `sentences`, in this process."""
     _, model, vocab_src, vocab_tgt = tiny
-    return tat.translate_batch(
+    return tools.translate_batch(
         model, sentences, tokenizers[0], vocab_src, vocab_tgt, **options
     )
 
@@ -92,7 +93,7 @@ def run_script(*argv, cwd, stdin=b"", env=None):
 
 def run_cli(capsys, *argv):
     """Run main() in this process: (status, stdout, stderr)."""
-    status = tat.main(list(map(str, argv)))
+    status = tools.main(list(map(str, argv)))
     out = capsys.readouterr()
     return status, out.out, out.err
 
@@ -148,13 +149,13 @@ def test_stdin_is_decoded_in_chunks_never_one_line_at_a_time(
     lines = [GERMAN[i % 5] for i in range(11)]
     data = "".join(s + "\n" for s in lines).encode()
     monkeypatch.setattr(sys, "stdin", FakeStdin(data))
-    calls, translate_batch = [], tat.translate_batch
+    calls, translate_batch = [], tools.translate_batch
 
     def counting(model, sentences, *args, **kwargs):
         calls.append(len(sentences))
         return translate_batch(model, sentences, *args, **kwargs)
 
-    monkeypatch.setattr(tat, "translate_batch", counting)
+    monkeypatch.setattr(tools, "translate_batch", counting)
     args = ["translate", "--checkpoint", tiny[0], "--batch-size", "1"]
     status, out, err = run_cli(capsys, *args)
     # --batch-size 1 reads 8 lines at a time: two calls for 11 lines.
@@ -176,7 +177,7 @@ def test_cli_translate(tiny, tokenizers, capsys):
     src_mask = torch.ones(1, 1, src.size(1), dtype=torch.bool)
     with torch.no_grad():
         ys = tat.greedy_decode(model, src, src_mask, src.size(1) + 50, tat.BOS)
-    expected = tat.decode_text(tat.strip_specials(ys[0].tolist()), vocab_tgt)
+    expected = tools.decode_text(tat.strip_specials(ys[0].tolist()), vocab_tgt)
     assert status == 0 and expected and out == expected + "\n"
     status, out, err = run_cli(
         capsys, "translate", "--checkpoint", ckpt, "Ein Quuxblorf."
@@ -213,7 +214,7 @@ def test_cli_evaluate_files(tiny, tmp_path, capsys):
 @pytest.mark.parametrize("command", ["train", "evaluate", "translate"])
 def test_cli_help(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        tat.main([command, "--help"])
+        tools.main([command, "--help"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.startswith("usage:")
 
@@ -221,9 +222,9 @@ def test_cli_help(command, capsys):
 def test_cli_defaults_fit_together():
     # With no options, evaluate and translate read the checkpoint that
     # train writes with no options.
-    parser = tat.build_parser()
+    parser = tools.build_parser()
     preset = parser.parse_args(["train"]).preset
-    written = Path(tat.get_config(preset).checkpoint_dir) / "final.pt"
+    written = Path(tools.get_config(preset).checkpoint_dir) / "final.pt"
     for argv in (["evaluate"], ["translate", "Hallo"]):
         args = parser.parse_args(argv)
         assert Path(args.checkpoint) == written, argv
@@ -358,7 +359,7 @@ def test_the_hostile_pickles_do_run_code_when_loaded_unsafely(tmp_path):
 @pytest.mark.parametrize("value", ["0", "-3", "2.5", "many"])
 def test_decoding_options_refuse_bad_values(option, value, capsys):
     with pytest.raises(SystemExit) as stop:
-        tat.main(["translate", option, value, "Hallo"])
+        tools.main(["translate", option, value, "Hallo"])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and len(err.splitlines()) == 1
     assert option in err and "(see --help)" in err
@@ -370,21 +371,21 @@ def test_decoding_options_refuse_bad_values(option, value, capsys):
 @pytest.mark.parametrize("value", ["0", "-1", "x"])
 def test_train_options_refuse_bad_values(option, value, capsys):
     with pytest.raises(SystemExit) as stop:
-        tat.main(["train", option, value])
+        tools.main(["train", option, value])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and len(err.splitlines()) == 1
     assert option in err
 
 
 def test_positive_int_and_existing_device():
-    assert tat.positive_int("3") == 3
-    assert tat.existing_device("cpu") == "cpu"
+    assert tools.positive_int("3") == 3
+    assert tools.existing_device("cpu") == "cpu"
     gpus = torch.cuda.device_count()
     if gpus:
-        assert tat.existing_device(f"cuda:{gpus - 1}") == f"cuda:{gpus - 1}"
+        assert tools.existing_device(f"cuda:{gpus - 1}") == f"cuda:{gpus - 1}"
     for bad in (f"cuda:{gpus}", "tpu:0", "gpu", "", "meta"):
         with pytest.raises(argparse.ArgumentTypeError):
-            tat.existing_device(bad)
+            tools.existing_device(bad)
 
 
 @pytest.mark.parametrize(
@@ -424,7 +425,7 @@ def test_non_utf8_lines_are_named(tmp_path):
     path = tmp_path / "mixed.de.gz"
     with gzip.open(path, "wb") as f:
         f.write("Gut.\nNoch gut.\n".encode() + "Übel.\n".encode("latin-1"))
-    lines = tat.iter_lines(path)
+    lines = tools.iter_lines(path)
     assert next(lines) == "Gut." and next(lines) == "Noch gut."
     with pytest.raises(tat.UserError, match="line 3"):
         next(lines)
@@ -435,7 +436,7 @@ def test_relative_multi30k_dir_counts_from_the_working_directory(
 ):
     monkeypatch.chdir(multi30k_dir.parent)
     monkeypatch.setenv("MULTI30K_DIR", multi30k_dir.name)
-    assert tat.download_multi30k() == multi30k_dir.resolve()
+    assert tools.download_multi30k() == multi30k_dir.resolve()
 
 
 def test_translations_do_not_depend_on_their_batch(tiny, tokenizers):
@@ -447,11 +448,11 @@ def test_translations_do_not_depend_on_their_batch(tiny, tokenizers):
         model.generator.proj.bias[tat.EOS] = -1e4
     sentences = ["Ein Hund .", "Zwei Kinder spielen im Schnee ."]
     options = dict(max_extra=3, replace_unk=False)
-    together = tat.translate_batch(
+    together = tools.translate_batch(
         model, sentences, tokenizers[0], vocab_src, vocab_tgt, **options
     )
     alone = [
-        tat.translate_batch(
+        tools.translate_batch(
             model, [s], tokenizers[0], vocab_src, vocab_tgt, **options
         )[0]
         for s in sentences

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import annotated_transformer_tools as tools
 import the_annotated_transformer as tat
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,7 +27,7 @@ def test_pinned_sums_match_the_shared_checksum_file():
     pinned = dict(
         reversed(line.split()) for line in sums_file.read_text().splitlines()
     )
-    assert tat.MULTI30K_SHA256 == pinned
+    assert tools.MULTI30K_SHA256 == pinned
 
 
 @pytest.fixture
@@ -61,13 +62,13 @@ def test_download_writes_verified_files_and_then_uses_the_cache(
     monkeypatch.delenv("MULTI30K_DIR", raising=False)
     url, served, sums, requests = server
     cache = tmp_path / "cache"
-    folder = tat.download_multi30k(cache, base_url=url, sha256=sums)
+    folder = tools.download_multi30k(cache, base_url=url, sha256=sums)
     assert folder == cache
     assert sorted(p.name for p in cache.iterdir()) == sorted(sums)
     for name in sums:
         assert (cache / name).read_bytes() == (served / name).read_bytes()
     assert len(requests) == 2
-    tat.download_multi30k(cache, base_url=url, sha256=sums)
+    tools.download_multi30k(cache, base_url=url, sha256=sums)
     assert len(requests) == 2  # verified files are not fetched again
 
 
@@ -79,7 +80,7 @@ def test_checksum_mismatch_raises_and_leaves_no_file(
     sums = dict(sums, **{"train.en.gz": "0" * 64})
     cache = tmp_path / "cache"
     with pytest.raises(tat.DatasetError) as info:
-        tat.download_multi30k(cache, base_url=url, sha256=sums)
+        tools.download_multi30k(cache, base_url=url, sha256=sums)
     message = str(info.value)
     assert url + "train.en.gz" in message and str(cache) in message
     assert "MULTI30K_DIR" in message
@@ -91,7 +92,7 @@ def test_missing_file_on_server_raises(server, tmp_path, monkeypatch):
     url, _, sums, _ = server
     cache = tmp_path / "cache"
     with pytest.raises(tat.DatasetError, match="404"):
-        tat.download_multi30k(
+        tools.download_multi30k(
             cache, base_url=url, sha256={"val.de.gz": "0" * 64}
         )
     assert list(cache.iterdir()) == []
@@ -105,7 +106,7 @@ def test_unreachable_server_raises_a_readable_error(tmp_path, monkeypatch):
     url = f"http://127.0.0.1:{port}/"
     cache = tmp_path / "cache"
     with pytest.raises(tat.DatasetError) as info:
-        tat.download_multi30k(
+        tools.download_multi30k(
             cache, base_url=url, sha256={"val.de.gz": "0" * 64}, timeout=5
         )
     message = str(info.value)
@@ -118,7 +119,7 @@ def test_unreachable_server_raises_a_readable_error(tmp_path, monkeypatch):
 
 def test_multi30k_dir_is_verified_and_used(multi30k_dir, monkeypatch):
     monkeypatch.setenv("MULTI30K_DIR", str(multi30k_dir))
-    assert tat.download_multi30k() == multi30k_dir
+    assert tools.download_multi30k() == multi30k_dir
 
 
 def test_multi30k_dir_without_files_explains_where_they_go(
@@ -127,7 +128,7 @@ def test_multi30k_dir_without_files_explains_where_they_go(
     (tmp_path / "train.de.gz").write_bytes(b"not the real file")
     monkeypatch.setenv("MULTI30K_DIR", str(tmp_path))
     with pytest.raises(tat.DatasetError) as info:
-        tat.download_multi30k()
+        tools.download_multi30k()
     message = str(info.value)
     assert str(tmp_path) in message and "MULTI30K_DIR" in message
     assert "train.de.gz has the wrong SHA-256" in message
@@ -188,8 +189,9 @@ def test_vocabulary_is_built_from_train_only(tmp_path, monkeypatch):
         return corpus[split]
 
     monkeypatch.setattr(tat, "read_multi30k", fake_read)
+    monkeypatch.setattr(tools, "read_multi30k", fake_read)
     spacy_de, spacy_en = tat.load_tokenizers()
-    vocab_src, vocab_tgt = tat.load_vocab(
+    vocab_src, vocab_tgt = tools.load_vocab(
         spacy_de, spacy_en, path=tmp_path / "vocab.json"
     )
     assert asked == ["train"]
@@ -197,7 +199,7 @@ def test_vocabulary_is_built_from_train_only(tmp_path, monkeypatch):
     assert vocab_tgt["dog"] != tat.UNK
     assert vocab_src["Pferd"] == vocab_tgt["horse"] == tat.UNK
     assert vocab_src["Katze"] == vocab_tgt["cat"] == tat.UNK
-    again = tat.load_vocab(spacy_de, spacy_en, path=tmp_path / "vocab.json")
+    again = tools.load_vocab(spacy_de, spacy_en, path=tmp_path / "vocab.json")
     assert asked == ["train"]  # the second call reads the JSON cache
     assert again == (vocab_src, vocab_tgt)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+import annotated_transformer_tools as tools
 import the_annotated_transformer as tat
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,7 +69,7 @@ def test_peer_does_the_same_matmuls_as_ours():
 
 
 def test_real_token_flops_ignore_padding():
-    config = tat.get_config("cpu")
+    config = tools.get_config("cpu")
     data = [([1] * 5, [1] * 4), ([1] * 9, [1] * 7)]
     total = efficiency.real_token_flops(data, config, 100)
     one = efficiency.training_flops(1, 5, 3, 3, 256, 1024, 100)

@@ -1,6 +1,7 @@
 """Tests of the model (notebooks/01_model.py), each against a reference
 that does not share its code: PyTorch built-ins, closed forms, or the
-2022 tutorial's parameter names written out by hand."""
+2022 tutorial's parameter names written out by hand (which this project's
+older checkpoints used, and which load through a key map)."""
 
 import math
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import annotated_transformer_tools as tools
 import the_annotated_transformer as tat
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -203,7 +205,7 @@ def test_block_parameter_counts_match_closed_forms(d):
 def test_tied_model_parameter_count():
     d, V = 512, 10000
     with torch.device("meta"):  # shapes only: no memory, no init time
-        model = tat.make_model(V, V, d_model=d, tie_embeddings=True)
+        model = tat.tie_embeddings(tat.make_model(V, V, d_model=d))
     expected = 168 * d * d + 196 * d + V * d + V
     assert expected == 44_140_544 + 513 * V
     assert tat.count_parameters(model) == expected
@@ -230,8 +232,8 @@ def test_untied_model_parameter_count(d, N):
 
 # ------------------------------------------------------------ weight tying
 def test_tied_model_shares_one_matrix():
-    model = tat.make_model(
-        13, 13, N=1, d_model=16, d_ff=32, h=2, tie_embeddings=True
+    model = tat.tie_embeddings(
+        tat.make_model(13, 13, N=1, d_model=16, d_ff=32, h=2)
     )
     mats = [
         model.src_embed[0].lut.weight,
@@ -250,15 +252,15 @@ def test_tied_model_shares_one_matrix():
 
 
 def test_tie_embeddings_needs_one_vocabulary():
-    with pytest.raises(ValueError):
-        tat.make_model(
-            11, 12, N=1, d_model=16, d_ff=32, h=2, tie_embeddings=True
-        )
+    model = tat.make_model(11, 12, N=1, d_model=16, d_ff=32, h=2)
+    with pytest.raises(ValueError, match="one shared vocabulary"):
+        tat.tie_embeddings(model)
 
 
-# ------------------------------------------------ 2022 checkpoint layout
+# ------------------------------------------------- older checkpoint layout
 # make_model(11, 11, N=1).state_dict().keys() as the 2022 code (harvardnlp
-# annotated-transformer, AnnotatedTransformer.ipynb) produced them, in order.
+# annotated-transformer, AnnotatedTransformer.ipynb) produced them, in order,
+# and as this project's checkpoints had them before Part 1 named its parts.
 KEYS_2022_N1 = [
     "encoder.layers.0.self_attn.linears.0.weight",
     "encoder.layers.0.self_attn.linears.0.bias",
@@ -315,9 +317,51 @@ KEYS_2022_N1 = [
 ]
 
 
-def test_state_dict_keeps_2022_key_names():
+def test_parts_have_their_own_names_not_list_positions():
     model = tat.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
-    assert list(model.state_dict().keys()) == KEYS_2022_N1
+    keys = list(model.state_dict())
+    assert not [k for k in keys if ".linears." in k or ".sublayer." in k]
+    layer = model.decoder.layers[0]
+    for name in ("w_q", "w_k", "w_v", "w_o"):
+        assert isinstance(layer.src_attn._modules[name], torch.nn.Linear)
+    for name in ("self_attn_block", "src_attn_block", "ff_block"):
+        block = layer._modules[name]
+        assert isinstance(block, tat.SublayerConnection)
+    # Same parameters as the 2022 layout, in the same order.
+    assert len(keys) == len(KEYS_2022_N1)
+    assert [k.rsplit(".", 1)[-1] for k in keys] == [
+        k.rsplit(".", 1)[-1] for k in KEYS_2022_N1
+    ]
+
+
+def test_old_keys_map_onto_the_new_ones_in_order():
+    model = tat.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
+    renamed = tools.rename_old_keys(dict.fromkeys(KEYS_2022_N1))
+    assert list(renamed) == list(model.state_dict())
+    new = dict.fromkeys(model.state_dict())
+    assert list(tools.rename_old_keys(new)) == list(new)  # new pass as is
+
+
+def test_an_old_style_state_dict_loads_and_gives_identical_outputs():
+    torch.manual_seed(0)
+    model = tat.make_model(11, 11, N=1, d_model=32, d_ff=64, h=4).eval()
+    # The same tensors under the old names, matched by position: the
+    # hand-written list above is in the order the old model saved them.
+    old_style = dict(zip(KEYS_2022_N1, model.state_dict().values()))
+    torch.manual_seed(1)
+    fresh = tat.make_model(11, 11, N=1, d_model=32, d_ff=64, h=4).eval()
+    src = torch.randint(1, 11, (3, 9))
+    tgt = torch.randint(1, 11, (3, 6))
+    src_mask = torch.ones(3, 1, 9, dtype=torch.bool)
+    tgt_mask = tat.subsequent_mask(6)
+    with torch.no_grad():
+        before = model(src, tgt, src_mask, tgt_mask)
+        assert not torch.allclose(fresh(src, tgt, src_mask, tgt_mask), before)
+        with pytest.raises(RuntimeError, match="linears"):
+            fresh.load_state_dict(old_style)  # refused without the map
+        fresh.load_state_dict(tools.rename_old_keys(old_style))
+        after = fresh(src, tgt, src_mask, tgt_mask)
+    assert torch.equal(before, after)
 
 
 def test_state_dict_round_trip_gives_identical_outputs():

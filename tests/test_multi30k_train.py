@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import annotated_transformer_tools as tools
 import the_annotated_transformer as tat
 
 pytestmark = pytest.mark.usefixtures("local_multi30k")
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("local_multi30k")
 
 def ci_config(tmp_path, **overrides):
     """The ci preset, writing into tmp_path, with some changes."""
-    return tat.get_config("ci", checkpoint_dir=str(tmp_path), **overrides)
+    return tools.get_config("ci", checkpoint_dir=str(tmp_path), **overrides)
 
 
 def train(cfg, vocabs, tokenizers, **kwargs):
@@ -57,7 +58,7 @@ def test_ci_training_lowers_the_loss(ci_run):
 def test_describe_checkpoint_names_the_model_and_its_training(ci_run):
     cfg, history = ci_run
     path = Path(cfg.checkpoint_dir) / "final.pt"
-    line = tat.describe_checkpoint(path)
+    line = tools.describe_checkpoint(path)
     folder = Path(cfg.checkpoint_dir).name
     assert line.startswith(f"{folder}/final.pt, preset ci (N={cfg.N}, ")
     assert f"d_model={cfg.d_model}, h={cfg.h}, word vocabulary" in line
@@ -74,15 +75,16 @@ def test_write_results_scores_with_and_without_unk_replacement(
     final = Path(cfg.checkpoint_dir) / "final.pt"
     pairs = tat.read_multi30k("test")[:40]
     monkeypatch.setattr(tat, "read_multi30k", lambda split: pairs)
-    tat.write_results(tmp_path / "r.json", final, wall_time=12.34)
+    monkeypatch.setattr(tools, "read_multi30k", lambda split: pairs)
+    tools.write_results(tmp_path / "r.json", final, wall_time=12.34)
     summary = json.loads((tmp_path / "r.json").read_text())
     sources, refs = [de for de, _ in pairs], [en for _, en in pairs]
     for key, swap in (
         ("test2016_bleu_greedy", True),
         ("test2016_bleu_greedy_without_unk_replacement", False),
     ):
-        hyps = tat.translate(sources, final, replace_unk=swap)
-        assert summary[key] == round(tat.compute_bleu(hyps, refs).score, 2)
+        hyps = tools.translate(sources, final, replace_unk=swap)
+        assert summary[key] == round(tools.compute_bleu(hyps, refs).score, 2)
     assert summary["history"] == history and summary["wall_time_s"] == 12.3
     assert summary["config"]["preset"] == "ci"
 
@@ -183,7 +185,7 @@ def test_two_processes_match_one_process_with_accumulation(
     assert len(loader) % 2 == 0, "choose max_train_pairs for an even count"
     train(replace(base, accum_iter=2), vocabs, tokenizers)
     two = replace(base, checkpoint_dir=str(tmp_path / "two"))
-    tat.train_distributed_model(*vocabs, *tokenizers, two, world_size=2)
+    tools.train_distributed_model(*vocabs, *tokenizers, two, world_size=2)
     ckpt = torch.load(Path(two.checkpoint_dir) / "final.pt", weights_only=True)
     assert ckpt["ranks_in_sync"] is True
     # Summing gradients across processes reorders float additions; Adam
@@ -227,16 +229,16 @@ def test_batch_greedy_matches_one_sentence_at_a_time(ci_run, tokenizers):
 def test_detokenize_restores_most_references(tokenizers):
     _, spacy_en = tokenizers
     refs = [en for _, en in tat.read_multi30k("val")]
-    restored = [tat.detokenize(tat.tokenize(r, spacy_en)) for r in refs]
+    restored = [tools.detokenize(tat.tokenize(r, spacy_en)) for r in refs]
     exact = sum(a == b.strip() for a, b in zip(restored, refs)) / len(refs)
     assert exact > 0.95, exact
 
 
 def test_bleu_is_cased_and_perfect_on_references():
     refs = ["A man rides a bike .".replace(" .", "."), "Two dogs play."]
-    assert tat.compute_bleu(refs, refs).score == pytest.approx(100.0)
+    assert tools.compute_bleu(refs, refs).score == pytest.approx(100.0)
     lowered = [r.lower() for r in refs]
-    assert tat.compute_bleu(lowered, refs).score < 100.0
+    assert tools.compute_bleu(lowered, refs).score < 100.0
 
 
 def test_run_epoch_enters_autocast_once_per_micro_batch():
@@ -292,8 +294,8 @@ def test_torchrun_trains_with_two_processes(tmp_path, local_multi30k):
         "-m",
         "torch.distributed.run",
         "--nproc_per_node=2",
-        f"--master_port={tat.free_port()}",
-        str(root / "the_annotated_transformer.py"),
+        f"--master_port={tools.free_port()}",
+        str(root / "annotated_transformer_tools.py"),
         "train",
         "--preset",
         "ci",
@@ -317,13 +319,13 @@ def test_find_or_train_finds_a_trained_preset(
     cfg, _ = ci_run  # stands for a preset that `make train` has trained
     root, name = Path(cfg.checkpoint_dir).parent, Path(cfg.checkpoint_dir).name
     monkeypatch.setitem(
-        tat.PRESETS, "trained", replace(cfg, checkpoint_dir=name)
+        tools.PRESETS, "trained", replace(cfg, checkpoint_dir=name)
     )
     empty = replace(cfg, checkpoint_dir="never-trained")
-    monkeypatch.setitem(tat.PRESETS, "untrained", empty)
+    monkeypatch.setitem(tools.PRESETS, "untrained", empty)
     stand_in = ci_config(tmp_path / "stand-in")
     presets = ["untrained", "trained"]
-    found = tat.find_or_train(presets, stand_in, vocabs, None, root=root)
+    found = tools.find_or_train(presets, stand_in, vocabs, None, root=root)
     assert found == str(Path(cfg.checkpoint_dir) / "final.pt")
     assert not (tmp_path / "stand-in").exists()  # nothing was trained
 
@@ -334,14 +336,14 @@ def test_find_or_train_trains_the_stand_in(
     trained = ci_config(tmp_path / "trained", epochs=1, max_train_pairs=100)
     train(trained, vocabs, tokenizers)
     found_here = replace(trained, checkpoint_dir="trained")
-    monkeypatch.setitem(tat.PRESETS, "trained", found_here)
+    monkeypatch.setitem(tools.PRESETS, "trained", found_here)
     empty = replace(trained, checkpoint_dir="never-trained")
-    monkeypatch.setitem(tat.PRESETS, "untrained", empty)
+    monkeypatch.setitem(tools.PRESETS, "untrained", empty)
     stand_in = ci_config(tmp_path / "stand-in", epochs=1, max_train_pairs=100)
     # a CI-sized run ignores what is there; a full one finds nothing
     for presets, size in ((["trained"], "ci"), (["untrained"], "full")):
         shutil.rmtree(tmp_path / "stand-in", ignore_errors=True)
-        found = tat.find_or_train(
+        found = tools.find_or_train(
             presets, stand_in, vocabs, tokenizers, tmp_path, size
         )
         assert found == str(tmp_path / "stand-in" / "final.pt")

@@ -1,5 +1,5 @@
 """`pip install .` gives a fresh virtual environment, outside the clone,
-the module and the `annotated-transformer` command."""
+both modules and the `annotated-transformer` command."""
 
 import subprocess
 import sys
@@ -33,15 +33,17 @@ def test_pip_install_into_a_fresh_venv(tmp_path):
     torch_pin = "torch==" + torch.__version__.split("+")[0]
     run([python, "-m", "pip", "install", "-q", torch_pin], tmp_path)
     run([python, "-m", "pip", "install", "-q", ROOT], tmp_path)
-    where = run(
-        [
-            python,
-            "-c",
-            "import the_annotated_transformer as tat; print(tat.__file__)",
-        ],
-        tmp_path,
+    code = (
+        "import annotated_transformer_tools as tools\n"
+        "import the_annotated_transformer as tat\n"
+        "print(tat.__file__)\nprint(tools.__file__)\n"
     )
-    assert Path(where.strip()).is_relative_to(venv)
+    where = run([python, "-c", code], tmp_path).split()
+    assert [Path(w).name for w in where] == [
+        "the_annotated_transformer.py",
+        "annotated_transformer_tools.py",
+    ]
+    assert all(Path(w).is_relative_to(venv) for w in where)
     helptext = run(
         [venv / "bin" / "annotated-transformer", "--help"], tmp_path
     )

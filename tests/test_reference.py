@@ -28,8 +28,8 @@ TIGHT = dict(rtol=1e-10, atol=1e-12)  # float64: round-off only
 
 # ------------------------------------------------------ copying the weights
 def copy_attention(ours, ref):
-    """MultiHeadedAttention's four linears into nn.MultiheadAttention."""
-    q, k, v, out = ours.linears
+    """MultiHeadedAttention's four projections into nn.MultiheadAttention."""
+    q, k, v, out = ours.w_q, ours.w_k, ours.w_v, ours.w_o
     ref.in_proj_weight.copy_(torch.cat([q.weight, k.weight, v.weight]))
     ref.in_proj_bias.copy_(torch.cat([q.bias, k.bias, v.bias]))
     ref.out_proj.weight.copy_(out.weight)
@@ -58,8 +58,8 @@ def copy_encoder_layer(ours, ref):
     """EncoderLayer into nn.TransformerEncoderLayer (norm1, norm2)."""
     copy_attention(ours.self_attn, ref.self_attn)
     copy_feed_forward(ours.feed_forward, ref)
-    copy_norm(ours.sublayer[0].norm, ref.norm1)
-    copy_norm(ours.sublayer[1].norm, ref.norm2)
+    copy_norm(ours.self_attn_block.norm, ref.norm1)
+    copy_norm(ours.ff_block.norm, ref.norm2)
 
 
 @torch.no_grad()
@@ -68,8 +68,9 @@ def copy_decoder_layer(ours, ref):
     copy_attention(ours.self_attn, ref.self_attn)
     copy_attention(ours.src_attn, ref.multihead_attn)
     copy_feed_forward(ours.feed_forward, ref)
-    for i, norm in enumerate([ref.norm1, ref.norm2, ref.norm3]):
-        copy_norm(ours.sublayer[i].norm, norm)
+    copy_norm(ours.self_attn_block.norm, ref.norm1)
+    copy_norm(ours.src_attn_block.norm, ref.norm2)
+    copy_norm(ours.ff_block.norm, ref.norm3)
 
 
 @torch.no_grad()

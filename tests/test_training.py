@@ -102,7 +102,22 @@ def test_both_label_smoothing_paths_equal_independent_kl(eps, keep_targets):
     (grad,) = torch.autograd.grad(loss, x)
     torch.testing.assert_close(loss, ref)
     torch.testing.assert_close(grad, ref_grad)
-    assert (crit.true_dist is not None) == keep_targets
+    # As in 2022, the smoothed targets are there after a call, either way.
+    torch.testing.assert_close(crit.true_dist, dist)
+
+
+def test_true_dist_after_a_call_as_in_2022():
+    # The 2022 tutorial's example: LabelSmoothing(5, 0, 0.4) on five rows.
+    crit = tat.LabelSmoothing(5, 0, 0.4)
+    assert crit.true_dist is None  # no call yet
+    predict = torch.tensor([[0, 0.2, 0.7, 0.1, 0]] * 5)
+    crit(predict.log(), torch.tensor([2, 1, 0, 3, 3]))
+    # What the 2022 code computed, step by step.
+    expected = predict.clone().fill_(0.4 / (5 - 2))
+    expected.scatter_(1, torch.tensor([[2], [1], [0], [3], [3]]), 0.6)
+    expected[:, 0] = 0
+    expected.index_fill_(0, torch.tensor([2]), 0.0)
+    torch.testing.assert_close(crit.true_dist, expected)
 
 
 def test_label_smoothing_penalty_rows_are_finite_with_the_right_shape():

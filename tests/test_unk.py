@@ -5,6 +5,7 @@ from dataclasses import asdict
 import pytest
 import torch
 
+import annotated_transformer_tools as tools
 import the_annotated_transformer as tat
 
 BOS, EOS, PAD, UNK = tat.BOS, tat.EOS, tat.PAD, tat.UNK
@@ -69,7 +70,7 @@ def test_each_unk_gets_the_word_that_the_mean_attention_points_at(spacy_de):
     # Sentence 1 is shorter, so it is padded in the batch (and sorted
     # first: rows are in length order).
     row = [BOS, UNK, A, UNK, EOS]
-    out = tat.translate_batch(
+    out = tools.translate_batch(
         forced_model(), SENTENCES, spacy_de, SRC, TGT,
         decode_fn=writes(row, row),
     )  # fmt: skip
@@ -77,7 +78,7 @@ def test_each_unk_gets_the_word_that_the_mean_attention_points_at(spacy_de):
     # position t + 1, that is German word t (after <s>).
     for sentence, hyp in zip(SENTENCES, out, strict=True):
         words = tat.tokenize(sentence, spacy_de)
-        assert hyp == tat.detokenize([words[1], "a", words[3]]), hyp
+        assert hyp == tools.detokenize([words[1], "a", words[3]]), hyp
     assert "<unk>" not in " ".join(out)
     # Words unknown to the source vocabulary ("Hunde", "im") come back:
     # the copy is taken from the German text, not from the ids.
@@ -86,7 +87,7 @@ def test_each_unk_gets_the_word_that_the_mean_attention_points_at(spacy_de):
 
 def test_replace_unk_false_keeps_unk(spacy_de):
     row = [BOS, UNK, A, UNK, EOS]
-    out = tat.translate_batch(
+    out = tools.translate_batch(
         forced_model(), SENTENCES, spacy_de, SRC, TGT,
         decode_fn=writes(row, row), replace_unk=False,
     )  # fmt: skip
@@ -96,15 +97,15 @@ def test_replace_unk_false_keeps_unk(spacy_de):
 def test_output_without_unk_is_unchanged(spacy_de, monkeypatch):
     rows = [[BOS, A, TGT(["man"])[0], EOS], [BOS, A, EOS, PAD]]
     calls = []
-    real = tat.source_alignment
+    real = tools.source_alignment
     monkeypatch.setattr(
-        tat, "source_alignment", lambda *a: calls.append(1) or real(*a)
+        tools, "source_alignment", lambda *a: calls.append(1) or real(*a)
     )
     model, fn = forced_model(), writes(*rows)
-    on = tat.translate_batch(
+    on = tools.translate_batch(
         model, SENTENCES, spacy_de, SRC, TGT, decode_fn=fn
     )
-    off = tat.translate_batch(
+    off = tools.translate_batch(
         model, SENTENCES, spacy_de, SRC, TGT, decode_fn=fn, replace_unk=False
     )
     # rows come back in input order: the longer sentence 0 was second
@@ -125,10 +126,10 @@ def test_subword_vocabularies_are_left_alone(spacy_de, monkeypatch):
     def never(*args):
         raise AssertionError("no <unk> replacement for subwords")
 
-    monkeypatch.setattr(tat, "source_alignment", never)
+    monkeypatch.setattr(tools, "source_alignment", never)
     torch.manual_seed(0)
     model = tat.make_model(8, 8, N=1, d_model=16, d_ff=32, h=2)
-    out = tat.translate_batch(
+    out = tools.translate_batch(
         model, SENTENCES[:1], spacy_de, Pieces(), Pieces(),
         decode_fn=writes([BOS, UNK, 5, EOS]),
     )  # fmt: skip
@@ -144,7 +145,7 @@ def test_alignment_matches_part4_maps_of_each_sentence_alone():
     src, _ = tat.collate_batch([(r, []) for r in rows])  # (B, S), padded
     mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
     out = tat.cached_greedy_decode(model, src, mask, 8)  # (B, L)
-    aligned = tat.source_alignment(model, src, mask, out)  # (B, L - 1)
+    aligned = tools.source_alignment(model, src, mask, out)  # (B, L - 1)
     assert aligned.shape == (3, out.size(1) - 1)
     for b, (ids, n) in enumerate(zip(rows, lengths, strict=True)):
         # only words: never <s> (0), </s> (n + 1) or padding (> n + 1)
@@ -161,7 +162,7 @@ def test_alignment_matches_part4_maps_of_each_sentence_alone():
 def unk_writer(path):
     """A tiny checkpoint whose model writes nothing but <unk>."""
     torch.manual_seed(0)
-    cfg = tat.get_config("ci", N=1, d_model=16, d_ff=32, h=2)
+    cfg = tools.get_config("ci", N=1, d_model=16, d_ff=32, h=2)
     model = tat.model_from_config(cfg, len(SRC), len(TGT))
     with torch.no_grad():
         model.generator.proj.bias.fill_(-30.0)
@@ -180,11 +181,11 @@ def test_cli_replaces_unk_unless_told_not_to(tmp_path, spacy_de, capsys):
     ckpt = unk_writer(tmp_path / "unk.pt")
     sentence = "Ein Quuxblorf schläft ."
     words = set(tat.tokenize(sentence, spacy_de))
-    assert tat.main(["translate", "--checkpoint", ckpt, sentence]) == 0
+    assert tools.main(["translate", "--checkpoint", ckpt, sentence]) == 0
     out = capsys.readouterr().out.replace(".", " ").split()
     assert out and set(out) <= words, out  # only German words, copied
     argv = ["translate", "--checkpoint", ckpt, "--no-replace-unk", sentence]
-    assert tat.main(argv) == 0
+    assert tools.main(argv) == 0
     assert set(capsys.readouterr().out.split()) == {"<unk>"}
     # evaluate, with and without, on a pair of files
     src, ref = tmp_path / "src.de", tmp_path / "ref.en"
@@ -195,7 +196,7 @@ def test_cli_replaces_unk_unless_told_not_to(tmp_path, spacy_de, capsys):
         out = tmp_path / f"hyp{len(flag)}.en"
         argv = ["evaluate", "--checkpoint", ckpt, "--src", str(src)]
         argv += ["--ref", str(ref), "--out", str(out), *flag]
-        assert tat.main(argv) == 0
+        assert tools.main(argv) == 0
         assert capsys.readouterr().out.startswith("BLEU = ")
         hyps[bool(flag)] = out.read_text()
     assert set(hyps[True].split()) == {"<unk>"}
@@ -220,7 +221,7 @@ def test_bench_default_row_is_the_real_source_alignment():
     src[:, 0], src[:, -1] = BOS, EOS
     mask = (src != PAD).unsqueeze(-2)
     out = tat.cached_greedy_decode(model, src, mask, 8)
-    default = tat.source_alignment(model, src, mask, out)
+    default = tools.source_alignment(model, src, mask, out)
     assert torch.equal(bench.alignment_from([0, 1, 2])(model, src, mask, out),
                        default)  # fmt: skip
     last = bench.alignment_from([2])(model, src, mask, out)

@@ -1,14 +1,22 @@
-"""Generate the flat module and the .ipynb pairs from notebooks/NN_*.py.
+"""Generate the two modules and the .ipynb pairs from notebooks/NN_*.py.
 
-    python tools/export.py           # rewrite the_annotated_transformer.py
-                                     # and every notebooks/NN_*.ipynb
+    python tools/export.py           # rewrite the_annotated_transformer.py,
+                                     # annotated_transformer_tools.py,
+                                     # every notebooks/NN_*.ipynb and the
+                                     # repository's address in NN_*.py
     python tools/export.py --check   # exit 1 when anything is out of sync
 
-Only code cells whose first line is ``#| export`` reach the module, in
-notebook order. Their top-level import statements are hoisted, merged and
-sorted into one block at the top; an ``__all__`` lists every public
-top-level name; and each notebook ``## `` section that exports code gets one
-heading that names the notebook and section it came from.
+Only code cells whose first line is ``#| export`` reach a module, in
+notebook order. The lessons (notebooks 01-05) make
+``the_annotated_transformer.py``; the appendix (06) makes
+``annotated_transformer_tools.py``, which imports from the lesson module
+the names it uses (found here, never written by hand). In each module the
+top-level imports are hoisted into one block, which ruff sorts; ``__all__``
+at the end lists every public top-level name; and each notebook ``## ``
+section that exports code gets one heading that names the notebook and
+section it came from. The repository's address is written once, in
+pyproject.toml's ``[project.urls]``; each notebook's Colab badge and
+clone line are rewritten from it.
 """
 
 from __future__ import annotations
@@ -16,7 +24,11 @@ from __future__ import annotations
 import argparse
 import ast
 import base64
+import builtins
+import copy
 import re
+import subprocess
+import symtable
 import sys
 import textwrap
 from dataclasses import dataclass, field
@@ -27,20 +39,39 @@ import jupytext
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 MODULE = ROOT / "the_annotated_transformer.py"
+TOOLS = ROOT / "annotated_transformer_tools.py"
+LESSONS = ("01", "02", "03", "04", "05")  # the rest is the appendix
 EXPORT_MARKER = "#| export"
 WIDTH = 79
 
 BANNER = '''\
 # =============================================================================
 # GENERATED FILE: edit the notebooks, not this file.
-# Source: notebooks/NN_*.py (cells starting with "#| export").
+# Source: notebooks/01_*.py to 05_*.py (cells starting with "#| export").
 # Regenerate with `make export`; `make check-sync` fails on drift.
 # =============================================================================
-"""The Annotated Transformer, done right: the notebooks' code as a module.
+"""The Annotated Transformer, done right: the lessons' code as a module.
 
-Importing it has no side effects and needs only torch. Each section below
-names the notebook and heading that explain it. Run
-``python the_annotated_transformer.py --help`` for the command line.
+The model comes first (Part 1), then its training (Parts 2 and 3), its
+attention (Part 4) and what goes beyond the paper (Part 5). Importing it
+has no side effects and needs only torch. Each section below names the
+notebook and heading that explain it. The command line, downloads and
+process launch live in ``annotated_transformer_tools.py``.
+"""
+'''
+
+TOOLS_BANNER = '''\
+# =============================================================================
+# GENERATED FILE: edit the notebooks, not this file.
+# Source: notebooks/06_tools.py (cells starting with "#| export").
+# Regenerate with `make export`; `make check-sync` fails on drift.
+# =============================================================================
+"""The machinery around the lessons: the appendix's code as a module.
+
+Downloads, presets, process launch, translation for users and the command
+line. It imports the lesson module, ``the_annotated_transformer``; the
+lesson module never imports it. Run
+``python annotated_transformer_tools.py --help`` for the command line.
 """
 '''
 
@@ -99,95 +130,107 @@ def export_sections(path: Path) -> list[Section]:
 # --- hoisting imports ---------------------------------------------------
 
 
-@dataclass
-class Imports:
-    """Every module-level import of the export cells, merged."""
+def split_imports(block: str, imports: list[str]) -> str:
+    """Move a block's top-level imports into ``imports``; return the rest.
 
-    plain: set[tuple[str, str | None]] = field(default_factory=set)
-    names: dict[str, set[tuple[str, str | None]]] = field(default_factory=dict)
-
-    def add(self, node: ast.Import | ast.ImportFrom) -> None:
-        """Record one import statement."""
-        if isinstance(node, ast.Import):
-            self.plain.update((a.name, a.asname) for a in node.names)
-        else:
-            module = "." * node.level + (node.module or "")
-            self.names.setdefault(module, set()).update(
-                (a.name, a.asname) for a in node.names
-            )
-
-    def render(self) -> str:
-        """isort-style blocks: standard library, then third party."""
-        groups = {True: [], False: []}
-        for module, alias in sorted(self.plain, key=_module_key):
-            text = f"import {module}" + (f" as {alias}" if alias else "")
-            groups[_is_stdlib(module)].append((module, 0, text))
-        for module, names in self.names.items():
-            text = _from_import(module, sorted(names, key=_name_key))
-            groups[_is_stdlib(module)].append((module, 1, text))
-        blocks = []
-        for stdlib in (True, False):
-            rows = sorted(groups[stdlib], key=lambda r: (r[1], _mkey(r[0])))
-            if rows:
-                blocks.append("\n".join(text for _, _, text in rows))
-        return "\n\n".join(blocks)
-
-
-def _is_stdlib(module: str) -> bool:
-    return module.split(".")[0] in sys.stdlib_module_names | {"__future__"}
-
-
-def _mkey(module: str) -> str:
-    return module.lower()
-
-
-def _module_key(item: tuple[str, str | None]) -> tuple[str, str]:
-    return (item[0].lower(), item[1] or "")
-
-
-def _name_key(item: tuple[str, str | None]) -> tuple[int, str]:
-    """isort's order by type: CONSTANTS, then Classes, then functions."""
-    name = item[0]
-    kind = 0 if name.isupper() else 1 if name[:1].isupper() else 2
-    return (kind, name.lower() if kind == 2 else name)
-
-
-def _from_import(module: str, names: list[tuple[str, str | None]]) -> str:
-    """One ``from`` statement, wrapped in parentheses when too long."""
-    parts = [n + (f" as {a}" if a else "") for n, a in names]
-    line = f"from {module} import {', '.join(parts)}"
-    if len(line) <= WIDTH:
-        return line
-    inner = "".join(f"    {p},\n" for p in parts)
-    return f"from {module} import (\n{inner})"
-
-
-def split_imports(block: str, imports: Imports) -> str:
-    """Move a block's top-level imports into ``imports``; return the rest."""
+    The import statements are kept as written; ruff merges and sorts them
+    when the module is rendered (see ``ruff_fix``).
+    """
     tree = ast.parse(block)
     lines = block.splitlines()
     drop = set()
     for node in tree.body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            imports.add(node)
+            imports.append(ast.unparse(node))
             drop.update(range(node.lineno - 1, node.end_lineno))
     kept = [line for i, line in enumerate(lines) if i not in drop]
     return "\n".join(kept).strip("\n")
 
 
+def bound_names(node: ast.stmt) -> list[str]:
+    """The names a top-level statement binds (``a, b = ...`` included)."""
+    if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+        return [node.name]
+    if isinstance(node, ast.Assign):
+        targets = node.targets
+    elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+        targets = [node.target]
+    else:
+        return []
+    names = []
+    for target in targets:
+        elements = getattr(target, "elts", [target])  # a, b = ...
+        names += [t.id for t in elements if isinstance(t, ast.Name)]
+    return names
+
+
 def public_names(code: str) -> list[str]:
-    """Top-level functions, classes and constants not starting with _."""
+    """Top-level functions, classes and constants not starting with _.
+
+    Tuple assignments count: ``BOS, EOS, PAD, UNK = 0, 1, 2, 3`` binds
+    four public constants.
+    """
     names = []
     for node in ast.parse(code).body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            names.append(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = getattr(node, "targets", [getattr(node, "target", None)])
-            names += [t.id for t in targets if isinstance(t, ast.Name)]
-    return [n for n in names if not n.startswith("_") and n != "main"]
+        for name in bound_names(node):
+            if name not in names and not name.startswith("_"):
+                names.append(name)
+    return [n for n in names if n != "main"]
 
 
-# --- the module ---------------------------------------------------------
+def imported_names(imports: list[str]) -> dict[str, str]:
+    """Each name the import statements bind, with one statement for it."""
+    out = {}
+    for statement in imports:
+        node = ast.parse(statement).body[0]
+        for alias in node.names:
+            bound = alias.asname or alias.name.split(".")[0]
+            one = copy.copy(node)
+            one.names = [alias]
+            out.setdefault(bound, ast.unparse(one))
+    return out
+
+
+def global_references(code: str) -> set[str]:
+    """Global names that any scope of the code reads."""
+    seen = set()
+
+    def walk(table):
+        for sym in table.get_symbols():
+            if sym.is_referenced() and (
+                sym.is_global() or table.get_type() == "module"
+            ):
+                seen.add(sym.get_name())
+        for child in table.get_children():
+            walk(child)
+
+    walk(symtable.symtable(code, "<export>", "exec"))
+    return seen
+
+
+def ruff_fix(text: str, path: Path) -> str:
+    """Sort the imports (ruff's isort rules) and format, as ruff would."""
+    commands = [
+        ["check", "--select", "I", "--fix-only", "--quiet"],
+        ["format", "--quiet"],
+    ]
+    for command in commands:
+        proc = subprocess.run(
+            [sys.executable, "-m", "ruff", *command]
+            + ["--stdin-filename", str(path), "-"],
+            input=text,
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise SystemExit(f"ruff {command[0]} failed:\n{proc.stderr}")
+        text = proc.stdout
+    return text
+
+
+# --- the modules --------------------------------------------------------
 
 
 def rule(char: str) -> str:
@@ -206,36 +249,87 @@ def section_header(section: Section, new_part: bool) -> str:
     return "\n".join(lines)
 
 
-def render_module() -> str:
-    """The whole text of the generated module."""
-    imports = Imports()
-    body, all_names, part = [], [], None
-    for path in notebook_sources():
+@dataclass
+class Module:
+    """One generated module's parts before they are put together."""
+
+    imports: list[str] = field(default_factory=list)
+    body: list[str] = field(default_factory=list)
+    names: list[str] = field(default_factory=list)
+
+    @property
+    def code(self) -> str:
+        return "\n\n\n".join(self.body)
+
+
+def collect(paths: list[Path]) -> Module:
+    """The export cells of some notebooks, imports split off."""
+    module, part = Module(), None
+    for path in paths:
         for section in export_sections(path):
-            code = [split_imports(b, imports) for b in section.blocks]
+            code = [split_imports(b, module.imports) for b in section.blocks]
             code = "\n\n\n".join(c for c in code if c)
             if not code:
                 continue
-            all_names += public_names(code)
-            body.append(section_header(section, section.part != part))
-            body.append(code)
+            module.names += public_names(code)
+            header = section_header(section, section.part != part)
+            module.body.append(f"{header}\n{code}")
             part = section.part
-    listing = "".join(f'    "{n}",\n' for n in all_names)
-    text = f"{BANNER}\n{imports.render()}\n\n__all__ = [\n{listing}]"
-    text += "\n\n\n" + "\n\n\n".join(_pairs(body)) + "\n"
-    if "main" in _top_level_functions(text):
-        text += FOOTER
-    return text
+    return module
 
 
-def _pairs(body: list[str]) -> list[str]:
-    """Join each section header to the code below it."""
-    return [f"{body[i]}\n{body[i + 1]}" for i in range(0, len(body), 2)]
+def lesson_imports(tools: Module, lessons: Module) -> list[str]:
+    """What the tools module needs from the lesson module and its imports.
+
+    Every global name that the appendix reads but neither defines nor
+    imports itself must be a name of the lesson module (imported from it)
+    or a name the lessons import (the same import is repeated).
+    """
+    lesson_tree = ast.parse(lessons.code)
+    defined = {n for node in lesson_tree.body for n in bound_names(node)}
+    own_tree = ast.parse(tools.code)
+    own = {n for node in own_tree.body for n in bound_names(node)}
+    own |= set(imported_names(tools.imports))
+    wanted = global_references(tools.code) - own - set(dir(builtins))
+    lesson_modules = imported_names(lessons.imports)
+    out, names, unknown = [], [], []
+    for name in sorted(wanted):
+        if name in defined:
+            names.append(name)
+        elif name in lesson_modules:
+            out.append(lesson_modules[name])
+        else:
+            unknown.append(name)
+    if unknown:
+        raise SystemExit(f"{TOOLS.name} uses undefined names: {unknown}")
+    if names:
+        out.append(f"from {MODULE.stem} import {', '.join(names)}")
+    return out
 
 
-def _top_level_functions(text: str) -> set[str]:
+def render(banner: str, module: Module, footer: str, path: Path) -> str:
+    """The text of one generated module: imports, code, ``__all__``."""
+    listing = "".join(f'    "{n}",\n' for n in module.names)
+    text = f"{banner}\n" + "\n".join(sorted(set(module.imports)))
+    text += "\n\n\n" + module.code + "\n\n\n"
+    text += "# The public names, for `from ... import *` and the docs.\n"
+    text += f"__all__ = [\n{listing}]\n" + footer
+    return ruff_fix(text, path)
+
+
+def is_lesson(path: Path) -> bool:
+    return path.name[:2] in LESSONS
+
+
+def render_modules() -> dict[Path, str]:
+    """The text of both generated modules."""
+    paths = notebook_sources()
+    lessons = collect([p for p in paths if is_lesson(p)])
+    tools = collect([p for p in paths if not is_lesson(p)])
+    tools.imports += lesson_imports(tools, lessons)
     return {
-        n.name for n in ast.parse(text).body if isinstance(n, ast.FunctionDef)
+        MODULE: render(BANNER, lessons, "", MODULE),
+        TOOLS: render(TOOLS_BANNER, tools, FOOTER, TOOLS),
     }
 
 
@@ -257,9 +351,9 @@ def attach_diagrams(nb, folder: Path) -> None:
             cell.setdefault("attachments", {})[name] = {"image/svg+xml": data}
 
 
-def render_ipynb(path: Path) -> str:
+def render_ipynb(path: Path, text: str) -> str:
     """The .ipynb text that the percent file generates (no outputs)."""
-    nb = jupytext.read(path)
+    nb = jupytext.reads(text, fmt="py:percent")
     attach_diagrams(nb, path.parent)
     nb.metadata.setdefault("jupytext", {})["formats"] = "ipynb,py:percent"
     for i, cell in enumerate(nb.cells):  # jupytext draws random ids
@@ -267,11 +361,64 @@ def render_ipynb(path: Path) -> str:
     return jupytext.writes(nb, fmt="ipynb")
 
 
+# --- the repository's address ------------------------------------------
+
+PYPROJECT = ROOT / "pyproject.toml"
+REPO_LINE = re.compile(r'^REPO = "[^"\n]*"$', re.M)
+BADGE_LINE = re.compile(
+    r"^# \[!\[Open in Colab\]\((?P<image>[^)\n]*)\)\]\([^)\n]*\)$", re.M
+)
+
+
+def repository() -> str:
+    """The address in pyproject.toml's [project.urls], the only copy.
+
+    (Read with a pattern: tomllib is not in Python 3.10's library.)
+    """
+    text = PYPROJECT.read_text()
+    urls = text.split("[project.urls]", 1)[-1].split("\n[", 1)[0]
+    found = re.findall(r'^Repository = "([^"]+)"$', urls, re.M)
+    if len(found) != 1:
+        raise SystemExit("pyproject.toml: no Repository in [project.urls]")
+    return found[0]
+
+
+def colab_link(repo: str, stem: str) -> str:
+    """Colab's address for opening notebooks/<stem>.ipynb of the repo."""
+    github = "https://github.com/"
+    if not repo.startswith(github):
+        raise SystemExit(f"Colab opens GitHub repositories only, not {repo}")
+    path = repo.removeprefix(github).removesuffix(".git")
+    return (
+        f"https://colab.research.google.com/github/{path}/blob/main/"
+        f"notebooks/{stem}.ipynb"
+    )
+
+
+def with_repository(text: str, stem: str, repo: str) -> str:
+    """A notebook's source with its clone line and Colab badge on ``repo``.
+
+    The setup cell's ``REPO = "..."`` line and the badge's markdown line
+    are the two places that name the repository; each must occur once.
+    """
+    for pattern, what in ((REPO_LINE, "REPO = ..."), (BADGE_LINE, "badge")):
+        if len(pattern.findall(text)) != 1:
+            raise SystemExit(f"{stem}.py needs exactly one {what} line")
+    text = REPO_LINE.sub(f'REPO = "{repo}"', text)
+    link = colab_link(repo, stem)
+    return BADGE_LINE.sub(
+        lambda m: f"# [![Open in Colab]({m['image']})]({link})", text
+    )
+
+
 def targets() -> dict[Path, str]:
     """Every generated file with the text it should hold."""
-    out = {MODULE: render_module()}
+    out = render_modules()
+    repo = repository()
     for path in notebook_sources():
-        out[path.with_suffix(".ipynb")] = render_ipynb(path)
+        text = with_repository(path.read_text(), path.stem, repo)
+        out[path] = text
+        out[path.with_suffix(".ipynb")] = render_ipynb(path, text)
     return out
 
 

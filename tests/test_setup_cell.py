@@ -1,0 +1,85 @@
+"""The first cell of every notebook: on Colab it clones the repository
+named once in pyproject.toml, installs what the notebooks need at run time,
+and stops with a clear message when the clone fails."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jupytext
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tools"))
+import export  # noqa: E402
+
+NOTEBOOKS = export.notebook_sources()
+
+
+def setup_cell(path):
+    """The source of a notebook's first code cell."""
+    nb = jupytext.read(path)
+    return next(c.source for c in nb.cells if c.cell_type == "code")
+
+
+def test_pyproject_names_the_repository_once():
+    repo = export.repository()
+    assert repo.startswith("https://github.com/")
+    assert (ROOT / "pyproject.toml").read_text().count(repo) == 1
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_badge_and_clone_line_agree_with_pyproject(path):
+    repo = export.repository()
+    text = path.read_text()
+    assert re.findall(r'^REPO = "(.*)"$', setup_cell(path), re.M) == [repo]
+    badges = re.findall(r"\]\((https://colab[^)]*\.ipynb)\)", text)
+    assert badges == [export.colab_link(repo, path.stem)]
+    assert badges[0].endswith(f"/blob/main/notebooks/{path.stem}.ipynb")
+    path_in_repo = repo.removeprefix("https://github.com/")
+    assert f"/github/{path_in_repo}/blob/" in badges[0]
+
+
+def test_export_rewrites_both_from_a_new_address():
+    text = NOTEBOOKS[0].read_text()
+    new = export.with_repository(text, "01_x", "https://github.com/me/fork")
+    assert 'REPO = "https://github.com/me/fork"' in new
+    assert (
+        "(https://colab.research.google.com/github/me/fork/blob/main/"
+        "notebooks/01_x.ipynb)" in new
+    )
+    assert "annotated-transformer/done-right" not in new
+    with pytest.raises(SystemExit):
+        export.with_repository("no setup cell here", "01_x", "https://x")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_setup_installs_runtime_needs_only_and_never_prompts(path):
+    cell = setup_cell(path)
+    assert "requirements.txt" not in cell  # the development tools
+    assert "[notebooks]" in cell
+    assert '"GIT_TERMINAL_PROMPT": "0"' in cell
+    extras = (ROOT / "pyproject.toml").read_text()
+    runtime = extras.split("notebooks = [", 1)[1].split("]\n", 1)[0]
+    for tool in ("pytest", "ruff", "playwright", "nbmake", "jupyter"):
+        assert tool not in runtime, tool
+
+
+def test_a_failed_clone_stops_the_cell_with_a_clear_message(tmp_path):
+    cell = setup_cell(NOTEBOOKS[0])
+    missing = (tmp_path / "nowhere" / "done-right").as_uri()
+    cell = re.sub(r'^REPO = ".*"$', f'REPO = "{missing}"', cell, flags=re.M)
+    env = {**os.environ, "COLAB_RELEASE_TAG": "test"}
+    proc = subprocess.run(
+        [sys.executable, "-c", cell],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert f"could not clone {missing}" in proc.stderr
+    assert not (tmp_path / "done-right").exists()
