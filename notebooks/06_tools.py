@@ -1660,13 +1660,20 @@ def command_train(args):
         if v is not None
     }
     config = get_config(args.preset, **overrides)
+    torchrun = "LOCAL_RANK" in os.environ
+    if args.world_size > 1 and not torchrun:  # fail now, not in NCCL
+        try:
+            process_device(0, args.world_size)
+        except ValueError as err:
+            message = f"--world-size {args.world_size}: {err}"
+            raise UserError(message) from None
     if args.threads:
         torch.set_num_threads(args.threads)
     download_multi30k()
     tokenizers = load_tokenizers()
     data = (*load_vocabularies(config, *tokenizers), *tokenizers, config)
     start = time.time()
-    if "LOCAL_RANK" in os.environ:  # started by torchrun
+    if torchrun:  # started by torchrun
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local_rank = int(os.environ["LOCAL_RANK"])
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -1680,13 +1687,6 @@ def command_train(args):
         if rank != 0:
             return 0
     else:
-        if args.world_size > 1:  # fail here, not in NCCL
-            try:
-                process_device(0, args.world_size)
-            except ValueError as err:
-                raise UserError(
-                    f"--world-size {args.world_size}: {err}"
-                ) from None
         train_model(
             *data,
             distributed=args.world_size > 1,
