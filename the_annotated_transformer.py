@@ -85,7 +85,6 @@ __all__ = [
     "greedy_check",
     "warmup_linear_decay",
     "CopyTaskConfig",
-    "native_bf16",
     "copy_task_setup",
     "epoch_summary",
     "train_copy_task",
@@ -960,7 +959,7 @@ class CopyTaskConfig:
     warmup: int = 20
     decay_steps: int = 300  # where the rate reaches its floor
     beta2: float = 0.999
-    bf16: bool = True  # only where bf16 is native, see native_bf16
+    bf16: bool = False  # True only where the CPU computes bf16 natively
     check_size: int = 200
     seed: int = 0
 
@@ -971,16 +970,6 @@ class CopyTaskConfig:
             raise ValueError(f'size is "full" or "ci", not {size!r}')
         small = dict(N=1, d_model=64, d_ff=256, h=4, lr=3e-3, bf16=False)
         return cls(**{**(small if size == "ci" else {}), **changes})
-
-
-def native_bf16(device_type="cpu"):
-    """True where bfloat16 matmuls run natively on this device type."""
-    if device_type == "cuda":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    try:  # CPUs with AVX512-BF16 or AMX
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def copy_task_setup(cfg):
@@ -996,8 +985,7 @@ def copy_task_setup(cfg):
     optimizer, scheduler = make_optimizer(
         model, cfg.d_model, betas=(0.9, cfg.beta2), schedule=schedule
     )
-    use_bf16 = cfg.bf16 and native_bf16("cpu")
-    autocast = lambda: torch.autocast("cpu", torch.bfloat16, enabled=use_bf16)
+    autocast = lambda: torch.autocast("cpu", torch.bfloat16, enabled=cfg.bf16)
     return model, loss_compute, optimizer, scheduler, autocast
 
 
@@ -1189,7 +1177,7 @@ def build_vocabulary(spacy_de, spacy_en, min_freq=2):
 # -----------------------------------------------------------------------------
 def encode_text(text, tokenizer, vocab):
     """Ids of one sentence, without `<s>` and `</s>`."""
-    if hasattr(vocab, "encode"):  # a vocabulary that reads text (Part 5)
+    if hasattr(vocab, "encode"):  # a vocabulary that reads raw text
         return vocab.encode(text)
     return vocab(tokenize(text, tokenizer))
 
@@ -1317,8 +1305,8 @@ class TrainConfig:
     precision: str = "bf16"  # "bf16": autocast where native; or "fp32"
     checkpoint_dir: str = "checkpoints/cpu"
     num_workers: int = 0
-    tokenization: str = "word"  # or "bpe": one subword vocabulary (Part 5)
-    tie_embeddings: bool = False  # share embeddings and generator (Part 5)
+    tokenization: str = "word"  # or "bpe": one subword vocabulary
+    tie_embeddings: bool = False  # share embeddings and generator
     keep_last: int = 5  # epoch files kept, for averaging (0: all)
 
 

@@ -250,8 +250,8 @@ def build_vocabulary(spacy_de, spacy_en, min_freq=2):
 # Multi30k, fewer German tokens are `<unk>` in train (those seen once) than
 # in test, the honest price of not peeking at it. The vocabularies hold
 # about 8,000 German and 6,200 English tokens; a word-level vocabulary of
-# WMT would need hundreds of thousands, which is one reason the paper used
-# subwords instead (Part 5). The appendix's `load_vocab` caches these in
+# WMT would need hundreds of thousands, which is one reason the paper cut
+# words into subword units instead. The appendix's `load_vocab` caches these in
 # `data/vocab.json`.
 
 # %%
@@ -272,8 +272,8 @@ assert unk["train"] < unk["test"] < 0.05
 # Each sentence becomes `<s>`, its token ids, then `</s>`. This is the one
 # place that needs to know what kind of vocabulary it has: a word `Vocab`
 # reads the tokens that its language's tokenizer cuts, while a vocabulary
-# with its own `encode` method reads the raw text. Part 5 brings such a
-# vocabulary of subword units, and nothing else in this part changes.
+# with its own `encode` method, such as a vocabulary of subword units,
+# reads the raw text; nothing else in this part would change for it.
 #
 # A batch stacks several sentences into one `(B, S)` tensor, padded with
 # `<blank>` to its own longest sentence; the masks hide the padding from
@@ -285,7 +285,7 @@ assert unk["train"] < unk["test"] < 0.05
 #| export
 def encode_text(text, tokenizer, vocab):
     """Ids of one sentence, without `<s>` and `</s>`."""
-    if hasattr(vocab, "encode"):  # a vocabulary that reads text (Part 5)
+    if hasattr(vocab, "encode"):  # a vocabulary that reads raw text
         return vocab.encode(text)
     return vocab(tokenize(text, tokenizer))
 
@@ -511,8 +511,8 @@ class TrainConfig:
     precision: str = "bf16"  # "bf16": autocast where native; or "fp32"
     checkpoint_dir: str = "checkpoints/cpu"
     num_workers: int = 0
-    tokenization: str = "word"  # or "bpe": one subword vocabulary (Part 5)
-    tie_embeddings: bool = False  # share embeddings and generator (Part 5)
+    tokenization: str = "word"  # or "bpe": one subword vocabulary
+    tie_embeddings: bool = False  # share embeddings and generator
     keep_last: int = 5  # epoch files kept, for averaging (0: all)
 
 
@@ -597,8 +597,7 @@ def save_run(run, name, vocab_src, vocab_tgt, **extra):
 # ### The training loop
 #
 # Training runs on the fastest device this machine has: `pick_device`
-# chooses a CUDA GPU, then Apple's GPU (`mps`), then the CPU, and says
-# which in one line.
+# chooses a CUDA GPU, then Apple's GPU (`mps`), then the CPU.
 
 
 # %%

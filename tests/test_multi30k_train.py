@@ -266,7 +266,7 @@ def test_run_epoch_enters_autocast_once_per_micro_batch():
 
 
 @pytest.mark.skipif(
-    not tat.native_bf16("cpu"),
+    not tat.cpu_has_native_bf16(),
     reason="this CPU has no native bfloat16",
 )
 def test_bf16_training_matches_float32(tmp_path, vocabs, tokenizers):
