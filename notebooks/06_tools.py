@@ -980,12 +980,15 @@ def lesson_training_plan(size="full", root="."):
 # with two GPUs or more each process gets one; elsewhere both run on the
 # CPU with gloo (`cpu_fallback=True`), and the first line printed says
 # which. Each process sees half of the batches. Both ranks must end with
-# identical weights.
+# identical weights. A spawned process imports the module, not this
+# notebook, so the cell calls the module's `train_distributed_model`.
 
 # %%
+import the_annotated_transformer as tat
+
 with tempfile.TemporaryDirectory() as tmp:
     ddp = get_config("ci", epochs=1, checkpoint_dir=tmp)
-    train_distributed_model(
+    tat.train_distributed_model(
         *vocabs, *tokenizers, ddp, world_size=2, cpu_fallback=True
     )
     assert load_checkpoint(f"{tmp}/final.pt")["ranks_in_sync"]
