@@ -25,8 +25,10 @@ import time
 import urllib.error
 import urllib.request
 import warnings
+from contextlib import nullcontext
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -37,14 +39,19 @@ from the_annotated_transformer import (
     PAD,
     UNK,
     VOCAB_LOADERS,
+    Batch,
     BpeVocab,
     DatasetError,
+    LabelSmoothing,
+    SimpleLossCompute,
     TrainConfig,
+    TrainState,
     UserError,
     Vocab,
     build_vocabulary,
     cached_greedy_decode,
     collate_batch,
+    create_dataloaders,
     data_dir,
     encode_text,
     load_bpe,
@@ -52,12 +59,18 @@ from the_annotated_transformer import (
     load_tokenizers,
     load_trained_model,
     load_translator,
+    make_optimizer,
+    model_from_config,
+    pick_device,
     read_multi30k,
     record_attention,
+    resume_run,
+    run_epoch,
+    save_epoch,
+    save_run,
     strip_specials,
     subsequent_mask,
     tokenize,
-    train_worker,
 )
 
 # =============================================================================
@@ -326,6 +339,64 @@ def hardware_summary():
     return info
 
 
+class Precision(NamedTuple):
+    """How to compute: the autocast dtype (None: float32), and scaling."""
+
+    dtype: torch.dtype | None
+    scaler: bool
+
+
+def cpu_has_native_bf16(cpuinfo="/proc/cpuinfo"):
+    """True when the CPU computes bfloat16 natively (AVX512-BF16 or AMX)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:  # not Linux: assume not
+        return False
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return False
+
+
+def choose_precision(device, precision="bf16"):
+    """The Precision for training on `device` ("fp32": no autocast)."""
+    device = torch.device(device)
+    if precision == "fp32":
+        return Precision(None, False)
+    if device.type == "cuda":
+        major, _ = torch.cuda.get_device_capability(device)
+        if major >= 8:  # Ampere and later: native bf16
+            return Precision(torch.bfloat16, False)
+        return Precision(torch.float16, True)  # e.g. a T4
+    if device.type == "cpu" and cpu_has_native_bf16():
+        return Precision(torch.bfloat16, False)
+    return Precision(None, False)  # MPS, and CPUs without native bf16
+
+
+def autocast_for(device, dtype):
+    """A function returning a fresh autocast context (or a null one)."""
+    if dtype is None:
+        return nullcontext
+    device_type = torch.device(device).type
+    return lambda: torch.autocast(device_type, dtype)
+
+
+def describe_device(device, precision):
+    """One line: the device, its name, and how it computes."""
+    device = torch.device(device)
+    name = "CPU"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    elif device.type == "mps":
+        name = "Apple GPU"
+    dtype = precision.dtype
+    how = "float32" if dtype is None else f"{str(dtype)[6:]} autocast"
+    if precision.scaler:
+        how += " with a GradScaler"
+    return f"device: {device} ({name}), {how}"
+
+
 # -----------------------------------------------------------------------------
 # Starting processes
 # Explained in notebooks/06_tools.py, same heading.
@@ -337,30 +408,56 @@ def free_port():
         return s.getsockname()[1]
 
 
-def _spawned_worker(rank, world_size, vocabs, tokenizers, config, *options):
+def _spawned_worker(
+    rank, world_size, vocabs, tokenizers, config, port, resume, device
+):
     """train_worker in a new process, from plain data."""
     vocabs = [
         BpeVocab.from_str(v) if isinstance(v, str) else Vocab(v)
         for v in vocabs
     ]
     config = TrainConfig(**config)
+    if device == "cuda":  # one GPU per process, by rank
+        device = f"cuda:{rank}"
     train_worker(
-        rank, world_size, *vocabs, *tokenizers, config, True, *options
+        rank,
+        world_size,
+        *vocabs,
+        *tokenizers,
+        config,
+        is_distributed=True,
+        port=port,
+        resume=resume,
+        device=device,
     )
 
 
 def train_distributed_model(
-    vocab_src, vocab_tgt, spacy_de, spacy_en, config, world_size=None,
+    vocab_src,
+    vocab_tgt,
+    spacy_de,
+    spacy_en,
+    config,
+    world_size=None,
     resume=False,
-):  # fmt: skip
+    cpu_fallback=False,
+):
     """Train with one process per GPU (or world_size CPU processes)."""
     import torch.multiprocessing as mp
 
-    world_size = world_size or max(torch.cuda.device_count(), 1)
+    world_size = world_size or max(cuda_count(), 1)
+    device = process_device(0, world_size, cpu_fallback).type  # may raise
+    how = "one per GPU, with nccl"
+    if device != "cuda":  # gloo cannot send MPS tensors
+        device, how = "cpu", "on the CPU, with gloo"
+        if cuda_count():
+            how += f" (NCCL needs a GPU per process; {cuda_count()} here)"
+    print(f"{world_size} processes {how}")
     plain = lambda v: v.to_str() if hasattr(v, "to_str") else v.get_itos()
     vocabs = [plain(vocab_src), plain(vocab_tgt)]
-    data = (vocabs, (spacy_de, spacy_en), asdict(config), free_port(), resume)
-    mp.spawn(_spawned_worker, (world_size, *data), nprocs=world_size)
+    data = (vocabs, (spacy_de, spacy_en), asdict(config), free_port())
+    args = (world_size, *data, resume, device)
+    mp.spawn(_spawned_worker, args, nprocs=world_size)
 
 
 def train_model(
@@ -378,6 +475,231 @@ def train_model(
     if distributed:
         return train_distributed_model(*args, world_size, resume)
     return train_worker(0, 1, *args, resume=resume)
+
+
+# -----------------------------------------------------------------------------
+# Training runs: devices and processes
+# Explained in notebooks/06_tools.py, same heading.
+# -----------------------------------------------------------------------------
+def cuda_count():
+    """How many CUDA GPUs this process can use (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def process_device(local_rank=0, local_world_size=1, cpu_fallback=False):
+    """The device of one process: pick_device's, its own GPU, or the CPU."""
+    gpus = cuda_count()
+    if gpus >= local_world_size:
+        return torch.device("cuda", local_rank)
+    if local_world_size == 1:  # no GPU: Apple's, or the CPU
+        return pick_device()
+    if gpus and not cpu_fallback:
+        raise ValueError(
+            f"{local_world_size} processes need a GPU each, and this "
+            f"machine has {gpus}; use at most {gpus} processes"
+        )
+    return torch.device("cpu")
+
+
+def backend_for(device):
+    """The torch.distributed backend for processes on this device type."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+class TrainingRun:
+    """One process's model, loss, optimizer, schedule and history."""
+
+    def __init__(
+        self, rank, world_size, sizes, c, distributed, port=None, device=None
+    ):
+        self.config, self.rank = c, rank
+        if device is None:
+            device = process_device(rank, world_size if distributed else 1)
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        elif world_size > 1:  # processes share the CPU cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        if distributed:  # env:// under torchrun, else a port on this machine
+            url = None if port is None else f"tcp://127.0.0.1:{port}"
+            torch.distributed.init_process_group(
+                backend_for(self.device),
+                url,
+                rank=rank,
+                world_size=world_size,
+            )
+        torch.manual_seed(c.seed)
+        self.model = self.module = model_from_config(c, *sizes).to(self.device)
+        if distributed:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            DDP = torch.nn.parallel.DistributedDataParallel
+            self.model = DDP(self.module, device_ids=ids)
+        self.criterion = LabelSmoothing(sizes[1], PAD, c.label_smoothing)
+        self.optimizer, self.scheduler = make_optimizer(
+            self.module, c.d_model, c.factor, c.warmup
+        )
+        self.precision = choose_precision(self.device, c.precision)
+        self.autocast = autocast_for(self.device, self.precision.dtype)
+        self.scaler = None
+        if self.precision.scaler:
+            self.scaler = torch.amp.GradScaler(self.device.type)
+        self.state, self.history = TrainState(), []
+
+
+def params_in_sync(module):
+    """True when every process holds exactly the same parameters."""
+    import torch.distributed as dist
+
+    flat = torch.cat([p.detach().flatten() for p in module.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return all(torch.equal(gathered[0], g) for g in gathered)
+
+
+def device_batch(src, tgt, device, pad=PAD):
+    """Batch(src, tgt, pad) on `device`, its masks made there."""
+    ntokens = int(tgt[:, 1:].ne(pad).sum())  # on the CPU: no GPU sync
+    src = src.to(device, non_blocking=True)  # (B, S)
+    tgt = tgt.to(device, non_blocking=True)  # (B, T + 1)
+    batch = Batch(src, None, pad)  # the source mask, made on `device`
+    batch.tgt, batch.tgt_y = tgt[:, :-1], tgt[:, 1:]  # (B, T) each
+    batch.tgt_mask = Batch.make_std_mask(batch.tgt, pad)  # (B, T, T)
+    batch.ntokens = ntokens
+    return batch
+
+
+def counted(batches, tally):
+    """Yield the batches, adding their target tokens to tally[0]."""
+    for batch in batches:
+        tally[0] += batch.ntokens
+        yield batch
+
+
+def all_reduce_loss(loss, tokens, device):
+    """The loss per token over every process (this one's alone if one)."""
+    if not torch.distributed.is_initialized():
+        return loss
+    totals = torch.tensor([loss * tokens, tokens], device=device)
+    torch.distributed.all_reduce(totals)  # sums over processes
+    return (totals[0] / totals[1].clamp(min=1)).item()
+
+
+def train_epoch(run, epoch, train_loader, valid_loader, show=True):
+    """Train for one epoch, then validate; returns the history entry."""
+    loss = SimpleLossCompute(run.module.generator, run.criterion)
+    train_loader.batch_sampler.set_epoch(epoch)
+    if show and run.rank == 0:  # a bar, once an epoch takes over 3 s
+        from tqdm.auto import tqdm  # here: the module needs only torch
+
+        train_loader = tqdm(train_loader, f"epoch {epoch}", delay=3)
+    train_tokens, val_tokens = [0], [0]
+    batches = (device_batch(s, t, run.device) for s, t in train_loader)
+    run.model.train()
+    train_loss, run.state = run_epoch(
+        counted(batches, train_tokens),
+        run.model,
+        loss,
+        run.optimizer,
+        run.scheduler,
+        accum_iter=run.config.accum_iter,
+        train_state=run.state,
+        autocast=run.autocast,
+        scaler=run.scaler,
+    )
+    run.model.eval()
+    batches = (device_batch(s, t, run.device) for s, t in valid_loader)
+    val_loss, _ = run_epoch(
+        counted(batches, val_tokens),
+        run.model,
+        loss,
+        mode="eval",
+        autocast=run.autocast,
+    )
+    train_loss = all_reduce_loss(train_loss, train_tokens[0], run.device)
+    val_loss = all_reduce_loss(val_loss, val_tokens[0], run.device)
+    entry = {"epoch": epoch, "train_loss": train_loss, "val_loss": val_loss}
+    run.history.append(entry | {"steps": run.state.accum_step})
+    if show and run.rank == 0:
+        report = f"epoch {epoch}: train {train_loss:.3f}, val {val_loss:.3f}"
+        if run.device.type == "cuda":
+            gib = torch.cuda.max_memory_allocated(run.device) / 2**30
+            report += f" (GPU memory {gib:.1f} GiB)"
+        print(report)
+    return run.history[-1]
+
+
+def train_worker(
+    rank,
+    world_size,
+    vocab_src,
+    vocab_tgt,
+    spacy_de,
+    spacy_en,
+    config,
+    is_distributed=False,
+    port=None,
+    resume=False,
+    show_progress=True,
+    device=None,
+):
+    """Train on Multi30k in one process; returns the history of losses."""
+    sizes = (len(vocab_src), len(vocab_tgt))
+    try:
+        run = TrainingRun(
+            rank, world_size, sizes, config, is_distributed, port, device
+        )
+        if show_progress and rank == 0:
+            print(describe_device(run.device, run.precision))
+        loaders = create_dataloaders(
+            vocab_src,
+            vocab_tgt,
+            spacy_de,
+            spacy_en,
+            max_tokens=config.max_tokens,
+            max_len=config.max_len,
+            rank=rank,
+            world_size=world_size,
+            seed=config.seed,
+            num_workers=config.num_workers,
+            max_train_pairs=config.max_train_pairs,
+            pin_memory=run.device.type == "cuda",
+        )
+        for epoch in range(resume_run(run) if resume else 0, config.epochs):
+            train_epoch(run, epoch, *loaders, show=show_progress)
+            if rank == 0:
+                save_epoch(run, epoch, vocab_src, vocab_tgt)
+        in_sync = params_in_sync(run.module) if is_distributed else True
+        if rank == 0:
+            last = {"epoch": config.epochs - 1, "ranks_in_sync": in_sync}
+            save_run(run, "final.pt", vocab_src, vocab_tgt, **last)
+        return run.history
+    finally:
+        if is_distributed and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+class TrainingPlan(NamedTuple):
+    """What a notebook trains, where, how, and whether it must."""
+
+    preset: str
+    config: TrainConfig
+    device: torch.device
+    precision: Precision
+    train: bool
+    line: str
+
+
+def lesson_training_plan(size="full", root="."):
+    """Part 3's choices: preset, device, precision, and whether to train."""
+    preset = "ci" if size == "ci" else "cpu"
+    folder = Path(root, "checkpoints", preset)
+    config = get_config(preset, checkpoint_dir=str(folder))
+    device = pick_device()
+    precision = choose_precision(device, config.precision)
+    train = preset == "ci" or not Path(folder, "final.pt").is_file()
+    what = "training" if train else "found its final.pt"
+    line = f"{describe_device(device, precision)}; preset {preset}: {what}"
+    return TrainingPlan(preset, config, device, precision, train, line)
 
 
 # -----------------------------------------------------------------------------
@@ -447,12 +769,14 @@ def replace_unknowns(ids, aligned, src_words, vocab_tgt):
 
 
 def translate_batch(
-    model, sentences, spacy_de, vocab_src, vocab_tgt, device="cpu",
+    model, sentences, spacy_de, vocab_src, vocab_tgt, device=None,
     batch_size=128, max_extra=50, decode_fn=cached_greedy_decode,
     replace_unk=True,
 ):  # fmt: skip
     """German sentences to detokenized English, in input order."""
     decode_fn = decode_fn or cached_greedy_decode
+    if device is None:  # wherever the model is
+        device = next(model.parameters()).device
     model.eval()
     if hasattr(vocab_src, "encode") or hasattr(vocab_tgt, "decode"):
         replace_unk = False  # BPE: no <unk> to replace
@@ -494,11 +818,13 @@ def compute_bleu(hypotheses, references):
 
 def translate(
     sentences, checkpoint="checkpoints/cpu/final.pt", beam=1, average=0,
-    replace_unk=True,
+    replace_unk=True, device="auto",
 ):  # fmt: skip
     """English translations of German sentences, with a trained model."""
+    if device in (None, "auto"):
+        device = pick_device()
     model, vocab_src, vocab_tgt, decode_fn = load_translator(
-        checkpoint, "cpu", beam, average
+        checkpoint, device, beam, average
     )
     spacy_de, _ = load_tokenizers()
     return translate_batch(
@@ -724,7 +1050,9 @@ def count_or_zero(text):
 
 
 def existing_device(name):
-    """argparse type: a torch device that this machine has."""
+    """argparse type: a torch device that this machine has, or "auto"."""
+    if name == "auto":  # the fastest here, chosen by pick_device
+        return str(pick_device())
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):
@@ -756,7 +1084,13 @@ class OneLineParser(argparse.ArgumentParser):
 def add_train_parser(sub):
     """`train`: its options."""
     train = sub.add_parser("train", help="train a model on Multi30k")
-    train.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    train.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="cpu",
+        help="cpu (default, on GPUs too: the measured recipe); "
+        "paper: not measured for BLEU",
+    )
     train.add_argument("--epochs", type=positive_int, help="epochs to train")
     train.add_argument("--max-tokens", type=positive_int, help="batch size")
     train.add_argument("--checkpoint-dir", help="where checkpoints go")
@@ -796,7 +1130,10 @@ def add_decoding_options(parser):
         help="sentences decoded together",
     )
     parser.add_argument(
-        "--device", type=existing_device, default="cpu", help="cpu, cuda:0…"
+        "--device",
+        type=existing_device,
+        default="auto",
+        help="auto (default: CUDA, else mps, else cpu), cpu, cuda:0, mps",
     )
     parser.add_argument(
         "--beam",
@@ -881,15 +1218,30 @@ def command_train(args):
         if v is not None
     }
     config = get_config(args.preset, **overrides)
+    torchrun = "LOCAL_RANK" in os.environ
+    if args.world_size > 1 and not torchrun:  # fail now, not in NCCL
+        try:
+            process_device(0, args.world_size)
+        except ValueError as err:
+            message = f"--world-size {args.world_size}: {err}"
+            raise UserError(message) from None
     if args.threads:
         torch.set_num_threads(args.threads)
     download_multi30k()
     tokenizers = load_tokenizers()
     data = (*load_vocabularies(config, *tokenizers), *tokenizers, config)
     start = time.time()
-    if "LOCAL_RANK" in os.environ:  # started by torchrun
+    if torchrun:  # started by torchrun
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        train_worker(rank, world, *data, world > 1, resume=args.resume)
+        local_rank = int(os.environ["LOCAL_RANK"])
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        try:
+            device = process_device(local_rank, local_world)
+        except ValueError as err:
+            raise UserError(f"torchrun: {err}") from None
+        train_worker(
+            rank, world, *data, world > 1, resume=args.resume, device=device
+        )
         if rank != 0:
             return 0
     else:
@@ -1047,9 +1399,26 @@ __all__ = [
     "load_vocabularies",
     "bpe_vocabularies",
     "hardware_summary",
+    "Precision",
+    "cpu_has_native_bf16",
+    "choose_precision",
+    "autocast_for",
+    "describe_device",
     "free_port",
     "train_distributed_model",
     "train_model",
+    "cuda_count",
+    "process_device",
+    "backend_for",
+    "TrainingRun",
+    "params_in_sync",
+    "device_batch",
+    "counted",
+    "all_reduce_loss",
+    "train_epoch",
+    "train_worker",
+    "TrainingPlan",
+    "lesson_training_plan",
     "detokenize",
     "decode_text",
     "source_alignment",

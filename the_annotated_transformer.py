@@ -495,11 +495,11 @@ class SimpleLossCompute:
         self.criterion = criterion
 
     def __call__(self, x, y, norm):
-        """Return (summed loss as float, mean loss per token as tensor)."""
+        """Return (summed loss, detached; mean loss per token, with grad)."""
         logp = self.generator(x)  # (B, T, vocab)
         flat = logp.reshape(-1, logp.size(-1))  # (B * T, vocab)
         sloss = self.criterion(flat, y.reshape(-1)) / norm
-        return sloss.item() * norm, sloss
+        return sloss.detach() * norm, sloss  # no .item(): no GPU sync
 
 
 # -----------------------------------------------------------------------------
@@ -535,19 +535,25 @@ def with_last_flag(iterable):
     yield item, True
 
 
-def optimizer_step(optimizer, scheduler, parameters, scale=1.0):
+def optimizer_step(optimizer, scheduler, parameters, scale=1.0, scaler=None):
     """Rescale gradients if asked, step, zero grads, step the schedule."""
     if scale != 1.0:
         for p in parameters:
             if p.grad is not None:
                 p.grad.mul_(scale)
-    optimizer.step()
+    if scaler is None:
+        optimizer.step()
+    else:  # fp16: skips the step if a gradient overflowed
+        scaler.step(optimizer)
+        scaler.update()
     optimizer.zero_grad(set_to_none=True)
     if scheduler is not None:
         scheduler.step()
 
 
-def micro_step(model, batch, loss_compute, accum_iter, hold_sync, autocast):
+def micro_step(
+    model, batch, loss_compute, accum_iter, hold_sync, autocast, scaler=None
+):
     """One micro-batch's loss, and its gradient when autograd is on."""
     hold = hold_sync and hasattr(model, "no_sync")
     with model.no_sync() if hold else nullcontext():  # DDP: no all-reduce
@@ -555,7 +561,10 @@ def micro_step(model, batch, loss_compute, accum_iter, hold_sync, autocast):
             out = model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
             loss, loss_node = loss_compute(out, batch.tgt_y, batch.ntokens)
         if torch.is_grad_enabled():
-            (loss_node / accum_iter).backward()
+            scaled = loss_node / accum_iter
+            if scaler is not None:  # fp16: scaled up against underflow
+                scaled = scaler.scale(scaled)
+            scaled.backward()
     return loss, loss_node
 
 
@@ -579,6 +588,7 @@ def run_epoch(
     train_state=None,
     log_every=40,
     autocast=nullcontext,
+    scaler=None,
 ):
     """One pass over data_iter; returns (loss per token, train_state)."""
     train = mode.startswith("train")
@@ -590,7 +600,7 @@ def run_epoch(
             steps_now = train and (window + 1 == accum_iter or is_last)
             hold = train and not steps_now  # accumulate without syncing
             loss, loss_node = micro_step(
-                model, batch, loss_compute, accum_iter, hold, autocast
+                model, batch, loss_compute, accum_iter, hold, autocast, scaler
             )
             total_loss += loss
             total_tokens += batch.ntokens
@@ -600,12 +610,14 @@ def run_epoch(
             window += 1
             if steps_now:
                 scale = accum_iter / window  # 1 unless the window is short
-                optimizer_step(optimizer, scheduler, model.parameters(), scale)
+                optimizer_step(
+                    optimizer, scheduler, model.parameters(), scale, scaler
+                )
                 state.accum_step, window = state.accum_step + 1, 0
             if mode == "train+log" and i % log_every == 1:
                 speed = (state.tokens - tokens_before) / (time.time() - start)
                 print_progress(i, state, loss_node, speed, optimizer)
-    return total_loss / max(total_tokens, 1), state
+    return float(total_loss) / max(total_tokens, 1), state  # one sync
 
 
 # -----------------------------------------------------------------------------
@@ -738,7 +750,7 @@ class CopyTaskConfig:
     warmup: int = 20
     decay_steps: int = 300  # where the rate reaches its floor
     beta2: float = 0.999
-    bf16: bool = True  # only where bf16 is native, see native_bf16
+    bf16: bool = False  # True only where the CPU computes bf16 natively
     check_size: int = 200
     seed: int = 0
 
@@ -749,16 +761,6 @@ class CopyTaskConfig:
             raise ValueError(f'size is "full" or "ci", not {size!r}')
         small = dict(N=1, d_model=64, d_ff=256, h=4, lr=3e-3, bf16=False)
         return cls(**{**(small if size == "ci" else {}), **changes})
-
-
-def native_bf16(device_type="cpu"):
-    """True where bfloat16 matmuls run natively on this device type."""
-    if device_type == "cuda":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    try:  # CPUs with AVX512-BF16 or AMX
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
 
 
 def copy_task_setup(cfg):
@@ -774,8 +776,7 @@ def copy_task_setup(cfg):
     optimizer, scheduler = make_optimizer(
         model, cfg.d_model, betas=(0.9, cfg.beta2), schedule=schedule
     )
-    use_bf16 = cfg.bf16 and native_bf16("cpu")
-    autocast = lambda: torch.autocast("cpu", torch.bfloat16, enabled=use_bf16)
+    autocast = lambda: torch.autocast("cpu", torch.bfloat16, enabled=cfg.bf16)
     return model, loss_compute, optimizer, scheduler, autocast
 
 
@@ -967,7 +968,7 @@ def build_vocabulary(spacy_de, spacy_en, min_freq=2):
 # -----------------------------------------------------------------------------
 def encode_text(text, tokenizer, vocab):
     """Ids of one sentence, without `<s>` and `</s>`."""
-    if hasattr(vocab, "encode"):  # a vocabulary that reads text (Part 5)
+    if hasattr(vocab, "encode"):  # a vocabulary that reads raw text
         return vocab.encode(text)
     return vocab(tokenize(text, tokenizer))
 
@@ -1049,6 +1050,7 @@ class TokenBatchSampler(torch.utils.data.Sampler):
 def create_dataloaders(
     vocab_src, vocab_tgt, spacy_de, spacy_en, max_tokens=4000, max_len=128,
     rank=0, world_size=1, seed=0, num_workers=0, max_train_pairs=0,
+    pin_memory=False,
 ):  # fmt: skip
     """Train and validation DataLoaders of padded (src, tgt) CPU tensors."""
     loaders = []
@@ -1063,7 +1065,7 @@ def create_dataloaders(
             n = f"{len(sampler.dropped)} pairs longer than {sampler.max_len}"
             warnings.warn(f"{split}: left out {n} tokens", stacklevel=2)
         options = {"batch_sampler": sampler, "collate_fn": collate_batch}
-        options |= {"num_workers": num_workers}
+        options |= {"num_workers": num_workers, "pin_memory": pin_memory}
         loaders.append(torch.utils.data.DataLoader(data, **options))
     return tuple(loaders)
 
@@ -1085,7 +1087,7 @@ class TrainConfig:
     label_smoothing: float = 0.1
     max_tokens: int = 3000  # token budget of one batch, per process
     accum_iter: int = 1
-    epochs: int = 20
+    epochs: int = 18
     factor: float = 1.0
     warmup: int = 800
     max_len: int = 128
@@ -1094,8 +1096,8 @@ class TrainConfig:
     precision: str = "bf16"  # "bf16": autocast where native; or "fp32"
     checkpoint_dir: str = "checkpoints/cpu"
     num_workers: int = 0
-    tokenization: str = "word"  # or "bpe": one subword vocabulary (Part 5)
-    tie_embeddings: bool = False  # share embeddings and generator (Part 5)
+    tokenization: str = "word"  # or "bpe": one subword vocabulary
+    tie_embeddings: bool = False  # share embeddings and generator
     keep_last: int = 5  # epoch files kept, for averaging (0: all)
 
 
@@ -1160,71 +1162,66 @@ def save_run(run, name, vocab_src, vocab_tgt, **extra):
     save_checkpoint(Path(run.config.checkpoint_dir, name), **fields, **extra)
 
 
-class TrainingRun:
-    """One process's model, loss, optimizer, schedule and history."""
-
-    def __init__(self, rank, world_size, sizes, c, distributed, port=None):
-        if distributed:  # env:// under torchrun, else a port on this machine
-            url = None if port is None else f"tcp://127.0.0.1:{port}"
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist = {"rank": rank, "world_size": world_size}
-            torch.distributed.init_process_group(backend, url, **dist)
-        self.config, self.rank, self.device = c, rank, torch.device("cpu")
-        if torch.cuda.is_available():
-            gpu = rank % torch.cuda.device_count()
-            self.device = torch.device("cuda", gpu)
-        elif world_size > 1:  # processes share the CPU cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        torch.manual_seed(c.seed)
-        self.model = self.module = model_from_config(c, *sizes).to(self.device)
-        if distributed:
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            DDP = torch.nn.parallel.DistributedDataParallel
-            self.model = DDP(self.module, device_ids=ids)
-        self.criterion = LabelSmoothing(sizes[1], PAD, c.label_smoothing)
-        schedule = (c.d_model, c.factor, c.warmup)
-        self.optimizer, self.scheduler = make_optimizer(self.module, *schedule)
-        self.state, self.history = TrainState(), []
+def pick_device():
+    """The fastest device here: a CUDA GPU, else Apple's MPS, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
 
 
-def params_in_sync(module):
-    """True when every process holds exactly the same parameters."""
-    import torch.distributed as dist
-
-    flat = torch.cat([p.detach().flatten() for p in module.parameters()])
-    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, flat)
-    return all(torch.equal(gathered[0], g) for g in gathered)
-
-
-def train_epoch(run, epoch, train_loader, valid_loader, show=True):
-    """Train for one epoch, then validate; returns the history entry."""
-    loss = SimpleLossCompute(run.module.generator, run.criterion)
-    bf16 = run.config.precision == "bf16" and native_bf16(run.device.type)
-    amp = lambda: torch.autocast(run.device.type, torch.bfloat16, enabled=bf16)
-    train_loader.batch_sampler.set_epoch(epoch)
-    if show and run.rank == 0:  # a bar, once an epoch takes over 3 s
-        from tqdm.auto import tqdm  # here: the module needs only torch
-
-        train_loader = tqdm(train_loader, f"epoch {epoch}", delay=3)
-    batches = (Batch(s, t, PAD).to(run.device) for s, t in train_loader)
-    step = {"optimizer": run.optimizer, "scheduler": run.scheduler}
-    step |= {"accum_iter": run.config.accum_iter, "train_state": run.state}
-    run.model.train()
-    train_loss, run.state = run_epoch(
-        batches, run.model, loss, **step, autocast=amp
+def train_one_process(
+    vocab_src, vocab_tgt, spacy_de, spacy_en, config, device=None
+):
+    """Train on Multi30k in this process; returns (model, history)."""
+    device = pick_device() if device is None else torch.device(device)
+    torch.manual_seed(config.seed)
+    model = model_from_config(config, len(vocab_src), len(vocab_tgt))
+    model = model.to(device)
+    criterion = LabelSmoothing(len(vocab_tgt), PAD, config.label_smoothing)
+    loss_compute = SimpleLossCompute(model.generator, criterion)
+    optimizer, scheduler = make_optimizer(
+        model, config.d_model, config.factor, config.warmup
     )
-    run.model.eval()
-    val = (Batch(s, t, PAD).to(run.device) for s, t in valid_loader)
-    val_loss, _ = run_epoch(val, run.model, loss, mode="eval", autocast=amp)
-    entry = {"epoch": epoch, "train_loss": train_loss, "val_loss": val_loss}
-    run.history.append(entry | {"steps": run.state.accum_step})
-    if show and run.rank == 0:
-        gpu = run.device.type == "cuda"
-        gib = torch.cuda.max_memory_allocated(run.device) / 2**30 if gpu else 0
-        report = f"epoch {epoch}: train {train_loss:.3f}, val {val_loss:.3f}"
-        print(report + f" (GPU memory {gib:.1f} GiB)" * gpu)
-    return run.history[-1]
+    train_loader, valid_loader = create_dataloaders(
+        vocab_src,
+        vocab_tgt,
+        spacy_de,
+        spacy_en,
+        max_tokens=config.max_tokens,
+        max_len=config.max_len,
+        seed=config.seed,
+        num_workers=config.num_workers,
+        max_train_pairs=config.max_train_pairs,
+    )
+    state, history = TrainState(), []
+    for epoch in range(config.epochs):
+        train_loader.batch_sampler.set_epoch(epoch)
+        model.train()
+        batches = (Batch(s, t, PAD).to(device) for s, t in train_loader)
+        train_loss, state = run_epoch(
+            batches,
+            model,
+            loss_compute,
+            optimizer,
+            scheduler,
+            accum_iter=config.accum_iter,
+            train_state=state,
+        )
+        model.eval()
+        batches = (Batch(s, t, PAD).to(device) for s, t in valid_loader)
+        val_loss, _ = run_epoch(batches, model, loss_compute, mode="eval")
+        history.append(
+            {
+                "epoch": epoch,
+                "train_loss": train_loss,
+                "val_loss": val_loss,
+                "steps": state.accum_step,
+            }
+        )
+        print(f"epoch {epoch}: train {train_loss:.3f}, val {val_loss:.3f}")
+    return model, history
 
 
 def save_epoch(run, epoch, vocab_src, vocab_tgt):
@@ -1256,49 +1253,6 @@ def resume_run(run):
     return ckpt["epoch"] + 1
 
 
-def train_worker(
-    rank, world_size, vocab_src, vocab_tgt, spacy_de, spacy_en, config,
-    is_distributed=False, port=None, resume=False, show_progress=True,
-):  # fmt: skip
-    """Train on Multi30k in one process; returns the history of losses."""
-    sizes = (len(vocab_src), len(vocab_tgt))
-    run = TrainingRun(rank, world_size, sizes, config, is_distributed, port)
-    names = ("max_tokens", "max_len", "seed", "num_workers", "max_train_pairs")
-    options = {name: getattr(config, name) for name in names}
-    options |= {"rank": rank, "world_size": world_size}
-    loaders = create_dataloaders(
-        vocab_src, vocab_tgt, spacy_de, spacy_en, **options
-    )
-    for epoch in range(resume_run(run) if resume else 0, config.epochs):
-        train_epoch(run, epoch, *loaders, show=show_progress)
-        if rank == 0:
-            save_epoch(run, epoch, vocab_src, vocab_tgt)
-    in_sync = params_in_sync(run.module) if is_distributed else True
-    if rank == 0:
-        last = {"epoch": config.epochs - 1, "ranks_in_sync": in_sync}
-        save_run(run, "final.pt", vocab_src, vocab_tgt, **last)
-    if is_distributed:
-        torch.distributed.destroy_process_group()
-    return run.history
-
-
-def load_trained_model(path, device="cpu"):
-    """(model in eval mode, vocab_src, vocab_tgt, config) from a checkpoint."""
-    ckpt = load_checkpoint(path, device)
-    try:
-        renamed = {"num_epochs": "epochs", "amp": "precision"}  # older runs
-        saved = {renamed.get(k, k): v for k, v in ckpt["config"].items()}
-        config = TrainConfig(**saved)
-        vocab_src, vocab_tgt = VOCAB_LOADERS[config.tokenization](ckpt)
-        sizes = (len(vocab_src), len(vocab_tgt))
-        model = model_from_config(config, *sizes, dropout=0.0)
-        model.load_state_dict(ckpt["model"])
-    except Exception as err:  # keys, types or sizes that are not ours
-        message = f"{path} does not match this code's Multi30k model: {err}"
-        raise UserError(message) from err
-    return model.to(device).eval(), vocab_src, vocab_tgt, config
-
-
 # -----------------------------------------------------------------------------
 # Decoding
 # Explained in notebooks/03_multi30k.py, same heading.
@@ -1327,6 +1281,24 @@ def strip_specials(ids, end_symbol=EOS):
     """Token ids after <s> and before the first </s>."""
     ids = list(ids)[1:]
     return ids[: ids.index(end_symbol)] if end_symbol in ids else ids
+
+
+def load_trained_model(path, device="cpu"):
+    """(model in eval mode, vocab_src, vocab_tgt, config) from a checkpoint."""
+    device = pick_device() if device in (None, "auto") else device
+    ckpt = load_checkpoint(path, device)
+    try:
+        renamed = {"num_epochs": "epochs", "amp": "precision"}  # older runs
+        saved = {renamed.get(k, k): v for k, v in ckpt["config"].items()}
+        config = TrainConfig(**saved)
+        vocab_src, vocab_tgt = VOCAB_LOADERS[config.tokenization](ckpt)
+        sizes = (len(vocab_src), len(vocab_tgt))
+        model = model_from_config(config, *sizes, dropout=0.0)
+        model.load_state_dict(ckpt["model"])
+    except Exception as err:  # keys, types or sizes that are not ours
+        message = f"{path} does not match this code's Multi30k model: {err}"
+        raise UserError(message) from err
+    return model.to(device).eval(), vocab_src, vocab_tgt, config
 
 
 # =============================================================================
@@ -2035,14 +2007,14 @@ def average_checkpoints(paths, device="cpu"):
     paths = [Path(p) for p in paths]
     if not paths:
         raise UserError("no checkpoints to average")
-    model, vocab_src, vocab_tgt, config = load_trained_model(paths[0], device)
+    model, vocab_src, vocab_tgt, config = load_trained_model(paths[0], "cpu")
     params, buffers = dict(model.named_parameters()), model.named_buffers()
     buffers = dict(buffers)  # e.g. the positional encoding's `pe`
     sums = {
         n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()
     }
     for path in paths:
-        state = load_checkpoint(path, device)["model"]
+        state = load_checkpoint(path, "cpu")["model"]  # MPS has no float64
         shapes = {n: state[n].shape for n in sums if n in state}
         if shapes != {n: s.shape for n, s in sums.items()}:
             raise UserError(f"{path} is not the same model as {paths[0]}")
@@ -2054,7 +2026,7 @@ def average_checkpoints(paths, device="cpu"):
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(sums[name] / len(paths))
-    return model.eval(), vocab_src, vocab_tgt, config
+    return model.to(device).eval(), vocab_src, vocab_tgt, config
 
 
 # -----------------------------------------------------------------------------
@@ -2127,7 +2099,6 @@ __all__ = [
     "greedy_check",
     "warmup_linear_decay",
     "CopyTaskConfig",
-    "native_bf16",
     "copy_task_setup",
     "epoch_summary",
     "train_copy_task",
@@ -2162,15 +2133,13 @@ __all__ = [
     "word_vocabularies",
     "VOCAB_LOADERS",
     "save_run",
-    "TrainingRun",
-    "params_in_sync",
-    "train_epoch",
+    "pick_device",
+    "train_one_process",
     "save_epoch",
     "resume_run",
-    "train_worker",
-    "load_trained_model",
     "batch_greedy_decode",
     "strip_specials",
+    "load_trained_model",
     "record_attention",
     "ATTENTION_KINDS",
     "AttentionView",

@@ -84,7 +84,7 @@ def find_checkpoint(path):
     config = tools.get_config(
         "ci", checkpoint_dir=str(ROOT / "checkpoints/ci")
     )
-    tat.train_worker(0, 1, *vocabs, spacy_de, spacy_en, config)
+    tools.train_worker(0, 1, *vocabs, spacy_de, spacy_en, config)
     return ROOT / CANDIDATES[1]
 
 

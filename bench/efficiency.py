@@ -348,7 +348,7 @@ def main(argv=None):
         + ", ".join(f"{n}: {f / 1e9:.1f}" for n, f in peaks.items())
         + f" GFLOP/s; using the best, {peak / 1e9:.1f}"
     )
-    if tat.native_bf16("cpu"):
+    if tools.cpu_has_native_bf16():
         bf16 = max(matmul_peak(torch.bfloat16).values())
         print(f"bf16 matmul peak: {bf16 / 1e9:.1f} GFLOP/s")
     else:

@@ -815,9 +815,11 @@ for de, en in splits["val"][:3]:
 # of `models`, in memory; tied parameters are one tensor, averaged once.
 # `average_checkpoints` does the same from files, reading one at a time
 # and summing in float64, so that averaging 20 checkpoints needs memory
-# for two models, not 21. Buffers are not weights: our two buffers, the
-# positional encodings `src_embed.1.pe` and `tgt_embed.1.pe`, are fixed
-# tables, so they are kept and checked to be equal in every file.
+# for two models, not 21. It sums on the CPU (Apple's GPU has no float64)
+# and then moves the model to the device asked for. Buffers are not
+# weights: our two buffers, the positional encodings `src_embed.1.pe` and
+# `tgt_embed.1.pe`, are fixed tables, so they are kept and checked to be
+# equal in every file.
 
 
 # %%
@@ -836,14 +838,14 @@ def average_checkpoints(paths, device="cpu"):
     paths = [Path(p) for p in paths]
     if not paths:
         raise UserError("no checkpoints to average")
-    model, vocab_src, vocab_tgt, config = load_trained_model(paths[0], device)
+    model, vocab_src, vocab_tgt, config = load_trained_model(paths[0], "cpu")
     params, buffers = dict(model.named_parameters()), model.named_buffers()
     buffers = dict(buffers)  # e.g. the positional encoding's `pe`
     sums = {
         n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()
     }
     for path in paths:
-        state = load_checkpoint(path, device)["model"]
+        state = load_checkpoint(path, "cpu")["model"]  # MPS has no float64
         shapes = {n: state[n].shape for n in sums if n in state}
         if shapes != {n: s.shape for n, s in sums.items()}:
             raise UserError(f"{path} is not the same model as {paths[0]}")
@@ -855,7 +857,7 @@ def average_checkpoints(paths, device="cpu"):
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(sums[name] / len(paths))
-    return model.eval(), vocab_src, vocab_tgt, config
+    return model.to(device).eval(), vocab_src, vocab_tgt, config
 
 
 # %% [markdown]

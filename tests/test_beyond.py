@@ -64,7 +64,7 @@ def train_ci(folder, vocab_src, vocab_tgt, tokenizers, preset="ci"):
     cfg = tools.get_config(
         preset, checkpoint_dir=str(folder), max_train_pairs=200
     )
-    tat.train_worker(
+    tools.train_worker(
         0, 1, vocab_src, vocab_tgt, *tokenizers, cfg, show_progress=False
     )
     return Path(folder)

@@ -22,7 +22,7 @@ def ci_config(tmp_path, **overrides):
 
 
 def train(cfg, vocabs, tokenizers, **kwargs):
-    return tat.train_worker(
+    return tools.train_worker(
         0, 1, *vocabs, *tokenizers, cfg, show_progress=False, **kwargs
     )
 
@@ -135,14 +135,14 @@ def test_resume_reads_an_older_full_epoch_file(ci_run, tmp_path, vocabs):
     sizes = (len(vocabs[0]), len(vocabs[1]))
     # only a lean epoch file (a crash before the first last.pt): start over
     shutil.copy(folder / "epoch_001.pt", tmp_path / "epoch_001.pt")
-    run = tat.TrainingRun(0, 1, sizes, old, False)
+    run = tools.TrainingRun(0, 1, sizes, old, False)
     fresh = {k: v.clone() for k, v in run.module.state_dict().items()}
     assert tat.resume_run(run) == 0
     assert_same_weights(run.module.state_dict(), fresh)
     # the old layout: the newest epoch file holds the whole state
     shutil.copy(folder / "last.pt", tmp_path / "epoch_002.pt")
     saved = torch.load(tmp_path / "epoch_002.pt", weights_only=True)
-    run = tat.TrainingRun(0, 1, sizes, old, False)
+    run = tools.TrainingRun(0, 1, sizes, old, False)
     assert tat.resume_run(run) == 3
     assert_same_weights(run.module.state_dict(), saved["model"])
     moments = run.optimizer.state_dict()["state"][0]["exp_avg"]
@@ -268,7 +268,7 @@ def test_run_epoch_enters_autocast_once_per_micro_batch():
 
 
 @pytest.mark.skipif(
-    not tat.native_bf16("cpu"),
+    not tools.cpu_has_native_bf16(),
     reason="this CPU has no native bfloat16",
 )
 def test_bf16_training_matches_float32(tmp_path, vocabs, tokenizers):
@@ -365,7 +365,7 @@ def test_progress_bar_wraps_the_batches_and_changes_nothing(
     weights = []
     for show in (False, True):
         cfg = ci_config(tmp_path / str(show), epochs=2, max_train_pairs=100)
-        tat.train_worker(0, 1, *vocabs, *tokenizers, cfg, show_progress=show)
+        tools.train_worker(0, 1, *vocabs, *tokenizers, cfg, show_progress=show)
         weights.append(final_weights(cfg))
     assert [desc for desc, _ in bars] == ["epoch 0", "epoch 1"]
     assert bars[0][1]["delay"] > 0  # quick runs print no bar

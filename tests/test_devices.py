@@ -1,0 +1,478 @@
+"""Device, precision and process choices, on simulated machines.
+
+No GPU and no Mac ever run these tests: they monkeypatch what torch reports
+(`torch.cuda.is_available`, `device_count`, `get_device_capability`,
+`torch.backends.mps.is_available`) and the calls that would need the
+hardware (`set_device`, `init_process_group`, DDP, moving a model), and
+check each decision for five machines: no GPU, one T4, one A100, two A100s
+under torchrun, and a Mac. The last tests train for real, on this CPU.
+"""
+
+import pytest
+import torch
+
+import annotated_transformer_tools as tools
+import the_annotated_transformer as tat
+
+CUDA = torch.device("cuda")
+
+
+class Machine:
+    """What torch reports on one simulated machine, and what was called."""
+
+    def __init__(self, gpus=0, capability=(8, 0), mps=False, cpu_bf16=False):
+        self.gpus, self.capability = gpus, capability
+        self.mps, self.cpu_bf16 = mps, cpu_bf16
+        self.set_device, self.groups, self.ddp_ids = [], [], []
+        self.destroyed = 0
+
+    def install(self, monkeypatch):
+        """Make torch (and the CPU flags) report this machine."""
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "is_available", lambda: self.gpus > 0)
+        monkeypatch.setattr(cuda, "device_count", lambda: self.gpus)
+        monkeypatch.setattr(
+            cuda, "get_device_capability", lambda d=None: self.capability
+        )
+        monkeypatch.setattr(cuda, "get_device_name", lambda d=None: "GPU")
+        monkeypatch.setattr(cuda, "set_device", self.set_device.append)
+        monkeypatch.setattr(
+            torch.backends.mps, "is_available", lambda: self.mps
+        )
+        monkeypatch.setattr(
+            tools, "cpu_has_native_bf16", lambda: self.cpu_bf16, raising=False
+        )
+        dist = torch.distributed
+        monkeypatch.setattr(dist, "init_process_group", self.init_group)
+        monkeypatch.setattr(dist, "is_initialized", lambda: bool(self.groups))
+        monkeypatch.setattr(dist, "destroy_process_group", self.destroy)
+        monkeypatch.setattr(
+            torch.nn.parallel, "DistributedDataParallel", self.ddp
+        )
+        return self
+
+    def init_group(self, backend, init_method=None, **kwargs):
+        self.groups.append({"backend": backend, "url": init_method, **kwargs})
+
+    def destroy(self):
+        self.destroyed += 1
+
+    def ddp(self, module, device_ids=None):
+        self.ddp_ids.append(device_ids)
+        return module
+
+
+MACHINES = {
+    "no GPU": dict(),
+    "no GPU, AMX CPU": dict(cpu_bf16=True),
+    "one T4": dict(gpus=1, capability=(7, 5)),
+    "one A100": dict(gpus=1, capability=(8, 0)),
+    "two A100s": dict(gpus=2, capability=(8, 0)),
+    "a Mac": dict(mps=True),
+}
+
+
+@pytest.fixture
+def machine(monkeypatch, request):
+    return Machine(**MACHINES[request.param]).install(monkeypatch)
+
+
+@pytest.fixture
+def cpu_model(monkeypatch):
+    """model_from_config builds a tiny CPU model that ignores `.to(device)`,
+    so that a run "on a GPU" can be set up here."""
+    moved = []
+
+    def tiny(config, n_src, n_tgt, dropout=None):
+        torch.manual_seed(0)
+        model = tat.make_model(n_src, n_tgt, N=1, d_model=16, d_ff=32, h=2)
+        model.to = lambda device: moved.append(torch.device(device)) or model
+        return model
+
+    monkeypatch.setattr(tat, "model_from_config", tiny)
+    monkeypatch.setattr(tools, "model_from_config", tiny)
+    return moved
+
+
+def with_machine(*names):
+    return pytest.mark.parametrize("machine", names, indirect=True)
+
+
+# ------------------------------------------------------------ the device
+@pytest.mark.parametrize(
+    "machine, expected",
+    [
+        ("no GPU", "cpu"),
+        ("one T4", "cuda"),
+        ("one A100", "cuda"),
+        ("two A100s", "cuda"),
+        ("a Mac", "mps"),
+    ],
+    indirect=["machine"],
+)
+def test_pick_device_prefers_cuda_then_mps_then_cpu(machine, expected):
+    assert tat.pick_device().type == expected
+
+
+# --------------------------------------------------------- the precision
+BF16, FP16 = torch.bfloat16, torch.float16
+
+
+@pytest.mark.parametrize(
+    "machine, device, precision, dtype, scaler",
+    [
+        ("no GPU", "cpu", "bf16", None, False),  # bf16 would be emulated
+        ("no GPU, AMX CPU", "cpu", "bf16", BF16, False),
+        ("no GPU, AMX CPU", "cpu", "fp32", None, False),
+        ("one T4", "cuda", "bf16", FP16, True),  # 7.5: fp16 + GradScaler
+        ("one T4", "cuda", "fp32", None, False),
+        ("one A100", "cuda", "bf16", BF16, False),  # 8.0: native bf16
+        ("one A100", "cuda:0", "fp32", None, False),
+        ("a Mac", "mps", "bf16", None, False),  # float32 on MPS
+    ],
+    indirect=["machine"],
+)
+def test_precision_table(machine, device, precision, dtype, scaler):
+    assert tools.choose_precision(device, precision) == (dtype, scaler)
+
+
+def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("model name\t: X\nflags\t\t: fpu avx2 avx512f\n")
+    assert tools.cpu_has_native_bf16(info) is False
+    info.write_text("flags\t\t: fpu avx512f avx512_bf16\n")
+    assert tools.cpu_has_native_bf16(info) is True
+    info.write_text("flags\t\t: fpu amx_tile amx_bf16\n")
+    assert tools.cpu_has_native_bf16(info) is True
+    assert tools.cpu_has_native_bf16(tmp_path / "absent") is False
+
+
+def test_autocast_for_enters_the_chosen_dtype_or_nothing():
+    with tools.autocast_for("cpu", torch.bfloat16)():
+        assert torch.is_autocast_enabled("cpu")
+        assert torch.get_autocast_dtype("cpu") == torch.bfloat16
+    with tools.autocast_for("cpu", None)():
+        assert not torch.is_autocast_enabled("cpu")
+
+
+# ---------------------------------------------------- ranks and devices
+@pytest.mark.parametrize(
+    "machine, world, fallback, devices",
+    [
+        ("no GPU", 1, False, ["cpu"]),
+        ("no GPU", 2, False, ["cpu", "cpu"]),
+        ("one T4", 1, False, ["cuda:0"]),
+        ("one T4", 2, True, ["cpu", "cpu"]),  # stated fallback
+        ("two A100s", 2, False, ["cuda:0", "cuda:1"]),
+        ("a Mac", 1, False, ["mps"]),
+        ("a Mac", 2, False, ["cpu", "cpu"]),  # gloo cannot send MPS
+    ],
+    indirect=["machine"],
+)
+def test_rank_to_device_map(machine, world, fallback, devices):
+    got = [tools.process_device(r, world, fallback) for r in range(world)]
+    assert got == [torch.device(d) for d in devices]
+    backends = {tools.backend_for(d) for d in got}
+    assert backends == {"nccl" if devices[0] == "cuda:0" else "gloo"}
+
+
+@with_machine("one T4")
+def test_more_processes_than_gpus_is_a_value_error(machine):
+    with pytest.raises(ValueError, match="need a GPU each.*has 1"):
+        tools.process_device(0, 2)
+
+
+@with_machine("one T4")
+def test_two_processes_on_one_gpu_never_reach_nccl(machine, monkeypatch):
+    """fbfada1 spawned two NCCL ranks on cuda:0, which NCCL refuses."""
+    spawned = []
+    monkeypatch.setattr(
+        torch.multiprocessing,
+        "spawn",
+        lambda fn, args, nprocs: spawned.append((args, nprocs)),
+    )
+    vocab = tat.Vocab(tat.SPECIALS)
+    config = tools.get_config("ci")
+    with pytest.raises(ValueError):
+        tools.train_distributed_model(vocab, vocab, None, None, config, 2)
+    assert spawned == []
+    tools.train_distributed_model(
+        vocab, vocab, None, None, config, 2, cpu_fallback=True
+    )
+    ((args, nprocs),) = spawned
+    assert nprocs == 2 and args[-1] == "cpu"  # device for every rank
+
+
+@with_machine("one T4")
+def test_train_world_size_2_on_one_gpu_is_one_line(machine, capsys):
+    status = tools.main(["train", "--preset", "ci", "--world-size", "2"])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1
+    assert "--world-size 2" in err and "has 1" in err
+
+
+# ------------------------------------------------------- a training run
+SIZES = (20, 20)
+
+
+@pytest.mark.parametrize(
+    "machine, device, backend, dtype, scaler",
+    [
+        ("no GPU", "cpu", None, None, False),
+        ("one T4", "cuda", None, FP16, True),
+        ("one A100", "cuda", None, BF16, False),
+        ("a Mac", "mps", None, None, False),
+    ],
+    indirect=["machine"],
+)
+def test_one_process_run(machine, cpu_model, device, backend, dtype, scaler):
+    config = tools.get_config("ci", precision="bf16")
+    run = tools.TrainingRun(0, 1, SIZES, config, False)
+    assert run.device.type == device and cpu_model == [run.device]
+    assert machine.groups == [] and run.model is run.module
+    assert run.precision == (dtype, scaler)
+    assert isinstance(run.scaler, torch.amp.GradScaler) == scaler
+    if device == "cuda":
+        assert machine.set_device == [run.device]
+
+
+@with_machine("two A100s")
+def test_two_a100s_under_torchrun(machine, cpu_model, monkeypatch):
+    """Rank 3 of 4 on the second machine: its GPU is LOCAL_RANK 1."""
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}
+    env["LOCAL_WORLD_SIZE"] = "2"
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    calls = []
+    monkeypatch.setattr(tools, "download_multi30k", lambda: None)
+    monkeypatch.setattr(tat, "load_tokenizers", lambda: (None, None))
+    monkeypatch.setattr(tools, "load_tokenizers", lambda: (None, None))
+    monkeypatch.setattr(tools, "load_vocabularies", lambda c, *t: (1, 2))
+    monkeypatch.setattr(
+        tools, "train_worker", lambda *a, **k: calls.append((a, k))
+    )
+    assert tools.main(["train", "--preset", "ci"]) == 0
+    ((args, kwargs),) = calls
+    assert args[:2] == (3, 4) and args[-1] is True  # rank, world, DDP
+    assert kwargs["device"] == torch.device("cuda", 1)
+    # What that process then sets up:
+    config = tools.get_config("ci", precision="bf16")
+    run = tools.TrainingRun(3, 4, SIZES, config, True, None, kwargs["device"])
+    assert machine.set_device == [torch.device("cuda", 1)]
+    group = {"backend": "nccl", "url": None, "rank": 3, "world_size": 4}
+    assert machine.groups == [group]  # url None: env:// from torchrun
+    assert machine.ddp_ids == [[1]]
+    assert run.precision == (BF16, False)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize(
+    "machine, device, pinned",
+    [("no GPU", "cpu", False), ("one T4", "cuda:0", True)],
+    indirect=["machine"],
+)
+def test_worker_pins_memory_on_cuda_and_always_leaves_the_group(
+    machine, device, pinned, cpu_model, monkeypatch
+):
+    """fbfada1 never pinned memory, and left the group only on success."""
+    asked = {}
+
+    def loaders(*args, **kwargs):
+        asked.update(kwargs)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(tat, "create_dataloaders", loaders)
+    monkeypatch.setattr(tools, "create_dataloaders", loaders)
+    vocab = tat.Vocab(tat.SPECIALS)
+    config = tools.get_config("ci")
+    with pytest.raises(RuntimeError, match="stop here"):
+        tools.train_worker(
+            0, 2, vocab, vocab, None, None, config, True, device=device
+        )
+    assert asked["pin_memory"] is pinned
+    assert machine.destroyed == 1
+
+
+# --------------------------------------------- notebook 03's training cell
+@pytest.mark.parametrize(
+    "machine, size, preset, device, dtype",
+    [
+        ("no GPU", "full", "cpu", "cpu", None),
+        ("no GPU", "ci", "ci", "cpu", None),
+        ("one T4", "full", "cpu", "cuda", FP16),  # fbfada1: paper
+        ("one A100", "full", "cpu", "cuda", BF16),  # fbfada1: paper
+        ("a Mac", "full", "cpu", "mps", None),  # fbfada1: trained on CPU
+    ],
+    indirect=["machine"],
+)
+def test_notebook_training_plan(
+    machine, size, preset, device, dtype, tmp_path
+):
+    plan = tools.lesson_training_plan(size, tmp_path)
+    assert plan.preset == preset and plan.config.preset == preset
+    assert plan.device.type == device and plan.precision.dtype == dtype
+    assert plan.config.checkpoint_dir == str(tmp_path / "checkpoints" / preset)
+    assert plan.train is True  # nothing trained yet
+    assert (
+        plan.line.startswith(f"device: {device}")
+        and f"preset {preset}" in plan.line
+    )
+    if size == "full":
+        final = tmp_path / "checkpoints" / preset / "final.pt"
+        final.parent.mkdir(parents=True)
+        final.touch()
+        assert tools.lesson_training_plan(size, tmp_path).train is False
+
+
+# ------------------------------------------------ decoding on any device
+@pytest.mark.parametrize(
+    "machine, device",
+    [("no GPU", "cpu"), ("one T4", "cuda"), ("a Mac", "mps")],
+    indirect=["machine"],
+)
+def test_translate_and_the_command_line_default_to_pick_device(
+    machine, device, monkeypatch
+):
+    """fbfada1: translate() and --device were "cpu" on every machine."""
+    asked = []
+
+    def loader(checkpoint, device, beam, average):
+        asked.append(torch.device(device).type)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(tat, "load_translator", loader)
+    monkeypatch.setattr(tools, "load_translator", loader)
+    with pytest.raises(RuntimeError, match="stop here"):
+        tools.translate(["Ein Hund."])
+    args = tools.build_parser().parse_args(["translate", "Ein Hund."])
+    assert asked == [device] and torch.device(args.device).type == device
+
+
+def test_averaging_sums_on_the_cpu_then_moves(tmp_path, monkeypatch):
+    """MPS has no float64: every file is read onto the CPU and summed there;
+    only the result moves (here to `meta`, which needs no hardware)."""
+    sizes = (len(tat.SPECIALS) + 3, len(tat.SPECIALS) + 4)
+    vocabs = [tat.Vocab([*tat.SPECIALS, *"abcd"[: n - 4]]) for n in sizes]
+    config = tools.get_config("ci", checkpoint_dir=str(tmp_path))
+    paths = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        run = tools.TrainingRun(0, 1, sizes, config, False, device="cpu")
+        tat.save_run(run, f"epoch_{seed:03d}.pt", *vocabs)
+        paths.append(tmp_path / f"epoch_{seed:03d}.pt")
+    read = []
+    load = tat.load_checkpoint
+
+    def recording(path, device="cpu"):
+        read.append(str(device))
+        return load(path, device)
+
+    monkeypatch.setattr(tat, "load_checkpoint", recording)
+    monkeypatch.setattr(tools, "load_checkpoint", recording)
+    model, *_ = tat.average_checkpoints(paths, device="meta")
+    assert read and set(read) == {"cpu"}
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+
+
+# ------------------------------------------ no host sync in the loop
+def test_run_epoch_reads_the_loss_once(monkeypatch):
+    """fbfada1 called .item() on every micro-batch (SimpleLossCompute)."""
+    torch.manual_seed(0)
+    model = tat.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
+    gen = torch.Generator().manual_seed(0)
+    batches = list(tat.data_gen(11, 4, 6, generator=gen))
+    crit = tat.LabelSmoothing(11, 0, smoothing=0.1)
+    loss_compute = tat.SimpleLossCompute(model.generator, crit)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    reads = []
+    for name in ("item", "__float__", "__int__", "__bool__"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, _original=original, _name=name):
+            reads.append(_name)
+            return _original(self)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    loss, _ = tat.run_epoch(batches, model, loss_compute, opt, accum_iter=2)
+    monkeypatch.undo()
+    assert reads == ["__float__"]  # the epoch's total, once
+    assert isinstance(loss, float) and loss > 0
+
+
+def test_device_batch_equals_batch():
+    gen = torch.Generator().manual_seed(0)
+    src = torch.randint(4, 30, (5, 9), generator=gen)
+    tgt = torch.randint(4, 30, (5, 11), generator=gen)
+    src[0, 6:], tgt[1, 4:] = tat.PAD, tat.PAD
+    made, reference = tools.device_batch(src, tgt, "cpu"), tat.Batch(src, tgt)
+    assert made.ntokens == reference.ntokens == int((tgt[:, 1:] != 2).sum())
+    for name in ("src", "src_mask", "tgt", "tgt_y", "tgt_mask"):
+        assert torch.equal(getattr(made, name), getattr(reference, name))
+
+
+def test_create_dataloaders_pins_memory_when_asked(
+    local_multi30k, vocabs, tokenizers
+):
+    options = {"max_train_pairs": 40}
+    plain = tat.create_dataloaders(*vocabs, *tokenizers, **options)
+    pinned = tat.create_dataloaders(
+        *vocabs, *tokenizers, **options, pin_memory=True
+    )
+    assert [d.pin_memory for d in plain] == [False, False]
+    assert [d.pin_memory for d in pinned] == [True, True]
+
+
+def test_all_reduce_loss_weights_ranks_by_tokens(monkeypatch):
+    """Rank 0 saw 10 tokens at loss 2.0; the other rank 30 at 4.0."""
+    other = torch.tensor([4.0 * 30, 30.0], dtype=torch.float64)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(
+        torch.distributed, "all_reduce", lambda t: t.add_(other)
+    )
+    assert tools.all_reduce_loss(2.0, 10, "cpu") == pytest.approx(3.5)
+
+
+# ------------------------------------------ real training, on this CPU
+@pytest.mark.usefixtures("local_multi30k", "one_thread")
+def test_worker_and_lesson_loop_agree(tmp_path, vocabs, tokenizers):
+    """The appendix's train_worker is the lesson's loop plus files."""
+    config = tools.get_config(
+        "ci", epochs=2, max_train_pairs=300, checkpoint_dir=str(tmp_path)
+    )
+    model, history = tat.train_one_process(*vocabs, *tokenizers, config, "cpu")
+    worker = tools.train_worker(
+        0, 1, *vocabs, *tokenizers, config, show_progress=False, device="cpu"
+    )
+    assert [h["steps"] for h in history] == [h["steps"] for h in worker]
+    for mine, theirs in zip(history, worker, strict=True):
+        for key in ("train_loss", "val_loss"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-5)
+    saved = torch.load(tmp_path / "final.pt", weights_only=True)["model"]
+    for name, value in model.state_dict().items():
+        assert torch.allclose(value, saved[name], atol=1e-6), name
+
+
+@pytest.mark.usefixtures("local_multi30k", "one_thread")
+def test_ddp_validation_loss_covers_the_whole_set(
+    tmp_path, vocabs, tokenizers
+):
+    """fbfada1 recorded rank 0's half of the validation set."""
+    config = tools.get_config(
+        "ci", epochs=1, max_train_pairs=400, checkpoint_dir=str(tmp_path)
+    )
+    tools.train_distributed_model(*vocabs, *tokenizers, config, world_size=2)
+    ckpt = torch.load(tmp_path / "final.pt", weights_only=True)
+    model = tat.model_from_config(config, *map(len, vocabs), dropout=0.0)
+    model.load_state_dict(ckpt["model"])
+    model.eval()
+    _, valid = tat.create_dataloaders(
+        *vocabs,
+        *tokenizers,
+        max_tokens=config.max_tokens,
+        max_train_pairs=config.max_train_pairs,
+    )
+    crit = tat.LabelSmoothing(len(vocabs[1]), tat.PAD, config.label_smoothing)
+    loss_compute = tat.SimpleLossCompute(model.generator, crit)
+    batches = (tat.Batch(s, t, tat.PAD) for s, t in valid)
+    whole, _ = tat.run_epoch(batches, model, loss_compute, mode="eval")
+    assert ckpt["history"][-1]["val_loss"] == pytest.approx(whole, rel=1e-4)
