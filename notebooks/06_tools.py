@@ -119,7 +119,9 @@ def label_smoothing_penalty_chart(smoothing=0.1):
     """Line chart of label_smoothing_penalty_rows."""
     rows = label_smoothing_penalty_rows(smoothing=smoothing)
     title = "Loss against confidence"
-    return line_chart(rows, "margin", "loss", "smoothing", title, point=True)
+    return line_chart(
+        rows, "margin", "loss", color="smoothing", title=title, point=True
+    )
 
 
 def learning_rate_chart(
@@ -133,13 +135,13 @@ def learning_rate_chart(
         for s in range(1, steps + 1, 20):
             rows.append(dict(step=s, lr=rate(s, d, f, w), setting=name))
     title = "Learning-rate schedule"
-    return line_chart(rows, "step", "lr", "setting", title)
+    return line_chart(rows, "step", "lr", color="setting", title=title)
 
 
 def copy_progress_chart(history):
     """Line chart: share of training sequences copied exactly, by step."""
     title = "Learning to copy"
-    return line_chart(history, "steps", "train_exact", None, title, True)
+    return line_chart(history, "steps", "train_exact", title=title, point=True)
 
 
 # %% [markdown]
