@@ -700,15 +700,15 @@ if trained:
 # Part 3's word vocabulary keeps the words seen at least twice in
 # training; every other English word is one token, `<unk>`, and the
 # trained `cpu` model writes it in about a quarter of the test sentences,
-# often where the German has a name, a number or a rare noun that could
-# simply be copied. Decoder–source attention says which German word the
+# some of them where the German has a name or a number that could simply
+# be copied. Decoder–source attention says which German word the
 # decoder was reading when it wrote each token. *Unknown-word
 # replacement* (Luong et al., 2015; Jean et al., 2015, who used the
 # attention weights as we do) copies, for each `<unk>`, the German word
 # that got the most attention.
 #
 # Which attention? The last layer alone, whose output becomes the word,
-# is the obvious choice but the worse aligner. A model writes `<unk>`
+# is the obvious choice but a worse aligner. A model writes `<unk>`
 # mostly for rare words, so a good aligner mostly copies a German word
 # that is itself outside the German vocabulary. On the validation set the
 # `cpu` model's copied words were such words 47% of the time with the
@@ -788,9 +788,10 @@ for de, en in val:
     aligned = source_alignment(model, src, src_mask, out)[0].tolist()
     tokens = replace_unknowns(ids, aligned, words, vocab_tgt)
     mean = attention_maps(model, src, out).decoder_src.mean((0, 1))  # (T, S)
-    for k in (k for k, i in enumerate(ids) if i == UNK):
-        most = int(mean[k, 1:-1].argmax())  # over the words: <s>, </s> out
-        assert tokens[k] == words[most], (tokens[k], words[most])
+    for k, token_id in enumerate(ids):
+        if token_id == UNK:
+            most = int(mean[k, 1:-1].argmax())  # words only: no <s>, </s>
+            assert tokens[k] == words[most], (tokens[k], words[most])
     print(f"German:    {de}")
     print(f"reference: {en}")
     print(f"with unk:  {' '.join(vocab_tgt.lookup_tokens(ids))}")

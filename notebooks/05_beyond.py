@@ -616,9 +616,9 @@ def translation_scores(model, src, src_mask, out, alpha=0.6):
     logp = model.generator(hidden)  # (B, T, V)
     logp = logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # (B, T)
     ended = (target == EOS).long()  # (B, T)
-    counts = ended.cumsum(1) - ended == 0  # up to and including </s>
-    lengths = counts.sum(1)  # (B,) |Y|
-    return (logp * counts).sum(1) / length_penalty(lengths, alpha)
+    kept = (ended.cumsum(1) - ended) == 0  # up to and including </s>
+    lengths = kept.sum(1)  # (B,) |Y|
+    return (logp * kept).sum(1) / length_penalty(lengths, alpha)
 
 
 # %% [markdown]
@@ -655,6 +655,28 @@ print(f"beam 4 scores higher on {wins}, equal on {ties}, lower on {losses}")
 assert scores["beam 4"].mean() >= scores["greedy"].mean() - 1e-4
 if trained:
     assert scores["beam 4"].mean() > scores["greedy"].mean() and wins > 0
+
+# %% [markdown]
+# **See, it matches.** The beam's translation of the first sentence,
+# scored by hand: one decoder pass per prefix, without padding, adding up
+# the log-probability of each next token, then the length penalty. It
+# agrees with `translation_scores`, which scored the padded batch at once.
+
+# %%
+n = int(sample_mask[0].sum())  # the first sentence without its padding
+one_src, one_mask = sample_src[:1, :n], sample_mask[:1, :, :n]
+row = outputs["beam 4"][0].tolist()
+ids = row[: row.index(EOS) + 1] if EOS in row else row  # <s> ... </s>
+log_p = 0.0
+with torch.no_grad():
+    memory = model.encode(one_src, one_mask)  # (1, n, d_model)
+    for t in range(1, len(ids)):
+        prefix = torch.tensor([ids[:t]])  # (1, t)
+        hidden = model.decode(memory, one_mask, prefix, subsequent_mask(t))
+        log_p += model.generator(hidden[:, -1])[0, ids[t]].item()
+by_hand = log_p / length_penalty(len(ids) - 1)
+print(f"s(Y) by hand {by_hand:.4f}, in the batch {scores['beam 4'][0]:.4f}")
+assert math.isclose(by_hand, scores["beam 4"][0].item(), abs_tol=1e-3)
 
 
 # %% [markdown]
