@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 
 from the_annotated_transformer import (
+    ATTENTION_KINDS,
     BOS,
     EOS,
     MULTI30K_ENV,
@@ -54,6 +55,7 @@ from the_annotated_transformer import (
     create_dataloaders,
     data_dir,
     encode_text,
+    label_smoothing_penalty_rows,
     load_bpe,
     load_checkpoint,
     load_tokenizers,
@@ -62,14 +64,15 @@ from the_annotated_transformer import (
     make_optimizer,
     model_from_config,
     pick_device,
+    rate,
     read_multi30k,
-    record_attention,
+    replace_unknowns,
     resume_run,
     run_epoch,
     save_epoch,
     save_run,
+    source_alignment,
     strip_specials,
-    subsequent_mask,
     tokenize,
 )
 
@@ -77,6 +80,208 @@ from the_annotated_transformer import (
 # Appendix: the machinery
 # notebooks/06_tools.py
 # =============================================================================
+
+
+# -----------------------------------------------------------------------------
+# Charts
+# Explained in notebooks/06_tools.py, same heading.
+# -----------------------------------------------------------------------------
+def save_chart(chart, name, folder="figures"):
+    """Show a chart, and also write it as static SVG and PNG files."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    chart.save(str(folder / f"{name}.svg"))
+    chart.save(str(folder / f"{name}.png"), scale_factor=1.5)
+    return chart
+
+
+def line_chart(rows, x, y, color=None, title="", point=False):
+    """An altair line chart of a list of dicts, one line per `color`."""
+    import altair as alt
+    import pandas as pd
+
+    lines = {"color": f"{color}:N"} if color else {}
+    chart = alt.Chart(pd.DataFrame(rows)).mark_line(point=point)
+    chart = chart.encode(x=f"{x}:Q", y=f"{y}:Q", tooltip=[x, y], **lines)
+    return chart.properties(title=title, width=480)
+
+
+def label_smoothing_penalty_chart(smoothing=0.1):
+    """Line chart of label_smoothing_penalty_rows."""
+    rows = label_smoothing_penalty_rows(smoothing=smoothing)
+    title = "Loss against confidence"
+    return line_chart(
+        rows, "margin", "loss", color="smoothing", title=title, point=True
+    )
+
+
+def learning_rate_chart(
+    settings=((512, 1.0, 4000), (512, 1.0, 8000), (256, 1.0, 4000)),
+    steps=20000,
+):
+    """Altair line chart of `rate` for several (d_model, factor, warmup)."""
+    rows = []
+    for d, f, w in settings:
+        name = f"d_model={d}, warmup={w}"
+        for s in range(1, steps + 1, 20):
+            rows.append(dict(step=s, lr=rate(s, d, f, w), setting=name))
+    title = "Learning-rate schedule"
+    return line_chart(rows, "step", "lr", color="setting", title=title)
+
+
+def copy_progress_chart(history):
+    """Line chart: share of training sequences copied exactly, by step."""
+    title = "Learning to copy"
+    return line_chart(history, "steps", "train_exact", title=title, point=True)
+
+
+def attention_frame(maps, kind):
+    """One kind of attention as a long pandas table, padding left out."""
+    import pandas as pd
+
+    v = maps.view(kind)
+    rows = v.row_keep.nonzero()[:, 0]  # (R',) positions of real tokens
+    cols = v.col_keep.nonzero()[:, 0]  # (C',)
+    w = v.weights[:, :, rows][:, :, :, cols]  # (N, h, R', C')
+    grid = torch.meshgrid(*(torch.arange(s) for s in w.shape), indexing="ij")
+    n, a, i, j = (g.flatten() for g in grid)
+    columns = {"layer": n + 1, "head": a + 1, "row": rows[i], "col": cols[j]}
+    frame = pd.DataFrame({k: c.numpy() for k, c in columns.items()})
+    frame["weight"] = w.flatten().double().numpy()
+    frame["query"] = [v.rows[r] for r in frame["row"]]
+    frame["key"] = [v.cols[c] for c in frame["col"]]
+    if kind != "encoder self":
+        frame["next"] = [maps.next_tokens[r] for r in frame["row"]]
+    return frame
+
+
+def _layer_picker(kind, N, layer=None):
+    """A drop-down menu that selects one of the N layers (default: last)."""
+    import altair as alt
+
+    return alt.param(
+        name="pick_layer",
+        value=N if layer is None else layer,
+        bind=alt.binding_select(
+            options=list(range(1, N + 1)), name=f"{kind} attention, layer "
+        ),
+    )
+
+
+def _token_axis(labels, title, angle=0):
+    """An axis over positions that shows the token at each position."""
+    import altair as alt
+
+    return alt.Axis(
+        title=title,
+        labelAngle=angle,
+        labelExpr=f"{json.dumps(labels)}[datum.value]",
+    )
+
+
+def _token_lookups(maps, v, frame):
+    """Vega expressions that turn a cell's row or column into its token."""
+    fields = {"query": (v.rows, "row"), "key": (v.cols, "col")}
+    if "next" in frame:
+        fields["next"] = (maps.next_tokens, "row")
+    return {
+        f: f"{json.dumps(labels)}[datum.{index}]"
+        for f, (labels, index) in fields.items()
+    }
+
+
+def _heat_map(frame, v, lookups, pick, cell):
+    """One head's weights as coloured squares, filtered to the picked layer."""
+    import altair as alt
+
+    numbers = frame[["layer", "head", "row", "col", "weight"]]
+    tooltip = [alt.Tooltip(f"{f}:N") for f in lookups]  # tokens
+    tooltip += [alt.Tooltip("weight:Q", format=".3f"), "layer:O", "head:O"]
+    scale = alt.Scale(
+        domainMin=0, range=["#ffffff", "#08306b"], interpolate="lab"
+    )
+    return (
+        alt.Chart(alt.Data(values=numbers.to_dict("records")))
+        .transform_filter(alt.datum.layer == pick)
+        .transform_calculate(**lookups)
+        .mark_rect()
+        .encode(
+            x=alt.X("col:O", axis=_token_axis(v.cols, "key", -60)),
+            y=alt.Y("row:O", axis=_token_axis(v.rows, "query")),
+            color=alt.Color("weight:Q", scale=scale),
+            tooltip=tooltip,
+        )
+        .properties(
+            width=cell * frame["col"].nunique(),
+            height=cell * frame["row"].nunique(),
+        )
+    )
+
+
+def attention_chart(maps, kind, layer=None, columns=4, cell=18):
+    """Heat maps of one kind, one per head, with a menu to pick the layer."""
+    import altair as alt
+
+    frame = attention_frame(maps, kind).round({"weight": 5})
+    v = maps.view(kind)
+    N, h = v.weights.shape[:2]
+    pick = _layer_picker(kind, N, layer)
+    heat = _heat_map(frame, v, _token_lookups(maps, v, frame), pick, cell)
+    title = f"'{kind} attention, layer ' + pick_layer + ' of {N} ({h} heads)'"
+    return heat.add_params(pick).facet(
+        facet=alt.Facet(
+            "head:O",
+            header=alt.Header(labelExpr="'head ' + datum.value", title=None),
+        ),
+        columns=min(columns, h),
+        title=alt.TitleParams(alt.expr(title)),  # follows the layer menu
+    )
+
+
+def _metric_chart(frame, metric, title, width):
+    """Dots per head and a line through their mean, by layer and kind."""
+    import altair as alt
+
+    base = alt.Chart(frame).encode(
+        x=alt.X("layer:O", title="layer", axis=alt.Axis(labelAngle=0))
+    )
+    tooltip = [
+        "kind",
+        "layer",
+        "head",
+        alt.Tooltip(f"{metric}:Q", format=".3f"),
+    ]
+    dots = base.mark_circle(size=60, opacity=0.8).encode(
+        xOffset="head:N",
+        y=alt.Y(f"{metric}:Q", title=title),
+        color=alt.Color("head:N", title="head"),
+        tooltip=tooltip,
+    )
+    mean = base.mark_line(color="#444").encode(y=f"mean({metric}):Q")
+    kinds = alt.Column("kind:N", sort=list(ATTENTION_KINDS), title=None)
+    return (
+        alt.layer(dots, mean, data=frame)
+        .properties(width=width, height=150)
+        .facet(column=kinds)
+    )
+
+
+def attention_summary_chart(summary, width=170):
+    """Entropy and diagonal distance per layer and head, for each kind."""
+    import altair as alt
+    import pandas as pd
+
+    frame = pd.DataFrame(summary)
+    return alt.vconcat(
+        _metric_chart(
+            frame, "entropy", "entropy (fraction of uniform)", width
+        ),
+        _metric_chart(
+            frame, "distance", "distance from diagonal (tokens)", width
+        ),
+    ).properties(
+        title="Attention heads by layer, averaged over validation sentences"
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -740,34 +945,6 @@ def decode_text(ids, vocab):
     return detokenize(vocab.lookup_tokens(ids))
 
 
-@torch.no_grad()
-def source_alignment(model, src, src_mask, out, layers=None):
-    """(B, L-1): the source position each output token after <s> read most.
-
-    `layers` picks the decoder layers to average (default: all)."""
-    memory = model.encode(src, src_mask)  # (B, S, d_model)
-    ys = out[:, :-1]  # (B, T): decoder inputs; row t wrote out[:, t + 1]
-    tgt_mask = subsequent_mask(ys.size(1)).to(src.device)  # (1, T, T)
-    decoder = model.decoder.layers
-    chosen = range(len(decoder)) if layers is None else layers
-    with record_attention(model):
-        model.decode(memory, src_mask, ys, tgt_mask)
-        weights = [decoder[i].src_attn.attn for i in chosen]  # (B, h, T, S)
-    attn = torch.stack(weights).mean(dim=(0, 2))  # (B, T, S): layers, heads
-    words = src_mask & ((src != BOS) & (src != EOS)).unsqueeze(1)  # (B, 1, S)
-    return attn.masked_fill(~words, -1.0).argmax(dim=-1)
-
-
-def replace_unknowns(ids, aligned, src_words, vocab_tgt):
-    """Output tokens, each <unk> replaced by the source word it read most."""
-    tokens = vocab_tgt.lookup_tokens(ids)
-    for k, token_id in enumerate(ids):
-        j = aligned[k] if token_id == UNK else 0  # 0 is <s>: no word
-        if 0 < j <= len(src_words):  # source position j is word j - 1
-            tokens[k] = src_words[j - 1]
-    return tokens
-
-
 def translate_batch(
     model, sentences, spacy_de, vocab_src, vocab_tgt, device=None,
     batch_size=128, max_extra=50, decode_fn=cached_greedy_decode,
@@ -1389,6 +1566,14 @@ def main(argv=None):
 
 # The public names, for `from ... import *` and the docs.
 __all__ = [
+    "save_chart",
+    "line_chart",
+    "label_smoothing_penalty_chart",
+    "learning_rate_chart",
+    "copy_progress_chart",
+    "attention_frame",
+    "attention_chart",
+    "attention_summary_chart",
     "MULTI30K_BASE_URL",
     "MULTI30K_SHA256",
     "sha256_of",
@@ -1421,8 +1606,6 @@ __all__ = [
     "lesson_training_plan",
     "detokenize",
     "decode_text",
-    "source_alignment",
-    "replace_unknowns",
     "translate_batch",
     "compute_bleu",
     "translate",

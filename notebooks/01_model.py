@@ -338,7 +338,7 @@ def subsequent_mask(size):
 # %%
 from pathlib import Path
 
-from the_annotated_transformer import save_chart  # a helper from Part 2
+from annotated_transformer_tools import save_chart  # a helper from Part 2
 
 
 def mask_chart(size=20):

@@ -254,32 +254,14 @@ assert torch.allclose(dist.sum(1), torch.tensor([1.0, 1, 1, 1, 0]))
 # Why smoothing discourages over-confidence: give the correct token a
 # margin $m$ over four rivals. Without smoothing the loss falls forever as
 # $m$ grows; with smoothing it has a minimum and rises again once the model
-# is surer than the smoothed target (the asserts check both). `save_chart`
-# also writes each chart as SVG and PNG into `figures/`.
+# is surer than the smoothed target (the asserts check both). The charts
+# of this part are drawn by small helpers in the appendix ("Charts"):
+# `save_chart` shows a chart and also writes it as SVG and PNG into
+# `figures/`.
 
 
 # %%
 #| export
-def save_chart(chart, name, folder="figures"):
-    """Show a chart, and also write it as static SVG and PNG files."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    chart.save(str(folder / f"{name}.svg"))
-    chart.save(str(folder / f"{name}.png"), scale_factor=1.5)
-    return chart
-
-
-def line_chart(rows, x, y, color=None, title="", point=False):
-    """An altair line chart of a list of dicts, one line per `color`."""
-    import altair as alt
-    import pandas as pd
-
-    lines = {"color": f"{color}:N"} if color else {}
-    chart = alt.Chart(pd.DataFrame(rows)).mark_line(point=point)
-    chart = chart.encode(x=f"{x}:Q", y=f"{y}:Q", tooltip=[x, y], **lines)
-    return chart.properties(title=title, width=480)
-
-
 def label_smoothing_penalty_rows(margins=range(0, 25), smoothing=0.1):
     """Loss of one prediction against its margin, with and without LS."""
     rows = []
@@ -292,12 +274,10 @@ def label_smoothing_penalty_rows(margins=range(0, 25), smoothing=0.1):
     return rows
 
 
-def label_smoothing_penalty_chart(smoothing=0.1):
-    """Line chart of label_smoothing_penalty_rows."""
-    rows = label_smoothing_penalty_rows(smoothing=smoothing)
-    title = "Loss against confidence"
-    return line_chart(rows, "margin", "loss", "smoothing", title, point=True)
-
+# %%
+from annotated_transformer_tools import copy_progress_chart  # appendix
+from annotated_transformer_tools import label_smoothing_penalty_chart
+from annotated_transformer_tools import learning_rate_chart, save_chart
 
 # %%
 rows = label_smoothing_penalty_rows()
@@ -586,20 +566,6 @@ def make_optimizer(
     return optimizer, scheduler
 
 
-def learning_rate_chart(
-    settings=((512, 1.0, 4000), (512, 1.0, 8000), (256, 1.0, 4000)),
-    steps=20000,
-):
-    """Altair line chart of `rate` for several (d_model, factor, warmup)."""
-    rows = []
-    for d, f, w in settings:
-        name = f"d_model={d}, warmup={w}"
-        for s in range(1, steps + 1, 20):
-            rows.append(dict(step=s, lr=rate(s, d, f, w), setting=name))
-    title = "Learning-rate schedule"
-    return line_chart(rows, "step", "lr", "setting", title)
-
-
 # %%
 peak = max(range(1, 9000), key=lambda s: rate(s, 512, 1.0, 4000))
 assert peak == 4000 and rate(peak, 512, 1.0, 4000) == 512**-0.5 * 4000**-0.5
@@ -874,14 +840,6 @@ copy_model, copy_history = train_copy_task(copy_cfg)
 # epochs, then climbs quickly towards 100%. One plausible reading, which
 # the chart cannot test: the model first learns which tokens occur, and
 # only later that the next token is the one at the same source position.
-
-
-# %%
-#| export
-def copy_progress_chart(history):
-    """Line chart: share of training sequences copied exactly, by step."""
-    title = "Learning to copy"
-    return line_chart(history, "steps", "train_exact", None, title, True)
 
 
 # %%

@@ -22,10 +22,12 @@
 # kinds of attention, in every layer and every head: the encoder's
 # self-attention over the German source, the decoder's masked
 # self-attention over the English written so far, and the decoder's
-# attention to the source. Then it condenses the heads of many sentences
+# attention to the source. It says what the trained model's heads do, in
+# claims that a cell checks. Then it condenses the heads of many sentences
 # into two numbers each, how spread out and how far from the diagonal
-# their attention is, so that what we say about a head rests on
-# measurements rather than on one pretty picture.
+# their attention is. Last, it puts the decoder's attention to the source
+# to work: the German word that an `<unk>` read most is copied in its
+# place.
 #
 # Three choices keep the pictures honest:
 #
@@ -64,7 +66,6 @@ AT_SIZE = os.environ.get("AT_SIZE", "full")  # "ci": minutes, not hours
 
 # %%
 #| export
-import json
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -76,16 +77,21 @@ import math
 
 import pandas as pd
 
-from the_annotated_transformer import BOS, EOS, PAD, Batch
+from the_annotated_transformer import BOS, EOS, PAD, UNK, Batch
 from the_annotated_transformer import MultiHeadedAttention, batch_greedy_decode
-from annotated_transformer_tools import get_config
-from the_annotated_transformer import load_tokenizers
-from annotated_transformer_tools import load_vocab
-from the_annotated_transformer import load_trained_model
-from the_annotated_transformer import make_model, read_multi30k, save_chart
-from annotated_transformer_tools import find_or_train
+from the_annotated_transformer import load_tokenizers, load_trained_model
+from the_annotated_transformer import make_model, read_multi30k
 from the_annotated_transformer import subsequent_mask, tokenize
-from annotated_transformer_tools import describe_checkpoint, translate_batch
+
+# From the appendix: the stand-in model, and the charts.
+from annotated_transformer_tools import describe_checkpoint, find_or_train
+from annotated_transformer_tools import get_config, load_vocab
+from annotated_transformer_tools import translate_batch
+from annotated_transformer_tools import (
+    attention_chart,
+    attention_summary_chart,
+)
+from annotated_transformer_tools import save_chart
 
 FIGURES = os.path.join(ROOT, "figures")
 
@@ -285,7 +291,10 @@ def attention_maps(
 # CI-sized run, or before that, the appendix's `find_or_train` trains the `ci`
 # preset here in about a minute, with two layers and four heads so that there
 # is more than one of each to look at. Having seen 1,000 sentences for two
-# epochs, its maps show the machinery, not linguistics.
+# epochs, its maps show the machinery, not linguistics. What this page says
+# about the trained model's heads is checked when that model is loaded
+# (`trained` below); with a stand-in, the same cells print the stand-in's
+# numbers and check nothing about them.
 
 
 # %%
@@ -298,6 +307,7 @@ checkpoint = find_or_train(
 )
 model, vocab_src, vocab_tgt, config = load_trained_model(checkpoint)
 N, h = len(model.encoder.layers), model.encoder.layers[0].self_attn.h
+trained = config.preset == "cpu"  # the model this page describes
 print("model:", describe_checkpoint(checkpoint))
 
 # %% [markdown]
@@ -388,154 +398,14 @@ for mode in ("train", "eval"):
 # %% [markdown]
 # ## Drawing the maps
 #
-# `attention_frame` flattens one kind into a table with one row per
-# (layer, head, query, key), leaving out padding. Layers and heads are
-# numbered from 1 in the table and the charts (layer 1 is the one nearest
-# the embeddings); the tensors index them from 0. A token that occurs
-# twice gets two rows: rows and columns are positions, labelled with their
-# tokens.
-
-
-# %%
-#| export
-def attention_frame(maps, kind):
-    """One kind of attention as a long pandas table, padding left out."""
-    import pandas as pd
-
-    v = maps.view(kind)
-    rows = v.row_keep.nonzero()[:, 0]  # (R',) positions of real tokens
-    cols = v.col_keep.nonzero()[:, 0]  # (C',)
-    w = v.weights[:, :, rows][:, :, :, cols]  # (N, h, R', C')
-    grid = torch.meshgrid(*(torch.arange(s) for s in w.shape), indexing="ij")
-    n, a, i, j = (g.flatten() for g in grid)
-    columns = {"layer": n + 1, "head": a + 1, "row": rows[i], "col": cols[j]}
-    frame = pd.DataFrame({k: c.numpy() for k, c in columns.items()})
-    frame["weight"] = w.flatten().double().numpy()
-    frame["query"] = [v.rows[r] for r in frame["row"]]
-    frame["key"] = [v.cols[c] for c in frame["col"]]
-    if kind != "encoder self":
-        frame["next"] = [maps.next_tokens[r] for r in frame["row"]]
-    return frame
-
-
-# %% [markdown]
-# `attention_chart` draws such a table with altair as one heat map per
-# head, side by side, with a menu to pick the layer. It is built from
-# three small pieces. First, the layer menu: a parameter bound to a
-# drop-down list, which filters the table to one layer in the browser, so
-# that switching layers needs no Python.
-
-
-# %%
-#| export
-def _layer_picker(kind, N, layer=None):
-    """A drop-down menu that selects one of the N layers (default: last)."""
-    import altair as alt
-
-    return alt.param(
-        name="pick_layer",
-        value=N if layer is None else layer,
-        bind=alt.binding_select(
-            options=list(range(1, N + 1)), name=f"{kind} attention, layer "
-        ),
-    )
-
-
-# %% [markdown]
-# Second, the token labels. Every cell of the chart carries only numbers
-# (layer, head, row, column, weight); the tokens travel once, as a list,
-# and an expression looks them up by position, for the axes and for the
-# tooltips. This keeps the saved page small: a 6-layer, 8-head model has
-# tens of thousands of cells per kind.
-
-
-# %%
-#| export
-def _token_axis(labels, title, angle=0):
-    """An axis over positions that shows the token at each position."""
-    import altair as alt
-
-    return alt.Axis(
-        title=title,
-        labelAngle=angle,
-        labelExpr=f"{json.dumps(labels)}[datum.value]",
-    )
-
-
-def _token_lookups(maps, v, frame):
-    """Vega expressions that turn a cell's row or column into its token."""
-    fields = {"query": (v.rows, "row"), "key": (v.cols, "col")}
-    if "next" in frame:
-        fields["next"] = (maps.next_tokens, "row")
-    return {
-        f: f"{json.dumps(labels)}[datum.{index}]"
-        for f, (labels, index) in fields.items()
-    }
-
-
-# %% [markdown]
-# Third, the heat map of one head: white for weight 0, dark blue for the
-# largest weight, one square of `cell` pixels per (query, key) pair, and a
-# tooltip that names the query, the key, the next token and the weight.
-# `attention_chart` then repeats it for every head, in rows of `columns`.
-
-
-# %%
-#| export
-def _heat_map(frame, v, lookups, pick, cell):
-    """One head's weights as coloured squares, filtered to the picked layer."""
-    import altair as alt
-
-    numbers = frame[["layer", "head", "row", "col", "weight"]]
-    tooltip = [alt.Tooltip(f"{f}:N") for f in lookups]  # tokens
-    tooltip += [alt.Tooltip("weight:Q", format=".3f"), "layer:O", "head:O"]
-    scale = alt.Scale(
-        domainMin=0, range=["#ffffff", "#08306b"], interpolate="lab"
-    )
-    return (
-        alt.Chart(alt.Data(values=numbers.to_dict("records")))
-        .transform_filter(alt.datum.layer == pick)
-        .transform_calculate(**lookups)
-        .mark_rect()
-        .encode(
-            x=alt.X("col:O", axis=_token_axis(v.cols, "key", -60)),
-            y=alt.Y("row:O", axis=_token_axis(v.rows, "query")),
-            color=alt.Color("weight:Q", scale=scale),
-            tooltip=tooltip,
-        )
-        .properties(
-            width=cell * frame["col"].nunique(),
-            height=cell * frame["row"].nunique(),
-        )
-    )
-
-
-# %% [markdown]
-# `attention_chart` puts the pieces together: the long table of one kind,
-# its weights rounded to five decimals to keep the page small, one heat
-# map per head, and the layer menu attached to the whole grid of heads.
-
-
-# %%
-#| export
-def attention_chart(maps, kind, layer=None, columns=4, cell=18):
-    """Heat maps of one kind, one per head, with a menu to pick the layer."""
-    import altair as alt
-
-    frame = attention_frame(maps, kind).round({"weight": 5})
-    v = maps.view(kind)
-    N, h = v.weights.shape[:2]
-    pick = _layer_picker(kind, N, layer)
-    heat = _heat_map(frame, v, _token_lookups(maps, v, frame), pick, cell)
-    title = f"'{kind} attention, layer ' + pick_layer + ' of {N} ({h} heads)'"
-    return heat.add_params(pick).facet(
-        facet=alt.Facet(
-            "head:O",
-            header=alt.Header(labelExpr="'head ' + datum.value", title=None),
-        ),
-        columns=min(columns, h),
-        title=alt.TitleParams(alt.expr(title)),  # follows the layer menu
-    )
+# `attention_chart` (from the appendix's "Charts" section) draws one kind
+# of attention as one heat map per head, side by side, with a menu that
+# picks the layer, the last one by default. Each row is a query position
+# and each column a key position, labelled with their tokens; the darker
+# a cell, the larger its weight. Layers and heads are numbered from 1 in
+# the charts (layer 1 is the one nearest the embeddings), while the
+# tensors index them from 0. Hovering over a cell shows its tokens and
+# its weight.
 
 
 # %% [markdown]
@@ -560,15 +430,16 @@ save_chart(attention_chart(maps, "decoder self"), "04_decoder_self", FIGURES)
 # %% [markdown]
 # ### Decoder–source attention
 #
-# This is where the translation reads the German. The two sentences keep
-# much the same word order (only "hinterher", "after", moves), so a head
-# that aligns each English position with the German word it translates
-# draws a rough diagonal here. The tooltip also shows the next token, the
-# word each row is asked to predict, which is the alignment to read: in an
-# aligning head, the row whose next token is "dog" puts its weight on a
-# "Hund". `translate` (appendix) puts this alignment to use: where the
-# word model writes `<unk>`, it copies the German word that this
-# attention, averaged over every head of every layer, weighs most.
+# This is where the translation reads the German. Read each row with its
+# *next* token, the word that row is asked to predict (the tooltip shows
+# it): in the trained `cpu` model's last layer, drawn below and in the
+# README, every head, in the row after "A", looks at "brauner" ("brown"),
+# and in the row after "the", at "schwarzen" ("black"). Each row looks at
+# the German word it is about to translate. The rows that predict "." and
+# `</s>`, which have no German word left to translate, put much of their
+# weight on the edges of the sentence instead: `<s>`, the full stop and
+# `</s>`. A stand-in model of a CI-sized run has seen too little to do any
+# of this.
 
 # %%
 save_chart(
@@ -576,12 +447,50 @@ save_chart(
 )
 
 # %% [markdown]
+# **Check.** With the trained model, each head of the last layer puts the
+# most weight on "brauner" in the row that predicts "brown", and on
+# "schwarzen" in the row that predicts "black". The rows that predict "."
+# and `</s>` put, averaged over the heads, at least twice as much weight
+# on `<s>`, "." and `</s>` as the rows that predict words.
+
+
+# %%
+def row_of(next_token):
+    """The decoder position whose next token is `next_token`."""
+    return maps.next_tokens.index(next_token)
+
+
+def column_of(source_token):
+    """The source position of `source_token`."""
+    return maps.src_tokens.index(source_token)
+
+
+last = maps.decoder_src[-1]  # (h, T, S)
+brown = last[:, row_of("brown")].argmax(-1)  # (h,) most-read source position
+black = last[:, row_of("black")].argmax(-1)  # (h,)
+print("after 'A', heads read:", [maps.src_tokens[j] for j in brown])
+print("after 'the', heads read:", [maps.src_tokens[j] for j in black])
+
+edges = [column_of("<s>"), column_of("."), column_of("</s>")]
+on_edges = last.mean(0)[:, edges].sum(-1)  # (T,) weight on the edges
+ending = torch.tensor([t in (".", "</s>") for t in maps.next_tokens])  # (T,)
+ratio = on_edges[ending].mean() / on_edges[~ending].mean()
+print("weight on <s>, '.' and </s>, mean over the heads:")
+print(f"  rows that predict '.' or </s>: {on_edges[ending].mean():.2f}")
+print(f"  the other rows:                {on_edges[~ending].mean():.2f}")
+if trained:
+    assert (brown == column_of("brauner")).all()
+    assert (black == column_of("schwarzen")).all()
+    assert ratio >= 2
+
+# %% [markdown]
 # Back to the two dogs. For each English position whose next token is
 # "dog", the weight that decoder–source attention puts on each "Hund",
 # averaged over the heads of a layer, next to the $1/S$ of a uniform
-# spread. Compare each dog's two numbers: a layer that tells the copies
-# apart weights the first "Hund" more for the first "dog", and the second
-# for the second, and prints `apart: True`.
+# spread. A layer that tells the copies apart weights the first "Hund"
+# more for the first "dog", and the second for the second, and prints
+# `apart: True`. The trained model's last layer does, as its chart shows;
+# the check runs when that model is loaded.
 
 # %%
 hund = [j for j, t in enumerate(maps.src_tokens) if t == "Hund"]
@@ -596,6 +505,9 @@ for layer in range(N):
         for k, (a, b) in enumerate(w.tolist(), start=1)
     )
     print(f"layer {layer + 1}: {on}; apart: {apart}")
+if trained:
+    assert apart  # `apart` of the loop's last layer
+
 
 # %% [markdown]
 # ## What the heads do, measured
@@ -722,62 +634,10 @@ def attention_summary(model, pairs, spacy_de, spacy_en, vocab_src, vocab_tgt):
 
 
 # %% [markdown]
-# `attention_summary_chart` plots the summary: for each kind and each of
-# the two numbers, a dot per head above its layer and a line through the
-# mean of the heads, so that a trend from layer to layer shows as a slope.
-# Stacking the two metrics gives the whole picture of a model on one page:
-# entropy on top, distance from the diagonal below, one column per kind.
-
-
-# %%
-#| export
-def _metric_chart(frame, metric, title, width):
-    """Dots per head and a line through their mean, by layer and kind."""
-    import altair as alt
-
-    base = alt.Chart(frame).encode(
-        x=alt.X("layer:O", title="layer", axis=alt.Axis(labelAngle=0))
-    )
-    tooltip = [
-        "kind",
-        "layer",
-        "head",
-        alt.Tooltip(f"{metric}:Q", format=".3f"),
-    ]
-    dots = base.mark_circle(size=60, opacity=0.8).encode(
-        xOffset="head:N",
-        y=alt.Y(f"{metric}:Q", title=title),
-        color=alt.Color("head:N", title="head"),
-        tooltip=tooltip,
-    )
-    mean = base.mark_line(color="#444").encode(y=f"mean({metric}):Q")
-    kinds = alt.Column("kind:N", sort=list(ATTENTION_KINDS), title=None)
-    return (
-        alt.layer(dots, mean, data=frame)
-        .properties(width=width, height=150)
-        .facet(column=kinds)
-    )
-
-
-# %%
-#| export
-def attention_summary_chart(summary, width=170):
-    """Entropy and diagonal distance per layer and head, for each kind."""
-    import altair as alt
-    import pandas as pd
-
-    frame = pd.DataFrame(summary)
-    return alt.vconcat(
-        _metric_chart(
-            frame, "entropy", "entropy (fraction of uniform)", width
-        ),
-        _metric_chart(
-            frame, "distance", "distance from diagonal (tokens)", width
-        ),
-    ).properties(
-        title="Attention heads by layer, averaged over validation sentences"
-    )
-
+# `attention_summary_chart` (appendix, "Charts") draws the summary: for
+# each kind and each of the two numbers, a dot per head above its layer
+# and a line through the mean of the heads. Entropy is on top, distance
+# from the diagonal below, one column per kind.
 
 # %%
 pairs = val[:40] if AT_SIZE == "ci" else val  # else all 1,014
@@ -787,115 +647,181 @@ summary = attention_summary(
 save_chart(attention_summary_chart(summary), "04_attention_summary", FIGURES)
 
 # %% [markdown]
-# The numbers behind the chart, one row per head, averaged over the
-# validation sentences:
+# The numbers behind the chart, one row per head:
 
 # %%
 table = pd.DataFrame(summary).set_index(["kind", "layer", "head"])
 table.round(2)
 
 # %% [markdown]
-# ## What the heads appear to do
-#
-# Rather than describe a model from memory, the next cells read their
-# observations off the table above, so that they hold for whichever model
-# this page was built with: the small `ci` model in a CI build, the `cpu`
-# model after `make train`. For each kind they name the most focused and
-# the most diffuse head, and how the mean entropy changes from the first
-# layer to the last.
-
+# What can they be compared with? An untrained model of the same shape
+# spreads its attention almost evenly: its weights come from random
+# projections, so no key stands out (check: its mean entropy is above 0.9
+# of uniform for every kind). Training is what makes heads pick.
+# Check, with the trained model: for each of the three kinds, the mean
+# entropy of its heads is lower than that of the same architecture freshly
+# initialized, on the same sentences. (A CI-sized stand-in need not pass:
+# after two short epochs its decoder–source attention can still be as
+# even as an untrained model's.)
 
 # %%
-def focus(kind, t):
-    """The most focused and the most diffuse head of one kind."""
-    lo, hi = t["entropy"].idxmin(), t["entropy"].idxmax()
-    return (
-        f"{kind}: most focused head is layer {lo[0]} head {lo[1]} "
-        f"(entropy {t.loc[lo, 'entropy']:.2f} of uniform, "
-        f"{t.loc[lo, 'distance']:.1f} tokens from the diagonal); most "
-        f"diffuse is layer {hi[0]} head {hi[1]} ({t.loc[hi, 'entropy']:.2f})."
-    )
+torch.manual_seed(0)
+untrained = make_model(
+    len(vocab_src),
+    len(vocab_tgt),
+    N=N,
+    d_model=config.d_model,
+    d_ff=config.d_ff,
+    h=h,
+).eval()
+baseline = attention_summary(
+    untrained, pairs, spacy_de, spacy_en, vocab_src, vocab_tgt
+)
+random_table = pd.DataFrame(baseline).set_index(["kind", "layer", "head"])
+entropies = pd.DataFrame(
+    {
+        "this model": table["entropy"].groupby(level="kind").mean(),
+        "untrained": random_table["entropy"].groupby(level="kind").mean(),
+    }
+)
+print(entropies.round(2))
+assert (entropies["untrained"] > 0.9).all()
+if trained:
+    assert (entropies["this model"] < entropies["untrained"]).all()
 
-
-def trend(by_layer):
-    """How the mean entropy (one value per layer) changes up the stack."""
-    if len(by_layer) < 2:
-        return []
-    steps = by_layer.diff().iloc[1:]
-    word = "falls" if (steps < 0).all() else "goes up and down"
-    word = "rises" if (steps > 0).all() else word
-    word = "stays level" if (steps.abs() < 0.005).all() else word
-    values = ", ".join(f"{x:.2f}" for x in by_layer)
-    return [f"  mean entropy per layer, first to last, {word}: {values}"]
+# %% [markdown]
+# Read the chart and the table with the heat maps above:
+#
+# * A head whose entropy is far below 1 commits to a few keys per query.
+#   In decoder–source attention such a head is an aligner, like the last
+#   layer's heads above; a small distance from the diagonal means that it
+#   follows the word order of the source.
+# * A head with a large share in the `previous`, `same` or `next` column
+#   is *positional*: it reads a fixed neighbour, or the token itself,
+#   whatever the sentence says. Its mean distance can still exceed one
+#   token when the rest of its weight lands far away.
+# * A head with a large share in `specials` parks its weight on `<s>` and
+#   `</s>`, tokens that every sentence has. One plausible reading, which
+#   the rows that end the sentence above illustrate: a softmax must put
+#   its weight somewhere, and such a token is a harmless place to leave it
+#   when the head has nothing to add for that query.
+#
+# A `ci` stand-in has seen 1,000 sentences, so its heads can be focused
+# without meaning much: the trained `cpu` model is the one to read.
 
 
 # %% [markdown]
-# They also list every head that puts at least half of its weight in one
-# place: on the previous token, on its own position, on the next one, or
-# on `<s>` and `</s>`. For decoder–source attention, "its own position"
-# means the source word on the proportional diagonal.
+# ## Putting attention to work: unknown words
+#
+# Part 3's word vocabulary keeps the words seen at least twice in
+# training; every other English word is one token, `<unk>`, and the
+# trained `cpu` model writes it in about a quarter of the test sentences,
+# some of them where the German has a name or a number that could simply
+# be copied. Decoder–source attention says which German word the
+# decoder was reading when it wrote each token. *Unknown-word
+# replacement* (Luong et al., 2015; Jean et al., 2015, who used the
+# attention weights as we do) copies, for each `<unk>`, the German word
+# that got the most attention.
+#
+# Which attention? The last layer alone, whose output becomes the word,
+# is the obvious choice but a worse aligner. A model writes `<unk>`
+# mostly for rare words, so a good aligner mostly copies a German word
+# that is itself outside the German vocabulary. On the validation set the
+# `cpu` model's copied words were such words 47% of the time with the
+# last layer and 66% with the weights averaged over every head of every
+# layer, which is what we use (`results/unk_replacement.md`).
+#
+# The decoders do not keep their attention, so `source_alignment` runs
+# the decoder once more over the finished output, teacher-forced, inside
+# `record_attention`. The decoder is causal, so each row sees the same
+# prefix as when its token was written, and the weights are the same up
+# to rounding. Row $t$ reads decoder input $t$ and wrote output token
+# $t+1$. The argmax runs over the source's words only, never over `<s>`,
+# `</s>` or padding.
 
 
 # %%
-PLACES = {
-    "previous": "the position before its own",
-    "same": "its own position",
-    "next": "the position after its own",
-    "specials": "<s> and </s>",
-}
+#| export
+@torch.no_grad()
+def source_alignment(model, src, src_mask, out, layers=None):
+    """(B, L-1): the source position each output token after <s> read most.
 
+    `layers` picks the decoder layers to average (default: all)."""
+    memory = model.encode(src, src_mask)  # (B, S, d_model)
+    ys = out[:, :-1]  # (B, T): decoder inputs; row t wrote out[:, t + 1]
+    tgt_mask = subsequent_mask(ys.size(1)).to(src.device)  # (1, T, T)
+    decoder = model.decoder.layers
+    chosen = range(len(decoder)) if layers is None else layers
+    with record_attention(model):
+        model.decode(memory, src_mask, ys, tgt_mask)
+        weights = [decoder[i].src_attn.attn for i in chosen]  # (B, h, T, S)
+    attn = torch.stack(weights).mean(dim=(0, 2))  # (B, T, S): layers, heads
+    words = src_mask & ((src != BOS) & (src != EOS)).unsqueeze(1)  # (B, 1, S)
+    return attn.masked_fill(~words, -1.0).argmax(dim=-1)
 
-def places(kind, t, threshold):
-    """Every head with at least `threshold` of its weight in one place."""
-    lines = []
-    for (layer, head), row in t[list(PLACES)].iterrows():
-        if row.max() >= threshold:
-            where = PLACES[row.idxmax()]
-            if kind == "decoder source" and row.idxmax() != "specials":
-                where += " (on the proportional diagonal)"
-            lines.append(
-                f"  layer {layer} head {head} puts {row.max():.0%} of "
-                f"its weight on {where}"
-            )
-    return lines
-
-
-def observations(table, threshold=0.5):
-    """Plain-language findings computed from the summary table."""
-    lines = []
-    for kind in ATTENTION_KINDS:
-        t = table.loc[kind]
-        by_layer = t["entropy"].groupby(level="layer").mean()
-        lines += [
-            focus(kind, t),
-            *trend(by_layer),
-            *places(kind, t, threshold),
-        ]
-    return lines
-
-
-print("\n".join(observations(table)))
-assert "goes up and down" in trend(pd.Series([0.42, 0.28, 0.37]))[0]
-assert "rises" in trend(pd.Series([0.2, 0.4, 0.6]))[0]
 
 # %% [markdown]
-# How to read these lines against the charts:
-#
-# * A head listed as putting most of its weight on "its own position", or
-#   on the position before or after it, is a *positional* head: it reads a
-#   fixed neighbour or the token itself, whatever the sentence says. Its
-#   mean distance can still exceed one token, when the rest of its weight
-#   lands far away.
-# * A head listed with "<s> and </s>", if any, parks most of its weight on
-#   a token that every sentence has. One plausible reading: a softmax must
-#   put its weight somewhere, and such a token is a harmless place to
-#   leave it when the head has nothing to add for that query.
-# * For decoder–source attention a small distance means the head follows
-#   the word order of the source, and a layer with a lower mean entropy
-#   commits to fewer source words.
-#
-# The printed lines are the evidence, and the only claims this page makes
-# about its model: a head not listed did not reach the 50% mark anywhere.
-# A `ci` model's heads can be sharply focused without meaning much, as it
-# has seen 1,000 sentences; the full `cpu` model is the one to read for
-# linguistic patterns.
+# `replace_unknowns` then puts the German word in place of each `<unk>`.
+# It takes the word from spaCy's tokens of the German text, not from the
+# ids: a German word outside the German vocabulary is itself an `<unk>`
+# there, and it is exactly the word we want to copy.
+
+
+# %%
+#| export
+def replace_unknowns(ids, aligned, src_words, vocab_tgt):
+    """Output tokens, each <unk> replaced by the source word it read most."""
+    tokens = vocab_tgt.lookup_tokens(ids)
+    for k, token_id in enumerate(ids):
+        j = aligned[k] if token_id == UNK else 0  # 0 is <s>: no word
+        if 0 < j <= len(src_words):  # source position j is word j - 1
+            tokens[k] = src_words[j - 1]
+    return tokens
+
+
+# %% [markdown]
+# **See, it matches.** `source_alignment` needs only the English tokens,
+# whoever wrote them, so we can try it where we know the right answer:
+# the reference translations of the validation set, teacher-forced, whose
+# words outside the English vocabulary are `<unk>` too. Below, the first
+# three such sentences, with the reference's words, the `<unk>` version,
+# and the version with German words copied in. Check: each copied word is
+# the German word with the largest weight in the maps of this page
+# (`attention_maps`), averaged over every layer and head. Those maps come
+# from their own forward pass, with their own masks and labels, so the
+# check catches a row or a position read one place off.
+
+# %%
+examples = 0
+for de, en in val:
+    words = tokenize(de, spacy_de)
+    ids = vocab_tgt(tokenize(en, spacy_en))
+    if UNK not in ids:
+        continue
+    src = torch.tensor([[BOS, *vocab_src(words), EOS]])  # (1, S)
+    src_mask = (src != PAD).unsqueeze(-2)  # (1, 1, S)
+    out = torch.tensor([[BOS, *ids, EOS]])  # (1, L): the English tokens
+    aligned = source_alignment(model, src, src_mask, out)[0].tolist()
+    tokens = replace_unknowns(ids, aligned, words, vocab_tgt)
+    mean = attention_maps(model, src, out).decoder_src.mean((0, 1))  # (T, S)
+    for k, token_id in enumerate(ids):
+        if token_id == UNK:
+            most = int(mean[k, 1:-1].argmax())  # words only: no <s>, </s>
+            assert tokens[k] == words[most], (tokens[k], words[most])
+    print(f"German:    {de}")
+    print(f"reference: {en}")
+    print(f"with unk:  {' '.join(vocab_tgt.lookup_tokens(ids))}")
+    print(f"replaced:  {' '.join(tokens)}\n")
+    examples += 1
+    if examples == 3:
+        break
+assert examples == 3
+
+# %% [markdown]
+# Copying helps with names and numbers. On Multi30k, though, most unknown
+# words are rare German compounds and verbs, which stay German when
+# copied: of the 386 words copied into the `cpu` model's greedy test
+# translations, 11 appear in the English reference
+# (`results/unk_replacement.md`). `translate_batch` and the command line
+# (appendix) replace unknown words by default, and Part 5 shows another
+# way out: a subword vocabulary, which has no `<unk>` at all.

@@ -89,8 +89,298 @@ from the_annotated_transformer import TrainState, make_optimizer, run_epoch
 from the_annotated_transformer import create_dataloaders, model_from_config
 from the_annotated_transformer import pick_device, resume_run, save_epoch
 from the_annotated_transformer import save_run
-from the_annotated_transformer import UNK, record_attention, subsequent_mask
-from the_annotated_transformer import attention_maps, make_model
+from the_annotated_transformer import UNK, make_model
+from the_annotated_transformer import ATTENTION_KINDS, rate
+from the_annotated_transformer import label_smoothing_penalty_rows
+from the_annotated_transformer import replace_unknowns, source_alignment
+
+# %% [markdown]
+# ## Charts
+#
+# The lessons draw their charts with altair, which shows them in the
+# notebook and, through vl-convert, writes them as static SVG and PNG
+# files. Building a chart is plumbing, so it lives here. altair and
+# pandas are imported inside the functions that use them: importing the
+# module still needs only torch.
+#
+# `save_chart` shows a chart and also writes it into `figures/`;
+# `line_chart` draws a list of dicts as one line per group.
+
+
+# %%
+#| export
+def save_chart(chart, name, folder="figures"):
+    """Show a chart, and also write it as static SVG and PNG files."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    chart.save(str(folder / f"{name}.svg"))
+    chart.save(str(folder / f"{name}.png"), scale_factor=1.5)
+    return chart
+
+
+def line_chart(rows, x, y, color=None, title="", point=False):
+    """An altair line chart of a list of dicts, one line per `color`."""
+    import altair as alt
+    import pandas as pd
+
+    lines = {"color": f"{color}:N"} if color else {}
+    chart = alt.Chart(pd.DataFrame(rows)).mark_line(point=point)
+    chart = chart.encode(x=f"{x}:Q", y=f"{y}:Q", tooltip=[x, y], **lines)
+    return chart.properties(title=title, width=480)
+
+
+# %% [markdown]
+# ### Part 2's line charts
+#
+# The loss of one prediction against its margin, with and without label
+# smoothing; the learning-rate schedule for a few settings; and the share
+# of exact copies while the copy task trains.
+
+
+# %%
+#| export
+def label_smoothing_penalty_chart(smoothing=0.1):
+    """Line chart of label_smoothing_penalty_rows."""
+    rows = label_smoothing_penalty_rows(smoothing=smoothing)
+    title = "Loss against confidence"
+    return line_chart(
+        rows, "margin", "loss", color="smoothing", title=title, point=True
+    )
+
+
+def learning_rate_chart(
+    settings=((512, 1.0, 4000), (512, 1.0, 8000), (256, 1.0, 4000)),
+    steps=20000,
+):
+    """Altair line chart of `rate` for several (d_model, factor, warmup)."""
+    rows = []
+    for d, f, w in settings:
+        name = f"d_model={d}, warmup={w}"
+        for s in range(1, steps + 1, 20):
+            rows.append(dict(step=s, lr=rate(s, d, f, w), setting=name))
+    title = "Learning-rate schedule"
+    return line_chart(rows, "step", "lr", color="setting", title=title)
+
+
+def copy_progress_chart(history):
+    """Line chart: share of training sequences copied exactly, by step."""
+    title = "Learning to copy"
+    return line_chart(history, "steps", "train_exact", title=title, point=True)
+
+
+# %% [markdown]
+# ### Attention heat maps (Part 4)
+#
+# `attention_frame` flattens one kind into a table with one row per
+# (layer, head, query, key), leaving out padding. Layers and heads are
+# numbered from 1 in the table and the charts (layer 1 is the one nearest
+# the embeddings); the tensors index them from 0. A token that occurs
+# twice gets two rows: rows and columns are positions, labelled with their
+# tokens.
+
+
+# %%
+#| export
+def attention_frame(maps, kind):
+    """One kind of attention as a long pandas table, padding left out."""
+    import pandas as pd
+
+    v = maps.view(kind)
+    rows = v.row_keep.nonzero()[:, 0]  # (R',) positions of real tokens
+    cols = v.col_keep.nonzero()[:, 0]  # (C',)
+    w = v.weights[:, :, rows][:, :, :, cols]  # (N, h, R', C')
+    grid = torch.meshgrid(*(torch.arange(s) for s in w.shape), indexing="ij")
+    n, a, i, j = (g.flatten() for g in grid)
+    columns = {"layer": n + 1, "head": a + 1, "row": rows[i], "col": cols[j]}
+    frame = pd.DataFrame({k: c.numpy() for k, c in columns.items()})
+    frame["weight"] = w.flatten().double().numpy()
+    frame["query"] = [v.rows[r] for r in frame["row"]]
+    frame["key"] = [v.cols[c] for c in frame["col"]]
+    if kind != "encoder self":
+        frame["next"] = [maps.next_tokens[r] for r in frame["row"]]
+    return frame
+
+
+# %% [markdown]
+# `attention_chart` draws such a table with altair as one heat map per
+# head, side by side, with a menu to pick the layer. It is built from
+# three small pieces. First, the layer menu: a parameter bound to a
+# drop-down list, which filters the table to one layer in the browser, so
+# that switching layers needs no Python.
+
+
+# %%
+#| export
+def _layer_picker(kind, N, layer=None):
+    """A drop-down menu that selects one of the N layers (default: last)."""
+    import altair as alt
+
+    return alt.param(
+        name="pick_layer",
+        value=N if layer is None else layer,
+        bind=alt.binding_select(
+            options=list(range(1, N + 1)), name=f"{kind} attention, layer "
+        ),
+    )
+
+
+# %% [markdown]
+# Second, the token labels. Every cell of the chart carries only numbers
+# (layer, head, row, column, weight); the tokens travel once, as a list,
+# and an expression looks them up by position, for the axes and for the
+# tooltips. This keeps the saved page small: a 6-layer, 8-head model has
+# tens of thousands of cells per kind.
+
+
+# %%
+#| export
+def _token_axis(labels, title, angle=0):
+    """An axis over positions that shows the token at each position."""
+    import altair as alt
+
+    return alt.Axis(
+        title=title,
+        labelAngle=angle,
+        labelExpr=f"{json.dumps(labels)}[datum.value]",
+    )
+
+
+def _token_lookups(maps, v, frame):
+    """Vega expressions that turn a cell's row or column into its token."""
+    fields = {"query": (v.rows, "row"), "key": (v.cols, "col")}
+    if "next" in frame:
+        fields["next"] = (maps.next_tokens, "row")
+    return {
+        f: f"{json.dumps(labels)}[datum.{index}]"
+        for f, (labels, index) in fields.items()
+    }
+
+
+# %% [markdown]
+# Third, the heat map of one head: white for weight 0, dark blue for the
+# largest weight, one square of `cell` pixels per (query, key) pair, and a
+# tooltip that names the query, the key, the next token and the weight.
+# `attention_chart` then repeats it for every head, in rows of `columns`.
+
+
+# %%
+#| export
+def _heat_map(frame, v, lookups, pick, cell):
+    """One head's weights as coloured squares, filtered to the picked layer."""
+    import altair as alt
+
+    numbers = frame[["layer", "head", "row", "col", "weight"]]
+    tooltip = [alt.Tooltip(f"{f}:N") for f in lookups]  # tokens
+    tooltip += [alt.Tooltip("weight:Q", format=".3f"), "layer:O", "head:O"]
+    scale = alt.Scale(
+        domainMin=0, range=["#ffffff", "#08306b"], interpolate="lab"
+    )
+    return (
+        alt.Chart(alt.Data(values=numbers.to_dict("records")))
+        .transform_filter(alt.datum.layer == pick)
+        .transform_calculate(**lookups)
+        .mark_rect()
+        .encode(
+            x=alt.X("col:O", axis=_token_axis(v.cols, "key", -60)),
+            y=alt.Y("row:O", axis=_token_axis(v.rows, "query")),
+            color=alt.Color("weight:Q", scale=scale),
+            tooltip=tooltip,
+        )
+        .properties(
+            width=cell * frame["col"].nunique(),
+            height=cell * frame["row"].nunique(),
+        )
+    )
+
+
+# %% [markdown]
+# `attention_chart` puts the pieces together: the long table of one kind,
+# its weights rounded to five decimals to keep the page small, one heat
+# map per head, and the layer menu attached to the whole grid of heads.
+
+
+# %%
+#| export
+def attention_chart(maps, kind, layer=None, columns=4, cell=18):
+    """Heat maps of one kind, one per head, with a menu to pick the layer."""
+    import altair as alt
+
+    frame = attention_frame(maps, kind).round({"weight": 5})
+    v = maps.view(kind)
+    N, h = v.weights.shape[:2]
+    pick = _layer_picker(kind, N, layer)
+    heat = _heat_map(frame, v, _token_lookups(maps, v, frame), pick, cell)
+    title = f"'{kind} attention, layer ' + pick_layer + ' of {N} ({h} heads)'"
+    return heat.add_params(pick).facet(
+        facet=alt.Facet(
+            "head:O",
+            header=alt.Header(labelExpr="'head ' + datum.value", title=None),
+        ),
+        columns=min(columns, h),
+        title=alt.TitleParams(alt.expr(title)),  # follows the layer menu
+    )
+
+
+# %% [markdown]
+# ### Attention heads by layer (Part 4)
+#
+# `attention_summary_chart` plots Part 4's `attention_summary`: for each
+# kind and each of the two numbers, a dot per head above its layer and a
+# line through the mean of the heads, so that a trend from layer to layer
+# shows as a slope.
+# Stacking the two metrics gives the whole picture of a model on one page:
+# entropy on top, distance from the diagonal below, one column per kind.
+
+
+# %%
+#| export
+def _metric_chart(frame, metric, title, width):
+    """Dots per head and a line through their mean, by layer and kind."""
+    import altair as alt
+
+    base = alt.Chart(frame).encode(
+        x=alt.X("layer:O", title="layer", axis=alt.Axis(labelAngle=0))
+    )
+    tooltip = [
+        "kind",
+        "layer",
+        "head",
+        alt.Tooltip(f"{metric}:Q", format=".3f"),
+    ]
+    dots = base.mark_circle(size=60, opacity=0.8).encode(
+        xOffset="head:N",
+        y=alt.Y(f"{metric}:Q", title=title),
+        color=alt.Color("head:N", title="head"),
+        tooltip=tooltip,
+    )
+    mean = base.mark_line(color="#444").encode(y=f"mean({metric}):Q")
+    kinds = alt.Column("kind:N", sort=list(ATTENTION_KINDS), title=None)
+    return (
+        alt.layer(dots, mean, data=frame)
+        .properties(width=width, height=150)
+        .facet(column=kinds)
+    )
+
+
+# %%
+#| export
+def attention_summary_chart(summary, width=170):
+    """Entropy and diagonal distance per layer and head, for each kind."""
+    import altair as alt
+    import pandas as pd
+
+    frame = pd.DataFrame(summary)
+    return alt.vconcat(
+        _metric_chart(
+            frame, "entropy", "entropy (fraction of uniform)", width
+        ),
+        _metric_chart(
+            frame, "distance", "distance from diagonal (tokens)", width
+        ),
+    ).properties(
+        title="Attention heads by layer, averaged over validation sentences"
+    )
+
 
 # %% [markdown]
 # ## Downloading Multi30k
@@ -1067,91 +1357,10 @@ def decode_text(ids, vocab):
 
 
 # %% [markdown]
-# ### Unknown words
-#
-# A word vocabulary writes `<unk>` for every English word it does not know,
-# and the trained `cpu` model does so, often where the German has a name,
-# a number or a rare noun that could simply be copied. Unknown-word
-# replacement (Luong et al., 2015; Jean et al., 2015, who used the
-# attention weights as we do) copies, for each `<unk>`, the German word
-# that the decoder attended to most when it wrote the `<unk>`. We read the
-# source attention (Part 4) averaged over every head of every decoder
-# layer. The last layer alone, whose output the generator turns into the
-# word, is the obvious choice but a worse aligner: on the validation set
-# the `cpu` model's unknown English words came from a German word outside
-# the vocabulary 47% of the time with the last layer and 66% with the
-# mean (`results/unk_replacement.md`).
-#
-# The decoders do not keep their attention, so `source_alignment` runs the
-# decoder once more over the finished output, teacher-forced, inside Part
-# 4's `record_attention`. The decoder is causal, so each row sees the same
-# prefix as when that token was written, and the weights are the same up
-# to rounding; one batched pass serves greedy and beam search alike. Row
-# $t$ reads the decoder input $t$ and wrote output token $t+1$ (the `<s>`
-# offset). The argmax runs over the source's words only, never over `<s>`,
-# `</s>` or padding. `replace_unknowns` then takes the words from spaCy's
-# tokens of the German text, not from the ids: a German word outside the
-# vocabulary is itself an `<unk>` there. A BPE vocabulary spells every
-# word from pieces and is left alone.
-
-
-# %%
-#| export
-@torch.no_grad()
-def source_alignment(model, src, src_mask, out, layers=None):
-    """(B, L-1): the source position each output token after <s> read most.
-
-    `layers` picks the decoder layers to average (default: all)."""
-    memory = model.encode(src, src_mask)  # (B, S, d_model)
-    ys = out[:, :-1]  # (B, T): decoder inputs; row t wrote out[:, t + 1]
-    tgt_mask = subsequent_mask(ys.size(1)).to(src.device)  # (1, T, T)
-    decoder = model.decoder.layers
-    chosen = range(len(decoder)) if layers is None else layers
-    with record_attention(model):
-        model.decode(memory, src_mask, ys, tgt_mask)
-        weights = [decoder[i].src_attn.attn for i in chosen]  # (B, h, T, S)
-    attn = torch.stack(weights).mean(dim=(0, 2))  # (B, T, S): layers, heads
-    words = src_mask & ((src != BOS) & (src != EOS)).unsqueeze(1)  # (B, 1, S)
-    return attn.masked_fill(~words, -1.0).argmax(dim=-1)
-
-
-def replace_unknowns(ids, aligned, src_words, vocab_tgt):
-    """Output tokens, each <unk> replaced by the source word it read most."""
-    tokens = vocab_tgt.lookup_tokens(ids)
-    for k, token_id in enumerate(ids):
-        j = aligned[k] if token_id == UNK else 0  # 0 is <s>: no word
-        if 0 < j <= len(src_words):  # source position j is word j - 1
-            tokens[k] = src_words[j - 1]
-    return tokens
-
-
-# %% [markdown]
-# **See, it matches.** For a small random model and three sentences of
-# different lengths decoded as one padded batch, the alignment equals the
-# argmax of Part 4's `attention_maps` (averaged over layers and heads),
-# computed for each sentence alone and without padding, over its words.
-
-# %%
-torch.manual_seed(0)
-toy = make_model(20, 20, N=2, d_model=32, d_ff=64, h=4).eval()
-rows = [[BOS, *range(4, 4 + n), EOS] for n in (7, 3, 5)]
-src, _ = collate_batch([(r, []) for r in rows])  # (B, S)
-src_mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
-out = cached_greedy_decode(toy, src, src_mask, 8)  # (B, L)
-aligned = source_alignment(toy, src, src_mask, out)  # (B, L - 1)
-for ids, row, at in zip(rows, out.tolist(), aligned.tolist(), strict=True):
-    maps = attention_maps(toy, ids, [BOS, *strip_specials(row), EOS])
-    mean = maps.decoder_src.mean(dim=(0, 1))  # (T, S): layers and heads
-    words = mean[:, 1 : len(ids) - 1]  # (T, words)
-    alone = (words.argmax(-1) + 1).tolist()  # back to source positions
-    m = min(len(alone), len(at))  # rows up to </s>
-    assert at[:m] == alone[:m] and all(1 <= j < len(ids) - 1 for j in at)
-
-
-# %% [markdown]
 # `translate_batch` sorts the sentences by length so that a batch wastes
 # little on padding, decodes up to the source length + 50 tokens (the
-# paper's limit), replaces unknown words (unless `replace_unk=False`), and
+# paper's limit), replaces unknown words with the German word they
+# attended to most, as Part 4 teaches (unless `replace_unk=False`), and
 # returns the outputs in the input order. `decode_fn` can be any decoder
 # with the signature of the greedy ones.
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+import annotated_transformer_tools as tools
 import the_annotated_transformer as tat
 
 N, H, D = 2, 4, 32
@@ -319,14 +320,14 @@ def no_nan(rows):
 
 @pytest.mark.parametrize("kind", list(tat.ATTENTION_KINDS))
 def test_attention_chart_has_every_head_and_layer_and_no_nan(maps, kind):
-    frame = tat.attention_frame(maps, kind)
+    frame = tools.attention_frame(maps, kind)
     assert not frame.isna().any().any()
     assert sorted(frame["head"].unique()) == list(range(1, H + 1))
     assert sorted(frame["layer"].unique()) == list(range(1, N + 1))
     assert "<blank>" not in set(frame["query"]) | set(frame["key"])
     sums = frame.groupby(["layer", "head", "row"])["weight"].sum()
     assert sums.to_numpy() == pytest.approx(1.0, abs=1e-6)
-    spec, rows = chart_values(tat.attention_chart(maps, kind))
+    spec, rows = chart_values(tools.attention_chart(maps, kind))
     assert rows and no_nan(rows)
     assert len(rows) == len(frame)
     assert max(r["weight"] for r in rows) <= 1.0
@@ -336,13 +337,13 @@ def test_attention_chart_has_every_head_and_layer_and_no_nan(maps, kind):
 
 def test_summary_chart_has_no_nan(model, maps):
     summary = tat.attention_statistics(maps)
-    _, rows = chart_values(tat.attention_summary_chart(summary))
+    _, rows = chart_values(tools.attention_summary_chart(summary))
     assert len(rows) == 3 * N * H and no_nan(rows)
 
 
 def test_charts_render_offline(maps):
     vlc = pytest.importorskip("vl_convert")
-    chart = tat.attention_chart(maps, "decoder source")
+    chart = tools.attention_chart(maps, "decoder source")
     svg = vlc.vegalite_to_svg(chart.to_dict())
     assert "hund" in svg and "head 4" in svg
 
@@ -350,6 +351,6 @@ def test_charts_render_offline(maps):
 def test_chart_title_names_the_layer_shown(maps):
     vlc = pytest.importorskip("vl_convert")
     for layer in (1, N):
-        chart = tat.attention_chart(maps, "encoder self", layer=layer)
+        chart = tools.attention_chart(maps, "encoder self", layer=layer)
         svg = vlc.vegalite_to_svg(chart.to_dict())
         assert f"encoder self attention, layer {layer} of {N}" in svg

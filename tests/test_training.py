@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import annotated_transformer_tools as tools
 import the_annotated_transformer as tat
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -138,9 +139,9 @@ def test_label_smoothing_penalty_rows_are_finite_with_the_right_shape():
 @pytest.mark.parametrize(
     "make_chart",
     [
-        tat.learning_rate_chart,
-        tat.label_smoothing_penalty_chart,
-        lambda: tat.copy_progress_chart(
+        tools.learning_rate_chart,
+        tools.label_smoothing_penalty_chart,
+        lambda: tools.copy_progress_chart(
             [
                 {
                     "epoch": e,
@@ -159,7 +160,7 @@ def test_charts_render_to_png_and_svg(make_chart, tmp_path):
     pytest.importorskip("vl_convert")
     chart = make_chart()
     chart.to_dict()  # validates against the installed altair's schema
-    tat.save_chart(chart, "chart", tmp_path)
+    tools.save_chart(chart, "chart", tmp_path)
     png = (tmp_path / "chart.png").read_bytes()
     svg = (tmp_path / "chart.svg").read_text()
     assert png.startswith(b"\x89PNG") and len(png) > 1000

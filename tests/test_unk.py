@@ -1,4 +1,5 @@
-"""Tests of unknown-word replacement (appendix, "Translating for users")."""
+"""Tests of unknown-word replacement (Part 4, "Putting attention to work:
+unknown words"; used by the appendix's `translate_batch`)."""
 
 from dataclasses import asdict
 
