@@ -5,12 +5,13 @@
     python bench/copy_task.py --reference     # also time the 2022 procedure
     python bench/copy_task.py --set lr=2e-4 --set batch_size=32  # variants
 
-Each run calls `train_copy_task(CopyTaskConfig(seed=...))` from notebook 02
-(N=2, d_model=512, d_ff=2048, h=8) and measures the wall-clock seconds until
-it stops, which it does once `check_size` fresh random sequences are all
-copied exactly by greedy decoding. After the clock stops, the model is
-checked once more on 1000 other fresh sequences, so the reader can see that
-the stopping rule was not luck.
+Each run calls `train_copy_task(CopyTaskConfig(seed=...))` from the
+appendix (notebooks/06_tools.py, "Copy-task runs"): Part 2's recipe in
+float32, N=2, d_model=512, d_ff=2048, h=8. It measures the wall-clock
+seconds until training stops, which it does once `check_size` fresh random
+sequences are all copied exactly by greedy decoding. After the clock
+stops, the model is checked once more on 1000 other fresh sequences, so the
+reader can see that the stopping rule was not luck.
 
 `--reference` re-creates the 2022 tutorial's `example_simple_model`
 faithfully and times it: 20 fixed epochs of 20 training batches of 80
@@ -72,10 +73,6 @@ def parse_setting(text):
             f" got {text!r}"
         )
     kind = type(defaults[name])
-    if kind is bool:
-        if value not in ("True", "False"):
-            raise argparse.ArgumentTypeError(f"{name} is True or False")
-        return name, value == "True"
     try:
         return name, kind(value)
     except ValueError:

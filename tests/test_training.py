@@ -125,18 +125,6 @@ def test_label_smoothing_penalty_rows_are_finite_with_the_right_shape():
     [
         tat.learning_rate_chart,
         tat.label_smoothing_penalty_chart,
-        lambda: tat.copy_progress_chart(
-            [
-                {
-                    "epoch": e,
-                    "steps": 20 * (e + 1),
-                    "train_loss": 1 / (e + 1),
-                    "train_exact": e / 4,
-                    "exact_copy": None,
-                }
-                for e in range(5)
-            ]
-        ),
     ],
 )
 def test_charts_render_to_png_and_svg(make_chart, tmp_path):
@@ -463,3 +451,13 @@ def test_copy_task_learns_exact_copy_on_fresh_sequences():
     assert history[-1]["steps"] < cfg.max_epochs * cfg.nbatches
     fresh = torch.Generator().manual_seed(cfg.seed + 12345)
     assert tat.copy_accuracy(model, 500, cfg.V, generator=fresh) >= 0.98
+
+
+def test_copy_task_config_presets():
+    assert tat.CopyTaskConfig.for_size("full") == tat.CopyTaskConfig()
+    ci = tat.CopyTaskConfig.for_size("ci", seed=3)
+    assert (ci.N, ci.d_model, ci.d_ff, ci.h, ci.lr) == (1, 64, 256, 4, 3e-3)
+    assert ci.seed == 3
+    assert ci.batch_size == tat.CopyTaskConfig().batch_size
+    with pytest.raises(ValueError, match="full"):
+        tat.CopyTaskConfig.for_size("huge")
