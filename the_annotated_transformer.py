@@ -567,10 +567,10 @@ class Batch:
         self.src_mask = (src != pad).unsqueeze(-2)  # (B, 1, S)
         if tgt is None:
             return  # a source-only batch, to decode from
-        decoder_input, expected = tgt[:, :-1], tgt[:, 1:]  # (B, T) each
-        self.tgt, self.tgt_y = decoder_input, expected
-        self.tgt_mask = self.make_std_mask(decoder_input, pad)  # (B, T, T)
-        self.ntokens = int(expected.ne(pad).sum())
+        self.tgt = tgt[:, :-1]  # (B, T): the decoder's input
+        self.tgt_y = tgt[:, 1:]  # (B, T): the tokens to predict
+        self.tgt_mask = self.make_std_mask(self.tgt, pad)  # (B, T, T)
+        self.ntokens = int(self.tgt_y.ne(pad).sum())
 
     @staticmethod
     def make_std_mask(tgt, pad):
@@ -828,17 +828,22 @@ def make_optimizer(
 
 
 def learning_rate_chart(
-    settings=((512, 1.0, 4000), (512, 1.0, 8000), (256, 1.0, 4000)),
-    steps=20000,
+    settings=((512, 4000), (512, 8000), (256, 4000)), steps=20000
 ):
-    """Altair line chart of `rate` for several (d_model, factor, warmup)."""
+    """Altair line chart of `rate` for (d_model, warmup) pairs, factor 1."""
     rows = []
-    for d, f, w in settings:
-        name = f"d_model={d}, warmup={w}"
-        for s in range(1, steps + 1, 20):
-            rows.append(dict(step=s, lr=rate(s, d, f, w), setting=name))
-    title = "Learning-rate schedule"
-    return line_chart(rows, "step", "lr", "setting", title)
+    for d_model, warmup in settings:
+        name = f"d_model={d_model}, warmup={warmup}"
+        for step in range(1, steps + 1, 20):
+            lr = rate(step, d_model, factor=1.0, warmup=warmup)
+            rows.append(dict(step=step, lr=lr, setting=name))
+    return line_chart(
+        rows,
+        x="step",
+        y="lr",
+        color="setting",
+        title="Learning-rate schedule",
+    )
 
 
 # -----------------------------------------------------------------------------

@@ -78,10 +78,10 @@ class Batch:
         self.src_mask = (src != pad).unsqueeze(-2)  # (B, 1, S)
         if tgt is None:
             return  # a source-only batch, to decode from
-        decoder_input, expected = tgt[:, :-1], tgt[:, 1:]  # (B, T) each
-        self.tgt, self.tgt_y = decoder_input, expected
-        self.tgt_mask = self.make_std_mask(decoder_input, pad)  # (B, T, T)
-        self.ntokens = int(expected.ne(pad).sum())
+        self.tgt = tgt[:, :-1]  # (B, T): the decoder's input
+        self.tgt_y = tgt[:, 1:]  # (B, T): the tokens to predict
+        self.tgt_mask = self.make_std_mask(self.tgt, pad)  # (B, T, T)
+        self.ntokens = int(self.tgt_y.ne(pad).sum())
 
     @staticmethod
     def make_std_mask(tgt, pad):
@@ -103,9 +103,13 @@ class Batch:
 # position $t$ see positions $0 \dots t$, but never the padding:
 
 # %%
-b = Batch(torch.tensor([[1, 5, 6]]), torch.tensor([[1, 7, 8, 0, 0]]), pad=0)
-allowed = torch.ones(4, 4).tril().bool() & torch.tensor([1, 1, 1, 0]).bool()
-assert torch.equal(b.tgt_mask[0], allowed) and b.ntokens == 2
+src = torch.tensor([[1, 5, 6]])
+tgt = torch.tensor([[1, 7, 8, 0, 0]])
+b = Batch(src, tgt, pad=0)
+causal = torch.ones(4, 4).tril().bool()  # position t sees 0 to t
+not_padding = torch.tensor([True, True, True, False])  # (T,)
+assert torch.equal(b.tgt_mask[0], causal & not_padding)
+assert b.ntokens == 2
 assert torch.equal(b.tgt_y, torch.tensor([[7, 8, 0, 0]]))
 
 # %% [markdown]
@@ -282,7 +286,8 @@ def label_smoothing_penalty_chart(smoothing=0.1):
 rows = label_smoothing_penalty_rows()
 plain = [r["loss"] for r in rows if r["smoothing"] == 0]
 smooth = [r["loss"] for r in rows if r["smoothing"] > 0]
-assert all(a >= b for a, b in zip(plain, plain[1:])) and plain[-1] < 1e-3
+assert all(a >= b for a, b in zip(plain, plain[1:]))  # falls forever
+assert plain[-1] < 1e-3
 assert 0 < smooth.index(min(smooth)) < len(smooth) - 1  # a minimum inside
 ls_chart = label_smoothing_penalty_chart()
 save_chart(ls_chart, "02_label_smoothing_penalty", FIGURES)
@@ -558,31 +563,51 @@ def make_optimizer(
 
 
 def learning_rate_chart(
-    settings=((512, 1.0, 4000), (512, 1.0, 8000), (256, 1.0, 4000)),
-    steps=20000,
+    settings=((512, 4000), (512, 8000), (256, 4000)), steps=20000
 ):
-    """Altair line chart of `rate` for several (d_model, factor, warmup)."""
+    """Altair line chart of `rate` for (d_model, warmup) pairs, factor 1."""
     rows = []
-    for d, f, w in settings:
-        name = f"d_model={d}, warmup={w}"
-        for s in range(1, steps + 1, 20):
-            rows.append(dict(step=s, lr=rate(s, d, f, w), setting=name))
-    title = "Learning-rate schedule"
-    return line_chart(rows, "step", "lr", "setting", title)
+    for d_model, warmup in settings:
+        name = f"d_model={d_model}, warmup={warmup}"
+        for step in range(1, steps + 1, 20):
+            lr = rate(step, d_model, factor=1.0, warmup=warmup)
+            rows.append(dict(step=step, lr=lr, setting=name))
+    return line_chart(
+        rows,
+        x="step",
+        y="lr",
+        color="setting",
+        title="Learning-rate schedule",
+    )
 
 
 # %%
-peak = max(range(1, 9000), key=lambda s: rate(s, 512, 1.0, 4000))
-assert peak == 4000 and rate(peak, 512, 1.0, 4000) == 512**-0.5 * 4000**-0.5
+for d_model, warmup in ((512, 4000), (512, 8000), (256, 4000)):
+    lrs = [rate(step, d_model, 1.0, warmup) for step in range(1, 3 * warmup)]
+    peak = lrs.index(max(lrs)) + 1  # lrs[0] is step 1
+    assert peak == warmup
+    assert math.isclose(lrs[peak - 1], d_model**-0.5 * warmup**-0.5)
+peak_4000 = rate(4000, 512, 1.0, 4000)
+peak_8000 = rate(8000, 512, 1.0, 8000)
+assert math.isclose(peak_8000 * math.sqrt(2), peak_4000)
+for step in range(1, 20000, 100):
+    half_width = rate(step, 256, 1.0, 4000)
+    assert math.isclose(half_width, math.sqrt(2) * rate(step, 512, 1.0, 4000))
 save_chart(learning_rate_chart(), "02_learning_rate", FIGURES)
 
 # %% [markdown]
 # Each curve peaks at its warm-up step, where the rate is the closed form
-# above (the assert checks both). Doubling the warm-up lowers the peak by
-# $\sqrt 2$, and halving $d_{\text{model}}$ raises every value by $\sqrt
-# 2$.
+# above. Doubling the warm-up lowers the peak by $\sqrt 2$, and halving
+# $d_{\text{model}}$ raises every value by $\sqrt 2$. The asserts above
+# check all four statements.
 #
 # ## A first example: the copy task
+#
+# Everything is in place to train a model on the copy task: the batches
+# from `data_gen`, the loss, `run_epoch`, and the optimizer. The plan is a
+# fixed budget of 400 optimizer steps, then a check on sequences the model
+# has never seen. The check needs a way to get output from the model, so
+# decoding comes first.
 #
 # ### Greedy decoding
 #
