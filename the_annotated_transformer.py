@@ -83,6 +83,7 @@ __all__ = [
     "greedy_decode",
     "copy_accuracy",
     "warmup_linear_decay",
+    "native_bf16",
     "MULTI30K_ENV",
     "MULTI30K_SPLITS",
     "DatasetError",
@@ -876,6 +877,16 @@ def warmup_linear_decay(step, peak, warmup, total, floor=0.02):
     ramp = (step + 1) / warmup
     decay = max(floor, 1 - step / total)
     return peak * min(ramp, decay)
+
+
+def native_bf16(device_type="cpu"):
+    """True where bfloat16 matmuls run natively on this device type."""
+    if device_type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    try:  # CPUs with AVX512-BF16 or AMX
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 # =============================================================================
