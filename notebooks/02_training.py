@@ -18,7 +18,7 @@
 # order a training step uses it: batches with their masks, a loss with
 # label smoothing, the loop itself, and the paper's optimizer and
 # learning-rate schedule. It ends by teaching a model to copy its input, a
-# task small enough to learn in about a minute on a laptop CPU and simple
+# task small enough to learn in a minute or two on a laptop CPU and simple
 # enough that any bug shows.
 
 # %%
