@@ -26,7 +26,7 @@ import urllib.error
 import urllib.request
 import warnings
 from contextlib import nullcontext
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -35,6 +35,7 @@ import torch
 from the_annotated_transformer import (
     ATTENTION_KINDS,
     BOS,
+    COPY_PAD,
     EOS,
     MULTI30K_ENV,
     PAD,
@@ -52,8 +53,10 @@ from the_annotated_transformer import (
     build_vocabulary,
     cached_greedy_decode,
     collate_batch,
+    copy_accuracy,
     create_dataloaders,
     data_dir,
+    data_gen,
     encode_text,
     label_smoothing_penalty_rows,
     load_bpe,
@@ -61,6 +64,7 @@ from the_annotated_transformer import (
     load_tokenizers,
     load_trained_model,
     load_translator,
+    make_model,
     make_optimizer,
     model_from_config,
     pick_device,
@@ -74,6 +78,7 @@ from the_annotated_transformer import (
     source_alignment,
     strip_specials,
     tokenize,
+    warmup_linear_decay,
 )
 
 # =============================================================================
@@ -116,23 +121,22 @@ def label_smoothing_penalty_chart(smoothing=0.1):
 
 
 def learning_rate_chart(
-    settings=((512, 1.0, 4000), (512, 1.0, 8000), (256, 1.0, 4000)),
-    steps=20000,
+    settings=((512, 4000), (512, 8000), (256, 4000)), steps=20000
 ):
-    """Altair line chart of `rate` for several (d_model, factor, warmup)."""
+    """Altair line chart of `rate` for (d_model, warmup) pairs, factor 1."""
     rows = []
-    for d, f, w in settings:
-        name = f"d_model={d}, warmup={w}"
-        for s in range(1, steps + 1, 20):
-            rows.append(dict(step=s, lr=rate(s, d, f, w), setting=name))
-    title = "Learning-rate schedule"
-    return line_chart(rows, "step", "lr", color="setting", title=title)
-
-
-def copy_progress_chart(history):
-    """Line chart: share of training sequences copied exactly, by step."""
-    title = "Learning to copy"
-    return line_chart(history, "steps", "train_exact", title=title, point=True)
+    for d_model, warmup in settings:
+        name = f"d_model={d_model}, warmup={warmup}"
+        for step in range(1, steps + 1, 20):
+            lr = rate(step, d_model, factor=1.0, warmup=warmup)
+            rows.append(dict(step=step, lr=lr, setting=name))
+    return line_chart(
+        rows,
+        x="step",
+        y="lr",
+        color="setting",
+        title="Learning-rate schedule",
+    )
 
 
 def attention_frame(maps, kind):
@@ -417,6 +421,158 @@ def download_multi30k(
             url = base_url.rstrip("/") + "/" + name
             _fetch(url, path, expected, timeout)
     return folder
+
+
+# -----------------------------------------------------------------------------
+# Copy-task runs
+# Explained in notebooks/06_tools.py, same heading.
+# -----------------------------------------------------------------------------
+def copy_accuracy_teacher_forced(model, n, V=11, seq_len=10, generator=None):
+    """copy_accuracy's fraction from one teacher-forced forward pass."""
+    model.eval()
+    b = next(data_gen(V, n, 1, seq_len, generator=generator))
+    with torch.no_grad():
+        out = model(b.src, b.tgt, b.src_mask, b.tgt_mask)  # (n, T, d_model)
+        pred = model.generator(out).argmax(dim=-1)  # (n, T)
+    return (pred == b.tgt_y).all(dim=1).float().mean().item()
+
+
+class CopyLossCompute(SimpleLossCompute):
+    """SimpleLossCompute that also counts exactly predicted sequences."""
+
+    def __init__(self, generator, criterion, pad=COPY_PAD):
+        super().__init__(generator, criterion)
+        self.pad = pad
+        self.streak = 0  # exact sequences in a row, up to the latest
+        self.sequences = 0  # sequences seen
+        self.exact = 0  # sequences predicted exactly
+
+    def __call__(self, x, y, norm):
+        result = super().__call__(x, y, norm)
+        with torch.no_grad():
+            right = self.generator(x.detach()).argmax(dim=-1) == y
+            exact = (right | (y == self.pad)).all(dim=1)  # (B,)
+        misses = (~exact).nonzero()
+        if len(misses) == 0:
+            self.streak += len(exact)
+        else:
+            self.streak = len(exact) - 1 - misses[-1].item()
+        self.sequences += len(exact)
+        self.exact += int(exact.sum())
+        return result
+
+
+def greedy_check(model, loss_compute, check_size, V, generator):
+    """Greedy-copy check once the streak is long enough, else None."""
+    if loss_compute.streak < check_size:
+        return None
+    checked = copy_accuracy(model, check_size, V, generator=generator)
+    if checked < 1.0:
+        loss_compute.streak = 0  # earn another streak first
+    return checked
+
+
+@dataclass
+class CopyTaskConfig:
+    """Hyperparameters of the copy task; `for_size` picks a preset."""
+
+    V: int = 11
+    N: int = 2
+    d_model: int = 512
+    d_ff: int = 2048
+    h: int = 8
+    dropout: float = 0.0
+    batch_size: int = 16
+    nbatches: int = 20  # optimizer steps per epoch
+    max_epochs: int = 100
+    lr: float = 3e-4  # peak learning rate
+    warmup: int = 20
+    decay_steps: int = 300  # where the rate reaches its floor
+    beta2: float = 0.999
+    check_size: int = 200
+    seed: int = 0
+
+    @classmethod
+    def for_size(cls, size="full", **changes):
+        """The "full" preset, or the seconds-long "ci" one, with changes."""
+        if size == "full":
+            preset = {}
+        elif size == "ci":
+            preset = dict(N=1, d_model=64, d_ff=256, h=4, lr=3e-3)
+        else:
+            raise ValueError(f'size is "full" or "ci", not {size!r}')
+        return cls(**{**preset, **changes})
+
+
+def epoch_summary(record):
+    """One log line for an epoch record of train_copy_task."""
+    line = (
+        f"epoch {record['epoch']:2d} | step {record['steps']:4d} | "
+        f"loss {record['train_loss']:.4f} | "
+        f"exact while training {record['train_exact']:6.1%}"
+    )
+    if record["exact_copy"] is not None:
+        line += f" | greedy check {record['exact_copy']:6.1%}"
+    return line + f" | {record['seconds']:5.1f} s"
+
+
+def train_copy_task(cfg=None, log=print):
+    """Train until exact copy; returns (model, list of epoch records)."""
+    if cfg is None:
+        cfg = CopyTaskConfig()
+    torch.manual_seed(cfg.seed)
+    model = make_model(
+        cfg.V,
+        cfg.V,
+        N=cfg.N,
+        d_model=cfg.d_model,
+        d_ff=cfg.d_ff,
+        h=cfg.h,
+        dropout=cfg.dropout,
+    )
+    criterion = LabelSmoothing(cfg.V, padding_idx=COPY_PAD, smoothing=0.0)
+    loss_compute = CopyLossCompute(model.generator, criterion)
+
+    def schedule(step):
+        return warmup_linear_decay(step, cfg.lr, cfg.warmup, cfg.decay_steps)
+
+    optimizer, scheduler = make_optimizer(
+        model, cfg.d_model, betas=(0.9, cfg.beta2), schedule=schedule
+    )
+    gen = torch.Generator().manual_seed(cfg.seed)
+    state = TrainState()
+    history = []
+    start = time.time()
+    for epoch in range(cfg.max_epochs):
+        model.train()
+        seen = loss_compute.sequences
+        exact = loss_compute.exact
+        data = data_gen(cfg.V, cfg.batch_size, cfg.nbatches, generator=gen)
+        loss, state = run_epoch(
+            data,
+            model,
+            loss_compute,
+            optimizer,
+            scheduler,
+            train_state=state,
+        )
+        new = loss_compute.sequences - seen
+        checked = greedy_check(model, loss_compute, cfg.check_size, cfg.V, gen)
+        history.append(
+            {
+                "epoch": epoch,
+                "steps": state.accum_step,
+                "samples": state.samples,
+                "train_loss": loss,
+                "train_exact": (loss_compute.exact - exact) / new,
+                "exact_copy": checked,
+                "seconds": time.time() - start,
+            }
+        )
+        log(epoch_summary(history[-1]))
+        if checked == 1.0:
+            break
+    return model, history
 
 
 # -----------------------------------------------------------------------------
@@ -1570,7 +1726,6 @@ __all__ = [
     "line_chart",
     "label_smoothing_penalty_chart",
     "learning_rate_chart",
-    "copy_progress_chart",
     "attention_frame",
     "attention_chart",
     "attention_summary_chart",
@@ -1578,6 +1733,12 @@ __all__ = [
     "MULTI30K_SHA256",
     "sha256_of",
     "download_multi30k",
+    "copy_accuracy_teacher_forced",
+    "CopyLossCompute",
+    "greedy_check",
+    "CopyTaskConfig",
+    "epoch_summary",
+    "train_copy_task",
     "PRESETS",
     "get_config",
     "load_vocab",

@@ -365,10 +365,10 @@ class Batch:
         self.src_mask = (src != pad).unsqueeze(-2)  # (B, 1, S)
         if tgt is None:
             return  # a source-only batch, to decode from
-        decoder_input, expected = tgt[:, :-1], tgt[:, 1:]  # (B, T) each
-        self.tgt, self.tgt_y = decoder_input, expected
-        self.tgt_mask = self.make_std_mask(decoder_input, pad)  # (B, T, T)
-        self.ntokens = int(expected.ne(pad).sum())
+        self.tgt = tgt[:, :-1]  # (B, T): the decoder's input
+        self.tgt_y = tgt[:, 1:]  # (B, T): the tokens to predict
+        self.tgt_mask = self.make_std_mask(self.tgt, pad)  # (B, T, T)
+        self.ntokens = int(self.tgt_y.ne(pad).sum())
 
     @staticmethod
     def make_std_mask(tgt, pad):
@@ -384,7 +384,8 @@ class Batch:
         return self
 
 
-COPY_PAD, COPY_START = 0, 1
+COPY_PAD = 0
+COPY_START = 1
 
 
 def data_gen(V, batch_size, nbatches, seq_len=10, generator=None):
@@ -642,144 +643,11 @@ def copy_accuracy(model, n, V=11, seq_len=10, generator=None):
     return (out == b.src).all(dim=1).float().mean().item()
 
 
-def copy_accuracy_teacher_forced(model, n, V=11, seq_len=10, generator=None):
-    """The same fraction from one teacher-forced forward pass."""
-    model.eval()
-    b = next(data_gen(V, n, 1, seq_len, generator=generator))
-    with torch.no_grad():
-        out = model(b.src, b.tgt, b.src_mask, b.tgt_mask)  # (n, T, d_model)
-        pred = model.generator(out).argmax(dim=-1)  # (n, T)
-    return (pred == b.tgt_y).all(dim=1).float().mean().item()
-
-
-class CopyLossCompute(SimpleLossCompute):
-    """SimpleLossCompute that also counts exactly predicted sequences."""
-
-    def __init__(self, generator, criterion, pad=COPY_PAD):
-        super().__init__(generator, criterion)
-        self.pad = pad
-        self.streak = self.sequences = self.exact = 0
-
-    def __call__(self, x, y, norm):
-        result = super().__call__(x, y, norm)
-        with torch.no_grad():
-            right = self.generator(x.detach()).argmax(dim=-1) == y
-            exact = (right | (y == self.pad)).all(dim=1)  # (B,)
-        misses = (~exact).nonzero()
-        if len(misses) == 0:
-            self.streak += len(exact)
-        else:
-            self.streak = len(exact) - 1 - misses[-1].item()
-        self.sequences += len(exact)
-        self.exact += int(exact.sum())
-        return result
-
-
-def greedy_check(model, loss_compute, check_size, V, generator):
-    """Greedy-copy check once the streak is long enough, else None."""
-    if loss_compute.streak < check_size:
-        return None
-    checked = copy_accuracy(model, check_size, V, generator=generator)
-    if checked < 1.0:
-        loss_compute.streak = 0  # earn another streak first
-    return checked
-
-
 def warmup_linear_decay(step, peak, warmup, total, floor=0.02):
     """Linear warm-up to `peak`, then linear decay to `floor * peak`."""
     ramp = (step + 1) / warmup
     decay = max(floor, 1 - step / total)
     return peak * min(ramp, decay)
-
-
-@dataclass
-class CopyTaskConfig:
-    """Hyperparameters of the copy task; `for_size` picks a preset."""
-
-    V: int = 11
-    N: int = 2
-    d_model: int = 512
-    d_ff: int = 2048
-    h: int = 8
-    dropout: float = 0.0
-    batch_size: int = 16
-    nbatches: int = 20  # optimizer steps per epoch
-    max_epochs: int = 100
-    lr: float = 3e-4  # peak learning rate
-    warmup: int = 20
-    decay_steps: int = 300  # where the rate reaches its floor
-    beta2: float = 0.999
-    bf16: bool = False  # True only where the CPU computes bf16 natively
-    check_size: int = 200
-    seed: int = 0
-
-    @classmethod
-    def for_size(cls, size="full", **changes):
-        """The "full" preset, or the seconds-long "ci" one, with changes."""
-        if size not in ("full", "ci"):
-            raise ValueError(f'size is "full" or "ci", not {size!r}')
-        small = dict(N=1, d_model=64, d_ff=256, h=4, lr=3e-3, bf16=False)
-        return cls(**{**(small if size == "ci" else {}), **changes})
-
-
-def copy_task_setup(cfg):
-    """(model, loss_compute, optimizer, scheduler, autocast) for a run."""
-    torch.manual_seed(cfg.seed)
-    sizes = dict(N=cfg.N, d_model=cfg.d_model, d_ff=cfg.d_ff, h=cfg.h)
-    model = make_model(cfg.V, cfg.V, dropout=cfg.dropout, **sizes)
-    criterion = LabelSmoothing(cfg.V, padding_idx=COPY_PAD, smoothing=0.0)
-    loss_compute = CopyLossCompute(model.generator, criterion)
-    schedule = lambda step: warmup_linear_decay(
-        step, cfg.lr, cfg.warmup, cfg.decay_steps
-    )
-    optimizer, scheduler = make_optimizer(
-        model, cfg.d_model, betas=(0.9, cfg.beta2), schedule=schedule
-    )
-    autocast = lambda: torch.autocast("cpu", torch.bfloat16, enabled=cfg.bf16)
-    return model, loss_compute, optimizer, scheduler, autocast
-
-
-def epoch_summary(r):
-    """One log line for an epoch record of train_copy_task."""
-    check = r["exact_copy"]
-    greedy = "" if check is None else f" | greedy check {check:6.1%}"
-    return (
-        f"epoch {r['epoch']:2d} | step {r['steps']:4d} | loss "
-        f"{r['train_loss']:.4f} | exact while training "
-        f"{r['train_exact']:6.1%}{greedy} | {r['seconds']:5.1f} s"
-    )
-
-
-def train_copy_task(cfg=None, log=print):
-    """Train until exact copy; returns (model, list of epoch records)."""
-    cfg = cfg or CopyTaskConfig()
-    model, loss_compute, optimizer, scheduler, autocast = copy_task_setup(cfg)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    state, history, start = TrainState(), [], time.time()
-    for epoch in range(cfg.max_epochs):
-        model.train()
-        seen, exact = loss_compute.sequences, loss_compute.exact
-        data = data_gen(cfg.V, cfg.batch_size, cfg.nbatches, generator=gen)
-        args = (data, model, loss_compute, optimizer, scheduler)
-        loss, state = run_epoch(*args, train_state=state, autocast=autocast)
-        new = loss_compute.sequences - seen
-        train_exact = (loss_compute.exact - exact) / new
-        checked = greedy_check(model, loss_compute, cfg.check_size, cfg.V, gen)
-        history.append(
-            {
-                "epoch": epoch,
-                "steps": state.accum_step,
-                "samples": state.samples,
-                "train_loss": loss,
-                "train_exact": train_exact,
-                "exact_copy": checked,
-                "seconds": time.time() - start,
-            }
-        )
-        log(epoch_summary(history[-1]))
-        if checked == 1.0:
-            break
-    return model, history
 
 
 # =============================================================================
@@ -1922,14 +1790,7 @@ __all__ = [
     "make_optimizer",
     "greedy_decode",
     "copy_accuracy",
-    "copy_accuracy_teacher_forced",
-    "CopyLossCompute",
-    "greedy_check",
     "warmup_linear_decay",
-    "CopyTaskConfig",
-    "copy_task_setup",
-    "epoch_summary",
-    "train_copy_task",
     "MULTI30K_ENV",
     "MULTI30K_SPLITS",
     "DatasetError",

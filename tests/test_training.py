@@ -141,18 +141,6 @@ def test_label_smoothing_penalty_rows_are_finite_with_the_right_shape():
     [
         tools.learning_rate_chart,
         tools.label_smoothing_penalty_chart,
-        lambda: tools.copy_progress_chart(
-            [
-                {
-                    "epoch": e,
-                    "steps": 20 * (e + 1),
-                    "train_loss": 1 / (e + 1),
-                    "train_exact": e / 4,
-                    "exact_copy": None,
-                }
-                for e in range(5)
-            ]
-        ),
     ],
 )
 def test_charts_render_to_png_and_svg(make_chart, tmp_path):
@@ -406,7 +394,7 @@ def test_teacher_forced_check_equals_greedy_check():
         / n
     )
     assert 0.1 < expected < 0.9
-    for check in (tat.copy_accuracy_teacher_forced, tat.copy_accuracy):
+    for check in (tools.copy_accuracy_teacher_forced, tat.copy_accuracy):
         g = torch.Generator().manual_seed(5)
         assert check(RiggedCopier(), n, V, generator=g) == pytest.approx(
             expected
@@ -419,7 +407,7 @@ def test_copy_loss_compute_counts_runs_of_exact_sequences():
     # exact sequences by hand, one sequence at a time, and compare.
     model = RiggedCopier()
     criterion = tat.LabelSmoothing(V, padding_idx=tat.COPY_PAD, smoothing=0.0)
-    counter = tat.CopyLossCompute(model.generator, criterion)
+    counter = tools.CopyLossCompute(model.generator, criterion)
     g = torch.Generator().manual_seed(3)
     streak = seen = exact = 0
     longest = 0
@@ -440,7 +428,7 @@ def test_copy_loss_compute_counts_runs_of_exact_sequences():
 
 def test_copy_loss_compute_ignores_padding():
     criterion = tat.LabelSmoothing(4, padding_idx=0, smoothing=0.0)
-    counter = tat.CopyLossCompute(torch.nn.Identity(), criterion, pad=0)
+    counter = tools.CopyLossCompute(torch.nn.Identity(), criterion, pad=0)
     y = torch.tensor([[2, 3, 0], [2, 3, 1]])  # row 0 ends in padding
     logits = torch.nn.functional.one_hot(torch.tensor([[2, 3, 1]] * 2), 4)
     counter(logits.float().log_softmax(-1), y, 5)
@@ -473,9 +461,19 @@ def test_make_optimizer_takes_another_schedule():
 
 
 def test_copy_task_learns_exact_copy_on_fresh_sequences():
-    cfg = tat.CopyTaskConfig.for_size("ci")
-    model, history = tat.train_copy_task(cfg, log=lambda msg: None)
+    cfg = tools.CopyTaskConfig.for_size("ci")
+    model, history = tools.train_copy_task(cfg, log=lambda msg: None)
     assert history[-1]["exact_copy"] == 1.0
     assert history[-1]["steps"] < cfg.max_epochs * cfg.nbatches
     fresh = torch.Generator().manual_seed(cfg.seed + 12345)
     assert tat.copy_accuracy(model, 500, cfg.V, generator=fresh) >= 0.98
+
+
+def test_copy_task_config_presets():
+    assert tools.CopyTaskConfig.for_size("full") == tools.CopyTaskConfig()
+    ci = tools.CopyTaskConfig.for_size("ci", seed=3)
+    assert (ci.N, ci.d_model, ci.d_ff, ci.h, ci.lr) == (1, 64, 256, 4, 3e-3)
+    assert ci.seed == 3
+    assert ci.batch_size == tools.CopyTaskConfig().batch_size
+    with pytest.raises(ValueError, match="full"):
+        tools.CopyTaskConfig.for_size("huge")
