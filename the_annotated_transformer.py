@@ -411,8 +411,8 @@ class LabelSmoothing(nn.Module):
         self.confidence = 1.0 - smoothing  # mass the correct token keeps
         self.criterion = nn.KLDivLoss(reduction="sum")
         self.keep_targets = keep_targets  # build (N, size) targets, slower
-        self.last_target = None  # (N,) targets of the latest call
-        self.last_dtype = torch.float32
+        self.last_target = None  # (N,) targets of the latest call,
+        self.last_dtype = torch.float32  # and its dtype: for true_dist
 
     def smoothed_targets(self, target, dtype=torch.float32):
         """(N,) target ids to the (N, size) smoothed distribution."""
@@ -425,7 +425,12 @@ class LabelSmoothing(nn.Module):
 
     @property
     def true_dist(self):
-        """The (N, size) smoothed targets of the latest call, or None."""
+        """The (N, size) smoothed targets of the latest call, or None.
+
+        Kept for code written against the 2022 Harvard Annotated
+        Transformer (the tutorial this project rewrites), which stored this
+        matrix; here it is built only when read, from `last_target`.
+        """
         if self.last_target is None:
             return None
         return self.smoothed_targets(self.last_target, self.last_dtype)
@@ -444,7 +449,11 @@ def smoothed_kl(x, target, padding_idx, smoothing):
     c, f = 1.0 - smoothing, smoothing / (x.size(1) - 2)
     picked = x.gather(1, target.unsqueeze(1)).squeeze(1)  # (N,)
     rest = x.sum(1) - picked - x[:, padding_idx]  # (N,)
-    plogp = sum(p * math.log(q) for p, q in ((c, c), (smoothing, f)) if p)
+    # The sum of p log p over a row's targets: c at the target, f at each
+    # of the V - 2 others (together `smoothing`). 0 log 0 counts as 0.
+    plogp = c * math.log(c) if c > 0 else 0.0
+    if smoothing > 0:
+        plogp += smoothing * math.log(f)
     per_row = plogp - c * picked - f * rest  # (N,)
     return per_row.masked_fill(target == padding_idx, 0).sum()
 
@@ -455,6 +464,7 @@ def label_smoothing_penalty_rows(margins=range(0, 25), smoothing=0.1):
     for eps in (0.0, smoothing):
         crit = LabelSmoothing(6, padding_idx=0, smoothing=eps)
         for m in margins:
+            # Token 0 is padding: a logit of -10,000 gives it probability 0.
             logits = torch.tensor([[-1e4, 0.0, float(m), 0.0, 0.0, 0.0]])
             loss = crit(logits.log_softmax(-1), torch.tensor([2]))
             rows.append(dict(margin=m, loss=float(loss), smoothing=eps))
@@ -546,7 +556,7 @@ def print_progress(i, state, loss_node, speed, optimizer):
     """One log line of run_epoch's "train+log" mode."""
     lr = optimizer.param_groups[0]["lr"]
     print(
-        f"step {i:5d} | accum step {state.accum_step:5d} | loss "
+        f"batch {i:5d} | optimizer steps {state.accum_step:5d} | loss "
         f"{loss_node.item():6.3f} | {speed:7.1f} tok/s | lr {lr:6.1e}"
     )
 
@@ -588,6 +598,7 @@ def run_epoch(
                     optimizer, scheduler, model.parameters(), scale, scaler
                 )
                 state.accum_step, window = state.accum_step + 1, 0
+            # == 1: the first line comes after two batches, as in 2022.
             if mode == "train+log" and i % log_every == 1:
                 speed = (state.tokens - tokens_before) / (time.time() - start)
                 print_progress(i, state, loss_node, speed, optimizer)
@@ -607,7 +618,11 @@ def rate(step, model_size, factor, warmup):
 def make_optimizer(
     model, d_model, factor=1.0, warmup=4000, betas=(0.9, 0.98), schedule=None
 ):
-    """Adam and a LambdaLR running `rate`, or `schedule` when given."""
+    """Adam and a LambdaLR running `rate`, or `schedule` when given.
+
+    With a `schedule`, `d_model`, `factor` and `warmup` are unused.
+    """
+    # Fused Adam: the same update in one pass over the parameters.
     fused = all(p.device.type in ("cpu", "cuda") for p in model.parameters())
     optimizer = torch.optim.Adam(
         model.parameters(), lr=1.0, betas=betas, eps=1e-9, fused=fused
