@@ -468,8 +468,9 @@ def print_progress(i, state, loss_node, speed, optimizer):
 # With these pieces the epoch stays short. `mode="eval"` runs under
 # `torch.no_grad()` and never steps; `mode="train+log"` prints progress
 # every `log_every` micro-batches: the batch's index in this epoch, the
-# optimizer steps so far, and the batch's loss. The loss total stays a
-# tensor until the end of the epoch (on a GPU, each read makes the CPU wait).
+# optimizer steps so far, the batch's loss, tokens per second and the
+# learning rate. The loss total stays a tensor until the end of the epoch
+# (on a GPU, each read makes the CPU wait).
 
 
 # %%
