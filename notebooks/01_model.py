@@ -849,8 +849,8 @@ with torch.no_grad():
         (our_layer.ff_block.norm, torch_layer.norm2),
     ]
     for our_norm, torch_norm in norms:
-        weights = {"weight": our_norm.a_2, "bias": our_norm.b_2}
-        torch_norm.load_state_dict(weights)
+        state = {"weight": our_norm.a_2, "bias": our_norm.b_2}
+        torch_norm.load_state_dict(state)
 
 # %% [markdown]
 # The second sentence ends in two pad positions. PyTorch takes the padding
