@@ -45,6 +45,7 @@ from the_annotated_transformer import (
     BpeVocab,
     DatasetError,
     LabelSmoothing,
+    PositionalEncoding,
     SimpleLossCompute,
     TrainConfig,
     TrainState,
@@ -77,6 +78,7 @@ from the_annotated_transformer import (
     save_run,
     source_alignment,
     strip_specials,
+    subsequent_mask,
     tokenize,
     warmup_linear_decay,
 )
@@ -109,6 +111,43 @@ def line_chart(rows, x, y, color=None, title="", point=False):
     chart = alt.Chart(pd.DataFrame(rows)).mark_line(point=point)
     chart = chart.encode(x=f"{x}:Q", y=f"{y}:Q", tooltip=[x, y], **lines)
     return chart.properties(title=title, width=480)
+
+
+def mask_chart(size=20):
+    """Altair heat map of subsequent_mask(size)."""
+    import altair as alt
+    import pandas as pd
+
+    mask = subsequent_mask(size)[0]  # (size, size)
+    rows = [
+        {"query (row)": i, "key (column)": j, "allowed": bool(mask[i, j])}
+        for i in range(size)
+        for j in range(size)
+    ]
+    colors = alt.Scale(domain=[False, True], range=["#f2f2f2", "#3b6ea8"])
+    return (
+        alt.Chart(pd.DataFrame(rows))
+        .mark_rect()
+        .encode(
+            x="key (column):O",
+            y="query (row):O",
+            color=alt.Color("allowed:N", scale=colors),
+            tooltip=["query (row)", "key (column)", "allowed"],
+        )
+        .properties(title=f"subsequent_mask({size})", width=260, height=260)
+    )
+
+
+def positional_chart(d_model=20, length=100, dims=(4, 5, 6, 7)):
+    """Line chart of a few dimensions of the positional encoding."""
+    pe = PositionalEncoding(d_model, dropout=0.0).pe[0, :length]  # (L, d)
+    rows = [
+        {"position": p, "value": float(pe[p, d]), "dimension": f"dim {d}"}
+        for d in dims
+        for p in range(length)
+    ]
+    title = f"Positional encoding, d_model = {d_model}"
+    return line_chart(rows, "position", "value", "dimension", title)
 
 
 def label_smoothing_penalty_chart(smoothing=0.1):
@@ -1724,6 +1763,8 @@ def main(argv=None):
 __all__ = [
     "save_chart",
     "line_chart",
+    "mask_chart",
+    "positional_chart",
     "label_smoothing_penalty_chart",
     "learning_rate_chart",
     "attention_frame",

@@ -232,13 +232,18 @@ class MultiHeadedAttention(nn.Module):
         self.attn = None  # (B, h, T, S) when store_attention is True
 
     def split_heads(self, x, linear):
-        """Project (B, T, d_model) and split to (B, h, T, d_k)."""
-        return linear(x).view(x.size(0), -1, self.h, self.d_k).transpose(1, 2)
+        """Project (B, T, d_model) with `linear`, split to (B, h, T, d_k)."""
+        B = x.size(0)
+        x = linear(x)  # (B, T, d_model): one of W^Q, W^K, W^V
+        x = x.view(B, -1, self.h, self.d_k)  # (B, T, h, d_k)
+        return x.transpose(1, 2)  # (B, h, T, d_k)
 
     def forward(self, query, key, value, mask=None):
         """Attend from query (B, T, d) to key/value (B, S, d)."""
         if mask is not None:
-            mask = mask.unsqueeze(1)  # one mask for every head: (B, 1, *, S)
+            # One mask for every head: source (B, 1, 1, S), target
+            # (B, 1, T, T).
+            mask = mask.unsqueeze(1)
         q = self.split_heads(query, self.w_q)  # (B, h, T, d_k)
         k = self.split_heads(key, self.w_k)  # (B, h, S, d_k)
         v = self.split_heads(value, self.w_v)  # (B, h, S, d_k)
@@ -299,7 +304,9 @@ class PositionalEncoding(nn.Module):
         two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # (d/2,)
         angles = pos / 10000 ** (two_i / d_model)  # (L, d/2)
         waves = torch.stack([angles.sin(), angles.cos()], -1)  # (L, d/2, 2)
-        pe = waves.flatten(1)[:, :d_model].float()  # (L, d): sin, cos, ...
+        # Interleave to sin, cos, sin, ...; an odd d_model gives one
+        # column too many, which [:, :d_model] drops.
+        pe = waves.flatten(1)[:, :d_model].float()  # (L, d)
         self.dropout = nn.Dropout(p=dropout)
         self.register_buffer("pe", pe.unsqueeze(0))  # (1, max_len, d_model)
 

@@ -15,19 +15,24 @@
 # # Part 1: The model architecture
 #
 # This notebook builds the Transformer of Vaswani et al., *Attention Is All
-# You Need* (2017), one component per cell, in the order the data flows
-# through it. Every cell marked `#| export` is also copied into
+# You Need* (2017), one component per cell, top down: from the whole model
+# to its parts. It follows harvardnlp's *The Annotated Transformer* (2018,
+# updated 2022; "the 2022 tutorial" below) and keeps most of its names.
+# Every cell marked `#| export` is also copied into
 # `the_annotated_transformer.py`, so the code you read here is the code you
 # import later. After most definitions a short cell checks the new piece
 # against a PyTorch built-in, a closed form, or a property the paper
 # promises. Where we depart from the paper, one sentence says so and why.
+#
+# The diagrams are the SVG files in `notebooks/diagrams/`; the notebook
+# embeds them, and in the `.py` file they appear as `attachment:NAME.svg`.
 
 # %% [markdown]
 # [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/annotated-transformer/done-right/blob/main/notebooks/01_model.ipynb)
 
 # %%
-# Setup. On Colab: clone the repository, then install what the notebooks
-# need. Elsewhere: use the checkout this notebook sits in.
+# Setup only; nothing to learn here. On Colab: clone the repository, then
+# install what the notebooks need. Elsewhere: use this checkout.
 import os
 import subprocess
 import sys
@@ -43,7 +48,6 @@ if "COLAB_RELEASE_TAG" in os.environ and not os.path.isdir(CLONE):
     subprocess.run([sys.executable, "-m", *pip], check=True)
 ROOT = os.path.abspath(CLONE if os.path.isdir(CLONE) else "..")
 sys.path.insert(0, ROOT)
-AT_SIZE = os.environ.get("AT_SIZE", "full")  # "ci": minutes, not hours
 
 # %%
 #| export
@@ -67,8 +71,11 @@ from torch import nn
 # `EncoderDecoder` holds five parts and says how data moves between them:
 # source ids are embedded and encoded once; target ids are embedded and
 # decoded against that memory. Each part is defined further down.
+# `forward` stops at the decoder's hidden states: it never calls the fifth
+# part, the `generator`. The loss (Part 2) and the decoding loops (Parts 2
+# and 5) call it themselves, on the positions they need.
 #
-# ![The Transformer as make_model builds it](attachment:transformer.svg)
+# ![The Transformer, as this notebook builds it](attachment:transformer.svg)
 #
 # Read it bottom up: each box names its code and output shape; dashed
 # frames repeat $N$ times; each (+) is a residual connection.
@@ -102,8 +109,8 @@ class EncoderDecoder(nn.Module):
 
 
 # %% [markdown]
-# `Generator` maps decoder states to next-token log-probabilities (a
-# linear map, then log-softmax): the loss and beam search both add them.
+# `Generator` maps decoder states to next-token log-probabilities: a
+# linear map to one score per vocabulary word, then log-softmax.
 
 
 # %%
@@ -126,7 +133,9 @@ class Generator(nn.Module):
 # The encoder is a stack of $N = 6$ identical layers. Identical in shape,
 # not in weights: `clones` makes $N$ independent deep copies of one module.
 # Both stacks end with a `LayerNorm` (explained just below; the pre-norm
-# section says why) and share one base class, `LayerStack`.
+# section says why) and share one base class, `LayerStack`. The `mask`
+# the encoder takes hides the source's padding tokens; the section on
+# masks, after the decoder, explains both masks the model uses.
 
 
 # %%
@@ -171,7 +180,10 @@ class Encoder(LayerStack):
 #
 # **Our choice.** The 2022 tutorial divided by the *unbiased* standard
 # deviation plus $\epsilon$. We use the standard form above, which is what
-# `torch.nn.LayerNorm` computes, so the two can be compared directly.
+# `torch.nn.LayerNorm` computes, so the two can be compared directly. We
+# still write our own small class rather than use `nn.LayerNorm`, only to
+# keep the 2022 tutorial's parameter names: the gain $a$ is `a_2` and the
+# bias $b$ is `b_2`.
 
 
 # %%
@@ -193,7 +205,7 @@ class LayerNorm(nn.Module):
 
 # %% [markdown]
 # The formula, written out, gives the same numbers as the fused kernel
-# that `forward` calls (which is several times faster in training):
+# that `forward` calls:
 
 # %%
 torch.manual_seed(0)
@@ -214,10 +226,12 @@ assert torch.allclose(norm(x), by_hand, atol=1e-5)
 # it *before* the sub-layer and leave the residual path untouched
 # ("pre-norm"): $x + \mathrm{Dropout}(\mathrm{Sublayer}(
 # \mathrm{LayerNorm}(x)))$. Pre-norm keeps an identity path from the input
-# to the output of the whole stack, so gradients reach the lower layers
-# undiminished and training is stable with less careful warm-up (Xiong et
-# al., 2020). The cost is one extra norm at the top of each stack, which is
-# why `LayerStack` ends with a `LayerNorm`.
+# to the output of the whole stack (the check below shows it for one
+# block). Xiong et al. (2020) show that this keeps the gradients of the
+# lower layers well scaled, so that training needs less careful warm-up; we
+# cite their result rather than repeat it here. The cost is one extra norm
+# at the top of each stack, which is why `LayerStack` ends with a
+# `LayerNorm`.
 #
 # ![Pre-norm and post-norm residual blocks](attachment:residual.svg)
 
@@ -278,7 +292,7 @@ class EncoderLayer(nn.Module):
 # between the two the encoder has: attention from the target positions to
 # the encoder's memory ("source attention"). Queries come from the target;
 # keys and values come from the memory. Self-attention uses the target
-# mask, source attention the source's padding mask.
+# mask, source attention the source mask; the next section explains both.
 
 
 # %%
@@ -316,15 +330,25 @@ class DecoderLayer(nn.Module):
 
 
 # %% [markdown]
-# ### The subsequent mask
+# ### Masks
 #
-# During training the decoder sees the whole target sentence at once, so
-# position $t$ must be kept from attending to positions after $t$;
-# otherwise it could read the answer it is asked to predict. The mask is
-# lower-triangular: row $t$ (the query) may look at columns $0 \dots t$.
-# Throughout this project a mask is boolean and **`True` means "may
-# attend"**, the same convention as `torch.nn.functional.
-# scaled_dot_product_attention`.
+# A mask says which keys each query may read. Throughout this project a
+# mask is boolean and **`True` means "may attend"**, the same convention as
+# `torch.nn.functional.scaled_dot_product_attention`. The model takes two:
+#
+# * the **source mask**, shape $(B, 1, S)$: `True` at the real source
+#   tokens, `False` at padding. The middle 1 means that every query uses
+#   the same row.
+# * the **target mask**, shape $(B, T, T)$: query $t$ may read key $u$
+#   only if $u \le t$ and $u$ is not padding. It is the *subsequent mask*
+#   below combined (`&`) with the target's padding; Part 2 builds both
+#   masks from a batch of token ids.
+#
+# The subsequent mask is needed because during training the decoder sees
+# the whole target sentence at once, so position $t$ must be kept from
+# attending to positions after $t$; otherwise it could read the answer it
+# is asked to predict. It is lower-triangular: row $t$ (the query) may look
+# at columns $0 \dots t$.
 
 
 # %%
@@ -335,45 +359,30 @@ def subsequent_mask(size):
     return ~upper
 
 
+# %% [markdown]
+# For five positions (1 = may attend):
+
+# %%
+print(subsequent_mask(5).int())
+
+# %% [markdown]
+# It matches the lower triangle built another way, with `tril`:
+
+# %%
+assert torch.equal(subsequent_mask(20)[0], torch.ones(20, 20).tril().bool())
+
+# %% [markdown]
+# The same mask for 20 positions, drawn by `mask_chart` from the appendix
+# (which also saves it in `figures/`). Blue cells are the pairs the decoder
+# may use: the first position sees only itself, the last sees the whole
+# prefix.
+
 # %%
 from pathlib import Path
 
-from annotated_transformer_tools import save_chart  # a helper from Part 2
+from annotated_transformer_tools import mask_chart, save_chart
 
-
-def mask_chart(size=20):
-    """Altair heat map of subsequent_mask(size)."""
-    import altair as alt
-    import pandas as pd
-
-    mask = subsequent_mask(size)[0]
-    df = pd.DataFrame(
-        [
-            {"query (row)": i, "key (column)": j, "allowed": bool(mask[i, j])}
-            for i in range(size)
-            for j in range(size)
-        ]
-    )
-    colors = alt.Scale(domain=[False, True], range=["#f2f2f2", "#3b6ea8"])
-    return (
-        alt.Chart(df)
-        .mark_rect()
-        .encode(
-            x="key (column):O",
-            y="query (row):O",
-            color=alt.Color("allowed:N", scale=colors),
-            tooltip=["query (row)", "key (column)", "allowed"],
-        )
-        .properties(title="subsequent_mask(20)", width=260, height=260)
-    )
-
-
-assert torch.equal(subsequent_mask(20)[0], torch.ones(20, 20).tril().bool())
-save_chart(mask_chart(), "01_subsequent_mask", Path(ROOT, "figures"))
-
-# %% [markdown]
-# Blue cells are the pairs the decoder may use: the first position sees only
-# itself, the last sees the whole prefix.
+save_chart(mask_chart(20), "01_subsequent_mask", Path(ROOT, "figures"))
 
 # %% [markdown]
 # ## Attention
@@ -392,12 +401,50 @@ save_chart(mask_chart(), "01_subsequent_mask", Path(ROOT, "figures"))
 # 8, the softmax tends to put most of the weight on one key, and there its
 # gradient is small. The division brings the variance back to 1.
 #
+# The cell below measures this for 1,000 random queries, each against 10
+# random keys. The softmax's gradient with respect to its scores is the
+# matrix $\mathrm{diag}(p) - p p^\top$; its size (Frobenius norm) shrinks
+# as the weights $p$ pile onto one key.
+
+
+# %%
+def softmax_gradient_size(weights):
+    """Mean norm of the softmax Jacobian diag(p) - p p^T, per row."""
+    outer = weights[:, :, None] * weights[:, None, :]  # (R, K, K)
+    jacobian = torch.diag_embed(weights) - outer  # (R, K, K)
+    return jacobian.norm(dim=(1, 2)).mean().item()
+
+
+torch.manual_seed(0)
+q = torch.randn(1000, 1, 64)  # 1,000 queries, d_k = 64
+k = torch.randn(1000, 10, 64)  # 10 keys for each query
+raw = (q * k).sum(-1)  # (1000, 10) dot products
+for name, scores in [("raw", raw), ("scaled", raw / math.sqrt(64))]:
+    weights = scores.softmax(dim=-1)
+    print(
+        f"{name:>6}: std {scores.std():.2f},",
+        f"largest weight {weights.max(-1).values.mean():.2f} on average,",
+        f"gradient size {softmax_gradient_size(weights):.2f}",
+    )
+
+# %%
+raw_weights = raw.softmax(dim=-1)
+scaled_weights = (raw / math.sqrt(64)).softmax(dim=-1)
+assert 7.5 < raw.std() < 8.5  # sqrt(64) = 8
+assert raw_weights.max(-1).values.mean() > 0.8  # mostly on one key
+assert scaled_weights.max(-1).values.mean() < 0.5
+raw_gradient = softmax_gradient_size(raw_weights)
+scaled_gradient = softmax_gradient_size(scaled_weights)
+assert raw_gradient < 0.6 * scaled_gradient  # saturated: small gradient
+
+# %% [markdown]
 # ![Scaled dot-product attention, step by step](attachment:attention.svg)
 #
 # A masked position gets `torch.finfo(dtype).min`, the most negative number
 # the scores' dtype holds, so its weight after the softmax is exactly zero.
-# A fixed $-10^9$ does not fit every dtype: float16 ends at $\pm 65504$,
-# and `masked_fill` on float16 scores with $-10^9$ raises an overflow error.
+# A fixed $-10^9$ (the 2022 tutorial's choice) does not fit every dtype:
+# float16 ends at $\pm 65504$. A check below, after the comparison with
+# PyTorch, shows both.
 
 
 # %%
@@ -427,6 +474,25 @@ assert torch.allclose(out, reference, atol=1e-6)
 assert (weights.triu(1) == 0).all()  # no weight on future keys
 
 # %% [markdown]
+# On float16 scores, `masked_fill` with $-10^9$ raises an overflow error,
+# while `torch.finfo(torch.float16).min` gives the masked key a weight of
+# exactly zero:
+
+# %%
+scores = torch.zeros(1, 3, dtype=torch.float16)
+keep = torch.tensor([[True, True, False]])  # the last key is masked
+try:
+    scores.masked_fill(~keep, -1e9)
+except RuntimeError as error:
+    print("masked_fill with -1e9:", error)
+else:
+    raise AssertionError("-1e9 fitted into float16")
+lowest = torch.finfo(torch.float16).min  # -65504
+weights = scores.masked_fill(~keep, lowest).softmax(dim=-1)
+print("weights with finfo.min:", weights)
+assert weights[0, 2] == 0
+
+# %% [markdown]
 # ### Multi-head attention
 #
 # One attention function would average everything a position wants to look
@@ -441,14 +507,17 @@ assert (weights.triu(1) == 0).all()  # no weight on future keys
 # With $h = 8$ and $d_k = 64$ the total cost is about that of one head at
 # full width. The four projections $W^Q, W^K, W^V, W^O$ are the layers
 # `w_q`, `w_k`, `w_v` and `w_o`; inside each, the $h$ per-head projections
-# sit side by side ($h$ blocks of $d_k$ output columns).
+# sit side by side ($h$ blocks of $d_k$ output columns). The method
+# `split_heads` applies one of these projections, then cuts its output
+# into those $h$ blocks, one per head.
 #
 # ![Multi-head attention](attachment:multihead.svg)
 #
-# Two choices of ours: training calls PyTorch's fused
-# `scaled_dot_product_attention` (faster, less memory, but no weights), and
-# `self.attn` keeps the weights only when `store_attention = True`
-# (notebook 04 sets it), so no forward pass holds on to them by accident.
+# Two choices of ours. Every forward pass calls PyTorch's fused
+# `scaled_dot_product_attention` (faster, less memory, but it returns no
+# weights), unless `store_attention` is `True`: then it calls `attention`
+# above and keeps the weights in `self.attn` (Part 4 sets the flag to draw
+# them). So no forward pass holds on to the weights by accident.
 
 
 # %%
@@ -471,13 +540,18 @@ class MultiHeadedAttention(nn.Module):
         self.attn = None  # (B, h, T, S) when store_attention is True
 
     def split_heads(self, x, linear):
-        """Project (B, T, d_model) and split to (B, h, T, d_k)."""
-        return linear(x).view(x.size(0), -1, self.h, self.d_k).transpose(1, 2)
+        """Project (B, T, d_model) with `linear`, split to (B, h, T, d_k)."""
+        B = x.size(0)
+        x = linear(x)  # (B, T, d_model): one of W^Q, W^K, W^V
+        x = x.view(B, -1, self.h, self.d_k)  # (B, T, h, d_k)
+        return x.transpose(1, 2)  # (B, h, T, d_k)
 
     def forward(self, query, key, value, mask=None):
         """Attend from query (B, T, d) to key/value (B, S, d)."""
         if mask is not None:
-            mask = mask.unsqueeze(1)  # one mask for every head: (B, 1, *, S)
+            # One mask for every head: source (B, 1, 1, S), target
+            # (B, 1, T, T).
+            mask = mask.unsqueeze(1)
         q = self.split_heads(query, self.w_q)  # (B, h, T, d_k)
         k = self.split_heads(key, self.w_k)  # (B, h, S, d_k)
         v = self.split_heads(value, self.w_v)  # (B, h, S, d_k)
@@ -601,9 +675,16 @@ class Embeddings(nn.Module):
         return self.lut(x) * math.sqrt(self.d_model)
 
 
+# %% [markdown]
+# A lookup in the table is the same as multiplying a one-hot vector by the
+# table's weight matrix; the check computes it that way, scale included:
+
 # %%
-emb, ids = Embeddings(16, 11), torch.randint(0, 11, (2, 5))
-assert torch.equal(emb(ids), emb.lut(ids) * 4)  # sqrt(16) = 4
+emb = Embeddings(16, 11)  # d_model = 16, a vocabulary of 11
+ids = torch.randint(0, 11, (2, 5))  # (B, T)
+one_hot = F.one_hot(ids, num_classes=11).float()  # (B, T, vocab)
+by_matmul = one_hot @ emb.lut.weight * 4  # sqrt(16) = 4
+assert torch.allclose(emb(ids), by_matmul)
 
 # %% [markdown]
 # ## Positional encoding
@@ -618,10 +699,14 @@ assert torch.equal(emb(ids), emb.lut(ids) * 4)  # sqrt(16) = 4
 # \qquad PE_{(pos, 2i+1)} = \cos\!\left(pos / 10000^{2i/d_{\text{model}}}
 # \right).$$
 #
-# We compute the table of angles $pos / 10000^{2i/d}$ in float64, take its
-# sine and cosine, and interleave them so that sines land in the even
-# columns and cosines in the odd ones. Dropout (0.1) is applied to the sum
-# of embedding and encoding.
+# We compute the table once, for up to `max_len` = 5,000 positions (far
+# longer than any sentence here), and keep it as a buffer: saved with the
+# model, moved with it to a device, but never trained. The angles
+# $pos / 10000^{2i/d}$ reach 5,000 radians, where float32 keeps only about
+# three decimals, so they are computed in float64 and rounded to float32
+# after the sine and cosine. Sines land in the even columns and cosines in
+# the odd ones. Dropout (0.1) is applied to the sum of embedding and
+# encoding.
 
 
 # %%
@@ -635,7 +720,9 @@ class PositionalEncoding(nn.Module):
         two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # (d/2,)
         angles = pos / 10000 ** (two_i / d_model)  # (L, d/2)
         waves = torch.stack([angles.sin(), angles.cos()], -1)  # (L, d/2, 2)
-        pe = waves.flatten(1)[:, :d_model].float()  # (L, d): sin, cos, ...
+        # Interleave to sin, cos, sin, ...; an odd d_model gives one
+        # column too many, which [:, :d_model] drops.
+        pe = waves.flatten(1)[:, :d_model].float()  # (L, d)
         self.dropout = nn.Dropout(p=dropout)
         self.register_buffer("pe", pe.unsqueeze(0))  # (1, max_len, d_model)
 
@@ -652,43 +739,29 @@ class PositionalEncoding(nn.Module):
 # matrix written out by hand:
 
 # %%
-d, offset = 20, 7
-pe = PositionalEncoding(d, dropout=0.0).pe[0].double()  # (max_len, d)
-freq = 1 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-cos, sin = (offset * freq).cos(), (offset * freq).sin()  # (d/2,) each
-s, c = pe[:100, 0::2], pe[:100, 1::2]  # the pairs at positions 0..99
-rotated = torch.stack([s * cos + c * sin, c * cos - s * sin], -1).flatten(1)
-assert torch.allclose(rotated, pe[offset : 100 + offset], atol=1e-5)
+width, k = 20, 7  # a 20-dimensional encoding, an offset of 7 positions
+table = PositionalEncoding(width, dropout=0.0).pe[0].double()  # (L, 20)
+two_i = torch.arange(0, width, 2, dtype=torch.float64)  # (10,)
+turn = k / 10000 ** (two_i / width)  # rotation angle of each pair, (10,)
+sines = table[:100, 0::2]  # sin(a) for positions 0..99, (100, 10)
+cosines = table[:100, 1::2]  # cos(a), (100, 10)
+# sin(a + b) = sin a cos b + cos a sin b
+shifted_sines = sines * turn.cos() + cosines * turn.sin()
+# cos(a + b) = cos a cos b - sin a sin b
+shifted_cosines = cosines * turn.cos() - sines * turn.sin()
+rotated = torch.stack([shifted_sines, shifted_cosines], dim=-1).flatten(1)
+assert torch.allclose(rotated, table[k : 100 + k], atol=1e-5)
 
+
+# %% [markdown]
+# Four dimensions of a 20-dimensional encoding over the first 100
+# positions, drawn by `positional_chart` from the appendix:
 
 # %%
-def positional_chart(d_model=20, length=100, dims=(4, 5, 6, 7)):
-    """Line chart of a few dimensions of the positional encoding."""
-    import altair as alt
-    import pandas as pd
+from annotated_transformer_tools import positional_chart
 
-    pe = PositionalEncoding(d_model, dropout=0.0).pe[0, :length]
-    df = pd.DataFrame(
-        [
-            {"position": p, "value": float(pe[p, d]), "dimension": f"dim {d}"}
-            for d in dims
-            for p in range(length)
-        ]
-    )
-    return (
-        alt.Chart(df)
-        .mark_line()
-        .encode(
-            x="position:Q",
-            y="value:Q",
-            color="dimension:N",
-            tooltip=["dimension", "position", "value"],
-        )
-        .properties(title="Positional encoding, d_model = 20", width=480)
-    )
-
-
-save_chart(positional_chart(), "01_positional_encoding", Path(ROOT, "figures"))
+chart = positional_chart(d_model=20, length=100, dims=(4, 5, 6, 7))
+save_chart(chart, "01_positional_encoding", Path(ROOT, "figures"))
 
 # %% [markdown]
 # Dimensions 4 and 5 are a sine and a cosine of the same frequency, a
@@ -698,9 +771,9 @@ save_chart(positional_chart(), "01_positional_encoding", Path(ROOT, "figures"))
 # %% [markdown]
 # ## The full model
 #
-# `make_model` assembles everything from hyperparameters, in the order this
-# notebook introduced the parts. The defaults are the paper's base model:
-# $N=6$, $d_{\text{model}}=512$, $d_{ff}=2048$, $h=8$, dropout $0.1$.
+# `make_model` assembles everything from hyperparameters. The defaults
+# are the paper's base model: $N=6$, $d_{\text{model}}=512$, $d_{ff}=2048$,
+# $h=8$, dropout $0.1$.
 #
 # 1. One attention module, one feed-forward network and one positional
 #    encoding serve as *prototypes*; `clones` gives every place that needs
@@ -741,39 +814,57 @@ def make_model(
 
 
 # %% [markdown]
-# PyTorch's pre-norm `nn.TransformerEncoderLayer` gets our encoder layer's
-# weights: $W^Q, W^K, W^V$ stacked into `in_proj_weight` and `in_proj_bias`,
-# $W^O$ into `out_proj`, `w_1`, `w_2` into `linear1`, `linear2`, and the
-# norms' `a_2`, `b_2` into `norm1`, `norm2`. Both compute the same:
+# ### Checking one encoder layer against PyTorch
+#
+# PyTorch has its own pre-norm encoder layer, `nn.TransformerEncoderLayer`.
+# Given our encoder layer's weights, it should compute the same. The
+# weights move like this: $W^Q, W^K, W^V$ stacked into `in_proj_weight`
+# and `in_proj_bias`, $W^O$ into `out_proj`, `w_1`, `w_2` into `linear1`,
+# `linear2`, and the norms' `a_2`, `b_2` into `norm1`, `norm2`.
 
 # %%
 torch.manual_seed(0)
-layer = make_model(11, 11, N=1, d_model=32, d_ff=64, h=4).encoder.layers[0]
-theirs = nn.TransformerEncoderLayer(
+tiny = make_model(11, 11, N=1, d_model=32, d_ff=64, h=4)
+our_layer = tiny.encoder.layers[0]
+torch_layer = nn.TransformerEncoderLayer(
     32, 4, 64, 0.0, batch_first=True, norm_first=True, layer_norm_eps=1e-6
 )
-attn, ff = layer.self_attn, layer.feed_forward
+our_attn = our_layer.self_attn
+our_ff = our_layer.feed_forward
 with torch.no_grad():
-    qkv = [attn.w_q, attn.w_k, attn.w_v]
-    theirs.self_attn.in_proj_weight.copy_(torch.cat([w.weight for w in qkv]))
-    theirs.self_attn.in_proj_bias.copy_(torch.cat([w.bias for w in qkv]))
-    for mine, their in [
-        (attn.w_o, theirs.self_attn.out_proj),
-        (ff.w_1, theirs.linear1),
-        (ff.w_2, theirs.linear2),
-    ]:
-        their.load_state_dict(mine.state_dict())
-    for mine, their in [
-        (layer.self_attn_block.norm, theirs.norm1),
-        (layer.ff_block.norm, theirs.norm2),
-    ]:
-        their.load_state_dict({"weight": mine.a_2, "bias": mine.b_2})
-x = torch.randn(2, 6, 32)
-pad = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])  # (B, S)
-expected = theirs.eval()(x, src_key_padding_mask=~pad)[pad]
-assert torch.allclose(
-    layer.eval()(x, pad.unsqueeze(1))[pad], expected, atol=1e-5
-)
+    qkv = [our_attn.w_q, our_attn.w_k, our_attn.w_v]
+    in_weight = torch.cat([w.weight for w in qkv])  # (3 d_model, d_model)
+    in_bias = torch.cat([w.bias for w in qkv])  # (3 d_model,)
+    torch_layer.self_attn.in_proj_weight.copy_(in_weight)
+    torch_layer.self_attn.in_proj_bias.copy_(in_bias)
+    pairs = [
+        (our_attn.w_o, torch_layer.self_attn.out_proj),
+        (our_ff.w_1, torch_layer.linear1),
+        (our_ff.w_2, torch_layer.linear2),
+    ]
+    for our_linear, torch_linear in pairs:
+        torch_linear.load_state_dict(our_linear.state_dict())
+    norms = [
+        (our_layer.self_attn_block.norm, torch_layer.norm1),
+        (our_layer.ff_block.norm, torch_layer.norm2),
+    ]
+    for our_norm, torch_norm in norms:
+        state = {"weight": our_norm.a_2, "bias": our_norm.b_2}
+        torch_norm.load_state_dict(state)
+
+# %% [markdown]
+# The second sentence ends in two pad positions. PyTorch takes the padding
+# as `src_key_padding_mask`, with the opposite convention (`True` means
+# "padding"). Only the real tokens' outputs are compared: nothing ever
+# reads the outputs at pad positions, and PyTorch does not promise what it
+# puts there.
+
+# %%
+x = torch.randn(2, 6, 32)  # (B, S, d_model)
+real = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])  # (B, S)
+ours = our_layer.eval()(x, real.unsqueeze(1))  # source mask (B, 1, S)
+theirs = torch_layer.eval()(x, src_key_padding_mask=~real)
+assert torch.allclose(ours[real], theirs[real], atol=1e-5)
 
 # %% [markdown]
 # ## Counting parameters
@@ -794,6 +885,7 @@ assert torch.allclose(
 # d + V_{tgt}$. `count_parameters` counts a shared matrix once (Part 5
 # shares one). The table counts a base-size model built on the `meta`
 # device (shapes only, no memory) and compares every row with its formula.
+# The vocabulary sizes, 8,000 source and 6,000 target words, are arbitrary.
 
 
 # %%
@@ -855,9 +947,12 @@ parameter_table()
 # %%
 torch.manual_seed(0)
 model = make_model(11, 11, N=2, d_model=64, d_ff=128, h=4).eval()
-src, tgt = torch.randint(1, 11, (2, 7)), torch.randint(1, 11, (2, 6))
-src_mask, tgt_mask = torch.ones(2, 1, 7, dtype=torch.bool), subsequent_mask(6)
-logp = model.generator(model(src, tgt, src_mask, tgt_mask))  # (B, T, vocab)
+src = torch.randint(1, 11, (2, 7))  # (B, S), no padding
+tgt = torch.randint(1, 11, (2, 6))  # (B, T)
+src_mask = torch.ones(2, 1, 7, dtype=torch.bool)  # (B, 1, S)
+tgt_mask = subsequent_mask(6)  # (1, T, T), shared by the batch
+hidden = model(src, tgt, src_mask, tgt_mask)  # (B, T, d_model)
+logp = model.generator(hidden)  # (B, T, vocab)
 edited = torch.cat([tgt[:, :4], torch.randint(1, 11, (2, 2))], dim=1)
 logp_edited = model.generator(model(src, edited, src_mask, tgt_mask))
 assert torch.allclose(logp.exp().sum(-1), torch.ones(2, 6))
@@ -865,5 +960,5 @@ assert torch.allclose(logp[:, :4], logp_edited[:, :4], atol=1e-5)
 assert not torch.allclose(logp[:, 4:], logp_edited[:, 4:])
 
 # %% [markdown]
-# Next, in `02_training.py`: batches and masks, the optimizer schedule,
-# label smoothing, and a first model that learns to copy its input.
+# Next, in Part 2: batches and masks, the optimizer schedule, label
+# smoothing, and a first model that learns to copy its input.

@@ -93,6 +93,7 @@ from the_annotated_transformer import UNK, make_model
 from the_annotated_transformer import ATTENTION_KINDS, rate
 from the_annotated_transformer import label_smoothing_penalty_rows
 from the_annotated_transformer import replace_unknowns, source_alignment
+from the_annotated_transformer import PositionalEncoding, subsequent_mask
 
 # %% [markdown]
 # ## Charts
@@ -127,6 +128,53 @@ def line_chart(rows, x, y, color=None, title="", point=False):
     chart = alt.Chart(pd.DataFrame(rows)).mark_line(point=point)
     chart = chart.encode(x=f"{x}:Q", y=f"{y}:Q", tooltip=[x, y], **lines)
     return chart.properties(title=title, width=480)
+
+
+# %% [markdown]
+# ### Part 1's charts
+#
+# The subsequent mask as a grid of allowed (blue) and hidden (grey)
+# (query, key) pairs, and a few dimensions of the positional encoding as
+# lines over the positions.
+
+
+# %%
+#| export
+def mask_chart(size=20):
+    """Altair heat map of subsequent_mask(size)."""
+    import altair as alt
+    import pandas as pd
+
+    mask = subsequent_mask(size)[0]  # (size, size)
+    rows = [
+        {"query (row)": i, "key (column)": j, "allowed": bool(mask[i, j])}
+        for i in range(size)
+        for j in range(size)
+    ]
+    colors = alt.Scale(domain=[False, True], range=["#f2f2f2", "#3b6ea8"])
+    return (
+        alt.Chart(pd.DataFrame(rows))
+        .mark_rect()
+        .encode(
+            x="key (column):O",
+            y="query (row):O",
+            color=alt.Color("allowed:N", scale=colors),
+            tooltip=["query (row)", "key (column)", "allowed"],
+        )
+        .properties(title=f"subsequent_mask({size})", width=260, height=260)
+    )
+
+
+def positional_chart(d_model=20, length=100, dims=(4, 5, 6, 7)):
+    """Line chart of a few dimensions of the positional encoding."""
+    pe = PositionalEncoding(d_model, dropout=0.0).pe[0, :length]  # (L, d)
+    rows = [
+        {"position": p, "value": float(pe[p, d]), "dimension": f"dim {d}"}
+        for d in dims
+        for p in range(length)
+    ]
+    title = f"Positional encoding, d_model = {d_model}"
+    return line_chart(rows, "position", "value", "dimension", title)
 
 
 # %% [markdown]
