@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 # %%
-from the_annotated_transformer import BOS, EOS, PAD, SPECIALS, UNK, UserError
+from the_annotated_transformer import BOS, EOS, PAD, SPECIALS, UNK
 from the_annotated_transformer import batch_greedy_decode, collate_batch
 from the_annotated_transformer import compute_bleu, count_parameters, data_dir
 from the_annotated_transformer import encode_pairs, epoch_checkpoints
@@ -797,7 +797,7 @@ def average_checkpoints(paths, device="cpu"):
     """(model, vocab_src, vocab_tgt, config) with the mean of the weights."""
     paths = [Path(p) for p in paths]
     if not paths:
-        raise UserError("no checkpoints to average")
+        raise ValueError("no checkpoints to average")
     model, vocab_src, vocab_tgt, config = load_trained_model(paths[0], device)
     params, buffers = dict(model.named_parameters()), model.named_buffers()
     buffers = dict(buffers)  # e.g. the positional encoding's `pe`
@@ -808,12 +808,12 @@ def average_checkpoints(paths, device="cpu"):
         state = load_checkpoint(path, device)["model"]
         shapes = {n: state[n].shape for n in sums if n in state}
         if shapes != {n: s.shape for n, s in sums.items()}:
-            raise UserError(f"{path} is not the same model as {paths[0]}")
+            raise ValueError(f"{path} is not the same model as {paths[0]}")
         for name in sums:
             sums[name] += state[name].double()
         for name, b in buffers.items():
             if not torch.equal(state[name], b):
-                raise UserError(f"{path}: buffer {name} differs")
+                raise ValueError(f"{path}: buffer {name} differs")
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(sums[name] / len(paths))
@@ -857,7 +857,7 @@ def load_translator(checkpoint, device="cpu", beam=1, average=0):
     if average:
         paths = epoch_checkpoints(Path(checkpoint).parent)[-average:]
         if len(paths) < average:
-            raise UserError(
+            raise ValueError(
                 f"--average {average} needs {average} epoch checkpoints "
                 f"next to {checkpoint}; found {len(paths)} (training keeps "
                 "the newest --keep-last)"

@@ -426,7 +426,7 @@ def test_non_utf8_lines_are_named(tmp_path):
         f.write("Gut.\nNoch gut.\n".encode() + "Übel.\n".encode("latin-1"))
     lines = tat.iter_lines(path)
     assert next(lines) == "Gut." and next(lines) == "Noch gut."
-    with pytest.raises(tat.UserError, match="line 3"):
+    with pytest.raises(tat.TextFileError, match="line 3"):
         next(lines)
 
 

@@ -121,7 +121,7 @@ def test_only_last_pt_keeps_the_training_state(ci_run):
     model, *_ = tat.load_translator(folder / "final.pt", average=2)
     by_hand = {k: (states[0][k] + states[1][k]) / 2 for k in states[0]}
     assert_same_weights(model.state_dict(), by_hand, atol=1e-6)
-    with pytest.raises(tat.UserError, match="--keep-last"):
+    with pytest.raises(ValueError, match="--keep-last"):
         tat.load_translator(folder / "final.pt", average=3)
 
 
