@@ -124,6 +124,10 @@ def atomic_write(path, mode="wb"):
             f.flush()
             os.fsync(f.fileno())  # on the disk before it gets the name
         os.replace(part, path)
+    except OSError as err:  # name the file, e.g. on a full disk
+        if err.filename is not None:
+            raise
+        raise OSError(err.errno, err.strerror, str(path)) from err
     finally:
         part.unlink(missing_ok=True)  # gone already, unless it failed
 
@@ -1396,6 +1400,14 @@ class UserError(Exception):
     """A problem with the user's input, reported without a traceback."""
 
 
+def say(*lines):
+    """Print lines to stdout now; an error there names standard output."""
+    try:
+        print(*lines, sep="\n", flush=True)
+    except OSError as err:  # a full disk, a broken pipe, ...
+        raise OSError(err.errno, err.strerror, "standard output") from err
+
+
 def positive_int(text, least=1, most=10**6):
     """argparse type: a whole number from `least` (1) to `most`."""
     try:
@@ -1629,7 +1641,7 @@ def train_locked(args, config):
             resume=args.resume,
         )
     final = Path(config.checkpoint_dir) / "final.pt"
-    print(f"trained in {time.time() - start:.0f} s; model in {final}")
+    say(f"trained in {time.time() - start:.0f} s; model in {final}")
     if args.results:
         write_results(args.results, final, time.time() - start)
     return 0
@@ -1746,7 +1758,7 @@ def command_evaluate(args):
     if args.out:
         with atomic_write(args.out, "w") as f:
             f.write("\n".join(hyps) + "\n")
-    print(compute_bleu(hyps, references))
+    say(compute_bleu(hyps, references))
     return 0
 
 
@@ -1837,13 +1849,13 @@ def command_translate(args):
     stream = itertools.chain(first, lines)
     fitted = (fit(line, n) for n, line in enumerate(stream, 1))
     for hyps in translate_lines(fitted, translate_fn, chunk):
-        print(*hyps, sep="\n", flush=True)
+        say(*hyps)
     return 0
 
 
 def command_download(args):
     """`download`: fetch and verify Multi30k, print where it is."""
-    print(download_multi30k())
+    say(download_multi30k())
     return 0
 
 
@@ -1922,10 +1934,9 @@ def main(argv=None):
             fault, BrokenPipeError
         ):
             return EXIT_PIPE  # the reader left: nothing to report
-        if fault is not None:  # the error was writing to stdout
-            why = fault.strerror or one_line(fault)
-            err = f"cannot write to standard output: {why}"
-        elif err.filename is not None:
+        if err.filename is not None:
             err = f"{err.filename}: {err.strerror}"
+        elif fault is not None:  # the error was writing to stdout
+            err = f"standard output: {fault.strerror or one_line(fault)}"
         print("error: " + one_line(err), file=sys.stderr)
         return EXIT_IO
