@@ -10,6 +10,16 @@ names the notebook and heading that explain it. Run
 ``python the_annotated_transformer.py --help`` for the command line.
 """
 
+if __name__ == "__main__":  # Ctrl-C while torch loads: one line, no traceback
+    import os
+    import signal
+
+    def _interrupted(signum, frame):
+        os.write(2, b"interrupted\n")
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, _interrupted)
+
 import argparse
 import contextlib
 import copy
@@ -23,8 +33,10 @@ import math
 import os
 import pickle
 import random
+import signal
 import socket
 import sys
+import threading
 import time
 import unicodedata
 import urllib.error
@@ -3501,6 +3513,8 @@ def one_line(err):
 
 def main(argv=None):
     """Command-line entry point; returns the exit status."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C
     if sys.stdout is None:  # started with stdout closed: `>&-`
         print("error: standard output is closed", file=sys.stderr)
         return EXIT_IO

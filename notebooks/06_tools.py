@@ -43,8 +43,10 @@ import itertools
 import json
 import os
 import pickle
+import signal
 import socket
 import sys
+import threading
 import time
 import unicodedata
 import urllib.error
@@ -1868,7 +1870,9 @@ def command_download(args):
 # their own status: a full disk or another error of the operating system
 # is 74 (`EX_IOERR` of BSD's `sysexits.h`), and so is a standard output
 # that is closed or cannot take the text; Ctrl-C is 130, as the shell
-# reports a program that SIGINT ended. A reader that leaves early
+# reports a program that SIGINT ended. (While torch loads, before `main`
+# runs, a few lines at the top of the generated module give the same line
+# and status when it runs as a script.) A reader that leaves early
 # (`translate ... | head -1`) is no error of ours: the program stops
 # quietly, with 141, the status of a program that SIGPIPE ended. `main`
 # also hides the warning torch prints before it refuses an old-style
@@ -1905,6 +1909,8 @@ def one_line(err):
 
 def main(argv=None):
     """Command-line entry point; returns the exit status."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C
     if sys.stdout is None:  # started with stdout closed: `>&-`
         print("error: standard output is closed", file=sys.stderr)
         return EXIT_IO

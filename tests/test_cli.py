@@ -795,7 +795,10 @@ def test_standard_output_full_closed_or_gone(tiny, tmp_path):
     assert done.stdout.count("\n") == 1 and done.stderr == "141\n"
 
 
-def test_ctrl_c_is_one_line(tiny, tmp_path):
+@pytest.mark.parametrize(
+    "moment", [0.5, 8.0], ids=["while torch loads", "while it waits"]
+)
+def test_ctrl_c_is_one_line(moment, tiny, tmp_path):
     program = subprocess.Popen(
         [sys.executable, SCRIPT, "translate", "--checkpoint", tiny[0], "-"],
         stdin=subprocess.PIPE,
@@ -804,7 +807,7 @@ def test_ctrl_c_is_one_line(tiny, tmp_path):
     )
     program.stdin.write((GERMAN[0] + "\n").encode())
     program.stdin.flush()  # stdin stays open: the program waits for more
-    time.sleep(8)
+    time.sleep(moment)
     program.send_signal(signal.SIGINT)
     out, err = program.communicate(timeout=60)
     assert program.returncode == 130 and err == b"interrupted\n"

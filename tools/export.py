@@ -42,6 +42,16 @@ Importing it has no side effects and needs only torch. Each section below
 names the notebook and heading that explain it. Run
 ``python the_annotated_transformer.py --help`` for the command line.
 """
+
+if __name__ == "__main__":  # Ctrl-C while torch loads: one line, no traceback
+    import os
+    import signal
+
+    def _interrupted(signum, frame):
+        os.write(2, b"interrupted\\n")
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, _interrupted)
 '''
 
 FOOTER = """
