@@ -1754,9 +1754,16 @@ def command_evaluate(args):
         for n, s in enumerate(sources, 1)
     ]
     hyps = translate_batch(
-        model, sources, spacy_de, vocab_src, vocab_tgt, args.device,
-        args.batch_size, decode_fn=decode_fn, replace_unk=args.replace_unk,
-    )  # fmt: skip
+        model,
+        sources,
+        spacy_de,
+        vocab_src,
+        vocab_tgt,
+        device=args.device,
+        batch_size=args.batch_size,
+        decode_fn=decode_fn,
+        replace_unk=args.replace_unk,
+    )
     if args.out:
         with atomic_write(args.out, "w") as f:
             f.write("\n".join(hyps) + "\n")
@@ -1839,15 +1846,24 @@ def command_translate(args):
     if args.input is None:
         warn_unknown_words(args.sentence, spacy_de, vocab_src)
     translate_fn = functools.partial(
-        translate_batch, model, spacy_de=spacy_de, vocab_src=vocab_src,
-        vocab_tgt=vocab_tgt, device=args.device, batch_size=args.batch_size,
-        decode_fn=decode_fn, replace_unk=args.replace_unk,
-    )  # fmt: skip
+        translate_batch,
+        model,
+        spacy_de=spacy_de,
+        vocab_src=vocab_src,
+        vocab_tgt=vocab_tgt,
+        device=args.device,
+        batch_size=args.batch_size,
+        decode_fn=decode_fn,
+        replace_unk=args.replace_unk,
+    )
     what = "line" if args.input is not None else "sentence"
     fit = functools.partial(
-        fit_to_model, spacy_de=spacy_de, vocab_src=vocab_src,
-        limit=position_limit(model), what=what,
-    )  # fmt: skip
+        fit_to_model,
+        spacy_de=spacy_de,
+        vocab_src=vocab_src,
+        limit=position_limit(model),
+        what=what,
+    )
     stream = itertools.chain(first, lines)
     fitted = (fit(line, n) for n, line in enumerate(stream, 1))
     for hyps in translate_lines(fitted, translate_fn, chunk):

@@ -565,10 +565,8 @@ EDITOR_FILES = {  # name: how the three lines of the file are written
 def test_text_is_read_as_editors_write_it(layout, tiny, tokenizers, tmp_path):
     lines = [GERMAN[0], GERMAN[3], GERMAN[1]]
     (tmp_path / "de.txt").write_bytes(EDITOR_FILES[layout](lines).encode())
-    status, out, err = run_script(
-        "translate", "--checkpoint", tiny[0], "--input", "de.txt",
-        cwd=tmp_path,
-    )  # fmt: skip
+    argv = ["translate", "--checkpoint", tiny[0], "--input", "de.txt"]
+    status, out, err = run_script(*argv, cwd=tmp_path)
     expected = reference(tiny, tokenizers, lines)
     assert status == 0 and out.splitlines() == expected, err
 
@@ -611,10 +609,8 @@ def test_an_overlong_line_is_cut_with_a_warning(tiny, tokenizers, tmp_path):
     long = " ".join(["Hund"] * 6000)
     lines = [GERMAN[0], long, GERMAN[1]]
     (tmp_path / "de.txt").write_text("\n".join(lines) + "\n")
-    status, out, err = run_script(
-        "translate", "--checkpoint", tiny[0], "--input", "de.txt",
-        cwd=tmp_path,
-    )  # fmt: skip
+    argv = ["translate", "--checkpoint", tiny[0], "--input", "de.txt"]
+    status, out, err = run_script(*argv, cwd=tmp_path)
     assert status == 0, err
     assert err.splitlines() == [
         "warning: line 2 has 6,000 tokens; the model reads 4,948, so only "
