@@ -594,8 +594,16 @@ def test_a_named_pipe_is_read_like_a_file(tiny, tokenizers, tmp_path):
         stderr=subprocess.PIPE,
         cwd=tmp_path,
     )
-    with open(fifo, "w") as f:  # waits until the program opens it
-        f.write(GERMAN[2] + "\n" + GERMAN[4] + "\n")
+    writer = None
+    while writer is None and program.poll() is None:
+        try:  # succeeds once the program has opened the pipe to read
+            writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # no reader yet
+            time.sleep(0.1)
+    if writer is not None:
+        os.set_blocking(writer, True)
+        with os.fdopen(writer, "w") as f:
+            f.write(GERMAN[2] + "\n" + GERMAN[4] + "\n")
     out, err = program.communicate(timeout=300)
     expected = reference(tiny, tokenizers, [GERMAN[2], GERMAN[4]])
     assert program.returncode == 0, err
