@@ -369,7 +369,10 @@ BAD_INPUTS = {  # name: (argv, a part of the message, extra environment)
         "--batch-size",
     ),
     "huge --beam": (["translate", "--beam", "1000000000", "Ja"], "--beam"),
-    "huge --average": (["evaluate", "--average", "99999999"], "--average"),
+    "huge --average": (
+        ["evaluate", "--average", "99999999"],
+        "argument --average: expected a whole number from 1 to 10,000",
+    ),
     "huge --epochs": (
         ["train", "--epochs", "99999999999"],
         "--epochs",
@@ -556,7 +559,7 @@ EDITOR_FILES = {  # name: how the three lines of the file are written
     "CRLF line ends": lambda lines: "\r\n".join(lines) + "\r\n",
     "CR-only line ends": lambda lines: "\r".join(lines) + "\r",
     "control characters": lambda lines: "\n".join(
-        "\x1b[1m" + line.replace(" ", " \x00", 1) + "\x7f" for line in lines
+        "\x1b" + line.replace(" ", " \x00", 1) + "\x7f\x0c" for line in lines
     ),
 }
 
@@ -571,13 +574,24 @@ def test_text_is_read_as_editors_write_it(layout, tiny, tokenizers, tmp_path):
     assert status == 0 and out.splitlines() == expected, err
 
 
-def test_a_byte_order_mark_does_not_change_bleu(tiny, tmp_path, capsys):
+@pytest.mark.parametrize("layout", EDITOR_FILES, ids=str)
+def test_lines_are_read_as_editors_write_them(layout, tmp_path):
+    lines = [GERMAN[0], "", GERMAN[3], "\tEin Hund."]
+    text = EDITOR_FILES[layout](lines)
+    (tmp_path / "de.txt").write_bytes(text.encode())
+    assert tat.read_lines(tmp_path / "de.txt") == lines
+
+
+def test_a_byte_order_mark_does_not_change_bleu(
+    tiny, tokenizers, tmp_path, capsys
+):
     src, ref = tmp_path / "src.de", tmp_path / "ref.en"
     src.write_text("".join(de + "\n" for de in GERMAN))
-    ref.write_text("".join(en + "\n" for _, en in PAIRS[::-1]))
+    hyps = reference(tiny, tokenizers, GERMAN)  # references that score 100
+    ref.write_text("".join(hyp + "\n" for hyp in hyps))
     args = ["evaluate", "--checkpoint", tiny[0], "--src", src, "--ref", ref]
     status, plain, _ = run_cli(capsys, *args)
-    assert status == 0
+    assert status == 0 and plain.startswith("BLEU = 100.00 ")
     src.write_text("\ufeff" + src.read_text())
     ref.write_text("\ufeff" + ref.read_text())
     status, with_bom, _ = run_cli(capsys, *args)
