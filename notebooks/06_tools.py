@@ -127,7 +127,7 @@ def atomic_write(path, mode="wb"):
             os.fsync(f.fileno())  # on the disk before it gets the name
         os.replace(part, path)
     except OSError as err:  # name the file, e.g. on a full disk
-        if err.filename is not None:
+        if err.filename is not None or err.errno is None:  # not a write's
             raise
         raise OSError(err.errno, err.strerror, str(path)) from err
     finally:
