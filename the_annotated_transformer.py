@@ -42,6 +42,7 @@ import unicodedata
 import urllib.error
 import urllib.request
 import warnings
+import zipfile
 from collections import Counter
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, replace
@@ -2793,16 +2794,20 @@ def load_checkpoint(path, device="cpu"):
         raise CheckpointError(f"{path} is empty (0 bytes), not a checkpoint")
     if head != b"PK" and head[:1] != b"\x80":  # neither zip nor pickle
         raise CheckpointError(f"{path} is not a checkpoint")
+    damaged = f"{path} is not a readable checkpoint (damaged or cut short)"
+    if head == b"PK" and not zipfile.is_zipfile(path):
+        raise CheckpointError(f"{damaged}: not a whole zip archive")
     try:
         ckpt = torch.load(path, map_location=device, weights_only=True)
-    except pickle.UnpicklingError as err:  # it would build other objects
+    except pickle.UnpicklingError as err:  # it would build other objects?
+        if head == b"PK" and "Unsupported global" not in str(err):
+            raise CheckpointError(f"{damaged}: its pickle is broken") from err
         why = "holds more than tensors, so it is not loaded, for safety"
         raise CheckpointError(f"{path} {why}") from err
-    except (RuntimeError, EOFError, ValueError) as err:  # damaged, cut short
+    except (RuntimeError, EOFError, ValueError, OSError) as err:
         first = str(err).strip().splitlines()[0][:200] if str(err) else ""
         raise CheckpointError(
-            f"{path} is not a readable checkpoint (damaged or cut short): "
-            f"{first or type(err).__name__}"
+            f"{damaged}: {first or type(err).__name__}"
         ) from err
     if not isinstance(ckpt, dict):
         raise CheckpointError(

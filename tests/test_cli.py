@@ -887,3 +887,15 @@ def test_epochs_reach_the_config():
     args = tat.build_parser().parse_args(["train", "--epochs", "3"])
     assert tat.get_config(args.preset, epochs=args.epochs).epochs == 3
     assert "download" in tat.build_parser().format_help()
+
+
+def test_a_checkpoint_cut_anywhere_is_one_line(tiny, tmp_path, capsys):
+    whole = Path(tiny[0]).read_bytes()
+    for cut in (1, 2, 50, 500, len(whole) // 3, len(whole) // 2, -10):
+        path = tmp_path / f"cut_{cut}.pt"
+        path.write_bytes(whole[:cut])
+        status, _, err = run_cli(
+            capsys, "translate", "--checkpoint", path, "Ja"
+        )
+        assert status == 2 and len(err.splitlines()) == 1, (cut, err)
+        assert f"{path} is not a" in err, err
