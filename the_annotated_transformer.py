@@ -3024,6 +3024,8 @@ def iter_lines(path):
     stdin = str(path) == "-"
     name, number = "standard input" if stdin else Path(path), 0
     try:
+        if stdin and sys.stdin is None:  # started with `<&-`
+            raise TextFileError("standard input is closed")
         if stdin:
             opened = nullcontext(sys.stdin.buffer)
         elif name.is_dir():
@@ -3464,7 +3466,7 @@ def warn_unknown_words(sentences, spacy_de, vocab_src):
 def command_translate(args):
     """`translate`: one line of English per German sentence, in order."""
     lines = sentences_to_translate(args)
-    typing = args.input == "-" and sys.stdin.isatty()
+    typing = args.input == "-" and sys.stdin and sys.stdin.isatty()
     chunk = 1 if typing else 8 * args.batch_size
     first = list(itertools.islice(lines, chunk))  # input errors come first
     if not first:

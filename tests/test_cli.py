@@ -804,6 +804,9 @@ def test_standard_output_full_closed_or_gone(tiny, tmp_path):
     done = subprocess.run(["sh", "-c", closed], capture_output=True, text=True)
     assert done.returncode == 74
     assert done.stderr == "error: standard output is closed\n"
+    done = subprocess.run(["sh", "-c", f"{base} <&-"], capture_output=True)
+    assert done.returncode == 2
+    assert done.stderr == b"error: standard input is closed\n"
     # A reader that leaves early: no message, the status of SIGPIPE.
     lines = "".join(GERMAN[i % 5] + "\n" for i in range(200))
     pipe = f"{base} --batch-size 1 | head -1; echo ${{PIPESTATUS[0]}} >&2"
