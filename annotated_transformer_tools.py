@@ -11,20 +11,35 @@ lesson module never imports it. Run
 ``python annotated_transformer_tools.py --help`` for the command line.
 """
 
+if __name__ == "__main__":  # Ctrl-C while torch loads: one line, no traceback
+    import os
+    import signal
+
+    def _interrupted(signum, frame):
+        os.write(2, b"interrupted\n")
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, _interrupted)
+
 import argparse
+import contextlib
 import functools
 import hashlib
 import http.client
 import itertools
 import json
 import os
+import pickle
+import signal
 import socket
 import sys
-import tempfile
+import threading
 import time
+import unicodedata
 import urllib.error
 import urllib.request
 import warnings
+import zipfile
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -40,7 +55,6 @@ from the_annotated_transformer import (
     MULTI30K_ENV,
     PAD,
     UNK,
-    VOCAB_LOADERS,
     Batch,
     BpeVocab,
     DatasetError,
@@ -49,8 +63,8 @@ from the_annotated_transformer import (
     SimpleLossCompute,
     TrainConfig,
     TrainState,
-    UserError,
     Vocab,
+    beam_search,
     build_vocabulary,
     cached_greedy_decode,
     collate_batch,
@@ -61,10 +75,7 @@ from the_annotated_transformer import (
     encode_text,
     label_smoothing_penalty_rows,
     load_bpe,
-    load_checkpoint,
     load_tokenizers,
-    load_trained_model,
-    load_translator,
     make_model,
     make_optimizer,
     model_from_config,
@@ -72,10 +83,7 @@ from the_annotated_transformer import (
     rate,
     read_multi30k,
     replace_unknowns,
-    resume_run,
     run_epoch,
-    save_epoch,
-    save_run,
     source_alignment,
     strip_specials,
     subsequent_mask,
@@ -328,6 +336,52 @@ def attention_summary_chart(summary, width=170):
 
 
 # -----------------------------------------------------------------------------
+# Files written whole
+# Explained in notebooks/06_tools.py, same heading.
+# -----------------------------------------------------------------------------
+def process_alive(pid):
+    """True if a process with this id runs on this machine."""
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # someone else's, or no pid
+        return True
+    return True
+
+
+def clean_partial_files(folder):
+    """Remove the `.part` files that dead processes left in `folder`."""
+    for part in Path(folder).glob(".*.part"):
+        pid = part.name.split(".")[-2]  # .NAME.PID.part
+        if pid.isdigit() and int(pid) != os.getpid():
+            if not process_alive(int(pid)):
+                part.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_write(path, mode="wb"):
+    """A file to write that replaces `path` only once it is complete."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    clean_partial_files(path.parent)
+    part = path.with_name(f".{path.name}.{os.getpid()}.part")
+    encoding = None if "b" in mode else "utf-8"
+    try:
+        with open(part, mode, encoding=encoding) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())  # on the disk before it gets the name
+        os.replace(part, path)
+    except OSError as err:  # name the file, e.g. on a full disk
+        if err.filename is not None or err.errno is None:  # not a write's
+            raise
+        raise OSError(err.errno, err.strerror, str(path)) from err
+    finally:
+        part.unlink(missing_ok=True)  # gone already, unless it failed
+
+
+# -----------------------------------------------------------------------------
 # Downloading Multi30k
 # Explained in notebooks/06_tools.py, same heading.
 # -----------------------------------------------------------------------------
@@ -391,25 +445,18 @@ def _offline_hint(folder):
 
 def _fetch(url, path, expected, timeout):
     """Download `url` to `path`, keeping it only if its SHA-256 matches."""
-    tmp = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(
-            prefix=f".{path.name}.", suffix=".part", dir=path.parent
-        )
         with (
-            os.fdopen(fd, "wb") as out,
+            atomic_write(path) as out,
             urllib.request.urlopen(url, timeout=timeout) as response,
         ):
             digest = _stream(response, out, path.name)
-        if digest != expected:
-            raise DatasetError(
-                f"{url} has SHA-256 {digest}, expected "
-                f"{expected}; the file was not kept.\n"
-                + _offline_hint(path.parent)
-            )
-        os.replace(tmp, path)
-        tmp = None
+            if digest != expected:  # raised inside: the file is not kept
+                raise DatasetError(
+                    f"{url} has SHA-256 {digest}, expected "
+                    f"{expected}; the file was not kept.\n"
+                    + _offline_hint(path.parent)
+                )
     except (OSError, http.client.HTTPException) as error:
         url_error = type(error) is urllib.error.URLError
         reason = error.reason if url_error else error
@@ -417,9 +464,6 @@ def _fetch(url, path, expected, timeout):
             f"Could not download {url} ({reason}).\n"
             + _offline_hint(path.parent)
         ) from error
-    finally:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
 
 
 def _check_folder(folder, sums):
@@ -456,9 +500,18 @@ def download_multi30k(
     folder = Path(root) if root is not None else data_dir() / "multi30k"
     for name, expected in sums.items():
         path = folder / name
-        if not (path.is_file() and sha256_of(path) == expected):
-            url = base_url.rstrip("/") + "/" + name
-            _fetch(url, path, expected, timeout)
+        if path.is_file() and sha256_of(path) == expected:
+            continue
+        damaged = path.is_file()  # in the cache, but not the right bytes
+        try:
+            _fetch(base_url.rstrip("/") + "/" + name, path, expected, timeout)
+        except DatasetError as error:
+            if not damaged:
+                raise
+            raise DatasetError(
+                f"{path} in the data cache is damaged (wrong SHA-256), and "
+                f"a fresh copy could not be fetched: {error}"
+            ) from error
     return folder
 
 
@@ -663,7 +716,7 @@ PRESETS |= {  # the same with one BPE vocabulary and tied embeddings
 def get_config(preset="cpu", **overrides):
     """A preset's TrainConfig with some fields replaced."""
     if preset not in PRESETS:
-        raise UserError(
+        raise ValueError(
             f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}"
         )
     return replace(PRESETS[preset], **overrides)
@@ -686,10 +739,8 @@ def load_vocab(spacy_de, spacy_en, path=None, min_freq=2):
     vocab_src, vocab_tgt = build_vocabulary(spacy_de, spacy_en, min_freq)
     saved = {"key": key, "src": vocab_src.get_itos()}
     saved["tgt"] = vocab_tgt.get_itos()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
-    tmp.write_text(json.dumps(saved, ensure_ascii=False), encoding="utf-8")
-    os.replace(tmp, path)  # atomic: parallel ranks never read half a file
+    with atomic_write(path, "w") as f:  # ranks never read half a file
+        f.write(json.dumps(saved, ensure_ascii=False))
     return vocab_src, vocab_tgt
 
 
@@ -699,15 +750,6 @@ def load_vocabularies(config, spacy_de, spacy_en):
         bpe = load_bpe()
         return bpe, bpe
     return load_vocab(spacy_de, spacy_en)
-
-
-def bpe_vocabularies(ckpt):
-    """The BPE vocabulary of a checkpoint, for both sides."""
-    bpe = BpeVocab.from_str(ckpt["bpe"])
-    return bpe, bpe
-
-
-VOCAB_LOADERS["bpe"] = bpe_vocabularies
 
 
 # -----------------------------------------------------------------------------
@@ -875,6 +917,348 @@ def train_model(
     if distributed:
         return train_distributed_model(*args, world_size, resume)
     return train_worker(0, 1, *args, resume=resume)
+
+
+# -----------------------------------------------------------------------------
+# Checkpoints from older versions
+# Explained in notebooks/06_tools.py, same heading.
+# -----------------------------------------------------------------------------
+OLD_PROJECTIONS = {"0": "w_q", "1": "w_k", "2": "w_v", "3": "w_o"}
+OLD_BLOCKS = {
+    "encoder": {"0": "self_attn_block", "1": "ff_block"},
+    "decoder": {
+        "0": "self_attn_block",
+        "1": "src_attn_block",
+        "2": "ff_block",
+    },
+}
+
+
+def rename_old_key(key):
+    """One state-dict key with the old list names replaced by new names."""
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        following = parts[i + 1]
+        if part == "linears" and following in OLD_PROJECTIONS:
+            parts[i : i + 2] = [OLD_PROJECTIONS[following]]
+            break
+        if part == "sublayer" and parts[0] in OLD_BLOCKS:
+            blocks = OLD_BLOCKS[parts[0]]  # encoder or decoder layer
+            if following in blocks:
+                parts[i : i + 2] = [blocks[following]]
+                break
+    return ".".join(parts)
+
+
+def rename_old_keys(state_dict):
+    """A state dict (old or new names) with the names Part 1 uses now."""
+    return {rename_old_key(key): value for key, value in state_dict.items()}
+
+
+# -----------------------------------------------------------------------------
+# Checkpoint files
+# Explained in notebooks/06_tools.py, same heading.
+# -----------------------------------------------------------------------------
+class CheckpointError(ValueError):
+    """A file that is not a checkpoint this code can use."""
+
+
+class _KeepsWriteError:
+    """A file wrapper that remembers the first OSError of a write."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data):
+        """Write to the file; remember an OSError before raising it."""
+        try:
+            return self.f.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def flush(self):
+        """Flush the file."""
+        self.f.flush()
+
+
+def save_checkpoint(path, **fields):
+    """Write a dict of tensors and plain types atomically."""
+    with atomic_write(path) as f:
+        wrapped = _KeepsWriteError(f)
+        try:
+            torch.save(fields, wrapped)
+        except RuntimeError:
+            if wrapped.error is None:
+                raise
+            raise wrapped.error from None  # e.g. no space left on device
+
+
+def load_checkpoint(path, device="cpu"):
+    """Read a checkpoint safely (weights_only) onto `device`."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}; train one first")
+    with open(path, "rb") as f:
+        head = f.read(2)
+    if not head:
+        raise CheckpointError(f"{path} is empty (0 bytes), not a checkpoint")
+    if head != b"PK" and head[:1] != b"\x80":  # neither zip nor pickle
+        raise CheckpointError(f"{path} is not a checkpoint")
+    damaged = f"{path} is not a readable checkpoint (damaged or cut short)"
+    if head == b"PK" and not zipfile.is_zipfile(path):
+        raise CheckpointError(f"{damaged}: not a whole zip archive")
+    try:
+        ckpt = torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as err:  # it would build other objects?
+        if head == b"PK" and "Unsupported global" not in str(err):
+            raise CheckpointError(f"{damaged}: its pickle is broken") from err
+        why = "holds more than tensors, so it is not loaded, for safety"
+        raise CheckpointError(f"{path} {why}") from err
+    except (RuntimeError, EOFError, ValueError, OSError) as err:
+        first = str(err).strip().splitlines()[0][:200] if str(err) else ""
+        raise CheckpointError(
+            f"{damaged}: {first or type(err).__name__}"
+        ) from err
+    if not isinstance(ckpt, dict):
+        raise CheckpointError(
+            f"{path} holds a {type(ckpt).__name__}, not a checkpoint"
+        )
+    return ckpt
+
+
+def epoch_checkpoints(folder):
+    """The epoch checkpoints in a folder, oldest first."""
+    return sorted(Path(folder).glob("epoch_*.pt"))
+
+
+LEGACY_CONFIG_NAMES = {"num_epochs": "epochs", "amp": "precision"}
+
+
+def checkpoint_config(ckpt, path="checkpoint"):
+    """The TrainConfig a checkpoint was trained with."""
+    try:
+        saved = ckpt["config"].items()
+        return TrainConfig(
+            **{LEGACY_CONFIG_NAMES.get(k, k): v for k, v in saved}
+        )
+    except (KeyError, TypeError, AttributeError) as err:
+        why = f"no {err}" if isinstance(err, KeyError) else err
+        raise CheckpointError(
+            f"{path} does not match this code's Multi30k model: {why}"
+        ) from err
+
+
+def checkpoint_vocabularies(ckpt, path="checkpoint"):
+    """(vocab_src, vocab_tgt) stored in a checkpoint: words or BPE."""
+    tokenization = ckpt.get("config", {}).get("tokenization", "word")
+    try:
+        if tokenization == "bpe":  # one subword vocabulary for both sides
+            bpe = BpeVocab.from_str(ckpt["bpe"])
+            return bpe, bpe
+        if tokenization == "word":
+            return Vocab(ckpt["vocab_src"]), Vocab(ckpt["vocab_tgt"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(
+            f"{path} does not match this code's Multi30k model: "
+            f"no readable {tokenization} vocabularies ({err})"
+        ) from err
+    raise CheckpointError(f"{path}: unknown tokenization {tokenization!r}")
+
+
+def size_mismatch(expected, saved):
+    """How two state dicts differ, in a few words; "" if they fit."""
+    missing = sorted(expected.keys() - saved.keys())
+    unexpected = sorted(saved.keys() - expected.keys())
+    if missing or unexpected:
+        example = (missing or unexpected)[0]
+        return (
+            f"{len(missing)} tensors missing and {len(unexpected)} "
+            f"unexpected, such as {example}"
+        )
+    size = lambda t: "×".join(map(str, t.shape)) or "a scalar"
+    for name, tensor in expected.items():
+        if saved[name].shape != tensor.shape:
+            return (
+                f"{name} is {size(saved[name])} in the file but "
+                f"{size(tensor)} here"
+            )
+    return ""
+
+
+def load_weights(model, ckpt, path="checkpoint"):
+    """Load a checkpoint's weights into `model`, or say how they differ."""
+    state = ckpt.get("model")
+    problem = "it holds no weights" if not isinstance(state, dict) else ""
+    problem = problem or size_mismatch(model.state_dict(), state)
+    if problem:
+        raise CheckpointError(
+            f"{path} does not match this code's Multi30k model: {problem}"
+        )
+    model.load_state_dict(state)
+
+
+def save_run(run, name, vocab_src, vocab_tgt, **extra):
+    """Write the weights, config, vocabularies and losses, and `extra`."""
+    fields = {"model": run.module.state_dict(), "config": asdict(run.config)}
+    fields |= {"vocab_src": vocab_src.get_itos(), "history": run.history}
+    fields["vocab_tgt"] = vocab_tgt.get_itos()
+    if hasattr(vocab_tgt, "to_str"):  # Part 5's BPE: its merges, as JSON
+        fields["bpe"] = vocab_tgt.to_str()
+    save_checkpoint(Path(run.config.checkpoint_dir, name), **fields, **extra)
+
+
+def save_epoch(run, epoch, vocab_src, vocab_tgt):
+    """Write a lean epoch_NNN.pt, then last.pt; keep `keep_last` epochs."""
+    save_run(run, f"epoch_{epoch:03d}.pt", vocab_src, vocab_tgt, epoch=epoch)
+    resume = {"epoch": epoch, "train_state": asdict(run.state)}
+    resume |= {"optimizer": run.optimizer.state_dict()}
+    resume |= {"scheduler": run.scheduler.state_dict()}
+    resume |= {"rng_state": torch.get_rng_state()}
+    if run.device.type == "cuda":  # dropout on the GPU draws from these
+        resume["cuda_rng_states"] = torch.cuda.get_rng_state_all()
+    save_run(run, "last.pt", vocab_src, vocab_tgt, **resume)
+    keep, folder = run.config.keep_last, run.config.checkpoint_dir
+    for old in epoch_checkpoints(folder)[:-keep] if keep > 0 else []:
+        old.unlink()
+
+
+def resume_point(folder):
+    """The file a run in `folder` resumes from, or None."""
+    paths = [Path(folder, "last.pt"), *epoch_checkpoints(folder)[-1:]]
+    for path in paths:
+        if path.is_file() and "optimizer" in load_checkpoint(path):
+            return path
+    return None
+
+
+def resume_run(run):
+    """Restore the newest training state; returns the next epoch."""
+    path = resume_point(run.config.checkpoint_dir)
+    if path is None:  # nothing to resume from: start afresh
+        return 0
+    ckpt = load_checkpoint(path, "cpu")  # random states must be on the CPU
+    load_weights(run.module, ckpt, path)
+    run.optimizer.load_state_dict(ckpt["optimizer"])
+    run.scheduler.load_state_dict(ckpt["scheduler"])
+    run.state, run.history = TrainState(**ckpt["train_state"]), ckpt["history"]
+    torch.set_rng_state(ckpt["rng_state"])
+    if "cuda_rng_states" in ckpt and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(ckpt["cuda_rng_states"])
+    return ckpt["epoch"] + 1
+
+
+def check_resume(config, vocab_src, vocab_tgt):
+    """The checkpoint a run would resume from (None: none), checked."""
+    folder = config.checkpoint_dir
+    path = resume_point(folder)
+    if path is None and epoch_checkpoints(folder):
+        raise CheckpointError(
+            f"nothing to resume in {folder}: its epoch files lack the "
+            "training state (no last.pt), and starting afresh would "
+            "overwrite them; move them away or choose another "
+            "--checkpoint-dir"
+        )
+    if path is not None:
+        with torch.device("meta"):  # shapes only, no memory
+            model = model_from_config(config, len(vocab_src), len(vocab_tgt))
+        problem = size_mismatch(
+            model.state_dict(), load_checkpoint(path)["model"]
+        )
+        if problem:
+            raise CheckpointError(
+                f"cannot resume from {path}, another model: {problem}"
+            )
+    return path
+
+
+class FolderInUseError(RuntimeError):
+    """Another process trains into the same checkpoint folder."""
+
+
+@contextlib.contextmanager
+def folder_lock(folder):
+    """Hold the lock on a checkpoint folder while the block runs."""
+    import fcntl  # Unix only
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "a+", encoding="utf-8") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            raise FolderInUseError(
+                f"{folder} is in use by another training run (process "
+                f"{holder}); wait for it, or choose another --checkpoint-dir"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        try:
+            yield folder
+        finally:
+            f.truncate(0)
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def load_trained_model(path, device="auto"):
+    """(model in eval mode, vocab_src, vocab_tgt, config) from a checkpoint."""
+    device = pick_device() if device in (None, "auto") else device
+    ckpt = load_checkpoint(path, device)
+    config = checkpoint_config(ckpt, path)
+    vocab_src, vocab_tgt = checkpoint_vocabularies(ckpt, path)
+    sizes = (len(vocab_src), len(vocab_tgt))
+    model = model_from_config(config, *sizes, dropout=0.0)
+    load_weights(model, ckpt, path)
+    return model.to(device).eval(), vocab_src, vocab_tgt, config
+
+
+def average_checkpoints(paths, device="cpu"):
+    """(model, vocab_src, vocab_tgt, config) with the mean of the weights."""
+    paths = [Path(p) for p in paths]
+    if not paths:
+        raise ValueError("no checkpoints to average")
+    model, vocab_src, vocab_tgt, config = load_trained_model(paths[0], "cpu")
+    params, buffers = dict(model.named_parameters()), model.named_buffers()
+    buffers = dict(buffers)  # e.g. the positional encoding's `pe`
+    sums = {
+        n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()
+    }
+    for path in paths:
+        state = load_checkpoint(path, "cpu")["model"]  # MPS has no float64
+        shapes = {n: state[n].shape for n in sums if n in state}
+        if shapes != {n: s.shape for n, s in sums.items()}:
+            raise ValueError(f"{path} is not the same model as {paths[0]}")
+        for name in sums:
+            sums[name] += state[name].double()
+        for name, b in buffers.items():
+            if not torch.equal(state[name], b):
+                raise ValueError(f"{path}: buffer {name} differs")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(sums[name] / len(paths))
+    return model.to(device).eval(), vocab_src, vocab_tgt, config
+
+
+def load_translator(checkpoint, device="cpu", beam=1, average=0):
+    """(model, vocab_src, vocab_tgt, decode_fn) for greedy or beam search."""
+    if average:
+        paths = epoch_checkpoints(Path(checkpoint).parent)[-average:]
+        if len(paths) < average:
+            raise ValueError(
+                f"--average {average} needs {average} epoch checkpoints "
+                f"next to {checkpoint}; found {len(paths)} (training keeps "
+                "the newest --keep-last)"
+            )
+        model, vocab_src, vocab_tgt, _ = average_checkpoints(paths, device)
+    else:
+        model, vocab_src, vocab_tgt, _ = load_trained_model(checkpoint, device)
+    decode_fn = cached_greedy_decode
+    if beam > 1:
+        decode_fn = functools.partial(beam_search, beam_size=beam)
+    return model, vocab_src, vocab_tgt, decode_fn
 
 
 # -----------------------------------------------------------------------------
@@ -1228,42 +1612,6 @@ def run_model_example(checkpoint="checkpoints/cpu/final.pt", n_examples=5):
 
 
 # -----------------------------------------------------------------------------
-# Checkpoints from older versions
-# Explained in notebooks/06_tools.py, same heading.
-# -----------------------------------------------------------------------------
-OLD_PROJECTIONS = {"0": "w_q", "1": "w_k", "2": "w_v", "3": "w_o"}
-OLD_BLOCKS = {
-    "encoder": {"0": "self_attn_block", "1": "ff_block"},
-    "decoder": {
-        "0": "self_attn_block",
-        "1": "src_attn_block",
-        "2": "ff_block",
-    },
-}
-
-
-def rename_old_key(key):
-    """One state-dict key with the old list names replaced by new names."""
-    parts = key.split(".")
-    for i, part in enumerate(parts[:-1]):
-        following = parts[i + 1]
-        if part == "linears" and following in OLD_PROJECTIONS:
-            parts[i : i + 2] = [OLD_PROJECTIONS[following]]
-            break
-        if part == "sublayer" and parts[0] in OLD_BLOCKS:
-            blocks = OLD_BLOCKS[parts[0]]  # encoder or decoder layer
-            if following in blocks:
-                parts[i : i + 2] = [blocks[following]]
-                break
-    return ".".join(parts)
-
-
-def rename_old_keys(state_dict):
-    """A state dict (old or new names) with the names Part 1 uses now."""
-    return {rename_old_key(key): value for key, value in state_dict.items()}
-
-
-# -----------------------------------------------------------------------------
 # Which model is this?
 # Explained in notebooks/06_tools.py, same heading.
 # -----------------------------------------------------------------------------
@@ -1304,6 +1652,25 @@ def find_or_train(
 # Reading text files
 # Explained in notebooks/06_tools.py, same heading.
 # -----------------------------------------------------------------------------
+class TextFileError(ValueError):
+    """A text file that cannot be read line by line as UTF-8."""
+
+
+def clean_line(text):
+    """A line without control characters other than tab."""
+    keep = lambda c: c == "\t" or unicodedata.category(c) != "Cc"
+    return "".join(c for c in text if keep(c))
+
+
+def _split_lines(f):
+    """Byte lines of a binary file, ended by \n, \r\n or a lone \r."""
+    for line in f:  # ends at \n; a lone \r ends a line, too
+        pieces = line.rstrip(b"\n").split(b"\r")
+        if len(pieces) > 1 and pieces[-1] == b"":  # \r\n: one line end
+            pieces.pop()
+        yield from pieces
+
+
 def iter_lines(path):
     """Lines of a UTF-8 text file (plain, .gz, or "-": stdin), lazily."""
     import gzip
@@ -1312,20 +1679,28 @@ def iter_lines(path):
     stdin = str(path) == "-"
     name, number = "standard input" if stdin else Path(path), 0
     try:
+        if stdin and sys.stdin is None:  # started with `<&-`
+            raise TextFileError("standard input is closed")
         if stdin:
             opened = nullcontext(sys.stdin.buffer)
-        elif not name.is_file():
-            raise UserError(f"no such file: {name}")
+        elif name.is_dir():
+            raise TextFileError(f"{name} is a folder, not a file")
         else:
             opened = (gzip.open if name.suffix == ".gz" else open)(name, "rb")
         with opened as f:
-            for line in f:
+            for line in _split_lines(f):
                 number += 1
-                yield line.rstrip(b"\r\n").decode("utf-8")
+                if number == 1:
+                    line = line.removeprefix(b"\xef\xbb\xbf")  # the BOM
+                yield clean_line(line.decode("utf-8"))
+    except FileNotFoundError:
+        raise TextFileError(f"no such file: {name}") from None
     except UnicodeDecodeError:
-        raise UserError(f"{name} is not UTF-8 text (line {number})") from None
+        raise TextFileError(
+            f"{name} is not UTF-8 text (line {number})"
+        ) from None
     except (OSError, EOFError) as err:  # not gzip, truncated, unreadable
-        raise UserError(f"cannot read {name}: {err}") from None
+        raise TextFileError(f"cannot read {name}: {err}") from None
 
 
 def read_lines(path):
@@ -1337,41 +1712,13 @@ def read_parallel(src_path, ref_path):
     """(sources, references): two files of line-by-line translations."""
     sources, references = read_lines(src_path), read_lines(ref_path)
     if len(sources) != len(references):
-        raise UserError(
+        raise TextFileError(
             f"{src_path} has {len(sources)} lines but {ref_path} has "
             f"{len(references)}; they must be line-by-line translations"
         )
     if not sources:
-        raise UserError(f"{src_path} is empty")
+        raise TextFileError(f"{src_path} is empty")
     return sources, references
-
-
-def evaluate_files(
-    model,
-    src_path,
-    ref_path,
-    spacy_de,
-    vocab_src,
-    vocab_tgt,
-    device="cpu",
-    batch_size=128,
-    decode_fn=cached_greedy_decode,
-    replace_unk=True,
-):
-    """(BLEU, hypotheses) of a model on a parallel pair of text files."""
-    sources, references = read_parallel(src_path, ref_path)
-    hyps = translate_batch(
-        model,
-        sources,
-        spacy_de,
-        vocab_src,
-        vocab_tgt,
-        device,
-        batch_size,
-        decode_fn=decode_fn,
-        replace_unk=replace_unk,
-    )
-    return compute_bleu(hyps, references), hyps
 
 
 def write_results(path, checkpoint, wall_time):
@@ -1394,8 +1741,8 @@ def write_results(path, checkpoint, wall_time):
             kept_bleu.score, 2
         ),
     }
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(summary, indent=2) + "\n")
+    with atomic_write(path, "w") as f:
+        f.write(json.dumps(summary, indent=2) + "\n")
     print(f"test2016 BLEU (greedy): {bleu.score:.2f}; summary in {path}")
 
 
@@ -1403,22 +1750,36 @@ def write_results(path, checkpoint, wall_time):
 # The command line
 # Explained in notebooks/06_tools.py, same heading.
 # -----------------------------------------------------------------------------
-def positive_int(text, least=1):
-    """argparse type: a whole number of at least 1 (or `least`)."""
+class UserError(Exception):
+    """A problem with the user's input, reported without a traceback."""
+
+
+def say(*lines):
+    """Print lines to stdout now; an error there names standard output."""
+    try:
+        print(*lines, sep="\n", flush=True)
+    except OSError as err:  # a full disk, a broken pipe, ...
+        raise OSError(err.errno, err.strerror, "standard output") from err
+
+
+def positive_int(text, least=1, most=10**6):
+    """argparse type: a whole number from `least` (1) to `most`."""
     try:
         number = int(text)
     except ValueError:
         number = None
-    if number is None or number < least:
+    if number is None or not least <= number <= most:
         raise argparse.ArgumentTypeError(
-            f"expected a number >= {least}, not {text}"
+            f"expected a whole number from {least} to {most:,d}, not {text}"
         )
     return number
 
 
-def count_or_zero(text):
-    """argparse type: a whole number of at least 0."""
-    return positive_int(text, least=0)
+def count(least=1, most=10**6):
+    """An argparse type: a whole number from `least` to `most`."""
+    check = functools.partial(positive_int, least=least, most=most)
+    check.__name__ = "count"
+    return check
 
 
 def existing_device(name):
@@ -1463,8 +1824,12 @@ def add_train_parser(sub):
         help="cpu (default, on GPUs too: the measured recipe); "
         "paper: not measured for BLEU",
     )
-    train.add_argument("--epochs", type=positive_int, help="epochs to train")
-    train.add_argument("--max-tokens", type=positive_int, help="batch size")
+    train.add_argument(
+        "--epochs", type=count(most=10_000), help="epochs to train"
+    )
+    train.add_argument(
+        "--max-tokens", type=count(most=10**7), help="tokens in a batch"
+    )
     train.add_argument("--checkpoint-dir", help="where checkpoints go")
     train.add_argument(
         "--resume",
@@ -1473,14 +1838,14 @@ def add_train_parser(sub):
     )
     train.add_argument(
         "--keep-last",
-        type=count_or_zero,
+        type=count(least=0, most=10_000),
         metavar="K",
         help="keep the newest K epoch checkpoints, for --average "
         f"(default {TrainConfig.keep_last}; 0: all)",
     )
     train.add_argument(
         "--world-size",
-        type=positive_int,
+        type=count(most=1024),
         default=1,
         help="processes to spawn (torchrun sets its own)",
     )
@@ -1488,7 +1853,7 @@ def add_train_parser(sub):
         "--results", help="write a JSON summary here, including test BLEU"
     )
     train.add_argument(
-        "--threads", type=positive_int, help="CPU threads per process"
+        "--threads", type=count(most=4096), help="CPU threads per process"
     )
 
 
@@ -1497,7 +1862,7 @@ def add_decoding_options(parser):
     parser.add_argument("--checkpoint", default="checkpoints/cpu/final.pt")
     parser.add_argument(
         "--batch-size",
-        type=positive_int,
+        type=count(most=100_000),
         default=128,
         help="sentences decoded together",
     )
@@ -1509,14 +1874,14 @@ def add_decoding_options(parser):
     )
     parser.add_argument(
         "--beam",
-        type=positive_int,
+        type=count(most=1000),
         default=1,
         metavar="K",
         help="beam size (1: greedy)",
     )
     parser.add_argument(
         "--average",
-        type=positive_int,
+        type=count(most=10_000),
         metavar="K",
         help="average the last K epoch checkpoints next to the checkpoint",
     )
@@ -1597,11 +1962,27 @@ def command_train(args):
         except ValueError as err:
             message = f"--world-size {args.world_size}: {err}"
             raise UserError(message) from None
+    rank = int(os.environ.get("RANK", "0"))
+    lock = folder_lock(config.checkpoint_dir) if rank == 0 else None
+    with lock or nullcontext():
+        return train_locked(args, config)
+
+
+def train_locked(args, config):
+    """`train`, once the checkpoint folder is ours."""
+    torchrun = "LOCAL_RANK" in os.environ
     if args.threads:
         torch.set_num_threads(args.threads)
     download_multi30k()
     tokenizers = load_tokenizers()
-    data = (*load_vocabularies(config, *tokenizers), *tokenizers, config)
+    vocabs = load_vocabularies(config, *tokenizers)
+    if args.resume and check_resume(config, *vocabs) is None:
+        print(
+            f"note: nothing to resume in {config.checkpoint_dir} (no "
+            "checkpoints there); training from the first epoch",
+            file=sys.stderr,
+        )
+    data = (*vocabs, *tokenizers, config)
     start = time.time()
     if torchrun:  # started by torchrun
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -1624,17 +2005,38 @@ def command_train(args):
             resume=args.resume,
         )
     final = Path(config.checkpoint_dir) / "final.pt"
-    print(f"trained in {time.time() - start:.0f} s; model in {final}")
+    say(f"trained in {time.time() - start:.0f} s; model in {final}")
     if args.results:
         write_results(args.results, final, time.time() - start)
     return 0
 
 
+def check_out(out, *inputs):
+    """Refuse an output file that is an input or cannot be written."""
+    out = Path(out).absolute()
+    for given in inputs:
+        given = Path(given).absolute()
+        same = out.exists() and given.exists() and out.samefile(given)
+        if same or out.resolve() == given.resolve():
+            raise UserError(
+                f"--out {out} is also an input, which it would overwrite"
+            )
+    if out.is_dir():
+        raise UserError(f"--out {out} is a folder")
+    if not out.parent.is_dir():
+        raise UserError(f"--out {out}: there is no folder {out.parent}")
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise UserError(f"--out {out}: cannot write in {out.parent}")
+
+
 def load_for_decoding(args):
     """`load_translator` for the command line, refusing a too-wide beam."""
-    model, vocab_src, vocab_tgt, decode_fn = load_translator(
-        args.checkpoint, args.device, args.beam, args.average
-    )
+    try:
+        model, vocab_src, vocab_tgt, decode_fn = load_translator(
+            args.checkpoint, args.device, args.beam, args.average
+        )
+    except (FileNotFoundError, ValueError) as err:  # CheckpointError, ...
+        raise UserError(str(err)) from err
     if args.beam > len(vocab_tgt):
         raise UserError(
             f"--beam {args.beam} is wider than the {len(vocab_tgt)} tokens "
@@ -1643,10 +2045,38 @@ def load_for_decoding(args):
     return model, vocab_src, vocab_tgt, decode_fn
 
 
+def position_limit(model, max_extra=50):
+    """How many source tokens (without <s>, </s>) a model can translate."""
+    positions = min(
+        model.src_embed[1].pe.size(1), model.tgt_embed[1].pe.size(1)
+    )
+    return positions - max_extra - 2
+
+
+def fit_to_model(line, number, spacy_de, vocab_src, limit, what="line"):
+    """`line`, cut to its first `limit` tokens, with a warning if cut."""
+    if hasattr(vocab_src, "encode"):  # BPE: its own tokens and offsets
+        starts = [a for a, _ in vocab_src.tokenizer.encode(line).offsets]
+    else:
+        tokens = spacy_de.tokenizer(line)
+        starts = [tok.idx for tok in tokens if not tok.is_space]
+    if len(starts) <= limit:
+        return line
+    print(
+        f"warning: {what} {number} has {len(starts):,d} tokens; the model "
+        f"reads {limit:,d}, so only they were translated",
+        file=sys.stderr,
+    )
+    return line[: starts[limit]]
+
+
 def command_evaluate(args):
     """`evaluate`: BLEU of a checkpoint on a pair of files."""
     if (args.src is None) != (args.ref is None):
         raise UserError("give both --src and --ref, or neither")
+    if args.out:
+        inputs = [args.checkpoint, *filter(None, [args.src, args.ref])]
+        check_out(args.out, *inputs)
     if args.src is None:
         folder = download_multi30k()
         args.src = folder / "test_2016_flickr.de.gz"
@@ -1654,16 +2084,26 @@ def command_evaluate(args):
     sources, references = read_parallel(args.src, args.ref)
     model, vocab_src, vocab_tgt, decode_fn = load_for_decoding(args)
     spacy_de, _ = load_tokenizers()
+    limit = position_limit(model)
+    sources = [
+        fit_to_model(s, n, spacy_de, vocab_src, limit)
+        for n, s in enumerate(sources, 1)
+    ]
     hyps = translate_batch(
-        model, sources, spacy_de, vocab_src, vocab_tgt, args.device,
-        args.batch_size, decode_fn=decode_fn, replace_unk=args.replace_unk,
-    )  # fmt: skip
+        model,
+        sources,
+        spacy_de,
+        vocab_src,
+        vocab_tgt,
+        device=args.device,
+        batch_size=args.batch_size,
+        decode_fn=decode_fn,
+        replace_unk=args.replace_unk,
+    )
     if args.out:
-        try:
-            Path(args.out).write_text("\n".join(hyps) + "\n", "utf-8")
-        except OSError as err:
-            raise UserError(f"cannot write {args.out}: {err}") from err
-    print(compute_bleu(hyps, references))
+        with atomic_write(args.out, "w") as f:
+            f.write("\n".join(hyps) + "\n")
+    say(compute_bleu(hyps, references))
     return 0
 
 
@@ -1687,9 +2127,9 @@ def sentences_to_translate(args):
     for number, sentence in enumerate(args.sentence, 1):
         if sentence == "-":
             raise UserError("- (standard input) cannot mix with sentences")
-        if not sentence.strip():
+        if not clean_line(sentence).strip():
             raise UserError(f"sentence {number} is empty: no German to read")
-    return iter(args.sentence)
+    return iter(map(clean_line, args.sentence))
 
 
 def warn_unknown_words(sentences, spacy_de, vocab_src):
@@ -1708,7 +2148,7 @@ def warn_unknown_words(sentences, spacy_de, vocab_src):
 def command_translate(args):
     """`translate`: one line of English per German sentence, in order."""
     lines = sentences_to_translate(args)
-    typing = args.input == "-" and sys.stdin.isatty()
+    typing = args.input == "-" and sys.stdin and sys.stdin.isatty()
     chunk = 1 if typing else 8 * args.batch_size
     first = list(itertools.islice(lines, chunk))  # input errors come first
     if not first:
@@ -1719,44 +2159,102 @@ def command_translate(args):
     if args.input is None:
         warn_unknown_words(args.sentence, spacy_de, vocab_src)
     translate_fn = functools.partial(
-        translate_batch, model, spacy_de=spacy_de, vocab_src=vocab_src,
-        vocab_tgt=vocab_tgt, device=args.device, batch_size=args.batch_size,
-        decode_fn=decode_fn, replace_unk=args.replace_unk,
-    )  # fmt: skip
+        translate_batch,
+        model,
+        spacy_de=spacy_de,
+        vocab_src=vocab_src,
+        vocab_tgt=vocab_tgt,
+        device=args.device,
+        batch_size=args.batch_size,
+        decode_fn=decode_fn,
+        replace_unk=args.replace_unk,
+    )
+    what = "line" if args.input is not None else "sentence"
+    fit = functools.partial(
+        fit_to_model,
+        spacy_de=spacy_de,
+        vocab_src=vocab_src,
+        limit=position_limit(model),
+        what=what,
+    )
     stream = itertools.chain(first, lines)
-    for hyps in translate_lines(stream, translate_fn, chunk):
-        print(*hyps, sep="\n", flush=True)
+    fitted = (fit(line, n) for n, line in enumerate(stream, 1))
+    for hyps in translate_lines(fitted, translate_fn, chunk):
+        say(*hyps)
     return 0
 
 
 def command_download(args):
     """`download`: fetch and verify Multi30k, print where it is."""
-    print(download_multi30k())
+    say(download_multi30k())
     return 0
+
+
+EXIT_USAGE, EXIT_IO, EXIT_PIPE, EXIT_INTERRUPTED = 2, 74, 141, 130
+USER_ERRORS = (
+    UserError,
+    CheckpointError,
+    TextFileError,
+    DatasetError,
+    FolderInUseError,
+    FileNotFoundError,
+)
+
+
+def stdout_fault():
+    """Flush stdout; on failure, send what it holds nowhere; the error."""
+    try:
+        sys.stdout.flush()
+    except OSError as err:  # full, closed or a broken pipe
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return err
+    return None
+
+
+def one_line(err):
+    """An exception's message on one line."""
+    return " ".join(str(err).split()) or type(err).__name__
 
 
 def main(argv=None):
     """Command-line entry point; returns the exit status."""
-    args = build_parser().parse_args(argv)
-    commands = {
-        "download": command_download,
-        "train": command_train,
-        "evaluate": command_evaluate,
-        "translate": command_translate,
-    }
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C
+    if sys.stdout is None:  # started with stdout closed: `>&-`
+        print("error: standard output is closed", file=sys.stderr)
+        return EXIT_IO
     try:
+        args = build_parser().parse_args(argv)
+        commands = {
+            "download": command_download,
+            "train": command_train,
+            "evaluate": command_evaluate,
+            "translate": command_translate,
+        }
         with warnings.catch_warnings():  # torch's note on an old pickle
             warnings.filterwarnings("ignore", "Detected pickle protocol")
-            return commands[args.command](args)
-    except (UserError, DatasetError) as err:
-        print("error: " + " ".join(str(err).split()), file=sys.stderr)
-        return 2
+            status = commands[args.command](args)
+        sys.stdout.flush()  # a full disk shows here, not at exit
+        return status
+    except USER_ERRORS as err:
+        print("error: " + one_line(err), file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
+        stdout_fault()
         print("interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # the reader left early: `translate | head`
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+        return EXIT_INTERRUPTED
+    except OSError as err:  # full disk, closed stdout, broken pipe, ...
+        fault = stdout_fault()
+        if isinstance(err, BrokenPipeError) or isinstance(
+            fault, BrokenPipeError
+        ):
+            return EXIT_PIPE  # the reader left: nothing to report
+        if err.filename is not None:
+            err = f"{err.filename}: {err.strerror}"
+        elif fault is not None:  # the error was writing to stdout
+            err = f"standard output: {fault.strerror or one_line(fault)}"
+        print("error: " + one_line(err), file=sys.stderr)
+        return EXIT_IO
 
 
 # The public names, for `from ... import *` and the docs.
@@ -1770,6 +2268,9 @@ __all__ = [
     "attention_frame",
     "attention_chart",
     "attention_summary_chart",
+    "process_alive",
+    "clean_partial_files",
+    "atomic_write",
     "MULTI30K_BASE_URL",
     "MULTI30K_SHA256",
     "sha256_of",
@@ -1784,7 +2285,6 @@ __all__ = [
     "get_config",
     "load_vocab",
     "load_vocabularies",
-    "bpe_vocabularies",
     "hardware_summary",
     "Precision",
     "cpu_has_native_bf16",
@@ -1794,6 +2294,29 @@ __all__ = [
     "free_port",
     "train_distributed_model",
     "train_model",
+    "OLD_PROJECTIONS",
+    "OLD_BLOCKS",
+    "rename_old_key",
+    "rename_old_keys",
+    "CheckpointError",
+    "save_checkpoint",
+    "load_checkpoint",
+    "epoch_checkpoints",
+    "LEGACY_CONFIG_NAMES",
+    "checkpoint_config",
+    "checkpoint_vocabularies",
+    "size_mismatch",
+    "load_weights",
+    "save_run",
+    "save_epoch",
+    "resume_point",
+    "resume_run",
+    "check_resume",
+    "FolderInUseError",
+    "folder_lock",
+    "load_trained_model",
+    "average_checkpoints",
+    "load_translator",
     "cuda_count",
     "process_device",
     "backend_for",
@@ -1813,19 +2336,18 @@ __all__ = [
     "translate",
     "check_outputs",
     "run_model_example",
-    "OLD_PROJECTIONS",
-    "OLD_BLOCKS",
-    "rename_old_key",
-    "rename_old_keys",
     "describe_checkpoint",
     "find_or_train",
+    "TextFileError",
+    "clean_line",
     "iter_lines",
     "read_lines",
     "read_parallel",
-    "evaluate_files",
     "write_results",
+    "UserError",
+    "say",
     "positive_int",
-    "count_or_zero",
+    "count",
     "existing_device",
     "OneLineParser",
     "add_train_parser",
@@ -1834,13 +2356,24 @@ __all__ = [
     "add_translate_parser",
     "build_parser",
     "command_train",
+    "train_locked",
+    "check_out",
     "load_for_decoding",
+    "position_limit",
+    "fit_to_model",
     "command_evaluate",
     "translate_lines",
     "sentences_to_translate",
     "warn_unknown_words",
     "command_translate",
     "command_download",
+    "EXIT_USAGE",
+    "EXIT_IO",
+    "EXIT_PIPE",
+    "EXIT_INTERRUPTED",
+    "USER_ERRORS",
+    "stdout_fault",
+    "one_line",
 ]
 
 

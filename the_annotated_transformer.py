@@ -13,18 +13,16 @@ process launch live in ``annotated_transformer_tools.py``.
 """
 
 import copy
-import functools
 import gzip
 import json
 import math
 import os
-import pickle
 import random
 import time
 import warnings
 from collections import Counter
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -956,55 +954,6 @@ def model_from_config(c, n_src, n_tgt, dropout=None):
     return model
 
 
-class UserError(Exception):
-    """A problem with the user's input, reported without a traceback."""
-
-
-def save_checkpoint(path, **fields):
-    """Write a dict of tensors and plain types atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
-    torch.save(fields, tmp)
-    os.replace(tmp, path)
-
-
-def load_checkpoint(path, device="cpu"):
-    """Read a checkpoint safely (weights_only) onto `device`."""
-    if not Path(path).is_file():
-        raise UserError(f"no checkpoint at {path}; train one first")
-    try:
-        return torch.load(path, map_location=device, weights_only=True)
-    except pickle.UnpicklingError as err:  # it would build other objects
-        why = "holds more than tensors, so it is not loaded, for safety"
-        raise UserError(f"{path} {why}") from err
-    except Exception as err:  # truncated file, not a checkpoint, ...
-        raise UserError(f"{path} is not a readable checkpoint: {err}") from err
-
-
-def epoch_checkpoints(folder):
-    """The epoch checkpoints in a folder, oldest first."""
-    return sorted(Path(folder).glob("epoch_*.pt"))
-
-
-def word_vocabularies(ckpt):
-    """The word vocabularies of a checkpoint."""
-    return Vocab(ckpt["vocab_src"]), Vocab(ckpt["vocab_tgt"])
-
-
-VOCAB_LOADERS = {"word": word_vocabularies}  # the appendix adds "bpe"
-
-
-def save_run(run, name, vocab_src, vocab_tgt, **extra):
-    """Write the weights, config, vocabularies and losses, and `extra`."""
-    fields = {"model": run.module.state_dict(), "config": asdict(run.config)}
-    fields |= {"vocab_src": vocab_src.get_itos(), "history": run.history}
-    fields["vocab_tgt"] = vocab_tgt.get_itos()
-    if hasattr(vocab_tgt, "to_str"):  # Part 5's BPE: its merges, as JSON
-        fields["bpe"] = vocab_tgt.to_str()
-    save_checkpoint(Path(run.config.checkpoint_dir, name), **fields, **extra)
-
-
 def pick_device():
     """The fastest device here: a CUDA GPU, else Apple's MPS, else the CPU."""
     if torch.cuda.is_available():
@@ -1067,35 +1016,6 @@ def train_one_process(
     return model, history
 
 
-def save_epoch(run, epoch, vocab_src, vocab_tgt):
-    """Write a lean epoch_NNN.pt, then last.pt; keep `keep_last` epochs."""
-    save_run(run, f"epoch_{epoch:03d}.pt", vocab_src, vocab_tgt, epoch=epoch)
-    resume = {"epoch": epoch, "train_state": asdict(run.state)}
-    resume |= {"optimizer": run.optimizer.state_dict()}
-    resume |= {"scheduler": run.scheduler.state_dict()}
-    resume |= {"rng_state": torch.get_rng_state()}
-    save_run(run, "last.pt", vocab_src, vocab_tgt, **resume)
-    keep, folder = run.config.keep_last, run.config.checkpoint_dir
-    for old in epoch_checkpoints(folder)[:-keep] if keep > 0 else []:
-        old.unlink()
-
-
-def resume_run(run):
-    """Restore the newest training state; returns the next epoch."""
-    folder = run.config.checkpoint_dir
-    paths = [Path(folder, "last.pt"), *epoch_checkpoints(folder)[-1:]]
-    paths = [p for p in paths if p.is_file()]
-    ckpt = load_checkpoint(paths[0], run.device) if paths else {}
-    if "optimizer" not in ckpt:  # nothing to resume from: start afresh
-        return 0
-    run.module.load_state_dict(ckpt["model"])
-    run.optimizer.load_state_dict(ckpt["optimizer"])
-    run.scheduler.load_state_dict(ckpt["scheduler"])
-    run.state, run.history = TrainState(**ckpt["train_state"]), ckpt["history"]
-    torch.set_rng_state(ckpt["rng_state"])
-    return ckpt["epoch"] + 1
-
-
 # -----------------------------------------------------------------------------
 # Decoding
 # Explained in notebooks/03_multi30k.py, same heading.
@@ -1124,24 +1044,6 @@ def strip_specials(ids, end_symbol=EOS):
     """Token ids after <s> and before the first </s>."""
     ids = list(ids)[1:]
     return ids[: ids.index(end_symbol)] if end_symbol in ids else ids
-
-
-def load_trained_model(path, device="cpu"):
-    """(model in eval mode, vocab_src, vocab_tgt, config) from a checkpoint."""
-    device = pick_device() if device in (None, "auto") else device
-    ckpt = load_checkpoint(path, device)
-    try:
-        renamed = {"num_epochs": "epochs", "amp": "precision"}  # older runs
-        saved = {renamed.get(k, k): v for k, v in ckpt["config"].items()}
-        config = TrainConfig(**saved)
-        vocab_src, vocab_tgt = VOCAB_LOADERS[config.tokenization](ckpt)
-        sizes = (len(vocab_src), len(vocab_tgt))
-        model = model_from_config(config, *sizes, dropout=0.0)
-        model.load_state_dict(ckpt["model"])
-    except Exception as err:  # keys, types or sizes that are not ours
-        message = f"{path} does not match this code's Multi30k model: {err}"
-        raise UserError(message) from err
-    return model.to(device).eval(), vocab_src, vocab_tgt, config
 
 
 # =============================================================================
@@ -1724,56 +1626,6 @@ def average(model, models):
     return model
 
 
-def average_checkpoints(paths, device="cpu"):
-    """(model, vocab_src, vocab_tgt, config) with the mean of the weights."""
-    paths = [Path(p) for p in paths]
-    if not paths:
-        raise UserError("no checkpoints to average")
-    model, vocab_src, vocab_tgt, config = load_trained_model(paths[0], "cpu")
-    params, buffers = dict(model.named_parameters()), model.named_buffers()
-    buffers = dict(buffers)  # e.g. the positional encoding's `pe`
-    sums = {
-        n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()
-    }
-    for path in paths:
-        state = load_checkpoint(path, "cpu")["model"]  # MPS has no float64
-        shapes = {n: state[n].shape for n in sums if n in state}
-        if shapes != {n: s.shape for n, s in sums.items()}:
-            raise UserError(f"{path} is not the same model as {paths[0]}")
-        for name in sums:
-            sums[name] += state[name].double()
-        for name, b in buffers.items():
-            if not torch.equal(state[name], b):
-                raise UserError(f"{path}: buffer {name} differs")
-    with torch.no_grad():
-        for name, p in params.items():
-            p.copy_(sums[name] / len(paths))
-    return model.to(device).eval(), vocab_src, vocab_tgt, config
-
-
-# -----------------------------------------------------------------------------
-# 5. From the command line, and the results
-# Explained in notebooks/05_beyond.py, same heading.
-# -----------------------------------------------------------------------------
-def load_translator(checkpoint, device="cpu", beam=1, average=0):
-    """(model, vocab_src, vocab_tgt, decode_fn) for greedy or beam search."""
-    if average:
-        paths = epoch_checkpoints(Path(checkpoint).parent)[-average:]
-        if len(paths) < average:
-            raise UserError(
-                f"--average {average} needs {average} epoch checkpoints "
-                f"next to {checkpoint}; found {len(paths)} (training keeps "
-                "the newest --keep-last)"
-            )
-        model, vocab_src, vocab_tgt, _ = average_checkpoints(paths, device)
-    else:
-        model, vocab_src, vocab_tgt, _ = load_trained_model(checkpoint, device)
-    decode_fn = cached_greedy_decode
-    if beam > 1:
-        decode_fn = functools.partial(beam_search, beam_size=beam)
-    return model, vocab_src, vocab_tgt, decode_fn
-
-
 # The public names, for `from ... import *` and the docs.
 __all__ = [
     "EncoderDecoder",
@@ -1836,20 +1688,10 @@ __all__ = [
     "create_dataloaders",
     "TrainConfig",
     "model_from_config",
-    "UserError",
-    "save_checkpoint",
-    "load_checkpoint",
-    "epoch_checkpoints",
-    "word_vocabularies",
-    "VOCAB_LOADERS",
-    "save_run",
     "pick_device",
     "train_one_process",
-    "save_epoch",
-    "resume_run",
     "batch_greedy_decode",
     "strip_specials",
-    "load_trained_model",
     "record_attention",
     "ATTENTION_KINDS",
     "AttentionView",
@@ -1878,6 +1720,4 @@ __all__ = [
     "load_bpe",
     "tie_embeddings",
     "average",
-    "average_checkpoints",
-    "load_translator",
 ]

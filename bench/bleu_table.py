@@ -76,7 +76,7 @@ def setups(args):
         options = [(1, 0, "greedy")]
         if kind == "word":
             options.append((args.beam, 0, f"beam {args.beam}"))
-        k = min(args.average, len(tat.epoch_checkpoints(folder)))
+        k = min(args.average, len(tools.epoch_checkpoints(folder)))
         if k:
             options.append(
                 (args.beam, k, f"beam {args.beam} + average of last {k}")
@@ -89,7 +89,7 @@ def setups(args):
 def score(folder, beam, average, pairs, spacy_de, batch_size):
     """BLEU and timing of one setup."""
     checkpoint = folder / "final.pt"
-    model, vocab_src, vocab_tgt, decode_fn = tat.load_translator(
+    model, vocab_src, vocab_tgt, decode_fn = tools.load_translator(
         checkpoint, beam=beam, average=average
     )
     start = time.perf_counter()
@@ -104,7 +104,7 @@ def score(folder, beam, average, pairs, spacy_de, batch_size):
     )
     seconds = time.perf_counter() - start
     bleu = tools.compute_bleu(hyps, [en for _, en in pairs])
-    used = [p.name for p in tat.epoch_checkpoints(folder)[-average:]]
+    used = [p.name for p in tools.epoch_checkpoints(folder)[-average:]]
     return {
         "checkpoints": used if average else ["final.pt"],
         "bleu": round(bleu.score, 2),
@@ -158,7 +158,7 @@ def main(argv=None):
     }
     spacy_de, _ = tat.load_tokenizers()
     for label, folder, beam, average in setups(args):
-        config = tat.load_checkpoint(folder / "final.pt")["config"]
+        config = tools.load_checkpoint(folder / "final.pt")["config"]
         row = {"setup": label, "folder": str(folder)}
         row |= {"preset": config["preset"], "beam": beam, "average": average}
         row |= score(folder, beam, average, pairs, spacy_de, args.batch_size)

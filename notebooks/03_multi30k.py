@@ -53,11 +53,10 @@ AT_SIZE = os.environ.get("AT_SIZE", "full")  # "ci": minutes, not hours
 import gzip
 import json
 import os
-import pickle
 import random
 import warnings
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -544,72 +543,9 @@ def model_from_config(c, n_src, n_tgt, dropout=None):
 # %% [markdown]
 # ### Checkpoints
 #
-# A checkpoint holds only tensors and plain Python types, so it loads with
-# `torch.load(..., weights_only=True)`, which refuses to run code hidden
-# in a file. It is written to a temporary file and then renamed, so that a
-# crash mid-write never leaves half a checkpoint. Problems the user can
-# fix, such as a missing file, raise `UserError`, which the command line
-# prints as one line instead of a traceback.
-#
-# Vocabularies go into a checkpoint as plain data: token lists, plus the
-# JSON text of a vocabulary that has a `to_str` method (Part 5). Which
-# function rebuilds them depends on the checkpoint's `tokenization`:
-# `VOCAB_LOADERS` maps that name to it. This part knows words, and the
-# appendix adds Part 5's subwords, so the code here never names them.
-
-
-# %%
-#| export
-class UserError(Exception):
-    """A problem with the user's input, reported without a traceback."""
-
-
-def save_checkpoint(path, **fields):
-    """Write a dict of tensors and plain types atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
-    torch.save(fields, tmp)
-    os.replace(tmp, path)
-
-
-def load_checkpoint(path, device="cpu"):
-    """Read a checkpoint safely (weights_only) onto `device`."""
-    if not Path(path).is_file():
-        raise UserError(f"no checkpoint at {path}; train one first")
-    try:
-        return torch.load(path, map_location=device, weights_only=True)
-    except pickle.UnpicklingError as err:  # it would build other objects
-        why = "holds more than tensors, so it is not loaded, for safety"
-        raise UserError(f"{path} {why}") from err
-    except Exception as err:  # truncated file, not a checkpoint, ...
-        raise UserError(f"{path} is not a readable checkpoint: {err}") from err
-
-
-def epoch_checkpoints(folder):
-    """The epoch checkpoints in a folder, oldest first."""
-    return sorted(Path(folder).glob("epoch_*.pt"))
-
-
-# %%
-#| export
-def word_vocabularies(ckpt):
-    """The word vocabularies of a checkpoint."""
-    return Vocab(ckpt["vocab_src"]), Vocab(ckpt["vocab_tgt"])
-
-
-VOCAB_LOADERS = {"word": word_vocabularies}  # the appendix adds "bpe"
-
-
-def save_run(run, name, vocab_src, vocab_tgt, **extra):
-    """Write the weights, config, vocabularies and losses, and `extra`."""
-    fields = {"model": run.module.state_dict(), "config": asdict(run.config)}
-    fields |= {"vocab_src": vocab_src.get_itos(), "history": run.history}
-    fields["vocab_tgt"] = vocab_tgt.get_itos()
-    if hasattr(vocab_tgt, "to_str"):  # Part 5's BPE: its merges, as JSON
-        fields["bpe"] = vocab_tgt.to_str()
-    save_checkpoint(Path(run.config.checkpoint_dir, name), **fields, **extra)
-
+# Training writes its weights, vocabularies and state to checkpoint files
+# with the appendix's `save_run` and reads them back with
+# `load_checkpoint` (see "Checkpoint files" there).
 
 # %% [markdown]
 # ### The training loop
@@ -711,47 +647,6 @@ assert history[-1]["val_loss"] < history[0]["val_loss"]
 
 
 # %% [markdown]
-# The third writes, on rank 0 (all ranks hold the same weights), a lean
-# `epoch_NNN.pt` per epoch with the weights Part 5 averages, keeping the
-# newest `keep_last`, and `last.pt`, which adds the optimizer (Adam keeps
-# two averages per weight, so it triples the size), the schedule, the
-# counters and the random state. A crash between the two writes only
-# repeats the epoch. The fourth resumes from `last.pt` (or an older run's
-# newest epoch file) exactly as an uninterrupted run would continue.
-
-
-# %%
-#| export
-def save_epoch(run, epoch, vocab_src, vocab_tgt):
-    """Write a lean epoch_NNN.pt, then last.pt; keep `keep_last` epochs."""
-    save_run(run, f"epoch_{epoch:03d}.pt", vocab_src, vocab_tgt, epoch=epoch)
-    resume = {"epoch": epoch, "train_state": asdict(run.state)}
-    resume |= {"optimizer": run.optimizer.state_dict()}
-    resume |= {"scheduler": run.scheduler.state_dict()}
-    resume |= {"rng_state": torch.get_rng_state()}
-    save_run(run, "last.pt", vocab_src, vocab_tgt, **resume)
-    keep, folder = run.config.keep_last, run.config.checkpoint_dir
-    for old in epoch_checkpoints(folder)[:-keep] if keep > 0 else []:
-        old.unlink()
-
-
-def resume_run(run):
-    """Restore the newest training state; returns the next epoch."""
-    folder = run.config.checkpoint_dir
-    paths = [Path(folder, "last.pt"), *epoch_checkpoints(folder)[-1:]]
-    paths = [p for p in paths if p.is_file()]
-    ckpt = load_checkpoint(paths[0], run.device) if paths else {}
-    if "optimizer" not in ckpt:  # nothing to resume from: start afresh
-        return 0
-    run.module.load_state_dict(ckpt["model"])
-    run.optimizer.load_state_dict(ckpt["optimizer"])
-    run.scheduler.load_state_dict(ckpt["scheduler"])
-    run.state, run.history = TrainState(**ckpt["train_state"]), ckpt["history"]
-    torch.set_rng_state(ckpt["rng_state"])
-    return ckpt["epoch"] + 1
-
-
-# %% [markdown]
 # ### The reference run
 #
 # The appendix's `train_worker` runs this same loop, and a test checks
@@ -826,36 +721,10 @@ def strip_specials(ids, end_symbol=EOS):
     return ids[: ids.index(end_symbol)] if end_symbol in ids else ids
 
 
-# %% [markdown]
-# `load_trained_model` reads a `final.pt` back: it rebuilds the
-# vocabularies and the model from the checkpoint alone (including
-# checkpoints written before two config fields got their present names),
-# and refuses a file that does not match this code with a `UserError`. It
-# loads onto the CPU unless given a device (`"auto"`: `pick_device`'s).
-
-
 # %%
-#| export
-def load_trained_model(path, device="cpu"):
-    """(model in eval mode, vocab_src, vocab_tgt, config) from a checkpoint."""
-    device = pick_device() if device in (None, "auto") else device
-    ckpt = load_checkpoint(path, device)
-    try:
-        renamed = {"num_epochs": "epochs", "amp": "precision"}  # older runs
-        saved = {renamed.get(k, k): v for k, v in ckpt["config"].items()}
-        config = TrainConfig(**saved)
-        vocab_src, vocab_tgt = VOCAB_LOADERS[config.tokenization](ckpt)
-        sizes = (len(vocab_src), len(vocab_tgt))
-        model = model_from_config(config, *sizes, dropout=0.0)
-        model.load_state_dict(ckpt["model"])
-    except Exception as err:  # keys, types or sizes that are not ours
-        message = f"{path} does not match this code's Multi30k model: {err}"
-        raise UserError(message) from err
-    return model.to(device).eval(), vocab_src, vocab_tgt, config
-
-
-# %%
-model, *vocabs, _ = load_trained_model(final_checkpoint)  # its vocabularies
+model, *vocabs, _ = tools.load_trained_model(
+    final_checkpoint
+)  # its vocabularies
 print("model:", tools.describe_checkpoint(final_checkpoint))
 batch = encode_pairs(splits["val"][:12], *vocabs, *tokenizers)
 src, _ = collate_batch(batch)

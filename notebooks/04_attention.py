@@ -79,7 +79,8 @@ import pandas as pd
 
 from the_annotated_transformer import BOS, EOS, PAD, UNK, Batch
 from the_annotated_transformer import MultiHeadedAttention, batch_greedy_decode
-from the_annotated_transformer import load_tokenizers, load_trained_model
+from annotated_transformer_tools import load_trained_model
+from the_annotated_transformer import load_tokenizers
 from the_annotated_transformer import make_model, read_multi30k
 from the_annotated_transformer import subsequent_mask, tokenize
 

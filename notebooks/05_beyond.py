@@ -58,7 +58,6 @@ AT_SIZE = os.environ.get("AT_SIZE", "full")  # "ci": minutes, not hours
 
 # %%
 #| export
-import functools
 import math
 import os
 from pathlib import Path
@@ -68,16 +67,20 @@ import torch
 import torch.nn.functional as F
 
 # %%
-from the_annotated_transformer import BOS, EOS, PAD, SPECIALS, UNK, UserError
+import functools
+
+from the_annotated_transformer import BOS, EOS, PAD, SPECIALS, UNK
 from the_annotated_transformer import batch_greedy_decode, collate_batch
-from annotated_transformer_tools import compute_bleu
+from annotated_transformer_tools import average_checkpoints, compute_bleu
 from the_annotated_transformer import count_parameters, data_dir
-from the_annotated_transformer import encode_pairs, epoch_checkpoints
+from annotated_transformer_tools import epoch_checkpoints
+from the_annotated_transformer import encode_pairs
 from annotated_transformer_tools import get_config
 from the_annotated_transformer import greedy_decode
-from the_annotated_transformer import load_checkpoint, load_tokenizers
+from annotated_transformer_tools import load_checkpoint
+from the_annotated_transformer import load_tokenizers
 from annotated_transformer_tools import load_vocab
-from the_annotated_transformer import load_trained_model
+from annotated_transformer_tools import load_trained_model
 from the_annotated_transformer import make_model, read_multi30k, strip_specials
 from annotated_transformer_tools import find_or_train
 from the_annotated_transformer import subsequent_mask, tokenize
@@ -910,10 +913,10 @@ for de, en in splits["val"][:3]:
 #
 # `average(model, models)` sets `model`'s parameters to the mean of those
 # of `models`, in memory; tied parameters are one tensor, averaged once.
-# `average_checkpoints` does the same from files, reading one at a time
-# and summing in float64, so that averaging 20 checkpoints needs memory
-# for two models, not 21. It sums on the CPU (Apple's GPU has no float64)
-# and then moves the model to the device asked for. Buffers are not
+# `average_checkpoints` (in the appendix, with the other checkpoint files)
+# does the same from files, reading one at a time and summing in float64,
+# so that averaging 20 checkpoints needs memory for two models, not 21.
+# Buffers are not
 # weights: our two buffers, the positional encodings `src_embed.1.pe` and
 # `tgt_embed.1.pe`, are fixed tables, so they are kept and checked to be
 # equal in every file.
@@ -928,33 +931,6 @@ def average(model, models):
     for name, p in model.named_parameters():
         p.copy_(torch.stack([ps[name] for ps in params]).mean(dim=0))
     return model
-
-
-def average_checkpoints(paths, device="cpu"):
-    """(model, vocab_src, vocab_tgt, config) with the mean of the weights."""
-    paths = [Path(p) for p in paths]
-    if not paths:
-        raise UserError("no checkpoints to average")
-    model, vocab_src, vocab_tgt, config = load_trained_model(paths[0], "cpu")
-    params, buffers = dict(model.named_parameters()), model.named_buffers()
-    buffers = dict(buffers)  # e.g. the positional encoding's `pe`
-    sums = {
-        n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()
-    }
-    for path in paths:
-        state = load_checkpoint(path, "cpu")["model"]  # MPS has no float64
-        shapes = {n: state[n].shape for n in sums if n in state}
-        if shapes != {n: s.shape for n, s in sums.items()}:
-            raise UserError(f"{path} is not the same model as {paths[0]}")
-        for name in sums:
-            sums[name] += state[name].double()
-        for name, b in buffers.items():
-            if not torch.equal(state[name], b):
-                raise UserError(f"{path}: buffer {name} differs")
-    with torch.no_grad():
-        for name, p in params.items():
-            p.copy_(sums[name] / len(paths))
-    return model.to(device).eval(), vocab_src, vocab_tgt, config
 
 
 # %% [markdown]
@@ -981,34 +957,11 @@ for name, fn in DECODERS.items():
 # %% [markdown]
 # ## 5. From the command line, and the results
 #
-# `load_translator` gathers the options of this notebook for scripts and
-# for the command line's `evaluate` and `translate`: a checkpoint, a beam
-# size (1 means greedy, with the cache) and a number of epoch checkpoints
-# to average, taken from the checkpoint's folder.
-
-
-# %%
-#| export
-def load_translator(checkpoint, device="cpu", beam=1, average=0):
-    """(model, vocab_src, vocab_tgt, decode_fn) for greedy or beam search."""
-    if average:
-        paths = epoch_checkpoints(Path(checkpoint).parent)[-average:]
-        if len(paths) < average:
-            raise UserError(
-                f"--average {average} needs {average} epoch checkpoints "
-                f"next to {checkpoint}; found {len(paths)} (training keeps "
-                "the newest --keep-last)"
-            )
-        model, vocab_src, vocab_tgt, _ = average_checkpoints(paths, device)
-    else:
-        model, vocab_src, vocab_tgt, _ = load_trained_model(checkpoint, device)
-    decode_fn = cached_greedy_decode
-    if beam > 1:
-        decode_fn = functools.partial(beam_search, beam_size=beam)
-    return model, vocab_src, vocab_tgt, decode_fn
-
-
-# %% [markdown]
+# The command line's `evaluate` and `translate` take these options: a
+# checkpoint, a beam size (1 means greedy, with the cache) and a number of
+# epoch checkpoints to average, taken from the checkpoint's folder (the
+# appendix's `load_translator` puts them together).
+#
 # `python annotated_transformer_tools.py evaluate --beam 4 --average 5`
 # scores a checkpoint that way, and `bench/bleu_table.py` scores test2016
 # for every combination above. The takeaway of the runs on record: beam

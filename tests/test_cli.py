@@ -2,11 +2,17 @@
 
 import argparse
 import gzip
+import hashlib
 import io
 import os
 import pickle
+import shlex
+import signal
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 
@@ -36,7 +42,7 @@ def save_tiny(path, model, config, vocab_src, vocab_tgt, **changes):
     fields = {"model": model.state_dict(), "config": asdict(config)}
     fields |= {"vocab_src": vocab_src.get_itos(), "history": []}
     fields |= {"vocab_tgt": vocab_tgt.get_itos(), **changes}
-    tat.save_checkpoint(path, **fields)
+    tools.save_checkpoint(path, **fields)
     return path
 
 
@@ -171,7 +177,7 @@ def test_cli_translate(tiny, tokenizers, capsys):
         capsys, "translate", "--checkpoint", ckpt, sentence
     )
     # The reference: the tutorial's one-sentence greedy_decode, by hand.
-    model, vocab_src, vocab_tgt, _ = tat.load_trained_model(ckpt)
+    model, vocab_src, vocab_tgt, _ = tools.load_trained_model(ckpt)
     ids = [tat.BOS, *tat.encode_text(sentence, tokenizers[0], vocab_src)]
     src = torch.tensor([ids + [tat.EOS]])  # (1, S)
     src_mask = torch.ones(1, 1, src.size(1), dtype=torch.bool)
@@ -251,6 +257,8 @@ def bad_files(tmp_path_factory, tiny):
     (folder / "latin1.de").write_bytes("Schöne Grüße.\n".encode("latin-1"))
     (folder / "three.de").write_text("Ein Hund.\nEine Katze.\nHallo.\n")
     (folder / "two.en").write_text("A dog.\nA cat.\n")
+    (folder / "three.en").write_text("A dog.\nA cat.\nHello.\n")
+    (folder / "empty.pt").write_bytes(b"")
     (folder / "empty.de").write_text("")
     (folder / "empty.en").write_text("")
     rng = torch.Generator().manual_seed(0)
@@ -260,9 +268,14 @@ def bad_files(tmp_path_factory, tiny):
     with open(folder / "code.pkl", "wb") as f:  # the old, bare pickle
         pickle.dump({"model": RunsCode(folder / "ran.pkl")}, f, protocol=4)
     _, model, vocab_src, vocab_tgt = tiny
-    config = tat.load_trained_model(tiny[0])[3]
+    config = tools.load_trained_model(tiny[0])[3]
     bigger = tat.Vocab([*vocab_tgt.get_itos(), "zebra", "giraffe"])
     save_tiny(folder / "other.pt", model, config, vocab_src, bigger)
+    # A training state of another (tiny) model, and lean epoch files only.
+    resume = {"optimizer": {}, "scheduler": {}, "epoch": 0}
+    other = (model, config, vocab_src, vocab_tgt)
+    save_tiny(folder / "resume_other/last.pt", *other, **resume)
+    save_tiny(folder / "resume_lean/epoch_000.pt", *other)
     return folder
 
 
@@ -296,7 +309,11 @@ BAD_INPUTS = {  # name: (argv, a part of the message, extra environment)
     "missing checkpoint": (["translate", "Hallo"], "no checkpoint"),
     "random bytes": (
         ["translate", "--checkpoint", "random.pt", "Ja"],
-        "random.pt",
+        "random.pt is not a checkpoint",
+    ),
+    "zero-byte checkpoint": (
+        ["translate", "--checkpoint", "empty.pt", "Ja"],
+        "empty.pt is empty (0 bytes)",
     ),
     "pickle with code": (
         ["translate", "--checkpoint", "code.pt", "Ja"],
@@ -306,9 +323,10 @@ BAD_INPUTS = {  # name: (argv, a part of the message, extra environment)
         ["translate", "--checkpoint", "code.pkl", "Ja"],
         "holds more than tensors",
     ),
-    "another vocabulary": (
+    "another vocabulary": (  # one short line, not a state-dict diff
         ["translate", "--checkpoint", "other.pt", "Ja"],
-        "other.pt does not match",
+        "other.pt does not match this code's Multi30k model: "
+        "tgt_embed.0.lut.weight is",
     ),
     "beam wider than vocabulary": (
         ["translate", "--checkpoint", "{ckpt}", "--beam", "999", "Ja"],
@@ -323,6 +341,76 @@ BAD_INPUTS = {  # name: (argv, a part of the message, extra environment)
     "--max-tokens -1": (["train", "--max-tokens", "-1"], "--max-tokens"),
     "--world-size 0": (["train", "--world-size", "0"], "--world-size"),
     "unknown preset": (["train", "--preset", "huge"], "'huge'"),
+    "--out is the sources": (
+        ["evaluate", "--checkpoint", "{ckpt}", "--src", "three.de"]
+        + ["--ref", "three.en", "--out", "three.de"],
+        "three.de is also an input",
+    ),
+    "--out is the references": (
+        ["evaluate", "--checkpoint", "{ckpt}", "--src", "three.de"]
+        + ["--ref", "three.en", "--out", "./three.en"],
+        "three.en is also an input",
+    ),
+    "--out checked before anything": (
+        ["evaluate", "--checkpoint", "nowhere.pt", "--src", "three.de"]
+        + ["--ref", "three.en", "--out", "no/such/hyp.en"],
+        "there is no folder",
+    ),
+    "input is /dev/null": (
+        ["translate", "--checkpoint", "{ckpt}", "--input", "/dev/null"],
+        "/dev/null is empty",
+    ),
+    "input is a folder": (
+        ["translate", "--checkpoint", "{ckpt}", "--input", "."],
+        "is a folder",
+    ),
+    "huge --batch-size": (
+        ["translate", "--checkpoint", "{ckpt}"]
+        + ["--batch-size", "10000000000000000000", "Ja"],
+        "--batch-size",
+    ),
+    "huge --beam": (["translate", "--beam", "1000000000", "Ja"], "--beam"),
+    "huge --average": (
+        ["evaluate", "--average", "99999999"],
+        "argument --average: expected a whole number from 1 to 10,000",
+    ),
+    "huge --epochs": (
+        ["train", "--epochs", "99999999999"],
+        "--epochs",
+        {"MULTI30K_DIR": "nowhere"},
+    ),
+    "huge --max-tokens": (
+        ["train", "--max-tokens", "1" + "0" * 30],
+        "--max-tokens",
+        {"MULTI30K_DIR": "nowhere"},
+    ),
+    "huge --keep-last": (
+        ["train", "--keep-last", "12345678901"],
+        "--keep-last",
+        {"MULTI30K_DIR": "nowhere"},
+    ),
+    "huge --world-size": (
+        ["train", "--world-size", "100000"],
+        "--world-size",
+        {"MULTI30K_DIR": "nowhere"},
+    ),
+    "huge --threads": (
+        ["train", "--threads", "100000"],
+        "--threads",
+        {"MULTI30K_DIR": "nowhere"},
+    ),
+    "resume from another model": (
+        ["train", "--preset", "ci", "--checkpoint-dir", "resume_other"]
+        + ["--resume"],
+        "cannot resume from resume_other/last.pt, another model: ",
+        {"MULTI30K_DIR": "{multi30k}"},
+    ),
+    "resume with nothing resumable": (
+        ["train", "--preset", "ci", "--checkpoint-dir", "resume_lean"]
+        + ["--resume"],
+        "nothing to resume in resume_lean",
+        {"MULTI30K_DIR": "{multi30k}"},
+    ),
     "relative MULTI30K_DIR": (
         ["download"],
         "{folder}/no/multi30k",
@@ -332,13 +420,17 @@ BAD_INPUTS = {  # name: (argv, a part of the message, extra environment)
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS, ids=str)
-def test_bad_input_gets_one_line_and_status_2(case, bad_files, tiny):
+def test_bad_input_gets_one_line_and_status_2(
+    case, bad_files, tiny, multi30k_dir
+):
     argv, message, *env = BAD_INPUTS[case]
-    names = {"ckpt": tiny[0], "folder": bad_files}
+    names = {"ckpt": tiny[0], "folder": bad_files, "multi30k": multi30k_dir}
     argv = [arg.format(**names) for arg in argv]
-    status, out, err = run_script(*argv, cwd=bad_files, env=(env or [{}])[0])
+    env = {k: v.format(**names) for k, v in (env or [{}])[0].items()}
+    status, out, err = run_script(*argv, cwd=bad_files, env=env)
     assert status == 2, (status, err)
     assert len(err.splitlines()) == 1 and err.strip(), err
+    assert len(err) < 300, "a short line: " + err[:300]
     assert "Traceback" not in err and "weights_only" not in err
     assert message.format(**names) in err, err
     assert not (bad_files / "ran.zip").exists()  # the pickles' code
@@ -427,7 +519,7 @@ def test_non_utf8_lines_are_named(tmp_path):
         f.write("Gut.\nNoch gut.\n".encode() + "Übel.\n".encode("latin-1"))
     lines = tools.iter_lines(path)
     assert next(lines) == "Gut." and next(lines) == "Noch gut."
-    with pytest.raises(tat.UserError, match="line 3"):
+    with pytest.raises(tools.TextFileError, match="line 3"):
         next(lines)
 
 
@@ -459,3 +551,355 @@ def test_translations_do_not_depend_on_their_batch(tiny, tokenizers):
     ]
     assert together == alone
     assert len(alone[0].split()) < len(alone[1].split())
+
+
+# --- text read the way editors write it ----------------------------------
+
+EDITOR_FILES = {  # name: how the three lines of the file are written
+    "byte-order mark": lambda lines: "\ufeff" + "\n".join(lines) + "\n",
+    "CRLF line ends": lambda lines: "\r\n".join(lines) + "\r\n",
+    "CR-only line ends": lambda lines: "\r".join(lines) + "\r",
+    "control characters": lambda lines: "\n".join(
+        "\x1b" + line.replace(" ", " \x00", 1) + "\x7f\x0c" for line in lines
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", EDITOR_FILES, ids=str)
+def test_text_is_read_as_editors_write_it(layout, tiny, tokenizers, tmp_path):
+    lines = [GERMAN[0], GERMAN[3], GERMAN[1]]
+    (tmp_path / "de.txt").write_bytes(EDITOR_FILES[layout](lines).encode())
+    argv = ["translate", "--checkpoint", tiny[0], "--input", "de.txt"]
+    status, out, err = run_script(*argv, cwd=tmp_path)
+    expected = reference(tiny, tokenizers, lines)
+    assert status == 0 and out.splitlines() == expected, err
+
+
+@pytest.mark.parametrize("layout", EDITOR_FILES, ids=str)
+def test_lines_are_read_as_editors_write_them(layout, tmp_path):
+    lines = [GERMAN[0], "", GERMAN[3], "\tEin Hund."]
+    text = EDITOR_FILES[layout](lines)
+    (tmp_path / "de.txt").write_bytes(text.encode())
+    assert tools.read_lines(tmp_path / "de.txt") == lines
+
+
+def test_a_byte_order_mark_does_not_change_bleu(
+    tiny, tokenizers, tmp_path, capsys
+):
+    src, ref = tmp_path / "src.de", tmp_path / "ref.en"
+    src.write_text("".join(de + "\n" for de in GERMAN))
+    hyps = reference(tiny, tokenizers, GERMAN)  # references that score 100
+    ref.write_text("".join(hyp + "\n" for hyp in hyps))
+    args = ["evaluate", "--checkpoint", tiny[0], "--src", src, "--ref", ref]
+    status, plain, _ = run_cli(capsys, *args)
+    assert status == 0 and plain.startswith("BLEU = 100.00 ")
+    src.write_text("\ufeff" + src.read_text())
+    ref.write_text("\ufeff" + ref.read_text())
+    status, with_bom, _ = run_cli(capsys, *args)
+    assert status == 0 and with_bom == plain
+
+
+def test_a_named_pipe_is_read_like_a_file(tiny, tokenizers, tmp_path):
+    fifo = tmp_path / "de.fifo"
+    os.mkfifo(fifo)
+    program = subprocess.Popen(
+        [sys.executable, SCRIPT, "translate", "--checkpoint", tiny[0]]
+        + ["--input", fifo],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=tmp_path,
+    )
+    writer = None
+    while writer is None and program.poll() is None:
+        try:  # succeeds once the program has opened the pipe to read
+            writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # no reader yet
+            time.sleep(0.1)
+    if writer is not None:
+        os.set_blocking(writer, True)
+        with os.fdopen(writer, "w") as f:
+            f.write(GERMAN[2] + "\n" + GERMAN[4] + "\n")
+    out, err = program.communicate(timeout=300)
+    expected = reference(tiny, tokenizers, [GERMAN[2], GERMAN[4]])
+    assert program.returncode == 0, err
+    assert out.decode().splitlines() == expected
+
+
+# --- lines longer than the model can read ---------------------------------
+
+
+def test_an_overlong_line_is_cut_with_a_warning(tiny, tokenizers, tmp_path):
+    long = " ".join(["Hund"] * 6000)
+    lines = [GERMAN[0], long, GERMAN[1]]
+    (tmp_path / "de.txt").write_text("\n".join(lines) + "\n")
+    argv = ["translate", "--checkpoint", tiny[0], "--input", "de.txt"]
+    status, out, err = run_script(*argv, cwd=tmp_path)
+    assert status == 0, err
+    assert err.splitlines() == [
+        "warning: line 2 has 6,000 tokens; the model reads 4,948, so only "
+        "they were translated"
+    ]
+    out = out.splitlines()
+    cut = " ".join(["Hund"] * 4948)
+    assert out == reference(tiny, tokenizers, [GERMAN[0], cut, GERMAN[1]])
+
+
+def test_decoding_stops_at_the_last_position(tiny, tokenizers):
+    """A model that never writes </s> stops where its positions end."""
+    _, _, vocab_src, vocab_tgt = tiny
+    torch.manual_seed(0)
+    model = tat.make_model(len(vocab_src), len(vocab_tgt), N=1, d_model=32)
+    with torch.no_grad():  # never </s>
+        model.generator.proj.bias[tat.EOS] = -1e4
+    for embed in (model.src_embed, model.tgt_embed):  # only 60 positions
+        embed[1].pe = embed[1].pe[:, :60]
+    limit = tools.position_limit(model)
+    assert limit == 60 - 50 - 2
+    sentence = " ".join(["Hund"] * 20)
+    fitted = tools.fit_to_model(sentence, 1, tokenizers[0], vocab_src, limit)
+    assert fitted.split() == ["Hund"] * limit
+    out = tools.translate_batch(
+        model, [fitted], tokenizers[0], vocab_src, vocab_tgt, replace_unk=False
+    )
+    # The source is <s>, 8 words, </s>: 10 positions, plus 50 more.
+    assert 0 < len(out[0].split()) <= 59
+
+
+# --- faults: one line, a meaningful status, nothing lost -----------------
+
+
+def test_two_runs_into_one_folder(tmp_path):
+    """A second train into a held folder stops at once, naming the holder."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, tmp_path / "ck"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        status, out, err = run_script(
+            "train", "--preset", "ci", "--checkpoint-dir", "ck", cwd=tmp_path
+        )
+        assert status == 2 and len(err.splitlines()) == 1, err
+        assert err.startswith("error: ck is in use by another training run")
+        assert f"(process {holder.pid})" in err
+        assert not list((tmp_path / "ck").glob("*.pt"))
+    finally:
+        holder.kill()
+        holder.wait()
+    # Killed, it holds the lock no more: the next run takes it over.
+    with tools.folder_lock(tmp_path / "ck"):
+        text = (tmp_path / "ck" / ".lock").read_text()
+        assert text == f"{os.getpid()}\n"
+
+
+HOLD_LOCK = """
+import sys, time
+import the_annotated_transformer as tat
+with tools.folder_lock(sys.argv[1]):
+    print("locked", flush=True)
+    time.sleep(300)
+"""
+
+
+def test_a_stale_lock_file_is_taken_over(tmp_path):
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    (tmp_path / ".lock").write_text(f"{ended.pid}\n")
+    with tools.folder_lock(tmp_path):
+        with pytest.raises(tools.FolderInUseError, match=str(os.getpid())):
+            with tools.folder_lock(tmp_path):
+                pass
+
+
+WRITE_SLOWLY = """
+import sys, time
+import the_annotated_transformer as tat
+with tools.atomic_write(sys.argv[1]) as f:
+    f.write(b"new" * 1000)
+    f.flush()
+    print("writing", flush=True)
+    time.sleep(300)
+"""
+
+
+def test_a_writer_killed_mid_write_loses_nothing(tmp_path):
+    target = tmp_path / "final.pt"
+    target.write_bytes(b"old")
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITE_SLOWLY, target],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert writer.stdout.readline() == "writing\n"
+    writer.kill()  # SIGKILL: no cleanup can run
+    writer.wait()
+    part = tmp_path / f".final.pt.{writer.pid}.part"
+    assert target.read_bytes() == b"old" and part.exists()
+    # The next write to the folder removes what the dead process left.
+    tools.save_checkpoint(tmp_path / "other.pt", weights=torch.ones(2))
+    assert sorted(os.listdir(tmp_path)) == ["final.pt", "other.pt"]
+
+
+def limit_file_size(size):
+    """For preexec_fn: files this process writes stop at `size` bytes."""
+    import resource
+
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+
+
+def test_a_full_disk_keeps_the_old_output(tiny, tmp_path):
+    src, ref = tmp_path / "src.de", tmp_path / "ref.en"
+    src.write_text("".join(GERMAN[i % 5] + "\n" for i in range(100)))
+    ref.write_text("".join(PAIRS[i % 5][1] + "\n" for i in range(100)))
+    (tmp_path / "hyp.en").write_text("the old translations\n")
+    done = subprocess.run(
+        [sys.executable, SCRIPT, "evaluate", "--checkpoint", tiny[0]]
+        + ["--src", src, "--ref", ref, "--out", tmp_path / "hyp.en"],
+        capture_output=True,
+        text=True,
+        preexec_fn=limit_file_size(1024),  # as `ulimit -f 1`
+        timeout=300,
+    )
+    assert done.returncode == 74 and len(done.stderr.splitlines()) == 1
+    assert done.stderr.startswith("error: ") and "large" in done.stderr
+    assert (tmp_path / "hyp.en").read_text() == "the old translations\n"
+    assert sorted(os.listdir(tmp_path)) == ["hyp.en", "ref.en", "src.de"]
+
+
+def test_a_full_disk_while_training(tmp_path, multi30k_dir):
+    """One line, status 74, and no .part file; --resume with nothing to
+    resume says that it starts afresh."""
+    done = subprocess.run(
+        [sys.executable, SCRIPT, "train", "--preset", "ci", "--epochs", "1"]
+        + ["--checkpoint-dir", "ck", "--resume"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "MULTI30K_DIR": str(multi30k_dir)},
+        preexec_fn=limit_file_size(2**20),  # vocab.json fits, a model not
+        timeout=300,
+    )
+    lines = [x for x in done.stderr.splitlines() if x and "epoch 0" not in x]
+    assert done.returncode == 74, done.stderr
+    assert lines[0] == (
+        "note: nothing to resume in ck (no checkpoints there); training "
+        "from the first epoch"
+    )
+    assert lines[1:] == ["error: ck/epoch_000.pt: File too large"]
+    assert os.listdir(tmp_path / "ck") == [".lock"]
+
+
+def test_standard_output_full_closed_or_gone(tiny, tmp_path):
+    argv = [sys.executable, SCRIPT, "translate", "--checkpoint", tiny[0]]
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [*argv, GERMAN[0]], stdout=full, stderr=subprocess.PIPE
+        )
+    assert done.returncode == 74
+    assert done.stderr.decode() == (
+        "error: standard output: No space left on device\n"
+    )
+    base = " ".join(map(shlex.quote, map(str, argv)))
+    closed = f"{base} {shlex.quote(GERMAN[0])} >&-"
+    done = subprocess.run(["sh", "-c", closed], capture_output=True, text=True)
+    assert done.returncode == 74
+    assert done.stderr == "error: standard output is closed\n"
+    done = subprocess.run(["sh", "-c", f"{base} <&-"], capture_output=True)
+    assert done.returncode == 2
+    assert done.stderr == b"error: standard input is closed\n"
+    # A reader that leaves early: no message, the status of SIGPIPE.
+    lines = "".join(GERMAN[i % 5] + "\n" for i in range(200))
+    pipe = f"{base} --batch-size 1 | head -1; echo ${{PIPESTATUS[0]}} >&2"
+    done = subprocess.run(
+        ["bash", "-c", pipe], input=lines, capture_output=True, text=True
+    )
+    assert done.stdout.count("\n") == 1 and done.stderr == "141\n"
+
+
+@pytest.mark.parametrize(
+    "moment", [0.5, 8.0], ids=["while torch loads", "while it waits"]
+)
+def test_ctrl_c_is_one_line(moment, tiny, tmp_path):
+    program = subprocess.Popen(
+        [sys.executable, SCRIPT, "translate", "--checkpoint", tiny[0], "-"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    program.stdin.write((GERMAN[0] + "\n").encode())
+    program.stdin.flush()  # stdin stays open: the program waits for more
+    time.sleep(moment)
+    program.send_signal(signal.SIGINT)
+    out, err = program.communicate(timeout=60)
+    assert program.returncode == 130 and err == b"interrupted\n"
+
+
+# --- resuming ----------------------------------------------------------------
+
+
+def test_resume_restores_random_states_from_cpu_tensors(tmp_path, vocabs):
+    config = tools.get_config("ci", checkpoint_dir=str(tmp_path), N=1)
+    sizes = (len(vocabs[0]), len(vocabs[1]))
+    run = tools.TrainingRun(0, 1, sizes, config, False)
+    torch.manual_seed(7)
+    saved = torch.get_rng_state()
+    tools.save_epoch(run, 0, *vocabs)
+    torch.manual_seed(8)
+    resumed = tools.TrainingRun(0, 1, sizes, config, False)
+    resumed.device = torch.device("meta")  # as if the run were elsewhere
+    assert tools.resume_run(resumed) == 1
+    assert torch.equal(torch.get_rng_state(), saved)
+
+
+def test_the_cuda_random_states_are_saved_and_restored(
+    tmp_path, vocabs, monkeypatch
+):
+    config = tools.get_config("ci", checkpoint_dir=str(tmp_path), N=1)
+    sizes = (len(vocabs[0]), len(vocabs[1]))
+    run = tools.TrainingRun(0, 1, sizes, config, False)
+    run.device = torch.device("cuda", 0)  # only its name: no GPU here
+    states = [torch.arange(16, dtype=torch.uint8), torch.ones(16).byte()]
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: states)
+    tools.save_epoch(run, 0, *vocabs)
+    resumed = tools.TrainingRun(0, 1, sizes, config, False)
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.extend)
+    tools.resume_run(resumed)
+    assert len(restored) == 2
+    assert all(torch.equal(a, b) for a, b in zip(restored, states))
+
+
+def test_a_damaged_cached_file_is_named_offline(tmp_path, monkeypatch):
+    (tmp_path / "val.de.gz").write_bytes(b"half a download")
+    good = hashlib.sha256(b"the real file").hexdigest()
+
+    def offline(url, timeout):
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    with pytest.raises(tat.DatasetError) as info:
+        tools.download_multi30k(root=tmp_path, sha256={"val.de.gz": good})
+    message = str(info.value)
+    assert message.startswith(f"{tmp_path / 'val.de.gz'} in the data cache")
+    assert "damaged" in message and "no network" in message
+    assert (tmp_path / "val.de.gz").read_bytes() == b"half a download"
+
+
+def test_epochs_reach_the_config():
+    args = tools.build_parser().parse_args(["train", "--epochs", "3"])
+    assert tools.get_config(args.preset, epochs=args.epochs).epochs == 3
+    assert "download" in tools.build_parser().format_help()
+
+
+def test_a_checkpoint_cut_anywhere_is_one_line(tiny, tmp_path, capsys):
+    whole = Path(tiny[0]).read_bytes()
+    for cut in (1, 2, 50, 500, len(whole) // 3, len(whole) // 2, -10):
+        path = tmp_path / f"cut_{cut}.pt"
+        path.write_bytes(whole[:cut])
+        status, _, err = run_cli(
+            capsys, "translate", "--checkpoint", path, "Ja"
+        )
+        assert status == 2 and len(err.splitlines()) == 1, (cut, err)
+        assert f"{path} is not a" in err, err

@@ -340,7 +340,7 @@ def test_translate_and_the_command_line_default_to_pick_device(
         asked.append(torch.device(device).type)
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr(tat, "load_translator", loader)
+    monkeypatch.setattr(tools, "load_translator", loader)
     monkeypatch.setattr(tools, "load_translator", loader)
     with pytest.raises(RuntimeError, match="stop here"):
         tools.translate(["Ein Hund."])
@@ -358,18 +358,18 @@ def test_averaging_sums_on_the_cpu_then_moves(tmp_path, monkeypatch):
     for seed in (0, 1):
         torch.manual_seed(seed)
         run = tools.TrainingRun(0, 1, sizes, config, False, device="cpu")
-        tat.save_run(run, f"epoch_{seed:03d}.pt", *vocabs)
+        tools.save_run(run, f"epoch_{seed:03d}.pt", *vocabs)
         paths.append(tmp_path / f"epoch_{seed:03d}.pt")
     read = []
-    load = tat.load_checkpoint
+    load = tools.load_checkpoint
 
     def recording(path, device="cpu"):
         read.append(str(device))
         return load(path, device)
 
-    monkeypatch.setattr(tat, "load_checkpoint", recording)
     monkeypatch.setattr(tools, "load_checkpoint", recording)
-    model, *_ = tat.average_checkpoints(paths, device="meta")
+    monkeypatch.setattr(tools, "load_checkpoint", recording)
+    model, *_ = tools.average_checkpoints(paths, device="meta")
     assert read and set(read) == {"cpu"}
     assert {p.device.type for p in model.parameters()} == {"meta"}
 

@@ -168,7 +168,7 @@ def unk_writer(path):
     with torch.no_grad():
         model.generator.proj.bias.fill_(-30.0)
         model.generator.proj.bias[UNK] = 30.0
-    tat.save_checkpoint(
+    tools.save_checkpoint(
         path,
         model=model.state_dict(),
         config=asdict(cfg),

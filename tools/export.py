@@ -73,6 +73,16 @@ line. It imports the lesson module, ``the_annotated_transformer``; the
 lesson module never imports it. Run
 ``python annotated_transformer_tools.py --help`` for the command line.
 """
+
+if __name__ == "__main__":  # Ctrl-C while torch loads: one line, no traceback
+    import os
+    import signal
+
+    def _interrupted(signum, frame):
+        os.write(2, b"interrupted\\n")
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, _interrupted)
 '''
 
 FOOTER = """
