@@ -1113,13 +1113,17 @@ class AttentionMaps:
         """The weights of one kind with its labels and masks."""
         if kind not in ATTENTION_KINDS:
             raise ValueError(f"kind must be one of {list(ATTENTION_KINDS)}")
-        src = (self.src_tokens, self.src_ids != self.pad, self.src_ids)
-        tgt = (self.tgt_tokens, self.tgt_ids != self.pad, self.tgt_ids)
-        (rows, row_keep, _), (cols, col_keep, col_ids) = {
-            "encoder self": (src, src),
-            "decoder self": (tgt, tgt),
-            "decoder source": (tgt, src),
-        }[kind]  # (queries, keys), each (labels, keep, ids)
+        src_keep = self.src_ids != self.pad  # (S,)
+        tgt_keep = self.tgt_ids != self.pad  # (T,)
+        if kind == "encoder self":  # source reads source
+            rows, row_keep = self.src_tokens, src_keep
+            cols, col_keep, col_ids = self.src_tokens, src_keep, self.src_ids
+        elif kind == "decoder self":  # English reads English
+            rows, row_keep = self.tgt_tokens, tgt_keep
+            cols, col_keep, col_ids = self.tgt_tokens, tgt_keep, self.tgt_ids
+        else:  # "decoder source": English reads source
+            rows, row_keep = self.tgt_tokens, tgt_keep
+            cols, col_keep, col_ids = self.src_tokens, src_keep, self.src_ids
         allowed = col_keep.expand(len(row_keep), len(col_keep))  # (R, C)
         if kind == "decoder self":
             allowed = allowed & subsequent_mask(len(col_keep))[0]
@@ -1151,7 +1155,7 @@ def attention_maps(
     model, src, tgt=None, vocab_src=None, vocab_tgt=None, max_extra=50, pad=PAD
 ):
     """Every layer's attention weights for one sentence, in eval mode."""
-    core = getattr(model, "module", model)  # unwrap DistributedDataParallel
+    core = getattr(model, "module", model)  # the model, if wrapped for DDP
     device = next(core.parameters()).device
     src = torch.as_tensor(src, device=device).reshape(1, -1)  # (1, S)
     src_mask = (src != pad).unsqueeze(-2)  # (1, 1, S)
@@ -1186,7 +1190,9 @@ def attention_maps(
 # -----------------------------------------------------------------------------
 def _mean(x, keep):
     """Mean of (N, h, R) over the rows where keep (R,) is True; 0 if none."""
-    return x[..., keep].mean(-1) if keep.any() else x.sum(-1) * 0
+    if not keep.any():
+        return torch.zeros(x.shape[:-1], dtype=x.dtype)  # (N, h)
+    return x[..., keep].mean(-1)
 
 
 def _diagonal(v, kind):
@@ -1215,6 +1221,8 @@ def _head_statistics(v, kind, specials):
         "next": (w * (offset == 1)).sum(-1),
         "specials": w[..., special].sum(-1),
     }
+    # A row with one key (n == 1) has no choice: it is left out, and the
+    # clamp keeps its 0 / log 1 from being a NaN before it is dropped.
     entropy = _mean(H / n.clamp(min=2).log(), v.row_keep & (n > 1))
     means = {k: _mean(s, v.row_keep) for k, s in sums.items()}
     return {"entropy": entropy, **means}  # each (N, h)
@@ -1277,8 +1285,10 @@ def replace_unknowns(ids, aligned, src_words, vocab_tgt):
     """Output tokens, each <unk> replaced by the source word it read most."""
     tokens = vocab_tgt.lookup_tokens(ids)
     for k, token_id in enumerate(ids):
-        j = aligned[k] if token_id == UNK else 0  # 0 is <s>: no word
-        if 0 < j <= len(src_words):  # source position j is word j - 1
+        if token_id != UNK:
+            continue
+        j = aligned[k]  # source position: 0 is <s>, so word j - 1
+        if 0 < j <= len(src_words):  # a word, not <s> or </s>
             tokens[k] = src_words[j - 1]
     return tokens
 

@@ -549,6 +549,7 @@ def render_pages(notebooks, sources, out: Path, size="ci") -> list[str]:
         resources = {"site": site, "metadata": {"path": str(source.parent)}}
         body, _ = export.from_notebook_node(nb, resources=resources)
         check_offline(body, source.stem)
+        body = body.replace('src="../docs/', 'src="docs/')  # main() copies
         (out / f"{source.stem}.html").write_text(body, encoding="utf-8")
         print(
             f"  {source.stem}.html: {pages[i][1]!r}, "
@@ -599,6 +600,10 @@ def main(argv: list[str] | None = None) -> int:
     schemas = render_pages(notebooks, sources, args.out, args.size)
     static = args.out / "static"
     write_static(static)
+    images = args.out / "docs"  # pictures a lesson shows from ../docs/
+    images.mkdir(exist_ok=True)
+    for picture in (ROOT / "docs").glob("*.png"):
+        shutil.copy2(picture, images / picture.name)
     if schemas:
         write_vega_bundle(static, vegalite_version(schemas))
     print(f"open it with: python -m http.server -d {args.out}")
