@@ -1206,7 +1206,7 @@ def folder_lock(folder):
 def load_trained_model(path, device="auto"):
     """(model in eval mode, vocab_src, vocab_tgt, config) from a checkpoint."""
     device = pick_device() if device in (None, "auto") else device
-    ckpt = load_checkpoint(path, device)
+    ckpt = load_checkpoint(path)  # onto the CPU; the model moves at the end
     config = checkpoint_config(ckpt, path)
     vocab_src, vocab_tgt = checkpoint_vocabularies(ckpt, path)
     sizes = (len(vocab_src), len(vocab_tgt))

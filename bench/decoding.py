@@ -152,7 +152,7 @@ def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     checkpoint = find_checkpoint(args.checkpoint)
-    model, vocab_src, _, config = tools.load_trained_model(checkpoint)
+    model, vocab_src, _, config = tools.load_trained_model(checkpoint, "cpu")
     spacy_de, _ = tat.load_tokenizers()
     pairs = tat.read_multi30k("test")[: args.n]
     encoded = [

@@ -54,7 +54,9 @@ def alignment_from(layers):
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    model, vocab_src, vocab_tgt, _ = tools.load_trained_model(args.checkpoint)
+    model, vocab_src, vocab_tgt, _ = tools.load_trained_model(
+        args.checkpoint, "cpu"
+    )
     spacy_de, _ = tat.load_tokenizers()
     pairs = tat.read_multi30k(args.split)
     sources = [de for de, _ in pairs]

@@ -317,7 +317,8 @@ vocabs = load_vocab(*tokenizers)
 checkpoint = find_or_train(
     ["cpu"], stand_in, vocabs, tokenizers, ROOT, AT_SIZE
 )
-model, vocab_src, vocab_tgt, config = load_trained_model(checkpoint)
+# On the CPU, whatever the machine: the maps below are small.
+model, vocab_src, vocab_tgt, config = load_trained_model(checkpoint, "cpu")
 N, h = len(model.encoder.layers), model.encoder.layers[0].self_attn.h
 trained = config.preset == "cpu"  # the model this page describes
 print("model:", describe_checkpoint(checkpoint))

@@ -341,7 +341,6 @@ def test_translate_and_the_command_line_default_to_pick_device(
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(tools, "load_translator", loader)
-    monkeypatch.setattr(tools, "load_translator", loader)
     with pytest.raises(RuntimeError, match="stop here"):
         tools.translate(["Ein Hund."])
     args = tools.build_parser().parse_args(["translate", "Ein Hund."])
@@ -368,10 +367,24 @@ def test_averaging_sums_on_the_cpu_then_moves(tmp_path, monkeypatch):
         return load(path, device)
 
     monkeypatch.setattr(tools, "load_checkpoint", recording)
-    monkeypatch.setattr(tools, "load_checkpoint", recording)
     model, *_ = tools.average_checkpoints(paths, device="meta")
     assert read and set(read) == {"cpu"}
     assert {p.device.type for p in model.parameters()} == {"meta"}
+
+
+def test_load_trained_model_follows_pick_device(tmp_path, monkeypatch):
+    """fbfada1 loaded onto the CPU unless told otherwise: a Mac or a GPU
+    machine got the CPU silently. Here pick_device answers `meta`."""
+    sizes = (len(tat.SPECIALS) + 3, len(tat.SPECIALS) + 4)
+    vocabs = [tat.Vocab([*tat.SPECIALS, *"abcd"[: n - 4]]) for n in sizes]
+    config = tools.get_config("ci", checkpoint_dir=str(tmp_path))
+    run = tools.TrainingRun(0, 1, sizes, config, False, device="cpu")
+    tools.save_run(run, "final.pt", *vocabs)
+    monkeypatch.setattr(tools, "pick_device", lambda: torch.device("meta"))
+    model, *_ = tools.load_trained_model(tmp_path / "final.pt")
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    model, *_ = tools.load_trained_model(tmp_path / "final.pt", "cpu")
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
 
 
 # ------------------------------------------ no host sync in the loop
