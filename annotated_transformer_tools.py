@@ -1242,13 +1242,14 @@ def average_checkpoints(paths, device="cpu"):
     return model.to(device).eval(), vocab_src, vocab_tgt, config
 
 
-def load_translator(checkpoint, device="cpu", beam=1, average=0):
+def load_translator(checkpoint, device="cpu", beam=1, average_last=0):
     """(model, vocab_src, vocab_tgt, decode_fn) for greedy or beam search."""
-    if average:
-        paths = epoch_checkpoints(Path(checkpoint).parent)[-average:]
-        if len(paths) < average:
+    if average_last:
+        paths = epoch_checkpoints(Path(checkpoint).parent)[-average_last:]
+        if len(paths) < average_last:
+            n = average_last
             raise ValueError(
-                f"--average {average} needs {average} epoch checkpoints "
+                f"--average {n} needs {n} epoch checkpoints "
                 f"next to {checkpoint}; found {len(paths)} (training keeps "
                 "the newest --keep-last)"
             )

@@ -1325,18 +1325,25 @@ class DecoderCache:
             None if kv is None else [x.index_select(0, index) for x in kv]
             for kv in self.self_kv
         ]
-        sentences = index[:: self.group] // self.group  # (R' / group,)
-        same = torch.arange(self.src_mask.size(0), device=index.device)
-        if not torch.equal(sentences, same):  # some sentences left
-            self.src_mask = self.src_mask.index_select(0, sentences)
-            self.cross = [
-                [x.index_select(0, sentences) for x in kv] for kv in self.cross
-            ]
+        # The kept rows come in runs of `group`, one run per sentence; the
+        # first row of a run, divided by `group`, is its sentence.
+        first_rows = index[:: self.group]  # (R' / group,)
+        sentences = first_rows // self.group  # (R' / group,)
+        everyone = torch.arange(self.src_mask.size(0), device=index.device)
+        if torch.equal(sentences, everyone):
+            return  # every sentence still decoding: source side unchanged
+        # Some sentences were dropped: keep the source side of the others.
+        self.src_mask = self.src_mask.index_select(0, sentences)
+        self.cross = [
+            [x.index_select(0, sentences) for x in kv] for kv in self.cross
+        ]
 
 
 def attend_step(attn, x, k, v, mask=None):
     """Attention of the new positions x (R, 1, d) to k, v (B, h, S, d_k)."""
     R, B = x.size(0), k.size(0)  # R = B * group
+    # (R, 1, d) -> (B, group, d): the group rows of a sentence become its
+    # queries, so one copy of the source's keys and values serves them all.
     q = attn.split_heads(x.reshape(B, -1, x.size(-1)), attn.w_q)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     out = out.transpose(1, 2).reshape(R, 1, attn.h * attn.d_k)
@@ -1413,11 +1420,13 @@ def length_penalty(length, alpha=0.6):
 def beam_candidates(logp, logp_sum, lengths, finished, alpha):
     """The best extensions of each hypothesis: score, log P, token."""
     A, k, V = logp.shape  # (sentences, beams, vocabulary)
-    logp, word = logp.topk(min(k, V), dim=-1)  # (A, k, c): all that can win
-    done = finished.unsqueeze(-1)  # (A, k, 1)
-    logp = logp.masked_fill(done, -math.inf)  # a finished hypothesis
-    logp[..., :1] = logp[..., :1].masked_fill(done, 0.0)  # adds <blank>,
-    word[..., :1] = word[..., :1].masked_fill(done, PAD)  # for free
+    c = min(k, V)  # candidates kept per hypothesis: all that can win
+    logp, word = logp.topk(c, dim=-1)  # (A, k, c)
+    # A finished hypothesis has one candidate, its first, which appends
+    # <blank> and adds 0 to its log P; its other candidates get -inf.
+    logp = logp.masked_fill(finished.unsqueeze(-1), -math.inf)
+    logp[:, :, 0] = logp[:, :, 0].masked_fill(finished, 0.0)
+    word[:, :, 0] = word[:, :, 0].masked_fill(finished, PAD)
     cand = logp_sum.unsqueeze(-1) + logp  # (A, k, c) log P of each
     cand_len = lengths + (~finished).long()  # (A, k)
     score = cand / length_penalty(cand_len, alpha).unsqueeze(-1)
@@ -1443,7 +1452,8 @@ class Beams(NamedTuple):
         logp_sum[:, 0] = 0.0
         lengths = torch.zeros(B, k, dtype=torch.long, device=device)
         sent = torch.arange(B, device=device)
-        return cls(sent, tokens, logp_sum, lengths, lengths.bool())
+        finished = torch.zeros_like(lengths, dtype=torch.bool)  # (B, k)
+        return cls(sent, tokens, logp_sum, lengths, finished)
 
 
 def advance_beams(beams, logp, t, alpha, end_symbol):
@@ -1452,8 +1462,10 @@ def advance_beams(beams, logp, t, alpha, end_symbol):
     score, cand, words, cand_len = beam_candidates(
         logp, beams.logp_sum, beams.lengths, beams.finished, alpha
     )  # (A, k * c), c candidates per hypothesis
-    score, idx = score.topk(k, dim=1)  # (A, k)
-    parent, word = idx // (words.size(1) // k), words.gather(1, idx)
+    score, idx = score.topk(k, dim=1)  # (A, k) positions in the k * c
+    c = words.size(1) // k  # candidates per hypothesis
+    parent = idx // c  # (A, k) which hypothesis each survivor extends
+    word = words.gather(1, idx)  # (A, k) the token it appends
     was_finished = beams.finished.gather(1, parent)
     finished = was_finished | (word == end_symbol)
     tokens = beams.tokens.gather(
@@ -1525,8 +1537,17 @@ def beam_search(
     memory = model.encode(src, src_mask)  # (B, S, d_model)
     cache = DecoderCache(model, memory, src_mask, group=beam_size)
     step = lambda ys: decode_step(model, ys, cache)  # (B*k, 1) -> (B*k, V)
-    args = (beam_size, alpha, start_symbol, end_symbol, src.device)
-    return beam_search_steps(step, cache.select, src.size(0), max_len, *args)
+    return beam_search_steps(
+        step,
+        cache.select,
+        batch_size=src.size(0),
+        max_len=max_len,
+        beam_size=beam_size,
+        alpha=alpha,
+        start_symbol=start_symbol,
+        end_symbol=end_symbol,
+        device=src.device,
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -1605,7 +1626,7 @@ def load_bpe(path=None, vocab_size=BPE_VOCAB_SIZE):
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
     tmp.write_text(bpe.to_str(), encoding="utf-8")
-    os.replace(tmp, path)  # atomic, as for data/vocab.json
+    os.replace(tmp, path)  # write, then rename: never a half-written file
     return bpe
 
 

@@ -90,7 +90,7 @@ def score(folder, beam, average, pairs, spacy_de, batch_size):
     """BLEU and timing of one setup."""
     checkpoint = folder / "final.pt"
     model, vocab_src, vocab_tgt, decode_fn = tools.load_translator(
-        checkpoint, beam=beam, average=average
+        checkpoint, beam=beam, average_last=average
     )
     start = time.perf_counter()
     hyps = tools.translate_batch(

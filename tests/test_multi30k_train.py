@@ -120,11 +120,11 @@ def test_only_last_pt_keeps_the_training_state(ci_run):
     assert_same_weights(last["model"], states[-1])
     assert_same_weights(final_weights(cfg), states[-1])
     # and the lean files still average: against a mean taken by hand
-    model, *_ = tools.load_translator(folder / "final.pt", average=2)
+    model, *_ = tools.load_translator(folder / "final.pt", average_last=2)
     by_hand = {k: (states[0][k] + states[1][k]) / 2 for k in states[0]}
     assert_same_weights(model.state_dict(), by_hand, atol=1e-6)
     with pytest.raises(ValueError, match="--keep-last"):
-        tools.load_translator(folder / "final.pt", average=3)
+        tools.load_translator(folder / "final.pt", average_last=3)
 
 
 def test_resume_reads_an_older_full_epoch_file(ci_run, tmp_path, vocabs):
