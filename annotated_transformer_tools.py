@@ -1526,10 +1526,17 @@ def decode_text(ids, vocab):
 
 
 def translate_batch(
-    model, sentences, spacy_de, vocab_src, vocab_tgt, device=None,
-    batch_size=128, max_extra=50, decode_fn=cached_greedy_decode,
+    model,
+    sentences,
+    spacy_de,
+    vocab_src,
+    vocab_tgt,
+    device=None,
+    batch_size=128,
+    max_extra=50,
+    decode_fn=cached_greedy_decode,
     replace_unk=True,
-):  # fmt: skip
+):
     """German sentences to detokenized English, in input order."""
     decode_fn = decode_fn or cached_greedy_decode
     if device is None:  # wherever the model is
@@ -1574,9 +1581,13 @@ def compute_bleu(hypotheses, references):
 
 
 def translate(
-    sentences, checkpoint="checkpoints/cpu/final.pt", beam=1, average=0,
-    replace_unk=True, device="auto",
-):  # fmt: skip
+    sentences,
+    checkpoint="checkpoints/cpu/final.pt",
+    beam=1,
+    average=0,
+    replace_unk=True,
+    device="auto",
+):
     """English translations of German sentences, with a trained model."""
     if device in (None, "auto"):
         device = pick_device()
@@ -1585,9 +1596,14 @@ def translate(
     )
     spacy_de, _ = load_tokenizers()
     return translate_batch(
-        model, sentences, spacy_de, vocab_src, vocab_tgt, decode_fn=decode_fn,
+        model,
+        sentences,
+        spacy_de,
+        vocab_src,
+        vocab_tgt,
+        decode_fn=decode_fn,
         replace_unk=replace_unk,
-    )  # fmt: skip
+    )
 
 
 def check_outputs(model, pairs, spacy_de, vocab_src, vocab_tgt, n_examples=5):

@@ -854,9 +854,15 @@ class TokenBatchSampler(torch.utils.data.Sampler):
     """Length-bucketed batches within a token budget, split across ranks."""
 
     def __init__(
-        self, lengths, max_tokens, max_len=None, num_replicas=1, rank=0,
-        shuffle=True, seed=0,
-    ):  # fmt: skip
+        self,
+        lengths,
+        max_tokens,
+        max_len=None,
+        num_replicas=1,
+        rank=0,
+        shuffle=True,
+        seed=0,
+    ):
         self.max_len = max_len = max_len or max_tokens
         if max_len > max_tokens:
             raise ValueError("max_len must not exceed max_tokens")
@@ -889,10 +895,19 @@ class TokenBatchSampler(torch.utils.data.Sampler):
 
 
 def create_dataloaders(
-    vocab_src, vocab_tgt, spacy_de, spacy_en, max_tokens=4000, max_len=128,
-    rank=0, world_size=1, seed=0, num_workers=0, max_train_pairs=0,
+    vocab_src,
+    vocab_tgt,
+    spacy_de,
+    spacy_en,
+    max_tokens=4000,
+    max_len=128,
+    rank=0,
+    world_size=1,
+    seed=0,
+    num_workers=0,
+    max_train_pairs=0,
     pin_memory=False,
-):  # fmt: skip
+):
     """Train and validation DataLoaders of padded (src, tgt) CPU tensors."""
     loaders = []
     for split, n in ("train", max_train_pairs), ("val", max_train_pairs // 4):

@@ -2212,10 +2212,17 @@ def decode_text(ids, vocab):
 # %%
 #| export
 def translate_batch(
-    model, sentences, spacy_de, vocab_src, vocab_tgt, device=None,
-    batch_size=128, max_extra=50, decode_fn=cached_greedy_decode,
+    model,
+    sentences,
+    spacy_de,
+    vocab_src,
+    vocab_tgt,
+    device=None,
+    batch_size=128,
+    max_extra=50,
+    decode_fn=cached_greedy_decode,
     replace_unk=True,
-):  # fmt: skip
+):
     """German sentences to detokenized English, in input order."""
     decode_fn = decode_fn or cached_greedy_decode
     if device is None:  # wherever the model is
@@ -2266,9 +2273,13 @@ def compute_bleu(hypotheses, references):
 # %%
 #| export
 def translate(
-    sentences, checkpoint="checkpoints/cpu/final.pt", beam=1, average=0,
-    replace_unk=True, device="auto",
-):  # fmt: skip
+    sentences,
+    checkpoint="checkpoints/cpu/final.pt",
+    beam=1,
+    average=0,
+    replace_unk=True,
+    device="auto",
+):
     """English translations of German sentences, with a trained model."""
     if device in (None, "auto"):
         device = pick_device()
@@ -2277,9 +2288,14 @@ def translate(
     )
     spacy_de, _ = load_tokenizers()
     return translate_batch(
-        model, sentences, spacy_de, vocab_src, vocab_tgt, decode_fn=decode_fn,
+        model,
+        sentences,
+        spacy_de,
+        vocab_src,
+        vocab_tgt,
+        decode_fn=decode_fn,
         replace_unk=replace_unk,
-    )  # fmt: skip
+    )
 
 
 # %% [markdown]
