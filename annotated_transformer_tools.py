@@ -1088,6 +1088,8 @@ def size_mismatch(expected, saved):
 def load_weights(model, ckpt, path="checkpoint"):
     """Load a checkpoint's weights into `model`, or say how they differ."""
     state = ckpt.get("model")
+    if isinstance(state, dict):  # keys of this project's older versions
+        state = rename_old_keys(state)
     problem = "it holds no weights" if not isinstance(state, dict) else ""
     problem = problem or size_mismatch(model.state_dict(), state)
     if problem:

@@ -12,10 +12,6 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
-# Pages written on other branches of the same change (docs/gpu.md for
-# issue 17, docs/guarantees.md for issue 19). Once merged, they exist and
-# this set no longer matters; remove it then.
-PENDING = {"docs/gpu.md", "docs/guarantees.md"}
 
 
 def local_links(markdown):
@@ -54,8 +50,7 @@ def broken_links(page):
                 name = file.relative_to(ROOT).as_posix()
             except ValueError:  # points outside the repository
                 name = target
-            if name not in PENDING:
-                problems.append(f"{relative(page)}: {target}")
+            problems.append(f"{relative(page)}: {name}")
         elif anchor and file.suffix == ".md":
             if anchor not in page_anchors(file.read_text()):
                 problems.append(f"{relative(page)}: {target} (no section)")
@@ -98,7 +93,7 @@ def test_every_file_and_section_a_page_links_exists(page):
 def test_the_readme_shows_the_trained_model_and_links_every_doc():
     links = local_links((ROOT / "README.md").read_text())
     assert "docs/trained_attention.png" in links
-    docs = {relative(p) for p in PAGES[1:]} | PENDING
+    docs = {relative(p) for p in PAGES[1:]}
     assert docs <= {t.partition("#")[0] for t in links}
 
 

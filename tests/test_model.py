@@ -380,3 +380,24 @@ def test_state_dict_round_trip_gives_identical_outputs():
         after = fresh(src, tgt, src_mask, tgt_mask)
     assert not result.missing_keys and not result.unexpected_keys
     assert torch.equal(before, after)
+
+
+def test_an_older_checkpoint_file_loads_through_the_key_map(tmp_path):
+    """load_trained_model renames an older version's keys on the way in."""
+    sizes = (len(tat.SPECIALS) + 3, len(tat.SPECIALS) + 4)
+    vocabs = [tat.Vocab([*tat.SPECIALS, *"abcd"[: n - 4]]) for n in sizes]
+    config = tools.get_config("ci", checkpoint_dir=str(tmp_path))
+    torch.manual_seed(0)
+    run = tools.TrainingRun(0, 1, sizes, config, False, device="cpu")
+    tools.save_run(run, "final.pt", *vocabs)
+    ckpt = torch.load(tmp_path / "final.pt", weights_only=True)
+    inverse = {tools.rename_old_key(k): k for k in KEYS_2022_N1}
+    assert set(inverse) == set(ckpt["model"])  # the ci preset has N=1
+    ckpt["model"] = {inverse[k]: v for k, v in ckpt["model"].items()}
+    torch.save(ckpt, tmp_path / "old.pt")
+    new, *_ = tools.load_trained_model(tmp_path / "final.pt", "cpu")
+    old, *_ = tools.load_trained_model(tmp_path / "old.pt", "cpu")
+    for (name, a), b in zip(
+        new.state_dict().items(), old.state_dict().values()
+    ):
+        assert torch.equal(a, b), name
