@@ -2128,7 +2128,7 @@ def lesson_training_plan(size="full", root="."):
 # %% [markdown]
 # Check: the tiny `ci` preset, for one epoch, in two processes started by
 # `train_distributed_model` (from a terminal: `torchrun
-# --nproc_per_node=2 the_annotated_transformer.py train`). On a machine
+# --nproc_per_node=2 annotated_transformer_tools.py train`). On a machine
 # with two GPUs or more each process gets one; elsewhere both run on the
 # CPU with gloo (`cpu_fallback=True`), and the first line printed says
 # which. Each process sees half of the batches. Both ranks must end with
