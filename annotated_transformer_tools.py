@@ -50,6 +50,7 @@ import torch
 from the_annotated_transformer import (
     ATTENTION_KINDS,
     BOS,
+    BPE_VOCAB_SIZE,
     COPY_PAD,
     EOS,
     MULTI30K_ENV,
@@ -74,7 +75,6 @@ from the_annotated_transformer import (
     data_gen,
     encode_text,
     label_smoothing_penalty_rows,
-    load_bpe,
     load_tokenizers,
     make_model,
     make_optimizer,
@@ -88,6 +88,7 @@ from the_annotated_transformer import (
     strip_specials,
     subsequent_mask,
     tokenize,
+    train_bpe,
     warmup_linear_decay,
 )
 
@@ -742,6 +743,20 @@ def load_vocab(spacy_de, spacy_en, path=None, min_freq=2):
     with atomic_write(path, "w") as f:  # ranks never read half a file
         f.write(json.dumps(saved, ensure_ascii=False))
     return vocab_src, vocab_tgt
+
+
+def load_bpe(path=None, vocab_size=BPE_VOCAB_SIZE):
+    """Joint German+English BPE of the train split, cached as JSON."""
+    path = Path(path) if path is not None else data_dir() / "bpe.json"
+    if path.is_file():
+        bpe = BpeVocab.from_str(path.read_text(encoding="utf-8"))
+        if len(bpe) == vocab_size:
+            return bpe
+    train = read_multi30k("train")  # never val or test
+    bpe = train_bpe((s for pair in train for s in pair), vocab_size)
+    with atomic_write(path, "w") as f:
+        f.write(bpe.to_str())
+    return bpe
 
 
 def load_vocabularies(config, spacy_de, spacy_en):
@@ -2303,6 +2318,7 @@ __all__ = [
     "PRESETS",
     "get_config",
     "load_vocab",
+    "load_bpe",
     "load_vocabularies",
     "hardware_summary",
     "Precision",

@@ -1629,22 +1629,6 @@ def train_bpe(sentences, vocab_size=BPE_VOCAB_SIZE):
     return BpeVocab(tokenizer)
 
 
-def load_bpe(path=None, vocab_size=BPE_VOCAB_SIZE):
-    """Joint German+English BPE of the train split, cached as JSON."""
-    path = Path(path) if path is not None else data_dir() / "bpe.json"
-    if path.is_file():
-        bpe = BpeVocab.from_str(path.read_text(encoding="utf-8"))
-        if len(bpe) == vocab_size:
-            return bpe
-    train = read_multi30k("train")  # never val or test
-    bpe = train_bpe((s for pair in train for s in pair), vocab_size)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
-    tmp.write_text(bpe.to_str(), encoding="utf-8")
-    os.replace(tmp, path)  # write, then rename: never a half-written file
-    return bpe
-
-
 def tie_embeddings(model):
     """Share one matrix among both embeddings and the generator."""
     shared = model.src_embed[0].lut.weight  # (V, d_model)
@@ -1763,7 +1747,6 @@ __all__ = [
     "BpeVocab",
     "BPE_VOCAB_SIZE",
     "train_bpe",
-    "load_bpe",
     "tie_embeddings",
     "average",
 ]

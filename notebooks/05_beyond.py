@@ -60,7 +60,6 @@ AT_SIZE = os.environ.get("AT_SIZE", "full")  # "ci": minutes, not hours
 #| export
 import math
 import os
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -79,7 +78,6 @@ from the_annotated_transformer import (
     batch_greedy_decode,
     collate_batch,
     count_parameters,
-    data_dir,
     encode_pairs,
     greedy_decode,
     load_tokenizers,
@@ -99,6 +97,7 @@ from annotated_transformer_tools import (
     epoch_checkpoints,
     find_or_train,
     get_config,
+    load_bpe,
     load_checkpoint,
     load_trained_model,
     load_vocab,
@@ -844,8 +843,9 @@ class BpeVocab:
 # attaches it to the following word, so decoding is just joining the
 # pieces and turning `▁` back into spaces: no detokenizer is needed. It
 # splits only at spaces, so a full stop can share a unit with its word.
-# `load_bpe` caches the trained tokenizer in `data/bpe.json` and retrains
-# it, in a few seconds, when the file is missing or has another size.
+# The appendix's `load_bpe` caches the trained tokenizer in
+# `data/bpe.json` and retrains it, in a few seconds, when the file is
+# missing or has another size.
 
 
 # %%
@@ -868,22 +868,6 @@ def train_bpe(sentences, vocab_size=BPE_VOCAB_SIZE):
     )
     tokenizer.train_from_iterator(sentences, trainer)
     return BpeVocab(tokenizer)
-
-
-def load_bpe(path=None, vocab_size=BPE_VOCAB_SIZE):
-    """Joint German+English BPE of the train split, cached as JSON."""
-    path = Path(path) if path is not None else data_dir() / "bpe.json"
-    if path.is_file():
-        bpe = BpeVocab.from_str(path.read_text(encoding="utf-8"))
-        if len(bpe) == vocab_size:
-            return bpe
-    train = read_multi30k("train")  # never val or test
-    bpe = train_bpe((s for pair in train for s in pair), vocab_size)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
-    tmp.write_text(bpe.to_str(), encoding="utf-8")
-    os.replace(tmp, path)  # write, then rename: never a half-written file
-    return bpe
 
 
 # %% [markdown]

@@ -87,7 +87,8 @@ from the_annotated_transformer import SimpleLossCompute, TrainConfig
 from the_annotated_transformer import TrainState, Vocab, beam_search
 from the_annotated_transformer import build_vocabulary, cached_greedy_decode
 from the_annotated_transformer import collate_batch, create_dataloaders
-from the_annotated_transformer import data_dir, encode_text, load_bpe
+from the_annotated_transformer import BPE_VOCAB_SIZE, train_bpe
+from the_annotated_transformer import data_dir, encode_text
 from the_annotated_transformer import label_smoothing_penalty_rows
 from the_annotated_transformer import load_tokenizers, make_model
 from the_annotated_transformer import make_optimizer, model_from_config
@@ -1013,6 +1014,26 @@ def load_vocab(spacy_de, spacy_en, path=None, min_freq=2):
     with atomic_write(path, "w") as f:  # ranks never read half a file
         f.write(json.dumps(saved, ensure_ascii=False))
     return vocab_src, vocab_tgt
+
+
+# %% [markdown]
+# Part 5's BPE vocabulary is cached the same way, in `data/bpe.json`.
+
+
+# %%
+#| export
+def load_bpe(path=None, vocab_size=BPE_VOCAB_SIZE):
+    """Joint German+English BPE of the train split, cached as JSON."""
+    path = Path(path) if path is not None else data_dir() / "bpe.json"
+    if path.is_file():
+        bpe = BpeVocab.from_str(path.read_text(encoding="utf-8"))
+        if len(bpe) == vocab_size:
+            return bpe
+    train = read_multi30k("train")  # never val or test
+    bpe = train_bpe((s for pair in train for s in pair), vocab_size)
+    with atomic_write(path, "w") as f:
+        f.write(bpe.to_str())
+    return bpe
 
 
 # %% [markdown]

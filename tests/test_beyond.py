@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("local_multi30k")
 
 @pytest.fixture(scope="module")
 def bpe(tmp_path_factory):
-    return tat.load_bpe(tmp_path_factory.mktemp("bpe") / "bpe.json")
+    return tools.load_bpe(tmp_path_factory.mktemp("bpe") / "bpe.json")
 
 
 def source_batch(sentences, tokenizer, vocab):
@@ -329,9 +329,9 @@ def test_bpe_is_learned_from_the_train_split_only(tmp_path, monkeypatch):
     monkeypatch.setattr(tat, "read_multi30k", spy)
     monkeypatch.setattr(tools, "read_multi30k", spy)
     path = tmp_path / "bpe.json"
-    small = tat.load_bpe(path, vocab_size=600)
+    small = tools.load_bpe(path, vocab_size=600)
     assert asked == ["train"] and path.is_file() and len(small) == 600
-    assert tat.load_bpe(path, vocab_size=600).to_str() == small.to_str()
+    assert tools.load_bpe(path, vocab_size=600).to_str() == small.to_str()
     assert asked == ["train"]  # the second call read the cached JSON
 
 

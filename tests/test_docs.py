@@ -13,7 +13,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
-
 def local_links(markdown):
     """Paths that Markdown links and <img> tags point at in the repo."""
     targets = re.findall(r"\]\(([^)\s]+)\)", markdown)
