@@ -695,7 +695,7 @@ def test_two_runs_into_one_folder(tmp_path):
 
 HOLD_LOCK = """
 import sys, time
-import the_annotated_transformer as tat
+import annotated_transformer_tools as tools
 with tools.folder_lock(sys.argv[1]):
     print("locked", flush=True)
     time.sleep(300)
@@ -714,7 +714,7 @@ def test_a_stale_lock_file_is_taken_over(tmp_path):
 
 WRITE_SLOWLY = """
 import sys, time
-import the_annotated_transformer as tat
+import annotated_transformer_tools as tools
 with tools.atomic_write(sys.argv[1]) as f:
     f.write(b"new" * 1000)
     f.flush()
