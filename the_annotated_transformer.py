@@ -14,7 +14,6 @@ process launch live in ``annotated_transformer_tools.py``.
 
 import copy
 import gzip
-import json
 import math
 import os
 import random
@@ -721,23 +720,36 @@ def load_tokenizers():
     return spacy.blank("de"), spacy.blank("en")
 
 
-def tokenize(text, tokenizer):
-    """The token strings of one sentence."""
-    return [tok.text for tok in tokenizer.tokenizer(text) if not tok.is_space]
+def tokenize(text, nlp):
+    """The token strings of one sentence; `nlp` is a spaCy `Language`."""
+    return [tok.text for tok in nlp.tokenizer(text) if not tok.is_space]
 
 
 # -----------------------------------------------------------------------------
 # Vocabulary
 # Explained in notebooks/03_multi30k.py, same heading.
 # -----------------------------------------------------------------------------
-class _TokenTable:
-    """Token ↔ id maps over a list of distinct tokens."""
+SPECIALS = ("<s>", "</s>", "<blank>", "<unk>")
+BOS, EOS, PAD, UNK = 0, 1, 2, 3
+
+
+class Vocab:
+    """Token ↔ id maps; the specials come first and unknowns map to UNK."""
 
     def __init__(self, itos):
-        self._itos = list(itos)
+        self._itos = list(itos)  # id → token
         self._stoi = {token: i for i, token in enumerate(self._itos)}
         if len(self._stoi) != len(self._itos):
             raise ValueError("a vocabulary cannot repeat a token")
+        if tuple(self._itos[: len(SPECIALS)]) != SPECIALS:
+            raise ValueError(f"a vocabulary must start with {SPECIALS}")
+
+    @classmethod
+    def build(cls, sentences, min_freq=2):
+        """Vocabulary of tokens seen at least `min_freq` times."""
+        counts = Counter(token for tokens in sentences for token in tokens)
+        kept = {t for t, n in counts.items() if n >= min_freq} - {*SPECIALS}
+        return cls([*SPECIALS, *sorted(kept, key=lambda t: (-counts[t], t))])
 
     def __len__(self):
         return len(self._itos)
@@ -759,40 +771,10 @@ class _TokenTable:
         """A copy of the id → token list."""
         return list(self._itos)
 
-
-SPECIALS = ("<s>", "</s>", "<blank>", "<unk>")
-BOS, EOS, PAD, UNK = 0, 1, 2, 3
-
-
-class Vocab(_TokenTable):
-    """Token ↔ id maps; the specials come first and unknowns map to UNK."""
-
-    def __init__(self, itos):
-        super().__init__(itos)
-        if tuple(self._itos[: len(SPECIALS)]) != SPECIALS:
-            raise ValueError(f"a vocabulary must start with {SPECIALS}")
-
-    @classmethod
-    def build(cls, sentences, min_freq=2):
-        """Vocabulary of tokens seen at least `min_freq` times."""
-        counts = Counter(token for tokens in sentences for token in tokens)
-        kept = {t for t, n in counts.items() if n >= min_freq} - {*SPECIALS}
-        return cls([*SPECIALS, *sorted(kept, key=lambda t: (-counts[t], t))])
-
     def __eq__(self, other):
         return isinstance(other, Vocab) and self._itos == other._itos
 
     __hash__ = None
-
-    def save(self, path):
-        """Write the vocabulary as a JSON list of tokens."""
-        text = json.dumps({"itos": self._itos}, ensure_ascii=False)
-        Path(path).write_text(text, encoding="utf-8")
-
-    @classmethod
-    def load(cls, path):
-        """Read a vocabulary written by `save`."""
-        return cls(json.loads(Path(path).read_text(encoding="utf-8"))["itos"])
 
 
 def build_vocabulary(spacy_de, spacy_en, min_freq=2):
@@ -809,7 +791,7 @@ def build_vocabulary(spacy_de, spacy_en, min_freq=2):
 # -----------------------------------------------------------------------------
 def encode_text(text, tokenizer, vocab):
     """Ids of one sentence, without `<s>` and `</s>`."""
-    if hasattr(vocab, "encode"):  # a vocabulary that reads raw text
+    if hasattr(vocab, "encode"):  # reads raw text itself
         return vocab.encode(text)
     return vocab(tokenize(text, tokenizer))
 
@@ -825,7 +807,8 @@ def collate_batch(batch, pad_id=PAD):
     """Pad encoded (src, tgt) id lists to the longest in this batch."""
     pad = torch.nn.utils.rnn.pad_sequence
     sides = [[torch.tensor(ids) for ids in side] for side in zip(*batch)]
-    return tuple(pad(s, True, pad_id) for s in sides)  # (B, S), (B, T)
+    padded = [pad(s, batch_first=True, padding_value=pad_id) for s in sides]
+    return tuple(padded)  # (B, S), (B, T)
 
 
 def bucket(order, sizes, max_tokens):
@@ -899,7 +882,7 @@ def create_dataloaders(
     vocab_tgt,
     spacy_de,
     spacy_en,
-    max_tokens=4000,
+    max_tokens=3000,
     max_len=128,
     rank=0,
     world_size=1,
@@ -910,19 +893,35 @@ def create_dataloaders(
 ):
     """Train and validation DataLoaders of padded (src, tgt) CPU tensors."""
     loaders = []
-    for split, n in ("train", max_train_pairs), ("val", max_train_pairs // 4):
-        pairs = read_multi30k(split)[: n or None]
+    first_pairs = {"train": max_train_pairs, "val": max_train_pairs // 4}
+    for split, n_pairs in first_pairs.items():
+        pairs = read_multi30k(split)[: n_pairs or None]
         data = encode_pairs(pairs, vocab_src, vocab_tgt, spacy_de, spacy_en)
-        lengths, train = [(len(s), len(t)) for s, t in data], split == "train"
-        limit = max_len if train else None
-        options = (limit, world_size, rank, train, seed)
-        sampler = TokenBatchSampler(lengths, max_tokens, *options)
+        lengths = [(len(s), len(t)) for s, t in data]
+        train = split == "train"
+        sampler = TokenBatchSampler(
+            lengths,
+            max_tokens,
+            max_len=max_len if train else None,
+            num_replicas=world_size,
+            rank=rank,
+            shuffle=train,
+            seed=seed,
+        )
         if sampler.dropped:
-            n = f"{len(sampler.dropped)} pairs longer than {sampler.max_len}"
-            warnings.warn(f"{split}: left out {n} tokens", stacklevel=2)
-        options = {"batch_sampler": sampler, "collate_fn": collate_batch}
-        options |= {"num_workers": num_workers, "pin_memory": pin_memory}
-        loaders.append(torch.utils.data.DataLoader(data, **options))
+            n_dropped = len(sampler.dropped)
+            too_long = f"pairs longer than {sampler.max_len} tokens"
+            warnings.warn(
+                f"{split}: left out {n_dropped} {too_long}", stacklevel=2
+            )
+        loader = torch.utils.data.DataLoader(
+            data,
+            batch_sampler=sampler,
+            collate_fn=collate_batch,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+        )
+        loaders.append(loader)
     return tuple(loaders)
 
 
@@ -934,7 +933,6 @@ def create_dataloaders(
 class TrainConfig:
     """Everything that defines a Multi30k training run."""
 
-    preset: str = "cpu"
     N: int = 3
     d_model: int = 256
     d_ff: int = 1024
@@ -949,6 +947,8 @@ class TrainConfig:
     max_len: int = 128
     max_train_pairs: int = 0  # 0 means all 29,000
     seed: int = 0
+    # Used by the appendix and Part 5, not by this lesson's loop:
+    preset: str = "cpu"
     precision: str = "bf16"  # "bf16": autocast where native; or "fp32"
     checkpoint_dir: str = "checkpoints/cpu"
     num_workers: int = 0
@@ -962,7 +962,7 @@ def model_from_config(c, n_src, n_tgt, dropout=None):
     dims = {"N": c.N, "d_model": c.d_model, "d_ff": c.d_ff, "h": c.h}
     dims |= {"dropout": c.dropout if dropout is None else dropout}
     model = make_model(n_src, n_tgt, **dims)
-    if c.tie_embeddings:  # one matrix for three jobs: Part 5 explains it
+    if c.tie_embeddings:  # Part 5
         shared = model.src_embed[0].lut.weight
         model.tgt_embed[0].lut.weight = shared
         model.generator.proj.weight = shared

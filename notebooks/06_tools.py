@@ -1836,6 +1836,38 @@ def load_translator(checkpoint, device="cpu", beam=1, average_last=0):
 # `tests/test_devices.py` checks that `train_worker` and
 # `train_one_process` end with the same weights and losses.
 #
+# ### Batches for several processes
+#
+# With data-parallel training over `n` processes, Part 3's
+# `TokenBatchSampler` gives each process every `n`-th batch of the epoch:
+# `num_replicas=n`, and `rank`, the process's number from 0 to `n - 1`.
+# All processes build the same batches, since the shuffling seed
+# `(seed, epoch)` is the same in each. They must also run the same number
+# of steps: DDP averages the gradients of all processes at every step, so
+# a process with one batch more would wait forever for the others.
+# `split_evenly` therefore halves the largest batches until their count
+# divides by `n`.
+#
+# Check, on made-up sentence lengths: two ranks get as many batches each,
+# and disjoint pairs that together cover every pair the sampler kept.
+
+# %%
+from the_annotated_transformer import TokenBatchSampler
+
+rng = torch.Generator().manual_seed(0)
+made_up = torch.randint(3, 60, (1001, 2), generator=rng).tolist()
+ranks = [
+    TokenBatchSampler(
+        made_up, max_tokens=400, max_len=50, num_replicas=2, rank=rank
+    )
+    for rank in (0, 1)
+]
+seen = [{i for batch in sampler for i in batch} for sampler in ranks]
+assert len(ranks[0]) == len(ranks[1])
+assert not seen[0] & seen[1]
+assert len(seen[0] | seen[1]) == len(made_up) - len(ranks[0].dropped) > 0
+
+# %% [markdown]
 # ### One device per process
 #
 # `process_device` gives each process its device. With CUDA, each process
