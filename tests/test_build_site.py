@@ -101,6 +101,20 @@ def test_drop_widgets_removes_widget_views_and_state():
     assert "widgets" not in nb.metadata
 
 
+def test_the_colab_badge_is_dropped_from_site_pages():
+    """The badge's image lives on another host; the offline check would
+    stop the build on it (as it did), so pages leave that cell out."""
+    badge = (
+        "[![Open in Colab](https://colab.research.google.com/assets/"
+        "colab-badge.svg)](https://colab.research.google.com/github/x/y)"
+    )
+    nb = v4.new_notebook(
+        cells=[v4.new_markdown_cell(badge), v4.new_markdown_cell("# Part")]
+    )
+    build_site.drop_colab_badge(nb)
+    assert [c.source for c in nb.cells] == ["# Part"]
+
+
 def test_first_heading_and_math_count():
     """The title is the first markdown heading; formulas are counted."""
     nb = v4.new_notebook(

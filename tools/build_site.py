@@ -381,6 +381,19 @@ def embed_charts(nb: nbformat.NotebookNode) -> list[str]:
     return schemas
 
 
+def drop_colab_badge(nb: nbformat.NotebookNode) -> None:
+    """Remove the "Open in Colab" badge cell: its image is on another host,
+    and a reader of the site is not in Colab."""
+    nb.cells = [
+        c
+        for c in nb.cells
+        if not (
+            c.cell_type == "markdown"
+            and "colab.research.google.com" in c.source
+        )
+    ]
+
+
 def drop_widgets(nb: nbformat.NotebookNode) -> None:
     """Remove widget outputs and state: they need a CDN widget manager."""
     nb.metadata.pop("widgets", None)
@@ -537,6 +550,7 @@ def render_pages(notebooks, sources, out: Path, size="ci") -> list[str]:
     for i, (nb, source) in enumerate(zip(notebooks, sources, strict=True)):
         nb = copy.deepcopy(nb)
         drop_widgets(nb)
+        drop_colab_badge(nb)
         charts = embed_charts(nb)
         schemas += charts
         nb.metadata["title"] = pages[i][1]
