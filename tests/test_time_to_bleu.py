@@ -122,3 +122,16 @@ def test_errors_are_one_line(argv, words, tmp_path, capsys):
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and words in err
+
+
+def test_train_worker_follows_the_linear_schedule(
+    local_multi30k, vocabs, tokenizers, tmp_path, one_thread
+):
+    config = ci_config(tmp_path, schedule="linear", warmup=2, epochs=2)
+    tools.train_worker(0, 1, *vocabs, *tokenizers, config, device="cpu")
+    last = tat.load_checkpoint(tmp_path / "ck" / "last.pt")
+    assert last["optimizer"]["param_groups"][0]["lr"] == 0  # the last step
+    noam = ci_config(tmp_path / "noam", warmup=2, epochs=2)
+    tools.train_worker(0, 1, *vocabs, *tokenizers, noam, device="cpu")
+    last = tat.load_checkpoint(tmp_path / "noam" / "ck" / "last.pt")
+    assert last["optimizer"]["param_groups"][0]["lr"] > 0
