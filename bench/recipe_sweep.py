@@ -89,6 +89,12 @@ def describe(setting):
     return f"{setting['preset']}: " + ", ".join(pairs)
 
 
+def args_minutes(result):
+    """The --minutes limit a trial ran under, from its command."""
+    words = result["command"].split()
+    return float(words[words.index("--minutes") + 1])
+
+
 def append_row(table, name, setting, result, failure):
     """Add one trial to the Markdown table, creating it if needed."""
     table = Path(table)
@@ -107,7 +113,11 @@ def append_row(table, name, setting, result, failure):
             f"{result['final_val_bleu']:.2f} / {result['best_val_bleu']:.2f}"
         )
         load = last["load_average"]
-        note = "stopped by time" if result["stopped_by_time"] else "ok"
+        note = "ok"
+        if last["steps"] < result["max_steps"]:
+            note = "stopped by the time limit before its step budget"
+        elif result["train_seconds"] > 60 * args_minutes(result):
+            note = "ok, but over the time limit"
         minutes = result["train_seconds"] / 60
         row = (
             f"| {name} | {describe(setting)} | {last['steps']} |"

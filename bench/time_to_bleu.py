@@ -386,7 +386,8 @@ def main(argv=None):
         print(f"wrote {out}")
         picture = args.chart or out.with_suffix(".png")
         try:
-            chart(bench.points, picture, f"{config.preset}: validation BLEU")
+            title = f"{out.stem} ({config.preset}): validation BLEU"
+            chart(bench.points, picture, title)
             print(f"wrote {picture}")
         except Exception as err:  # no vl-convert: the JSON still stands
             print(f"time_to_bleu: no chart ({err})", file=sys.stderr)
