@@ -895,10 +895,11 @@ def train_epoch(run, epoch, train_loader, valid_loader, show=True):
 # ### A schedule for a known budget
 #
 # Part 2's schedule decays as $1/\sqrt{\text{step}}$ and never reaches
-# zero: right for a run of unknown length. When the number of steps is
-# known in advance, a short run does better to warm up quickly and then
-# lower the rate in a straight line to zero at its very last step
-# (`schedule="linear"` in a `TrainConfig`). Its peak is the peak of Part
+# zero: it suits a run of unknown length. When the number of steps is
+# known in advance, a run can instead warm up quickly and then lower the
+# rate in a straight line, to reach zero as its last step ends
+# (`schedule="linear"` in a `TrainConfig`), a common choice for short
+# runs; `bench/recipe_sweep.py` measures it. Its peak is the peak of Part
 # 2's schedule, so that `factor`, `d_model` and `warmup` keep their
 # meaning. `set_schedule` swaps it in once the loader has said how many
 # steps an epoch takes.
