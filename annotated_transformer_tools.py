@@ -1430,6 +1430,35 @@ def train_epoch(run, epoch, train_loader, valid_loader, show=True):
     return run.history[-1]
 
 
+def warmup_then_linear(step, peak, warmup, total):
+    """Linear warm-up to `peak`, then a straight line to zero at `total`."""
+    step = max(step, 1)
+    if step < warmup:
+        return peak * step / warmup
+    return peak * max(0, total - step) / max(1, total - warmup)
+
+
+def set_schedule(run, steps_per_epoch, total=None):
+    """Give `run` the schedule its config names, for its step budget.
+
+    `total` replaces the budget of `epochs` whole epochs, for a run that
+    stops part of the way through an epoch.
+    """
+    c = run.config
+    if c.schedule not in ("noam", "linear"):
+        raise ValueError(f"unknown schedule {c.schedule!r}: noam or linear")
+    if c.schedule == "noam":  # Part 2's, already made by TrainingRun
+        return
+    if total is None:
+        total = steps_per_epoch * c.epochs // c.accum_iter
+    peak = rate(c.warmup, c.d_model, c.factor, c.warmup)
+    run.optimizer, run.scheduler = make_optimizer(
+        run.module,
+        c.d_model,
+        schedule=lambda step: warmup_then_linear(step, peak, c.warmup, total),
+    )
+
+
 def train_worker(
     rank,
     world_size,
@@ -1466,6 +1495,7 @@ def train_worker(
             max_train_pairs=config.max_train_pairs,
             pin_memory=run.device.type == "cuda",
         )
+        set_schedule(run, len(loaders[0]))
         for epoch in range(resume_run(run) if resume else 0, config.epochs):
             train_epoch(run, epoch, *loaders, show=show_progress)
             if rank == 0:
@@ -2361,6 +2391,8 @@ __all__ = [
     "counted",
     "all_reduce_loss",
     "train_epoch",
+    "warmup_then_linear",
+    "set_schedule",
     "train_worker",
     "TrainingPlan",
     "lesson_training_plan",

@@ -538,6 +538,7 @@ class TrainConfig:
     epochs: int = 18
     factor: float = 1.0
     warmup: int = 800
+    schedule: str = "noam"  # or "linear": down to zero at the last step
     max_len: int = 128
     max_train_pairs: int = 0  # 0 means all 29,000
     seed: int = 0

@@ -2081,6 +2081,63 @@ def train_epoch(run, epoch, train_loader, valid_loader, show=True):
 
 
 # %% [markdown]
+# ### A schedule for a known budget
+#
+# Part 2's schedule decays as $1/\sqrt{\text{step}}$ and never reaches
+# zero: it suits a run of unknown length. When the number of steps is
+# known in advance, a run can instead warm up quickly and then lower the
+# rate in a straight line, to reach zero as its last step ends
+# (`schedule="linear"` in a `TrainConfig`), a common choice for short
+# runs; `bench/recipe_sweep.py` measures it. Its peak is the peak of Part
+# 2's schedule, so that `factor`, `d_model` and `warmup` keep their
+# meaning. `set_schedule` swaps it in once the loader has said how many
+# steps an epoch takes.
+
+
+# %%
+#| export
+def warmup_then_linear(step, peak, warmup, total):
+    """Linear warm-up to `peak`, then a straight line to zero at `total`."""
+    step = max(step, 1)
+    if step < warmup:
+        return peak * step / warmup
+    return peak * max(0, total - step) / max(1, total - warmup)
+
+
+def set_schedule(run, steps_per_epoch, total=None):
+    """Give `run` the schedule its config names, for its step budget.
+
+    `total` replaces the budget of `epochs` whole epochs, for a run that
+    stops part of the way through an epoch.
+    """
+    c = run.config
+    if c.schedule not in ("noam", "linear"):
+        raise ValueError(f"unknown schedule {c.schedule!r}: noam or linear")
+    if c.schedule == "noam":  # Part 2's, already made by TrainingRun
+        return
+    if total is None:
+        total = steps_per_epoch * c.epochs // c.accum_iter
+    peak = rate(c.warmup, c.d_model, c.factor, c.warmup)
+    run.optimizer, run.scheduler = make_optimizer(
+        run.module,
+        c.d_model,
+        schedule=lambda step: warmup_then_linear(step, peak, c.warmup, total),
+    )
+
+
+# %% [markdown]
+# Check: the rate rises to Part 2's peak at the end of the warm-up, then
+# falls by the same amount at every step and is zero at the last one.
+
+# %%
+peak = rate(100, 256, 1.0, 100)
+lrs = [warmup_then_linear(s, peak, 100, 1000) for s in range(1, 1001)]
+assert abs(max(lrs) - peak) < 1e-12 and lrs[99] == peak and lrs[-1] == 0
+steps_down = [a - b for a, b in zip(lrs[99:], lrs[100:])]
+assert max(steps_down) - min(steps_down) < 1e-12
+
+
+# %% [markdown]
 # `train_worker` composes the pieces with the checkpoint files. Rank 0
 # says in one line where it trains, writes the files after every epoch,
 # and, after the last epoch, checks that all ranks ended with the same
@@ -2127,6 +2184,7 @@ def train_worker(
             max_train_pairs=config.max_train_pairs,
             pin_memory=run.device.type == "cuda",
         )
+        set_schedule(run, len(loaders[0]))
         for epoch in range(resume_run(run) if resume else 0, config.epochs):
             train_epoch(run, epoch, *loaders, show=show_progress)
             if rank == 0:

@@ -1,0 +1,171 @@
+"""Run named training settings through time_to_bleu.py; record each trial.
+
+Every trial, failures included, becomes one row of `results/recipe_sweep.md`
+(setting, validation BLEU, training time, steps), and its full run is kept
+as JSON in `results/recipe_sweep/NAME.json`. Only the validation split is
+scored: the sweep never reads a test set.
+
+    python bench/recipe_sweep.py --threads 2 linear-w100 small-batch
+    python bench/recipe_sweep.py --list
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench" / "time_to_bleu.py"
+
+# Each setting: a preset, TrainConfig replacements, and a step budget
+# sized for about 13 minutes of training on 2 shared threads of a 2-core
+# AMD EPYC in float32 (measured there: about 3.4 s per 3,000-token step).
+SETTINGS = {
+    "linear-w100": {
+        "why": "Noam schedule replaced by linear decay to zero at the step"
+        " budget; warm-up 100 (not 800); dropout off for a short run",
+        "preset": "cpu",
+        "set": {
+            "schedule": "linear",
+            "warmup": 100,
+            "factor": 0.5,
+            "dropout": 0.0,
+        },
+        "max_steps": 240,
+        "eval_every": 80,
+    },
+    "linear-w150-1500tok": {
+        "why": "as linear-w100, half the tokens per batch: twice the steps",
+        "preset": "cpu",
+        "set": {
+            "schedule": "linear",
+            "warmup": 150,
+            "factor": 0.5,
+            "dropout": 0.0,
+            "max_tokens": 1500,
+        },
+        "max_steps": 480,
+        "eval_every": 160,
+    },
+    "linear-w100-peak2x": {
+        "why": "as linear-w100 with twice the peak learning rate",
+        "preset": "cpu",
+        "set": {
+            "schedule": "linear",
+            "warmup": 100,
+            "factor": 1.0,
+            "dropout": 0.0,
+        },
+        "max_steps": 240,
+        "eval_every": 80,
+    },
+}
+
+TABLE_HEAD = (
+    "| trial | setting | steps | train min | val BLEU (final / best)"
+    " | val loss | load avg | result |\n"
+    "|---|---|---|---|---|---|---|---|\n"
+)
+
+
+def command_for(name, setting, args):
+    """The time_to_bleu.py command line of one trial."""
+    command = [sys.executable, str(BENCH), "--preset", setting["preset"]]
+    for key, value in setting["set"].items():
+        command += ["--set", f"{key}={value}"]
+    command += ["--max-steps", str(setting["max_steps"])]
+    command += ["--eval-every", str(setting["eval_every"])]
+    command += ["--minutes", str(args.minutes), "--threads", str(args.threads)]
+    command += ["--out", str(args.out_dir / f"{name}.json")]
+    command += ["--checkpoint-dir", f"runs/recipe_sweep/{name}"]
+    return command
+
+
+def describe(setting):
+    """The setting as a short text for the table."""
+    pairs = [f"{k}={v}" for k, v in setting["set"].items()]
+    return f"{setting['preset']}: " + ", ".join(pairs)
+
+
+def args_minutes(result):
+    """The --minutes limit a trial ran under, from its command."""
+    words = result["command"].split()
+    return float(words[words.index("--minutes") + 1])
+
+
+def append_row(table, name, setting, result, failure):
+    """Add one trial to the Markdown table, creating it if needed."""
+    table = Path(table)
+    table.parent.mkdir(parents=True, exist_ok=True)
+    if not table.is_file():
+        table.write_text(
+            "# Recipe sweep (validation split only)\n\n"
+            "Each row is one trial of `bench/recipe_sweep.py`; its full run"
+            " is in `results/recipe_sweep/<trial>.json`.\n\n" + TABLE_HEAD
+        )
+    if failure:
+        row = f"| {name} | {describe(setting)} | | | | | | failed: {failure} |"
+    else:
+        last = result["points"][-1]
+        bleu = (
+            f"{result['final_val_bleu']:.2f} / {result['best_val_bleu']:.2f}"
+        )
+        load = last["load_average"]
+        note = "ok"
+        if last["steps"] < result["max_steps"]:
+            note = "stopped by the time limit before its step budget"
+        elif result["train_seconds"] > 60 * args_minutes(result):
+            note = "ok, but over the time limit"
+        minutes = result["train_seconds"] / 60
+        row = (
+            f"| {name} | {describe(setting)} | {last['steps']} |"
+            f" {minutes:.1f} | {bleu} | {last['val_loss']:.3f} | {load} |"
+            f" {note} |"
+        )
+    with table.open("a") as f:
+        f.write(row + "\n")
+
+
+def run_trial(name, setting, args):
+    """Run one trial; returns (result dict or None, failure text or '')."""
+    command = command_for(name, setting, args)
+    print(" ".join(command), flush=True)
+    began = time.time()
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    log = args.out_dir / f"{name}.log"
+    log.write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        lines = (done.stderr or done.stdout or "no output").strip()
+        return None, f"exit {done.returncode}: {lines.splitlines()[-1]}"
+    result = json.loads((args.out_dir / f"{name}.json").read_text())
+    print(f"{name}: {time.time() - began:.0f} s", flush=True)
+    return result, ""
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="recipe_sweep.py")
+    parser.add_argument("trials", nargs="*", help="setting names, in order")
+    parser.add_argument("--list", action="store_true", help="list settings")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--minutes", type=float, default=15.0)
+    parser.add_argument("--table", default="results/recipe_sweep.md")
+    parser.add_argument("--out-dir", default="results/recipe_sweep")
+    args = parser.parse_args(argv)
+    args.out_dir = Path(args.out_dir)
+    if args.list or not args.trials:
+        for name, setting in SETTINGS.items():
+            print(f"{name}: {describe(setting)}\n    {setting['why']}")
+        return
+    unknown = [t for t in args.trials if t not in SETTINGS]
+    if unknown:
+        parser.error(f"unknown setting {unknown[0]!r}; see --list")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    for name in args.trials:
+        result, failure = run_trial(name, SETTINGS[name], args)
+        append_row(args.table, name, SETTINGS[name], result, failure)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""bench/time_to_bleu.py on the tiny `ci` preset: the points it records
+against counts made independently from the data, the step budget, the
+linear schedule, and one-line errors."""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import annotated_transformer_tools as tools
+import the_annotated_transformer as tat
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location(
+    "time_to_bleu", ROOT / "bench" / "time_to_bleu.py"
+)
+time_to_bleu = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(time_to_bleu)
+
+PAIRS = 200  # training pairs: a run takes seconds
+
+
+def ci_config(tmp_path, **overrides):
+    folder = str(tmp_path / "ck")
+    fields = {"max_train_pairs": PAIRS, "checkpoint_dir": folder}
+    return tools.get_config("ci", **fields | overrides)
+
+
+def target_tokens_per_epoch(vocabs, tokenizers, config):
+    """Real target tokens in one epoch, counted from the data itself."""
+    pairs = tat.read_multi30k("train")[:PAIRS]
+    data = tat.encode_pairs(pairs, *vocabs, *tokenizers)
+    kept = [t for s, t in data if max(len(s), len(t)) <= config.max_len]
+    return sum(len(t) - 1 for t in kept)  # the target less its <s>
+
+
+def test_points_count_steps_and_tokens(
+    local_multi30k, vocabs, tokenizers, tmp_path, one_thread
+):
+    config = ci_config(tmp_path, epochs=2)
+    bench = time_to_bleu.Benchmark(config, 2, 20, 0, "cpu")
+    bench.train()
+    steps_per_epoch = len(bench.loaders[0])
+    points = bench.points
+    assert points[-1]["steps"] == 2 * steps_per_epoch
+    per_epoch = target_tokens_per_epoch(vocabs, tokenizers, config)
+    assert points[-1]["target_tokens"] == 2 * per_epoch
+    # A point every 2 steps (one step late at most: run_epoch looks one
+    # batch ahead), and one at the end of each epoch.
+    steps = [p["steps"] for p in points]
+    assert steps == sorted(set(steps))
+    assert steps_per_epoch in steps and 2 * steps_per_epoch in steps
+    gaps = [b - a for a, b in zip([0, *steps], steps)]
+    assert max(gaps) <= 3 and len(points) >= steps_per_epoch
+    seconds = [p["train_seconds"] for p in points]
+    assert seconds == sorted(seconds) and seconds[0] >= 0
+    assert all(0 <= p["val_bleu"] <= 100 for p in points)
+    assert all(math.isfinite(p["val_loss"]) for p in points)
+
+
+def test_step_budget_and_linear_schedule(
+    local_multi30k, vocabs, tokenizers, tmp_path, one_thread
+):
+    config = ci_config(tmp_path, schedule="linear", warmup=3, epochs=1)
+    bench = time_to_bleu.Benchmark(config, 0, 10, 0, "cpu", max_steps=7)
+    assert len(bench.loaders[0]) < 7  # so the budget crosses an epoch
+    bench.train()
+    assert bench.run.state.accum_step == 7
+    assert bench.points[-1]["steps"] == 7
+    assert bench.run.optimizer.param_groups[0]["lr"] == 0  # at the end
+
+
+def test_linear_schedule_shape():
+    peak = tat.rate(50, 64, 2.0, 50)
+    lrs = [tools.warmup_then_linear(s, peak, 50, 300) for s in range(301)]
+    assert lrs[50] == pytest.approx(peak) and max(lrs) == lrs[50]
+    assert lrs[300] == 0 and lrs[175] == pytest.approx(peak / 2)
+    assert lrs[25] == pytest.approx(peak / 2)
+
+
+def test_unknown_schedule_is_a_value_error(tmp_path):
+    config = tools.get_config("ci", schedule="cosine")
+    run = tools.TrainingRun(0, 1, (20, 20), config, False, device="cpu")
+    with pytest.raises(ValueError, match="cosine"):
+        tools.set_schedule(run, 10)
+
+
+def test_command_line_writes_json_and_chart(local_multi30k, tmp_path):
+    out = tmp_path / "run.json"
+    threads = torch.get_num_threads()
+    argv = ["--preset", "ci", "--set", f"max_train_pairs={PAIRS}"]
+    argv += ["--epochs", "1", "--val-pairs", "10", "--threads", "1"]
+    argv += ["--out", str(out), "--checkpoint-dir", str(tmp_path / "ck")]
+    try:
+        result = time_to_bleu.main(argv)
+    finally:
+        torch.set_num_threads(threads)
+    saved = json.loads(out.read_text())
+    assert saved["command"].endswith(" ".join(argv))
+    assert saved["threads"] == 1 and saved["config"]["preset"] == "ci"
+    assert saved["points"] == result["points"]
+    assert (tmp_path / "ck" / "final.pt").is_file()
+    if out.with_suffix(".png").is_file():  # vl-convert was there
+        assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--set", "nosuch=1"], "no field 'nosuch'"),
+        (["--set", "warmup=ten"], "expected an int"),
+        (["--set", "warmup"], "KEY=VALUE"),
+        (["--preset", "huge"], "unknown preset"),
+    ],
+)
+def test_errors_are_one_line(argv, words, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        time_to_bleu.main([*argv, "--out", str(tmp_path / "x.json")])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err
+
+
+def test_train_worker_follows_the_linear_schedule(
+    local_multi30k, vocabs, tokenizers, tmp_path, one_thread
+):
+    config = ci_config(tmp_path, schedule="linear", warmup=2, epochs=2)
+    tools.train_worker(0, 1, *vocabs, *tokenizers, config, device="cpu")
+    last = tools.load_checkpoint(tmp_path / "ck" / "last.pt")
+    assert last["optimizer"]["param_groups"][0]["lr"] == 0  # the last step
+    noam = ci_config(tmp_path / "noam", warmup=2, epochs=2)
+    tools.train_worker(0, 1, *vocabs, *tokenizers, noam, device="cpu")
+    last = tools.load_checkpoint(tmp_path / "noam" / "ck" / "last.pt")
+    assert last["optimizer"]["param_groups"][0]["lr"] > 0
