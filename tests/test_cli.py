@@ -835,6 +835,28 @@ def test_ctrl_c_is_one_line(moment, tiny, tmp_path):
     assert program.returncode == 130 and err == b"interrupted\n"
 
 
+def test_ctrl_c_while_the_installed_command_loads(tmp_path):
+    """pip's `annotated-transformer` imports the module, then calls main:
+    the guard must be on before torch loads there too."""
+    command = tmp_path / "annotated-transformer"  # what pip writes
+    command.write_text(
+        "import sys\n"
+        "from annotated_transformer_tools import main\n"
+        "sys.exit(main())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(SCRIPT.parent)}
+    program = subprocess.Popen(
+        [sys.executable, command, "--help"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    time.sleep(0.3)  # still importing torch
+    program.send_signal(signal.SIGINT)
+    out, err = program.communicate(timeout=60)
+    assert program.returncode == 130 and err == b"interrupted\n"
+
+
 # --- resuming ----------------------------------------------------------------
 
 

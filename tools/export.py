@@ -74,7 +74,11 @@ lesson module never imports it. Run
 ``python annotated_transformer_tools.py --help`` for the command line.
 """
 
-if __name__ == "__main__":  # Ctrl-C while torch loads: one line, no traceback
+# Ctrl-C while torch loads: one line, no traceback; when run as a script
+# or as the installed `annotated-transformer` command, never on import.
+if __name__ == "__main__" or __import__("sys").argv[0].endswith(
+    "annotated-transformer"
+):
     import os
     import signal
 
