@@ -688,6 +688,16 @@ PRESETS = {
         checkpoint_dir="checkpoints/paper",
     ),
     "cpu": TrainConfig(),
+    "quick": TrainConfig(
+        preset="quick",
+        max_tokens=1500,
+        epochs=2,
+        schedule="linear",
+        warmup=150,
+        factor=0.5,
+        dropout=0.0,
+        checkpoint_dir="checkpoints/quick",
+    ),
     "ci": TrainConfig(
         preset="ci",
         N=1,

@@ -49,6 +49,19 @@ SETTINGS = {
         "max_steps": 480,
         "eval_every": 160,
     },
+    "linear-w150-1500tok-peak2x": {
+        "why": "as linear-w150-1500tok with twice the peak learning rate",
+        "preset": "cpu",
+        "set": {
+            "schedule": "linear",
+            "warmup": 150,
+            "factor": 1.0,
+            "dropout": 0.0,
+            "max_tokens": 1500,
+        },
+        "max_steps": 480,
+        "eval_every": 160,
+    },
     "linear-w100-peak2x": {
         "why": "as linear-w100 with twice the peak learning rate",
         "preset": "cpu",
