@@ -450,7 +450,8 @@ class LabelSmoothing(nn.Module):
 
 def smoothed_kl(x, target, padding_idx, smoothing):
     """LabelSmoothing's loss in closed form: no (N, V) target matrix."""
-    c, f = 1.0 - smoothing, smoothing / (x.size(1) - 2)
+    c = 1.0 - smoothing  # probability of the target
+    f = smoothing / (x.size(1) - 2)  # of each other non-padding class
     picked = x.gather(1, target.unsqueeze(1)).squeeze(1)  # (N,)
     rest = x.sum(1) - picked - x[:, padding_idx]  # (N,)
     # The sum of p log p over a row's targets: c at the target, f at each
@@ -960,9 +961,17 @@ class TrainConfig:
 
 def model_from_config(c, n_src, n_tgt, dropout=None):
     """The model a TrainConfig describes, for the given vocabulary sizes."""
-    dims = {"N": c.N, "d_model": c.d_model, "d_ff": c.d_ff, "h": c.h}
-    dims |= {"dropout": c.dropout if dropout is None else dropout}
-    model = make_model(n_src, n_tgt, **dims)
+    if dropout is None:
+        dropout = c.dropout
+    model = make_model(
+        n_src,
+        n_tgt,
+        N=c.N,
+        d_model=c.d_model,
+        d_ff=c.d_ff,
+        h=c.h,
+        dropout=dropout,
+    )
     if c.tie_embeddings:  # Part 5
         shared = model.src_embed[0].lut.weight
         model.tgt_embed[0].lut.weight = shared

@@ -589,9 +589,12 @@ out, weights = attention(q, k, v, mask=src_mask.unsqueeze(1))
 concat = out.transpose(1, 2).reshape(B, T, h * d_k)  # (B, T, h * d_k)
 final = mha.w_o(concat)  # (B, T, d_model)
 
-assert q.shape == (B, h, T, d_k) and k.shape == v.shape == (B, h, S, d_k)
-assert weights.shape == (B, h, T, S) and out.shape == (B, h, T, d_k)
-assert concat.shape == (B, T, h * d_k) and final.shape == (B, T, d_model)
+assert q.shape == (B, h, T, d_k)
+assert k.shape == v.shape == (B, h, S, d_k)
+assert weights.shape == (B, h, T, S)
+assert out.shape == (B, h, T, d_k)
+assert concat.shape == (B, T, h * d_k)
+assert final.shape == (B, T, d_model)
 
 # %% [markdown]
 # The walkthrough and the module (which takes the fused path) agree, and

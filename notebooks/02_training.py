@@ -223,7 +223,8 @@ class LabelSmoothing(nn.Module):
 
 def smoothed_kl(x, target, padding_idx, smoothing):
     """LabelSmoothing's loss in closed form: no (N, V) target matrix."""
-    c, f = 1.0 - smoothing, smoothing / (x.size(1) - 2)
+    c = 1.0 - smoothing  # probability of the target
+    f = smoothing / (x.size(1) - 2)  # of each other non-padding class
     picked = x.gather(1, target.unsqueeze(1)).squeeze(1)  # (N,)
     rest = x.sum(1) - picked - x[:, padding_idx]  # (N,)
     # The sum of p log p over a row's targets: c at the target, f at each

@@ -554,9 +554,17 @@ class TrainConfig:
 
 def model_from_config(c, n_src, n_tgt, dropout=None):
     """The model a TrainConfig describes, for the given vocabulary sizes."""
-    dims = {"N": c.N, "d_model": c.d_model, "d_ff": c.d_ff, "h": c.h}
-    dims |= {"dropout": c.dropout if dropout is None else dropout}
-    model = make_model(n_src, n_tgt, **dims)
+    if dropout is None:
+        dropout = c.dropout
+    model = make_model(
+        n_src,
+        n_tgt,
+        N=c.N,
+        d_model=c.d_model,
+        d_ff=c.d_ff,
+        h=c.h,
+        dropout=dropout,
+    )
     if c.tie_embeddings:  # Part 5
         shared = model.src_embed[0].lut.weight
         model.tgt_embed[0].lut.weight = shared
@@ -824,6 +832,7 @@ print(bleu)
 record = json.loads(Path(ROOT, "results/multi30k_cpu.json").read_text())
 reference_bleu = record["test2016_bleu_greedy"]
 print(f"reference run: {reference_bleu:.2f}")
-assert len(hyps) == len(sources) and all(isinstance(h, str) for h in hyps)
+assert len(hyps) == len(sources)
+assert all(isinstance(h, str) for h in hyps)
 if plan.config.preset == "cpu":
     assert bleu.score > 35

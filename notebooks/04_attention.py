@@ -364,7 +364,8 @@ for kind in ATTENTION_KINDS:
     v = maps.view(kind)
     sums = v.weights.sum(-1)  # (N, h, R)
     assert torch.allclose(sums, torch.ones_like(sums), atol=1e-5), kind
-    assert v.weights.max() <= 1 and (v.weights[..., ~v.allowed] == 0).all()
+    assert v.weights.max() <= 1
+    assert (v.weights[..., ~v.allowed] == 0).all()
     print(f"{kind:15s} {int((~v.allowed).sum())} masked cells, all 0")
 
 tgt_in = maps.tgt_ids.unsqueeze(0)  # (1, T)
@@ -431,7 +432,8 @@ print(f"{int((~kept).sum())} of {kept.numel()} weights zeroed by dropout")
 ones = torch.ones_like(clean.sum(-1))  # (1, h, S)
 assert torch.allclose(clean.sum(-1), ones, atol=1e-5)
 assert torch.allclose(dropped[kept], clean[kept] / 0.9)  # the rest scaled
-assert (~kept).any() and not torch.allclose(dropped.sum(-1), clean.sum(-1))
+assert (~kept).any()
+assert not torch.allclose(dropped.sum(-1), clean.sum(-1))
 
 # %% [markdown]
 # ## Drawing the maps

@@ -746,7 +746,8 @@ print(f"beam 4 {scores['beam 4'].mean():.3f}")
 print(f"beam 4 scores higher on {wins}, equal on {ties}, lower on {losses}")
 assert scores["beam 4"].mean() >= scores["greedy"].mean() - 1e-4
 if trained:
-    assert scores["beam 4"].mean() > scores["greedy"].mean() and wins > 0
+    assert scores["beam 4"].mean() > scores["greedy"].mean()
+    assert wins > 0
 
 # %% [markdown]
 # **See, it matches.** The beam's translation of the first sentence,
@@ -756,7 +757,8 @@ if trained:
 
 # %%
 n = int(sample_mask[0].sum())  # the first sentence without its padding
-one_src, one_mask = sample_src[:1, :n], sample_mask[:1, :, :n]
+one_src = sample_src[:1, :n]  # (1, n)
+one_mask = sample_mask[:1, :, :n]  # (1, 1, n)
 row = outputs["beam 4"][0].tolist()
 ids = row[: row.index(EOS) + 1] if EOS in row else row  # <s> ... </s>
 log_p = 0.0

@@ -1571,9 +1571,13 @@ def load_weights(model, ckpt, path="checkpoint"):
 
 def save_run(run, name, vocab_src, vocab_tgt, **extra):
     """Write the weights, config, vocabularies and losses, and `extra`."""
-    fields = {"model": run.module.state_dict(), "config": asdict(run.config)}
-    fields |= {"vocab_src": vocab_src.get_itos(), "history": run.history}
-    fields["vocab_tgt"] = vocab_tgt.get_itos()
+    fields = {
+        "model": run.module.state_dict(),
+        "config": asdict(run.config),
+        "vocab_src": vocab_src.get_itos(),
+        "vocab_tgt": vocab_tgt.get_itos(),
+        "history": run.history,
+    }
     if hasattr(vocab_tgt, "to_str"):  # Part 5's BPE: its merges, as JSON
         fields["bpe"] = vocab_tgt.to_str()
     save_checkpoint(Path(run.config.checkpoint_dir, name), **fields, **extra)
@@ -1598,16 +1602,20 @@ def save_run(run, name, vocab_src, vocab_tgt, **extra):
 def save_epoch(run, epoch, vocab_src, vocab_tgt):
     """Write a lean epoch_NNN.pt, then last.pt; keep `keep_last` epochs."""
     save_run(run, f"epoch_{epoch:03d}.pt", vocab_src, vocab_tgt, epoch=epoch)
-    resume = {"epoch": epoch, "train_state": asdict(run.state)}
-    resume |= {"optimizer": run.optimizer.state_dict()}
-    resume |= {"scheduler": run.scheduler.state_dict()}
-    resume |= {"rng_state": torch.get_rng_state()}
+    resume = {
+        "epoch": epoch,
+        "train_state": asdict(run.state),
+        "optimizer": run.optimizer.state_dict(),
+        "scheduler": run.scheduler.state_dict(),
+        "rng_state": torch.get_rng_state(),
+    }
     if run.device.type == "cuda":  # dropout on the GPU draws from these
         resume["cuda_rng_states"] = torch.cuda.get_rng_state_all()
     save_run(run, "last.pt", vocab_src, vocab_tgt, **resume)
-    keep, folder = run.config.keep_last, run.config.checkpoint_dir
-    for old in epoch_checkpoints(folder)[:-keep] if keep > 0 else []:
-        old.unlink()
+    keep = run.config.keep_last
+    if keep > 0:  # 0 keeps every epoch file
+        for old in epoch_checkpoints(run.config.checkpoint_dir)[:-keep]:
+            old.unlink()
 
 
 def resume_point(folder):
