@@ -130,7 +130,8 @@ checkpoint = find_or_train(
     root=ROOT,
     size=AT_SIZE,
 )
-model, vocab_src, vocab_tgt, config = load_trained_model(checkpoint)
+# On the CPU, whatever the machine: the cells below build CPU tensors.
+model, vocab_src, vocab_tgt, config = load_trained_model(checkpoint, "cpu")
 print("model:", describe_checkpoint(checkpoint))
 trained = config.preset == "cpu"  # not the CI-sized stand-in
 encode_args = (vocab_src, vocab_tgt, spacy_de, spacy_en)  # for encode_pairs
@@ -969,7 +970,9 @@ bpe_checkpoint = find_or_train(
     root=ROOT,
     size=AT_SIZE,
 )
-bpe_model, bpe_src, bpe_tgt, bpe_config = load_trained_model(bpe_checkpoint)
+bpe_model, bpe_src, bpe_tgt, bpe_config = load_trained_model(
+    bpe_checkpoint, "cpu"
+)
 print("model:", describe_checkpoint(bpe_checkpoint))
 proj = bpe_model.generator.proj.weight
 assert proj is bpe_model.src_embed[0].lut.weight  # still tied after loading
@@ -1035,8 +1038,8 @@ assert torch.allclose(averaged_weights[weight_name], mean_by_hand, atol=1e-6)
 pe = "tgt_embed.1.pe"
 assert torch.equal(averaged_weights[pe], states[-1][pe])
 in_memory = average(
-    load_trained_model(epochs[0])[0],
-    [load_trained_model(p)[0] for p in epochs],
+    load_trained_model(epochs[0], "cpu")[0],
+    [load_trained_model(p, "cpu")[0] for p in epochs],
 )
 for key, value in in_memory.state_dict().items():
     assert torch.allclose(value, averaged_weights[key], atol=1e-6), key
