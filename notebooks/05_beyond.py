@@ -109,11 +109,13 @@ from annotated_transformer_tools import (
 #
 # A *preset* is a named configuration (model sizes and training budget)
 # that `get_config` returns. Decoding needs a trained model: in a full run,
-# the one that `make train` trained with the `cpu` preset in Part 3, and
-# its epoch checkpoints, from `checkpoints/cpu/`. In a CI-sized run, or
-# before that folder exists, `find_or_train` (from the appendix) trains
-# the tiny `ci` preset here in about a minute instead; its translations
-# are poor, but every check works the same. We also make one padded batch
+# the `cpu` model that `make train` trains for over an hour, with its
+# epoch checkpoints, from `checkpoints/cpu/`, or else the `quick` model
+# that Part 3 trained in minutes, from `checkpoints/quick/`. In a
+# CI-sized run, or before either exists, `find_or_train` (from the
+# appendix) trains the tiny `ci` preset here in about a minute instead;
+# its translations are poor, but every check works the same. We also make
+# one padded batch
 # of 16 validation sentences of different lengths, to call the decoders
 # directly.
 
@@ -123,7 +125,7 @@ tokenizers = spacy_de, spacy_en = load_tokenizers()
 splits = {split: read_multi30k(split) for split in ("val", "test")}
 word_vocabs = load_vocab(*tokenizers)  # (German, English) word vocabularies
 checkpoint = find_or_train(
-    presets=["cpu"],  # a model that `make train` trained, if there is one
+    presets=["cpu", "quick"],  # a model trained already, if there is one
     stand_in=get_config("ci", checkpoint_dir=f"{ROOT}/checkpoints/ci"),
     vocabs=word_vocabs,
     tokenizers=tokenizers,
@@ -133,7 +135,7 @@ checkpoint = find_or_train(
 # On the CPU, whatever the machine: the cells below build CPU tensors.
 model, vocab_src, vocab_tgt, config = load_trained_model(checkpoint, "cpu")
 print("model:", describe_checkpoint(checkpoint))
-trained = config.preset == "cpu"  # not the CI-sized stand-in
+trained = config.preset in ("cpu", "quick")  # not the CI-sized stand-in
 encode_args = (vocab_src, vocab_tgt, spacy_de, spacy_en)  # for encode_pairs
 src, _ = collate_batch(encode_pairs(splits["val"][:16], *encode_args))
 src_mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)

@@ -225,16 +225,37 @@ def test_cli_help(command, capsys):
     assert capsys.readouterr().out.startswith("usage:")
 
 
-def test_cli_defaults_fit_together():
+def test_cli_defaults_fit_together(tmp_path, monkeypatch):
     # With no options, evaluate and translate read the checkpoint that
-    # train writes with no options.
+    # train writes with no options; once `make train` has written the
+    # longer `cpu` run, they prefer that one.
+    monkeypatch.chdir(tmp_path)
     parser = tools.build_parser()
     preset = parser.parse_args(["train"]).preset
+    assert preset == "quick"
     written = Path(tools.get_config(preset).checkpoint_dir) / "final.pt"
     for argv in (["evaluate"], ["translate", "Hallo"]):
         args = parser.parse_args(argv)
-        assert Path(args.checkpoint) == written, argv
+        assert args.checkpoint is None, argv  # main() fills it in
         assert args.beam == 1 and args.average is None  # plain greedy
+    assert Path(tools.default_checkpoint()) == written  # named in the error
+    written.parent.mkdir(parents=True)
+    written.touch()
+    assert Path(tools.default_checkpoint()) == written
+    longer = Path(tools.get_config("cpu").checkpoint_dir) / "final.pt"
+    longer.parent.mkdir(parents=True)
+    longer.touch()
+    assert Path(tools.default_checkpoint()) == longer
+
+
+def test_translate_without_a_model_names_the_quick_one(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    status = tools.main(["translate", "Hallo"])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1
+    assert "checkpoints/quick/final.pt" in err
 
 
 # --- bad input: one line on stderr, exit status 2, no traceback ---------

@@ -297,11 +297,11 @@ def test_worker_pins_memory_on_cuda_and_always_leaves_the_group(
 @pytest.mark.parametrize(
     "machine, size, preset, device, dtype",
     [
-        ("no GPU", "full", "cpu", "cpu", None),
+        ("no GPU", "full", "quick", "cpu", None),
         ("no GPU", "ci", "ci", "cpu", None),
-        ("one T4", "full", "cpu", "cuda", FP16),  # fbfada1: paper
-        ("one A100", "full", "cpu", "cuda", BF16),  # fbfada1: paper
-        ("a Mac", "full", "cpu", "mps", None),  # fbfada1: trained on CPU
+        ("one T4", "full", "quick", "cuda", FP16),  # fbfada1: paper
+        ("one A100", "full", "quick", "cuda", BF16),  # fbfada1: paper
+        ("a Mac", "full", "quick", "mps", None),  # fbfada1: trained on CPU
     ],
     indirect=["machine"],
 )
