@@ -32,9 +32,11 @@ setup: .venv/.installed  ## create .venv with every dependency
 notebook: setup  ## execute every notebook into runs/notebooks/ (AT_SIZE=ci: quick)
 	mkdir -p runs/notebooks
 	for nb in $(NOTEBOOKS:.py=.ipynb); do \
+	  start=$$(date +%s); \
 	  AT_SIZE=$(AT_SIZE) $(PY) -m jupytext --to ipynb --execute \
 	    --run-path notebooks --output runs/notebooks/$$(basename $$nb) \
 	    $$nb || exit 1; \
+	  echo "$$nb: $$(( $$(date +%s) - start )) s"; \
 	done
 
 export: setup  ## regenerate both modules and the .ipynb pairs
