@@ -945,11 +945,11 @@ class TrainConfig:
     epochs: int = 18
     factor: float = 1.0
     warmup: int = 800
-    schedule: str = "noam"  # or "linear": down to zero at the last step
+    schedule: str = "noam"  # or "linear" (appendix): to zero at the end
     max_len: int = 128
     max_train_pairs: int = 0  # 0 means all 29,000
     seed: int = 0
-    # Used by the appendix and Part 5, not by this lesson's loop:
+    # Mostly for the appendix and Part 5 (see above):
     preset: str = "cpu"
     precision: str = "bf16"  # "bf16": autocast where native; or "fp32"
     checkpoint_dir: str = "checkpoints/cpu"

@@ -47,7 +47,7 @@ if "COLAB_RELEASE_TAG" in os.environ and not os.path.isdir(CLONE):
     subprocess.run([sys.executable, "-m", *pip], check=True)
 ROOT = os.path.abspath(CLONE if os.path.isdir(CLONE) else "..")
 sys.path.insert(0, ROOT)
-AT_SIZE = os.environ.get("AT_SIZE", "full")  # "ci": minutes, not hours
+AT_SIZE = os.environ.get("AT_SIZE", "full")  # "ci": tiny models, CI-sized
 
 # %%
 #| export
@@ -507,9 +507,10 @@ def create_dataloaders(
 # paper's base model has
 # $N=6$, $d_{\text{model}}=512$, $h=8$, $d_{ff}=2048$, and the same dropout and
 # label smoothing of 0.1. The paper warmed up for 4,000 of 100,000 steps.
-# An epoch of Multi30k in 3,000-token batches is 153 steps, and we warm up
-# for 800, about five epochs: our choice for a small data set, not a tuned
-# value. The named presets (`cpu`, `paper`, and the tiny `ci`
+# An epoch of Multi30k in 3,000-token batches is 153 steps, and the `cpu`
+# preset warms up for 800, about five epochs: our choice for a small data
+# set, not a tuned value (the reference run below warms up for 300). The
+# named presets (`cpu`, `paper`, and the tiny `ci`
 # that tests use) are in the appendix. The rest comes from Part 2: the
 # label-smoothed loss, Adam with the warm-up schedule, and `accum_iter`,
 # which adds up the gradients of several batches before one optimizer
@@ -517,8 +518,10 @@ def create_dataloaders(
 #
 # `precision` is for the appendix's longer runs: `"bf16"` computes in
 # lower precision where the hardware does so natively, `"fp32"` never.
-# The loop of this lesson ignores it and always computes in float32. The
-# last fields, too, serve only the appendix and Part 5 (for instance,
+# The loop of this lesson ignores it and always computes in float32; it
+# also ignores `schedule` and always uses Part 2's. Of the last fields,
+# it reads only `num_workers` and `tie_embeddings`; the others serve the
+# appendix and Part 5 (for instance,
 # `tie_embeddings` shares one weight matrix between the two embeddings
 # and the output layer, which Part 5 tries).
 
@@ -540,11 +543,11 @@ class TrainConfig:
     epochs: int = 18
     factor: float = 1.0
     warmup: int = 800
-    schedule: str = "noam"  # or "linear": down to zero at the last step
+    schedule: str = "noam"  # or "linear" (appendix): to zero at the end
     max_len: int = 128
     max_train_pairs: int = 0  # 0 means all 29,000
     seed: int = 0
-    # Used by the appendix and Part 5, not by this lesson's loop:
+    # Mostly for the appendix and Part 5 (see above):
     preset: str = "cpu"
     precision: str = "bf16"  # "bf16": autocast where native; or "fp32"
     checkpoint_dir: str = "checkpoints/cpu"
@@ -684,38 +687,50 @@ assert history[-1]["val_loss"] < history[0]["val_loss"]
 # ### The reference run
 #
 # The appendix's `train_worker` runs this same loop, and a test checks
-# that both end with the same weights (in float32). It adds what a long
+# that both end with the same weights (in float32, with Part 2's
+# schedule). It adds what a long
 # run needs: checkpoint files, written after every epoch, so that a run
 # can resume; lower precision where the hardware computes it natively;
 # and several processes or GPUs sharing the work.
 #
-# The appendix's `train_worker` also reads the config's `schedule`:
-# `"linear"` replaces the warm-up schedule with Part 2's
-# `warmup_linear_decay`, which falls to zero at the run's last step.
+# `train_worker` also reads the config's `schedule`: `"linear"` replaces
+# Part 2's schedule with the appendix's `warmup_then_linear`, which warms
+# up linearly to the peak that Part 2's `rate` reaches at step `warmup`,
+# then falls in a straight line to exactly zero at the run's last step.
+# (Part 2's `warmup_linear_decay`, for the copy task, is the same idea
+# with a floor of 2% of the peak.)
 #
 # Our reference run is the `quick` preset: the `cpu` model for 5 epochs
 # (765 steps of 3,000 tokens), warmed up for 300 steps to a peak learning
-# rate of 2.2e-3, then decayed linearly to zero, without dropout. It took
-# 13.9 minutes on 2 threads of a 2-core AMD EPYC CPU, in float32 (that
-# CPU has no native bfloat16), from the start of the process to its last
-# checkpoint, and the greedy decoding of this part scores 35.46 BLEU on
-# the test set (`results/recipe_quick.json`). Three choices made it fast,
-# each made on the validation split, never the test set
-# (`results/recipe_sweep.md`):
+# rate of 2.2e-3 (`factor=0.61`: $0.61 \cdot 256^{-1/2} \cdot 300^{-1/2}$,
+# the peak that the `cpu` preset reaches at step 800), then decayed
+# linearly to zero, without dropout. It took 13.9 minutes on 2 threads of
+# a 2-core AMD EPYC CPU, from the start of the process to its last
+# checkpoint, in float32 (its config says `precision="bf16"`, which means
+# bfloat16 only where the hardware has it, and that CPU has not). The
+# greedy decoding of this part scores 35.46 BLEU on the test set
+# (`results/recipe_quick.json`). Three choices made it fast, each made on
+# the validation split, never the test set, in trials of
+# `results/recipe_sweep.md` (their validation BLEU replaces `<unk>` with
+# the German word, as Part 4 teaches):
 #
-# - **A schedule that ends.** After five epochs, Part 2's warm-up schedule
-#   is still near its peak. A linear decay to zero at a step budget known
-#   in advance spends the last steps at small learning rates, where the
-#   loss settles.
+# - **A schedule that ends.** After five epochs (765 steps), the `cpu`
+#   preset's schedule, with its 800-step warm-up, has not even reached
+#   its peak: the whole run would be warm-up. A linear decay to zero at a
+#   step budget known in advance spends the last steps at small learning
+#   rates, where the loss settles.
 # - **No dropout.** Dropout fights overfitting, and five epochs are too
 #   few for this model to overfit 29,000 sentence pairs. Without it the
-#   model learned faster per step (validation loss 1.53 against 1.65
-#   after 612 steps), and each step took about 28% less time, with no
-#   random masks to draw.
+#   model learned faster per step (trials q3000-d00 and q3000-d01:
+#   validation loss 1.53 against 1.65 after 612 steps), and each step
+#   took less time, with no random masks to draw (13% less in those two
+#   trials, which ran side by side).
 # - **Batches of 3,000 tokens, not fewer.** Halving the batch doubles the
 #   steps for the same tokens. That won for budgets under two epochs and
-#   lost at five: 27.2 against 32.5 validation BLEU, both with dropout,
-#   in about the same time.
+#   lost at about five: 27.2 validation BLEU after 1,600 steps of 1,500
+#   tokens against 32.5 after 660 steps of 3,000, both with dropout, the
+#   larger batches in less time (trials q1600-d01 and q3000-d01, whose
+#   warm-up and peak differ slightly too).
 #
 # The `cpu` preset trains the same model for 18 epochs with dropout and
 # Part 2's schedule (over an hour; `make train`); Parts 4 and 5 read it
@@ -752,9 +767,11 @@ if plan.train:
 final_checkpoint = Path(plan.config.checkpoint_dir, "final.pt")
 
 # %% [markdown]
-# The reference run's curve: after each epoch, the greedy BLEU of its
-# checkpoint on the validation split, against the minutes it had trained
-# by then. Check: every epoch scored higher than the one before.
+# The recorded reference run's curve (from `results/recipe_quick.json`,
+# not from a run this notebook trained): after each epoch, the plain
+# greedy BLEU of its checkpoint on the validation split, `<unk>` kept,
+# against the minutes since its process started. Check: no epoch scored
+# lower than the one before.
 
 # %%
 import json
@@ -833,7 +850,8 @@ for (ids, _), row in zip(batch, batched.tolist(), strict=True):
 # ## BLEU
 #
 # BLEU (Papineni et al., 2002) scores translations by the n-grams, runs of
-# one to four tokens, that they share with reference translations. With
+# one to four tokens, that they share with reference translations
+# (Multi30k has one per sentence; BLEU allows several). With
 # $p_n$ the share of the output's n-grams that the references contain
 # (each counted at most as often as it occurs there, summed over the whole
 # test set), $c$ the output's length and $r$ the references',
@@ -849,9 +867,10 @@ for (ids, _), row in zip(batch, batched.tolist(), strict=True):
 # the appendix. We decode with `batch_greedy_decode` and keep every
 # `<unk>` as it is (`replace_unk=False`; Part 4 puts the German word in
 # its place, found through attention), so the score is that of plain
-# greedy decoding. Check: at full size, the model scores above 33 BLEU
-# on the whole test set (the reference run: 35.46; runs on other hardware
-# and in another precision differ by a point or so). A CI-sized run scores
+# greedy decoding. Check: at full size, the `quick` model scores above 33
+# BLEU on the whole test set: the reference run scored 35.46, and the
+# margin is for other hardware, other precisions and other random
+# draws, which were not measured. A CI-sized run scores
 # only the first 100 test sentences, with the tiny `ci` model, which
 # writes little more than common words repeated ("A man a a a ..." on our
 # machine): its score means nothing, and the check is only that every

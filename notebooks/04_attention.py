@@ -63,7 +63,7 @@ if "COLAB_RELEASE_TAG" in os.environ and not os.path.isdir(CLONE):
     subprocess.run([sys.executable, "-m", *pip], check=True)
 ROOT = os.path.abspath(CLONE if os.path.isdir(CLONE) else "..")
 sys.path.insert(0, ROOT)
-AT_SIZE = os.environ.get("AT_SIZE", "full")  # "ci": minutes, not hours
+AT_SIZE = os.environ.get("AT_SIZE", "full")  # "ci": tiny models, CI-sized
 
 # %%
 #| export
