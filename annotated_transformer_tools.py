@@ -697,6 +697,14 @@ PRESETS = {
         dropout=0.0,
         checkpoint_dir="checkpoints/quick",
     ),
+    "long": TrainConfig(
+        preset="long",
+        epochs=12,
+        schedule="linear",
+        warmup=300,
+        factor=0.61,
+        checkpoint_dir="checkpoints/long",
+    ),
     "ci": TrainConfig(
         preset="ci",
         N=1,

@@ -53,7 +53,14 @@ def parse_args(argv=None):
         help="average the last K epoch checkpoints (fewer if fewer exist)",
     )
     parser.add_argument(
-        "--n", type=int, default=0, help="first N test sentences (0: all)"
+        "--split",
+        choices=["test", "val"],
+        default="test",
+        help="test2016 (default), or val to compare candidates: choose on"
+        " val, then score test once",
+    )
+    parser.add_argument(
+        "--n", type=int, default=0, help="first N sentences (0: all)"
     )
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--threads", type=int, help="torch CPU threads")
@@ -117,7 +124,7 @@ def score(folder, beam, average, pairs, spacy_de, batch_size):
 def markdown(summary):
     """The summary as a Markdown table with its provenance."""
     lines = [
-        "# Beyond the paper: BLEU on Multi30k test2016",
+        f"# Beyond the paper: BLEU on Multi30k {summary['split']}",
         "",
         f"- command: `{summary['command']}`",
         f"- hardware: {summary['hardware_line']}",
@@ -143,8 +150,9 @@ def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    pairs = tat.read_multi30k("test")
+    pairs = tat.read_multi30k(args.split)
     pairs = pairs[: args.n] if args.n else pairs
+    split = "test2016" if args.split == "test" else "validation"
     hardware = tools.hardware_summary()
     summary = {
         "command": "python bench/bleu_table.py " + " ".join(sys.argv[1:]),
@@ -153,7 +161,8 @@ def main(argv=None):
         f"torch thread(s), torch {hardware['torch']}"
         + (f", GPUs: {hardware['gpus']}" if "gpus" in hardware else ""),
         "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-        "data": f"Multi30k test2016, {len(pairs)} sentences",
+        "split": split,
+        "data": f"Multi30k {split}, {len(pairs)} sentences",
         "rows": [],
     }
     spacy_de, _ = tat.load_tokenizers()

@@ -926,7 +926,10 @@ assert forced == greedy
 # minutes on a 2-core CPU (Part 3 says what made it fast;
 # `results/recipe_quick.json`). `cpu` is the dataclass's defaults: the
 # same model for 18 epochs with dropout and Part 2's warm-up schedule,
-# over an hour (`results/multi30k_cpu.json`). `paper` is the paper's base
+# over an hour (`results/multi30k_cpu.json`). `long` is a candidate for
+# a better model than `cpu`: the quick recipe's schedule over 12 epochs,
+# with dropout 0.1 (about 40 minutes on 2 threads; `docs/results.md` says
+# what it scored). `paper` is the paper's base
 # model, sized for a GPU, and **not measured for BLEU**: it has never
 # been trained to the end in this repository. `ci` is a tiny model on
 # 1,000 sentence pairs for two epochs, so that tests and the CI-sized
@@ -955,6 +958,14 @@ PRESETS = {
         factor=0.61,  # a peak learning rate of 2.2e-3, as `cpu` reaches
         dropout=0.0,
         checkpoint_dir="checkpoints/quick",
+    ),
+    "long": TrainConfig(
+        preset="long",
+        epochs=12,
+        schedule="linear",
+        warmup=300,
+        factor=0.61,
+        checkpoint_dir="checkpoints/long",
     ),
     "ci": TrainConfig(
         preset="ci",

@@ -615,3 +615,26 @@ def test_copy_benchmark_settings_are_typed_and_checked():
     for bad in ("lr", "nope=1", "seed=3", "batch_size=1.5", "lr=fast"):
         with pytest.raises(argparse.ArgumentTypeError):
             bench.parse_setting(bad)
+
+
+def test_bleu_table_scores_the_validation_split_when_asked(word_run, tmp_path):
+    import json
+
+    import sacrebleu
+
+    out = tmp_path / "val"
+    argv = ["--word", str(word_run), "--bpe", str(tmp_path / "none")]
+    argv += ["--n", "6", "--beam", "2", "--average", "0", "--out", str(out)]
+    assert load_script("bleu_table").main([*argv, "--split", "val"]) == 0
+    summary = json.loads(out.with_suffix(".json").read_text())
+    assert summary["split"] == "validation"
+    assert "validation" in out.with_suffix(".md").read_text().splitlines()[0]
+    # Independently: the command line's greedy translation of the first
+    # six validation sentences, scored against their references.
+    pairs = tat.read_multi30k("val")[:6]
+    hyps = tools.translate([de for de, _ in pairs], word_run / "final.pt")
+    refs = [en for _, en in pairs]
+    greedy = summary["rows"][0]
+    assert greedy["setup"] == "word, greedy" and greedy["example"] == hyps[0]
+    expected = sacrebleu.corpus_bleu(hyps, [refs]).score
+    assert greedy["bleu"] == pytest.approx(expected, abs=0.01)
