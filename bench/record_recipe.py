@@ -32,16 +32,18 @@ import annotated_transformer_tools as tools  # noqa: E402
 import the_annotated_transformer as at  # noqa: E402
 
 
+def train_args(preset, threads):
+    """The `train` options that define the recipe's run."""
+    return ["train", "--preset", preset, "--threads", str(threads)]
+
+
 def train_command(preset, threads, checkpoint_dir, results):
     """The command line that trains the recipe and scores test2016."""
+    script = str(ROOT / "annotated_transformer_tools.py")
     return [
         sys.executable,
-        str(ROOT / "annotated_transformer_tools.py"),
-        "train",
-        "--preset",
-        preset,
-        "--threads",
-        str(threads),
+        script,
+        *train_args(preset, threads),
         "--checkpoint-dir",
         str(checkpoint_dir),
         "--results",
@@ -111,11 +113,7 @@ def record(preset, threads, checkpoint_dir, run, began):
             [
                 "python",
                 "annotated_transformer_tools.py",
-                "train",
-                "--preset",
-                preset,
-                "--threads",
-                str(threads),
+                *train_args(preset, threads),
             ]
         ),
         "machine": platform.node(),
