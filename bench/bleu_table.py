@@ -3,16 +3,18 @@
     python bench/bleu_table.py                       # checkpoints/cpu{,-bpe}
     python bench/bleu_table.py --word DIR --bpe DIR --average 5 --n 100
 
-For a word-level checkpoint folder (--word) it scores greedy decoding, beam
-search, and beam search on the average of the last --average epoch
-checkpoints; for a BPE + tied-embeddings folder (--bpe), greedy decoding
-and beam search on the averaged model. A folder that does not exist is
-skipped with a note. BLEU is sacreBLEU's cased corpus BLEU on detokenized
-text. Writes OUT.json (every number, the command and the hardware) and
-OUT.md (a Markdown table).
+For each checkpoint folder, word-level (--word) and BPE + tied embeddings
+(--bpe), it scores greedy decoding, beam search, and beam search on the
+average of the last K epoch checkpoints for each K of --average; with
+several --alpha values (the beam's length penalty), every beam row is
+scored with each. A folder that does not exist is skipped with a note.
+BLEU is sacreBLEU's cased corpus BLEU on detokenized text. Writes
+OUT.json (every number, the command and the hardware) and OUT.md (a
+Markdown table).
 """
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -48,9 +50,19 @@ def parse_args(argv=None):
     parser.add_argument(
         "--average",
         type=int,
-        default=5,
+        nargs="+",
+        default=[5],
         metavar="K",
-        help="average the last K epoch checkpoints (fewer if fewer exist)",
+        help="average the last K epoch checkpoints (fewer if fewer exist);"
+        " several K give one row each (0: no averaged row)",
+    )
+    parser.add_argument(
+        "--alpha",
+        type=float,
+        nargs="+",
+        default=[ALPHA],
+        help=f"the beam's length penalty; several give one row each"
+        f" (default {ALPHA})",
     )
     parser.add_argument(
         "--split",
@@ -72,33 +84,46 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+ALPHA = 0.6  # beam_search's default length penalty
+
+
+def beam_label(beam, alpha):
+    """ "beam 4", with its length penalty when it is not the default."""
+    return f"beam {beam}" + ("" if alpha == ALPHA else f" (alpha {alpha})")
+
+
+def averages(args, folder):
+    """The distinct K of --average that this folder has epoch files for."""
+    found = len(tools.epoch_checkpoints(folder))
+    return sorted({min(k, found) for k in args.average} - {0})
+
+
 def setups(args):
-    """(label, folder, beam, average) of every row to compute."""
+    """(label, folder, beam, average, alpha) of every row to compute."""
     rows = []
     for kind, folder in (("word", args.word), ("BPE + tied", args.bpe)):
         folder = Path(folder)
         if not (folder / "final.pt").is_file():
             print(f"skipping {kind}: no {folder / 'final.pt'}")
             continue
-        options = [(1, 0, "greedy")]
-        if kind == "word":
-            options.append((args.beam, 0, f"beam {args.beam}"))
-        k = min(args.average, len(tools.epoch_checkpoints(folder)))
-        if k:
-            options.append(
-                (args.beam, k, f"beam {args.beam} + average of last {k}")
-            )
-        for beam, average, what in options:
-            rows.append((f"{kind}, {what}", folder, beam, average))
+        rows.append((f"{kind}, greedy", folder, 1, 0, ALPHA))
+        for k in [0, *averages(args, folder)]:
+            for alpha in args.alpha:
+                what = beam_label(args.beam, alpha)
+                if k:
+                    what += f" + average of last {k}"
+                rows.append((f"{kind}, {what}", folder, args.beam, k, alpha))
     return rows
 
 
-def score(folder, beam, average, pairs, spacy_de, batch_size):
+def score(folder, beam, average, alpha, pairs, spacy_de, batch_size):
     """BLEU and timing of one setup."""
     checkpoint = folder / "final.pt"
     model, vocab_src, vocab_tgt, decode_fn = tools.load_translator(
         checkpoint, beam=beam, average_last=average
     )
+    if beam > 1:
+        decode_fn = functools.partial(decode_fn, alpha=alpha)
     start = time.perf_counter()
     hyps = tools.translate_batch(
         model,
@@ -166,11 +191,14 @@ def main(argv=None):
         "rows": [],
     }
     spacy_de, _ = tat.load_tokenizers()
-    for label, folder, beam, average in setups(args):
+    for label, folder, beam, average, alpha in setups(args):
         config = tools.load_checkpoint(folder / "final.pt")["config"]
         row = {"setup": label, "folder": str(folder)}
         row |= {"preset": config["preset"], "beam": beam, "average": average}
-        row |= score(folder, beam, average, pairs, spacy_de, args.batch_size)
+        row["alpha"] = alpha if beam > 1 else None
+        row |= score(
+            folder, beam, average, alpha, pairs, spacy_de, args.batch_size
+        )
         summary["rows"].append(row)
         print(
             f"{label:36s} BLEU {row['bleu']:6.2f}  "

@@ -1,5 +1,8 @@
 """Training efficiency: tokens/s, MFU against the measured matmul peak, and
-our model against torch.nn.Transformer, all in one run.
+our model against torch.nn.Transformer, all in one run, in the precision
+that training uses on this CPU (`--precision auto`: bf16 autocast where
+the CPU has native bf16, else float32). The peak is measured in that same
+precision, and every contestant runs under the same autocast.
 
 For each preset (`paper`, `cpu`) it trains on the same bucketed batches of
 real Multi30k sentences with
@@ -23,6 +26,10 @@ norms, softmax and the loss are left out, as is usual. MFU counts the FLOPs
 of the real (non-pad) tokens only, so padding shows up as lost efficiency.
 
     python bench/efficiency.py --threads 2 --runs 3 --profile 5
+
+`--compile` adds a fourth contestant, ours under
+`torch.compile(dynamic=True)` (one compiled graph for the bucketed
+shapes), and reports its one-off compile time apart, as "first step".
 """
 
 from __future__ import annotations
@@ -77,7 +84,29 @@ def parse_args(argv=None):
         default=0,
         help="token budget per batch (default: the preset's)",
     )
+    parser.add_argument(
+        "--precision",
+        choices=("auto", "fp32", "bf16"),
+        default="auto",
+        help="auto (default): what training uses here, bf16 autocast where"
+        " the CPU has it natively, else fp32; every contestant and the"
+        " peak use it",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time ours under torch.compile(dynamic=True), reporting"
+        " its one-off compile time apart",
+    )
     return parser.parse_args(argv)
+
+
+def training_dtype(choice):
+    """The autocast dtype to measure in (None: float32), as training
+    would pick it on this CPU for "auto"."""
+    if choice == "auto":
+        return tools.choose_precision("cpu").dtype
+    return torch.bfloat16 if choice == "bf16" else None
 
 
 # --- the machine's limit --------------------------------------------------
@@ -222,12 +251,31 @@ class OursBefore(Ours):
 # --- timing ---------------------------------------------------------------
 
 
-def train_pass(model_cls, batches, sizes, config, seed, profile=0):
-    """Real target tokens and seconds for one training pass."""
+def train_pass(
+    model_cls,
+    batches,
+    sizes,
+    config,
+    seed,
+    profile=0,
+    dtype=None,
+    compile=False,
+):
+    """Real target tokens and seconds for one training pass, in `dtype`
+    autocast (None: float32); with `compile`, also the seconds of the
+    untimed first step, where torch.compile does its work."""
     torch.manual_seed(seed)
     model = model_cls(
-        *sizes, config.N, config.d_model, config.d_ff, config.h, 0.1
+        *sizes, config.N, config.d_model, config.d_ff, config.h, config.dropout
     )
+    forward = model
+    if compile:
+        # Without this, a first batch whose source and target lengths
+        # happen to be equal ties the two sizes together in the compiled
+        # graph, and the next batch compiles again.
+        torch.fx.experimental._config.use_duck_shape = False
+        forward = torch.compile(model, dynamic=True)
+    autocast = tools.autocast_for("cpu", dtype)
     keep = getattr(model_cls, "keep_targets", False)
     criterion = tat.LabelSmoothing(sizes[1], tat.PAD, 0.1, keep_targets=keep)
     optimizer = torch.optim.Adam(
@@ -236,22 +284,25 @@ def train_pass(model_cls, batches, sizes, config, seed, profile=0):
     model.train()
 
     def step(batch):
-        logp = model.generator(model(batch))  # (B, T, V)
-        loss = criterion(
-            logp.reshape(-1, logp.size(-1)), batch.tgt_y.reshape(-1)
-        )
+        with autocast():
+            logp = model.generator(forward(batch))  # (B, T, V)
+            loss = criterion(
+                logp.reshape(-1, logp.size(-1)), batch.tgt_y.reshape(-1)
+            )
         (loss / batch.ntokens).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    step(batches[0])  # untimed: Adam's state, first-touch memory
+    start = time.perf_counter()
+    step(batches[0])  # untimed: Adam's state, first-touch memory, compiling
+    first_step = time.perf_counter() - start
     if profile:
         return profile_steps(step, batches[:profile])
     start = time.perf_counter()
     for batch in batches:
         step(batch)
     seconds = time.perf_counter() - start
-    return sum(b.ntokens for b in batches), seconds
+    return sum(b.ntokens for b in batches), seconds, first_step
 
 
 def profile_steps(step, batches, rows=12):
@@ -288,32 +339,46 @@ def load_sentences(count, seed):
     return data, (len(vocab_src), len(vocab_tgt))
 
 
+def contestants_for(args):
+    """Label -> (model class, compiled?) of everything one run times."""
+    contestants = {
+        "ours": (Ours, False),
+        "nn.Transformer": (TorchPeer, False),
+        "ours, before": (OursBefore, False),
+    }
+    if args.compile:
+        contestants["ours, compiled"] = (Ours, True)
+    return contestants
+
+
 def measure_preset(name, data, sizes, peak, args):
     """Print every run and the medians for one preset; return them."""
     config = tools.get_config(name)
     max_tokens = args.max_tokens or config.max_tokens
     batches = bucketed(data, max_tokens, args.seed)
     model_flops = real_token_flops(data, config, sizes[1])
+    dtype = training_dtype(args.precision)
     print(
         f"\n{name}: N={config.N} d_model={config.d_model} "
-        f"d_ff={config.d_ff} h={config.h}; {len(batches)} batches of "
-        f"<= {max_tokens} tokens; {model_flops / 1e12:.2f} TFLOP of "
-        "model work per pass"
+        f"d_ff={config.d_ff} h={config.h} dropout={config.dropout}; "
+        f"{len(batches)} batches of <= {max_tokens} tokens; "
+        f"{model_flops / 1e12:.2f} TFLOP of model work per pass; "
+        f"{precision_name(dtype)}"
     )
-    contestants = {
-        "ours": Ours,
-        "nn.Transformer": TorchPeer,
-        "ours, before": OursBefore,
-    }
+    contestants = contestants_for(args)
     rates = {label: [] for label in contestants}
     for run in range(args.runs):  # interleaved, so drift hits all alike
-        for label, cls in contestants.items():
-            tokens, seconds = train_pass(cls, batches, sizes, config, run)
+        for label, (cls, compiled) in contestants.items():
+            tokens, seconds, first = train_pass(
+                cls, batches, sizes, config, run, 0, dtype, compiled
+            )
             rates[label].append((tokens / seconds, model_flops / seconds))
             tok_s, flop_s = rates[label][-1]
+            extra = f"  (first step {first:.1f} s)" if compiled else ""
             print(
                 f"  run {run} {label:14s} {tok_s:8.1f} tok/s "
                 f"{flop_s / 1e9:7.1f} GFLOP/s  MFU {flop_s / peak:5.1%}"
+                + extra
             )
     medians = {}
     for label, values in rates.items():
@@ -328,31 +393,43 @@ def measure_preset(name, data, sizes, peak, args):
     gain = medians["ours"][0] / medians["ours, before"][0]
     print(f"  ours / nn.Transformer (tok/s): {ratio:.2f}")
     print(f"  ours / ours before the fast paths (tok/s): {gain:.2f}")
+    if args.compile:
+        speedup = medians["ours, compiled"][0] / medians["ours"][0]
+        print(f"  ours compiled / ours (tok/s): {speedup:.2f}")
     if args.profile:
         for label, cls in (("ours", Ours), ("ours, before", OursBefore)):
             print(f"  top operators, {label}, {args.profile} steps:")
-            train_pass(cls, batches, sizes, config, 0, args.profile)
+            train_pass(cls, batches, sizes, config, 0, args.profile, dtype)
     return medians, ratio
+
+
+def precision_name(dtype):
+    """ "float32" or e.g. "bfloat16 autocast", for the printout."""
+    return "float32" if dtype is None else f"{str(dtype)[6:]} autocast"
 
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.precision == "bf16" and not tools.cpu_has_native_bf16():
+        raise SystemExit(
+            "efficiency.py: error: this CPU has no native bf16 (no"
+            " avx512_bf16 or amx_bf16 flag), so bf16 would be emulated,"
+            " hundreds of times slower; use --precision auto or fp32"
+        )
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"machine: {tools.hardware_summary()}")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    peaks = matmul_peak()
+    native = tools.cpu_has_native_bf16()
+    print(f"native bf16 on this CPU: {'yes' if native else 'no'}")
+    dtype = training_dtype(args.precision)
+    peaks = matmul_peak(dtype or torch.float32)
     peak = max(peaks.values())
     print(
-        "fp32 matmul peak: "
+        f"{precision_name(dtype)} matmul peak: "
         + ", ".join(f"{n}: {f / 1e9:.1f}" for n, f in peaks.items())
         + f" GFLOP/s; using the best, {peak / 1e9:.1f}"
     )
-    if tools.cpu_has_native_bf16():
-        bf16 = max(matmul_peak(torch.bfloat16).values())
-        print(f"bf16 matmul peak: {bf16 / 1e9:.1f} GFLOP/s")
-    else:
-        print("bf16: no native bf16 matmul on this CPU, fp32 only")
     data, sizes = load_sentences(args.sentences, args.seed)
     print(f"{args.sentences} Multi30k training pairs, vocabularies {sizes}")
     for name in args.presets:

@@ -153,6 +153,38 @@ SETTINGS = {
         "max_steps": 1836,
         "eval_every": 459,
     },
+    # long-d01-e12's validation loss stopped falling after epoch 9 while
+    # its training loss kept falling: it overfits. Two longer runs with
+    # three times the dropout, side by side (one thread each); the second
+    # also has one BPE vocabulary with tied embeddings (no <unk>). Every
+    # epoch file is kept, to choose on validation which ones to average.
+    "best-d03-e14": {
+        "why": "long-d01-e12 with dropout 0.3, over 14 epochs (2,142 steps)",
+        "preset": "cpu",
+        "set": {
+            "schedule": "linear",
+            "warmup": 300,
+            "factor": 0.61,
+            "dropout": 0.3,
+            "keep_last": 0,
+        },
+        "max_steps": 2142,
+        "eval_every": 0,
+    },
+    "best-bpe-d03-e14": {
+        "why": "best-d03-e14 with BPE and tied embeddings (about 160 steps"
+        " an epoch, so 2,240 steps)",
+        "preset": "cpu-bpe",
+        "set": {
+            "schedule": "linear",
+            "warmup": 300,
+            "factor": 0.61,
+            "dropout": 0.3,
+            "keep_last": 0,
+        },
+        "max_steps": 2240,
+        "eval_every": 0,
+    },
 }
 
 TABLE_HEAD = (

@@ -50,6 +50,7 @@ class EveryKSteps:
         self.loader, self.run, self.k, self.hook = loader, run, k, hook
         self.batch_sampler = loader.batch_sampler  # train_epoch reshuffles
         self.max_batches, self.handed = max_batches, handed
+        self.handed_all = False  # True once every batch was handed out
 
     def __len__(self):
         return len(self.loader)
@@ -68,6 +69,7 @@ class EveryKSteps:
                     return
             self.handed += 1
             yield batch
+        self.handed_all = True
 
 
 def parse_value(field, text):
@@ -124,6 +126,7 @@ class Benchmark:
         self.spacy_de, self.spacy_en = at.load_tokenizers()
         vocabs = tools.load_vocabularies(config, *self.tokenizers)
         self.vocab_src, self.vocab_tgt = vocabs
+        self.vocabs = vocabs
         pairs = at.read_multi30k("val")
         self.val_pairs = pairs[:val_pairs] if val_pairs else pairs
         sizes = (len(self.vocab_src), len(self.vocab_tgt))
@@ -234,6 +237,8 @@ class Benchmark:
             handed = loader.handed
             if self.out_of_time:
                 break
+            if loader.handed_all:  # a whole epoch: keep it for averaging
+                tools.save_epoch(self.run, epoch, *self.vocabs)
             last = self.points[-1]["steps"] if self.points else -1
             if last != self.run.state.accum_step and self.score(epoch):
                 break

@@ -559,6 +559,7 @@ def test_bleu_table_on_ci_checkpoints(word_run, bpe_run, tmp_path):
         "word, beam 2",
         "word, beam 2 + average of last 2",
         "BPE + tied, greedy",
+        "BPE + tied, beam 2",
         "BPE + tied, beam 2 + average of last 2",
     ]
     assert all(0 <= row["bleu"] <= 100 for row in summary["rows"])
@@ -638,3 +639,42 @@ def test_bleu_table_scores_the_validation_split_when_asked(word_run, tmp_path):
     assert greedy["setup"] == "word, greedy" and greedy["example"] == hyps[0]
     expected = sacrebleu.corpus_bleu(hyps, [refs]).score
     assert greedy["bleu"] == pytest.approx(expected, abs=0.01)
+
+
+def test_bleu_table_scores_each_length_penalty_and_average(word_run, tmp_path):
+    import functools
+    import json
+
+    import sacrebleu
+
+    out = tmp_path / "alphas"
+    argv = ["--word", str(word_run), "--bpe", str(tmp_path / "none")]
+    argv += ["--n", "6", "--beam", "3", "--split", "val", "--out", str(out)]
+    argv += ["--average", "1", "2", "--alpha", "0.6", "5.0"]
+    assert load_script("bleu_table").main(argv) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [row["setup"] for row in rows] == [
+        "word, greedy",
+        "word, beam 3",
+        "word, beam 3 (alpha 5.0)",
+        "word, beam 3 + average of last 1",
+        "word, beam 3 (alpha 5.0) + average of last 1",
+        "word, beam 3 + average of last 2",
+        "word, beam 3 (alpha 5.0) + average of last 2",
+    ]
+    assert [row["alpha"] for row in rows] == [None] + [0.6, 5.0] * 3
+    # Independently: beam search with alpha 5.0 called directly.
+    pairs = tat.read_multi30k("val")[:6]
+    model, vsrc, vtgt, _ = tools.load_trained_model(word_run / "final.pt")
+    decode = functools.partial(tat.beam_search, beam_size=3, alpha=5.0)
+    hyps = tools.translate_batch(
+        model,
+        [de for de, _ in pairs],
+        tat.load_tokenizers()[0],
+        vsrc,
+        vtgt,
+        decode_fn=decode,
+    )
+    expected = sacrebleu.corpus_bleu(hyps, [[en for _, en in pairs]]).score
+    assert rows[2]["bleu"] == pytest.approx(expected, abs=0.01)
+    assert rows[2]["example"] == hyps[0]

@@ -115,3 +115,75 @@ def test_help():
         text=True,
     )
     assert proc.returncode == 0 and "MFU" in proc.stdout
+
+
+def test_auto_precision_is_what_training_picks(monkeypatch):
+    for native, expected in ((True, torch.bfloat16), (False, None)):
+        monkeypatch.setattr(tools, "cpu_has_native_bf16", lambda n=native: n)
+        assert efficiency.training_dtype("auto") is expected
+        assert tools.choose_precision("cpu").dtype is expected
+    assert efficiency.training_dtype("fp32") is None
+    assert efficiency.training_dtype("bf16") is torch.bfloat16
+
+
+def recording(model_cls, seen):
+    """model_cls whose nn.Linear layers note their output dtypes in seen."""
+
+    class Recording(model_cls):
+        def __init__(self, *args):
+            super().__init__(*args)
+            for module in self.modules():
+                if isinstance(module, torch.nn.Linear):
+                    module.register_forward_hook(
+                        lambda m, i, out: seen.add(out.dtype)
+                    )
+
+    return Recording
+
+
+def tiny_batches(count=2):
+    torch.manual_seed(0)
+    return [small_batch(B=2, S=6, T=5, V=50) for _ in range(count)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, None])
+@pytest.mark.parametrize("model_cls", [efficiency.Ours, efficiency.TorchPeer])
+def test_train_pass_runs_both_models_in_the_chosen_precision(dtype, model_cls):
+    config = tools.get_config("ci")
+    seen = set()
+    tokens, seconds, first = efficiency.train_pass(
+        recording(model_cls, seen),
+        tiny_batches(),
+        (50, 50),
+        config,
+        0,
+        dtype=dtype,
+    )
+    assert seen == {dtype or torch.float32}
+    assert tokens == sum(b.ntokens for b in tiny_batches())
+    assert seconds > 0 and first > 0
+
+
+def test_forced_bf16_without_native_support_is_refused(monkeypatch):
+    monkeypatch.setattr(tools, "cpu_has_native_bf16", lambda: False)
+    with pytest.raises(SystemExit) as stop:
+        efficiency.main(["--precision", "bf16"])
+    assert "no native bf16" in str(stop.value)
+
+
+def test_main_measures_the_peak_in_the_training_precision(monkeypatch, capsys):
+    monkeypatch.setattr(tools, "cpu_has_native_bf16", lambda: True)
+    asked = []
+
+    def fake_peak(dtype=torch.float32, sizes=(64,), repeats=1):
+        asked.append(dtype)
+        return {64: 1e9}
+
+    monkeypatch.setattr(efficiency, "matmul_peak", fake_peak)
+    monkeypatch.setattr(efficiency, "measure_preset", lambda *a: None)
+    monkeypatch.setattr(
+        efficiency, "load_sentences", lambda n, s: ([], (50, 50))
+    )
+    efficiency.main(["--sentences", "4"])
+    assert asked == [torch.bfloat16]
+    assert "bfloat16 autocast matmul peak" in capsys.readouterr().out

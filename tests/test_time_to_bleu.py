@@ -71,6 +71,15 @@ def test_step_budget_and_linear_schedule(
     assert bench.run.state.accum_step == 7
     assert bench.points[-1]["steps"] == 7
     assert bench.run.optimizer.param_groups[0]["lr"] == 0  # at the end
+    # Only whole epochs leave an epoch file (for averaging), each holding
+    # the weights as they were at the end of its epoch.
+    files = tools.epoch_checkpoints(tmp_path / "ck")
+    whole = 7 // len(bench.loaders[0])
+    assert [f.name for f in files] == [
+        f"epoch_{e:03d}.pt" for e in range(whole)
+    ]
+    last = tools.load_checkpoint(tmp_path / "ck" / "last.pt")
+    assert last["train_state"]["accum_step"] == whole * len(bench.loaders[0])
 
 
 def test_linear_schedule_shape():
