@@ -1,0 +1,114 @@
+"""Record the best recipe: a sweep trial, its decoding chosen on validation,
+and test2016 scored once.
+
+The choice is made here from the validation table alone (the row with the
+highest BLEU); the test table is only read for the chosen row and the
+greedy row. Both tables come from `bench/bleu_table.py`, run on the
+trial's checkpoint folder with the same options and `--split val`, then
+`--split test`:
+
+    python bench/record_best.py results/recipe_sweep/best-d03-e14.json \\
+        --val results/recipe_best_val.json \\
+        --test results/recipe_best_test.json
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GOAL = "test2016 >= 42 with the best decoding, and greedy >= 39"
+
+
+def goal_met(greedy, best):
+    """Issue 18's goal for the best recipe."""
+    return best >= 42 and greedy >= 39
+
+
+def table(path, split):
+    """The rows of one bleu_table JSON, by setup; checks its split."""
+    summary = json.loads(Path(path).read_text())
+    if summary["split"] != split:
+        raise ValueError(f"{path} scores {summary['split']}, not {split}")
+    return summary, {row["setup"]: row for row in summary["rows"]}
+
+
+def choose(val_rows):
+    """The setup with the highest validation BLEU (first one on a tie)."""
+    return max(val_rows.values(), key=lambda row: row["bleu"])["setup"]
+
+
+def greedy_setup(rows):
+    """The greedy row's setup (one per table: its first checkpoint folder)."""
+    return next(setup for setup in rows if setup.endswith(", greedy"))
+
+
+def record(trial, val_path, test_path):
+    """The best recipe's record from the three files."""
+    val, val_rows = table(val_path, "validation")
+    test, test_rows = table(test_path, "test2016")
+    if set(val_rows) != set(test_rows):
+        raise ValueError("the two tables score different setups")
+    chosen = choose(val_rows)
+    greedy = greedy_setup(test_rows)
+    best = test_rows[chosen]["bleu"]
+    greedy_bleu = test_rows[greedy]["bleu"]
+    return {
+        "recipe": Path(trial["command"].split("--out ")[1].split()[0]).stem,
+        "command": trial["command"],
+        "decoding_commands": [val["command"], test["command"]],
+        "threads": trial["threads"],
+        "hardware": trial["hardware"],
+        "precision": trial["precision"],
+        "config": trial["config"],
+        "steps": trial["points"][-1]["steps"],
+        "epochs": trial["points"][-1]["epoch"] + 1,
+        "train_seconds": trial["wall_seconds"],
+        "train_seconds_means": "wall time of time_to_bleu.py from after"
+        " its imports to final.pt: setup, training, and every epoch's"
+        " validation loss and greedy validation BLEU",
+        "training_loop_seconds": trial["train_seconds"],
+        "load_average_end": trial["load_average_end"],
+        "test2016_bleu_greedy": greedy_bleu,
+        "test2016_bleu_best": best,
+        "best_decoding": f"{chosen}; chosen on the validation split",
+        "validation_all_decodings": {
+            s: r["bleu"] for s, r in val_rows.items()
+        },
+        "test2016_all_decodings": {s: r["bleu"] for s, r in test_rows.items()},
+        "validation_curve": [
+            {k: p[k] for k in ("epoch", "minutes", "val_loss", "val_bleu")}
+            for p in trial["points"]
+        ],
+        "goal": GOAL,
+        "goal_met": goal_met(greedy_bleu, best),
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="record_best.py", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("trial", help="the trial's time_to_bleu JSON")
+    parser.add_argument("--val", required=True, help="bleu_table JSON, val")
+    parser.add_argument("--test", required=True, help="bleu_table JSON, test")
+    parser.add_argument("--out", default="results/recipe_best.json")
+    args = parser.parse_args(argv)
+    try:
+        trial = json.loads(Path(args.trial).read_text())
+        result = record(trial, args.val, args.test)
+    except (OSError, ValueError, KeyError) as err:
+        print(f"record_best: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(
+        f"{result['recipe']}: greedy {result['test2016_bleu_greedy']:.2f},"
+        f" {result['best_decoding']}: {result['test2016_bleu_best']:.2f};"
+        f" goal met: {result['goal_met']}; wrote {args.out}"
+    )
+    return result
+
+
+if __name__ == "__main__":
+    main()

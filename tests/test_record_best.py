@@ -1,0 +1,86 @@
+"""bench/record_best.py: the decoding is chosen on validation alone, test
+is only read, and the goal is the issue's."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location(
+    "record_best", ROOT / "bench" / "record_best.py"
+)
+record_best = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(record_best)
+
+SETUPS = ["word, greedy", "word, beam 4", "word, beam 4 + average of last 5"]
+
+
+def bleu_table(path, split, scores):
+    """A bleu_table.py JSON with one row per setup."""
+    rows = [{"setup": s, "bleu": b} for s, b in zip(SETUPS, scores)]
+    summary = {"command": f"python bench/bleu_table.py --split {split}"}
+    summary |= {"split": split, "rows": rows}
+    path.write_text(json.dumps(summary))
+    return path
+
+
+def a_trial():
+    """What time_to_bleu.py writes, reduced to what record_best reads."""
+    points = [
+        {
+            "epoch": e,
+            "minutes": 5.0 * e,
+            "val_loss": 2 - e / 10,
+            "val_bleu": 30 + e,
+            "steps": 153 * (e + 1),
+        }
+        for e in range(3)
+    ]
+    return {
+        "command": "python bench/time_to_bleu.py --preset cpu"
+        " --out results/recipe_sweep/best-x.json",
+        "threads": 1,
+        "hardware": {"cpu": "AMD EPYC"},
+        "precision": "float32",
+        "config": {"dropout": 0.3},
+        "points": points,
+        "wall_seconds": 600.0,
+        "train_seconds": 550.0,
+        "load_average_end": [2.0, 2.0, 2.0],
+    }
+
+
+def test_choice_is_made_on_validation_not_test(tmp_path):
+    val = bleu_table(tmp_path / "val.json", "validation", [38, 40.5, 40.0])
+    # On test the averaged model would win; the record must not pick it.
+    test = bleu_table(tmp_path / "test.json", "test2016", [39.1, 41.0, 42.5])
+    result = record_best.record(a_trial(), val, test)
+    assert result["best_decoding"].startswith("word, beam 4;")
+    assert result["test2016_bleu_best"] == 41.0
+    assert result["test2016_bleu_greedy"] == 39.1
+    assert result["goal_met"] is False
+    assert result["recipe"] == "best-x" and result["steps"] == 459
+    assert result["epochs"] == 3 and result["train_seconds"] == 600.0
+
+
+@pytest.mark.parametrize(
+    "greedy, best, met",
+    [(39.0, 42.0, True), (38.99, 43, False), (40, 41.99, False)],
+)
+def test_goal(greedy, best, met):
+    assert record_best.goal_met(greedy, best) is met
+
+
+def test_tables_of_the_wrong_split_are_refused(tmp_path, capsys):
+    val = bleu_table(tmp_path / "val.json", "test2016", [1, 2, 3])
+    test = bleu_table(tmp_path / "test.json", "test2016", [1, 2, 3])
+    trial = tmp_path / "trial.json"
+    trial.write_text(json.dumps(a_trial()))
+    argv = [str(trial), "--val", str(val), "--test", str(test)]
+    with pytest.raises(SystemExit):
+        record_best.main([*argv, "--out", str(tmp_path / "out.json")])
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("record_best: error:") and "\n" not in err
+    assert not (tmp_path / "out.json").exists()
