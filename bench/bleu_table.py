@@ -1,4 +1,4 @@
-"""BLEU on test2016 for the decoding and vocabulary options of notebook 05.
+"""BLEU on test2016 (or validation) for the decoding options of notebook 05.
 
     python bench/bleu_table.py                       # checkpoints/cpu{,-bpe}
     python bench/bleu_table.py --word DIR --bpe DIR --average 5 --n 100
@@ -15,6 +15,7 @@ Markdown table).
 
 import argparse
 import functools
+import inspect
 import json
 import sys
 import time
@@ -84,7 +85,7 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-ALPHA = 0.6  # beam_search's default length penalty
+ALPHA = inspect.signature(tat.beam_search).parameters["alpha"].default
 
 
 def beam_label(beam, alpha):

@@ -28,8 +28,9 @@ of the real (non-pad) tokens only, so padding shows up as lost efficiency.
     python bench/efficiency.py --threads 2 --runs 3 --profile 5
 
 `--compile` adds a fourth contestant, ours under
-`torch.compile(dynamic=True)` (one compiled graph for the bucketed
-shapes), and reports its one-off compile time apart, as "first step".
+`torch.compile(dynamic=True)` (symbolic shapes, so the bucketed batches
+need not compile one graph each), and reports its one-off compile time
+apart, as "first step".
 """
 
 from __future__ import annotations
@@ -261,20 +262,31 @@ def train_pass(
     dtype=None,
     compile=False,
 ):
-    """Real target tokens and seconds for one training pass, in `dtype`
-    autocast (None: float32); with `compile`, also the seconds of the
-    untimed first step, where torch.compile does its work."""
+    """(real target tokens, seconds, seconds of the untimed first step)
+    of one training pass, in `dtype` autocast (None: float32). With
+    `compile`, the first step is where torch.compile does its work."""
+    if not compile:
+        return timed_pass(
+            model_cls, batches, sizes, config, seed, profile, dtype
+        )
+    # Without this, a first batch whose source and target lengths happen
+    # to be equal ties the two sizes together in the compiled graph, and
+    # the next batch compiles again.
+    with torch.fx.experimental._config.patch(use_duck_shape=False):
+        return timed_pass(
+            model_cls, batches, sizes, config, seed, profile, dtype, True
+        )
+
+
+def timed_pass(
+    model_cls, batches, sizes, config, seed, profile, dtype, compile=False
+):
+    """train_pass's work, with torch.compile's settings already made."""
     torch.manual_seed(seed)
     model = model_cls(
         *sizes, config.N, config.d_model, config.d_ff, config.h, config.dropout
     )
-    forward = model
-    if compile:
-        # Without this, a first batch whose source and target lengths
-        # happen to be equal ties the two sizes together in the compiled
-        # graph, and the next batch compiles again.
-        torch.fx.experimental._config.use_duck_shape = False
-        forward = torch.compile(model, dynamic=True)
+    forward = torch.compile(model, dynamic=True) if compile else model
     autocast = tools.autocast_for("cpu", dtype)
     keep = getattr(model_cls, "keep_targets", False)
     criterion = tat.LabelSmoothing(sizes[1], tat.PAD, 0.1, keep_targets=keep)

@@ -1,11 +1,12 @@
 """Record the best recipe: a sweep trial, its decoding chosen on validation,
 and test2016 scored once.
 
-The choice is made here from the validation table alone (the row with the
-highest BLEU); the test table is only read for the chosen row and the
-greedy row. Both tables come from `bench/bleu_table.py`, run on the
-trial's checkpoint folder with the same options and `--split val`, then
-`--split test`:
+The choice is made here from the validation table alone: of the rows
+scoring the trial's own checkpoint folder, the one with the highest BLEU.
+The test table's rows are all recorded, but only to be read; the score
+of the recipe is the test BLEU of the row chosen on validation. Both
+tables come from `bench/bleu_table.py`, run on the trial's checkpoint
+folder with the same options, `--split val` then `--split test`:
 
     python bench/record_best.py results/recipe_sweep/best-d03-e14.json \\
         --val results/recipe_best_val.json \\
@@ -26,12 +27,29 @@ def goal_met(greedy, best):
     return best >= 42 and greedy >= 39
 
 
-def table(path, split):
-    """The rows of one bleu_table JSON, by setup; checks its split."""
+def table(path, split, folder):
+    """The rows of one bleu_table JSON that score `folder`, by setup."""
     summary = json.loads(Path(path).read_text())
     if summary["split"] != split:
         raise ValueError(f"{path} scores {summary['split']}, not {split}")
-    return summary, {row["setup"]: row for row in summary["rows"]}
+    rows = {r["setup"]: r for r in summary["rows"] if r["folder"] == folder}
+    if not rows:
+        raise ValueError(f"{path} has no row for {folder}")
+    return summary, rows
+
+
+def same_setups(val, val_rows, test, test_rows):
+    """Refuse two tables that did not score the same decodings in full."""
+    keys = ("beam", "average", "alpha", "checkpoints")
+    for summary in (val, test):
+        if "--n" in summary["command"].split():
+            raise ValueError(f"{summary['command']!r} scores a subset")
+    if set(val_rows) != set(test_rows) or any(
+        val_rows[s].get(k) != test_rows[s].get(k)
+        for s in val_rows
+        for k in keys
+    ):
+        raise ValueError("the two tables score different setups")
 
 
 def choose(val_rows):
@@ -40,22 +58,25 @@ def choose(val_rows):
 
 
 def greedy_setup(rows):
-    """The greedy row's setup (one per table: its first checkpoint folder)."""
-    return next(setup for setup in rows if setup.endswith(", greedy"))
+    """The setup of the greedy row among one folder's rows."""
+    for setup in rows:
+        if setup.endswith(", greedy"):
+            return setup
+    raise ValueError("no greedy row")
 
 
 def record(trial, val_path, test_path):
     """The best recipe's record from the three files."""
-    val, val_rows = table(val_path, "validation")
-    test, test_rows = table(test_path, "test2016")
-    if set(val_rows) != set(test_rows):
-        raise ValueError("the two tables score different setups")
+    folder = str(Path(trial["checkpoint"]).parent)
+    val, val_rows = table(val_path, "validation", folder)
+    test, test_rows = table(test_path, "test2016", folder)
+    same_setups(val, val_rows, test, test_rows)
     chosen = choose(val_rows)
     greedy = greedy_setup(test_rows)
     best = test_rows[chosen]["bleu"]
     greedy_bleu = test_rows[greedy]["bleu"]
     return {
-        "recipe": Path(trial["command"].split("--out ")[1].split()[0]).stem,
+        "recipe": Path(folder).name,
         "command": trial["command"],
         "decoding_commands": [val["command"], test["command"]],
         "threads": trial["threads"],
@@ -66,9 +87,11 @@ def record(trial, val_path, test_path):
         "epochs": trial["points"][-1]["epoch"] + 1,
         "train_seconds": trial["wall_seconds"],
         "train_seconds_means": "wall time of time_to_bleu.py from after"
-        " its imports to final.pt: setup, training, and every epoch's"
-        " validation loss and greedy validation BLEU",
+        " its imports to final.pt: setup, training, the checkpoint files,"
+        " and every epoch's validation loss and greedy validation BLEU",
         "training_loop_seconds": trial["train_seconds"],
+        "training_loop_seconds_means": "the same less setup and the"
+        " validation BLEU scoring",
         "load_average_end": trial["load_average_end"],
         "test2016_bleu_greedy": greedy_bleu,
         "test2016_bleu_best": best,

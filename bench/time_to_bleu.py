@@ -121,6 +121,12 @@ class Benchmark:
     def __init__(
         self, config, eval_every, val_pairs, minutes, device, max_steps=0
     ):
+        if tools.epoch_checkpoints(config.checkpoint_dir):
+            raise ValueError(
+                f"{config.checkpoint_dir} already holds epoch files of an"
+                " earlier run, which averaging would mix with this one's;"
+                " give another --checkpoint-dir"
+            )
         self.config, self.eval_every = config, eval_every
         self.minutes, self.max_steps = minutes, max_steps
         self.spacy_de, self.spacy_en = at.load_tokenizers()

@@ -15,11 +15,17 @@ record_best = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(record_best)
 
 SETUPS = ["word, greedy", "word, beam 4", "word, beam 4 + average of last 5"]
+FOLDER = "runs/recipe_sweep/best-x"
 
 
-def bleu_table(path, split, scores):
-    """A bleu_table.py JSON with one row per setup."""
-    rows = [{"setup": s, "bleu": b} for s, b in zip(SETUPS, scores)]
+def bleu_table(path, split, scores, folder=FOLDER, other=()):
+    """A bleu_table.py JSON with one row per setup for `folder`, then
+    rows of another folder with the scores in `other`."""
+    rows = [
+        {"setup": s, "bleu": b, "folder": f, "beam": 4, "average": 0}
+        for f, bleus in ((folder, scores), ("checkpoints/cpu-bpe", other))
+        for s, b in zip(SETUPS, bleus)
+    ]
     summary = {"command": f"python bench/bleu_table.py --split {split}"}
     summary |= {"split": split, "rows": rows}
     path.write_text(json.dumps(summary))
@@ -39,8 +45,8 @@ def a_trial():
         for e in range(3)
     ]
     return {
-        "command": "python bench/time_to_bleu.py --preset cpu"
-        " --out results/recipe_sweep/best-x.json",
+        "command": "python bench/time_to_bleu.py --preset cpu",
+        "checkpoint": f"{FOLDER}/final.pt",
         "threads": 1,
         "hardware": {"cpu": "AMD EPYC"},
         "precision": "float32",
@@ -53,9 +59,14 @@ def a_trial():
 
 
 def test_choice_is_made_on_validation_not_test(tmp_path):
-    val = bleu_table(tmp_path / "val.json", "validation", [38, 40.5, 40.0])
+    # Another folder's rows score higher, and are not the trial's.
+    val = bleu_table(
+        tmp_path / "val.json", "validation", [38, 40.5, 40.0], other=[45] * 3
+    )
     # On test the averaged model would win; the record must not pick it.
-    test = bleu_table(tmp_path / "test.json", "test2016", [39.1, 41.0, 42.5])
+    test = bleu_table(
+        tmp_path / "test.json", "test2016", [39.1, 41.0, 42.5], other=[1] * 3
+    )
     result = record_best.record(a_trial(), val, test)
     assert result["best_decoding"].startswith("word, beam 4;")
     assert result["test2016_bleu_best"] == 41.0
@@ -84,3 +95,25 @@ def test_tables_of_the_wrong_split_are_refused(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("record_best: error:") and "\n" not in err
     assert not (tmp_path / "out.json").exists()
+
+
+def test_tables_of_different_setups_are_refused(tmp_path):
+    val = bleu_table(tmp_path / "val.json", "validation", [38, 40.5])
+    test = bleu_table(tmp_path / "test.json", "test2016", [39, 41, 42])
+    with pytest.raises(ValueError, match="different setups"):
+        record_best.record(a_trial(), val, test)
+    summary = json.loads(val.read_text())
+    summary["command"] += " --n 100"
+    summary["rows"].append({**summary["rows"][0], "setup": SETUPS[2]})
+    val.write_text(json.dumps(summary))
+    with pytest.raises(ValueError, match="subset"):
+        record_best.record(a_trial(), val, test)
+
+
+def test_a_table_without_the_trial_folder_is_refused(tmp_path):
+    val = bleu_table(
+        tmp_path / "val.json", "validation", [1, 2, 3], "elsewhere"
+    )
+    test = bleu_table(tmp_path / "test.json", "test2016", [1, 2, 3])
+    with pytest.raises(ValueError, match="no row for"):
+        record_best.record(a_trial(), val, test)

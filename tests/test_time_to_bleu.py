@@ -78,8 +78,14 @@ def test_step_budget_and_linear_schedule(
     assert [f.name for f in files] == [
         f"epoch_{e:03d}.pt" for e in range(whole)
     ]
+    assert [tools.load_checkpoint(f)["epoch"] for f in files] == list(
+        range(whole)
+    )
     last = tools.load_checkpoint(tmp_path / "ck" / "last.pt")
     assert last["train_state"]["accum_step"] == whole * len(bench.loaders[0])
+    newest = tools.load_checkpoint(files[-1])["model"]
+    for name, weight in last["model"].items():
+        assert torch.equal(weight, newest[name]), name
 
 
 def test_linear_schedule_shape():
@@ -144,3 +150,10 @@ def test_train_worker_follows_the_linear_schedule(
     tools.train_worker(0, 1, *vocabs, *tokenizers, noam, device="cpu")
     last = tools.load_checkpoint(tmp_path / "noam" / "ck" / "last.pt")
     assert last["optimizer"]["param_groups"][0]["lr"] > 0
+
+
+def test_a_folder_with_epoch_files_is_refused(local_multi30k, tmp_path):
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "epoch_000.pt").write_bytes(b"an earlier run")
+    with pytest.raises(ValueError, match="already holds epoch files"):
+        time_to_bleu.Benchmark(ci_config(tmp_path), 0, 10, 0, "cpu")
