@@ -5,6 +5,7 @@ linear schedule, and one-line errors."""
 import importlib.util
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,33 @@ def test_a_folder_with_epoch_files_is_refused(local_multi30k, tmp_path):
     (tmp_path / "ck" / "epoch_000.pt").write_bytes(b"an earlier run")
     with pytest.raises(ValueError, match="already holds epoch files"):
         time_to_bleu.Benchmark(ci_config(tmp_path), 0, 10, 0, "cpu")
+
+
+def test_stopped_trial_rebuilds_the_curve_from_epoch_files(
+    local_multi30k, tmp_path, one_thread
+):
+    spec = importlib.util.spec_from_file_location(
+        "stopped_trial", ROOT / "bench" / "stopped_trial.py"
+    )
+    stopped_trial = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stopped_trial)
+    config = ci_config(tmp_path, epochs=2)
+    bench = time_to_bleu.Benchmark(config, 0, 10, 0, "cpu")
+    started = time.time()
+    bench.train()
+    pairs = tat.read_multi30k("val")[:10]
+    folder = tmp_path / "ck"
+    result = stopped_trial.record("cpu-e18", folder, started, 1, pairs)
+    files = tools.epoch_checkpoints(folder)
+    assert (folder / "final.pt").read_bytes() == files[-1].read_bytes()
+    points = result["points"]
+    assert [p["epoch"] for p in points] == [0, 1]
+    # Independently: the BLEU and losses the live run scored at the end
+    # of each epoch, on the same ten sentences.
+    live = bench.points
+    assert [p["val_bleu"] for p in points] == [p["val_bleu"] for p in live]
+    assert [p["steps"] for p in points] == [p["steps"] for p in live]
+    for ours, theirs in zip(points, live, strict=True):
+        assert ours["val_loss"] == pytest.approx(theirs["val_loss"], abs=1e-3)
+    assert 0 <= points[0]["minutes"] <= points[1]["minutes"]
+    assert "recipe_sweep/cpu-e18.json" in result["command"]
