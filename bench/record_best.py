@@ -106,6 +106,7 @@ def record(trial, val_path, test_path):
         ],
         "goal": GOAL,
         "goal_met": goal_met(greedy_bleu, best),
+        "stopped": trial.get("stopped", "no: it ran to its end"),
     }
 
 
