@@ -80,7 +80,7 @@ def record(name, folder, started, threads, pairs):
         " bench/stopped_trial.py",
         "hardware": tools.hardware_summary(),
         "threads": threads,
-        "precision": "float32",
+        "precision": str(tools.choose_precision("cpu").dtype or "float32"),
         "config": config,
         "train_seconds": round(seconds, 1),
         "wall_seconds": round(seconds, 1),

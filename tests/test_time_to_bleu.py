@@ -161,7 +161,7 @@ def test_a_folder_with_epoch_files_is_refused(local_multi30k, tmp_path):
 
 
 def test_stopped_trial_rebuilds_the_curve_from_epoch_files(
-    local_multi30k, tmp_path, one_thread
+    local_multi30k, tmp_path, one_thread, monkeypatch
 ):
     spec = importlib.util.spec_from_file_location(
         "stopped_trial", ROOT / "bench" / "stopped_trial.py"
@@ -174,7 +174,11 @@ def test_stopped_trial_rebuilds_the_curve_from_epoch_files(
     bench.train()
     pairs = tat.read_multi30k("val")[:10]
     folder = tmp_path / "ck"
+    # On a simulated CPU with native bf16, training would have used bf16
+    # autocast, and the record says so.
+    monkeypatch.setattr(tools, "cpu_has_native_bf16", lambda: True)
     result = stopped_trial.record("cpu-e18", folder, started, 1, pairs)
+    assert result["precision"] == "torch.bfloat16"
     files = tools.epoch_checkpoints(folder)
     assert (folder / "final.pt").read_bytes() == files[-1].read_bytes()
     points = result["points"]
