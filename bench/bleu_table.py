@@ -6,11 +6,11 @@
 For each checkpoint folder, word-level (--word) and BPE + tied embeddings
 (--bpe), it scores greedy decoding, beam search, and beam search on the
 average of the last K epoch checkpoints for each K of --average; with
-several --alpha values (the beam's length penalty), every beam row is
-scored with each. A folder that does not exist is skipped with a note.
-BLEU is sacreBLEU's cased corpus BLEU on detokenized text. Writes
-OUT.json (every number, the command and the hardware) and OUT.md (a
-Markdown table).
+several --beam sizes or --alpha values (the beam's length penalty),
+every beam row is scored with each. A folder that does not exist is
+skipped with a note. BLEU is sacreBLEU's cased corpus BLEU on
+detokenized text. Writes OUT.json (every number, the command and the
+hardware) and OUT.md (a Markdown table).
 """
 
 import argparse
@@ -47,7 +47,13 @@ def parse_args(argv=None):
         default="checkpoints/cpu-bpe",
         help="folder of a BPE + tied-embeddings run",
     )
-    parser.add_argument("--beam", type=int, default=4, help="beam size")
+    parser.add_argument(
+        "--beam",
+        type=tools.positive_int,
+        nargs="+",
+        default=[4],
+        help="beam size; several give one row each (default 4)",
+    )
     parser.add_argument(
         "--average",
         type=int,
@@ -109,11 +115,12 @@ def setups(args):
             continue
         rows.append((f"{kind}, greedy", folder, 1, 0, ALPHA))
         for k in [0, *averages(args, folder)]:
-            for alpha in args.alpha:
-                what = beam_label(args.beam, alpha)
-                if k:
-                    what += f" + average of last {k}"
-                rows.append((f"{kind}, {what}", folder, args.beam, k, alpha))
+            for beam in args.beam:
+                for alpha in args.alpha:
+                    what = beam_label(beam, alpha)
+                    if k:
+                        what += f" + average of last {k}"
+                    rows.append((f"{kind}, {what}", folder, beam, k, alpha))
     return rows
 
 

@@ -678,3 +678,37 @@ def test_bleu_table_scores_each_length_penalty_and_average(word_run, tmp_path):
     expected = sacrebleu.corpus_bleu(hyps, [[en for _, en in pairs]]).score
     assert rows[2]["bleu"] == pytest.approx(expected, abs=0.01)
     assert rows[2]["example"] == hyps[0]
+
+
+def test_bleu_table_scores_each_beam_size(word_run, tmp_path):
+    import functools
+    import json
+
+    import sacrebleu
+
+    out = tmp_path / "beams"
+    argv = ["--word", str(word_run), "--bpe", str(tmp_path / "none")]
+    argv += ["--n", "6", "--beam", "2", "3", "--average", "0"]
+    argv += ["--split", "val", "--out", str(out)]
+    assert load_script("bleu_table").main(argv) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [row["setup"] for row in rows] == [
+        "word, greedy",
+        "word, beam 2",
+        "word, beam 3",
+    ]
+    assert [row["beam"] for row in rows] == [1, 2, 3]
+    # Independently: beam search of size 3 called directly.
+    pairs = tat.read_multi30k("val")[:6]
+    model, vsrc, vtgt, _ = tools.load_trained_model(word_run / "final.pt")
+    hyps = tools.translate_batch(
+        model,
+        [de for de, _ in pairs],
+        tat.load_tokenizers()[0],
+        vsrc,
+        vtgt,
+        decode_fn=functools.partial(tat.beam_search, beam_size=3),
+    )
+    expected = sacrebleu.corpus_bleu(hyps, [[en for _, en in pairs]]).score
+    assert rows[2]["bleu"] == pytest.approx(expected, abs=0.01)
+    assert rows[2]["example"] == hyps[0]
