@@ -210,6 +210,24 @@ SETTINGS = {
         "max_steps": 0,
         "eval_every": 0,
     },
+    # cpu-e18 was stopped after epoch 10 for the session's time. This
+    # continues it from its training state (last.pt) in a copy of its
+    # folder, so the recorded cpu-e18 stays as it was. Not run by this
+    # script: the command is below, and bench/stopped_trial.py --resumed
+    # records it.
+    "cpu-e18-e14": {
+        "why": "cpu-e18 continued to 14 epochs with train --resume",
+        "preset": "cpu",
+        "set": {"keep_last": 0, "epochs": 14},
+        "max_steps": 0,
+        "eval_every": 0,
+        "resumes": "cpu-e18",
+        "resume_command": "cp -rp runs/recipe_sweep/cpu-e18"
+        " runs/recipe_sweep/cpu-e18-e14 && python -m"
+        " annotated_transformer_tools train --preset cpu --resume"
+        " --epochs 14 --keep-last 0 --threads 2"
+        " --checkpoint-dir runs/recipe_sweep/cpu-e18-e14",
+    },
 }
 
 TABLE_HEAD = (
@@ -310,6 +328,12 @@ def main(argv=None):
     unknown = [t for t in args.trials if t not in SETTINGS]
     if unknown:
         parser.error(f"unknown setting {unknown[0]!r}; see --list")
+    resumed = [t for t in args.trials if "resume_command" in SETTINGS[t]]
+    if resumed:
+        parser.error(
+            f"{resumed[0]} continues another trial: run its resume_command"
+            " by hand, then bench/stopped_trial.py --resumed"
+        )
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for name in args.trials:
         result, failure = run_trial(name, SETTINGS[name], args)

@@ -9,6 +9,10 @@ the epoch files (greedy validation BLEU, `<unk>` replaced, as
 time_to_bleu scores), with each epoch's minute read from its file's
 time, counted from --started.
 
+A trial continued later with `train --resume` (in a copy of its folder)
+gives --resumed, the time the resumed run began: the pause between the
+last epoch file before it and that time is not counted as training.
+
     python bench/stopped_trial.py cpu-e18 --started 2026-11-24T10:23:48 \\
         --threads 2
 """
@@ -33,16 +37,35 @@ import annotated_transformer_tools as tools  # noqa: E402
 import the_annotated_transformer as at  # noqa: E402
 
 
-def curve(folder, started, pairs):
+def paused_seconds(files, resumed):
+    """The time between the last epoch file before `resumed` and it."""
+    if resumed is None:
+        return 0.0
+    before = [p.stat().st_mtime for p in files if p.stat().st_mtime <= resumed]
+    if not before or len(before) == len(files):
+        raise ValueError("--resumed must fall between two epoch files")
+    return resumed - max(before)
+
+
+def training_seconds(path, started, resumed, paused):
+    """Seconds from `started` to the file's time, less any pause."""
+    seconds = path.stat().st_mtime - started
+    if resumed is not None and path.stat().st_mtime > resumed:
+        seconds -= paused
+    return seconds
+
+
+def curve(folder, started, pairs, resumed=None):
     """One point per epoch file: minute, steps, losses, validation BLEU."""
     files = tools.epoch_checkpoints(folder)
+    paused = paused_seconds(files, resumed)
     history = tools.load_checkpoint(files[-1])["history"]
     sources, references = zip(*pairs, strict=True)
     points = []
     for path in files:
         epoch = tools.load_checkpoint(path)["epoch"]
         hyps = tools.translate(list(sources), str(path), device="cpu")
-        seconds = path.stat().st_mtime - started
+        seconds = training_seconds(path, started, resumed, paused)
         points.append(
             {
                 "epoch": epoch,
@@ -59,21 +82,28 @@ def curve(folder, started, pairs):
     return points
 
 
-def record(name, folder, started, threads, pairs):
+def record(name, folder, started, threads, pairs, resumed=None):
     """The trial's JSON, in time_to_bleu.py's shape where it can be."""
     files = tools.epoch_checkpoints(folder)
     if not files:
         raise ValueError(f"{folder} has no epoch files")
-    points = curve(folder, started, pairs)
+    points = curve(folder, started, pairs, resumed)
     final = Path(folder, "final.pt")
     shutil.copyfile(files[-1], final)
     config = tools.load_checkpoint(final)["config"]
     args = argparse.Namespace(
         threads=threads, minutes=240.0, out_dir=Path("results/recipe_sweep")
     )
-    command = recipe_sweep.command_for(name, recipe_sweep.SETTINGS[name], args)
-    seconds = files[-1].stat().st_mtime - started
-    return {
+    setting = recipe_sweep.SETTINGS[name]
+    if resumed is not None and "resume_command" not in setting:
+        raise ValueError(f"{name} is not a resumed trial (no resume_command)")
+    origin = setting.get("resumes", name)  # the trial it continues
+    command = recipe_sweep.command_for(
+        origin, recipe_sweep.SETTINGS[origin], args
+    )
+    paused = paused_seconds(files, resumed)
+    seconds = training_seconds(files[-1], started, resumed, paused)
+    result = {
         "command": " ".join(["python", *map(str, command[1:])]),
         "stopped": f"by hand after epoch {points[-1]['epoch']}; final.pt"
         " is a copy of its epoch file, and this file was written by"
@@ -91,6 +121,25 @@ def record(name, folder, started, threads, pairs):
         "checkpoint": str(final),
         "points": points,
     }
+    if resumed is not None:
+        result["resume_command"] = setting["resume_command"]
+        result["paused_seconds"] = round(paused, 1)
+        result["seconds_mean"] += ", less the pause before --resumed"
+        result["stopped"] = (
+            f"resumed with train --resume and ended after epoch"
+            f" {points[-1]['epoch']}; final.pt is a copy of its epoch file,"
+            " and this file was written by bench/stopped_trial.py"
+        )
+    return result
+
+
+def iso_seconds(parser, option, text):
+    """An ISO time (UTC unless it says otherwise) as a Unix time."""
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        parser.error(f"{option} {text!r}: expected an ISO time")
+    return moment.replace(tzinfo=moment.tzinfo or timezone.utc).timestamp()
 
 
 def main(argv=None):
@@ -101,6 +150,9 @@ def main(argv=None):
     parser.add_argument(
         "--started", required=True, help="when it started, ISO time, UTC"
     )
+    parser.add_argument(
+        "--resumed", help="when a resumed run began, ISO time, UTC"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--folder", help="default: runs/recipe_sweep/TRIAL")
     parser.add_argument(
@@ -110,11 +162,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.trial not in recipe_sweep.SETTINGS:
         parser.error(f"unknown setting {args.trial!r}; see recipe_sweep.py")
-    try:
-        started = datetime.fromisoformat(args.started)
-    except ValueError:
-        parser.error(f"--started {args.started!r}: expected an ISO time")
-    started = started.replace(tzinfo=started.tzinfo or timezone.utc)
+    started = iso_seconds(parser, "--started", args.started)
+    resumed = args.resumed and iso_seconds(parser, "--resumed", args.resumed)
     torch.set_num_threads(args.threads)
     # Relative, as recipe_sweep names them, so bleu_table's rows match.
     folder = Path(args.folder or Path("runs", "recipe_sweep", args.trial))
@@ -124,7 +173,7 @@ def main(argv=None):
     pairs = pairs[: args.val_pairs] if args.val_pairs else pairs
     try:
         result = record(
-            args.trial, folder, started.timestamp(), args.threads, pairs
+            args.trial, folder, started, args.threads, pairs, resumed
         )
     except (OSError, ValueError) as err:
         print(f"stopped_trial: error: {err}", file=sys.stderr)

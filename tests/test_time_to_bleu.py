@@ -192,3 +192,58 @@ def test_stopped_trial_rebuilds_the_curve_from_epoch_files(
         assert ours["val_loss"] == pytest.approx(theirs["val_loss"], abs=1e-3)
     assert 0 <= points[0]["minutes"] <= points[1]["minutes"]
     assert "recipe_sweep/cpu-e18.json" in result["command"]
+
+
+def test_stopped_trial_leaves_out_the_pause_before_a_resume(
+    local_multi30k, tmp_path, one_thread
+):
+    import os
+
+    spec = importlib.util.spec_from_file_location(
+        "stopped_trial", ROOT / "bench" / "stopped_trial.py"
+    )
+    stopped_trial = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stopped_trial)
+    config = ci_config(tmp_path, epochs=2)
+    time_to_bleu.Benchmark(config, 0, 10, 0, "cpu").train()
+    folder = tmp_path / "ck"
+    first, second = tools.epoch_checkpoints(folder)
+    # Epoch 0 ends a minute after the start; the run is resumed 14
+    # minutes later, and epoch 1 ends 2 minutes after the resume.
+    started = 1_000_000.0
+    os.utime(first, (started + 60, started + 60))
+    os.utime(second, (started + 60 + 840 + 120,) * 2)
+    resumed = started + 60 + 840
+    pairs = tat.read_multi30k("val")[:4]
+    result = stopped_trial.record(
+        "cpu-e18-e14", folder, started, 1, pairs, resumed
+    )
+    assert [p["minutes"] for p in result["points"]] == [1.0, 3.0]
+    assert result["train_seconds"] == 180.0
+    assert result["paused_seconds"] == 840.0
+    assert "--resume " in result["resume_command"]
+    assert "recipe_sweep/cpu-e18.json" in result["command"]  # the origin
+    with pytest.raises(ValueError, match="between two epoch files"):
+        stopped_trial.record(
+            "cpu-e18-e14", folder, started, 1, pairs, started + 5000
+        )
+    with pytest.raises(ValueError, match="not a resumed trial"):
+        stopped_trial.record("cpu-e18", folder, started, 1, pairs, resumed)
+
+
+def test_recipe_sweep_refuses_trials_it_cannot_run(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location(
+        "recipe_sweep", ROOT / "bench" / "recipe_sweep.py"
+    )
+    recipe_sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe_sweep)
+    out = ["--out-dir", str(tmp_path), "--table", str(tmp_path / "t.md")]
+    for trial, words in (
+        ("nope", "unknown setting"),
+        ("cpu-e18-e14", "by hand"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            recipe_sweep.main([trial, *out])
+        assert stop.value.code == 2
+        assert words in capsys.readouterr().err
+    assert not (tmp_path / "t.md").exists()  # nothing ran, nothing written
