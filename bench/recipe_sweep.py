@@ -228,6 +228,25 @@ SETTINGS = {
         " --epochs 14 --keep-last 0 --threads 2"
         " --checkpoint-dir runs/recipe_sweep/cpu-e18-e14",
     },
+    # cpu-d02-e14's validation loss was still falling, a little, at its
+    # last epoch: the same continued to 18 epochs.
+    "cpu-d02-e18": {
+        "why": "cpu-d02-e14 continued to 18 epochs with train --resume",
+        "preset": "cpu",
+        "set": {"dropout": 0.2, "epochs": 18, "keep_last": 0},
+        "max_steps": 0,
+        "eval_every": 0,
+        "resumes": "cpu-d02-e14",
+        # The command line's train has no --dropout: the same in Python.
+        "resume_command": "cp -rp runs/recipe_sweep/cpu-d02-e14"
+        ' runs/recipe_sweep/cpu-d02-e18 && python -c "import torch,'
+        " annotated_transformer_tools as t; torch.set_num_threads(2);"
+        " c = t.get_config('cpu', dropout=0.2, epochs=18, keep_last=0,"
+        " checkpoint_dir='runs/recipe_sweep/cpu-d02-e18');"
+        " tok = t.load_tokenizers();"
+        " t.train_model(*t.load_vocabularies(c, *tok), *tok, c,"
+        ' resume=True)"',
+    },
 }
 
 TABLE_HEAD = (
