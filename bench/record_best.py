@@ -75,7 +75,7 @@ def record(trial, val_path, test_path):
     greedy = greedy_setup(test_rows)
     best = test_rows[chosen]["bleu"]
     greedy_bleu = test_rows[greedy]["bleu"]
-    return {
+    result = {
         "recipe": Path(folder).name,
         "command": trial["command"],
         "decoding_commands": [val["command"], test["command"]],
@@ -108,6 +108,25 @@ def record(trial, val_path, test_path):
         "goal_met": goal_met(greedy_bleu, best),
         "stopped": trial.get("stopped", "no: it ran to its end"),
     }
+    return result | by_hand(trial)
+
+
+def by_hand(trial):
+    """What a record of bench/stopped_trial.py says in place of
+    time_to_bleu's timing: how its seconds were counted, and for a
+    trial continued with `train --resume`, that command and the pause."""
+    if "seconds_mean" not in trial:
+        return {}
+    fields = {
+        "train_seconds_means": trial["seconds_mean"],
+        "training_loop_seconds": None,
+        "training_loop_seconds_means": "not measured apart for a trial"
+        " recorded by bench/stopped_trial.py",
+    }
+    for key in ("resume_command", "paused_seconds"):
+        if key in trial:
+            fields[key] = trial[key]
+    return fields
 
 
 def main(argv=None):

@@ -641,11 +641,29 @@ def test_bleu_table_scores_the_validation_split_when_asked(word_run, tmp_path):
     assert greedy["bleu"] == pytest.approx(expected, abs=0.01)
 
 
-def test_bleu_table_scores_each_length_penalty_and_average(word_run, tmp_path):
+def assert_row_is_direct_beam(row, run, **beam_options):
+    """A bleu_table row on 6 validation sentences against beam_search."""
     import functools
-    import json
 
     import sacrebleu
+
+    pairs = tat.read_multi30k("val")[:6]
+    model, vsrc, vtgt, _ = tools.load_trained_model(run / "final.pt")
+    hyps = tools.translate_batch(
+        model,
+        [de for de, _ in pairs],
+        tat.load_tokenizers()[0],
+        vsrc,
+        vtgt,
+        decode_fn=functools.partial(tat.beam_search, **beam_options),
+    )
+    expected = sacrebleu.corpus_bleu(hyps, [[en for _, en in pairs]]).score
+    assert row["bleu"] == pytest.approx(expected, abs=0.01)
+    assert row["example"] == hyps[0]
+
+
+def test_bleu_table_scores_each_length_penalty_and_average(word_run, tmp_path):
+    import json
 
     out = tmp_path / "alphas"
     argv = ["--word", str(word_run), "--bpe", str(tmp_path / "none")]
@@ -664,27 +682,11 @@ def test_bleu_table_scores_each_length_penalty_and_average(word_run, tmp_path):
     ]
     assert [row["alpha"] for row in rows] == [None] + [0.6, 5.0] * 3
     # Independently: beam search with alpha 5.0 called directly.
-    pairs = tat.read_multi30k("val")[:6]
-    model, vsrc, vtgt, _ = tools.load_trained_model(word_run / "final.pt")
-    decode = functools.partial(tat.beam_search, beam_size=3, alpha=5.0)
-    hyps = tools.translate_batch(
-        model,
-        [de for de, _ in pairs],
-        tat.load_tokenizers()[0],
-        vsrc,
-        vtgt,
-        decode_fn=decode,
-    )
-    expected = sacrebleu.corpus_bleu(hyps, [[en for _, en in pairs]]).score
-    assert rows[2]["bleu"] == pytest.approx(expected, abs=0.01)
-    assert rows[2]["example"] == hyps[0]
+    assert_row_is_direct_beam(rows[2], word_run, beam_size=3, alpha=5.0)
 
 
 def test_bleu_table_scores_each_beam_size(word_run, tmp_path):
-    import functools
     import json
-
-    import sacrebleu
 
     out = tmp_path / "beams"
     argv = ["--word", str(word_run), "--bpe", str(tmp_path / "none")]
@@ -699,16 +701,4 @@ def test_bleu_table_scores_each_beam_size(word_run, tmp_path):
     ]
     assert [row["beam"] for row in rows] == [1, 2, 3]
     # Independently: beam search of size 3 called directly.
-    pairs = tat.read_multi30k("val")[:6]
-    model, vsrc, vtgt, _ = tools.load_trained_model(word_run / "final.pt")
-    hyps = tools.translate_batch(
-        model,
-        [de for de, _ in pairs],
-        tat.load_tokenizers()[0],
-        vsrc,
-        vtgt,
-        decode_fn=functools.partial(tat.beam_search, beam_size=3),
-    )
-    expected = sacrebleu.corpus_bleu(hyps, [[en for _, en in pairs]]).score
-    assert rows[2]["bleu"] == pytest.approx(expected, abs=0.01)
-    assert rows[2]["example"] == hyps[0]
+    assert_row_is_direct_beam(rows[2], word_run, beam_size=3)

@@ -117,3 +117,27 @@ def test_a_table_without_the_trial_folder_is_refused(tmp_path):
     test = bleu_table(tmp_path / "test.json", "test2016", [1, 2, 3])
     with pytest.raises(ValueError, match="no row for"):
         record_best.record(a_trial(), val, test)
+
+
+def test_a_resumed_trial_keeps_its_resume_and_how_time_was_counted(
+    tmp_path,
+):
+    val = bleu_table(tmp_path / "val.json", "validation", [38, 40, 41])
+    test = bleu_table(tmp_path / "test.json", "test2016", [39, 40, 41])
+    plain = record_best.record(a_trial(), val, test)
+    assert "resume_command" not in plain
+    assert plain["training_loop_seconds"] == 550.0
+    resumed = a_trial() | {
+        "seconds_mean": "from --started to the newest epoch file's time,"
+        " less the pause before --resumed",
+        "resume_command": "python -m annotated_transformer_tools train"
+        " --resume",
+        "paused_seconds": 1109.5,
+        "train_seconds": 600.0,
+    }
+    result = record_best.record(resumed, val, test)
+    assert result["resume_command"] == resumed["resume_command"]
+    assert result["paused_seconds"] == 1109.5
+    assert result["train_seconds_means"] == resumed["seconds_mean"]
+    assert result["training_loop_seconds"] is None
+    assert result["train_seconds"] == 600.0
