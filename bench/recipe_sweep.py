@@ -231,7 +231,8 @@ SETTINGS = {
     # cpu-d02-e14's validation loss was still falling, a little, at its
     # last epoch: the same continued to 18 epochs.
     "cpu-d02-e18": {
-        "why": "cpu-d02-e14 continued to 18 epochs with train --resume",
+        "why": "cpu-d02-e14 continued to 18 epochs from its training"
+        " state (train_model with resume=True)",
         "preset": "cpu",
         "set": {"dropout": 0.2, "epochs": 18, "keep_last": 0},
         "max_steps": 0,

@@ -9,9 +9,10 @@ the epoch files (greedy validation BLEU, `<unk>` replaced, as
 time_to_bleu scores), with each epoch's minute read from its file's
 time, counted from --started.
 
-A trial continued later with `train --resume` (in a copy of its folder)
-gives --resumed, the time the resumed run began: the pause between the
-last epoch file before it and that time is not counted as training.
+A trial continued later from its training state (in a copy of its
+folder, by the resume_command of its setting in recipe_sweep) gives
+--resumed, the time the resumed run began: the pause between the last
+epoch file before it and that time is not counted as training.
 
     python bench/stopped_trial.py cpu-e18 --started 2026-11-24T10:23:48 \\
         --threads 2
@@ -87,6 +88,14 @@ def record(name, folder, started, threads, pairs, resumed=None):
     files = tools.epoch_checkpoints(folder)
     if not files:
         raise ValueError(f"{folder} has no epoch files")
+    setting = recipe_sweep.SETTINGS[name]
+    if (resumed is None) == ("resume_command" in setting):
+        raise ValueError(
+            f"{name} was resumed: give --resumed"
+            if resumed is None
+            else f"{name} is not a resumed trial (no resume_command)"
+        )
+    paused = paused_seconds(files, resumed)  # checked before scoring
     points = curve(folder, started, pairs, resumed)
     final = Path(folder, "final.pt")
     shutil.copyfile(files[-1], final)
@@ -94,14 +103,10 @@ def record(name, folder, started, threads, pairs, resumed=None):
     args = argparse.Namespace(
         threads=threads, minutes=240.0, out_dir=Path("results/recipe_sweep")
     )
-    setting = recipe_sweep.SETTINGS[name]
-    if resumed is not None and "resume_command" not in setting:
-        raise ValueError(f"{name} is not a resumed trial (no resume_command)")
     origin = setting.get("resumes", name)  # the trial it continues
     command = recipe_sweep.command_for(
         origin, recipe_sweep.SETTINGS[origin], args
     )
-    paused = paused_seconds(files, resumed)
     seconds = training_seconds(files[-1], started, resumed, paused)
     result = {
         "command": " ".join(["python", *map(str, command[1:])]),
@@ -126,7 +131,7 @@ def record(name, folder, started, threads, pairs, resumed=None):
         result["paused_seconds"] = round(paused, 1)
         result["seconds_mean"] += ", less the pause before --resumed"
         result["stopped"] = (
-            f"resumed with train --resume and ended after epoch"
+            f"resumed by its resume_command and ended after epoch"
             f" {points[-1]['epoch']}; final.pt is a copy of its epoch file,"
             " and this file was written by bench/stopped_trial.py"
         )
@@ -163,7 +168,9 @@ def main(argv=None):
     if args.trial not in recipe_sweep.SETTINGS:
         parser.error(f"unknown setting {args.trial!r}; see recipe_sweep.py")
     started = iso_seconds(parser, "--started", args.started)
-    resumed = args.resumed and iso_seconds(parser, "--resumed", args.resumed)
+    resumed = None
+    if args.resumed is not None:
+        resumed = iso_seconds(parser, "--resumed", args.resumed)
     torch.set_num_threads(args.threads)
     # Relative, as recipe_sweep names them, so bleu_table's rows match.
     folder = Path(args.folder or Path("runs", "recipe_sweep", args.trial))

@@ -229,6 +229,8 @@ def test_stopped_trial_leaves_out_the_pause_before_a_resume(
         )
     with pytest.raises(ValueError, match="not a resumed trial"):
         stopped_trial.record("cpu-e18", folder, started, 1, pairs, resumed)
+    with pytest.raises(ValueError, match="give --resumed"):
+        stopped_trial.record("cpu-e18-e14", folder, started, 1, pairs)
 
 
 def test_recipe_sweep_refuses_trials_it_cannot_run(tmp_path, capsys):
