@@ -158,7 +158,13 @@ def main(argv=None):
     parser.add_argument(
         "--resumed", help="when a resumed run began, ISO time, UTC"
     )
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="the threads the trial trained with: recorded, and used to"
+        " score (default 2)",
+    )
     parser.add_argument("--folder", help="default: runs/recipe_sweep/TRIAL")
     parser.add_argument(
         "--out", help="default: results/recipe_sweep/TRIAL.json"
