@@ -114,7 +114,7 @@ def record(trial, val_path, test_path):
 def by_hand(trial):
     """What a record of bench/stopped_trial.py says in place of
     time_to_bleu's timing: how its seconds were counted, and for a
-    trial continued with `train --resume`, that command and the pause."""
+    trial resumed from its training state, that command and the pause."""
     if "seconds_mean" not in trial:
         return {}
     fields = {

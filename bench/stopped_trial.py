@@ -48,25 +48,28 @@ def paused_seconds(files, resumed):
     return resumed - max(before)
 
 
-def training_seconds(path, started, resumed, paused):
-    """Seconds from `started` to the file's time, less any pause."""
-    seconds = path.stat().st_mtime - started
-    if resumed is not None and path.stat().st_mtime > resumed:
-        seconds -= paused
-    return seconds
+def training_clock(started, resumed, paused):
+    """A function: seconds from `started` to a file's time, less any
+    pause before `resumed`."""
+
+    def seconds_to(path):
+        moment = path.stat().st_mtime
+        after_pause = resumed is not None and moment > resumed
+        return moment - started - (paused if after_pause else 0.0)
+
+    return seconds_to
 
 
-def curve(folder, started, pairs, resumed=None):
+def curve(folder, pairs, seconds_to):
     """One point per epoch file: minute, steps, losses, validation BLEU."""
     files = tools.epoch_checkpoints(folder)
-    paused = paused_seconds(files, resumed)
     history = tools.load_checkpoint(files[-1])["history"]
     sources, references = zip(*pairs, strict=True)
     points = []
     for path in files:
         epoch = tools.load_checkpoint(path)["epoch"]
         hyps = tools.translate(list(sources), str(path), device="cpu")
-        seconds = training_seconds(path, started, resumed, paused)
+        seconds = seconds_to(path)
         points.append(
             {
                 "epoch": epoch,
@@ -96,7 +99,8 @@ def record(name, folder, started, threads, pairs, resumed=None):
             else f"{name} is not a resumed trial (no resume_command)"
         )
     paused = paused_seconds(files, resumed)  # checked before scoring
-    points = curve(folder, started, pairs, resumed)
+    seconds_to = training_clock(started, resumed, paused)
+    points = curve(folder, pairs, seconds_to)
     final = Path(folder, "final.pt")
     shutil.copyfile(files[-1], final)
     config = tools.load_checkpoint(final)["config"]
@@ -107,7 +111,7 @@ def record(name, folder, started, threads, pairs, resumed=None):
     command = recipe_sweep.command_for(
         origin, recipe_sweep.SETTINGS[origin], args
     )
-    seconds = training_seconds(files[-1], started, resumed, paused)
+    seconds = seconds_to(files[-1])
     result = {
         "command": " ".join(["python", *map(str, command[1:])]),
         "stopped": f"by hand after epoch {points[-1]['epoch']}; final.pt"

@@ -15,11 +15,19 @@ import annotated_transformer_tools as tools
 import the_annotated_transformer as tat
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location(
-    "time_to_bleu", ROOT / "bench" / "time_to_bleu.py"
-)
-time_to_bleu = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(time_to_bleu)
+
+
+def bench_script(name):
+    """bench/NAME.py, imported as a module."""
+    spec = importlib.util.spec_from_file_location(
+        name, ROOT / "bench" / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+time_to_bleu = bench_script("time_to_bleu")
 
 PAIRS = 200  # training pairs: a run takes seconds
 
@@ -163,11 +171,7 @@ def test_a_folder_with_epoch_files_is_refused(local_multi30k, tmp_path):
 def test_stopped_trial_rebuilds_the_curve_from_epoch_files(
     local_multi30k, tmp_path, one_thread, monkeypatch
 ):
-    spec = importlib.util.spec_from_file_location(
-        "stopped_trial", ROOT / "bench" / "stopped_trial.py"
-    )
-    stopped_trial = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(stopped_trial)
+    stopped_trial = bench_script("stopped_trial")
     config = ci_config(tmp_path, epochs=2)
     bench = time_to_bleu.Benchmark(config, 0, 10, 0, "cpu")
     started = time.time()
@@ -199,11 +203,7 @@ def test_stopped_trial_leaves_out_the_pause_before_a_resume(
 ):
     import os
 
-    spec = importlib.util.spec_from_file_location(
-        "stopped_trial", ROOT / "bench" / "stopped_trial.py"
-    )
-    stopped_trial = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(stopped_trial)
+    stopped_trial = bench_script("stopped_trial")
     config = ci_config(tmp_path, epochs=2)
     time_to_bleu.Benchmark(config, 0, 10, 0, "cpu").train()
     folder = tmp_path / "ck"
@@ -234,11 +234,7 @@ def test_stopped_trial_leaves_out_the_pause_before_a_resume(
 
 
 def test_recipe_sweep_refuses_trials_it_cannot_run(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location(
-        "recipe_sweep", ROOT / "bench" / "recipe_sweep.py"
-    )
-    recipe_sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recipe_sweep)
+    recipe_sweep = bench_script("recipe_sweep")
     out = ["--out-dir", str(tmp_path), "--table", str(tmp_path / "t.md")]
     for trial, words in (
         ("nope", "unknown setting"),
