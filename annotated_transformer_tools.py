@@ -1348,7 +1348,9 @@ class TrainingRun:
             device = process_device(rank, world_size if distributed else 1)
         self.device = torch.device(device)
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+            if self.device.index is None:  # plain "cuda": the current GPU
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)  # needs the GPU's number
         elif world_size > 1:  # processes share the CPU cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         if distributed:  # env:// under torchrun, else a port on this machine

@@ -833,16 +833,17 @@ def strip_specials(ids, end_symbol=EOS):
 
 
 # %%
-# The trained model, with the vocabularies saved alongside it
+# The trained model, with the vocabularies saved alongside it, on `device`
 trained, trained_src, trained_tgt, _ = tools.load_trained_model(
-    final_checkpoint
+    final_checkpoint, device
 )
 print("model:", tools.describe_checkpoint(final_checkpoint))
 batch = encode_pairs(splits["val"][:12], trained_src, trained_tgt, *tokenizers)
 src, _ = collate_batch(batch)
+src = src.to(device)  # inputs go where the model is: a GPU, if there is one
 batched = batch_greedy_decode(trained, src, (src != PAD).unsqueeze(-2), 20)
 for (ids, _), row in zip(batch, batched.tolist(), strict=True):
-    one = torch.tensor([ids])  # (1, S): no padding at all
+    one = torch.tensor([ids], device=device)  # (1, S): no padding at all
     alone = greedy_decode(trained, one, (one != PAD).unsqueeze(-2), 20, BOS)
     assert strip_specials(row) == strip_specials(alone[0].tolist())
 

@@ -123,7 +123,7 @@ def test_cached_greedy_matches_the_tutorial_one_sentence_at_a_time(
 
 
 def test_cached_greedy_on_a_trained_model(word_run, tokenizers):
-    model, vsrc, _, _ = tools.load_trained_model(word_run / "final.pt")
+    model, vsrc, _, _ = tools.load_trained_model(word_run / "final.pt", "cpu")
     sentences = [de for de, _ in tat.read_multi30k("val")[100:120]]
     src, mask = source_batch(sentences, tokenizers[0], vsrc)
     cached = tat.cached_greedy_decode(model, src, mask, src.size(1) + 10)
@@ -265,7 +265,9 @@ def test_beam_size_one_is_greedy(
     model, (src, mask) = random_model.eval(), val_batch
     greedy = tat.cached_greedy_decode(model, src, mask, 15)
     assert torch.equal(tat.beam_search(model, src, mask, 15, 1), greedy)
-    trained, vsrc, _, _ = tools.load_trained_model(word_run / "final.pt")
+    trained, vsrc, _, _ = tools.load_trained_model(
+        word_run / "final.pt", "cpu"
+    )
     sentences = [de for de, _ in tat.read_multi30k("val")[:16]]
     src, mask = source_batch(sentences, tokenizers[0], vsrc)
     greedy = tat.batch_greedy_decode(trained, src, mask, src.size(1) + 10)
@@ -357,7 +359,9 @@ def test_bpe_checkpoint_records_tokenization_and_ties(bpe_run):
     ckpt = tools.load_checkpoint(bpe_run / "final.pt")
     assert ckpt["config"]["tokenization"] == "bpe"
     assert ckpt["config"]["tie_embeddings"] is True
-    model, vsrc, vtgt, cfg = tools.load_trained_model(bpe_run / "final.pt")
+    model, vsrc, vtgt, cfg = tools.load_trained_model(
+        bpe_run / "final.pt", "cpu"
+    )
     assert isinstance(vsrc, tat.BpeVocab) and vsrc is vtgt
     assert len(tied_pointers(model)) == 1
     assert vsrc.to_str() == ckpt["bpe"]
@@ -366,7 +370,9 @@ def test_bpe_checkpoint_records_tokenization_and_ties(bpe_run):
 def test_bpe_model_translates_through_the_usual_api(
     bpe_run, tokenizers, capsys
 ):
-    model, vsrc, vtgt, _ = tools.load_trained_model(bpe_run / "final.pt")
+    model, vsrc, vtgt, _ = tools.load_trained_model(
+        bpe_run / "final.pt", "cpu"
+    )
     sentences = [de for de, _ in tat.read_multi30k("val")[:4]]
     for decode_fn in (None, functools.partial(tat.beam_search, beam_size=2)):
         out = tools.translate_batch(
@@ -497,7 +503,9 @@ def test_cli_evaluate_with_beam_and_average(
     # through the library call, scored by sacreBLEU directly.
     import sacrebleu
 
-    model, vsrc, vtgt, _ = tools.load_trained_model(word_run / "final.pt")
+    model, vsrc, vtgt, _ = tools.load_trained_model(
+        word_run / "final.pt", "cpu"
+    )
     states = [
         torch.load(path, weights_only=True)["model"]
         for path in tools.epoch_checkpoints(word_run)[-2:]
@@ -648,7 +656,7 @@ def assert_row_is_direct_beam(row, run, **beam_options):
     import sacrebleu
 
     pairs = tat.read_multi30k("val")[:6]
-    model, vsrc, vtgt, _ = tools.load_trained_model(run / "final.pt")
+    model, vsrc, vtgt, _ = tools.load_trained_model(run / "final.pt", "cpu")
     hyps = tools.translate_batch(
         model,
         [de for de, _ in pairs],

@@ -177,7 +177,7 @@ def test_cli_translate(tiny, tokenizers, capsys):
         capsys, "translate", "--checkpoint", ckpt, sentence
     )
     # The reference: the tutorial's one-sentence greedy_decode, by hand.
-    model, vocab_src, vocab_tgt, _ = tools.load_trained_model(ckpt)
+    model, vocab_src, vocab_tgt, _ = tools.load_trained_model(ckpt, "cpu")
     ids = [tat.BOS, *tat.encode_text(sentence, tokenizers[0], vocab_src)]
     src = torch.tensor([ids + [tat.EOS]])  # (1, S)
     src_mask = torch.ones(1, 1, src.size(1), dtype=torch.bool)

@@ -35,7 +35,8 @@ class Machine:
             cuda, "get_device_capability", lambda d=None: self.capability
         )
         monkeypatch.setattr(cuda, "get_device_name", lambda d=None: "GPU")
-        monkeypatch.setattr(cuda, "set_device", self.set_device.append)
+        monkeypatch.setattr(cuda, "set_device", self.choose_gpu)
+        monkeypatch.setattr(cuda, "current_device", lambda: 0)
         monkeypatch.setattr(
             torch.backends.mps, "is_available", lambda: self.mps
         )
@@ -50,6 +51,13 @@ class Machine:
             torch.nn.parallel, "DistributedDataParallel", self.ddp
         )
         return self
+
+    def choose_gpu(self, device):
+        """torch.cuda.set_device, which refuses a "cuda" with no number."""
+        if isinstance(device, (str, torch.device)):
+            if torch.device(device).index is None:
+                raise ValueError(f"Expected a specified index, got {device}")
+        self.set_device.append(device)
 
     def init_group(self, backend, init_method=None, **kwargs):
         self.groups.append({"backend": backend, "url": init_method, **kwargs})
@@ -234,6 +242,16 @@ def test_one_process_run(machine, cpu_model, device, backend, dtype, scaler):
     assert isinstance(run.scaler, torch.amp.GradScaler) == scaler
     if device == "cuda":
         assert machine.set_device == [run.device]
+
+
+@with_machine("one A100")
+def test_a_plain_cuda_device_becomes_the_current_gpu(machine, cpu_model):
+    """time_to_bleu --device cuda: set_device needs the GPU's number (an
+    H100 showed it: "Expected a torch.device with a specified index")."""
+    config = tools.get_config("ci", precision="bf16")
+    run = tools.TrainingRun(0, 1, SIZES, config, False, None, "cuda")
+    assert run.device == torch.device("cuda", 0) == machine.set_device[0]
+    assert cpu_model == [run.device]
 
 
 @with_machine("two A100s")
@@ -473,7 +491,9 @@ def test_ddp_validation_loss_covers_the_whole_set(
     config = tools.get_config(
         "ci", epochs=1, max_train_pairs=400, checkpoint_dir=str(tmp_path)
     )
-    tools.train_distributed_model(*vocabs, *tokenizers, config, world_size=2)
+    tools.train_distributed_model(
+        *vocabs, *tokenizers, config, world_size=2, cpu_fallback=True
+    )  # two CPU processes, also on a machine with one GPU
     ckpt = torch.load(tmp_path / "final.pt", weights_only=True)
     model = tat.model_from_config(config, *map(len, vocabs), dropout=0.0)
     model.load_state_dict(ckpt["model"])

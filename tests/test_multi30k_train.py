@@ -29,7 +29,7 @@ def train(cfg, vocabs, tokenizers, **kwargs):
 
 def final_weights(cfg):
     path = Path(cfg.checkpoint_dir) / "final.pt"
-    return torch.load(path, weights_only=True)["model"]
+    return torch.load(path, map_location="cpu", weights_only=True)["model"]
 
 
 def assert_same_weights(a, b, atol=0.0):
@@ -109,12 +109,14 @@ def test_only_last_pt_keeps_the_training_state(ci_run):
     folder = Path(cfg.checkpoint_dir)
     states = []
     for path in tools.epoch_checkpoints(folder):
-        ckpt = torch.load(path, weights_only=True)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
         assert not set(RESUME_KEYS) & ckpt.keys(), path.name
         assert ckpt["epoch"] == int(path.stem[-3:])
         states.append(ckpt["model"])
     # last.pt: the newest weights, with the state that resuming needs
-    last = torch.load(folder / "last.pt", weights_only=True)
+    last = torch.load(
+        folder / "last.pt", map_location="cpu", weights_only=True
+    )
     assert set(RESUME_KEYS) <= last.keys() and last["epoch"] == 2
     assert last["optimizer"]["state"], "Adam's moments are saved"
     assert_same_weights(last["model"], states[-1])
@@ -141,7 +143,9 @@ def test_resume_reads_an_older_full_epoch_file(ci_run, tmp_path, vocabs):
     assert_same_weights(run.module.state_dict(), fresh)
     # the old layout: the newest epoch file holds the whole state
     shutil.copy(folder / "last.pt", tmp_path / "epoch_002.pt")
-    saved = torch.load(tmp_path / "epoch_002.pt", weights_only=True)
+    saved = torch.load(
+        tmp_path / "epoch_002.pt", map_location="cpu", weights_only=True
+    )
     run = tools.TrainingRun(0, 1, sizes, old, False)
     assert tools.resume_run(run) == 3
     assert_same_weights(run.module.state_dict(), saved["model"])
@@ -161,7 +165,9 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path, vocabs, tokenizers):
     assert_same_weights(final_weights(whole), final_weights(split))
     # and it really trained on after resuming, rather than stopping
     first = torch.load(
-        Path(split.checkpoint_dir) / "epoch_000.pt", weights_only=True
+        Path(split.checkpoint_dir) / "epoch_000.pt",
+        map_location="cpu",
+        weights_only=True,
     )["model"]
     changed = final_weights(split)["generator.proj.weight"]
     assert not torch.equal(first["generator.proj.weight"], changed)
@@ -185,8 +191,14 @@ def test_two_processes_match_one_process_with_accumulation(
     assert len(loader) % 2 == 0, "choose max_train_pairs for an even count"
     train(replace(base, accum_iter=2), vocabs, tokenizers)
     two = replace(base, checkpoint_dir=str(tmp_path / "two"))
-    tools.train_distributed_model(*vocabs, *tokenizers, two, world_size=2)
-    ckpt = torch.load(Path(two.checkpoint_dir) / "final.pt", weights_only=True)
+    tools.train_distributed_model(
+        *vocabs, *tokenizers, two, world_size=2, cpu_fallback=True
+    )  # two CPU processes, also beside one GPU
+    ckpt = torch.load(
+        Path(two.checkpoint_dir) / "final.pt",
+        map_location="cpu",
+        weights_only=True,
+    )
     assert ckpt["ranks_in_sync"] is True
     # Summing gradients across processes reorders float additions; Adam
     # turns such rounding into weight gaps of about 1e-4 over this run,
@@ -198,7 +210,7 @@ def test_two_processes_match_one_process_with_accumulation(
 def test_batch_greedy_matches_one_sentence_at_a_time(ci_run, tokenizers):
     cfg, _ = ci_run
     model, vsrc, vtgt, _ = tools.load_trained_model(
-        Path(cfg.checkpoint_dir) / "final.pt"
+        Path(cfg.checkpoint_dir) / "final.pt", "cpu"
     )
     sentences = [de for de, _ in tat.read_multi30k("val")[:12]]
     encoded = [
@@ -305,11 +317,14 @@ def test_torchrun_trains_with_two_processes(tmp_path, local_multi30k):
         str(tmp_path),
     ]
     env = {**os.environ, "MULTI30K_DIR": local_multi30k}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # two CPU processes, even beside a GPU
     done = subprocess.run(
         command, env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    ckpt = torch.load(tmp_path / "final.pt", weights_only=True)
+    ckpt = torch.load(
+        tmp_path / "final.pt", map_location="cpu", weights_only=True
+    )
     assert ckpt["ranks_in_sync"] is True
 
 
