@@ -949,6 +949,8 @@ def train_model(
     resume=False,
 ):
     """Train in this process, or in several when `distributed`."""
+    if resume:  # the same run, or a one-line error (see check_resume)
+        check_resume(config, vocab_src, vocab_tgt)
     args = (vocab_src, vocab_tgt, spacy_de, spacy_en, config)
     if distributed:
         return train_distributed_model(*args, world_size, resume)
@@ -1193,6 +1195,20 @@ def resume_run(run):
     return ckpt["epoch"] + 1
 
 
+RESUMABLE_CHANGES = {"epochs", "checkpoint_dir", "keep_last", "num_workers"}
+
+
+def changed_settings(saved, config):
+    """What differs between a checkpoint's saved config and `config`."""
+    now = asdict(config)
+    same_either_way = RESUMABLE_CHANGES | {"preset"}  # a name, not a setting
+    return [
+        f"{key} {saved[key]!r} there, {value!r} here"
+        for key, value in now.items()
+        if key in saved and key not in same_either_way and saved[key] != value
+    ]
+
+
 def check_resume(config, vocab_src, vocab_tgt):
     """The checkpoint a run would resume from (None: none), checked."""
     folder = config.checkpoint_dir
@@ -1207,12 +1223,18 @@ def check_resume(config, vocab_src, vocab_tgt):
     if path is not None:
         with torch.device("meta"):  # shapes only, no memory
             model = model_from_config(config, len(vocab_src), len(vocab_tgt))
-        problem = size_mismatch(
-            model.state_dict(), load_checkpoint(path)["model"]
-        )
+        ckpt = load_checkpoint(path)
+        problem = size_mismatch(model.state_dict(), ckpt["model"])
         if problem:
             raise CheckpointError(
                 f"cannot resume from {path}, another model: {problem}"
+            )
+        changed = changed_settings(ckpt.get("config", {}), config)
+        if changed:
+            raise CheckpointError(
+                f"cannot resume from {path} with other training settings: "
+                + "; ".join(changed)
+                + "; train with the same ones, or in another folder"
             )
     return path
 
@@ -2427,6 +2449,8 @@ __all__ = [
     "save_epoch",
     "resume_point",
     "resume_run",
+    "RESUMABLE_CHANGES",
+    "changed_settings",
     "check_resume",
     "FolderInUseError",
     "folder_lock",

@@ -13,7 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -272,7 +272,7 @@ class RunsCode:
 
 
 @pytest.fixture(scope="module")
-def bad_files(tmp_path_factory, tiny):
+def bad_files(tmp_path_factory, tiny, vocabs):
     """A folder of files that the command line must refuse."""
     folder = tmp_path_factory.mktemp("bad")
     (folder / "latin1.de").write_bytes("Schöne Grüße.\n".encode("latin-1"))
@@ -297,6 +297,11 @@ def bad_files(tmp_path_factory, tiny):
     other = (model, config, vocab_src, vocab_tgt)
     save_tiny(folder / "resume_other/last.pt", *other, **resume)
     save_tiny(folder / "resume_lean/epoch_000.pt", *other)
+    # The ci model's training state, trained with another dropout.
+    ci = tools.get_config("ci")
+    same_shape = tat.model_from_config(ci, *map(len, vocabs))
+    settings = (same_shape, replace(ci, dropout=0.3), *vocabs)
+    save_tiny(folder / "resume_settings/last.pt", *settings, **resume)
     return folder
 
 
@@ -424,6 +429,13 @@ BAD_INPUTS = {  # name: (argv, a part of the message, extra environment)
         ["train", "--preset", "ci", "--checkpoint-dir", "resume_other"]
         + ["--resume"],
         "cannot resume from resume_other/last.pt, another model: ",
+        {"MULTI30K_DIR": "{multi30k}"},
+    ),
+    "resume with other settings": (
+        ["train", "--preset", "ci", "--checkpoint-dir", "resume_settings"]
+        + ["--resume"],
+        "cannot resume from resume_settings/last.pt with other training"
+        " settings: dropout 0.3 there, 0.0 here; train with the same ones",
         {"MULTI30K_DIR": "{multi30k}"},
     ),
     "resume with nothing resumable": (

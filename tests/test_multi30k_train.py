@@ -129,6 +129,25 @@ def test_only_last_pt_keeps_the_training_state(ci_run):
         tools.load_translator(folder / "final.pt", average_last=3)
 
 
+def test_resume_refuses_other_training_settings(
+    ci_run, tmp_path, vocabs, tokenizers
+):
+    """Resuming with another dropout or warm-up would be neither run."""
+    cfg, _ = ci_run
+    folder = tmp_path / "copy"
+    shutil.copytree(cfg.checkpoint_dir, folder)
+    other = replace(cfg, checkpoint_dir=str(folder), dropout=0.3, warmup=7)
+    expected = "dropout 0.0 there, 0.3 here; warmup 20 there, 7 here;"
+    with pytest.raises(tools.CheckpointError, match=expected):
+        tools.check_resume(other, *vocabs)
+    with pytest.raises(tools.CheckpointError, match=expected):
+        tools.train_model(*vocabs, *tokenizers, other, resume=True)
+    # more epochs, fewer epoch files kept, another folder and preset name
+    more = replace(other, dropout=0.0, warmup=20, epochs=4, keep_last=1)
+    more = replace(more, preset="renamed")
+    assert tools.check_resume(more, *vocabs) == folder / "last.pt"
+
+
 def test_resume_reads_an_older_full_epoch_file(ci_run, tmp_path, vocabs):
     """Runs from before last.pt kept the whole state in each epoch file."""
     cfg, _ = ci_run
