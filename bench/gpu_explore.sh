@@ -8,13 +8,14 @@
 # packed into $OUT/explore.tar.gz.
 #
 #   OUT=/tmp/out bash bench/gpu_explore.sh             # on the GPU machine
-#   OUT=/tmp/out DEVICE=cpu TRIALS=ci bash bench/gpu_explore.sh  # a dry run
+#   OUT=/tmp/out DEVICE=cpu TRIALS=ci VAL_N=20 bash bench/gpu_explore.sh  # dry run
 set -u
 OUT=${OUT:?set OUT to a folder}
 DEVICE=${DEVICE:-cuda}
 MINUTES=${MINUTES:-5}       # training minutes per trial, scoring excluded
 WALL=${WALL:-450}           # seconds before a trial is stopped regardless
 RUNS=${RUNS:-/tmp/explore}  # epoch files: too large to bring back
+VAL_N=${VAL_N:-0}           # validation sentences scored at the end (0: all)
 mkdir -p "$OUT/explore" "$RUNS"
 
 # name | preset | epochs | --set pairs
@@ -44,7 +45,7 @@ score() {  # one validation table in the background
   local name=$1 preset=$2 kind=--word
   [[ $preset == *-bpe ]] && kind=--bpe
   timeout 240 python bench/bleu_table.py "$kind" "$RUNS/$name" --split val \
-    --beam 4 --alpha 1.0 --average 5 --threads 2 \
+    --beam 4 --alpha 1.0 --average 5 --threads 2 --n "$VAL_N" \
     --out "$OUT/explore/${name}_val" >>"$OUT/explore/$name.log" 2>&1 &
 }
 
