@@ -833,7 +833,9 @@ def strip_specials(ids, end_symbol=EOS):
 
 
 # %%
-# The trained model, with the vocabularies saved alongside it, on `device`
+# Check: batched greedy decoding equals one sentence at a time. The model
+# (with the vocabularies saved alongside it) and its inputs go on `device`,
+# the one pick_device chose above: a GPU, if there is one.
 trained, trained_src, trained_tgt, _ = tools.load_trained_model(
     final_checkpoint, device
 )
