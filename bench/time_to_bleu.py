@@ -310,7 +310,12 @@ def build_parser():
         default=None,
         help="torch threads (default: torch's choice)",
     )
-    parser.add_argument("--device", default="cpu", help="default: cpu")
+    parser.add_argument(
+        "--device",
+        type=tools.existing_device,
+        default="cpu",
+        help="cpu (default), cuda, cuda:1, mps, or auto: the fastest here",
+    )
     parser.add_argument(
         "--out",
         default="results/time_to_bleu/run.json",

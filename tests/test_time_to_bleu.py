@@ -138,6 +138,8 @@ def test_command_line_writes_json_and_chart(local_multi30k, tmp_path):
         (["--set", "warmup=ten"], "expected an int"),
         (["--set", "warmup"], "KEY=VALUE"),
         (["--preset", "huge"], "unknown preset"),
+        (["--device", "cuda:7"], "no cuda:7 here"),  # also on one GPU
+        (["--device", "gpu"], "'gpu' is not a device"),
     ],
 )
 def test_errors_are_one_line(argv, words, tmp_path, capsys):
