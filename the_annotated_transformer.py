@@ -992,6 +992,11 @@ def train_one_process(
     vocab_src, vocab_tgt, spacy_de, spacy_en, config, device=None
 ):
     """Train on Multi30k in this process; returns (model, history)."""
+    if config.schedule != "noam":
+        raise ValueError(
+            f"schedule {config.schedule!r}: this loop runs Part 2's "
+            "schedule only; the appendix's train_worker runs the others"
+        )
     device = pick_device() if device is None else torch.device(device)
     torch.manual_seed(config.seed)
     model = model_from_config(config, len(vocab_src), len(vocab_tgt))

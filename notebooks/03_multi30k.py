@@ -18,8 +18,8 @@
 # train on real sentences: Multi30k (Elliott et al., 2016), about 31,000
 # image captions written in English and translated into German. It is tiny
 # next to the 4.5 million sentence pairs of WMT 2014 that the paper used,
-# but large enough to learn a usable translator in a quarter of an hour on
-# a laptop CPU.
+# but large enough to learn a usable translator in about a quarter of an
+# hour on two CPU cores, or in a few minutes on a GPU.
 #
 # From text to translator takes five steps, one section each: read the
 # sentence pairs, cut them into tokens, number the tokens, group sentences
@@ -28,6 +28,8 @@
 
 # %% [markdown]
 # [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/annotated-transformer/done-right/blob/main/notebooks/03_multi30k.ipynb)
+#
+# On Colab, choose a GPU first: Runtime → Change runtime type.
 
 # %%
 # Setup. On Colab: clone the repository, then install what the notebooks
@@ -610,7 +612,9 @@ def pick_device():
 # on the validation set, without gradients and with dropout off
 # (`model.eval()`). Batches come from the `DataLoader` on the CPU, and
 # `Batch(...).to(device)` moves each one where the model is. It returns
-# the model and one line of history per epoch.
+# the model and one line of history per epoch. It knows Part 2's schedule
+# only, and computes in float32; a config that asks for another schedule
+# is refused (the appendix's `train_worker` runs the others).
 
 
 # %%
@@ -619,6 +623,11 @@ def train_one_process(
     vocab_src, vocab_tgt, spacy_de, spacy_en, config, device=None
 ):
     """Train on Multi30k in this process; returns (model, history)."""
+    if config.schedule != "noam":
+        raise ValueError(
+            f"schedule {config.schedule!r}: this loop runs Part 2's "
+            "schedule only; the appendix's train_worker runs the others"
+        )
     device = pick_device() if device is None else torch.device(device)
     torch.manual_seed(config.seed)
     model = model_from_config(config, len(vocab_src), len(vocab_tgt))
@@ -688,31 +697,28 @@ assert history[-1]["val_loss"] < history[0]["val_loss"]
 #
 # The appendix's `train_worker` runs this same loop, and a test checks
 # that both end with the same weights (in float32, with Part 2's
-# schedule). It adds what a long
-# run needs: checkpoint files, written after every epoch, so that a run
-# can resume; lower precision where the hardware computes it natively;
-# and several processes or GPUs sharing the work.
+# schedule). It adds what a long run needs: checkpoint files, written
+# after every epoch, so that a run can resume; lower precision where the
+# hardware computes it natively; several processes or GPUs sharing the
+# work; and a second schedule. With `schedule="linear"`, the learning
+# rate warms up in a straight line to the peak that Part 2's `rate`
+# reaches at step `warmup`, then falls in a straight line to exactly zero
+# at the run's last step.
 #
-# `train_worker` also reads the config's `schedule`: `"linear"` replaces
-# Part 2's schedule with the appendix's `warmup_then_linear`, which warms
-# up linearly to the peak that Part 2's `rate` reaches at step `warmup`,
-# then falls in a straight line to exactly zero at the run's last step.
-# (Part 2's `warmup_linear_decay`, for the copy task, is the same idea
-# with a floor of 2% of the peak.)
+# Our reference run is the `quick` preset: the small model of preset
+# `cpu` for 5 epochs (765 steps of 3,000 tokens), warmed up for 300 steps
+# to a peak learning rate of 2.2e-3, then decayed linearly to zero,
+# without dropout. (`factor=0.61` gives that peak:
+# $0.61 \cdot 256^{-1/2} \cdot 300^{-1/2}$, the peak that the `cpu` preset
+# reaches at step 800.) It took 13.9 minutes on 2 threads of a 2-core
+# AMD EPYC CPU, from the start of the process to its last checkpoint, in
+# float32, and its greedy decoding scores 35.46 BLEU on the test set
+# (`results/recipe_quick.json`).
+
+# %% [markdown]
+# ### Why the quick recipe is fast
 #
-# Our reference run is the `quick` preset: the `cpu` model for 5 epochs
-# (765 steps of 3,000 tokens), warmed up for 300 steps to a peak learning
-# rate of 2.2e-3 (`factor=0.61`: $0.61 \cdot 256^{-1/2} \cdot 300^{-1/2}$,
-# the peak that the `cpu` preset reaches at step 800), then decayed
-# linearly to zero, without dropout. It took 13.9 minutes on 2 threads of
-# a 2-core AMD EPYC CPU, from the start of the process to its last
-# checkpoint, in float32 (its config says `precision="bf16"`, which means
-# bfloat16 only where the hardware has it, and that CPU has not). The
-# greedy decoding of this part scores 35.46 BLEU on the test set
-# (`results/recipe_quick.json`). Three choices made it fast, each made on
-# the validation split, never the test set, in trials of
-# `results/recipe_sweep.md` (their validation BLEU replaces `<unk>` with
-# the German word, as Part 4 teaches):
+# Three choices, each made on the validation split, never the test set:
 #
 # - **A schedule that ends.** After five epochs (765 steps), the `cpu`
 #   preset's schedule, with its 800-step warm-up, has not even reached
@@ -721,30 +727,41 @@ assert history[-1]["val_loss"] < history[0]["val_loss"]
 #   rates, where the loss settles.
 # - **No dropout.** Dropout fights overfitting, and five epochs are too
 #   few for this model to overfit 29,000 sentence pairs. Without it the
-#   model learned faster per step (trials q3000-d00 and q3000-d01:
-#   validation loss 1.53 against 1.65 after 612 steps), and each step
-#   took less time, with no random masks to draw (13% less in those two
-#   trials, which ran side by side).
+#   model learned faster per step (validation loss 1.53 against 1.65
+#   after 612 steps), and each step took 13% less time, with no random
+#   masks to draw.
 # - **Batches of 3,000 tokens, not fewer.** Halving the batch doubles the
 #   steps for the same tokens. That won for budgets under two epochs and
 #   lost at about five: 27.2 validation BLEU after 1,600 steps of 1,500
-#   tokens against 32.5 after 660 steps of 3,000, both with dropout, the
-#   larger batches in less time (trials q1600-d01 and q3000-d01, whose
-#   warm-up and peak differ slightly too).
+#   tokens, against 32.5 after 660 steps of 3,000.
 #
-# The `cpu` preset trains the same model for 18 epochs with dropout and
-# Part 2's schedule (over an hour; `make train`); Parts 4 and 5 read it
-# when it exists.
+# Every trial behind these numbers, with its command and time, is a row
+# of `results/recipe_sweep.md` (q3000-d00 and q3000-d01 for dropout;
+# q1600-d01 and q3000-d01 for the batch, which also differ slightly in
+# warm-up and peak).
+# Their validation BLEU replaces `<unk>` with the German word, as Part 4
+# teaches. The `cpu` preset trains the same model for 18 epochs with
+# dropout and Part 2's schedule (over an hour; `make train`); Parts 4 and
+# 5 read it when it exists.
+
+# %% [markdown]
+# ### Training it
 #
-# `train_worker` writes `final.pt` into the run's `checkpoint_dir` when
-# training ends: the weights, the vocabularies and the config. The next
-# cell trains when `checkpoints/quick/final.pt` does not exist yet, on
-# whatever device `pick_device` found: the `quick` recipe is the one
-# measured, so a GPU trains it too, only faster. In a CI-sized run
+# The next cell trains when `checkpoints/quick/final.pt` does not exist
+# yet, on whatever device `pick_device` found. `train_worker` writes
+# `final.pt` into the run's `checkpoint_dir` when training ends: the
+# weights, the vocabularies and the config. In a CI-sized run
 # (`AT_SIZE=ci`) the cell trains the tiny `ci` preset instead.
 # `lesson_training_plan` (appendix) makes these choices: `plan.config` is
 # the preset, `plan.device` the device, `plan.train` whether to train,
 # and `plan.line` says all that in one line.
+#
+# On a GPU the same recipe computes in lower precision: bfloat16 on an
+# A100, L4 or H100, float16 with loss scaling on a T4. On a Mac it stays
+# in float32. So your loss and BLEU will differ a little from the
+# float32 run above. On an H100 the recipe trained in 2.2 minutes and
+# reached 36.33 greedy BLEU on the validation split
+# (`results/gpu_explore.md`); a T4 and Apple's GPUs were not measured.
 
 # %%
 import annotated_transformer_tools as tools  # Appendix, 06
@@ -834,8 +851,9 @@ def strip_specials(ids, end_symbol=EOS):
 
 # %%
 # Check: batched greedy decoding equals one sentence at a time. The model
-# (with the vocabularies saved alongside it) and its inputs go on `device`,
-# the one pick_device chose above: a GPU, if there is one.
+# comes with the vocabularies saved alongside it: a model must be read with
+# the ids it was trained on. It and its inputs go on `device`, the one
+# pick_device chose above: a GPU, if there is one.
 trained, trained_src, trained_tgt, _ = tools.load_trained_model(
     final_checkpoint, device
 )
@@ -844,10 +862,13 @@ batch = encode_pairs(splits["val"][:12], trained_src, trained_tgt, *tokenizers)
 src, _ = collate_batch(batch)
 src = src.to(device)  # inputs go where the model is: a GPU, if there is one
 batched = batch_greedy_decode(trained, src, (src != PAD).unsqueeze(-2), 20)
-for (ids, _), row in zip(batch, batched.tolist(), strict=True):
-    one = torch.tensor([ids], device=device)  # (1, S): no padding at all
-    alone = greedy_decode(trained, one, (one != PAD).unsqueeze(-2), 20, BOS)
-    assert strip_specials(row) == strip_specials(alone[0].tolist())
+with torch.no_grad():  # Part 2's greedy_decode leaves autograd on
+    for (ids, _), row in zip(batch, batched.tolist(), strict=True):
+        one = torch.tensor([ids], device=device)  # (1, S): no padding
+        alone = greedy_decode(
+            trained, one, (one != PAD).unsqueeze(-2), 20, BOS
+        )
+        assert strip_specials(row) == strip_specials(alone[0].tolist())
 
 # %% [markdown]
 # ## BLEU

@@ -244,6 +244,14 @@ def test_one_process_run(machine, cpu_model, device, backend, dtype, scaler):
         assert machine.set_device == [run.device]
 
 
+def test_the_lessons_loop_refuses_a_schedule_it_does_not_run(vocabs):
+    """train_one_process knows Part 2's schedule only: quick's "linear"
+    would otherwise train silently on another schedule."""
+    config = tools.get_config("quick")
+    with pytest.raises(ValueError, match="schedule 'linear'"):
+        tat.train_one_process(*vocabs, None, None, config, "cpu")
+
+
 @with_machine("one A100")
 def test_a_plain_cuda_device_becomes_the_current_gpu(machine, cpu_model):
     """time_to_bleu --device cuda: set_device needs the GPU's number (an
