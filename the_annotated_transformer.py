@@ -703,7 +703,10 @@ def read_multi30k(split, root=None):
     for lang in ("de", "en"):
         path = Path(folder, f"{MULTI30K_SPLITS[split]}.{lang}.gz")
         if not path.is_file():
-            hint = "run `python annotated_transformer_tools.py download`"
+            hint = (
+                "run `python annotated_transformer_tools.py download` in the"
+                " repository (`annotated-transformer download` if installed)"
+            )
             raise DatasetError(f"no {path}: {hint} or set {MULTI30K_ENV}")
         with gzip.open(path, "rt", encoding="utf-8") as f:
             sides.append([line.strip() for line in f])  # some end in " "
@@ -792,7 +795,7 @@ def build_vocabulary(spacy_de, spacy_en, min_freq=2):
 # -----------------------------------------------------------------------------
 def encode_text(text, tokenizer, vocab):
     """Ids of one sentence, without `<s>` and `</s>`."""
-    if hasattr(vocab, "encode"):  # reads raw text itself
+    if hasattr(vocab, "encode"):  # Part 5's subwords read raw text
         return vocab.encode(text)
     return vocab(tokenize(text, tokenizer))
 

@@ -81,9 +81,11 @@ from the_annotated_transformer import subsequent_mask
 # on which results for Multi30k are usually reported.
 #
 # The files live in the folder that `MULTI30K_DIR` names, else in
-# `data/multi30k/` of the repository (`data_dir` finds it by itself, since
-# the exported module cannot see this notebook's `ROOT`). Fetching them is
-# plumbing in the appendix (notebook 06); here we only call it.
+# `data/multi30k/` of the repository this runs in (`data_dir` finds it by
+# itself, since the exported module cannot see this notebook's `ROOT`),
+# else of the working directory: on Colab, `/content/data/multi30k`.
+# Fetching them is plumbing in the appendix (notebook 06); here we only
+# call it.
 
 
 # %%
@@ -111,7 +113,10 @@ def read_multi30k(split, root=None):
     for lang in ("de", "en"):
         path = Path(folder, f"{MULTI30K_SPLITS[split]}.{lang}.gz")
         if not path.is_file():
-            hint = "run `python annotated_transformer_tools.py download`"
+            hint = (
+                "run `python annotated_transformer_tools.py download` in the"
+                " repository (`annotated-transformer download` if installed)"
+            )
             raise DatasetError(f"no {path}: {hint} or set {MULTI30K_ENV}")
         with gzip.open(path, "rt", encoding="utf-8") as f:
             sides.append([line.strip() for line in f])  # some end in " "
@@ -262,8 +267,7 @@ assert unk["train"] < unk["test"] < 0.05
 # ## From text to batches
 #
 # Each sentence becomes `<s>`, its token ids, then `</s>`. A `Vocab` reads
-# the tokens that its language's tokenizer cuts (a vocabulary with its own
-# `encode` method reads the raw text instead).
+# the tokens that its language's tokenizer cuts.
 #
 # A batch stacks several sentences into one `(B, S)` tensor, padded with
 # `<blank>` to its own longest sentence; the masks hide the padding from
@@ -275,7 +279,7 @@ assert unk["train"] < unk["test"] < 0.05
 #| export
 def encode_text(text, tokenizer, vocab):
     """Ids of one sentence, without `<s>` and `</s>`."""
-    if hasattr(vocab, "encode"):  # reads raw text itself
+    if hasattr(vocab, "encode"):  # Part 5's subwords read raw text
         return vocab.encode(text)
     return vocab(tokenize(text, tokenizer))
 
@@ -520,12 +524,12 @@ def create_dataloaders(
 #
 # `precision` is for the appendix's longer runs: `"bf16"` computes in
 # lower precision where the hardware does so natively, `"fp32"` never.
-# The loop of this lesson ignores it and always computes in float32; it
-# also ignores `schedule` and always uses Part 2's. Of the last fields,
-# it reads only `num_workers` and `tie_embeddings`; the others serve the
-# appendix and Part 5 (for instance,
-# `tie_embeddings` shares one weight matrix between the two embeddings
-# and the output layer, which Part 5 tries).
+# The loop of this lesson ignores it and always computes in float32, and
+# it runs Part 2's schedule only. Of the fields below the comment "Mostly
+# for the appendix and Part 5", it reads only `num_workers` and
+# `tie_embeddings`; the others are used later (`tie_embeddings` shares
+# one weight matrix between the two embeddings and the output layer,
+# which Part 5 tries).
 
 
 # %%
@@ -578,13 +582,6 @@ def model_from_config(c, n_src, n_tgt, dropout=None):
         model.generator.proj.weight = shared
     return model
 
-
-# %% [markdown]
-# ### Checkpoints
-#
-# Training writes its weights, vocabularies and state to checkpoint files
-# with the appendix's `save_run` and reads them back with
-# `load_checkpoint` (see "Checkpoint files" there).
 
 # %% [markdown]
 # ### The training loop
