@@ -1,0 +1,78 @@
+"""bench/ensemble.py: several models decoding together."""
+
+import pytest
+import torch
+from test_time_to_bleu import bench_script
+
+import the_annotated_transformer as tat
+
+ensemble = bench_script("ensemble")
+
+
+def random_model(seed, V=12):
+    """An untrained model whose sentences end at different steps."""
+    torch.manual_seed(seed)
+    model = tat.make_model(V, V, N=1, d_model=32, d_ff=64, h=4).eval()
+    with torch.no_grad():
+        model.generator.proj.bias[tat.EOS] += 2.0
+    return model
+
+
+@pytest.fixture
+def batch():
+    torch.manual_seed(0)
+    src = torch.randint(4, 12, (6, 7))
+    src[:, 0], src[3:, 5:] = tat.BOS, tat.PAD  # three padded rows
+    return src, (src != tat.PAD).unsqueeze(-2)
+
+
+def test_one_model_is_beam_search(batch):
+    model = random_model(1)
+    alone = tat.beam_search(model, *batch, 12, beam_size=3, alpha=0.6)
+    together = ensemble.ensemble_beam_search([model], *batch, 12, 3, 0.6)
+    assert torch.equal(alone, together)
+
+
+def test_a_model_twice_decodes_as_the_model(batch):
+    model = random_model(2)
+    alone = tat.beam_search(model, *batch, 12, beam_size=4, alpha=1.0)
+    twice = ensemble.ensemble_beam_search([model, model], *batch, 12, 4, 1.0)
+    assert torch.equal(alone, twice)
+
+
+def test_two_models_pick_the_most_probable_token_on_average(batch):
+    """Beam 1, first token: the argmax of the two models' mean
+    probability, computed here from each model's own full decoder."""
+    a, b = random_model(3), random_model(4)
+    with torch.no_grad():  # a prefers 5, b prefers 6; both like 7 next
+        for model, first in ((a, 5), (b, 6)):
+            model.generator.proj.weight.zero_()  # the bias alone decides
+            model.generator.proj.bias.zero_()
+            model.generator.proj.bias[[first, 7]] = torch.tensor([6.0, 5.8])
+    src, mask = batch
+    start = torch.full((src.size(0), 1), tat.BOS)
+    probs = []
+    for model in (a, b):
+        out = model.decode(model.encode(src, mask), mask, start, None)
+        probs.append(model.generator(out[:, -1]).exp())
+    expected = ((probs[0] + probs[1]) / 2).argmax(-1)
+    together = ensemble.ensemble_beam_search([a, b], src, mask, 2, 1, 0.6)
+    assert torch.equal(together[:, 1], expected)
+    for alone in probs:  # on average 7 wins, which neither picks alone
+        assert not torch.equal(alone.argmax(-1), expected)
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--run", "nowhere"], "expected FOLDER:K"),
+        (["--run", "nowhere:3"], "no nowhere/final.pt"),
+        ([], "--run"),
+    ],
+)
+def test_bad_runs_are_one_line(argv, words, capsys):
+    with pytest.raises(SystemExit) as stop:
+        ensemble.parse_args(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err
