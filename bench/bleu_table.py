@@ -72,6 +72,11 @@ def parse_args(argv=None):
         f" (default {ALPHA})",
     )
     parser.add_argument(
+        "--greedy-average",
+        action="store_true",
+        help="also decode each averaged model greedily (one row per K)",
+    )
+    parser.add_argument(
         "--split",
         choices=["test", "val"],
         default="test",
@@ -115,6 +120,9 @@ def setups(args):
             continue
         rows.append((f"{kind}, greedy", folder, 1, 0, ALPHA))
         for k in [0, *averages(args, folder)]:
+            if k and args.greedy_average:
+                what = f"{kind}, greedy + average of last {k}"
+                rows.append((what, folder, 1, k, ALPHA))
             for beam in args.beam:
                 for alpha in args.alpha:
                     what = beam_label(beam, alpha)

@@ -57,12 +57,17 @@ def choose(val_rows):
     return max(val_rows.values(), key=lambda row: row["bleu"])["setup"]
 
 
-def greedy_setup(rows):
-    """The setup of the greedy row among one folder's rows."""
-    for setup in rows:
-        if setup.endswith(", greedy"):
-            return setup
-    raise ValueError("no greedy row")
+def choose_greedy(val_rows):
+    """The greedy setup with the highest validation BLEU: on final.pt,
+    or on an average of the last epoch files (bleu_table --greedy-average)."""
+    greedy = [
+        setup
+        for setup in val_rows
+        if setup.endswith(", greedy") or ", greedy + average of" in setup
+    ]
+    if not greedy:
+        raise ValueError("no greedy row")
+    return max(greedy, key=lambda setup: val_rows[setup]["bleu"])
 
 
 def record(trial, val_path, test_path):
@@ -72,7 +77,7 @@ def record(trial, val_path, test_path):
     test, test_rows = table(test_path, "test2016", folder)
     same_setups(val, val_rows, test, test_rows)
     chosen = choose(val_rows)
-    greedy = greedy_setup(test_rows)
+    greedy = choose_greedy(val_rows)
     best = test_rows[chosen]["bleu"]
     greedy_bleu = test_rows[greedy]["bleu"]
     result = {
@@ -94,6 +99,7 @@ def record(trial, val_path, test_path):
         " validation BLEU scoring",
         "load_average_end": trial["load_average_end"],
         "test2016_bleu_greedy": greedy_bleu,
+        "greedy_decoding": f"{greedy}; chosen on the validation split",
         "test2016_bleu_best": best,
         "best_decoding": f"{chosen}; chosen on the validation split",
         "validation_all_decodings": {

@@ -539,6 +539,17 @@ def load_script(name):
     return module
 
 
+def test_bleu_table_can_decode_averaged_models_greedily(word_run):
+    bleu_table = load_script("bleu_table")
+    argv = ["--word", str(word_run), "--bpe", "/nonexistent", "--beam", "4"]
+    plain = bleu_table.setups(bleu_table.parse_args([*argv, "--average", "2"]))
+    args = bleu_table.parse_args([*argv, "--average", "2", "--greedy-average"])
+    rows = bleu_table.setups(args)
+    extra = [row for row in rows if row not in plain]
+    assert [r[0] for r in extra] == ["word, greedy + average of last 2"]
+    assert extra[0][2:4] == (1, 2)  # beam 1 on the average of 2
+
+
 def test_bleu_table_on_ci_checkpoints(word_run, bpe_run, tmp_path):
     import json
 

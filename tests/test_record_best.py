@@ -18,13 +18,13 @@ SETUPS = ["word, greedy", "word, beam 4", "word, beam 4 + average of last 5"]
 FOLDER = "runs/recipe_sweep/best-x"
 
 
-def bleu_table(path, split, scores, folder=FOLDER, other=()):
+def bleu_table(path, split, scores, folder=FOLDER, other=(), setups=SETUPS):
     """A bleu_table.py JSON with one row per setup for `folder`, then
     rows of another folder with the scores in `other`."""
     rows = [
         {"setup": s, "bleu": b, "folder": f, "beam": 4, "average": 0}
         for f, bleus in ((folder, scores), ("checkpoints/cpu-bpe", other))
-        for s, b in zip(SETUPS, bleus)
+        for s, b in zip(setups, bleus)
     ]
     summary = {"command": f"python bench/bleu_table.py --split {split}"}
     summary |= {"split": split, "rows": rows}
@@ -74,6 +74,24 @@ def test_choice_is_made_on_validation_not_test(tmp_path):
     assert result["goal_met"] is False
     assert result["recipe"] == "best-x" and result["steps"] == 459
     assert result["epochs"] == 3 and result["train_seconds"] == 600.0
+
+
+def test_greedy_on_an_averaged_model_is_chosen_on_validation(tmp_path):
+    """bleu_table --greedy-average adds greedy rows on averaged models;
+    the record's greedy score is the one validation prefers."""
+    setups = [*SETUPS, "word, greedy + average of last 5"]
+    val = tmp_path / "val.json"
+    bleu_table(val, "validation", [38, 40, 41, 39], setups=setups)
+    test = tmp_path / "test.json"
+    bleu_table(test, "test2016", [39.5, 40, 41, 39], setups=setups)
+    result = record_best.record(a_trial(), val, test)
+    assert result["greedy_decoding"].startswith(
+        "word, greedy + average of last 5;"
+    )
+    assert result["test2016_bleu_greedy"] == 39  # not test's better 39.5
+    assert result["best_decoding"].startswith(
+        "word, beam 4 + average of last 5;"
+    )
 
 
 @pytest.mark.parametrize(
