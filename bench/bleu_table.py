@@ -186,17 +186,18 @@ def markdown(summary):
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None):
-    """Compute every row and write the JSON and Markdown files."""
-    args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def sentence_pairs(args):
+    """The --split pairs, the first --n of them (0: all)."""
     pairs = tat.read_multi30k(args.split)
-    pairs = pairs[: args.n] if args.n else pairs
-    split = "test2016" if args.split == "test" else "validation"
+    return pairs[: args.n] if args.n else pairs
+
+
+def summary_head(script, split, pairs):
+    """A results summary's provenance: command, hardware, date, data."""
+    split = "test2016" if split == "test" else "validation"
     hardware = tools.hardware_summary()
-    summary = {
-        "command": "python bench/bleu_table.py " + " ".join(sys.argv[1:]),
+    return {
+        "command": f"python bench/{script} " + " ".join(sys.argv[1:]),
         "hardware": hardware,
         "hardware_line": f"{hardware['cpu']}, {hardware['cpu_threads']} "
         f"torch thread(s), torch {hardware['torch']}"
@@ -206,6 +207,24 @@ def main(argv=None):
         "data": f"Multi30k {split}, {len(pairs)} sentences",
         "rows": [],
     }
+
+
+def write_summary(summary, out, markdown):
+    """OUT.json (every number) and OUT.md (the table)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(summary), encoding="utf-8")
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+
+
+def main(argv=None):
+    """Compute every row and write the JSON and Markdown files."""
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    pairs = sentence_pairs(args)
+    summary = summary_head("bleu_table.py", args.split, pairs)
     spacy_de, _ = tat.load_tokenizers()
     for label, folder, beam, average, alpha in setups(args):
         config = tools.load_checkpoint(folder / "final.pt")["config"]
@@ -220,11 +239,7 @@ def main(argv=None):
             f"{label:36s} BLEU {row['bleu']:6.2f}  "
             f"({row['decode_seconds']:.1f} s)"
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(summary), encoding="utf-8")
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+    write_summary(summary, args.out, markdown)
     return 0
 
 

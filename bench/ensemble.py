@@ -15,7 +15,6 @@ Writes OUT.json (every number, the command and the hardware) and OUT.md.
 
 import argparse
 import functools
-import json
 import math
 import sys
 import time
@@ -24,6 +23,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bleu_table import (  # noqa: E402
+    sentence_pairs,
+    summary_head,
+    write_summary,  # noqa: E402
+)
 
 import annotated_transformer_tools as tools  # noqa: E402
 import the_annotated_transformer as tat  # noqa: E402
@@ -142,9 +148,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    pairs = tat.read_multi30k(args.split)
-    pairs = pairs[: args.n] if args.n else pairs
-    split = "test2016" if args.split == "test" else "validation"
+    pairs = sentence_pairs(args)
     loaded = [load(folder, k) for folder, k in args.run]
     vocabs = loaded[0][1:]
     for _, vocab_src, vocab_tgt in loaded[1:]:
@@ -156,17 +160,7 @@ def main(argv=None):
             )
     names = [f"{folder.name} (last {k})" for folder, k in args.run]
     models = [model for model, _, _ in loaded]
-    hardware = tools.hardware_summary()
-    summary = {
-        "command": "python bench/ensemble.py " + " ".join(sys.argv[1:]),
-        "hardware": hardware,
-        "hardware_line": f"{hardware['cpu']}, {hardware['cpu_threads']}"
-        f" torch thread(s), torch {hardware['torch']}",
-        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-        "split": split,
-        "data": f"Multi30k {split}, {len(pairs)} sentences",
-        "rows": [],
-    }
+    summary = summary_head("ensemble.py", args.split, pairs)
     spacy_de, _ = tat.load_tokenizers()
     groups = [[i] for i in range(len(models))]
     groups += [list(range(len(models)))] if len(models) > 1 else []
@@ -180,11 +174,7 @@ def main(argv=None):
             row |= {"alpha": args.alpha, "bleu": bleu, "seconds": seconds}
             summary["rows"].append(row)
             print(f"{' + '.join(row['models'])}, beam {beam}: BLEU {bleu}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(summary), encoding="utf-8")
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+    write_summary(summary, args.out, markdown)
     return 0
 
 

@@ -2,7 +2,6 @@
 embeddings, checkpoint averaging, and their scripts."""
 
 import functools
-import importlib.util
 import itertools
 import math
 import os
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_time_to_bleu import bench_script
 
 import annotated_transformer_tools as tools
 import the_annotated_transformer as tat
@@ -530,13 +530,7 @@ def test_cli_evaluate_with_beam_and_average(
 # --- the scripts -----------------------------------------------------------
 
 
-def load_script(name):
-    spec = importlib.util.spec_from_file_location(
-        name, ROOT / "bench" / f"{name}.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+load_script = bench_script  # bench/NAME.py as a module
 
 
 def test_bleu_table_can_decode_averaged_models_greedily(word_run):
