@@ -1334,6 +1334,58 @@ def load_translator(checkpoint, device="cpu", beam=1, average_last=0):
 # Training runs: devices and processes
 # Explained in notebooks/06_tools.py, same heading.
 # -----------------------------------------------------------------------------
+def split_evenly(batches, n):
+    """Halve the largest batches until their number divides by n."""
+    while len(batches) % n:
+        k = max(range(len(batches)), key=lambda b: len(batches[b]))
+        if len(batches[k]) < 2:
+            raise ValueError("too few examples to give every rank a batch")
+        half = len(batches[k]) // 2
+        batches[k : k + 1] = [batches[k][:half], batches[k][half:]]
+    return batches
+
+
+class ShardedBatchSampler(torch.utils.data.Sampler):
+    """One process's share of a TokenBatchSampler: every n-th batch."""
+
+    def __init__(self, sampler, num_replicas, rank):
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} outside 0..{num_replicas - 1}")
+        self.sampler, self.num_replicas, self.rank = (
+            sampler,
+            num_replicas,
+            rank,
+        )
+
+    def set_epoch(self, epoch):
+        """Reshuffle for `epoch` (the same on every rank)."""
+        self.sampler.set_epoch(epoch)
+
+    def epoch_batches(self):
+        """The batches of every rank for the current epoch."""
+        batches = self.sampler.epoch_batches()
+        return split_evenly(batches, self.num_replicas)
+
+    def __iter__(self):
+        yield from self.epoch_batches()[self.rank :: self.num_replicas]
+
+    def __len__(self):
+        return len(self.epoch_batches()) // self.num_replicas
+
+
+def shard_loader(loader, num_replicas, rank, pin_memory=False):
+    """A DataLoader of Part 3 that hands this rank its share of batches."""
+    return torch.utils.data.DataLoader(
+        loader.dataset,
+        batch_sampler=ShardedBatchSampler(
+            loader.batch_sampler, num_replicas, rank
+        ),
+        collate_fn=loader.collate_fn,
+        num_workers=loader.num_workers,
+        pin_memory=pin_memory,
+    )
+
+
 def cuda_count():
     """How many CUDA GPUs this process can use (0 without CUDA)."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -1541,13 +1593,12 @@ def train_worker(
             spacy_en,
             max_tokens=config.max_tokens,
             max_len=config.max_len,
-            rank=rank,
-            world_size=world_size,
             seed=config.seed,
             num_workers=config.num_workers,
             max_train_pairs=config.max_train_pairs,
-            pin_memory=run.device.type == "cuda",
         )
+        pinned = run.device.type == "cuda"  # copies overlap the GPU's work
+        loaders = [shard_loader(x, world_size, rank, pinned) for x in loaders]
         set_schedule(run, len(loaders[0]))
         for epoch in range(resume_run(run) if resume else 0, config.epochs):
             train_epoch(run, epoch, *loaders, show=show_progress)
@@ -2457,6 +2508,9 @@ __all__ = [
     "load_trained_model",
     "average_checkpoints",
     "load_translator",
+    "split_evenly",
+    "ShardedBatchSampler",
+    "shard_loader",
     "cuda_count",
     "process_device",
     "backend_for",

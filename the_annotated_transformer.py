@@ -826,59 +826,38 @@ def bucket(order, sizes, max_tokens):
     return batches + [batch] if batch else batches
 
 
-def split_evenly(batches, n):
-    """Halve the largest batches until their number divides by n."""
-    while len(batches) % n:
-        k = max(range(len(batches)), key=lambda b: len(batches[b]))
-        if len(batches[k]) < 2:
-            raise ValueError("too few examples to give every rank a batch")
-        half = len(batches[k]) // 2
-        batches[k : k + 1] = [batches[k][:half], batches[k][half:]]
-    return batches
-
-
 class TokenBatchSampler(torch.utils.data.Sampler):
-    """Length-bucketed batches within a token budget, split across ranks."""
+    """Length-bucketed batches within a token budget, new each epoch."""
 
     def __init__(
-        self,
-        lengths,
-        max_tokens,
-        max_len=None,
-        num_replicas=1,
-        rank=0,
-        shuffle=True,
-        seed=0,
+        self, lengths, max_tokens, max_len=None, shuffle=True, seed=0
     ):
         self.max_len = max_len = max_len or max_tokens
         if max_len > max_tokens:
             raise ValueError("max_len must not exceed max_tokens")
-        if not 0 <= rank < num_replicas:
-            raise ValueError(f"rank {rank} outside 0..{num_replicas - 1}")
         self.sizes = [max(s, t) for s, t in lengths]  # padded width per pair
         self.kept = [i for i, n in enumerate(self.sizes) if n <= max_len]
         self.dropped = [i for i, n in enumerate(self.sizes) if n > max_len]
         self.max_tokens, self.shuffle, self.seed = max_tokens, shuffle, seed
-        self.num_replicas, self.rank, self.epoch = num_replicas, rank, 0
+        self.epoch = 0
 
     def set_epoch(self, epoch):
-        """Reshuffle for `epoch` (the same on every rank)."""
+        """Reshuffle for `epoch`."""
         self.epoch = epoch
 
-    def all_batches(self):
-        """The batches of every rank for the current epoch."""
+    def epoch_batches(self):
+        """This epoch's batches, each a list of example indices."""
         rng, kept = random.Random(f"{self.seed}/{self.epoch}"), self.kept
         order = rng.sample(kept, len(kept)) if self.shuffle else kept
         order = sorted(order, key=self.sizes.__getitem__)  # stable sort
         batches = bucket(order, self.sizes, self.max_tokens)
-        batches = split_evenly(batches, self.num_replicas)
         return rng.sample(batches, len(batches)) if self.shuffle else batches
 
     def __iter__(self):
-        yield from self.all_batches()[self.rank :: self.num_replicas]
+        yield from self.epoch_batches()
 
     def __len__(self):
-        return len(self.all_batches()) // self.num_replicas
+        return len(self.epoch_batches())
 
 
 def create_dataloaders(
@@ -888,12 +867,9 @@ def create_dataloaders(
     spacy_en,
     max_tokens=3000,
     max_len=128,
-    rank=0,
-    world_size=1,
     seed=0,
     num_workers=0,
     max_train_pairs=0,
-    pin_memory=False,
 ):
     """Train and validation DataLoaders of padded (src, tgt) CPU tensors."""
     loaders = []
@@ -907,8 +883,6 @@ def create_dataloaders(
             lengths,
             max_tokens,
             max_len=max_len if train else None,
-            num_replicas=world_size,
-            rank=rank,
             shuffle=train,
             seed=seed,
         )
@@ -923,7 +897,6 @@ def create_dataloaders(
             batch_sampler=sampler,
             collate_fn=collate_batch,
             num_workers=num_workers,
-            pin_memory=pin_memory,
         )
         loaders.append(loader)
     return tuple(loaders)
@@ -1731,7 +1704,6 @@ __all__ = [
     "encode_pairs",
     "collate_batch",
     "bucket",
-    "split_evenly",
     "TokenBatchSampler",
     "create_dataloaders",
     "TrainConfig",

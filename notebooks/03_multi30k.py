@@ -340,68 +340,42 @@ def bucket(order, sizes, max_tokens):
 # the batches. A pair longer than `max_len` tokens is left out and counted
 # in `dropped`, never cut: cutting would remove its `</s>` and teach the
 # model to stop in mid-sentence.
-#
-# This lesson trains in one process. The arguments `num_replicas` and
-# `rank`, and `split_evenly`, share the batches among several processes;
-# with their defaults (one process) they change nothing. The appendix
-# explains them ("Batches for several processes").
 
 
 # %%
 #| export
-def split_evenly(batches, n):
-    """Halve the largest batches until their number divides by n."""
-    while len(batches) % n:
-        k = max(range(len(batches)), key=lambda b: len(batches[b]))
-        if len(batches[k]) < 2:
-            raise ValueError("too few examples to give every rank a batch")
-        half = len(batches[k]) // 2
-        batches[k : k + 1] = [batches[k][:half], batches[k][half:]]
-    return batches
-
-
 class TokenBatchSampler(torch.utils.data.Sampler):
-    """Length-bucketed batches within a token budget, split across ranks."""
+    """Length-bucketed batches within a token budget, new each epoch."""
 
     def __init__(
-        self,
-        lengths,
-        max_tokens,
-        max_len=None,
-        num_replicas=1,
-        rank=0,
-        shuffle=True,
-        seed=0,
+        self, lengths, max_tokens, max_len=None, shuffle=True, seed=0
     ):
         self.max_len = max_len = max_len or max_tokens
         if max_len > max_tokens:
             raise ValueError("max_len must not exceed max_tokens")
-        if not 0 <= rank < num_replicas:
-            raise ValueError(f"rank {rank} outside 0..{num_replicas - 1}")
         self.sizes = [max(s, t) for s, t in lengths]  # padded width per pair
         self.kept = [i for i, n in enumerate(self.sizes) if n <= max_len]
         self.dropped = [i for i, n in enumerate(self.sizes) if n > max_len]
         self.max_tokens, self.shuffle, self.seed = max_tokens, shuffle, seed
-        self.num_replicas, self.rank, self.epoch = num_replicas, rank, 0
+        self.epoch = 0
 
     def set_epoch(self, epoch):
-        """Reshuffle for `epoch` (the same on every rank)."""
+        """Reshuffle for `epoch`."""
         self.epoch = epoch
 
-    def all_batches(self):
-        """The batches of every rank for the current epoch."""
+    def epoch_batches(self):
+        """This epoch's batches, each a list of example indices."""
         rng, kept = random.Random(f"{self.seed}/{self.epoch}"), self.kept
         order = rng.sample(kept, len(kept)) if self.shuffle else kept
         order = sorted(order, key=self.sizes.__getitem__)  # stable sort
         batches = bucket(order, self.sizes, self.max_tokens)
-        batches = split_evenly(batches, self.num_replicas)
         return rng.sample(batches, len(batches)) if self.shuffle else batches
 
     def __iter__(self):
-        yield from self.all_batches()[self.rank :: self.num_replicas]
+        yield from self.epoch_batches()
 
     def __len__(self):
-        return len(self.all_batches()) // self.num_replicas
+        return len(self.epoch_batches())
 
 
 # %% [markdown]
@@ -449,9 +423,8 @@ assert shares["buckets"] < 0.10 < shares["random 32"]
 # shuffled and without pairs longer than `max_len`; validation batches in
 # order, with no `max_len` (so only a pair longer than the whole
 # `max_tokens` budget could be left out). `max_train_pairs` keeps only the
-# first pairs (and a quarter as many validation pairs). Its other
-# arguments (`rank`, `world_size`, `num_workers`, `pin_memory`) serve the
-# appendix's longer runs.
+# first pairs (and a quarter as many validation pairs), and `num_workers`
+# prepares batches in that many background processes (0: in this one).
 
 
 # %%
@@ -463,12 +436,9 @@ def create_dataloaders(
     spacy_en,
     max_tokens=3000,
     max_len=128,
-    rank=0,
-    world_size=1,
     seed=0,
     num_workers=0,
     max_train_pairs=0,
-    pin_memory=False,
 ):
     """Train and validation DataLoaders of padded (src, tgt) CPU tensors."""
     loaders = []
@@ -482,8 +452,6 @@ def create_dataloaders(
             lengths,
             max_tokens,
             max_len=max_len if train else None,
-            num_replicas=world_size,
-            rank=rank,
             shuffle=train,
             seed=seed,
         )
@@ -498,7 +466,6 @@ def create_dataloaders(
             batch_sampler=sampler,
             collate_fn=collate_batch,
             num_workers=num_workers,
-            pin_memory=pin_memory,
         )
         loaders.append(loader)
     return tuple(loaders)

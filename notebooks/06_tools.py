@@ -1896,16 +1896,73 @@ def load_translator(checkpoint, device="cpu", beam=1, average_last=0):
 #
 # ### Batches for several processes
 #
-# With data-parallel training over `n` processes, Part 3's
-# `TokenBatchSampler` gives each process every `n`-th batch of the epoch:
-# `num_replicas=n`, and `rank`, the process's number from 0 to `n - 1`.
-# All processes build the same batches, since the shuffling seed
-# `(seed, epoch)` is the same in each. They must also run the same number
-# of steps: DDP averages the gradients of all processes at every step, so
-# a process with one batch more would wait forever for the others.
-# `split_evenly` therefore halves the largest batches until their count
-# divides by `n`.
-#
+# With data-parallel training over `n` processes, each process trains on
+# every `n`-th batch of Part 3's `TokenBatchSampler`. `ShardedBatchSampler`
+# wraps that sampler: `num_replicas=n`, and `rank`, the process's number
+# from 0 to `n - 1`. All processes build the same batches, since the
+# shuffling seed `(seed, epoch)` is the same in each. They must also run
+# the same number of steps: DDP averages the gradients of all processes
+# at every step, so a process with one batch more would wait forever for
+# the others. `split_evenly` therefore halves the largest batches until
+# their count divides by `n`. `shard_loader` rebuilds one of Part 3's
+# `DataLoader`s around the wrapped sampler, with pinned memory for a GPU.
+
+
+# %%
+#| export
+def split_evenly(batches, n):
+    """Halve the largest batches until their number divides by n."""
+    while len(batches) % n:
+        k = max(range(len(batches)), key=lambda b: len(batches[b]))
+        if len(batches[k]) < 2:
+            raise ValueError("too few examples to give every rank a batch")
+        half = len(batches[k]) // 2
+        batches[k : k + 1] = [batches[k][:half], batches[k][half:]]
+    return batches
+
+
+class ShardedBatchSampler(torch.utils.data.Sampler):
+    """One process's share of a TokenBatchSampler: every n-th batch."""
+
+    def __init__(self, sampler, num_replicas, rank):
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} outside 0..{num_replicas - 1}")
+        self.sampler, self.num_replicas, self.rank = (
+            sampler,
+            num_replicas,
+            rank,
+        )
+
+    def set_epoch(self, epoch):
+        """Reshuffle for `epoch` (the same on every rank)."""
+        self.sampler.set_epoch(epoch)
+
+    def epoch_batches(self):
+        """The batches of every rank for the current epoch."""
+        batches = self.sampler.epoch_batches()
+        return split_evenly(batches, self.num_replicas)
+
+    def __iter__(self):
+        yield from self.epoch_batches()[self.rank :: self.num_replicas]
+
+    def __len__(self):
+        return len(self.epoch_batches()) // self.num_replicas
+
+
+def shard_loader(loader, num_replicas, rank, pin_memory=False):
+    """A DataLoader of Part 3 that hands this rank its share of batches."""
+    return torch.utils.data.DataLoader(
+        loader.dataset,
+        batch_sampler=ShardedBatchSampler(
+            loader.batch_sampler, num_replicas, rank
+        ),
+        collate_fn=loader.collate_fn,
+        num_workers=loader.num_workers,
+        pin_memory=pin_memory,
+    )
+
+
+# %% [markdown]
 # Check, on made-up sentence lengths: two ranks get as many batches each,
 # and disjoint pairs that together cover every pair the sampler kept.
 
@@ -1914,16 +1971,12 @@ from the_annotated_transformer import TokenBatchSampler
 
 rng = torch.Generator().manual_seed(0)
 made_up = torch.randint(3, 60, (1001, 2), generator=rng).tolist()
-ranks = [
-    TokenBatchSampler(
-        made_up, max_tokens=400, max_len=50, num_replicas=2, rank=rank
-    )
-    for rank in (0, 1)
-]
-seen = [{i for batch in sampler for i in batch} for sampler in ranks]
+sampler = TokenBatchSampler(made_up, max_tokens=400, max_len=50)
+ranks = [ShardedBatchSampler(sampler, 2, rank) for rank in (0, 1)]
+seen = [{i for batch in shard for i in batch} for shard in ranks]
 assert len(ranks[0]) == len(ranks[1])
 assert not seen[0] & seen[1]
-assert len(seen[0] | seen[1]) == len(made_up) - len(ranks[0].dropped) > 0
+assert len(seen[0] | seen[1]) == len(made_up) - len(sampler.dropped) > 0
 
 # %% [markdown]
 # ### One device per process
@@ -2237,13 +2290,12 @@ def train_worker(
             spacy_en,
             max_tokens=config.max_tokens,
             max_len=config.max_len,
-            rank=rank,
-            world_size=world_size,
             seed=config.seed,
             num_workers=config.num_workers,
             max_train_pairs=config.max_train_pairs,
-            pin_memory=run.device.type == "cuda",
         )
+        pinned = run.device.type == "cuda"  # copies overlap the GPU's work
+        loaders = [shard_loader(x, world_size, rank, pinned) for x in loaders]
         set_schedule(run, len(loaders[0]))
         for epoch in range(resume_run(run) if resume else 0, config.epochs):
             train_epoch(run, epoch, *loaders, show=show_progress)

@@ -250,9 +250,9 @@ def random_lengths(n=600, seed=1):
 
 
 def epoch_batches(lengths, world, epoch, **kwargs):
+    sampler = tat.TokenBatchSampler(lengths, **kwargs)
     samplers = [
-        tat.TokenBatchSampler(lengths, num_replicas=world, rank=r, **kwargs)
-        for r in range(world)
+        tools.ShardedBatchSampler(sampler, world, r) for r in range(world)
     ]
     for s in samplers:
         s.set_epoch(epoch)
@@ -269,7 +269,7 @@ def test_sampler_covers_every_kept_example_once_across_ranks(world):
     )
     long_ones = {i for i, (s, t) in enumerate(lengths) if max(s, t) > 30}
     assert 10 in long_ones and 20 in long_ones
-    assert set(samplers[0].dropped) == long_ones  # counted, not cut
+    assert set(samplers[0].sampler.dropped) == long_ones  # counted, not cut
     seen = [i for batches in per_rank for b in batches for i in b]
     assert Counter(seen) == Counter(set(range(len(lengths))) - long_ones)
     ids_by_rank = [{i for b in batches for i in b} for batches in per_rank]
@@ -289,7 +289,8 @@ def test_sampler_splits_batches_so_every_rank_gets_as_many():
     seen = sorted(i for batches in per_rank for b in batches for i in b)
     assert seen == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError, match="too few"):
-        list(tat.TokenBatchSampler(lengths[:1], 20, num_replicas=2))
+        one = tat.TokenBatchSampler(lengths[:1], 20)
+        list(tools.ShardedBatchSampler(one, 2, 0))
 
 
 def test_sampler_respects_the_token_budget_and_buckets_lengths():
@@ -337,7 +338,28 @@ def test_sampler_rejects_impossible_settings():
     with pytest.raises(ValueError):
         tat.TokenBatchSampler([(3, 3)], max_tokens=10, max_len=20)
     with pytest.raises(ValueError):
-        tat.TokenBatchSampler([(3, 3)], 10, num_replicas=2, rank=2)
+        tools.ShardedBatchSampler(tat.TokenBatchSampler([(3, 3)], 10), 2, 2)
+
+
+def test_shard_loader_splits_a_loader_among_ranks():
+    data = [
+        ([tat.BOS] + [7] * n + [tat.EOS], [tat.BOS] + [8] * n)
+        for n in range(1, 60)
+    ]
+    lengths = [(len(s), len(t)) for s, t in data]
+    loader = torch.utils.data.DataLoader(
+        data,
+        batch_sampler=tat.TokenBatchSampler(lengths, 120, seed=3),
+        collate_fn=tat.collate_batch,
+    )
+    loader.batch_sampler.set_epoch(2)
+    alone = [src for src, _ in tools.shard_loader(loader, 1, 0)]
+    assert [src.tolist() for src in alone] == [s.tolist() for s, _ in loader]
+    shards = [tools.shard_loader(loader, 3, r) for r in range(3)]
+    rows = [row for d in shards for src, _ in d for row in src]
+    sizes = sorted(int((row != tat.PAD).sum()) for row in rows)
+    assert sizes == sorted(len(s) for s, _ in data)  # every pair, once
+    assert len({len(d) for d in shards}) == 1  # as many steps each
 
 
 def test_create_dataloaders_on_multi30k(multi30k_dir, monkeypatch):
@@ -345,7 +367,7 @@ def test_create_dataloaders_on_multi30k(multi30k_dir, monkeypatch):
     spacy_de, spacy_en = tat.load_tokenizers()
     vocab = tat.Vocab(tat.SPECIALS)  # everything <unk>: fast and enough
     loaders = tat.create_dataloaders(
-        vocab, vocab, spacy_de, spacy_en, max_tokens=2000, world_size=2
+        vocab, vocab, spacy_de, spacy_en, max_tokens=2000
     )
     for loader, n in zip(loaders, (29000, 1014), strict=True):
         src, tgt = next(iter(loader))

@@ -303,12 +303,12 @@ def test_worker_pins_memory_on_cuda_and_always_leaves_the_group(
     """fbfada1 never pinned memory, and left the group only on success."""
     asked = {}
 
-    def loaders(*args, **kwargs):
-        asked.update(kwargs)
+    def shard(loader, world_size, rank, pin_memory=False):
+        asked.update(pin_memory=pin_memory)
         raise RuntimeError("stop here")
 
-    monkeypatch.setattr(tat, "create_dataloaders", loaders)
-    monkeypatch.setattr(tools, "create_dataloaders", loaders)
+    monkeypatch.setattr(tools, "create_dataloaders", lambda *a, **k: [0, 1])
+    monkeypatch.setattr(tools, "shard_loader", shard)
     vocab = tat.Vocab(tat.SPECIALS)
     config = tools.get_config("ci")
     with pytest.raises(RuntimeError, match="stop here"):
@@ -449,15 +449,13 @@ def test_device_batch_equals_batch():
         assert torch.equal(getattr(made, name), getattr(reference, name))
 
 
-def test_create_dataloaders_pins_memory_when_asked(
+def test_shard_loader_pins_memory_when_asked(
     local_multi30k, vocabs, tokenizers
 ):
-    options = {"max_train_pairs": 40}
-    plain = tat.create_dataloaders(*vocabs, *tokenizers, **options)
-    pinned = tat.create_dataloaders(
-        *vocabs, *tokenizers, **options, pin_memory=True
-    )
-    assert [d.pin_memory for d in plain] == [False, False]
+    loaders = tat.create_dataloaders(*vocabs, *tokenizers, max_train_pairs=40)
+    plain = [tools.shard_loader(d, 1, 0) for d in loaders]
+    pinned = [tools.shard_loader(d, 1, 0, pin_memory=True) for d in loaders]
+    assert [d.pin_memory for d in [*loaders, *plain]] == [False] * 4
     assert [d.pin_memory for d in pinned] == [True, True]
 
 
