@@ -82,6 +82,7 @@ from the_annotated_transformer import (
     load_tokenizers,
     make_model,
     make_optimizer,
+    make_run_optimizer,
     model_from_config,
     pick_device,
     rate,
@@ -107,7 +108,7 @@ from the_annotated_transformer import (
 # Explained in notebooks/06_tools.py, same heading.
 # -----------------------------------------------------------------------------
 def save_chart(chart, name, folder="figures"):
-    """Show a chart, and also write it as static SVG and PNG files."""
+    """Write a chart as static SVG and PNG files; returns the chart."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     chart.save(str(folder / f"{name}.svg"))
@@ -869,92 +870,12 @@ def describe_device(device, precision):
     elif device.type == "mps":
         name = "Apple GPU"
     dtype = precision.dtype
-    how = "float32" if dtype is None else f"{str(dtype)[6:]} autocast"
+    how = "float32"
+    if dtype is not None:
+        how = str(dtype).removeprefix("torch.") + " autocast"
     if precision.scaler:
         how += " with a GradScaler"
     return f"device: {device} ({name}), {how}"
-
-
-# -----------------------------------------------------------------------------
-# Starting processes
-# Explained in notebooks/06_tools.py, same heading.
-# -----------------------------------------------------------------------------
-def free_port():
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawned_worker(
-    rank, world_size, vocabs, tokenizers, config, port, resume, device
-):
-    """train_worker in a new process, from plain data."""
-    vocabs = [
-        BpeVocab.from_str(v) if isinstance(v, str) else Vocab(v)
-        for v in vocabs
-    ]
-    config = TrainConfig(**config)
-    if device == "cuda":  # one GPU per process, by rank
-        device = f"cuda:{rank}"
-    train_worker(
-        rank,
-        world_size,
-        *vocabs,
-        *tokenizers,
-        config,
-        is_distributed=True,
-        port=port,
-        resume=resume,
-        device=device,
-    )
-
-
-def train_distributed_model(
-    vocab_src,
-    vocab_tgt,
-    spacy_de,
-    spacy_en,
-    config,
-    world_size=None,
-    resume=False,
-    cpu_fallback=False,
-):
-    """Train with one process per GPU (or world_size CPU processes)."""
-    import torch.multiprocessing as mp
-
-    world_size = world_size or max(cuda_count(), 1)
-    device = process_device(0, world_size, cpu_fallback).type  # may raise
-    how = "one per GPU, with nccl"
-    if device != "cuda":  # gloo cannot send MPS tensors
-        device, how = "cpu", "on the CPU, with gloo"
-        if cuda_count():
-            how += f" (NCCL needs a GPU per process; {cuda_count()} here)"
-    print(f"{world_size} processes {how}")
-    plain = lambda v: v.to_str() if hasattr(v, "to_str") else v.get_itos()
-    vocabs = [plain(vocab_src), plain(vocab_tgt)]
-    data = (vocabs, (spacy_de, spacy_en), asdict(config), free_port())
-    args = (world_size, *data, resume, device)
-    mp.spawn(_spawned_worker, args, nprocs=world_size)
-
-
-def train_model(
-    vocab_src,
-    vocab_tgt,
-    spacy_de,
-    spacy_en,
-    config,
-    distributed=False,
-    world_size=None,
-    resume=False,
-):
-    """Train in this process, or in several when `distributed`."""
-    if resume:  # the same run, or a one-line error (see check_resume)
-        check_resume(config, vocab_src, vocab_tgt)
-    args = (vocab_src, vocab_tgt, spacy_de, spacy_en, config)
-    if distributed:
-        return train_distributed_model(*args, world_size, resume)
-    return train_worker(0, 1, *args, resume=resume)
 
 
 # -----------------------------------------------------------------------------
@@ -1535,33 +1456,16 @@ def train_epoch(run, epoch, train_loader, valid_loader, show=True):
     return run.history[-1]
 
 
-def warmup_then_linear(step, peak, warmup, total):
-    """Linear warm-up to `peak`, then a straight line to zero at `total`."""
-    step = max(step, 1)
-    if step < warmup:
-        return peak * step / warmup
-    return peak * max(0, total - step) / max(1, total - warmup)
-
-
 def set_schedule(run, steps_per_epoch, total=None):
     """Give `run` the schedule its config names, for its step budget.
 
     `total` replaces the budget of `epochs` whole epochs, for a run that
     stops part of the way through an epoch.
     """
-    c = run.config
-    if c.schedule not in ("noam", "linear"):
-        raise ValueError(f"unknown schedule {c.schedule!r}: noam or linear")
-    if c.schedule == "noam":  # Part 2's, already made by TrainingRun
-        return
-    if total is None:
-        total = steps_per_epoch * c.epochs // c.accum_iter
-    peak = rate(c.warmup, c.d_model, c.factor, c.warmup)
-    run.optimizer, run.scheduler = make_optimizer(
-        run.module,
-        c.d_model,
-        schedule=lambda step: warmup_then_linear(step, peak, c.warmup, total),
-    )
+    if run.config.schedule != "noam":  # Part 2's is made by TrainingRun
+        run.optimizer, run.scheduler = make_run_optimizer(
+            run.module, run.config, steps_per_epoch, total
+        )
 
 
 def train_worker(
@@ -1612,6 +1516,84 @@ def train_worker(
     finally:
         if is_distributed and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned_worker(
+    rank, world_size, vocabs, tokenizers, config, port, resume, device
+):
+    """train_worker in a new process, from plain data."""
+    vocabs = [
+        BpeVocab.from_str(v) if isinstance(v, str) else Vocab(v)
+        for v in vocabs
+    ]
+    config = TrainConfig(**config)
+    if device == "cuda":  # one GPU per process, by rank
+        device = f"cuda:{rank}"
+    train_worker(
+        rank,
+        world_size,
+        *vocabs,
+        *tokenizers,
+        config,
+        is_distributed=True,
+        port=port,
+        resume=resume,
+        device=device,
+    )
+
+
+def train_distributed_model(
+    vocab_src,
+    vocab_tgt,
+    spacy_de,
+    spacy_en,
+    config,
+    world_size=None,
+    resume=False,
+    cpu_fallback=False,
+):
+    """Train with one process per GPU (or world_size CPU processes)."""
+    import torch.multiprocessing as mp
+
+    world_size = world_size or max(cuda_count(), 1)
+    device = process_device(0, world_size, cpu_fallback).type  # may raise
+    how = "one per GPU, with nccl"
+    if device != "cuda":  # gloo cannot send MPS tensors
+        device, how = "cpu", "on the CPU, with gloo"
+        if cuda_count():
+            how += f" (NCCL needs a GPU per process; {cuda_count()} here)"
+    print(f"{world_size} processes {how}")
+    plain = lambda v: v.to_str() if hasattr(v, "to_str") else v.get_itos()
+    vocabs = [plain(vocab_src), plain(vocab_tgt)]
+    data = (vocabs, (spacy_de, spacy_en), asdict(config), free_port())
+    args = (world_size, *data, resume, device)
+    mp.spawn(_spawned_worker, args, nprocs=world_size)
+
+
+def train_model(
+    vocab_src,
+    vocab_tgt,
+    spacy_de,
+    spacy_en,
+    config,
+    distributed=False,
+    world_size=None,
+    resume=False,
+):
+    """Train in this process, or in several when `distributed`."""
+    if resume:  # the same run, or a one-line error (see check_resume)
+        check_resume(config, vocab_src, vocab_tgt)
+    args = (vocab_src, vocab_tgt, spacy_de, spacy_en, config)
+    if distributed:
+        return train_distributed_model(*args, world_size, resume)
+    return train_worker(0, 1, *args, resume=resume)
 
 
 class TrainingPlan(NamedTuple):
@@ -1855,7 +1837,6 @@ def _split_lines(f):
 def iter_lines(path):
     """Lines of a UTF-8 text file (plain, .gz, or "-": stdin), lazily."""
     import gzip
-    from contextlib import nullcontext
 
     stdin = str(path) == "-"
     name, number = "standard input" if stdin else Path(path), 0
@@ -1974,10 +1955,10 @@ def existing_device(name):
             f"{name!r} is not a device; try cpu, cuda or cuda:1"
         ) from None
     if device.type == "cuda":
-        count = torch.cuda.device_count()  # 0 without CUDA
-        if (device.index or 0) >= count:
+        gpus = torch.cuda.device_count()  # 0 without CUDA
+        if (device.index or 0) >= gpus:
             raise argparse.ArgumentTypeError(
-                f"no {name} here: this machine has {count} CUDA devices"
+                f"no {name} here: this machine has {gpus} CUDA devices"
             )
     elif device.type == "mps" and not torch.backends.mps.is_available():
         raise argparse.ArgumentTypeError("no mps (Apple GPU) here")
@@ -2480,9 +2461,6 @@ __all__ = [
     "choose_precision",
     "autocast_for",
     "describe_device",
-    "free_port",
-    "train_distributed_model",
-    "train_model",
     "OLD_PROJECTIONS",
     "OLD_BLOCKS",
     "rename_old_key",
@@ -2520,9 +2498,11 @@ __all__ = [
     "counted",
     "all_reduce_loss",
     "train_epoch",
-    "warmup_then_linear",
     "set_schedule",
     "train_worker",
+    "free_port",
+    "train_distributed_model",
+    "train_model",
     "TrainingPlan",
     "lesson_training_plan",
     "detokenize",

@@ -916,7 +916,7 @@ class TrainConfig:
     h: int = 4
     dropout: float = 0.1
     label_smoothing: float = 0.1
-    max_tokens: int = 3000  # token budget of one batch, per process
+    max_tokens: int = 3000  # token budget of one batch
     accum_iter: int = 1
     epochs: int = 18
     factor: float = 1.0
@@ -925,7 +925,7 @@ class TrainConfig:
     max_len: int = 128
     max_train_pairs: int = 0  # 0 means all 29,000
     seed: int = 0
-    # Mostly for the appendix and Part 5 (see above):
+    # For the appendix and Part 5 (see above):
     preset: str = "cpu"
     precision: str = "bf16"  # "bf16": autocast where native; or "fp32"
     checkpoint_dir: str = "checkpoints/cpu"
@@ -955,6 +955,32 @@ def model_from_config(c, n_src, n_tgt, dropout=None):
     return model
 
 
+def warmup_then_linear(step, peak, warmup, total):
+    """Linear warm-up to `peak`, then a straight line to zero at `total`."""
+    step = max(step, 1)
+    if step < warmup:
+        return peak * step / warmup
+    return peak * max(0, total - step) / max(1, total - warmup)
+
+
+def make_run_optimizer(model, config, steps_per_epoch, total=None):
+    """Adam and the schedule `config` names, for the run's step budget.
+
+    `total` replaces the budget of `epochs` whole epochs, for a run that
+    stops part of the way through an epoch.
+    """
+    c = config
+    if c.schedule == "noam":  # Part 2's
+        return make_optimizer(model, c.d_model, c.factor, c.warmup)
+    if c.schedule != "linear":
+        raise ValueError(f"unknown schedule {c.schedule!r}: noam or linear")
+    if total is None:
+        total = steps_per_epoch * c.epochs // c.accum_iter
+    peak = rate(c.warmup, c.d_model, c.factor, c.warmup)
+    linear = lambda step: warmup_then_linear(step, peak, c.warmup, total)
+    return make_optimizer(model, c.d_model, schedule=linear)
+
+
 def pick_device():
     """The fastest device here: a CUDA GPU, else Apple's MPS, else the CPU."""
     if torch.cuda.is_available():
@@ -968,20 +994,12 @@ def train_one_process(
     vocab_src, vocab_tgt, spacy_de, spacy_en, config, device=None
 ):
     """Train on Multi30k in this process; returns (model, history)."""
-    if config.schedule != "noam":
-        raise ValueError(
-            f"schedule {config.schedule!r}: this loop runs Part 2's "
-            "schedule only; the appendix's train_worker runs the others"
-        )
     device = pick_device() if device is None else torch.device(device)
     torch.manual_seed(config.seed)
     model = model_from_config(config, len(vocab_src), len(vocab_tgt))
     model = model.to(device)
     criterion = LabelSmoothing(len(vocab_tgt), PAD, config.label_smoothing)
     loss_compute = SimpleLossCompute(model.generator, criterion)
-    optimizer, scheduler = make_optimizer(
-        model, config.d_model, config.factor, config.warmup
-    )
     train_loader, valid_loader = create_dataloaders(
         vocab_src,
         vocab_tgt,
@@ -993,6 +1011,8 @@ def train_one_process(
         num_workers=config.num_workers,
         max_train_pairs=config.max_train_pairs,
     )
+    steps_per_epoch = len(train_loader)
+    optimizer, scheduler = make_run_optimizer(model, config, steps_per_epoch)
     state, history = TrainState(), []
     for epoch in range(config.epochs):
         train_loader.batch_sampler.set_epoch(epoch)
@@ -1708,6 +1728,8 @@ __all__ = [
     "create_dataloaders",
     "TrainConfig",
     "model_from_config",
+    "warmup_then_linear",
+    "make_run_optimizer",
     "pick_device",
     "train_one_process",
     "batch_greedy_decode",

@@ -67,7 +67,7 @@ import torch
 # Parts 1 and 2
 from the_annotated_transformer import Batch, LabelSmoothing, SimpleLossCompute
 from the_annotated_transformer import TrainState, greedy_decode, make_model
-from the_annotated_transformer import make_optimizer, run_epoch
+from the_annotated_transformer import make_optimizer, rate, run_epoch
 from the_annotated_transformer import subsequent_mask
 
 # %% [markdown]
@@ -80,12 +80,10 @@ from the_annotated_transformer import subsequent_mask
 # for validation and 1,000 for testing; the test set, test2016, is the one
 # on which results for Multi30k are usually reported.
 #
-# The files live in the folder that `MULTI30K_DIR` names, else in
-# `data/multi30k/` of the repository this runs in (`data_dir` finds it by
-# itself, since the exported module cannot see this notebook's `ROOT`),
-# else of the working directory: on Colab, `/content/data/multi30k`.
-# Fetching them is plumbing in the appendix (notebook 06); here we only
-# call it.
+# The files live in `data/multi30k/` of the repository (on Colab,
+# `/content/data/multi30k`), or in the folder that the environment
+# variable `MULTI30K_DIR` names. Fetching and verifying them is plumbing
+# in the appendix (notebook 06); here we only call it.
 
 
 # %%
@@ -246,7 +244,7 @@ def build_vocabulary(spacy_de, spacy_en, min_freq=2):
 # Two checks. On a corpus small enough to count by hand, "z" is seen three
 # times, "a" and "b" twice each (a tie, so alphabetical), "c" once. And on
 # Multi30k, fewer German tokens are `<unk>` in train (those seen once) than
-# in test, the honest price of not peeking at it. The vocabularies hold
+# in test, whose words the vocabulary never saw. The vocabularies hold
 # about 8,000 German and 6,200 English tokens; a word-level vocabulary of
 # WMT would need hundreds of thousands, which is one reason the paper cut
 # words into subword units instead.
@@ -475,28 +473,20 @@ def create_dataloaders(
 # ## Training
 #
 # A `TrainConfig` defines a run. Its defaults are the `cpu` model ($N=3$,
-# $d_{\text{model}}=256$, $h=4$, $d_{ff}=1024$), sized for a CPU; our
-# reference run, below, trains this model with a faster recipe. The
-# paper's base model has
-# $N=6$, $d_{\text{model}}=512$, $h=8$, $d_{ff}=2048$, and the same dropout and
-# label smoothing of 0.1. The paper warmed up for 4,000 of 100,000 steps.
-# An epoch of Multi30k in 3,000-token batches is 153 steps, and the `cpu`
-# preset warms up for 800, about five epochs: our choice for a small data
-# set, not a tuned value (the reference run below warms up for 300). The
-# named presets (`cpu`, `paper`, and the tiny `ci`
-# that tests use) are in the appendix. The rest comes from Part 2: the
-# label-smoothed loss, Adam with the warm-up schedule, and `accum_iter`,
-# which adds up the gradients of several batches before one optimizer
-# step, for an effective batch larger than memory allows.
+# $d_{\text{model}}=256$, $h=4$, $d_{ff}=1024$), sized for a CPU. The
+# paper's base model has $N=6$, $d_{\text{model}}=512$, $h=8$,
+# $d_{ff}=2048$, and the same dropout and label smoothing of 0.1. The rest
+# comes from Part 2: the label-smoothed loss, Adam with the warm-up
+# schedule, and `accum_iter`, which adds up the gradients of several
+# batches before one optimizer step. The paper warmed up for 4,000 of
+# 100,000 steps. An epoch of Multi30k in 3,000-token batches is 153
+# steps, and the `cpu` defaults warm up for 800, about five epochs: our
+# choice for a small data set, not a tuned value.
 #
-# `precision` is for the appendix's longer runs: `"bf16"` computes in
-# lower precision where the hardware does so natively, `"fp32"` never.
-# The loop of this lesson ignores it and always computes in float32, and
-# it runs Part 2's schedule only. Of the fields below the comment "Mostly
-# for the appendix and Part 5", it reads only `num_workers` and
-# `tie_embeddings`; the others are used later (`tie_embeddings` shares
-# one weight matrix between the two embeddings and the output layer,
-# which Part 5 tries).
+# The fields under "For the appendix and Part 5" are not used in this
+# lesson: they name files, precision and subword vocabularies for the
+# appendix's longer runs (notebook 06, "Presets", which also holds the
+# named presets `quick`, `cpu`, `paper` and the tiny `ci`).
 
 
 # %%
@@ -511,7 +501,7 @@ class TrainConfig:
     h: int = 4
     dropout: float = 0.1
     label_smoothing: float = 0.1
-    max_tokens: int = 3000  # token budget of one batch, per process
+    max_tokens: int = 3000  # token budget of one batch
     accum_iter: int = 1
     epochs: int = 18
     factor: float = 1.0
@@ -520,7 +510,7 @@ class TrainConfig:
     max_len: int = 128
     max_train_pairs: int = 0  # 0 means all 29,000
     seed: int = 0
-    # Mostly for the appendix and Part 5 (see above):
+    # For the appendix and Part 5 (see above):
     preset: str = "cpu"
     precision: str = "bf16"  # "bf16": autocast where native; or "fp32"
     checkpoint_dir: str = "checkpoints/cpu"
@@ -551,6 +541,59 @@ def model_from_config(c, n_src, n_tgt, dropout=None):
 
 
 # %% [markdown]
+# ### A schedule that ends
+#
+# Part 2's schedule decays as $1/\sqrt{\text{step}}$ and never reaches
+# zero, which suits a run of unknown length. A run that knows how many
+# steps it will take can instead warm up, then lower the rate in a
+# straight line to exactly zero at its last step: `schedule="linear"`.
+# Its peak is the rate that Part 2's `rate` reaches at step `warmup`, so
+# `factor`, `d_model` and `warmup` keep their meaning. The loader says how
+# many steps an epoch takes, so `make_run_optimizer` builds Adam and the
+# schedule once the batches are counted.
+
+
+# %%
+#| export
+def warmup_then_linear(step, peak, warmup, total):
+    """Linear warm-up to `peak`, then a straight line to zero at `total`."""
+    step = max(step, 1)
+    if step < warmup:
+        return peak * step / warmup
+    return peak * max(0, total - step) / max(1, total - warmup)
+
+
+def make_run_optimizer(model, config, steps_per_epoch, total=None):
+    """Adam and the schedule `config` names, for the run's step budget.
+
+    `total` replaces the budget of `epochs` whole epochs, for a run that
+    stops part of the way through an epoch.
+    """
+    c = config
+    if c.schedule == "noam":  # Part 2's
+        return make_optimizer(model, c.d_model, c.factor, c.warmup)
+    if c.schedule != "linear":
+        raise ValueError(f"unknown schedule {c.schedule!r}: noam or linear")
+    if total is None:
+        total = steps_per_epoch * c.epochs // c.accum_iter
+    peak = rate(c.warmup, c.d_model, c.factor, c.warmup)
+    linear = lambda step: warmup_then_linear(step, peak, c.warmup, total)
+    return make_optimizer(model, c.d_model, schedule=linear)
+
+
+# %% [markdown]
+# Check: the rate rises to Part 2's peak at the end of the warm-up, then
+# falls by the same amount at every step and is zero at the last one.
+
+# %%
+peak = rate(100, 256, 1.0, 100)
+lrs = [warmup_then_linear(s, peak, 100, 1000) for s in range(1, 1001)]
+assert abs(max(lrs) - peak) < 1e-12 and lrs[99] == peak and lrs[-1] == 0
+steps_down = [a - b for a, b in zip(lrs[99:], lrs[100:])]
+assert max(steps_down) - min(steps_down) < 1e-12
+
+
+# %% [markdown]
 # ### The training loop
 #
 # Training runs on the fastest device this machine has: `pick_device`
@@ -569,16 +612,14 @@ def pick_device():
 
 
 # %% [markdown]
-# `train_one_process` is all of training, in one process. It seeds, builds
-# the model from the config on the device, and takes the label-smoothed
-# loss, Adam and its schedule from Part 2. Then, each epoch, it reshuffles
-# the batches, trains through Part 2's `run_epoch`, and measures the loss
-# on the validation set, without gradients and with dropout off
-# (`model.eval()`). Batches come from the `DataLoader` on the CPU, and
-# `Batch(...).to(device)` moves each one where the model is. It returns
-# the model and one line of history per epoch. It knows Part 2's schedule
-# only, and computes in float32; a config that asks for another schedule
-# is refused (the appendix's `train_worker` runs the others).
+# `train_one_process` is all of training. It seeds, builds the model from
+# the config on the device, takes Part 2's label-smoothed loss, makes the
+# loaders, then Adam and the config's schedule. Then, each epoch, it
+# reshuffles the batches, trains through Part 2's `run_epoch`, and
+# measures the loss on the validation set, without gradients and with
+# dropout off (`model.eval()`). `Batch(...).to(device)` moves each batch
+# where the model is. It returns the model and one line of history per
+# epoch, and computes in float32.
 
 
 # %%
@@ -587,20 +628,12 @@ def train_one_process(
     vocab_src, vocab_tgt, spacy_de, spacy_en, config, device=None
 ):
     """Train on Multi30k in this process; returns (model, history)."""
-    if config.schedule != "noam":
-        raise ValueError(
-            f"schedule {config.schedule!r}: this loop runs Part 2's "
-            "schedule only; the appendix's train_worker runs the others"
-        )
     device = pick_device() if device is None else torch.device(device)
     torch.manual_seed(config.seed)
     model = model_from_config(config, len(vocab_src), len(vocab_tgt))
     model = model.to(device)
     criterion = LabelSmoothing(len(vocab_tgt), PAD, config.label_smoothing)
     loss_compute = SimpleLossCompute(model.generator, criterion)
-    optimizer, scheduler = make_optimizer(
-        model, config.d_model, config.factor, config.warmup
-    )
     train_loader, valid_loader = create_dataloaders(
         vocab_src,
         vocab_tgt,
@@ -612,6 +645,8 @@ def train_one_process(
         num_workers=config.num_workers,
         max_train_pairs=config.max_train_pairs,
     )
+    steps_per_epoch = len(train_loader)
+    optimizer, scheduler = make_run_optimizer(model, config, steps_per_epoch)
     state, history = TrainState(), []
     for epoch in range(config.epochs):
         train_loader.batch_sampler.set_epoch(epoch)
@@ -660,14 +695,10 @@ assert history[-1]["val_loss"] < history[0]["val_loss"]
 # ### The reference run
 #
 # The appendix's `train_worker` runs this same loop, and a test checks
-# that both end with the same weights (in float32, with Part 2's
-# schedule). It adds what a long run needs: checkpoint files, written
-# after every epoch, so that a run can resume; lower precision where the
-# hardware computes it natively; several processes or GPUs sharing the
-# work; and a second schedule. With `schedule="linear"`, the learning
-# rate warms up in a straight line to the peak that Part 2's `rate`
-# reaches at step `warmup`, then falls in a straight line to exactly zero
-# at the run's last step.
+# that both end with the same weights. It adds what a long run needs:
+# checkpoint files, written after every epoch, so that a run can resume;
+# lower precision where the hardware computes it natively; and several
+# processes or GPUs sharing the work.
 #
 # Our reference run is the `quick` preset: the small model of preset
 # `cpu` for 5 epochs (765 steps of 3,000 tokens), warmed up for 300 steps
@@ -696,17 +727,18 @@ assert history[-1]["val_loss"] < history[0]["val_loss"]
 #   masks to draw.
 # - **Batches of 3,000 tokens, not fewer.** Halving the batch doubles the
 #   steps for the same tokens. That won for budgets under two epochs and
-#   lost at about five: 27.2 validation BLEU after 1,600 steps of 1,500
-#   tokens, against 32.5 after 660 steps of 3,000.
+#   lost at about five epochs' training time: 27.2 validation BLEU after
+#   1,600 steps of 1,500 tokens, against 32.5 after 660 steps of 3,000.
 #
 # Every trial behind these numbers, with its command and time, is a row
 # of `results/recipe_sweep.md` (q3000-d00 and q3000-d01 for dropout;
 # q1600-d01 and q3000-d01 for the batch, which also differ slightly in
 # warm-up and peak).
 # Their validation BLEU replaces `<unk>` with the German word, as Part 4
-# teaches. The `cpu` preset trains the same model for 18 epochs with
-# dropout and Part 2's schedule (over an hour; `make train`); Parts 4 and
-# 5 read it when it exists.
+# teaches; the curve below keeps `<unk>`, so its numbers are a little
+# lower. The `cpu` preset trains the same model for 18 epochs with
+# dropout and Part 2's schedule (over an hour; `make train` trains it,
+# and a subword model after it); Parts 4 and 5 read it when it exists.
 
 # %% [markdown]
 # ### Training it
@@ -721,10 +753,11 @@ assert history[-1]["val_loss"] < history[0]["val_loss"]
 # and `plan.line` says all that in one line.
 #
 # On a GPU the same recipe computes in lower precision: bfloat16 on an
-# A100, L4 or H100, float16 with loss scaling on a T4. On a Mac it stays
-# in float32. So your loss and BLEU will differ a little from the
-# float32 run above. On an H100 the recipe trained in 2.2 minutes and
-# reached 36.33 greedy BLEU on the validation split
+# A100, L4 or H100, float16 with loss scaling on a T4; so does a CPU
+# with native bfloat16 (a recent Intel Xeon). On a Mac it stays in
+# float32. So your loss and BLEU will differ a little from the float32
+# run above. On an H100 the recipe trained in 2.2 minutes and reached
+# 36.33 greedy BLEU on the validation split, `<unk>` replaced
 # (`results/gpu_explore.md`); a T4 and Apple's GPUs were not measured.
 
 # %%
@@ -733,8 +766,6 @@ import annotated_transformer_tools as tools  # Appendix, 06
 plan = tools.lesson_training_plan(AT_SIZE, ROOT)
 print(plan.line)
 if plan.train:
-    # At full size, without checkpoints/quick/final.pt, this cell trains
-    # the reference run: about a quarter of an hour on a 2-core CPU.
     tools.train_worker(
         rank=0,  # the only process
         world_size=1,
@@ -817,7 +848,7 @@ def strip_specials(ids, end_symbol=EOS):
 # Check: batched greedy decoding equals one sentence at a time. The model
 # comes with the vocabularies saved alongside it: a model must be read with
 # the ids it was trained on. It and its inputs go on `device`, the one
-# pick_device chose above: a GPU, if there is one.
+# pick_device chose above.
 trained, trained_src, trained_tgt, _ = tools.load_trained_model(
     final_checkpoint, device
 )
@@ -856,13 +887,10 @@ with torch.no_grad():  # Part 2's greedy_decode leaves autograd on
 # `<unk>` as it is (`replace_unk=False`; Part 4 puts the German word in
 # its place, found through attention), so the score is that of plain
 # greedy decoding. Check: at full size, the `quick` model scores above 33
-# BLEU on the whole test set: the reference run scored 35.46, and the
-# margin is for other hardware, other precisions and other random
-# draws, which were not measured. A CI-sized run scores
-# only the first 100 test sentences, with the tiny `ci` model, which
-# writes little more than common words repeated ("A man a a a ..." on our
-# machine): its score means nothing, and the check is only that every
-# sentence got a translation.
+# BLEU on the whole test set (the reference run: 35.46). A CI-sized run
+# scores only the first 100 test sentences with the tiny `ci` model,
+# whose output is little more than common words repeated; there the
+# check is only that every sentence got a translation.
 
 # %%
 test = splits["test"][:100] if AT_SIZE == "ci" else splits["test"]

@@ -14,15 +14,18 @@
 # %% [markdown]
 # # Appendix: the machinery
 #
-# The lessons teach the model, its training and its decoding. Around them
-# sits code that a working program needs but a reader need not study:
-# downloading and verifying the data, the training presets, a description
-# of the hardware, starting several processes, and the command line.
+# The lessons teach the model, its training and its decoding. Around them sits
+# code that a working program needs but a reader need not study. In order: the
+# lessons' charts; files written whole, so that a crash never leaves half a
+# file; downloading and verifying Multi30k; the copy-task runs of
+# `bench/copy_task.py`; the training presets; vocabularies; the hardware and
+# its precision; checkpoint files; training runs on several devices and
+# processes; translating for users; reading text files; and the command line.
 # It lives here, after the lessons, and is exported into a second module,
-# `annotated_transformer_tools.py`, which the `annotated-transformer`
-# command runs. Code in this appendix may use anything the lessons defined
-# (the tools module imports it from `the_annotated_transformer.py`); no
-# lesson's exported code uses the appendix.
+# `annotated_transformer_tools.py`, which the `annotated-transformer` command
+# runs. Code in this appendix may use anything the lessons defined (the tools
+# module imports it from `the_annotated_transformer.py`); no lesson's exported
+# code uses the appendix.
 
 # %% [markdown]
 # [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/annotated-transformer/done-right/blob/main/notebooks/06_tools.ipynb)
@@ -91,7 +94,8 @@ from the_annotated_transformer import BPE_VOCAB_SIZE, train_bpe
 from the_annotated_transformer import data_dir, encode_text
 from the_annotated_transformer import label_smoothing_penalty_rows
 from the_annotated_transformer import load_tokenizers, make_model
-from the_annotated_transformer import make_optimizer, model_from_config
+from the_annotated_transformer import make_optimizer, make_run_optimizer
+from the_annotated_transformer import model_from_config
 from the_annotated_transformer import PositionalEncoding, pick_device, rate
 from the_annotated_transformer import read_multi30k, replace_unknowns
 from the_annotated_transformer import source_alignment, subsequent_mask
@@ -106,14 +110,15 @@ from the_annotated_transformer import run_epoch, strip_specials, tokenize
 # pandas are imported inside the functions that use them: importing the
 # module still needs only torch.
 #
-# `save_chart` shows a chart and also writes it into `figures/`;
+# `save_chart` writes a chart into `figures/` and returns it, so that a
+# cell that ends with it shows the chart;
 # `line_chart` draws a list of dicts as one line per group.
 
 
 # %%
 #| export
 def save_chart(chart, name, folder="figures"):
-    """Show a chart, and also write it as static SVG and PNG files."""
+    """Write a chart as static SVG and PNG files; returns the chart."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     chart.save(str(folder / f"{name}.svg"))
@@ -899,8 +904,8 @@ def train_copy_task(cfg=None, log=print):
 
 
 # %% [markdown]
-# A CI-sized run (in seconds, whatever `AT_SIZE` says). It stops before
-# its limit, and on 500 sequences it has never seen, the teacher-forced
+# A CI-sized run (seconds; always this size, even at full size). It stops
+# before its limit, and on 500 sequences it has never seen, the teacher-forced
 # check gives exactly the greedy fraction:
 
 # %%
@@ -1204,7 +1209,9 @@ def describe_device(device, precision):
     elif device.type == "mps":
         name = "Apple GPU"
     dtype = precision.dtype
-    how = "float32" if dtype is None else f"{str(dtype)[6:]} autocast"
+    how = "float32"
+    if dtype is not None:
+        how = str(dtype).removeprefix("torch.") + " autocast"
     if precision.scaler:
         how += " with a GradScaler"
     return f"device: {device} ({name}), {how}"
@@ -1224,116 +1231,6 @@ if here.type == "cpu":
     native = cpu_has_native_bf16()
     assert decided.dtype == (torch.bfloat16 if native else None)
 assert choose_precision(here, "fp32") == Precision(None, False)
-
-# %% [markdown]
-# ## Starting processes
-#
-# `train_worker` (next section) trains in one process. To use several,
-# the processes need a rendezvous: `free_port` asks the operating system
-# for a TCP port nobody listens on, and `train_distributed_model` starts
-# one process per GPU (or `world_size` CPU processes) with
-# `torch.multiprocessing.spawn`. With fewer GPUs than processes it stops
-# with a `ValueError` that says so, before starting anything, or, with
-# `cpu_fallback=True`, runs every process on the CPU and says that. A new
-# process imports the module, not the notebook that started it, so only
-# plain data crosses over: vocabularies as token lists (or BPE JSON text)
-# and the config as a dict, which `_spawned_worker` turns back into
-# objects before it calls `train_worker`. Under `torchrun` none of this is
-# needed: it starts the processes and sets the rendezvous address itself.
-
-
-# %%
-#| export
-def free_port():
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawned_worker(
-    rank, world_size, vocabs, tokenizers, config, port, resume, device
-):
-    """train_worker in a new process, from plain data."""
-    vocabs = [
-        BpeVocab.from_str(v) if isinstance(v, str) else Vocab(v)
-        for v in vocabs
-    ]
-    config = TrainConfig(**config)
-    if device == "cuda":  # one GPU per process, by rank
-        device = f"cuda:{rank}"
-    train_worker(
-        rank,
-        world_size,
-        *vocabs,
-        *tokenizers,
-        config,
-        is_distributed=True,
-        port=port,
-        resume=resume,
-        device=device,
-    )
-
-
-def train_distributed_model(
-    vocab_src,
-    vocab_tgt,
-    spacy_de,
-    spacy_en,
-    config,
-    world_size=None,
-    resume=False,
-    cpu_fallback=False,
-):
-    """Train with one process per GPU (or world_size CPU processes)."""
-    import torch.multiprocessing as mp
-
-    world_size = world_size or max(cuda_count(), 1)
-    device = process_device(0, world_size, cpu_fallback).type  # may raise
-    how = "one per GPU, with nccl"
-    if device != "cuda":  # gloo cannot send MPS tensors
-        device, how = "cpu", "on the CPU, with gloo"
-        if cuda_count():
-            how += f" (NCCL needs a GPU per process; {cuda_count()} here)"
-    print(f"{world_size} processes {how}")
-    plain = lambda v: v.to_str() if hasattr(v, "to_str") else v.get_itos()
-    vocabs = [plain(vocab_src), plain(vocab_tgt)]
-    data = (vocabs, (spacy_de, spacy_en), asdict(config), free_port())
-    args = (world_size, *data, resume, device)
-    mp.spawn(_spawned_worker, args, nprocs=world_size)
-
-
-# %% [markdown]
-# `train_model` chooses between one process and several.
-
-
-# %%
-#| export
-def train_model(
-    vocab_src,
-    vocab_tgt,
-    spacy_de,
-    spacy_en,
-    config,
-    distributed=False,
-    world_size=None,
-    resume=False,
-):
-    """Train in this process, or in several when `distributed`."""
-    if resume:  # the same run, or a one-line error (see check_resume)
-        check_resume(config, vocab_src, vocab_tgt)
-    args = (vocab_src, vocab_tgt, spacy_de, spacy_en, config)
-    if distributed:
-        return train_distributed_model(*args, world_size, resume)
-    return train_worker(0, 1, *args, resume=resume)
-
-
-# %% [markdown]
-# Check: a port from `free_port` can be bound right away.
-
-# %%
-with socket.socket() as s:
-    s.bind(("127.0.0.1", free_port()))
 
 # %% [markdown]
 # ## Checkpoints from older versions
@@ -1411,13 +1308,6 @@ for key in old_keys:
 # failed write as a `RuntimeError` about stream positions; `save_checkpoint`
 # hands the file a small wrapper that keeps the operating system's own
 # error (such as "No space left on device") and raises that instead.
-#
-# `load_checkpoint` says what is true about a file it cannot use: a missing
-# file is a `FileNotFoundError`, and an empty file, a file that is neither
-# a zip archive (what `torch.save` writes) nor a pickle (what older torch
-# wrote), a damaged or cut-short one, and one whose pickle would build
-# other objects (torch names an "unsupported global") are each a
-# `CheckpointError` with its own message.
 
 
 # %%
@@ -1457,6 +1347,16 @@ def save_checkpoint(path, **fields):
             raise wrapped.error from None  # e.g. no space left on device
 
 
+# %% [markdown]
+# `load_checkpoint` says what is true about a file it cannot use: a missing
+# file is a `FileNotFoundError`, and each way a file can be unusable (empty,
+# not a checkpoint at all, damaged or cut short, or holding a pickle that
+# would build other objects) is a `CheckpointError` with its own one-line
+# message.
+
+
+# %%
+#| export
 def load_checkpoint(path, device="cpu"):
     """Read a checkpoint safely (weights_only) onto `device`."""
     if not Path(path).is_file():
@@ -1498,11 +1398,8 @@ def epoch_checkpoints(folder):
 # A checkpoint stores its config as a dict, and vocabularies as plain
 # data: the token lists of a word vocabulary (Part 3), or the JSON text of
 # a BPE vocabulary (Part 5). `checkpoint_config` rebuilds the config (two
-# fields had other names in older runs), `checkpoint_vocabularies` picks
-# the vocabularies by the config's `tokenization`, and `save_run` writes
-# them. `load_weights` compares every tensor's size before it loads, so a
-# file of another model is named with the first size that differs, in one
-# short line rather than PyTorch's list of every difference.
+# fields had other names in older runs), and `checkpoint_vocabularies`
+# picks the vocabularies by the config's `tokenization`.
 
 
 # %%
@@ -1541,6 +1438,14 @@ def checkpoint_vocabularies(ckpt, path="checkpoint"):
     raise CheckpointError(f"{path}: unknown tokenization {tokenization!r}")
 
 
+# %% [markdown]
+# `load_weights` compares every tensor's size before it loads, so a file
+# of another model is named with the first size that differs, in one
+# short line rather than PyTorch's list of every difference.
+
+
+# %%
+#| export
 def size_mismatch(expected, saved):
     """How two state dicts differ, in a few words; "" if they fit."""
     missing = sorted(expected.keys() - saved.keys())
@@ -1575,6 +1480,22 @@ def load_weights(model, ckpt, path="checkpoint"):
     model.load_state_dict(state)
 
 
+# %% [markdown]
+# `save_run` writes a run's weights, config, vocabularies and losses. Each
+# epoch, rank 0 writes a lean `epoch_NNN.pt` with the weights Part 5 averages,
+# keeping the newest `keep_last`, and `last.pt`, which adds the optimizer (Adam
+# keeps two averages per weight, so it triples the size), the schedule, the
+# counters and the random states: the CPU's, and every GPU's when the run uses
+# CUDA. A crash between the two writes only repeats the epoch. `resume_run`
+# restores `last.pt` (or, for a run made by an older version of this code, its
+# newest epoch file, which then held the optimizer too) exactly as an
+# uninterrupted run would continue. It reads the file onto the CPU whatever the
+# run's device: `torch.set_rng_state` takes only a CPU tensor, and
+# `load_state_dict` moves weights and optimizer state to where the model lives.
+
+
+# %%
+#| export
 def save_run(run, name, vocab_src, vocab_tgt, **extra):
     """Write the weights, config, vocabularies and losses, and `extra`."""
     fields = {
@@ -1589,22 +1510,6 @@ def save_run(run, name, vocab_src, vocab_tgt, **extra):
     save_checkpoint(Path(run.config.checkpoint_dir, name), **fields, **extra)
 
 
-# %% [markdown]
-# Each epoch, rank 0 writes a lean `epoch_NNN.pt` with the weights Part 5
-# averages, keeping the newest `keep_last`, and `last.pt`, which adds the
-# optimizer (Adam keeps two averages per weight, so it triples the size),
-# the schedule, the counters and the random states: the CPU's, and every
-# GPU's when the run uses CUDA. A crash between the two writes only
-# repeats the epoch. `resume_run` restores `last.pt` (or an older run's
-# newest epoch file, which then held the whole state) exactly as an
-# uninterrupted run would continue. It reads the file onto the CPU
-# whatever the run's device: `torch.set_rng_state` takes only a CPU
-# tensor, and `load_state_dict` moves weights and optimizer state to
-# where the model lives.
-
-
-# %%
-#| export
 def save_epoch(run, epoch, vocab_src, vocab_tgt):
     """Write a lean epoch_NNN.pt, then last.pt; keep `keep_last` epochs."""
     save_run(run, f"epoch_{epoch:03d}.pt", vocab_src, vocab_tgt, epoch=epoch)
@@ -1905,7 +1810,8 @@ def load_translator(checkpoint, device="cpu", beam=1, average_last=0):
 # at every step, so a process with one batch more would wait forever for
 # the others. `split_evenly` therefore halves the largest batches until
 # their count divides by `n`. `shard_loader` rebuilds one of Part 3's
-# `DataLoader`s around the wrapped sampler, with pinned memory for a GPU.
+# `DataLoader`s around the wrapped sampler, with pinned memory for a GPU;
+# with one process it changes nothing but the pinning.
 
 
 # %%
@@ -2194,60 +2100,26 @@ def train_epoch(run, epoch, train_loader, valid_loader, show=True):
 
 
 # %% [markdown]
-# ### A schedule for a known budget
+# ### The schedule, once the batches are counted
 #
-# Part 2's schedule decays as $1/\sqrt{\text{step}}$ and never reaches
-# zero: it suits a run of unknown length. When the number of steps is
-# known in advance, a run can instead warm up quickly and then lower the
-# rate in a straight line, to reach zero as its last step ends
-# (`schedule="linear"` in a `TrainConfig`), a common choice for short
-# runs; `bench/recipe_sweep.py` measures it. Its peak is the peak of Part
-# 2's schedule, so that `factor`, `d_model` and `warmup` keep their
-# meaning. `set_schedule` swaps it in once the loader has said how many
-# steps an epoch takes.
+# `TrainingRun` starts with Part 2's schedule. For a config that names
+# Part 3's `schedule="linear"`, `set_schedule` replaces the optimizer and
+# schedule with `make_run_optimizer`'s, once the loader has said how many
+# steps an epoch takes; `bench/recipe_sweep.py` compares the two.
 
 
 # %%
 #| export
-def warmup_then_linear(step, peak, warmup, total):
-    """Linear warm-up to `peak`, then a straight line to zero at `total`."""
-    step = max(step, 1)
-    if step < warmup:
-        return peak * step / warmup
-    return peak * max(0, total - step) / max(1, total - warmup)
-
-
 def set_schedule(run, steps_per_epoch, total=None):
     """Give `run` the schedule its config names, for its step budget.
 
     `total` replaces the budget of `epochs` whole epochs, for a run that
     stops part of the way through an epoch.
     """
-    c = run.config
-    if c.schedule not in ("noam", "linear"):
-        raise ValueError(f"unknown schedule {c.schedule!r}: noam or linear")
-    if c.schedule == "noam":  # Part 2's, already made by TrainingRun
-        return
-    if total is None:
-        total = steps_per_epoch * c.epochs // c.accum_iter
-    peak = rate(c.warmup, c.d_model, c.factor, c.warmup)
-    run.optimizer, run.scheduler = make_optimizer(
-        run.module,
-        c.d_model,
-        schedule=lambda step: warmup_then_linear(step, peak, c.warmup, total),
-    )
-
-
-# %% [markdown]
-# Check: the rate rises to Part 2's peak at the end of the warm-up, then
-# falls by the same amount at every step and is zero at the last one.
-
-# %%
-peak = rate(100, 256, 1.0, 100)
-lrs = [warmup_then_linear(s, peak, 100, 1000) for s in range(1, 1001)]
-assert abs(max(lrs) - peak) < 1e-12 and lrs[99] == peak and lrs[-1] == 0
-steps_down = [a - b for a, b in zip(lrs[99:], lrs[100:])]
-assert max(steps_down) - min(steps_down) < 1e-12
+    if run.config.schedule != "noam":  # Part 2's is made by TrainingRun
+        run.optimizer, run.scheduler = make_run_optimizer(
+            run.module, run.config, steps_per_epoch, total
+        )
 
 
 # %% [markdown]
@@ -2310,6 +2182,117 @@ def train_worker(
         if is_distributed and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
+
+# %% [markdown]
+# ### Starting processes
+#
+# `train_worker` trains in one process. To use several, the processes must
+# first find each other (a *rendezvous*): `free_port` asks the operating system
+# for a TCP port nobody listens on, and `train_distributed_model` starts one
+# process per GPU (or `world_size` CPU processes) with
+# `torch.multiprocessing.spawn`. With fewer GPUs than processes it stops with a
+# `ValueError` that says so, before starting anything, or, with
+# `cpu_fallback=True`, runs every process on the CPU and says that. A new
+# process imports the module, not the notebook that started it, so only plain
+# data crosses over: vocabularies as token lists (or BPE JSON text) and the
+# config as a dict, which `_spawned_worker` turns back into objects before it
+# calls `train_worker`. Under `torchrun`, PyTorch's launcher for several
+# processes, none of this is needed: it starts the processes and sets the
+# rendezvous address itself.
+
+
+# %%
+#| export
+def free_port():
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawned_worker(
+    rank, world_size, vocabs, tokenizers, config, port, resume, device
+):
+    """train_worker in a new process, from plain data."""
+    vocabs = [
+        BpeVocab.from_str(v) if isinstance(v, str) else Vocab(v)
+        for v in vocabs
+    ]
+    config = TrainConfig(**config)
+    if device == "cuda":  # one GPU per process, by rank
+        device = f"cuda:{rank}"
+    train_worker(
+        rank,
+        world_size,
+        *vocabs,
+        *tokenizers,
+        config,
+        is_distributed=True,
+        port=port,
+        resume=resume,
+        device=device,
+    )
+
+
+def train_distributed_model(
+    vocab_src,
+    vocab_tgt,
+    spacy_de,
+    spacy_en,
+    config,
+    world_size=None,
+    resume=False,
+    cpu_fallback=False,
+):
+    """Train with one process per GPU (or world_size CPU processes)."""
+    import torch.multiprocessing as mp
+
+    world_size = world_size or max(cuda_count(), 1)
+    device = process_device(0, world_size, cpu_fallback).type  # may raise
+    how = "one per GPU, with nccl"
+    if device != "cuda":  # gloo cannot send MPS tensors
+        device, how = "cpu", "on the CPU, with gloo"
+        if cuda_count():
+            how += f" (NCCL needs a GPU per process; {cuda_count()} here)"
+    print(f"{world_size} processes {how}")
+    plain = lambda v: v.to_str() if hasattr(v, "to_str") else v.get_itos()
+    vocabs = [plain(vocab_src), plain(vocab_tgt)]
+    data = (vocabs, (spacy_de, spacy_en), asdict(config), free_port())
+    args = (world_size, *data, resume, device)
+    mp.spawn(_spawned_worker, args, nprocs=world_size)
+
+
+# %% [markdown]
+# `train_model` chooses between one process and several.
+
+
+# %%
+#| export
+def train_model(
+    vocab_src,
+    vocab_tgt,
+    spacy_de,
+    spacy_en,
+    config,
+    distributed=False,
+    world_size=None,
+    resume=False,
+):
+    """Train in this process, or in several when `distributed`."""
+    if resume:  # the same run, or a one-line error (see check_resume)
+        check_resume(config, vocab_src, vocab_tgt)
+    args = (vocab_src, vocab_tgt, spacy_de, spacy_en, config)
+    if distributed:
+        return train_distributed_model(*args, world_size, resume)
+    return train_worker(0, 1, *args, resume=resume)
+
+
+# %% [markdown]
+# Check: a port from `free_port` can be bound right away.
+
+# %%
+with socket.socket() as s:
+    s.bind(("127.0.0.1", free_port()))
 
 # %% [markdown]
 # ### The notebooks' choices
@@ -2682,7 +2665,6 @@ def _split_lines(f):
 def iter_lines(path):
     """Lines of a UTF-8 text file (plain, .gz, or "-": stdin), lazily."""
     import gzip
-    from contextlib import nullcontext
 
     stdin = str(path) == "-"
     name, number = "standard input" if stdin else Path(path), 0
@@ -2844,10 +2826,10 @@ def existing_device(name):
             f"{name!r} is not a device; try cpu, cuda or cuda:1"
         ) from None
     if device.type == "cuda":
-        count = torch.cuda.device_count()  # 0 without CUDA
-        if (device.index or 0) >= count:
+        gpus = torch.cuda.device_count()  # 0 without CUDA
+        if (device.index or 0) >= gpus:
             raise argparse.ArgumentTypeError(
-                f"no {name} here: this machine has {count} CUDA devices"
+                f"no {name} here: this machine has {gpus} CUDA devices"
             )
     elif device.type == "mps" and not torch.backends.mps.is_available():
         raise argparse.ArgumentTypeError("no mps (Apple GPU) here")

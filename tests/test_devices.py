@@ -244,12 +244,10 @@ def test_one_process_run(machine, cpu_model, device, backend, dtype, scaler):
         assert machine.set_device == [run.device]
 
 
-def test_the_lessons_loop_refuses_a_schedule_it_does_not_run(vocabs):
-    """train_one_process knows Part 2's schedule only: quick's "linear"
-    would otherwise train silently on another schedule."""
-    config = tools.get_config("quick")
-    with pytest.raises(ValueError, match="schedule 'linear'"):
-        tat.train_one_process(*vocabs, None, None, config, "cpu")
+def test_the_lessons_loop_refuses_an_unknown_schedule(vocabs, tokenizers):
+    config = tools.get_config("ci", schedule="cosine", max_train_pairs=40)
+    with pytest.raises(ValueError, match="unknown schedule 'cosine'"):
+        tat.train_one_process(*vocabs, *tokenizers, config, "cpu")
 
 
 @with_machine("one A100")
@@ -471,10 +469,15 @@ def test_all_reduce_loss_weights_ranks_by_tokens(monkeypatch):
 
 # ------------------------------------------ real training, on this CPU
 @pytest.mark.usefixtures("local_multi30k", "one_thread")
-def test_worker_and_lesson_loop_agree(tmp_path, vocabs, tokenizers):
+@pytest.mark.parametrize("schedule", ["noam", "linear"])
+def test_worker_and_lesson_loop_agree(tmp_path, vocabs, tokenizers, schedule):
     """The appendix's train_worker is the lesson's loop plus files."""
     config = tools.get_config(
-        "ci", epochs=2, max_train_pairs=300, checkpoint_dir=str(tmp_path)
+        "ci",
+        epochs=2,
+        max_train_pairs=300,
+        checkpoint_dir=str(tmp_path),
+        schedule=schedule,
     )
     model, history = tat.train_one_process(*vocabs, *tokenizers, config, "cpu")
     worker = tools.train_worker(

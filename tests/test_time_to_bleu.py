@@ -99,10 +99,34 @@ def test_step_budget_and_linear_schedule(
 
 def test_linear_schedule_shape():
     peak = tat.rate(50, 64, 2.0, 50)
-    lrs = [tools.warmup_then_linear(s, peak, 50, 300) for s in range(301)]
+    lrs = [tat.warmup_then_linear(s, peak, 50, 300) for s in range(301)]
     assert lrs[50] == pytest.approx(peak) and max(lrs) == lrs[50]
     assert lrs[300] == 0 and lrs[175] == pytest.approx(peak / 2)
     assert lrs[25] == pytest.approx(peak / 2)
+
+
+def learning_rates(config, steps_per_epoch, steps):
+    model = torch.nn.Linear(2, 2)
+    opt, sched = tat.make_run_optimizer(model, config, steps_per_epoch)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return lrs
+
+
+def test_make_run_optimizer_follows_the_config():
+    linear = tools.get_config("ci", schedule="linear", epochs=2, warmup=3)
+    lrs = learning_rates(linear, steps_per_epoch=5, steps=11)
+    peak = tat.rate(3, linear.d_model, linear.factor, 3)
+    assert lrs[3] == pytest.approx(peak) and max(lrs) == lrs[3]
+    assert lrs[10] == 0 and lrs[0] == pytest.approx(peak / 3)
+    noam = tools.get_config("ci", schedule="noam", warmup=3)
+    lrs = learning_rates(noam, steps_per_epoch=5, steps=11)
+    c = noam
+    expected = [tat.rate(k, c.d_model, c.factor, c.warmup) for k in range(11)]
+    assert lrs == pytest.approx(expected)
 
 
 def test_unknown_schedule_is_a_value_error(tmp_path):
