@@ -925,11 +925,11 @@ class TrainConfig:
     max_len: int = 128
     max_train_pairs: int = 0  # 0 means all 29,000
     seed: int = 0
+    num_workers: int = 0  # processes that prepare batches (0: this one)
     # For the appendix and Part 5 (see above):
     preset: str = "cpu"
     precision: str = "bf16"  # "bf16": autocast where native; or "fp32"
     checkpoint_dir: str = "checkpoints/cpu"
-    num_workers: int = 0
     tokenization: str = "word"  # or "bpe": one subword vocabulary
     tie_embeddings: bool = False  # share embeddings and generator
     keep_last: int = 5  # epoch files kept, for averaging (0: all)
@@ -974,8 +974,8 @@ def make_run_optimizer(model, config, steps_per_epoch, total=None):
         return make_optimizer(model, c.d_model, c.factor, c.warmup)
     if c.schedule != "linear":
         raise ValueError(f"unknown schedule {c.schedule!r}: noam or linear")
-    if total is None:
-        total = steps_per_epoch * c.epochs // c.accum_iter
+    if total is None:  # run_epoch also steps on a short last window
+        total = math.ceil(steps_per_epoch / c.accum_iter) * c.epochs
     peak = rate(c.warmup, c.d_model, c.factor, c.warmup)
     linear = lambda step: warmup_then_linear(step, peak, c.warmup, total)
     return make_optimizer(model, c.d_model, schedule=linear)

@@ -54,6 +54,7 @@ AT_SIZE = os.environ.get("AT_SIZE", "full")  # "ci": tiny models, CI-sized
 # %%
 #| export
 import gzip
+import math
 import os
 import random
 import warnings
@@ -265,7 +266,8 @@ assert unk["train"] < unk["test"] < 0.05
 # ## From text to batches
 #
 # Each sentence becomes `<s>`, its token ids, then `</s>`. A `Vocab` reads
-# the tokens that its language's tokenizer cuts.
+# the tokens that its language's tokenizer cuts. (Part 5's subword
+# vocabularies read the raw text instead; `encode_text` lets them.)
 #
 # A batch stacks several sentences into one `(B, S)` tensor, padded with
 # `<blank>` to its own longest sentence; the masks hide the padding from
@@ -412,10 +414,10 @@ assert shares["buckets"] < 0.10 < shares["random 32"]
 # %% [markdown]
 # Padding to 72 wastes about four positions in five, and buckets bring the
 # waste down to about 6%, so the same compute goes into real tokens. In a
-# recorded benchmark (`bench/RESULTS_batching.md`: the paper's model on
-# 1,024 training pairs, in float32 on the 2-core development CPU), buckets
-# of 2,304 tokens trained 4.96 times faster, in real target tokens per
-# second, than batches of 32 padded to 72.
+# recorded benchmark (`bench/RESULTS_batching.md`: the paper's model on 1,024
+# training pairs, in float32 on the 2-core development CPU), buckets of 2,304
+# tokens (32 × 72: as many positions as one padded batch) trained 4.96 times
+# faster, in real target tokens per second, than batches of 32 padded to 72.
 #
 # `create_dataloaders` puts the pieces together: training batches
 # shuffled and without pairs longer than `max_len`; validation batches in
@@ -483,10 +485,11 @@ def create_dataloaders(
 # steps, and the `cpu` defaults warm up for 800, about five epochs: our
 # choice for a small data set, not a tuned value.
 #
-# The fields under "For the appendix and Part 5" are not used in this
-# lesson: they name files, precision and subword vocabularies for the
-# appendix's longer runs (notebook 06, "Presets", which also holds the
-# named presets `quick`, `cpu`, `paper` and the tiny `ci`).
+# A *preset* is a named `TrainConfig`: `quick`, `cpu`, `paper` and the
+# tiny `ci` that tests use, in the appendix (notebook 06, "Presets"),
+# where `get_config` returns one. The fields under "For the appendix and
+# Part 5" are not used in this lesson: they name files, precision and
+# subword vocabularies for longer runs and for Part 5.
 
 
 # %%
@@ -510,11 +513,11 @@ class TrainConfig:
     max_len: int = 128
     max_train_pairs: int = 0  # 0 means all 29,000
     seed: int = 0
+    num_workers: int = 0  # processes that prepare batches (0: this one)
     # For the appendix and Part 5 (see above):
     preset: str = "cpu"
     precision: str = "bf16"  # "bf16": autocast where native; or "fp32"
     checkpoint_dir: str = "checkpoints/cpu"
-    num_workers: int = 0
     tokenization: str = "word"  # or "bpe": one subword vocabulary
     tie_embeddings: bool = False  # share embeddings and generator
     keep_last: int = 5  # epoch files kept, for averaging (0: all)
@@ -543,12 +546,14 @@ def model_from_config(c, n_src, n_tgt, dropout=None):
 # %% [markdown]
 # ### A schedule that ends
 #
-# Part 2's schedule decays as $1/\sqrt{\text{step}}$ and never reaches
-# zero, which suits a run of unknown length. A run that knows how many
-# steps it will take can instead warm up, then lower the rate in a
-# straight line to exactly zero at its last step: `schedule="linear"`.
-# Its peak is the rate that Part 2's `rate` reaches at step `warmup`, so
-# `factor`, `d_model` and `warmup` keep their meaning. The loader says how
+# Part 2's `rate` (the paper's schedule) decays as $1/\sqrt{\text{step}}$
+# and never reaches zero, which suits a run of unknown length. A run that
+# knows how many steps it will take can instead warm up, then lower the
+# rate in a straight line to exactly zero at its last step:
+# `schedule="linear"`. Its peak is the rate that `rate` reaches at step
+# `warmup`, so `factor`, `d_model` and `warmup` keep their meaning. (The
+# copy task's `warmup_linear_decay`, in Part 2, is a cousin that stops at
+# 2% of its peak and stays there.) The loader says how
 # many steps an epoch takes, so `make_run_optimizer` builds Adam and the
 # schedule once the batches are counted.
 
@@ -574,8 +579,8 @@ def make_run_optimizer(model, config, steps_per_epoch, total=None):
         return make_optimizer(model, c.d_model, c.factor, c.warmup)
     if c.schedule != "linear":
         raise ValueError(f"unknown schedule {c.schedule!r}: noam or linear")
-    if total is None:
-        total = steps_per_epoch * c.epochs // c.accum_iter
+    if total is None:  # run_epoch also steps on a short last window
+        total = math.ceil(steps_per_epoch / c.accum_iter) * c.epochs
     peak = rate(c.warmup, c.d_model, c.factor, c.warmup)
     linear = lambda step: warmup_then_linear(step, peak, c.warmup, total)
     return make_optimizer(model, c.d_model, schedule=linear)
@@ -678,8 +683,9 @@ def train_one_process(
 
 # %% [markdown]
 # We train the tiny `ci` preset (one layer, 1,000 sentence pairs, two
-# epochs: seconds on any machine) with it. Check: the validation loss
-# falls.
+# epochs: seconds on any machine) with it, only to see the loop work.
+# Check: the validation loss falls. The model that translates below is
+# trained next.
 
 # %%
 from annotated_transformer_tools import get_config  # Appendix, 06: presets
@@ -756,8 +762,9 @@ assert history[-1]["val_loss"] < history[0]["val_loss"]
 # A100, L4 or H100, float16 with loss scaling on a T4; so does a CPU
 # with native bfloat16 (a recent Intel Xeon). On a Mac it stays in
 # float32. So your loss and BLEU will differ a little from the float32
-# run above. On an H100 the recipe trained in 2.2 minutes and reached
-# 36.33 greedy BLEU on the validation split, `<unk>` replaced
+# run above. On an H100 the recipe took 2.6 minutes from the start of its
+# process to its end, scoring after every epoch included, and reached
+# 36.33 greedy BLEU on the validation split with `<unk>` replaced
 # (`results/gpu_explore.md`); a T4 and Apple's GPUs were not measured.
 
 # %%
@@ -844,18 +851,24 @@ def strip_specials(ids, end_symbol=EOS):
     return ids[: ids.index(end_symbol)] if end_symbol in ids else ids
 
 
+# %% [markdown]
+# `final.pt` holds the trained model and the vocabularies it was trained
+# with: a model must be read with the ids it learned. The appendix's
+# `load_trained_model` reads it onto `device`, the one `pick_device`
+# chose above.
+
 # %%
-# Check: batched greedy decoding equals one sentence at a time. The model
-# comes with the vocabularies saved alongside it: a model must be read with
-# the ids it was trained on. It and its inputs go on `device`, the one
-# pick_device chose above.
 trained, trained_src, trained_tgt, _ = tools.load_trained_model(
     final_checkpoint, device
 )
 print("model:", tools.describe_checkpoint(final_checkpoint))
+
+# %%
+# Check: batched greedy decoding equals one sentence at a time. The
+# inputs go where the model is.
 batch = encode_pairs(splits["val"][:12], trained_src, trained_tgt, *tokenizers)
 src, _ = collate_batch(batch)
-src = src.to(device)  # inputs go where the model is: a GPU, if there is one
+src = src.to(device)
 batched = batch_greedy_decode(trained, src, (src != PAD).unsqueeze(-2), 20)
 with torch.no_grad():  # Part 2's greedy_decode leaves autograd on
     for (ids, _), row in zip(batch, batched.tolist(), strict=True):

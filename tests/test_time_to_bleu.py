@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,11 @@ def test_make_run_optimizer_follows_the_config():
     peak = tat.rate(3, linear.d_model, linear.factor, 3)
     assert lrs[3] == pytest.approx(peak) and max(lrs) == lrs[3]
     assert lrs[10] == 0 and lrs[0] == pytest.approx(peak / 3)
+    # accum_iter=2 over 5 batches: run_epoch steps after batches 2, 4 and
+    # 5 (a short last window), so 3 steps an epoch, 6 in all, not 5.
+    accumulated = replace(linear, accum_iter=2)
+    lrs = learning_rates(accumulated, steps_per_epoch=5, steps=7)
+    assert lrs[5] > 0 and lrs[6] == 0
     noam = tools.get_config("ci", schedule="noam", warmup=3)
     lrs = learning_rates(noam, steps_per_epoch=5, steps=11)
     c = noam
