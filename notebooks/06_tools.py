@@ -1621,9 +1621,8 @@ def check_resume(config, vocab_src, vocab_tgt):
 # which holds the process id of the run that has it. The kernel releases
 # a `flock` when its process ends, however it ends, so the lock of a
 # killed run is never stale: its `.lock` file stays, but the next run
-# takes it over. We use `fcntl` from the standard library rather than
-# the `filelock` package, which takes the same `flock` on Unix but does
-# not record who holds it, and whose timeouts we do not need. `fcntl`
+# takes it over. `fcntl` is in the standard library (the `filelock`
+# package takes the same `flock` but does not record the holder). It
 # exists on Linux and macOS, not on Windows, and `flock` is not reliable
 # on some network file systems.
 
@@ -2356,14 +2355,10 @@ with tempfile.TemporaryDirectory() as tmp:
 # %% [markdown]
 # ## Translating for users
 #
-# Three greedy decoders exist, and each has a reason to. `greedy_decode`
-# (Part 2) is the original tutorial's, one sentence at a time, kept for its
-# API. `batch_greedy_decode` (Part 3) is the readable batched version that
-# a lesson can explain in one cell, and the reference that the cached
-# decoder is tested against. `cached_greedy_decode` (Part 5) gives the same
-# outputs, much faster, with a key/value cache, and it is the one default
-# of everything a user calls: `translate_batch`, `translate`, and the
-# command line (`--beam K` switches to beam search).
+# Everything a user calls (`translate_batch`, `translate` and the command
+# line) decodes with Part 5's `cached_greedy_decode`, which gives the same
+# outputs as Part 3's `batch_greedy_decode`, much faster, with a key/value
+# cache; `--beam K` switches to beam search.
 #
 # The model writes spaCy tokens, while BLEU is computed by sacreBLEU on
 # plain text against untouched references, so the tokens are joined back
@@ -3119,8 +3114,7 @@ def load_for_decoding(args):
 # source's length. `fit_to_model` cuts such a line to the tokens that fit
 # and says so on stderr, once per line, with its number: the line is
 # still translated, from its beginning, and every other line keeps its
-# place in the output. We chose truncation with a warning over refusing
-# the whole input, because one stray line should not cost the other
+# place in the output: one stray line does not cost the others their
 # translations.
 
 
