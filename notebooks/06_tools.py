@@ -926,20 +926,21 @@ assert forced == greedy
 # ## Presets
 #
 # A preset is a `TrainConfig` (Part 3) with a name. `quick` is the
-# default of `train` and of Part 3, on GPUs too: the `cpu` model for 5
-# epochs with a linear schedule down to zero and no dropout, about 15
-# minutes on a 2-core CPU (Part 3 says what made it fast;
-# `results/recipe_quick.json`). `cpu` is the dataclass's defaults: the
-# same model for 18 epochs with dropout and Part 2's warm-up schedule,
-# over an hour (`results/multi30k_cpu.json`). `long` is a candidate for
-# a better model than `cpu`: the quick recipe's schedule over 12 epochs,
-# with dropout 0.1 (about 40 minutes on 2 threads; `docs/results.md` says
-# what it scored). `paper` is the paper's base
-# model, sized for a GPU, and **not measured for BLEU**: it has never
-# been trained to the end in this repository. `ci` is a tiny model on
-# 1,000 sentence pairs for two epochs, so that tests and the CI-sized
-# notebooks finish in seconds. `cpu` and `ci` have a BPE twin (Part 5),
-# with one subword vocabulary and tied embeddings.
+# default of `train` and of Part 3, on GPUs too. `cpu` and `ci` have a
+# BPE twin (Part 5), with one subword vocabulary and tied embeddings.
+#
+# | preset | model and recipe | time on 2 CPU cores |
+# |---|---|---|
+# | `quick` | `cpu` model, 5 epochs, linear to zero, no dropout | 14 min |
+# | `cpu` | 18 epochs, dropout 0.1, Part 2's schedule | over an hour |
+# | `long` | `quick`'s schedule over 12 epochs, dropout 0.1 | 42 min |
+# | `paper` | the paper's base model, for a GPU | never trained to the end |
+# | `ci` | tiny: 1,000 sentence pairs, two epochs | seconds |
+#
+# `cpu` is the dataclass's defaults. The runs are on record:
+# `results/recipe_quick.json`, `results/multi30k_cpu.json` and, for
+# `long`, `docs/results.md`. `paper` has no BLEU score here; `ci` serves
+# tests and the CI-sized notebooks.
 
 # %%
 #| export
@@ -2625,12 +2626,10 @@ with tempfile.TemporaryDirectory() as tmp:
 # ## Reading text files
 #
 # `iter_lines` reads the text to translate or score one line at a time:
-# a plain file, a gzipped one, or standard input for `-`, and also a
-# named pipe, a `<(...)` substitution or `/dev/null`. It reads text the
-# way editors write it: it drops a UTF-8 byte-order mark at the start,
-# and takes `\n`, `\r\n` and a lone `\r` (old Macs) as line ends. From each
-# line it drops control characters other than tab, which no sentence
-# holds and which the tokenizers would read as words. It decodes each line
+# a plain file, a gzipped one, or standard input for `-`. It drops a
+# UTF-8 byte-order mark at the start, takes `\n`, `\r\n` and `\r` as line
+# ends, and drops control characters other than tab, which the tokenizers
+# would read as words. It decodes each line
 # by itself, so a file that is not UTF-8 is refused with the number of its
 # first bad line. Its errors are a `TextFileError`, which the command line
 # prints as one line. `read_lines` reads a whole file.
@@ -3289,21 +3288,19 @@ def command_download(args):
 
 
 # %% [markdown]
-# `main` runs a sub-command and turns every error the user can fix into
-# `error: ...` on one line (a message of several lines is joined) and exit
-# status 2: the command line's `UserError`, and the library's
-# `CheckpointError`, `TextFileError`, `DatasetError`, `FolderInUseError`
-# and `FileNotFoundError`. Faults of the machine are one line, too, with
-# their own status: a full disk or another error of the operating system
-# is 74 (`EX_IOERR` of BSD's `sysexits.h`), and so is a standard output
-# that is closed or cannot take the text; Ctrl-C is 130, as the shell
-# reports a program that SIGINT ended. (While torch loads, before `main`
-# runs, a few lines at the top of the generated module give the same line
-# and status when it runs as a script.) A reader that leaves early
-# (`translate ... | head -1`) is no error of ours: the program stops
-# quietly, with 141, the status of a program that SIGPIPE ended. `main`
-# also hides the warning torch prints before it refuses an old-style
-# pickle, which would be a second line.
+# `main` runs a sub-command and turns every error into one line,
+# `error: ...`, with an exit status that says whose it is:
+#
+# | status | when |
+# |---|---|
+# | 2 | an error the user can fix: a bad argument, checkpoint or file |
+# | 74 | the machine's: a full disk, a closed standard output |
+# | 130 | Ctrl-C, as the shell reports SIGINT |
+# | 141 | a reader that left early (`translate ... \| head -1`): quietly |
+#
+# `docs/guarantees.md` lists every case. (While torch loads, before `main`
+# runs, a few lines at the top of the generated module handle Ctrl-C the
+# same way.)
 
 
 # %%
