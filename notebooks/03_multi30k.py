@@ -736,15 +736,13 @@ assert history[-1]["val_loss"] < history[0]["val_loss"]
 #   lost at about five epochs' training time: 27.2 validation BLEU after
 #   1,600 steps of 1,500 tokens, against 32.5 after 660 steps of 3,000.
 #
-# Every trial behind these numbers, with its command and time, is a row
-# of `results/recipe_sweep.md` (q3000-d00 and q3000-d01 for dropout;
-# q1600-d01 and q3000-d01 for the batch, which also differ slightly in
-# warm-up and peak).
-# Their validation BLEU replaces `<unk>` with the German word, as Part 4
-# teaches; the curve below keeps `<unk>`, so its numbers are a little
-# lower. The `cpu` preset trains the same model for 18 epochs with
-# dropout and Part 2's schedule (over an hour; `make train` trains it,
-# and a subword model after it); Parts 4 and 5 read it when it exists.
+# Each number comes from a trial in `results/recipe_sweep.md`, with its
+# command and time (the two batch trials also differ slightly in warm-up
+# and peak). Their validation BLEU replaces `<unk>` with the German word
+# (Part 4), so it runs a little above the curve below, which keeps
+# `<unk>`. The `cpu` preset trains the same model for 18 epochs with
+# dropout and Part 2's schedule, in over an hour (`make train`); Parts 4
+# and 5 read it when it exists.
 
 # %% [markdown]
 # ### Training it

@@ -2046,8 +2046,8 @@ def all_reduce_loss(loss, tokens, device):
 
 
 # %% [markdown]
-# `train_epoch` runs one epoch: a training pass, then a validation pass,
-# both through Part 2's `run_epoch`, and it records both losses, each
+# `train_epoch` runs one epoch: `train_pass`, then `validate`, both
+# through Part 2's `run_epoch`, and it records both losses, each
 # averaged over all processes. Only rank 0 prints: a tqdm bar over the
 # batches, once an epoch has taken more than three seconds, then both
 # losses, with the peak GPU memory from `torch.cuda`'s own statistics.
@@ -2055,19 +2055,13 @@ def all_reduce_loss(loss, tokens, device):
 
 # %%
 #| export
-def train_epoch(run, epoch, train_loader, valid_loader, show=True):
-    """Train for one epoch, then validate; returns the history entry."""
-    loss = SimpleLossCompute(run.module.generator, run.criterion)
-    train_loader.batch_sampler.set_epoch(epoch)
-    if show and run.rank == 0:  # a bar, once an epoch takes over 3 s
-        from tqdm.auto import tqdm  # here: the module needs only torch
-
-        train_loader = tqdm(train_loader, f"epoch {epoch}", delay=3)
-    train_tokens, val_tokens = [0], [0]
+def train_pass(run, train_loader, loss):
+    """One pass over the training batches; the loss over all processes."""
+    tokens = [0]
     batches = (device_batch(s, t, run.device) for s, t in train_loader)
     run.model.train()
     train_loss, run.state = run_epoch(
-        counted(batches, train_tokens),
+        counted(batches, tokens),
         run.model,
         loss,
         run.optimizer,
@@ -2077,17 +2071,34 @@ def train_epoch(run, epoch, train_loader, valid_loader, show=True):
         autocast=run.autocast,
         scaler=run.scaler,
     )
-    run.model.eval()
+    return all_reduce_loss(train_loss, tokens[0], run.device)
+
+
+def validate(run, valid_loader, loss):
+    """The validation loss, without dropout, over all processes."""
+    tokens = [0]
     batches = (device_batch(s, t, run.device) for s, t in valid_loader)
+    run.model.eval()
     val_loss, _ = run_epoch(
-        counted(batches, val_tokens),
+        counted(batches, tokens),
         run.model,
         loss,
         mode="eval",
         autocast=run.autocast,
     )
-    train_loss = all_reduce_loss(train_loss, train_tokens[0], run.device)
-    val_loss = all_reduce_loss(val_loss, val_tokens[0], run.device)
+    return all_reduce_loss(val_loss, tokens[0], run.device)
+
+
+def train_epoch(run, epoch, train_loader, valid_loader, show=True):
+    """Train for one epoch, then validate; returns the history entry."""
+    loss = SimpleLossCompute(run.module.generator, run.criterion)
+    train_loader.batch_sampler.set_epoch(epoch)
+    if show and run.rank == 0:  # a bar, once an epoch takes over 3 s
+        from tqdm.auto import tqdm  # here: the module needs only torch
+
+        train_loader = tqdm(train_loader, f"epoch {epoch}", delay=3)
+    train_loss = train_pass(run, train_loader, loss)
+    val_loss = validate(run, valid_loader, loss)
     entry = {"epoch": epoch, "train_loss": train_loss, "val_loss": val_loss}
     run.history.append(entry | {"steps": run.state.accum_step})
     if show and run.rank == 0:
