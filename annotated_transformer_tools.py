@@ -1607,30 +1607,6 @@ def train_model(
     return train_worker(0, 1, *args, resume=resume)
 
 
-class TrainingPlan(NamedTuple):
-    """What a notebook trains, where, how, and whether it must."""
-
-    preset: str
-    config: TrainConfig
-    device: torch.device
-    precision: Precision
-    train: bool
-    line: str
-
-
-def lesson_training_plan(size="full", root="."):
-    """Part 3's choices: preset, device, precision, and whether to train."""
-    preset = "ci" if size == "ci" else "quick"
-    folder = Path(root, "checkpoints", preset)
-    config = get_config(preset, checkpoint_dir=str(folder))
-    device = pick_device()
-    precision = choose_precision(device, config.precision)
-    train = preset == "ci" or not Path(folder, "final.pt").is_file()
-    what = "training" if train else "found its final.pt"
-    line = f"{describe_device(device, precision)}; preset {preset}: {what}"
-    return TrainingPlan(preset, config, device, precision, train, line)
-
-
 # -----------------------------------------------------------------------------
 # Translating for users
 # Explained in notebooks/06_tools.py, same heading.
@@ -2516,8 +2492,6 @@ __all__ = [
     "free_port",
     "train_distributed_model",
     "train_model",
-    "TrainingPlan",
-    "lesson_training_plan",
     "detokenize",
     "decode_text",
     "translate_batch",

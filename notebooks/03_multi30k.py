@@ -747,14 +747,13 @@ assert history[-1]["val_loss"] < history[0]["val_loss"]
 # %% [markdown]
 # ### Training it
 #
-# The next cell trains when `checkpoints/quick/final.pt` does not exist
-# yet, on whatever device `pick_device` found. `train_worker` writes
-# `final.pt` into the run's `checkpoint_dir` when training ends: the
-# weights, the vocabularies and the config. In a CI-sized run
-# (`AT_SIZE=ci`) the cell trains the tiny `ci` preset instead.
-# `lesson_training_plan` (appendix) makes these choices: `plan.config` is
-# the preset, `plan.device` the device, `plan.train` whether to train,
-# and `plan.line` says all that in one line.
+# The next cell trains the `quick` preset with the appendix's
+# `train_worker`, on the device that `pick_device` found, unless
+# `checkpoints/quick/final.pt` exists already. `train_worker` writes
+# `final.pt` when training ends: the weights, the vocabularies and the
+# config. Its first line names the device and the precision. In a
+# CI-sized run (`AT_SIZE=ci`) the cell trains the tiny `ci` preset
+# instead, every time.
 #
 # On a GPU the same recipe computes in lower precision: bfloat16 on an
 # A100, L4 or H100, float16 with loss scaling on a T4; so does a CPU
@@ -768,9 +767,10 @@ assert history[-1]["val_loss"] < history[0]["val_loss"]
 # %%
 import annotated_transformer_tools as tools  # Appendix, 06
 
-plan = tools.lesson_training_plan(AT_SIZE, ROOT)
-print(plan.line)
-if plan.train:
+preset = "ci" if AT_SIZE == "ci" else "quick"
+config = get_config(preset, checkpoint_dir=f"{ROOT}/checkpoints/{preset}")
+final_checkpoint = Path(config.checkpoint_dir, "final.pt")
+if preset == "ci" or not final_checkpoint.exists():
     tools.train_worker(
         rank=0,  # the only process
         world_size=1,
@@ -778,10 +778,11 @@ if plan.train:
         vocab_tgt=vocab_tgt,
         spacy_de=spacy_de,
         spacy_en=spacy_en,
-        config=plan.config,
-        device=plan.device,
+        config=config,
+        device=device,
     )
-final_checkpoint = Path(plan.config.checkpoint_dir, "final.pt")
+else:
+    print(f"found {final_checkpoint}: not training again")
 
 # %% [markdown]
 # The recorded reference run's curve (from `results/recipe_quick.json`,
@@ -922,5 +923,5 @@ reference_bleu = reference["test2016_bleu_greedy_without_unk_replacement"]
 print(f"reference run: {reference_bleu:.2f}")
 assert len(hyps) == len(sources)
 assert all(isinstance(h, str) for h in hyps)
-if plan.config.preset == "quick":
+if preset == "quick":
     assert bleu.score > 33

@@ -2306,44 +2306,6 @@ with socket.socket() as s:
     s.bind(("127.0.0.1", free_port()))
 
 # %% [markdown]
-# ### The notebooks' choices
-#
-# Part 3's training cell asks `lesson_training_plan` what to do, so that
-# the choices can be tested on simulated machines. In a CI-sized run it
-# trains the tiny `ci` preset. Otherwise it uses the `quick` preset on
-# every device, GPUs included: a recipe whose time and BLEU this
-# repository has measured (`paper` has never been trained to a BLEU score
-# here), and it trains only when its `final.pt` does not exist yet. The
-# longer `cpu` recipe is for `make train`.
-
-
-# %%
-#| export
-class TrainingPlan(NamedTuple):
-    """What a notebook trains, where, how, and whether it must."""
-
-    preset: str
-    config: TrainConfig
-    device: torch.device
-    precision: Precision
-    train: bool
-    line: str
-
-
-def lesson_training_plan(size="full", root="."):
-    """Part 3's choices: preset, device, precision, and whether to train."""
-    preset = "ci" if size == "ci" else "quick"
-    folder = Path(root, "checkpoints", preset)
-    config = get_config(preset, checkpoint_dir=str(folder))
-    device = pick_device()
-    precision = choose_precision(device, config.precision)
-    train = preset == "ci" or not Path(folder, "final.pt").is_file()
-    what = "training" if train else "found its final.pt"
-    line = f"{describe_device(device, precision)}; preset {preset}: {what}"
-    return TrainingPlan(preset, config, device, precision, train, line)
-
-
-# %% [markdown]
 # Check: the tiny `ci` preset, for one epoch, in two processes started by
 # `train_distributed_model` (from a terminal: `torchrun
 # --nproc_per_node=2 annotated_transformer_tools.py train`). On a machine

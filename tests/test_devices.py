@@ -319,33 +319,27 @@ def test_worker_pins_memory_on_cuda_and_always_leaves_the_group(
 
 # --------------------------------------------- notebook 03's training cell
 @pytest.mark.parametrize(
-    "machine, size, preset, device, dtype",
+    "machine, device, dtype",
     [
-        ("no GPU", "full", "quick", "cpu", None),
-        ("no GPU", "ci", "ci", "cpu", None),
-        ("one T4", "full", "quick", "cuda", FP16),  # fbfada1: paper
-        ("one A100", "full", "quick", "cuda", BF16),  # fbfada1: paper
-        ("a Mac", "full", "quick", "mps", None),  # fbfada1: trained on CPU
+        ("no GPU", "cpu", None),
+        ("one T4", "cuda", FP16),  # fbfada1: the untrained paper preset
+        ("one A100", "cuda", BF16),  # fbfada1: the untrained paper preset
+        ("a Mac", "mps", None),  # fbfada1: trained on the CPU
     ],
     indirect=["machine"],
 )
-def test_notebook_training_plan(
-    machine, size, preset, device, dtype, tmp_path
+def test_notebook_trains_quick_on_the_picked_device(
+    machine, cpu_model, device, dtype
 ):
-    plan = tools.lesson_training_plan(size, tmp_path)
-    assert plan.preset == preset and plan.config.preset == preset
-    assert plan.device.type == device and plan.precision.dtype == dtype
-    assert plan.config.checkpoint_dir == str(tmp_path / "checkpoints" / preset)
-    assert plan.train is True  # nothing trained yet
-    assert (
-        plan.line.startswith(f"device: {device}")
-        and f"preset {preset}" in plan.line
+    """Part 3's cell: get_config("quick") and pick_device() to train_worker."""
+    config = tools.get_config("quick")
+    run = tools.TrainingRun(
+        0, 1, SIZES, config, False, device=tat.pick_device()
     )
-    if size == "full":
-        final = tmp_path / "checkpoints" / preset / "final.pt"
-        final.parent.mkdir(parents=True)
-        final.touch()
-        assert tools.lesson_training_plan(size, tmp_path).train is False
+    assert run.device.type == device and cpu_model == [run.device]
+    assert config.schedule == "linear" and run.precision.dtype == dtype
+    line = tools.describe_device(run.device, run.precision)
+    assert line.startswith(f"device: {device}")
 
 
 # ------------------------------------------------ decoding on any device
