@@ -1873,10 +1873,22 @@ def read_parallel(src_path, ref_path):
 def write_results(path, checkpoint, wall_time):
     """Score test2016 and write a JSON summary of the training run."""
     sources, references = zip(*read_multi30k("test"), strict=True)
-    kept = translate(list(sources), checkpoint, replace_unk=False)
-    bleu = compute_bleu(translate(list(sources), checkpoint), references)
-    kept_bleu = compute_bleu(kept, references)  # <unk> left in the output
-    ckpt = load_checkpoint(checkpoint)
+    model, vocab_src, vocab_tgt, _ = load_trained_model(checkpoint)
+    spacy_de, _ = load_tokenizers()
+
+    def bleu_of(replace_unk):  # False: <unk> left in the output
+        hyps = translate_batch(
+            model,
+            sources,
+            spacy_de,
+            vocab_src,
+            vocab_tgt,
+            replace_unk=replace_unk,
+        )
+        return compute_bleu(hyps, references)
+
+    bleu, kept_bleu = bleu_of(True), bleu_of(False)
+    ckpt = load_checkpoint(checkpoint)  # for its config and history
     summary = {
         "command": "python " + " ".join(sys.argv),
         "config": ckpt["config"],
