@@ -778,8 +778,6 @@ class Vocab:
     def __eq__(self, other):
         return isinstance(other, Vocab) and self._itos == other._itos
 
-    __hash__ = None
-
 
 def build_vocabulary(spacy_de, spacy_en, min_freq=2):
     """Source (German) and target (English) vocabularies of train."""
@@ -963,7 +961,7 @@ def warmup_then_linear(step, peak, warmup, total):
     return peak * max(0, total - step) / max(1, total - warmup)
 
 
-def make_run_optimizer(model, config, steps_per_epoch, total=None):
+def make_run_optimizer(model, config, batches_per_epoch, total=None):
     """Adam and the schedule `config` names, for the run's step budget.
 
     `total` replaces the budget of `epochs` whole epochs, for a run that
@@ -974,8 +972,8 @@ def make_run_optimizer(model, config, steps_per_epoch, total=None):
         return make_optimizer(model, c.d_model, c.factor, c.warmup)
     if c.schedule != "linear":
         raise ValueError(f"unknown schedule {c.schedule!r}: noam or linear")
-    if total is None:  # run_epoch also steps on a short last window
-        total = math.ceil(steps_per_epoch / c.accum_iter) * c.epochs
+    if total is None:  # a last, short accumulation window also steps
+        total = math.ceil(batches_per_epoch / c.accum_iter) * c.epochs
     peak = rate(c.warmup, c.d_model, c.factor, c.warmup)
     linear = lambda step: warmup_then_linear(step, peak, c.warmup, total)
     return make_optimizer(model, c.d_model, schedule=linear)
@@ -1011,8 +1009,8 @@ def train_one_process(
         num_workers=config.num_workers,
         max_train_pairs=config.max_train_pairs,
     )
-    steps_per_epoch = len(train_loader)
-    optimizer, scheduler = make_run_optimizer(model, config, steps_per_epoch)
+    batches = len(train_loader)
+    optimizer, scheduler = make_run_optimizer(model, config, batches)
     state, history = TrainState(), []
     for epoch in range(config.epochs):
         train_loader.batch_sampler.set_epoch(epoch)
