@@ -1332,30 +1332,47 @@ def backend_for(device):
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
+def place_process(rank, world_size, distributed, device=None):
+    """This process's device, made the current GPU on CUDA."""
+    if device is None:
+        device = process_device(rank, world_size if distributed else 1)
+    device = torch.device(device)
+    if device.type == "cuda":
+        if device.index is None:  # plain "cuda": the current GPU
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)  # needs the GPU's number
+    elif world_size > 1:  # processes share the CPU cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    return device
+
+
+def join_group(device, rank, world_size, port=None):
+    """Join the process group: env:// under torchrun, else a local port."""
+    url = None if port is None else f"tcp://127.0.0.1:{port}"
+    torch.distributed.init_process_group(
+        backend_for(device), url, rank=rank, world_size=world_size
+    )
+
+
 class TrainingRun:
     """One process's model, loss, optimizer, schedule and history."""
 
     def __init__(
-        self, rank, world_size, sizes, c, distributed, port=None, device=None
+        self,
+        rank,
+        world_size,
+        sizes,
+        config,
+        distributed,
+        port=None,
+        device=None,
+        batches_per_epoch=None,
+        total=None,
     ):
-        self.config, self.rank = c, rank
-        if device is None:
-            device = process_device(rank, world_size if distributed else 1)
-        self.device = torch.device(device)
-        if self.device.type == "cuda":
-            if self.device.index is None:  # plain "cuda": the current GPU
-                self.device = torch.device("cuda", torch.cuda.current_device())
-            torch.cuda.set_device(self.device)  # needs the GPU's number
-        elif world_size > 1:  # processes share the CPU cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        if distributed:  # env:// under torchrun, else a port on this machine
-            url = None if port is None else f"tcp://127.0.0.1:{port}"
-            torch.distributed.init_process_group(
-                backend_for(self.device),
-                url,
-                rank=rank,
-                world_size=world_size,
-            )
+        c, self.config, self.rank = config, config, rank
+        self.device = place_process(rank, world_size, distributed, device)
+        if distributed:
+            join_group(self.device, rank, world_size, port)
         torch.manual_seed(c.seed)
         self.model = self.module = model_from_config(c, *sizes).to(self.device)
         if distributed:
@@ -1363,8 +1380,14 @@ class TrainingRun:
             DDP = torch.nn.parallel.DistributedDataParallel
             self.model = DDP(self.module, device_ids=ids)
         self.criterion = LabelSmoothing(sizes[1], PAD, c.label_smoothing)
-        self.optimizer, self.scheduler = make_optimizer(
-            self.module, c.d_model, c.factor, c.warmup
+        if (
+            c.schedule == "linear"
+            and batches_per_epoch is None
+            and total is None
+        ):
+            raise ValueError("a linear schedule needs batches_per_epoch")
+        self.optimizer, self.scheduler = make_run_optimizer(
+            self.module, c, batches_per_epoch, total
         )
         self.precision = choose_precision(self.device, c.precision)
         self.autocast = autocast_for(self.device, self.precision.dtype)
@@ -1467,18 +1490,6 @@ def train_epoch(run, epoch, train_loader, valid_loader, show=True):
     return run.history[-1]
 
 
-def set_schedule(run, steps_per_epoch, total=None):
-    """Give `run` the schedule its config names, for its step budget.
-
-    `total` replaces the budget of `epochs` whole epochs, for a run that
-    stops part of the way through an epoch.
-    """
-    if run.config.schedule != "noam":  # Part 2's is made by TrainingRun
-        run.optimizer, run.scheduler = make_run_optimizer(
-            run.module, run.config, steps_per_epoch, total
-        )
-
-
 def train_worker(
     rank,
     world_size,
@@ -1496,11 +1507,7 @@ def train_worker(
     """Train on Multi30k in one process; returns the history of losses."""
     sizes = (len(vocab_src), len(vocab_tgt))
     try:
-        run = TrainingRun(
-            rank, world_size, sizes, config, is_distributed, port, device
-        )
-        if show_progress and rank == 0:
-            print(describe_device(run.device, run.precision))
+        device = place_process(rank, world_size, is_distributed, device)
         loaders = create_dataloaders(
             vocab_src,
             vocab_tgt,
@@ -1512,9 +1519,20 @@ def train_worker(
             num_workers=config.num_workers,
             max_train_pairs=config.max_train_pairs,
         )
-        pinned = run.device.type == "cuda"  # copies overlap the GPU's work
+        pinned = device.type == "cuda"  # copies overlap the GPU's work
         loaders = [shard_loader(x, world_size, rank, pinned) for x in loaders]
-        set_schedule(run, len(loaders[0]))
+        run = TrainingRun(
+            rank,
+            world_size,
+            sizes,
+            config,
+            is_distributed,
+            port,
+            device,
+            batches_per_epoch=len(loaders[0]),
+        )
+        if show_progress and rank == 0:
+            print(describe_device(run.device, run.precision))
         for epoch in range(resume_run(run) if resume else 0, config.epochs):
             train_epoch(run, epoch, *loaders, show=show_progress)
             if rank == 0:
@@ -1982,9 +2000,9 @@ def add_train_parser(sub):
         "--preset",
         choices=sorted(PRESETS),
         default="quick",
-        help="quick (default: about 15 minutes on a 2-core CPU); cpu: the"
-        " same model for 18 epochs, over an hour; paper: not measured for"
-        " BLEU",
+        help="quick (default: 14 minutes on a 2-core CPU); cpu: the same"
+        " model for 18 epochs, over an hour; long, the -bpe twins, paper and"
+        " ci: see the appendix's presets",
     )
     train.add_argument(
         "--epochs", type=count(most=10_000), help="epochs to train"
@@ -2015,7 +2033,9 @@ def add_train_parser(sub):
         "--results", help="write a JSON summary here, including test BLEU"
     )
     train.add_argument(
-        "--threads", type=count(most=4096), help="CPU threads per process"
+        "--threads",
+        type=count(most=4096),
+        help="CPU threads (processes that share the CPU split its cores)",
     )
 
 
@@ -2491,6 +2511,8 @@ __all__ = [
     "cuda_count",
     "process_device",
     "backend_for",
+    "place_process",
+    "join_group",
     "TrainingRun",
     "params_in_sync",
     "device_batch",
@@ -2499,7 +2521,6 @@ __all__ = [
     "train_pass",
     "validate",
     "train_epoch",
-    "set_schedule",
     "train_worker",
     "free_port",
     "train_distributed_model",

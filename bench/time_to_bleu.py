@@ -1,7 +1,7 @@
 """Time to quality: train one preset, score validation BLEU as it trains.
 
 Trains a preset with the appendix's training pieces (`TrainingRun`,
-`set_schedule`, `train_epoch`) and, every `--eval-every` optimizer steps
+`train_epoch`) and, every `--eval-every` optimizer steps
 and at the end of every epoch, decodes the validation split greedily and
 scores it with sacreBLEU. Each point records the training time (the time
 spent scoring BLEU is left out), the optimizer steps, the real target
@@ -135,8 +135,6 @@ class Benchmark:
         self.vocabs = vocabs
         pairs = at.read_multi30k("val")
         self.val_pairs = pairs[:val_pairs] if val_pairs else pairs
-        sizes = (len(self.vocab_src), len(self.vocab_tgt))
-        self.run = tools.TrainingRun(0, 1, sizes, config, False, None, device)
         self.loaders = at.create_dataloaders(
             *vocabs,
             *self.tokenizers,
@@ -146,8 +144,12 @@ class Benchmark:
             num_workers=config.num_workers,
             max_train_pairs=config.max_train_pairs,
         )
+        sizes = (len(self.vocab_src), len(self.vocab_tgt))
         total = max_steps if max_steps else None
-        tools.set_schedule(self.run, len(self.loaders[0]), total)
+        batches = len(self.loaders[0])
+        self.run = tools.TrainingRun(
+            0, 1, sizes, config, False, None, device, batches, total
+        )
         self.points, self.scoring = [], 0.0
         self.out_of_time = False
 

@@ -20,7 +20,9 @@
 # file; downloading and verifying Multi30k; the copy-task runs of
 # `bench/copy_task.py`; the training presets; vocabularies; the hardware and
 # its precision; checkpoint files; training runs on several devices and
-# processes; translating for users; reading text files; and the command line.
+# processes; translating for users; which model a checkpoint holds, and
+# finding one or training a small one; reading text files; and the command
+# line.
 # It lives here, after the lessons, and is exported into a second module,
 # `annotated_transformer_tools.py`, which the `annotated-transformer` command
 # runs. Code in this appendix may use anything the lessons defined (the tools
@@ -80,8 +82,9 @@ import torch
 
 # %% [markdown]
 # The appendix calls functions of every lesson. Here they come from the
-# lessons' module; `tools/export.py` writes the same import, generated
-# from the names the exported code uses, into the tools module.
+# lessons' module; `tools/export.py` writes the same import into the tools
+# module, generated from the names that the exported code uses. (Names
+# that only this notebook's checks use are imported where they are used.)
 # %%
 from the_annotated_transformer import ATTENTION_KINDS, BOS, EOS, PAD, UNK
 from the_annotated_transformer import MULTI30K_ENV, DatasetError
@@ -783,7 +786,8 @@ def greedy_check(model, loss_compute, check_size, V, generator):
 
 # %% [markdown]
 # `CopyTaskConfig` holds Part 2's recipe, and `for_size("ci")` its
-# CI-sized model. Part 2's fixed budget becomes a limit, `max_epochs`.
+# CI-sized model. Part 2's fixed budget of 20 epochs becomes a limit,
+# `max_epochs` (100), which a run that copies stops well before.
 
 
 # %%
@@ -1929,42 +1933,65 @@ def backend_for(device):
 # ### A run, in pieces
 #
 # `train_worker` is what each process runs, and we build it from a few
-# pieces. The first, `TrainingRun`, sets up a run: it selects its device
-# (`torch.cuda.set_device`, so that NCCL and new tensors use this
-# process's GPU), joins the process group if there are several processes,
-# seeds, builds the model and wraps it in DDP, and makes the loss,
-# optimizer and schedule, and a `GradScaler` where the precision needs
-# one. `module` is the bare model, whose weights checkpoints store, and
-# `model` is what we call, DDP-wrapped when distributed. `params_in_sync`
-# checks at the end that all copies agree.
+# pieces. `place_process` settles the process's device: it makes a GPU
+# the current one (`torch.cuda.set_device`, so that NCCL and new tensors
+# use this process's GPU), and gives processes that share the CPU an
+# equal part of its cores. `join_group` connects the processes of a
+# distributed run.
+#
+# `TrainingRun` then sets up a run: it joins the group if there are
+# several processes, seeds, builds the model and wraps it in DDP, and
+# makes the loss, Part 3's optimizer and schedule for the run's step
+# budget (`batches_per_epoch`, or `total` steps), and a `GradScaler`
+# where the precision needs one. `module` is the bare model, whose
+# weights checkpoints store, and `model` is what we call, DDP-wrapped
+# when distributed. `params_in_sync` checks at the end that all copies
+# agree.
 
 
 # %%
 #| export
+def place_process(rank, world_size, distributed, device=None):
+    """This process's device, made the current GPU on CUDA."""
+    if device is None:
+        device = process_device(rank, world_size if distributed else 1)
+    device = torch.device(device)
+    if device.type == "cuda":
+        if device.index is None:  # plain "cuda": the current GPU
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)  # needs the GPU's number
+    elif world_size > 1:  # processes share the CPU cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    return device
+
+
+def join_group(device, rank, world_size, port=None):
+    """Join the process group: env:// under torchrun, else a local port."""
+    url = None if port is None else f"tcp://127.0.0.1:{port}"
+    torch.distributed.init_process_group(
+        backend_for(device), url, rank=rank, world_size=world_size
+    )
+
+
 class TrainingRun:
     """One process's model, loss, optimizer, schedule and history."""
 
     def __init__(
-        self, rank, world_size, sizes, c, distributed, port=None, device=None
+        self,
+        rank,
+        world_size,
+        sizes,
+        config,
+        distributed,
+        port=None,
+        device=None,
+        batches_per_epoch=None,
+        total=None,
     ):
-        self.config, self.rank = c, rank
-        if device is None:
-            device = process_device(rank, world_size if distributed else 1)
-        self.device = torch.device(device)
-        if self.device.type == "cuda":
-            if self.device.index is None:  # plain "cuda": the current GPU
-                self.device = torch.device("cuda", torch.cuda.current_device())
-            torch.cuda.set_device(self.device)  # needs the GPU's number
-        elif world_size > 1:  # processes share the CPU cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-        if distributed:  # env:// under torchrun, else a port on this machine
-            url = None if port is None else f"tcp://127.0.0.1:{port}"
-            torch.distributed.init_process_group(
-                backend_for(self.device),
-                url,
-                rank=rank,
-                world_size=world_size,
-            )
+        c, self.config, self.rank = config, config, rank
+        self.device = place_process(rank, world_size, distributed, device)
+        if distributed:
+            join_group(self.device, rank, world_size, port)
         torch.manual_seed(c.seed)
         self.model = self.module = model_from_config(c, *sizes).to(self.device)
         if distributed:
@@ -1972,8 +1999,14 @@ class TrainingRun:
             DDP = torch.nn.parallel.DistributedDataParallel
             self.model = DDP(self.module, device_ids=ids)
         self.criterion = LabelSmoothing(sizes[1], PAD, c.label_smoothing)
-        self.optimizer, self.scheduler = make_optimizer(
-            self.module, c.d_model, c.factor, c.warmup
+        if (
+            c.schedule == "linear"
+            and batches_per_epoch is None
+            and total is None
+        ):
+            raise ValueError("a linear schedule needs batches_per_epoch")
+        self.optimizer, self.scheduler = make_run_optimizer(
+            self.module, c, batches_per_epoch, total
         )
         self.precision = choose_precision(self.device, c.precision)
         self.autocast = autocast_for(self.device, self.precision.dtype)
@@ -2111,29 +2144,6 @@ def train_epoch(run, epoch, train_loader, valid_loader, show=True):
 
 
 # %% [markdown]
-# ### The schedule, once the batches are counted
-#
-# `TrainingRun` starts with Part 2's schedule. For a config that names
-# Part 3's `schedule="linear"`, `set_schedule` replaces the optimizer and
-# schedule with `make_run_optimizer`'s, once the loader has said how many
-# steps an epoch takes; `bench/recipe_sweep.py` compares the two.
-
-
-# %%
-#| export
-def set_schedule(run, steps_per_epoch, total=None):
-    """Give `run` the schedule its config names, for its step budget.
-
-    `total` replaces the budget of `epochs` whole epochs, for a run that
-    stops part of the way through an epoch.
-    """
-    if run.config.schedule != "noam":  # Part 2's is made by TrainingRun
-        run.optimizer, run.scheduler = make_run_optimizer(
-            run.module, run.config, steps_per_epoch, total
-        )
-
-
-# %% [markdown]
 # `train_worker` composes the pieces with the checkpoint files. Rank 0
 # says in one line where it trains, writes the files after every epoch,
 # and, after the last epoch, checks that all ranks ended with the same
@@ -2161,11 +2171,7 @@ def train_worker(
     """Train on Multi30k in one process; returns the history of losses."""
     sizes = (len(vocab_src), len(vocab_tgt))
     try:
-        run = TrainingRun(
-            rank, world_size, sizes, config, is_distributed, port, device
-        )
-        if show_progress and rank == 0:
-            print(describe_device(run.device, run.precision))
+        device = place_process(rank, world_size, is_distributed, device)
         loaders = create_dataloaders(
             vocab_src,
             vocab_tgt,
@@ -2177,9 +2183,20 @@ def train_worker(
             num_workers=config.num_workers,
             max_train_pairs=config.max_train_pairs,
         )
-        pinned = run.device.type == "cuda"  # copies overlap the GPU's work
+        pinned = device.type == "cuda"  # copies overlap the GPU's work
         loaders = [shard_loader(x, world_size, rank, pinned) for x in loaders]
-        set_schedule(run, len(loaders[0]))
+        run = TrainingRun(
+            rank,
+            world_size,
+            sizes,
+            config,
+            is_distributed,
+            port,
+            device,
+            batches_per_epoch=len(loaders[0]),
+        )
+        if show_progress and rank == 0:
+            print(describe_device(run.device, run.precision))
         for epoch in range(resume_run(run) if resume else 0, config.epochs):
             train_epoch(run, epoch, *loaders, show=show_progress)
             if rank == 0:
@@ -2835,9 +2852,9 @@ def add_train_parser(sub):
         "--preset",
         choices=sorted(PRESETS),
         default="quick",
-        help="quick (default: about 15 minutes on a 2-core CPU); cpu: the"
-        " same model for 18 epochs, over an hour; paper: not measured for"
-        " BLEU",
+        help="quick (default: 14 minutes on a 2-core CPU); cpu: the same"
+        " model for 18 epochs, over an hour; long, the -bpe twins, paper and"
+        " ci: see the appendix's presets",
     )
     train.add_argument(
         "--epochs", type=count(most=10_000), help="epochs to train"
@@ -2868,7 +2885,9 @@ def add_train_parser(sub):
         "--results", help="write a JSON summary here, including test BLEU"
     )
     train.add_argument(
-        "--threads", type=count(most=4096), help="CPU threads per process"
+        "--threads",
+        type=count(most=4096),
+        help="CPU threads (processes that share the CPU split its cores)",
     )
 
 
@@ -3284,8 +3303,8 @@ def command_download(args):
 # | 141 | a reader that left early (`translate ... \| head -1`): quietly |
 #
 # `docs/guarantees.md` lists every case. (While torch loads, before `main`
-# runs, a few lines at the top of the generated module handle Ctrl-C the
-# same way.)
+# runs, a few lines that `tools/export.py` writes at the top of the
+# generated module handle Ctrl-C the same way.)
 
 
 # %%

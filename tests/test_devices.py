@@ -303,10 +303,14 @@ def test_worker_pins_memory_on_cuda_and_always_leaves_the_group(
 
     def shard(loader, world_size, rank, pin_memory=False):
         asked.update(pin_memory=pin_memory)
+        return [None] * 4  # four batches for this rank
+
+    def fail(*args, **kwargs):
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(tools, "create_dataloaders", lambda *a, **k: [0, 1])
     monkeypatch.setattr(tools, "shard_loader", shard)
+    monkeypatch.setattr(tools, "train_epoch", fail)
     vocab = tat.Vocab(tat.SPECIALS)
     config = tools.get_config("ci")
     with pytest.raises(RuntimeError, match="stop here"):
@@ -314,7 +318,7 @@ def test_worker_pins_memory_on_cuda_and_always_leaves_the_group(
             0, 2, vocab, vocab, None, None, config, True, device=device
         )
     assert asked["pin_memory"] is pinned
-    assert machine.destroyed == 1
+    assert len(machine.groups) == 1 and machine.destroyed == 1
 
 
 # --------------------------------------------- notebook 03's training cell
@@ -333,9 +337,8 @@ def test_notebook_trains_quick_on_the_picked_device(
 ):
     """Part 3's cell: get_config("quick") and pick_device() to train_worker."""
     config = tools.get_config("quick")
-    run = tools.TrainingRun(
-        0, 1, SIZES, config, False, device=tat.pick_device()
-    )
+    device_here = tat.pick_device()
+    run = tools.TrainingRun(0, 1, SIZES, config, False, None, device_here, 153)
     assert run.device.type == device and cpu_model == [run.device]
     assert config.schedule == "linear" and run.precision.dtype == dtype
     line = tools.describe_device(run.device, run.precision)

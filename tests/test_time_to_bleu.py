@@ -137,9 +137,18 @@ def test_make_run_optimizer_follows_the_config():
 
 def test_unknown_schedule_is_a_value_error(tmp_path):
     config = tools.get_config("ci", schedule="cosine")
-    run = tools.TrainingRun(0, 1, (20, 20), config, False, device="cpu")
     with pytest.raises(ValueError, match="cosine"):
-        tools.set_schedule(run, 10)
+        tools.TrainingRun(0, 1, (20, 20), config, False, None, "cpu", 10)
+
+
+def test_a_linear_run_must_know_its_step_budget():
+    config = tools.get_config("ci", schedule="linear")
+    with pytest.raises(ValueError, match="batches_per_epoch"):
+        tools.TrainingRun(0, 1, (20, 20), config, False, device="cpu")
+    run = tools.TrainingRun(0, 1, (20, 20), config, False, None, "cpu", 10)
+    steps = math.ceil(10 / config.accum_iter) * config.epochs
+    lr = run.scheduler.lr_lambdas[0]  # the rate after a number of steps
+    assert lr(steps - 1) > 0 and lr(steps) == 0  # zero at the budget's end
 
 
 def test_command_line_writes_json_and_chart(local_multi30k, tmp_path):
