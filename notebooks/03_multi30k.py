@@ -74,12 +74,12 @@ from the_annotated_transformer import subsequent_mask
 # %% [markdown]
 # ## The data
 #
-# Multi30k comes as six gzip files: `train`, `val` and `test_2016_flickr`,
-# each in German (`.de.gz`) and English (`.en.gz`). Line *i* of a German
-# file translates line *i* of the English one, so reading a split means
-# pairing the lines of two files. There are 29,000 training pairs, 1,014
-# for validation and 1,000 for testing; the test set, test2016, is the one
-# on which results for Multi30k are usually reported.
+# Multi30k comes as six gzip files: `train`, `val` and `test_2016_flickr`, each
+# in German (`.de.gz`) and English (`.en.gz`). Line *i* of a German file
+# translates line *i* of the English one, so reading a split means pairing the
+# lines of two files. There are 29,000 training pairs, 1,014 for validation and
+# 1,000 for testing; the test set, test2016 (the files `test_2016_flickr`), is
+# the one on which results for Multi30k are usually reported.
 #
 # The files live in `data/multi30k/` of the repository (on Colab,
 # `/content/data/multi30k`), or in the folder that the environment
@@ -721,17 +721,19 @@ assert history[-1]["val_loss"] < history[0]["val_loss"]
 # `train_worker`, on the device that `pick_device` found, unless
 # `checkpoints/quick/final.pt` exists already. `train_worker` writes
 # `final.pt` when training ends: the weights, the vocabularies and the
-# config. Its first line names the device and the precision. In a
-# CI-sized run (`AT_SIZE=ci`) the cell trains the tiny `ci` preset
-# instead, every time.
+# config. Its first line names the device and the precision. The tests
+# run every notebook in a CI-sized version (`AT_SIZE=ci`, set in the
+# environment), and there the cell trains the tiny `ci` preset instead,
+# every time.
 #
-# On a GPU the same recipe computes in lower precision: bfloat16 on an
-# A100, L4 or H100, float16 with loss scaling on a T4; so does a CPU
-# with native bfloat16 (a recent Intel Xeon). On a Mac it stays in
-# float32. So your loss and BLEU will differ a little from the recorded
-# CPU run. On an H100 the recipe took 2.6 minutes from the start of its
-# process to its end (`results/gpu_explore.md`); a T4 and Apple's GPUs
-# were not measured.
+# On a GPU the same recipe computes in lower precision, 16-bit floats, which
+# GPUs multiply several times faster: bfloat16 on an A100, L4 or H100, float16
+# with loss scaling (which keeps small gradients from rounding to zero) on a
+# T4; so does a CPU with native bfloat16 (a recent Intel Xeon). The appendix's
+# "Which precision" has the details. On a Mac it stays in float32. So your loss
+# and BLEU will differ a little from the recorded CPU run. On an H100 the
+# recipe took 2.6 minutes from the start of its process to its end
+# (`results/gpu_explore.md`); a T4 and Apple's GPUs were not measured.
 
 # %%
 preset = "ci" if AT_SIZE == "ci" else "quick"
@@ -796,13 +798,12 @@ tools.line_chart(
 #   (both trials with dropout 0.1), 1,600 steps of 1,500 tokens reached
 #   27.2 validation BLEU, and 660 steps of 3,000 reached 32.5.
 #
-# Each number comes from a trial in `results/recipe_sweep.md`, with its
-# command and time (the two batch trials also differ slightly in warm-up
-# and peak). Their validation BLEU replaces `<unk>` with the German word
-# (Part 4), so it runs a little above the curve, which keeps
-# `<unk>`. The `cpu` preset trains the same model for 18 epochs with
-# dropout and Part 2's schedule, in over an hour (`make train`); Parts 4
-# and 5 read it when it exists.
+# Each number comes from a trial in `results/recipe_sweep.md`, with its command
+# and time (the two batch trials also differ slightly in warm-up and peak).
+# Their validation BLEU replaces `<unk>` with the German word (Part 4), so it
+# runs a little above the curve, which keeps `<unk>`. The `cpu` preset trains
+# the same model for 18 epochs with dropout and Part 2's schedule, in over an
+# hour (`make train`, in the Makefile); Parts 4 and 5 read it when it exists.
 
 # %% [markdown]
 # ## Decoding
@@ -889,16 +890,16 @@ with torch.no_grad():  # Part 2's greedy_decode leaves autograd on
 # \exp\Big(\tfrac14 \textstyle\sum_{n=1}^{4} \log p_n\Big),$$
 #
 # reported times 100. The first factor penalizes output that is too short,
-# which precision alone would reward. We score with sacreBLEU on plain, cased
-# text, today's standard, so the model's English tokens are first joined back
-# into sentences. That joining, and translating a long list of sentences in
-# length-sorted batches, are plumbing: `detokenize` and `translate_batch` in
-# the appendix. We decode with `batch_greedy_decode` and keep every
-# `<unk>` as it is (`replace_unk=False`; Part 4 puts the German word in
-# its place, found through attention), so the score is that of plain
-# greedy decoding. First the translations, and three of them to read.
-# A CI-sized run translates only the first 100 test sentences, with the
-# tiny `ci` model, whose output is little more than common words
+# which precision alone would reward. We score with sacreBLEU, the standard
+# implementation, on plain, cased text, today's standard, so the model's
+# English tokens are first joined back into sentences. That joining, and
+# translating a long list of sentences in length-sorted batches, are plumbing:
+# `detokenize` and `translate_batch` in the appendix. We decode with
+# `batch_greedy_decode` and keep every `<unk>` as it is (`replace_unk=False`;
+# Part 4 puts the German word in its place, found through attention), so the
+# score is that of plain greedy decoding. First the translations, and three of
+# them to read. A CI-sized run translates only the first 100 test sentences,
+# with the tiny `ci` model, whose output is little more than common words
 # repeated.
 
 # %%
