@@ -379,8 +379,10 @@ def atomic_write(path, mode="wb"):
             f.flush()
             os.fsync(f.fileno())  # on the disk before it gets the name
         os.replace(part, path)
-    except OSError as err:  # name the file, e.g. on a full disk
-        if err.filename is not None or err.errno is None:  # not a write's
+    except OSError as err:  # e.g. a full disk
+        # A failed write names no file: give its error our file's name.
+        # An error that names a file already, or has no errno, goes on.
+        if err.filename is not None or err.errno is None:
             raise
         raise OSError(err.errno, err.strerror, str(path)) from err
     finally:
@@ -749,6 +751,11 @@ def get_config(preset="cpu", **overrides):
 # Vocabularies
 # Explained in notebooks/06_tools.py, same heading.
 # -----------------------------------------------------------------------------
+def is_subword(vocab):
+    """True for Part 5's BPE vocabulary, which encodes raw text itself."""
+    return hasattr(vocab, "encode")
+
+
 def load_vocab(spacy_de, spacy_en, path=None, min_freq=2):
     """The word vocabularies, cached as JSON in `path` (data/vocab.json)."""
     import spacy
@@ -1067,7 +1074,7 @@ def save_run(run, name, vocab_src, vocab_tgt, **extra):
         "vocab_tgt": vocab_tgt.get_itos(),
         "history": run.history,
     }
-    if hasattr(vocab_tgt, "to_str"):  # Part 5's BPE: its merges, as JSON
+    if is_subword(vocab_tgt):  # its merges, as JSON
         fields["bpe"] = vocab_tgt.to_str()
     save_checkpoint(Path(run.config.checkpoint_dir, name), **fields, **extra)
 
@@ -1599,7 +1606,7 @@ def train_distributed_model(
         if cuda_count():
             how += f" (NCCL needs a GPU per process; {cuda_count()} here)"
     print(f"{world_size} processes {how}")
-    plain = lambda v: v.to_str() if hasattr(v, "to_str") else v.get_itos()
+    plain = lambda v: v.to_str() if is_subword(v) else v.get_itos()
     vocabs = [plain(vocab_src), plain(vocab_tgt)]
     data = (vocabs, (spacy_de, spacy_en), asdict(config), free_port())
     args = (world_size, *data, resume, device)
@@ -1636,9 +1643,16 @@ _NO_SPACE_AFTER = ("(", "[", "{", "$", "#")
 
 
 def detokenize(tokens):
-    """Join English spaCy tokens into a plain sentence."""
+    """Join English spaCy tokens into a plain sentence.
+
+    It 's a well - known dog .   ->  It's a well-known dog.
+    He said " hi " .             ->  He said "hi".
+    ( Two ) dogs do n't run .    ->  (Two) dogs don't run.
+    """
     out, quote_open = "", False
     for i, tok in enumerate(tokens):
+        # the word after a hyphen: glued, unless the hyphen followed a
+        # comma or a full stop (a dash between clauses)
         hyphen = out.endswith("-") and i > 1 and tokens[i - 1] == "-"
         glue = (
             i == 0
@@ -1658,7 +1672,7 @@ def detokenize(tokens):
 
 def decode_text(ids, vocab):
     """Plain text of output ids (without `<s>` and `</s>`)."""
-    if hasattr(vocab, "decode"):  # a vocabulary that writes text (Part 5)
+    if is_subword(vocab):  # it writes text itself
         return vocab.decode(ids)
     return detokenize(vocab.lookup_tokens(ids))
 
@@ -1680,7 +1694,7 @@ def translate_batch(
     if device is None:  # wherever the model is
         device = next(model.parameters()).device
     model.eval()
-    if hasattr(vocab_src, "encode") or hasattr(vocab_tgt, "decode"):
+    if is_subword(vocab_src) or is_subword(vocab_tgt):
         replace_unk = False  # BPE: no <unk> to replace
     if replace_unk:  # keep the German words: an <unk> id has lost its word
         german = [tokenize(s, spacy_de) for s in sentences]
@@ -1808,10 +1822,11 @@ def find_or_train(
     presets, stand_in, vocabs, tokenizers, root=".", size="full"
 ):
     """final.pt of the first trained preset, else train `stand_in` now."""
-    for preset in presets if size != "ci" else ():
-        final = Path(root, get_config(preset).checkpoint_dir, "final.pt")
-        if final.is_file():
-            return str(final)
+    if size != "ci":  # a CI-sized run always trains its stand-in
+        for preset in presets:
+            final = Path(root, get_config(preset).checkpoint_dir, "final.pt")
+            if final.is_file():
+                return str(final)
     train_worker(0, 1, *vocabs, *tokenizers, stand_in, show_progress=False)
     return str(Path(stand_in.checkpoint_dir, "final.pt"))
 
@@ -2241,7 +2256,7 @@ def position_limit(model, max_extra=50):
 
 def fit_to_model(line, number, spacy_de, vocab_src, limit, what="line"):
     """`line`, cut to its first `limit` tokens, with a warning if cut."""
-    if hasattr(vocab_src, "encode"):  # BPE: its own tokens and offsets
+    if is_subword(vocab_src):  # its own tokens and offsets
         starts = [a for a, _ in vocab_src.tokenizer.encode(line).offsets]
     else:
         tokens = spacy_de.tokenizer(line)
@@ -2320,7 +2335,7 @@ def sentences_to_translate(args):
 
 def warn_unknown_words(sentences, spacy_de, vocab_src):
     """Name, on stderr, the words a word vocabulary reads as `<unk>`."""
-    if isinstance(vocab_src, Vocab):  # (BPE can spell any known letters)
+    if not is_subword(vocab_src):  # BPE can spell any known letters
         words = [tokenize(s, spacy_de) for s in sentences]
         unknown = {w: 1 for ws in words for w in ws if w not in vocab_src}
         if unknown:
@@ -2471,6 +2486,7 @@ __all__ = [
     "train_copy_task",
     "PRESETS",
     "get_config",
+    "is_subword",
     "load_vocab",
     "load_bpe",
     "load_vocabularies",
