@@ -1677,6 +1677,43 @@ def decode_text(ids, vocab):
     return detokenize(vocab.lookup_tokens(ids))
 
 
+def encode_sources(sentences, spacy_de, vocab_src, keep_words=False):
+    """Each sentence as `<s> ids </s>`, and its German words if kept."""
+    if not keep_words:
+        encode = lambda s: encode_text(s, spacy_de, vocab_src)
+        return [[BOS, *encode(s), EOS] for s in sentences], None
+    words = [tokenize(s, spacy_de) for s in sentences]
+    return [[BOS, *vocab_src(w), EOS] for w in words], words
+
+
+def decode_by_length(
+    model, encoded, decode_fn, device, batch_size, max_extra, align
+):
+    """(output ids, alignment or None) per sentence, in input order."""
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+    results = [None] * len(encoded)
+    for k in range(0, len(order), batch_size):
+        idx = order[k : k + batch_size]
+        src, _ = collate_batch([(encoded[i], []) for i in idx])
+        src = src.to(device)  # (B, S)
+        mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
+        out = decode_fn(model, src, mask, src.size(1) + max_extra)  # (B, L)
+        aligned = [None] * len(idx)
+        if align and (out == UNK).any():  # one more decoder pass
+            aligned = source_alignment(model, src, mask, out).tolist()
+        for i, row, at in zip(idx, out.tolist(), aligned, strict=True):
+            # Stop at this sentence's own limit, whatever its batch-mates.
+            results[i] = strip_specials(row[: len(encoded[i]) + max_extra]), at
+    return results
+
+
+def finish_text(ids, aligned, words, vocab_tgt):
+    """Plain text of output ids, each `<unk>` replaced when aligned."""
+    if aligned is None:
+        return decode_text(ids, vocab_tgt)
+    return detokenize(replace_unknowns(ids, aligned, words, vocab_tgt))
+
+
 def translate_batch(
     model,
     sentences,
@@ -1696,33 +1733,17 @@ def translate_batch(
     model.eval()
     if is_subword(vocab_src) or is_subword(vocab_tgt):
         replace_unk = False  # BPE: no <unk> to replace
-    if replace_unk:  # keep the German words: an <unk> id has lost its word
-        german = [tokenize(s, spacy_de) for s in sentences]
-        encoded = [[BOS, *vocab_src(w), EOS] for w in german]
-    else:
-        encoded = [
-            [BOS, *encode_text(s, spacy_de, vocab_src), EOS] for s in sentences
-        ]
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
-    results = [None] * len(encoded)
-    for k in range(0, len(order), batch_size):
-        idx = order[k : k + batch_size]
-        src, _ = collate_batch([(encoded[i], []) for i in idx])
-        src = src.to(device)  # (B, S)
-        mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
-        out = decode_fn(model, src, mask, src.size(1) + max_extra)  # (B, L)
-        aligned = [None] * len(idx)
-        if replace_unk and (out == UNK).any():  # one more decoder pass
-            aligned = source_alignment(model, src, mask, out).tolist()
-        for i, row, at in zip(idx, out.tolist(), aligned, strict=True):
-            # Stop at this sentence's own limit, whatever its batch-mates.
-            ids = strip_specials(row[: len(encoded[i]) + max_extra])
-            if at is None:
-                results[i] = decode_text(ids, vocab_tgt)
-            else:
-                tokens = replace_unknowns(ids, at, german[i], vocab_tgt)
-                results[i] = detokenize(tokens)
-    return results
+    encoded, words = encode_sources(
+        sentences, spacy_de, vocab_src, replace_unk
+    )
+    decoded = decode_by_length(
+        model, encoded, decode_fn, device, batch_size, max_extra, replace_unk
+    )
+    words = words or [None] * len(encoded)
+    return [
+        finish_text(ids, at, w, vocab_tgt)
+        for (ids, at), w in zip(decoded, words, strict=True)
+    ]
 
 
 def compute_bleu(hypotheses, references):
@@ -2543,6 +2564,9 @@ __all__ = [
     "train_model",
     "detokenize",
     "decode_text",
+    "encode_sources",
+    "decode_by_length",
+    "finish_text",
     "translate_batch",
     "compute_bleu",
     "TRAINED_MODELS",
