@@ -886,42 +886,6 @@ def describe_device(device, precision):
 
 
 # -----------------------------------------------------------------------------
-# Checkpoints from older versions
-# Explained in notebooks/06_tools.py, same heading.
-# -----------------------------------------------------------------------------
-OLD_PROJECTIONS = {"0": "w_q", "1": "w_k", "2": "w_v", "3": "w_o"}
-OLD_BLOCKS = {
-    "encoder": {"0": "self_attn_block", "1": "ff_block"},
-    "decoder": {
-        "0": "self_attn_block",
-        "1": "src_attn_block",
-        "2": "ff_block",
-    },
-}
-
-
-def rename_old_key(key):
-    """One state-dict key with the old list names replaced by new names."""
-    parts = key.split(".")
-    for i, part in enumerate(parts[:-1]):
-        following = parts[i + 1]
-        if part == "linears" and following in OLD_PROJECTIONS:
-            parts[i : i + 2] = [OLD_PROJECTIONS[following]]
-            break
-        if part == "sublayer" and parts[0] in OLD_BLOCKS:
-            blocks = OLD_BLOCKS[parts[0]]  # encoder or decoder layer
-            if following in blocks:
-                parts[i : i + 2] = [blocks[following]]
-                break
-    return ".".join(parts)
-
-
-def rename_old_keys(state_dict):
-    """A state dict (old or new names) with the names Part 1 uses now."""
-    return {rename_old_key(key): value for key, value in state_dict.items()}
-
-
-# -----------------------------------------------------------------------------
 # Checkpoint files
 # Explained in notebooks/06_tools.py, same heading.
 # -----------------------------------------------------------------------------
@@ -1065,138 +1029,36 @@ def load_weights(model, ckpt, path="checkpoint"):
     model.load_state_dict(state)
 
 
-def save_run(run, name, vocab_src, vocab_tgt, **extra):
-    """Write the weights, config, vocabularies and losses, and `extra`."""
-    fields = {
-        "model": run.module.state_dict(),
-        "config": asdict(run.config),
-        "vocab_src": vocab_src.get_itos(),
-        "vocab_tgt": vocab_tgt.get_itos(),
-        "history": run.history,
-    }
-    if is_subword(vocab_tgt):  # its merges, as JSON
-        fields["bpe"] = vocab_tgt.to_str()
-    save_checkpoint(Path(run.config.checkpoint_dir, name), **fields, **extra)
+OLD_PROJECTIONS = {"0": "w_q", "1": "w_k", "2": "w_v", "3": "w_o"}
+OLD_BLOCKS = {
+    "encoder": {"0": "self_attn_block", "1": "ff_block"},
+    "decoder": {
+        "0": "self_attn_block",
+        "1": "src_attn_block",
+        "2": "ff_block",
+    },
+}
 
 
-def save_epoch(run, epoch, vocab_src, vocab_tgt):
-    """Write a lean epoch_NNN.pt, then last.pt; keep `keep_last` epochs."""
-    save_run(run, f"epoch_{epoch:03d}.pt", vocab_src, vocab_tgt, epoch=epoch)
-    resume = {
-        "epoch": epoch,
-        "train_state": asdict(run.state),
-        "optimizer": run.optimizer.state_dict(),
-        "scheduler": run.scheduler.state_dict(),
-        "rng_state": torch.get_rng_state(),
-    }
-    if run.device.type == "cuda":  # dropout on the GPU draws from these
-        resume["cuda_rng_states"] = torch.cuda.get_rng_state_all()
-    save_run(run, "last.pt", vocab_src, vocab_tgt, **resume)
-    keep = run.config.keep_last
-    if keep > 0:  # 0 keeps every epoch file
-        for old in epoch_checkpoints(run.config.checkpoint_dir)[:-keep]:
-            old.unlink()
+def rename_old_key(key):
+    """One state-dict key with the old list names replaced by new names."""
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        following = parts[i + 1]
+        if part == "linears" and following in OLD_PROJECTIONS:
+            parts[i : i + 2] = [OLD_PROJECTIONS[following]]
+            break
+        if part == "sublayer" and parts[0] in OLD_BLOCKS:
+            blocks = OLD_BLOCKS[parts[0]]  # encoder or decoder layer
+            if following in blocks:
+                parts[i : i + 2] = [blocks[following]]
+                break
+    return ".".join(parts)
 
 
-def resume_point(folder):
-    """The file a run in `folder` resumes from, or None."""
-    paths = [Path(folder, "last.pt"), *epoch_checkpoints(folder)[-1:]]
-    for path in paths:
-        if path.is_file() and "optimizer" in load_checkpoint(path):
-            return path
-    return None
-
-
-def resume_run(run):
-    """Restore the newest training state; returns the next epoch."""
-    path = resume_point(run.config.checkpoint_dir)
-    if path is None:  # nothing to resume from: start afresh
-        return 0
-    ckpt = load_checkpoint(path, "cpu")  # random states must be on the CPU
-    load_weights(run.module, ckpt, path)
-    run.optimizer.load_state_dict(ckpt["optimizer"])
-    run.scheduler.load_state_dict(ckpt["scheduler"])
-    run.state, run.history = TrainState(**ckpt["train_state"]), ckpt["history"]
-    torch.set_rng_state(ckpt["rng_state"])
-    if "cuda_rng_states" in ckpt and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(ckpt["cuda_rng_states"])
-    return ckpt["epoch"] + 1
-
-
-RESUMABLE_CHANGES = {"epochs", "checkpoint_dir", "keep_last", "num_workers"}
-
-
-def changed_settings(saved, config):
-    """What differs between a checkpoint's saved config and `config`."""
-    now = asdict(config)
-    same_either_way = RESUMABLE_CHANGES | {"preset"}  # a name, not a setting
-    return [
-        f"{key} {saved[key]!r} there, {value!r} here"
-        for key, value in now.items()
-        if key in saved and key not in same_either_way and saved[key] != value
-    ]
-
-
-def check_resume(config, vocab_src, vocab_tgt):
-    """The checkpoint a run would resume from (None: none), checked."""
-    folder = config.checkpoint_dir
-    path = resume_point(folder)
-    if path is None and epoch_checkpoints(folder):
-        raise CheckpointError(
-            f"nothing to resume in {folder}: its epoch files lack the "
-            "training state (no last.pt), and starting afresh would "
-            "overwrite them; move them away or choose another "
-            "--checkpoint-dir"
-        )
-    if path is not None:
-        with torch.device("meta"):  # shapes only, no memory
-            model = model_from_config(config, len(vocab_src), len(vocab_tgt))
-        ckpt = load_checkpoint(path)
-        problem = size_mismatch(model.state_dict(), ckpt["model"])
-        if problem:
-            raise CheckpointError(
-                f"cannot resume from {path}, another model: {problem}"
-            )
-        changed = changed_settings(ckpt.get("config", {}), config)
-        if changed:
-            raise CheckpointError(
-                f"cannot resume from {path} with other training settings: "
-                + "; ".join(changed)
-                + "; train with the same ones, or in another folder"
-            )
-    return path
-
-
-class FolderInUseError(RuntimeError):
-    """Another process trains into the same checkpoint folder."""
-
-
-@contextlib.contextmanager
-def folder_lock(folder):
-    """Hold the lock on a checkpoint folder while the block runs."""
-    import fcntl  # Unix only
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".lock", "a+", encoding="utf-8") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "unknown"
-            raise FolderInUseError(
-                f"{folder} is in use by another training run (process "
-                f"{holder}); wait for it, or choose another --checkpoint-dir"
-            ) from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"{os.getpid()}\n")
-        f.flush()
-        try:
-            yield folder
-        finally:
-            f.truncate(0)
-            fcntl.flock(f, fcntl.LOCK_UN)
+def rename_old_keys(state_dict):
+    """A state dict (old or new names) with the names Part 1 uses now."""
+    return {rename_old_key(key): value for key, value in state_dict.items()}
 
 
 def load_trained_model(path, device="auto"):
@@ -1236,26 +1098,6 @@ def average_checkpoints(paths, device="cpu"):
         for name, p in params.items():
             p.copy_(sums[name] / len(paths))
     return model.to(device).eval(), vocab_src, vocab_tgt, config
-
-
-def load_translator(checkpoint, device="cpu", beam=1, average_last=0):
-    """(model, vocab_src, vocab_tgt, decode_fn) for greedy or beam search."""
-    if average_last:
-        paths = epoch_checkpoints(Path(checkpoint).parent)[-average_last:]
-        if len(paths) < average_last:
-            n = average_last
-            raise ValueError(
-                f"--average {n} needs {n} epoch checkpoints "
-                f"next to {checkpoint}; found {len(paths)} (training keeps "
-                "the newest --keep-last)"
-            )
-        model, vocab_src, vocab_tgt, _ = average_checkpoints(paths, device)
-    else:
-        model, vocab_src, vocab_tgt, _ = load_trained_model(checkpoint, device)
-    decode_fn = cached_greedy_decode
-    if beam > 1:
-        decode_fn = functools.partial(beam_search, beam_size=beam)
-    return model, vocab_src, vocab_tgt, decode_fn
 
 
 # -----------------------------------------------------------------------------
@@ -1495,6 +1337,140 @@ def train_epoch(run, epoch, train_loader, valid_loader, show=True):
             report += f" (GPU memory {gib:.1f} GiB)"
         print(report)
     return run.history[-1]
+
+
+def save_run(run, name, vocab_src, vocab_tgt, **extra):
+    """Write the weights, config, vocabularies and losses, and `extra`."""
+    fields = {
+        "model": run.module.state_dict(),
+        "config": asdict(run.config),
+        "vocab_src": vocab_src.get_itos(),
+        "vocab_tgt": vocab_tgt.get_itos(),
+        "history": run.history,
+    }
+    if is_subword(vocab_tgt):  # its merges, as JSON
+        fields["bpe"] = vocab_tgt.to_str()
+    save_checkpoint(Path(run.config.checkpoint_dir, name), **fields, **extra)
+
+
+def save_epoch(run, epoch, vocab_src, vocab_tgt):
+    """Write a lean epoch_NNN.pt, then last.pt; keep `keep_last` epochs."""
+    save_run(run, f"epoch_{epoch:03d}.pt", vocab_src, vocab_tgt, epoch=epoch)
+    resume = {
+        "epoch": epoch,
+        "train_state": asdict(run.state),
+        "optimizer": run.optimizer.state_dict(),
+        "scheduler": run.scheduler.state_dict(),
+        "rng_state": torch.get_rng_state(),
+    }
+    if run.device.type == "cuda":  # dropout on the GPU draws from these
+        resume["cuda_rng_states"] = torch.cuda.get_rng_state_all()
+    save_run(run, "last.pt", vocab_src, vocab_tgt, **resume)
+    keep = run.config.keep_last
+    if keep > 0:  # 0 keeps every epoch file
+        for old in epoch_checkpoints(run.config.checkpoint_dir)[:-keep]:
+            old.unlink()
+
+
+def resume_point(folder):
+    """The file a run in `folder` resumes from, or None."""
+    paths = [Path(folder, "last.pt"), *epoch_checkpoints(folder)[-1:]]
+    for path in paths:
+        if path.is_file() and "optimizer" in load_checkpoint(path):
+            return path
+    return None
+
+
+def resume_run(run):
+    """Restore the newest training state; returns the next epoch."""
+    path = resume_point(run.config.checkpoint_dir)
+    if path is None:  # nothing to resume from: start afresh
+        return 0
+    ckpt = load_checkpoint(path, "cpu")  # random states must be on the CPU
+    load_weights(run.module, ckpt, path)
+    run.optimizer.load_state_dict(ckpt["optimizer"])
+    run.scheduler.load_state_dict(ckpt["scheduler"])
+    run.state, run.history = TrainState(**ckpt["train_state"]), ckpt["history"]
+    torch.set_rng_state(ckpt["rng_state"])
+    if "cuda_rng_states" in ckpt and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(ckpt["cuda_rng_states"])
+    return ckpt["epoch"] + 1
+
+
+RESUMABLE_CHANGES = {"epochs", "checkpoint_dir", "keep_last", "num_workers"}
+
+
+def changed_settings(saved, config):
+    """What differs between a checkpoint's saved config and `config`."""
+    now = asdict(config)
+    same_either_way = RESUMABLE_CHANGES | {"preset"}  # a name, not a setting
+    return [
+        f"{key} {saved[key]!r} there, {value!r} here"
+        for key, value in now.items()
+        if key in saved and key not in same_either_way and saved[key] != value
+    ]
+
+
+def check_resume(config, vocab_src, vocab_tgt):
+    """The checkpoint a run would resume from (None: none), checked."""
+    folder = config.checkpoint_dir
+    path = resume_point(folder)
+    if path is None and epoch_checkpoints(folder):
+        raise CheckpointError(
+            f"nothing to resume in {folder}: its epoch files lack the "
+            "training state (no last.pt), and starting afresh would "
+            "overwrite them; move them away or choose another "
+            "--checkpoint-dir"
+        )
+    if path is not None:
+        with torch.device("meta"):  # shapes only, no memory
+            model = model_from_config(config, len(vocab_src), len(vocab_tgt))
+        ckpt = load_checkpoint(path)
+        problem = size_mismatch(model.state_dict(), ckpt["model"])
+        if problem:
+            raise CheckpointError(
+                f"cannot resume from {path}, another model: {problem}"
+            )
+        changed = changed_settings(ckpt.get("config", {}), config)
+        if changed:
+            raise CheckpointError(
+                f"cannot resume from {path} with other training settings: "
+                + "; ".join(changed)
+                + "; train with the same ones, or in another folder"
+            )
+    return path
+
+
+class FolderInUseError(RuntimeError):
+    """Another process trains into the same checkpoint folder."""
+
+
+@contextlib.contextmanager
+def folder_lock(folder):
+    """Hold the lock on a checkpoint folder while the block runs."""
+    import fcntl  # Unix only
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "a+", encoding="utf-8") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            raise FolderInUseError(
+                f"{folder} is in use by another training run (process "
+                f"{holder}); wait for it, or choose another --checkpoint-dir"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        try:
+            yield folder
+        finally:
+            f.truncate(0)
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def train_worker(
@@ -1751,6 +1727,26 @@ def compute_bleu(hypotheses, references):
     import sacrebleu
 
     return sacrebleu.corpus_bleu(hypotheses, [references])
+
+
+def load_translator(checkpoint, device="cpu", beam=1, average_last=0):
+    """(model, vocab_src, vocab_tgt, decode_fn) for greedy or beam search."""
+    if average_last:
+        paths = epoch_checkpoints(Path(checkpoint).parent)[-average_last:]
+        if len(paths) < average_last:
+            n = average_last
+            raise ValueError(
+                f"--average {n} needs {n} epoch checkpoints "
+                f"next to {checkpoint}; found {len(paths)} (training keeps "
+                "the newest --keep-last)"
+            )
+        model, vocab_src, vocab_tgt, _ = average_checkpoints(paths, device)
+    else:
+        model, vocab_src, vocab_tgt, _ = load_trained_model(checkpoint, device)
+    decode_fn = cached_greedy_decode
+    if beam > 1:
+        decode_fn = functools.partial(beam_search, beam_size=beam)
+    return model, vocab_src, vocab_tgt, decode_fn
 
 
 TRAINED_MODELS = ("checkpoints/cpu/final.pt", "checkpoints/quick/final.pt")
@@ -2517,10 +2513,6 @@ __all__ = [
     "choose_precision",
     "autocast_for",
     "describe_device",
-    "OLD_PROJECTIONS",
-    "OLD_BLOCKS",
-    "rename_old_key",
-    "rename_old_keys",
     "CheckpointError",
     "save_checkpoint",
     "load_checkpoint",
@@ -2530,18 +2522,12 @@ __all__ = [
     "checkpoint_vocabularies",
     "size_mismatch",
     "load_weights",
-    "save_run",
-    "save_epoch",
-    "resume_point",
-    "resume_run",
-    "RESUMABLE_CHANGES",
-    "changed_settings",
-    "check_resume",
-    "FolderInUseError",
-    "folder_lock",
+    "OLD_PROJECTIONS",
+    "OLD_BLOCKS",
+    "rename_old_key",
+    "rename_old_keys",
     "load_trained_model",
     "average_checkpoints",
-    "load_translator",
     "split_evenly",
     "ShardedBatchSampler",
     "shard_loader",
@@ -2558,6 +2544,15 @@ __all__ = [
     "train_pass",
     "validate",
     "train_epoch",
+    "save_run",
+    "save_epoch",
+    "resume_point",
+    "resume_run",
+    "RESUMABLE_CHANGES",
+    "changed_settings",
+    "check_resume",
+    "FolderInUseError",
+    "folder_lock",
     "train_worker",
     "free_port",
     "train_distributed_model",
@@ -2569,6 +2564,7 @@ __all__ = [
     "finish_text",
     "translate_batch",
     "compute_bleu",
+    "load_translator",
     "TRAINED_MODELS",
     "default_checkpoint",
     "translate",

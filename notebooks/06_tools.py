@@ -1251,72 +1251,6 @@ if here.type == "cpu":
 assert choose_precision(here, "fp32") == Precision(None, False)
 
 # %% [markdown]
-# ## Checkpoints from older versions
-#
-# Part 1 names every weight for what it is: an attention layer's four
-# projections are `w_q`, `w_k`, `w_v` and `w_o`, and a layer's residual
-# blocks are `self_attn_block`, `src_attn_block` and `ff_block`. Earlier
-# versions of this project kept the 2022 names: a list `linears` of four
-# projections, in that order, and a list `sublayer` of residual blocks,
-# in the order the layer applies them. `rename_old_keys` maps a state dict
-# with the old names to the new ones; keys already new pass unchanged, in
-# their order. (2022 checkpoint files themselves cannot be used: their
-# vocabularies are pickled torchtext objects.)
-
-
-# %%
-#| export
-OLD_PROJECTIONS = {"0": "w_q", "1": "w_k", "2": "w_v", "3": "w_o"}
-OLD_BLOCKS = {
-    "encoder": {"0": "self_attn_block", "1": "ff_block"},
-    "decoder": {
-        "0": "self_attn_block",
-        "1": "src_attn_block",
-        "2": "ff_block",
-    },
-}
-
-
-def rename_old_key(key):
-    """One state-dict key with the old list names replaced by new names."""
-    parts = key.split(".")
-    for i, part in enumerate(parts[:-1]):
-        following = parts[i + 1]
-        if part == "linears" and following in OLD_PROJECTIONS:
-            parts[i : i + 2] = [OLD_PROJECTIONS[following]]
-            break
-        if part == "sublayer" and parts[0] in OLD_BLOCKS:
-            blocks = OLD_BLOCKS[parts[0]]  # encoder or decoder layer
-            if following in blocks:
-                parts[i : i + 2] = [blocks[following]]
-                break
-    return ".".join(parts)
-
-
-def rename_old_keys(state_dict):
-    """A state dict (old or new names) with the names Part 1 uses now."""
-    return {rename_old_key(key): value for key, value in state_dict.items()}
-
-
-# %% [markdown]
-# **See, it matches.** Old keys from each kind of place land on keys that
-# a new model has. (`tests/test_model.py` loads a whole model saved with
-# the old names and checks that it computes the same outputs.)
-
-# %%
-model = make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
-old_keys = [
-    "encoder.layers.0.self_attn.linears.0.weight",
-    "encoder.layers.0.sublayer.1.norm.a_2",
-    "decoder.layers.0.src_attn.linears.3.bias",
-    "decoder.layers.0.sublayer.1.norm.b_2",
-]
-for key in old_keys:
-    print(f"{key:45s} -> {rename_old_key(key)}")
-    assert rename_old_key(key) in model.state_dict()
-
-
-# %% [markdown]
 # ## Checkpoint files
 #
 # A checkpoint holds only tensors and plain Python types, so it loads with
@@ -1499,190 +1433,74 @@ def load_weights(model, ckpt, path="checkpoint"):
 
 
 # %% [markdown]
-# `save_run` writes a run's weights, config, vocabularies and losses. Each
-# epoch, rank 0 writes a lean `epoch_NNN.pt` with the weights Part 5 averages,
-# keeping the newest `keep_last`, and `last.pt`, which adds the optimizer (Adam
-# keeps two averages per weight, so it triples the size), the schedule, the
-# counters and the random states: the CPU's, and every GPU's when the run uses
-# CUDA. A crash between the two writes only repeats the epoch. `resume_run`
-# restores `last.pt` (or, for a run made by an older version of this code, its
-# newest epoch file, which then held the optimizer too) exactly as an
-# uninterrupted run would continue. It reads the file onto the CPU whatever the
-# run's device: `torch.set_rng_state` takes only a CPU tensor, and
-# `load_state_dict` moves weights and optimizer state to where the model lives.
+# ### Checkpoints from older versions
+#
+# Part 1 names every weight for what it is: an attention layer's four
+# projections are `w_q`, `w_k`, `w_v` and `w_o`, and a layer's residual
+# blocks are `self_attn_block`, `src_attn_block` and `ff_block`. Earlier
+# versions of this project kept the 2022 names: a list `linears` of four
+# projections, in that order, and a list `sublayer` of residual blocks,
+# in the order the layer applies them. `rename_old_keys` maps a state dict
+# with the old names to the new ones; keys already new pass unchanged, in
+# their order. (2022 checkpoint files themselves cannot be used: their
+# vocabularies are pickled torchtext objects.)
 
 
 # %%
 #| export
-def save_run(run, name, vocab_src, vocab_tgt, **extra):
-    """Write the weights, config, vocabularies and losses, and `extra`."""
-    fields = {
-        "model": run.module.state_dict(),
-        "config": asdict(run.config),
-        "vocab_src": vocab_src.get_itos(),
-        "vocab_tgt": vocab_tgt.get_itos(),
-        "history": run.history,
-    }
-    if is_subword(vocab_tgt):  # its merges, as JSON
-        fields["bpe"] = vocab_tgt.to_str()
-    save_checkpoint(Path(run.config.checkpoint_dir, name), **fields, **extra)
+OLD_PROJECTIONS = {"0": "w_q", "1": "w_k", "2": "w_v", "3": "w_o"}
+OLD_BLOCKS = {
+    "encoder": {"0": "self_attn_block", "1": "ff_block"},
+    "decoder": {
+        "0": "self_attn_block",
+        "1": "src_attn_block",
+        "2": "ff_block",
+    },
+}
 
 
-def save_epoch(run, epoch, vocab_src, vocab_tgt):
-    """Write a lean epoch_NNN.pt, then last.pt; keep `keep_last` epochs."""
-    save_run(run, f"epoch_{epoch:03d}.pt", vocab_src, vocab_tgt, epoch=epoch)
-    resume = {
-        "epoch": epoch,
-        "train_state": asdict(run.state),
-        "optimizer": run.optimizer.state_dict(),
-        "scheduler": run.scheduler.state_dict(),
-        "rng_state": torch.get_rng_state(),
-    }
-    if run.device.type == "cuda":  # dropout on the GPU draws from these
-        resume["cuda_rng_states"] = torch.cuda.get_rng_state_all()
-    save_run(run, "last.pt", vocab_src, vocab_tgt, **resume)
-    keep = run.config.keep_last
-    if keep > 0:  # 0 keeps every epoch file
-        for old in epoch_checkpoints(run.config.checkpoint_dir)[:-keep]:
-            old.unlink()
+def rename_old_key(key):
+    """One state-dict key with the old list names replaced by new names."""
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        following = parts[i + 1]
+        if part == "linears" and following in OLD_PROJECTIONS:
+            parts[i : i + 2] = [OLD_PROJECTIONS[following]]
+            break
+        if part == "sublayer" and parts[0] in OLD_BLOCKS:
+            blocks = OLD_BLOCKS[parts[0]]  # encoder or decoder layer
+            if following in blocks:
+                parts[i : i + 2] = [blocks[following]]
+                break
+    return ".".join(parts)
 
 
-def resume_point(folder):
-    """The file a run in `folder` resumes from, or None."""
-    paths = [Path(folder, "last.pt"), *epoch_checkpoints(folder)[-1:]]
-    for path in paths:
-        if path.is_file() and "optimizer" in load_checkpoint(path):
-            return path
-    return None
-
-
-def resume_run(run):
-    """Restore the newest training state; returns the next epoch."""
-    path = resume_point(run.config.checkpoint_dir)
-    if path is None:  # nothing to resume from: start afresh
-        return 0
-    ckpt = load_checkpoint(path, "cpu")  # random states must be on the CPU
-    load_weights(run.module, ckpt, path)
-    run.optimizer.load_state_dict(ckpt["optimizer"])
-    run.scheduler.load_state_dict(ckpt["scheduler"])
-    run.state, run.history = TrainState(**ckpt["train_state"]), ckpt["history"]
-    torch.set_rng_state(ckpt["rng_state"])
-    if "cuda_rng_states" in ckpt and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(ckpt["cuda_rng_states"])
-    return ckpt["epoch"] + 1
+def rename_old_keys(state_dict):
+    """A state dict (old or new names) with the names Part 1 uses now."""
+    return {rename_old_key(key): value for key, value in state_dict.items()}
 
 
 # %% [markdown]
-# Before a run starts, `check_resume` makes sure that `--resume` means
-# what it says. It refuses a folder that holds epoch files but no
-# training state to resume from, since starting afresh would overwrite
-# them, and a checkpoint of another model, naming the first size that
-# differs; it builds the run's model on the `meta` device, which has
-# shapes but no memory. It also refuses other training settings: a
-# resumed run with another dropout, schedule or batch size would be
-# neither the old run nor a new one. Only the number of epochs, the
-# folder, the epoch files kept, the data workers and the preset's name
-# may change. It returns the file to resume from, or None for a folder
-# with no checkpoints, where the run starts afresh.
-
+# **See, it matches.** Old keys from each kind of place land on keys that
+# a new model has. (`tests/test_model.py` loads a whole model saved with
+# the old names and checks that it computes the same outputs.)
 
 # %%
-#| export
-RESUMABLE_CHANGES = {"epochs", "checkpoint_dir", "keep_last", "num_workers"}
-
-
-def changed_settings(saved, config):
-    """What differs between a checkpoint's saved config and `config`."""
-    now = asdict(config)
-    same_either_way = RESUMABLE_CHANGES | {"preset"}  # a name, not a setting
-    return [
-        f"{key} {saved[key]!r} there, {value!r} here"
-        for key, value in now.items()
-        if key in saved and key not in same_either_way and saved[key] != value
-    ]
-
-
-def check_resume(config, vocab_src, vocab_tgt):
-    """The checkpoint a run would resume from (None: none), checked."""
-    folder = config.checkpoint_dir
-    path = resume_point(folder)
-    if path is None and epoch_checkpoints(folder):
-        raise CheckpointError(
-            f"nothing to resume in {folder}: its epoch files lack the "
-            "training state (no last.pt), and starting afresh would "
-            "overwrite them; move them away or choose another "
-            "--checkpoint-dir"
-        )
-    if path is not None:
-        with torch.device("meta"):  # shapes only, no memory
-            model = model_from_config(config, len(vocab_src), len(vocab_tgt))
-        ckpt = load_checkpoint(path)
-        problem = size_mismatch(model.state_dict(), ckpt["model"])
-        if problem:
-            raise CheckpointError(
-                f"cannot resume from {path}, another model: {problem}"
-            )
-        changed = changed_settings(ckpt.get("config", {}), config)
-        if changed:
-            raise CheckpointError(
-                f"cannot resume from {path} with other training settings: "
-                + "; ".join(changed)
-                + "; train with the same ones, or in another folder"
-            )
-    return path
-
-
-# %% [markdown]
-# Two runs that write into the same folder would overwrite each other's
-# files, so a run holds `folder_lock` on its checkpoint folder while it
-# trains. The lock is `fcntl.flock` on a file `.lock` in the folder,
-# which holds the process id of the run that has it. The kernel releases
-# a `flock` when its process ends, however it ends, so the lock of a
-# killed run is never stale: its `.lock` file stays, but the next run
-# takes it over. `fcntl` is in the standard library (the `filelock`
-# package takes the same `flock` but does not record the holder). It
-# exists on Linux and macOS, not on Windows, and `flock` is not reliable
-# on some network file systems.
-
-
-# %%
-#| export
-class FolderInUseError(RuntimeError):
-    """Another process trains into the same checkpoint folder."""
-
-
-@contextlib.contextmanager
-def folder_lock(folder):
-    """Hold the lock on a checkpoint folder while the block runs."""
-    import fcntl  # Unix only
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".lock", "a+", encoding="utf-8") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "unknown"
-            raise FolderInUseError(
-                f"{folder} is in use by another training run (process "
-                f"{holder}); wait for it, or choose another --checkpoint-dir"
-            ) from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"{os.getpid()}\n")
-        f.flush()
-        try:
-            yield folder
-        finally:
-            f.truncate(0)
-            fcntl.flock(f, fcntl.LOCK_UN)
+model = make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
+old_keys = [
+    "encoder.layers.0.self_attn.linears.0.weight",
+    "encoder.layers.0.sublayer.1.norm.a_2",
+    "decoder.layers.0.src_attn.linears.3.bias",
+    "decoder.layers.0.sublayer.1.norm.b_2",
+]
+for key in old_keys:
+    print(f"{key:45s} -> {rename_old_key(key)}")
+    assert rename_old_key(key) in model.state_dict()
 
 
 # %% [markdown]
 # Check: a checkpoint round-trips; random bytes, an empty file and a file
-# of another model are each refused with their own message; and a second
-# lock on a held folder names the holder.
+# of another model are each refused with their own message.
 
 # %%
 with tempfile.TemporaryDirectory() as tmp:
@@ -1701,12 +1519,6 @@ with tempfile.TemporaryDirectory() as tmp:
             assert message in str(err), err
     other = {"w": torch.zeros(3, 3)}
     assert size_mismatch(weights, other) == "w is 3×3 in the file but 2×3 here"
-    with folder_lock(tmp):
-        try:
-            with folder_lock(tmp):
-                raise AssertionError("a held folder was locked twice")
-        except FolderInUseError as err:
-            assert f"process {os.getpid()}" in str(err)
 
 
 # %% [markdown]
@@ -1735,9 +1547,6 @@ def load_trained_model(path, device="auto"):
 # Part 5's checkpoint averaging, from files: `average_checkpoints` reads
 # one checkpoint at a time and sums in float64 on the CPU (Apple's GPU has
 # no float64), then moves the model to the device asked for.
-# `load_translator` gathers the decoding options of the command line's
-# `evaluate` and `translate`: a checkpoint, a beam size (1 means greedy,
-# with the cache) and a number of epoch checkpoints to average.
 
 
 # %%
@@ -1769,26 +1578,6 @@ def average_checkpoints(paths, device="cpu"):
         for name, p in params.items():
             p.copy_(sums[name] / len(paths))
     return model.to(device).eval(), vocab_src, vocab_tgt, config
-
-
-def load_translator(checkpoint, device="cpu", beam=1, average_last=0):
-    """(model, vocab_src, vocab_tgt, decode_fn) for greedy or beam search."""
-    if average_last:
-        paths = epoch_checkpoints(Path(checkpoint).parent)[-average_last:]
-        if len(paths) < average_last:
-            n = average_last
-            raise ValueError(
-                f"--average {n} needs {n} epoch checkpoints "
-                f"next to {checkpoint}; found {len(paths)} (training keeps "
-                "the newest --keep-last)"
-            )
-        model, vocab_src, vocab_tgt, _ = average_checkpoints(paths, device)
-    else:
-        model, vocab_src, vocab_tgt, _ = load_trained_model(checkpoint, device)
-    decode_fn = cached_greedy_decode
-    if beam > 1:
-        decode_fn = functools.partial(beam_search, beam_size=beam)
-    return model, vocab_src, vocab_tgt, decode_fn
 
 
 # %% [markdown]
@@ -2157,6 +1946,207 @@ def train_epoch(run, epoch, train_loader, valid_loader, show=True):
 
 
 # %% [markdown]
+# ### Saving and resuming a run
+#
+# `save_run` writes a run's weights, config, vocabularies and losses into
+# one checkpoint file. After every epoch, rank 0 calls `save_epoch`, which
+# writes two: a lean `epoch_NNN.pt` with the weights that Part 5 averages
+# (keeping the newest `keep_last`), then `last.pt`, which adds the
+# optimizer (Adam keeps two averages per weight, so it triples the size),
+# the schedule, the counters and the random states: the CPU's, and every
+# GPU's when the run uses CUDA. A crash between the two writes only
+# repeats the epoch.
+#
+# `resume_point` names the file to resume from: `last.pt`, or, for a run
+# made by an older version of this code, its newest epoch file, which
+# then held the optimizer too. `resume_run` restores it exactly as an
+# uninterrupted run would continue. It reads the file onto the CPU
+# whatever the run's device: `torch.set_rng_state` takes only a CPU
+# tensor, and `load_state_dict` moves weights and optimizer state to where
+# the model lives.
+
+
+# %%
+#| export
+def save_run(run, name, vocab_src, vocab_tgt, **extra):
+    """Write the weights, config, vocabularies and losses, and `extra`."""
+    fields = {
+        "model": run.module.state_dict(),
+        "config": asdict(run.config),
+        "vocab_src": vocab_src.get_itos(),
+        "vocab_tgt": vocab_tgt.get_itos(),
+        "history": run.history,
+    }
+    if is_subword(vocab_tgt):  # its merges, as JSON
+        fields["bpe"] = vocab_tgt.to_str()
+    save_checkpoint(Path(run.config.checkpoint_dir, name), **fields, **extra)
+
+
+def save_epoch(run, epoch, vocab_src, vocab_tgt):
+    """Write a lean epoch_NNN.pt, then last.pt; keep `keep_last` epochs."""
+    save_run(run, f"epoch_{epoch:03d}.pt", vocab_src, vocab_tgt, epoch=epoch)
+    resume = {
+        "epoch": epoch,
+        "train_state": asdict(run.state),
+        "optimizer": run.optimizer.state_dict(),
+        "scheduler": run.scheduler.state_dict(),
+        "rng_state": torch.get_rng_state(),
+    }
+    if run.device.type == "cuda":  # dropout on the GPU draws from these
+        resume["cuda_rng_states"] = torch.cuda.get_rng_state_all()
+    save_run(run, "last.pt", vocab_src, vocab_tgt, **resume)
+    keep = run.config.keep_last
+    if keep > 0:  # 0 keeps every epoch file
+        for old in epoch_checkpoints(run.config.checkpoint_dir)[:-keep]:
+            old.unlink()
+
+
+def resume_point(folder):
+    """The file a run in `folder` resumes from, or None."""
+    paths = [Path(folder, "last.pt"), *epoch_checkpoints(folder)[-1:]]
+    for path in paths:
+        if path.is_file() and "optimizer" in load_checkpoint(path):
+            return path
+    return None
+
+
+def resume_run(run):
+    """Restore the newest training state; returns the next epoch."""
+    path = resume_point(run.config.checkpoint_dir)
+    if path is None:  # nothing to resume from: start afresh
+        return 0
+    ckpt = load_checkpoint(path, "cpu")  # random states must be on the CPU
+    load_weights(run.module, ckpt, path)
+    run.optimizer.load_state_dict(ckpt["optimizer"])
+    run.scheduler.load_state_dict(ckpt["scheduler"])
+    run.state, run.history = TrainState(**ckpt["train_state"]), ckpt["history"]
+    torch.set_rng_state(ckpt["rng_state"])
+    if "cuda_rng_states" in ckpt and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(ckpt["cuda_rng_states"])
+    return ckpt["epoch"] + 1
+
+
+# %% [markdown]
+# Before a run starts, `check_resume` makes sure that `--resume` means
+# what it says. It refuses a folder that holds epoch files but no
+# training state to resume from, since starting afresh would overwrite
+# them, and a checkpoint of another model, naming the first size that
+# differs; it builds the run's model on the `meta` device, which has
+# shapes but no memory. It also refuses other training settings: a
+# resumed run with another dropout, schedule or batch size would be
+# neither the old run nor a new one. Only the number of epochs, the
+# folder, the epoch files kept, the data workers and the preset's name
+# may change. It returns the file to resume from, or None for a folder
+# with no checkpoints, where the run starts afresh.
+
+
+# %%
+#| export
+RESUMABLE_CHANGES = {"epochs", "checkpoint_dir", "keep_last", "num_workers"}
+
+
+def changed_settings(saved, config):
+    """What differs between a checkpoint's saved config and `config`."""
+    now = asdict(config)
+    same_either_way = RESUMABLE_CHANGES | {"preset"}  # a name, not a setting
+    return [
+        f"{key} {saved[key]!r} there, {value!r} here"
+        for key, value in now.items()
+        if key in saved and key not in same_either_way and saved[key] != value
+    ]
+
+
+def check_resume(config, vocab_src, vocab_tgt):
+    """The checkpoint a run would resume from (None: none), checked."""
+    folder = config.checkpoint_dir
+    path = resume_point(folder)
+    if path is None and epoch_checkpoints(folder):
+        raise CheckpointError(
+            f"nothing to resume in {folder}: its epoch files lack the "
+            "training state (no last.pt), and starting afresh would "
+            "overwrite them; move them away or choose another "
+            "--checkpoint-dir"
+        )
+    if path is not None:
+        with torch.device("meta"):  # shapes only, no memory
+            model = model_from_config(config, len(vocab_src), len(vocab_tgt))
+        ckpt = load_checkpoint(path)
+        problem = size_mismatch(model.state_dict(), ckpt["model"])
+        if problem:
+            raise CheckpointError(
+                f"cannot resume from {path}, another model: {problem}"
+            )
+        changed = changed_settings(ckpt.get("config", {}), config)
+        if changed:
+            raise CheckpointError(
+                f"cannot resume from {path} with other training settings: "
+                + "; ".join(changed)
+                + "; train with the same ones, or in another folder"
+            )
+    return path
+
+
+# %% [markdown]
+# Two runs that write into the same folder would overwrite each other's
+# files, so a run holds `folder_lock` on its checkpoint folder while it
+# trains. The lock is `fcntl.flock` on a file `.lock` in the folder,
+# which holds the process id of the run that has it. The kernel releases
+# a `flock` when its process ends, however it ends, so the lock of a
+# killed run is never stale: its `.lock` file stays, but the next run
+# takes it over. `fcntl` is in the standard library (the `filelock`
+# package takes the same `flock` but does not record the holder). It
+# exists on Linux and macOS, not on Windows, and `flock` is not reliable
+# on some network file systems.
+
+
+# %%
+#| export
+class FolderInUseError(RuntimeError):
+    """Another process trains into the same checkpoint folder."""
+
+
+@contextlib.contextmanager
+def folder_lock(folder):
+    """Hold the lock on a checkpoint folder while the block runs."""
+    import fcntl  # Unix only
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / ".lock", "a+", encoding="utf-8") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            raise FolderInUseError(
+                f"{folder} is in use by another training run (process "
+                f"{holder}); wait for it, or choose another --checkpoint-dir"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        try:
+            yield folder
+        finally:
+            f.truncate(0)
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+# %% [markdown]
+# Check: a second lock on a held folder names the process that holds it.
+
+# %%
+with tempfile.TemporaryDirectory() as tmp:
+    with folder_lock(tmp):
+        try:
+            with folder_lock(tmp):
+                raise AssertionError("a held folder was locked twice")
+        except FolderInUseError as err:
+            assert f"process {os.getpid()}" in str(err)
+
+
+# %% [markdown]
 # `train_worker` composes the pieces with the checkpoint files. Rank 0
 # says in one line where it trains, writes the files after every epoch,
 # and, after the last epoch, checks that all ranks ended with the same
@@ -2505,6 +2495,34 @@ def compute_bleu(hypotheses, references):
     import sacrebleu
 
     return sacrebleu.corpus_bleu(hypotheses, [references])
+
+
+# %% [markdown]
+# `load_translator` gathers the decoding options of the command line's
+# `evaluate` and `translate`: a checkpoint, a beam size (1 means greedy,
+# with the cache) and a number of epoch checkpoints to average.
+
+
+# %%
+#| export
+def load_translator(checkpoint, device="cpu", beam=1, average_last=0):
+    """(model, vocab_src, vocab_tgt, decode_fn) for greedy or beam search."""
+    if average_last:
+        paths = epoch_checkpoints(Path(checkpoint).parent)[-average_last:]
+        if len(paths) < average_last:
+            n = average_last
+            raise ValueError(
+                f"--average {n} needs {n} epoch checkpoints "
+                f"next to {checkpoint}; found {len(paths)} (training keeps "
+                "the newest --keep-last)"
+            )
+        model, vocab_src, vocab_tgt, _ = average_checkpoints(paths, device)
+    else:
+        model, vocab_src, vocab_tgt, _ = load_trained_model(checkpoint, device)
+    decode_fn = cached_greedy_decode
+    if beam > 1:
+        decode_fn = functools.partial(beam_search, beam_size=beam)
+    return model, vocab_src, vocab_tgt, decode_fn
 
 
 # %% [markdown]
