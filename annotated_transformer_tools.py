@@ -2160,6 +2160,16 @@ def build_parser():
     return parser
 
 
+def torchrun_ranks():
+    """(rank, world size, local rank, local world size) under torchrun."""
+    if "LOCAL_RANK" not in os.environ:
+        return None  # not started by torchrun
+    world = int(os.environ["WORLD_SIZE"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    return rank, world, local_rank, local_world
+
+
 def command_train(args):
     """`train`: run training, then optionally score and summarize."""
     overrides = {
@@ -2173,22 +2183,21 @@ def command_train(args):
         if v is not None
     }
     config = get_config(args.preset, **overrides)
-    torchrun = "LOCAL_RANK" in os.environ
-    if args.world_size > 1 and not torchrun:  # fail now, not in NCCL
+    ranks = torchrun_ranks()
+    if args.world_size > 1 and ranks is None:  # fail now, not in NCCL
         try:
             process_device(0, args.world_size)
         except ValueError as err:
             message = f"--world-size {args.world_size}: {err}"
             raise UserError(message) from None
-    rank = int(os.environ.get("RANK", "0"))
+    rank = ranks[0] if ranks else 0
     lock = folder_lock(config.checkpoint_dir) if rank == 0 else None
-    with lock or nullcontext():
-        return train_locked(args, config)
+    with lock or nullcontext():  # only rank 0 holds the folder's lock
+        return train_locked(args, config, ranks)
 
 
-def train_locked(args, config):
-    """`train`, once the checkpoint folder is ours."""
-    torchrun = "LOCAL_RANK" in os.environ
+def train_locked(args, config, ranks=None):
+    """`train`, with the folder locked by rank 0; `ranks` from torchrun."""
     if args.threads:
         torch.set_num_threads(args.threads)
     download_multi30k()
@@ -2202,10 +2211,8 @@ def train_locked(args, config):
         )
     data = (*vocabs, *tokenizers, config)
     start = time.time()
-    if torchrun:  # started by torchrun
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        local_rank = int(os.environ["LOCAL_RANK"])
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if ranks:  # started by torchrun
+        rank, world, local_rank, local_world = ranks
         try:
             device = process_device(local_rank, local_world)
         except ValueError as err:
@@ -2589,6 +2596,7 @@ __all__ = [
     "add_evaluate_parser",
     "add_translate_parser",
     "build_parser",
+    "torchrun_ranks",
     "command_train",
     "train_locked",
     "check_out",
