@@ -1236,7 +1236,7 @@ def _head_statistics(v, kind, specials):
     i, j = _diagonal(v, kind)
     offset = j - i.round()  # (R, C)
     n = v.allowed.sum(-1)  # (R,) keys each query may see
-    H = -torch.special.xlogy(w, w).sum(-1)  # (N, h, R)
+    H = -torch.special.xlogy(w, w).sum(-1)  # (N, h, R); 0·log 0 = 0
     special = torch.isin(v.col_ids, torch.tensor(specials))  # (C,)
     sums = {
         "distance": (w * (j - i).abs()).sum(-1),  # each (N, h, R)

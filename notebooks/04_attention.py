@@ -34,7 +34,7 @@
 # * The model is in `eval()` mode. With dropout active, a tenth of the
 #   weights are zeroed and the rest scaled by $1/0.9$, so a drawn row no
 #   longer sums to 1 and a weight above 0.9 is drawn above 1. A cell
-#   below shows it.
+#   below shows the rows that no longer sum to 1.
 # * Recording is an explicit opt-in. Training runs the fused
 #   `scaled_dot_product_attention`, which never materializes the weights;
 #   recording switches every layer to the explicit computation only for
@@ -175,7 +175,8 @@ class AttentionView(NamedTuple):
 # `AttentionMaps` keeps the weights of one sentence with its token ids and
 # labels. Its `view` picks, for each kind, which side gives the queries
 # and which the keys: the source for the encoder, the English for the
-# decoder's own attention, and both for the decoder's look at the source.
+# decoder's own attention, and English queries with German keys for the
+# decoder's look at the source.
 
 
 # %%
@@ -295,20 +296,24 @@ def attention_maps(
 #
 # Maps of an untrained model are noise, so we read a translator of Part
 # 3's shape: $N=3$ layers, $d_{model}=256$, $h=4$ heads and word
-# vocabularies, trained on all of Multi30k. This page describes the `cpu`
-# model, which `make train` writes to `checkpoints/cpu/final.pt` in over
-# an hour; without it, it reads the `quick` model that Part 3 trained in
-# minutes (`checkpoints/quick/final.pt`), which has the same shape and
-# fewer epochs behind it. Until one of them exists, and in a CI-sized run
-# (`AT_SIZE=ci`, which always uses the
-# stand-in), the appendix's `find_or_train` trains a small stand-in here
-# in about a minute: the `ci` preset with two layers and four heads, so
-# that there is more than one of each to look at. Having seen 1,000
-# sentences for two epochs, its maps show the machinery, not
-# linguistics. What this page says about the trained model's heads is
-# checked when that model is loaded (`trained` below); with the
-# stand-in, the same cells print the stand-in's numbers and check nothing
-# about them.
+# vocabularies, trained on all of Multi30k. The page loads
+# `checkpoints/cpu/final.pt`, which `make train` writes in over an hour,
+# or else `checkpoints/quick/final.pt`, which Part 3 trained in minutes:
+# the same shape, fewer epochs.
+#
+# If neither exists, the appendix's `find_or_train` trains a *stand-in*
+# here, in seconds: the tiny `ci` preset with two layers and four
+# heads, so that there is more than one of each to look at. Having seen
+# 1,000 sentences for two epochs, it shows the machinery, not language.
+# (The tests run this page in a CI-sized version, `AT_SIZE=ci`, which
+# always uses the stand-in.) Cells marked *Check* assert what this page
+# says about the trained model's heads only when a trained model is
+# loaded (`trained` below); with the stand-in they print its numbers and
+# check nothing.
+#
+# The numbers quoted in the prose, "on record", come from one `cpu` run
+# of 10 epochs (where the preset now trains 18), in `results/site_full.md`
+# and `results/unk_replacement.md`; this page does not recompute them.
 
 
 # %%
@@ -327,7 +332,7 @@ trained = config.preset in ("cpu", "quick")  # not the stand-in
 print("model:", describe_checkpoint(checkpoint))
 
 # %% [markdown]
-# The sentence is validation pair 6,
+# The sentence is validation pair 6 (counting from 0),
 #
 # > Ein brauner Hund rennt dem schwarzen Hund hinterher.
 # >
@@ -441,23 +446,22 @@ assert not torch.allclose(dropped.sum(-1), clean.sum(-1))
 # %% [markdown]
 # ## Drawing the maps
 #
-# `attention_chart` (from the appendix's "Charts" section) draws one kind
-# of attention as one heat map per head, side by side, with a menu that
-# picks the layer, the last one by default. Each row is a query position
-# and each column a key position, labelled with their tokens; the darker
-# a cell, the larger its weight. Layers and heads are numbered from 1 in
-# the charts (layer 1 is the one nearest the embeddings), while the
-# tensors index them from 0. Hovering over a cell shows its tokens and
-# its weight. `save_chart` (appendix) shows each chart, and also saves it
-# under `figures/`.
+# `attention_chart` (from the appendix's "Charts" section) draws one kind of
+# attention as one heat map per head, side by side, with a menu that picks the
+# layer, the last one by default. Each row is a query position and each column
+# a key position, labelled with their tokens; the darker a cell, the larger its
+# weight, from white (0) to dark blue (1). Layers and heads are numbered from 1
+# in the charts (layer 1 is the one nearest the embeddings), while the tensors
+# index them from 0. Hovering over a cell shows its tokens and its weight.
+# `save_chart` (appendix) shows each chart, and also saves it under `figures/`.
 
 
 # %% [markdown]
 # ### Encoder self-attention
 #
-# Rows and columns are both source positions. A bright diagonal is a head
-# that keeps each token to itself; a bright band just off it looks at a
-# neighbour; a bright column is a token that many positions read.
+# Rows and columns are both source positions. A dark diagonal is a head
+# that keeps each token to itself; a dark band just off it looks at a
+# neighbour; a dark column is a token that many positions read.
 
 # %%
 save_chart(attention_chart(maps, "encoder self"), "04_encoder_self", FIGURES)
@@ -480,8 +484,8 @@ save_chart(attention_chart(maps, "decoder self"), "04_decoder_self", FIGURES)
 # the row that predicts "brown" is the one labelled "A". In the trained
 # `cpu` model's last layer, every head, in the row that predicts "brown",
 # looks at "brauner", and in the row that predicts "black", at
-# "schwarzen". Each row looks at the German word it is about to
-# translate. The rows that predict "." and `</s>`, which have no German
+# "schwarzen": each looks at the German word it is about to translate.
+# The rows that predict "." and `</s>`, which have no German
 # word left to translate, put much of their weight on the edges of the
 # sentence instead: `<s>`, the full stop and `</s>`. A stand-in model of
 # a CI-sized run has seen too little to do any of this.
@@ -617,7 +621,9 @@ def _diagonal(v, kind):
 # weight of each row goes: one position before the diagonal, on it, one
 # position after it, and on the special tokens `<s>` and `</s>`. Each
 # statistic is computed per row and then averaged over the rows that are
-# real tokens, which leaves one number per layer and head.
+# real tokens, which leaves one number per layer and head. These are the
+# table's columns `previous`, `same`, `next` and `specials`. (In decoder
+# self-attention `next` is always 0: the mask hides the next position.)
 
 
 # %%
@@ -628,7 +634,7 @@ def _head_statistics(v, kind, specials):
     i, j = _diagonal(v, kind)
     offset = j - i.round()  # (R, C)
     n = v.allowed.sum(-1)  # (R,) keys each query may see
-    H = -torch.special.xlogy(w, w).sum(-1)  # (N, h, R)
+    H = -torch.special.xlogy(w, w).sum(-1)  # (N, h, R); 0·log 0 = 0
     special = torch.isin(v.col_ids, torch.tensor(specials))  # (C,)
     sums = {
         "distance": (w * (j - i).abs()).sum(-1),  # each (N, h, R)
@@ -726,12 +732,11 @@ table.round(2)
 # spreads its attention almost evenly: its weights come from random
 # projections, so no key stands out (check: its mean entropy is above 0.9
 # of uniform for every kind). Training is what makes heads pick: the
-# table prints both models' mean entropy for each kind, on the same
+# cell below prints both models' mean entropy for each kind, on the same
 # sentences. Check, with the trained model: its decoder–source heads
-# have a lower mean entropy than the untrained model's (the chart on
-# record shows its last layer's rows close to one-hot). The other two
-# kinds are printed, not checked: no run on record measured them. (A
-# CI-sized stand-in need not pass: after two short epochs its
+# have a lower mean entropy than the untrained model's (in the chart on
+# record, most of each row's weight in the last layer sits on one German
+# word). (A CI-sized stand-in need not pass: after two short epochs its
 # decoder–source attention can still be as even as an untrained
 # model's.)
 
@@ -767,9 +772,7 @@ if trained:
 # * A head whose entropy is far below 1 commits to a few keys per query.
 #   In decoder–source attention such a head is an aligner; a small
 #   distance from the diagonal means that it follows the word order of
-#   the source. The last layer's heads are sharp on the sentence above,
-#   but across the validation set the mean over all layers picks the
-#   unknown word more often (next section).
+#   the source.
 # * A head with a large share in the `previous`, `same` or `next` column
 #   is *positional*: it reads a fixed neighbour, or the token itself,
 #   whatever the sentence says. Its mean distance can still exceed one
@@ -834,7 +837,7 @@ for kind in ATTENTION_KINDS:
 # 66% with the weights averaged over every head of every layer, which is
 # what we use.
 #
-# The decoders do not keep their attention, so `source_alignment` runs
+# Greedy decoding does not record attention, so `source_alignment` runs
 # the decoder once more over the finished output, teacher-forced, inside
 # `record_attention`. The decoder is causal, so each row sees the same
 # prefix as when its token was written, and the weights are the same up
@@ -932,11 +935,11 @@ for de, en in val:
 assert examples == 3
 
 # %% [markdown]
-# Copying helps with names and numbers. On Multi30k, though, most unknown
-# words are rare German compounds and verbs, which stay German when
-# copied: of the 386 words copied into the greedy test2016 translations
-# of the 10-epoch `cpu` model on record, 11 appear in the English
-# reference (`results/unk_replacement.md`, not recomputed here).
-# `translate_batch` and the command line (appendix) replace unknown words
-# by default, and Part 5 shows another way out: a subword vocabulary,
-# which has no `<unk>` at all.
+# Copying can only help where the German word is also the English one, as with
+# a name or a number. On Multi30k most unknown words are rare German compounds
+# and verbs instead, which stay German when copied: of the 386 words copied
+# into the greedy test2016 translations of the 10-epoch `cpu` model on record,
+# 11 appear in the English reference (`results/unk_replacement.md`, not
+# recomputed here). `translate_batch` and the command line (appendix) replace
+# unknown words by default, and Part 5 shows another way out: a subword
+# vocabulary, which has no `<unk>` at all.
