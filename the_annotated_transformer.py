@@ -1364,7 +1364,7 @@ class DecoderCache:
 
 
 def attend_step(attn, x, k, v, mask=None):
-    """Attention of the new positions x (R, 1, d) to k, v (B, h, S, d_k)."""
+    """Attention of new positions x (R, 1, d) to k, v (B or R, h, S, d_k)."""
     R, B = x.size(0), k.size(0)  # R = B * group
     # (R, 1, d) -> (B, group, d): the group rows of a sentence become its
     # queries, so one copy of the source's keys and values serves them all.
