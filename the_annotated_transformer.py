@@ -93,7 +93,7 @@ class LayerStack(nn.Module):
         self.layers = clones(layer, N)
         self.norm = LayerNorm(layer.size)
 
-    def run(self, x, *context):
+    def run(self, x, *context):  # Encoder and Decoder name the arguments
         """Pass (B, T, d_model) through every layer, then normalize."""
         for layer in self.layers:
             x = layer(x, *context)
@@ -119,7 +119,8 @@ class LayerNorm(nn.Module):
 
     def forward(self, x):
         """Normalize (..., features) with the biased variance."""
-        # One fused kernel; the cell below checks it against the formula.
+        # One fused kernel (all steps in one routine); the cell below
+        # checks it against the formula.
         return F.layer_norm(x, self.a_2.shape, self.a_2, self.b_2, self.eps)
 
 

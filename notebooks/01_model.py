@@ -78,7 +78,10 @@ from torch import nn
 # ![The Transformer, as this notebook builds it](attachment:transformer.svg)
 #
 # Read it bottom up: each box names its code and output shape; dashed
-# frames repeat $N$ times; each (+) is a residual connection.
+# frames repeat $N$ times; each (+) is a residual connection, which adds a
+# block's input to its output: $x + f(x)$. "Shifted right": the decoder
+# reads the English sentence one position late, after a start token, so
+# that each position predicts the next word (Part 2).
 
 
 # %%
@@ -131,10 +134,12 @@ class Generator(nn.Module):
 # ## Encoder
 #
 # The encoder is a stack of $N = 6$ identical layers. Identical in shape,
-# not in weights: `clones` makes $N$ independent deep copies of one module.
+# each with its own weights: `clones` makes $N$ independent deep copies of
+# one module (equal at first, until `make_model` initializes each afresh).
 # Both stacks end with a `LayerNorm` (explained just below; the pre-norm
 # section says why) and share one base class, `LayerStack`. The `mask`
-# the encoder takes hides the source's padding tokens; the section on
+# the encoder takes hides the source's padding tokens (filler that makes
+# the sentences of a batch equally long); the section on
 # masks, after the decoder, explains both masks the model uses.
 
 
@@ -153,7 +158,7 @@ class LayerStack(nn.Module):
         self.layers = clones(layer, N)
         self.norm = LayerNorm(layer.size)
 
-    def run(self, x, *context):
+    def run(self, x, *context):  # Encoder and Decoder name the arguments
         """Pass (B, T, d_model) through every layer, then normalize."""
         for layer in self.layers:
             x = layer(x, *context)
@@ -199,7 +204,8 @@ class LayerNorm(nn.Module):
 
     def forward(self, x):
         """Normalize (..., features) with the biased variance."""
-        # One fused kernel; the cell below checks it against the formula.
+        # One fused kernel (all steps in one routine); the cell below
+        # checks it against the formula.
         return F.layer_norm(x, self.a_2.shape, self.a_2, self.b_2, self.eps)
 
 
@@ -221,17 +227,16 @@ assert torch.allclose(norm(x), by_hand, atol=1e-5)
 # ### Residual connections, pre-norm
 #
 # Every sub-layer (attention or feed-forward) sits inside a residual
-# connection. The paper applies the norm *after* the addition
-# ("post-norm"): $\mathrm{LayerNorm}(x + \mathrm{Sublayer}(x))$. We apply
-# it *before* the sub-layer and leave the residual path untouched
-# ("pre-norm"): $x + \mathrm{Dropout}(\mathrm{Sublayer}(
-# \mathrm{LayerNorm}(x)))$. Pre-norm keeps an identity path from the input
-# to the output of the whole stack (the check below shows it for one
-# block). Xiong et al. (2020) show that this keeps the gradients of the
-# lower layers well scaled, so that training needs less careful warm-up; we
-# cite their result rather than repeat it here. The cost is one extra norm
-# at the top of each stack, which is why `LayerStack` ends with a
-# `LayerNorm`.
+# connection. The paper applies the norm *after* the addition ("post-norm"):
+# $\mathrm{LayerNorm}(x + \mathrm{Sublayer}(x))$. We apply it *before* the
+# sub-layer and leave the residual path untouched ("pre-norm"): $x +
+# \mathrm{Dropout}(\mathrm{Sublayer}( \mathrm{LayerNorm}(x)))$. Pre-norm keeps
+# an identity path from the input to the stack's final norm (the check below
+# shows it for one block). Xiong et al. (2020) show that this keeps the
+# gradients of the lower layers well scaled, so that training needs less
+# careful warm-up (the slow start of the learning rate, Part 2); we cite their
+# result rather than repeat it here. The cost is one extra norm at the top of
+# each stack, which is why `LayerStack` ends with a `LayerNorm`.
 #
 # ![Pre-norm and post-norm residual blocks](attachment:residual.svg)
 
@@ -263,7 +268,11 @@ assert torch.equal(block(x, torch.zeros_like), x)
 # An encoder layer has two sub-layers: self-attention over the source, then
 # a position-wise feed-forward network. Each sits in its own residual
 # block, named for the sub-layer it wraps: `self_attn_block` and
-# `ff_block`.
+# `ff_block`. Attention takes queries, keys, values and a mask (the
+# Attention section below explains them); in self-attention all three
+# are the same sequence, hence `self_attn(y, y, y, mask)`. The `lambda`
+# fixes the mask, so that the residual block can call the sub-layer with
+# one argument.
 
 
 # %%
@@ -337,12 +346,14 @@ class DecoderLayer(nn.Module):
 # `torch.nn.functional.scaled_dot_product_attention`. The model takes two:
 #
 # * the **source mask**, shape $(B, 1, S)$: `True` at the real source
-#   tokens, `False` at padding. The middle 1 means that every query uses
-#   the same row.
+#   tokens, `False` at padding. The middle 1 broadcasts over the queries:
+#   every query may read the same keys.
 # * the **target mask**, shape $(B, T, T)$: query $t$ may read key $u$
 #   only if $u \le t$ and $u$ is not padding. It is the *subsequent mask*
 #   below combined (`&`) with the target's padding; Part 2 builds both
-#   masks from a batch of token ids.
+#   masks from a batch of token ids. A mask that is the same for every
+#   sentence may have a leading 1 instead of $B$, which broadcasts over
+#   the batch.
 #
 # The subsequent mask is needed because during training the decoder sees
 # the whole target sentence at once, so position $t$ must be kept from
@@ -372,10 +383,9 @@ print(subsequent_mask(5).int())
 assert torch.equal(subsequent_mask(20)[0], torch.ones(20, 20).tril().bool())
 
 # %% [markdown]
-# The same mask for 20 positions, drawn by `mask_chart` from the appendix
-# (which also saves it in `figures/`). Blue cells are the pairs the decoder
-# may use: the first position sees only itself, the last sees the whole
-# prefix.
+# The same mask for 20 positions, drawn by `mask_chart` and saved in `figures/`
+# by `save_chart`, both from the appendix. Blue cells are the pairs the decoder
+# may use: the first position sees only itself, the last sees the whole prefix.
 
 # %%
 from pathlib import Path
@@ -443,8 +453,12 @@ assert raw_gradient < 0.6 * scaled_gradient  # saturated: small gradient
 # A masked position gets `torch.finfo(dtype).min`, the most negative number
 # the scores' dtype holds, so its weight after the softmax is exactly zero.
 # A fixed $-10^9$ (the 2022 tutorial's choice) does not fit every dtype:
-# float16 ends at $\pm 65504$. A check below, after the comparison with
-# PyTorch, shows both.
+# float16 ends at $\pm 65504$. The check after the comparison with
+# PyTorch shows $-10^9$ failing in float16 and `finfo.min` working.
+#
+# A departure from the paper, taken from the 2022 tutorial: `attention`
+# can apply dropout to the weights themselves. The paper applies dropout
+# only to each sub-layer's output and to the embeddings.
 
 
 # %%
@@ -507,13 +521,14 @@ assert weights[0, 2] == 0
 # With $h = 8$ and $d_k = 64$ the total cost is about that of one head at
 # full width. The four projections $W^Q, W^K, W^V, W^O$ are the layers
 # `w_q`, `w_k`, `w_v` and `w_o`; inside each, the $h$ per-head projections
-# sit side by side ($h$ blocks of $d_k$ output columns). The method
+# sit side by side ($h$ blocks of $d_k$ output features). The method
 # `split_heads` applies one of these projections, then cuts its output
 # into those $h$ blocks, one per head.
 #
 # ![Multi-head attention](attachment:multihead.svg)
 #
-# Two choices of ours. Every forward pass calls PyTorch's fused
+# A choice of ours, which the 2022 tutorial did not make: every forward
+# pass calls PyTorch's fused
 # `scaled_dot_product_attention` (faster, less memory, but it returns no
 # weights), unless `store_attention` is `True`: then it calls `attention`
 # above and keeps the weights in `self.attn` (Part 4 sets the flag to draw
@@ -570,7 +585,8 @@ class MultiHeadedAttention(nn.Module):
 # To see every reshape, push one batch through a `MultiHeadedAttention` by
 # hand: $B=2$ sentences, $T=5$ queries, $S=7$ keys, $d_{\text{model}}=512$,
 # $h=8$. The letters (`B`, `h`, `T` for queries or target, `S` for keys or
-# source, `d_k`) are the project's one scheme; the asserts check them.
+# source, `d_k`) name the same sizes across the whole project; the
+# asserts check them.
 
 # %%
 torch.manual_seed(0)
@@ -623,7 +639,9 @@ assert (weights[1, :, :, 5:] == 0).all()
 #
 # $$\mathrm{FFN}(x) = \max(0, xW_1 + b_1) W_2 + b_2 ,$$
 #
-# with inner width $d_{ff} = 2048$ for $d_{\text{model}} = 512$.
+# with inner width $d_{ff} = 2048$ for $d_{\text{model}} = 512$. Ours
+# also applies dropout between the two layers, which the formula leaves
+# out: a departure that the 2022 tutorial made, and we keep.
 
 
 # %%
@@ -780,12 +798,15 @@ save_chart(chart, "01_positional_encoding", Path(ROOT, "figures"))
 #
 # 1. One attention module, one feed-forward network and one positional
 #    encoding serve as *prototypes*; `clones` gives every place that needs
-#    one its own deep copy, named after the place, so no two share weights.
+#    one its own deep copy, named after the place, so no two share weights
+#    (or, for the positional encoding, which has none, a dropout).
 # 2. One encoder layer and one decoder layer are built from those copies;
 #    `LayerStack` clones each $N$ times.
 # 3. Each language gets an embedding and a positional encoding; the
 #    generator maps back to the target vocabulary.
-# 4. Every weight matrix is reset with Xavier/Glorot uniform initialization.
+# 4. Every weight matrix, the embedding tables included, is reset with
+#    Xavier/Glorot uniform initialization: uniform, in a range set by the
+#    matrix's two sizes so that signals keep their scale through a layer.
 
 
 # %%
@@ -819,7 +840,8 @@ def make_model(
 # %% [markdown]
 # ### Checking one encoder layer against PyTorch
 #
-# PyTorch has its own pre-norm encoder layer, `nn.TransformerEncoderLayer`.
+# PyTorch has its own encoder layer, `nn.TransformerEncoderLayer`, which is
+# pre-norm with `norm_first=True`.
 # Given our encoder layer's weights, it should compute the same. The
 # weights move like this: $W^Q, W^K, W^V$ stacked into `in_proj_weight`
 # and `in_proj_bias`, $W^O$ into `out_proj`, `w_1`, `w_2` into `linear1`,

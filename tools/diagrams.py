@@ -272,7 +272,7 @@ def attention_svg() -> str:
     )
     scale = Box(x, 320, W, "attention", "/ sqrt(d_k)", "op", note="step 2")
     masked = Box(
-        x, 250, W, "attention", "mask: fill -inf", "op", note="step 3"
+        x, 250, W, "attention", "mask: fill min", "op", note="step 3"
     )
     soft = Box(x, 180, W, "attention", "softmax over S", "op", note="step 4")
     out = Box(
