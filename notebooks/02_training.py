@@ -65,10 +65,11 @@ FIGURES = Path(ROOT, "figures")
 # ## Batches and masks
 #
 # A `Batch` holds a source and a target batch of token ids and the masks
-# that go with them. Training uses *teacher forcing*: the decoder's input
-# is the target shifted right (`tgt`, every token but the last), and it is
-# asked to predict the target shifted left (`tgt_y`, every token but the
-# first, the start symbol). Two masks keep the model honest:
+# that go with them. The decoder reads the target without its last token
+# (`tgt`), and is asked to predict the target without its first, the
+# start symbol (`tgt_y`): at each position, the next token. This is
+# *teacher forcing*: the decoder reads the true previous tokens, not its
+# own guesses. Two masks keep the model honest:
 #
 # * the **source mask** `(B, 1, S)` hides padding in the source;
 # * the **target mask** `(B, T, T)` hides padding *and* future positions,
@@ -126,13 +127,13 @@ assert b.ntokens == 2
 assert torch.equal(b.tgt_y, torch.tensor([[7, 8, 0, 0]]))
 
 # %% [markdown]
-# Throughout this part the data comes from the **copy task**: random
-# sequences that the model must reproduce. Sequences have length 10 over a
-# vocabulary of 11 tokens: token 0 is padding, token 1 is the start symbol
-# at position 0, and tokens 2–10 fill the rest. Source and target are the
-# same sequence. Its `generator` argument is a `torch.Generator`, a seeded
-# source of random numbers (not the model's output layer,
-# `model.generator`): the same seed draws the same batches again.
+# Throughout this part the data comes from the **copy task**: random sequences
+# that the model must reproduce. Sequences have length 10 over a vocabulary of
+# 11 tokens: token 0 is padding, token 1 is the start symbol at position 0, and
+# tokens 2–10 fill the rest. Source and target are the same sequence.
+# `data_gen`'s `generator` argument is a `torch.Generator`, a seeded source of
+# random numbers (not the model's output layer, `model.generator`): the same
+# seed draws the same batches again.
 
 # %%
 #| export
@@ -159,17 +160,25 @@ def data_gen(V, batch_size, nbatches, seq_len=10, generator=None):
 # nothing to the loss. The loss is the KL divergence between this smoothed
 # distribution and the model's, summed over tokens.
 #
-# The paper (section 5.4) reports a trade: perplexity gets worse, as the
-# model keeps some probability off its best guess, and BLEU gets better.
-# The smoothed targets form an $N \times V$ matrix as large as the output,
+# The paper (section 5.4) reports a trade: perplexity (how surprised the
+# model is by the right token) gets worse, as the model keeps some
+# probability off its best guess, and BLEU (the translation score, Part 3)
+# gets better.
+#
+# With $N$ target tokens, a vocabulary of $V$ and the model's
+# probabilities $q$ (the loss receives their logarithms), the smoothed
+# targets form an $N \times V$ matrix as large as the output,
 # but each row holds three values ($c = 1 - \epsilon$ at the target $y$,
-# $f = \epsilon / (V - 2)$ elsewhere, 0 at padding), so the KL sum collapses
+# $f = \epsilon / (V - 2)$ elsewhere, 0 at padding; $\epsilon$ is
+# $\epsilon_{ls}$, and the $V - 2$ values $f$ add up to $\epsilon$), so the
+# KL sum collapses
 # to $c \log c + \epsilon \log f - c \log q_y - f \sum_{j \ne y,
 # \mathrm{pad}} \log q_j$. `forward` uses this closed form, `smoothed_kl`;
 # `keep_targets=True` builds the matrix instead, so that the check below
 # can compare the two.
 #
-# This matters more than it looks. With Multi30k's 6,190 English words and
+# This matters more than it looks. With the 6,190 English words of
+# Multi30k (the data set of Part 3) and
 # a 3,000-token batch, the matrix alone is 74 MB of float32 that is
 # written, read by the KL divergence, and read again in the backward pass;
 # the closed form reads the log-probabilities once and writes $N$ numbers.
@@ -341,9 +350,9 @@ class SimpleLossCompute:
 #
 # ### The plain loop
 #
-# At its core, training is four lines per batch: run the model, compute
-# the loss, back-propagate, and let the optimizer update the weights (then
-# clear the gradients for the next batch). Here it is, with nothing else:
+# At its core, training is five lines per batch: run the model, compute
+# the loss, back-propagate, let the optimizer update the weights, and
+# clear the gradients for the next batch. Here it is, with nothing else:
 
 
 # %%
@@ -359,8 +368,9 @@ def plain_epoch(batches, model, loss_compute, optimizer):
 
 
 # %% [markdown]
-# The library's `run_epoch` runs the same four lines, plus what longer
-# runs need, and returns the average loss per token. One difference: it
+# The library's `run_epoch` runs the same five lines, plus what longer
+# runs need, and returns the average loss per token (with the counters
+# below). One difference: it
 # does not call `model.train()`, because it also evaluates; its caller sets
 # the mode. The next cells add one concern at a time.
 #
@@ -369,14 +379,17 @@ def plain_epoch(batches, model, loss_compute, optimizer):
 # Gradient accumulation (`accum_iter = k`) emulates a batch $k$ times
 # larger than memory allows: each micro-batch's loss is divided by $k$,
 # gradients add up over $k$ backward passes, and the optimizer (and the
-# schedule) steps once. A last, shorter window is still applied, rescaled
-# to a mean, so no gradient leaks into the next epoch; `with_last_flag`
-# looks one batch ahead to spot it.
+# schedule) steps once. When the number of batches is not a multiple of
+# $k$, the last group has fewer micro-batches; `run_epoch` still steps on
+# it, with its gradients rescaled to a mean. Otherwise they would stay in
+# `.grad` and be added to the next epoch's first step. `with_last_flag`
+# looks one batch ahead to spot the last batch.
 #
 # `TrainState` keeps four counters across epochs, under the names they had
 # in the 2022 Harvard Annotated Transformer, the tutorial this project
 # rewrites: `step` counts micro-batches, `accum_step` optimizer steps,
-# `samples` sequences and `tokens` target tokens.
+# `samples` sequences and `tokens` target tokens. The learning-rate
+# schedule below counts optimizer steps, `accum_step`.
 
 
 # %%
@@ -557,7 +570,8 @@ assert torch.allclose(trained_weights(run_epoch, micro), plain_weights)
 accumulate = lambda *args: run_epoch(*args, accum_iter=2)
 doubled_weights = trained_weights(plain_epoch, doubled)
 assert torch.allclose(trained_weights(accumulate, micro), doubled_weights)
-assert not torch.allclose(plain_weights, doubled_weights)  # can fail
+# The two setups really differ, so the asserts above test something:
+assert not torch.allclose(plain_weights, doubled_weights)
 short_last = trained_weights(plain_epoch, [doubled[0], micro[2]])
 assert torch.allclose(trained_weights(accumulate, micro[:3]), short_last)
 first_only = trained_weights(plain_epoch, doubled[:1])
@@ -696,26 +710,27 @@ def copy_accuracy(model, n, V=11, seq_len=10, generator=None):
 #   and this task needs a few hundred. `warmup_linear_decay` is the lower
 #   of two lines: one rising over the first 20 steps, and one falling from
 #   the nominal peak rate $3 \cdot 10^{-4}$ at step 0 towards zero at step
-#   300, but never below 2% of it. The two lines cross at step 18, so the
-#   highest rate actually used is 94% of the nominal peak. The decay
-#   matters: at a constant rate, the last few mistakes keep coming back.
-#   It ends at step 300, before the 400-step budget, because in the
-#   sweeps decaying to step 300 got 200 training sequences in a row
-#   exactly right sooner (after 255–276 steps, three seeds) than decaying
-#   to step 400 (276–316); the last 100 steps at the floor are a margin.
-# * **Small batches** of 16 sequences: learning to copy takes optimizer
-#   steps more than it takes sequences.
+#   300, but never below 2% of it. From step 18 the falling line is the
+#   lower, so the highest rate actually used is 94% of the nominal peak.
+#   The decay ends at step 300, before the 400-step budget: in the sweeps
+#   linked below, that made the model copy exactly sooner (after 255–276
+#   steps, over three seeds) than a decay to step 400 (276–316); the last
+#   100 steps at the floor are a margin.
+# * **Small batches** of 16 sequences: copying is learned per optimizer
+#   step, so small batches buy more steps for the same sequences.
 # * **No dropout**: with fresh data in every batch, the model cannot
 #   memorize its training set.
 # * **No label smoothing**: the right next token is certain.
 # * **Adam's $\beta_2$ is 0.999**, not the paper's 0.98: in an earlier
-#   sweep, with the paper's schedule and a small model, that cut the
+#   sweep (with the paper's schedule and a small model, not this recipe),
+#   that cut the
 #   steps to an exact copy by about 40% (from 527 to 303 on average over
 #   three seeds).
 #
-# The budget is fixed: 20 epochs of 20 optimizer steps, 400 steps and
-# 6,400 sequences in all. The sweeps behind these choices are in
-# [bench/RESULTS.md, "How the defaults were
+# The budget is fixed: 20 epochs of 20 optimizer steps, 400 steps and 6,400
+# sequences in all. (With fresh random data there is no data set to pass over:
+# an epoch here is just 20 batches, a unit for reporting.) The sweeps behind
+# these choices are in [bench/RESULTS.md, "How the defaults were
 # chosen"](../bench/RESULTS.md#how-the-defaults-were-chosen).
 
 
