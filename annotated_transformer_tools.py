@@ -861,7 +861,9 @@ def choose_precision(device, precision="bf16"):
 
 
 def autocast_for(device, dtype):
-    """A function returning a fresh autocast context (or a null one)."""
+    """A function returning a fresh autocast context (or a null one).
+
+    A function, not a context: `run_epoch` enters a new one per batch."""
     if dtype is None:
         return nullcontext
     device_type = torch.device(device).type
