@@ -314,9 +314,11 @@ assert [row[row != PAD][-1] for row in tgt] == [EOS] * 3
 # and gave each batch about 25,000 source and 25,000 target tokens, so a
 # batch of short sentences holds more of them than a batch of long ones.
 #
-# `bucket` does this for examples sorted by size: it closes a batch when
-# one more example would push its padded size, `B * max(S, T)`, over the
-# budget `max_tokens`.
+# `bucket` does this for examples sorted by size, shortest first, where
+# `sizes[i]` is the padded width of pair $i$, the longer of its two
+# sides. The newest example sets the batch's width, so `bucket` closes a
+# batch when one more example would push its padded size,
+# `(len(batch) + 1) * sizes[i]`, over the budget `max_tokens`.
 
 
 # %%
@@ -412,7 +414,8 @@ assert shares["buckets"] < 0.10 < shares["random 32"]
 
 # %% [markdown]
 # Padding to 72 wastes about four positions in five, and buckets bring the
-# waste down to about 6%, so the same compute goes into real tokens. In a
+# waste to under 10% (the cell prints the share), so the same compute
+# goes into real tokens. In a
 # recorded benchmark (`bench/RESULTS_batching.md`: the paper's model on 1,024
 # training pairs, in float32 on the 2-core development CPU), buckets of 2,304
 # tokens (32 × 72: as many positions as one padded batch) trained 4.96 times
@@ -484,12 +487,13 @@ def create_dataloaders(
 # steps, and the `cpu` defaults warm up for 800, about five epochs: our
 # choice for a small data set, not a tuned value.
 #
-# A *preset* is a named `TrainConfig`: `quick`, `cpu`, `paper` and the
-# tiny `ci` that tests use, in the appendix (notebook 06, "Presets"),
-# where `get_config` returns one. The fields under "For the appendix and
-# Part 5" serve the appendix's `train_worker`, which trains this lesson's
-# model below (the checkpoint folder, the precision), and Part 5's
-# subword vocabularies.
+# A *preset* is a named `TrainConfig`, such as `quick`, `cpu`, `paper` and
+# the tiny `ci` that tests use; they live in the appendix (notebook 06,
+# "Presets"), where `get_config` returns one. This lesson's loop ignores
+# the last six fields: `preset`, `precision`, `checkpoint_dir` and
+# `keep_last` are for the appendix's `train_worker`, which trains this
+# lesson's model below, and `tokenization` and `tie_embeddings` are for
+# Part 5.
 
 
 # %%
@@ -624,7 +628,8 @@ def pick_device():
 # measures the loss on the validation set, without gradients and with
 # dropout off (`model.eval()`). `Batch(...).to(device)` moves each batch
 # where the model is. It returns the model and one line of history per
-# epoch, and computes in float32.
+# epoch. It always computes in float32: only the appendix's
+# `train_worker` reads `config.precision`.
 
 
 # %%
@@ -706,13 +711,16 @@ assert history[-1]["val_loss"] < history[0]["val_loss"]
 #
 # Our reference run is the `quick` preset: the small model of preset `cpu` for
 # 5 epochs (765 steps of 3,000 tokens), warmed up for 300 steps to a peak
-# learning rate of 2.2e-3, then decayed linearly to zero, without dropout. That
-# is the peak the `cpu` preset reaches at the end of its 800-step warm-up,
-# $256^{-1/2} \cdot 800^{-1/2}$; to reach it after 300 steps, `quick` sets
-# `factor` to $\sqrt{300/800} \approx 0.61$. It took 13.9 minutes on 2 threads
-# of a 2-core AMD EPYC CPU, from the start of the process to its last
-# checkpoint, in float32, and its greedy decoding scores 35.46 BLEU on the test
-# set (`results/recipe_quick.json`).
+# learning rate of 2.2e-3, then decayed linearly to zero, without dropout.
+# Part 2's `rate` peaks at step `warmup`, at
+# $\text{factor} \cdot d_{\text{model}}^{-1/2} \cdot \text{warmup}^{-1/2}$;
+# for `cpu` (factor 1, warm-up 800) that is 2.2e-3. To reach the same peak
+# after only 300 steps, `quick` sets factor to
+# $\sqrt{300/800} \approx 0.61$.
+#
+# It took 13.9 minutes on 2 threads of a 2-core AMD EPYC CPU, from the
+# start of the process to its last checkpoint, in float32, and its greedy
+# decoding scores 35.46 BLEU on the test set (`results/recipe_quick.json`).
 
 # %% [markdown]
 # ### Training it
@@ -780,7 +788,8 @@ tools.line_chart(
 # %% [markdown]
 # ### Why the quick recipe is fast
 #
-# Three choices, each made on the validation split, never the test set:
+# Three choices. The first follows from arithmetic; the other two were
+# measured on the validation split, never the test set:
 #
 # - **A schedule that ends.** After five epochs (765 steps), the `cpu`
 #   preset's schedule, with its 800-step warm-up, has not even reached
@@ -794,14 +803,17 @@ tools.line_chart(
 #   masks to draw.
 # - **Batches of 3,000 tokens, not fewer.** Halving the batch doubles the
 #   steps for the same tokens. That won for budgets under two epochs and
-#   lost at about five epochs' training time: in about the same time
-#   (both trials with dropout 0.1), 1,600 steps of 1,500 tokens reached
+#   lost at about five epochs' training time. Both trials had dropout
+#   0.1; with more time and more tokens (17.5 minutes against about 12,
+#   2.4 million tokens against 2.0), 1,600 steps of 1,500 tokens reached
 #   27.2 validation BLEU, and 660 steps of 3,000 reached 32.5.
 #
 # Each number comes from a trial in `results/recipe_sweep.md`, with its command
-# and time (the two batch trials also differ slightly in warm-up and peak).
-# Their validation BLEU replaces `<unk>` with the German word (Part 4), so it
-# runs a little above the curve, which keeps `<unk>`. The `cpu` preset trains
+# and time (the two batch trials also differ in warm-up, 200 steps against
+# 300, and peak, 20% higher for the smaller batches). Their validation BLEU
+# replaces `<unk>` with the German word (Part 4), so it runs above the curve,
+# which keeps `<unk>`: q3000-d00 scored 37.03 after its 840 steps, where the
+# curve ends at 34.52 after 765. The `cpu` preset trains
 # the same model for 18 epochs with dropout and Part 2's schedule, in over an
 # hour (`make train`, in the Makefile); Parts 4 and 5 read it when it exists.
 
@@ -858,9 +870,9 @@ trained, trained_src, trained_tgt, _ = tools.load_trained_model(
 print("model:", tools.describe_checkpoint(final_checkpoint))
 
 # %% [markdown]
-# Check against an independent reference: Part 2's `greedy_decode`, run on
-# one unpadded sentence at a time, chooses the same tokens for twelve
-# validation sentences of different lengths decoded as one padded batch.
+# Check against an independent reference: decoding twelve validation
+# sentences of different lengths together, as one padded batch, gives
+# the same tokens as Part 2's `greedy_decode` run on each sentence alone.
 # `strip_specials` keeps what lies between `<s>` and the first `</s>`.
 
 # %%
