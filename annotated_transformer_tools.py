@@ -1220,7 +1220,8 @@ class TrainingRun:
         batches_per_epoch=None,
         total=None,
     ):
-        c, self.config, self.rank = config, config, rank
+        c = self.config = config
+        self.rank = rank
         self.device = place_process(rank, world_size, distributed, device)
         if distributed:
             join_group(self.device, rank, world_size, port)
@@ -1231,12 +1232,6 @@ class TrainingRun:
             DDP = torch.nn.parallel.DistributedDataParallel
             self.model = DDP(self.module, device_ids=ids)
         self.criterion = LabelSmoothing(sizes[1], PAD, c.label_smoothing)
-        if (
-            c.schedule == "linear"
-            and batches_per_epoch is None
-            and total is None
-        ):
-            raise ValueError("a linear schedule needs batches_per_epoch")
         self.optimizer, self.scheduler = make_run_optimizer(
             self.module, c, batches_per_epoch, total
         )

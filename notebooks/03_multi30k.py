@@ -583,6 +583,8 @@ def make_run_optimizer(model, config, batches_per_epoch, total=None):
         return make_optimizer(model, c.d_model, c.factor, c.warmup)
     if c.schedule != "linear":
         raise ValueError(f"unknown schedule {c.schedule!r}: noam or linear")
+    if total is None and batches_per_epoch is None:
+        raise ValueError("a linear schedule needs batches_per_epoch")
     if total is None:  # a last, short accumulation window also steps
         total = math.ceil(batches_per_epoch / c.accum_iter) * c.epochs
     peak = rate(c.warmup, c.d_model, c.factor, c.warmup)

@@ -271,9 +271,7 @@ def attention_svg() -> str:
         x, 390, W, "attention", "Q K^T : (.., T, S)", "op", note="step 1"
     )
     scale = Box(x, 320, W, "attention", "/ sqrt(d_k)", "op", note="step 2")
-    masked = Box(
-        x, 250, W, "attention", "mask: fill min", "op", note="step 3"
-    )
+    masked = Box(x, 250, W, "attention", "mask: fill min", "op", note="step 3")
     soft = Box(x, 180, W, "attention", "softmax over S", "op", note="step 4")
     out = Box(
         x,
