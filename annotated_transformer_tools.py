@@ -342,6 +342,163 @@ def attention_summary_chart(summary, width=170):
 
 
 # -----------------------------------------------------------------------------
+# Copy-task runs
+# Explained in notebooks/06_tools.py, same heading.
+# -----------------------------------------------------------------------------
+def copy_accuracy_teacher_forced(model, n, V=11, seq_len=10, generator=None):
+    """copy_accuracy's fraction from one teacher-forced forward pass."""
+    model.eval()
+    b = next(data_gen(V, n, 1, seq_len, generator=generator))
+    with torch.no_grad():
+        out = model(b.src, b.tgt, b.src_mask, b.tgt_mask)  # (n, T, d_model)
+        pred = model.generator(out).argmax(dim=-1)  # (n, T)
+    return (pred == b.tgt_y).all(dim=1).float().mean().item()
+
+
+class CopyLossCompute(SimpleLossCompute):
+    """SimpleLossCompute that also counts exactly predicted sequences."""
+
+    def __init__(self, generator, criterion, pad=COPY_PAD):
+        super().__init__(generator, criterion)
+        self.pad = pad
+        self.streak = 0  # exact sequences in a row, up to the latest
+        self.sequences = 0  # sequences seen
+        self.exact = 0  # sequences predicted exactly
+
+    def __call__(self, x, y, norm):
+        result = super().__call__(x, y, norm)
+        with torch.no_grad():
+            right = self.generator(x.detach()).argmax(dim=-1) == y
+            exact = (right | (y == self.pad)).all(dim=1)  # (B,)
+        misses = (~exact).nonzero()
+        if len(misses) == 0:
+            self.streak += len(exact)
+        else:
+            self.streak = len(exact) - 1 - misses[-1].item()
+        self.sequences += len(exact)
+        self.exact += int(exact.sum())
+        return result
+
+
+def greedy_check(model, loss_compute, check_size, V, generator):
+    """Greedy-copy check once the streak is long enough, else None."""
+    if loss_compute.streak < check_size:
+        return None
+    checked = copy_accuracy(model, check_size, V, generator=generator)
+    if checked < 1.0:
+        loss_compute.streak = 0  # earn another streak first
+    return checked
+
+
+@dataclass
+class CopyTaskConfig:
+    """Hyperparameters of the copy task; `for_size` picks a preset."""
+
+    V: int = 11
+    N: int = 2
+    d_model: int = 512
+    d_ff: int = 2048
+    h: int = 8
+    dropout: float = 0.0
+    batch_size: int = 16
+    nbatches: int = 20  # optimizer steps per epoch
+    max_epochs: int = 100
+    lr: float = 3e-4  # peak learning rate
+    warmup: int = 20
+    decay_steps: int = 300  # where the rate reaches its floor
+    beta2: float = 0.999
+    check_size: int = 200
+    seed: int = 0
+
+    @classmethod
+    def for_size(cls, size="full", **changes):
+        """The "full" preset, or the seconds-long "ci" one, with changes."""
+        if size == "full":
+            preset = {}
+        elif size == "ci":
+            preset = dict(N=1, d_model=64, d_ff=256, h=4, lr=3e-3)
+        else:
+            raise ValueError(f'size is "full" or "ci", not {size!r}')
+        return cls(**{**preset, **changes})
+
+
+def epoch_summary(record):
+    """One log line for an epoch record of train_copy_task."""
+    line = (
+        f"epoch {record['epoch']:2d} | step {record['steps']:4d} | "
+        f"loss {record['train_loss']:.4f} | "
+        f"exact while training {record['train_exact']:6.1%}"
+    )
+    if record["exact_copy"] is not None:
+        line += f" | greedy check {record['exact_copy']:6.1%}"
+    return line + f" | {record['seconds']:5.1f} s"
+
+
+def copy_task_setup(cfg):
+    """(model, loss_compute, optimizer, scheduler) of the copy task."""
+    torch.manual_seed(cfg.seed)
+    model = make_model(
+        cfg.V,
+        cfg.V,
+        N=cfg.N,
+        d_model=cfg.d_model,
+        d_ff=cfg.d_ff,
+        h=cfg.h,
+        dropout=cfg.dropout,
+    )
+    criterion = LabelSmoothing(cfg.V, padding_idx=COPY_PAD, smoothing=0.0)
+    loss_compute = CopyLossCompute(model.generator, criterion)
+
+    def schedule(step):
+        return warmup_linear_decay(step, cfg.lr, cfg.warmup, cfg.decay_steps)
+
+    optimizer, scheduler = make_optimizer(
+        model, cfg.d_model, betas=(0.9, cfg.beta2), schedule=schedule
+    )
+    return model, loss_compute, optimizer, scheduler
+
+
+def train_copy_task(cfg=None, log=print):
+    """Train until exact copy; returns (model, list of epoch records)."""
+    if cfg is None:
+        cfg = CopyTaskConfig()
+    model, loss_compute, optimizer, scheduler = copy_task_setup(cfg)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    state = TrainState()
+    history = []
+    start = time.time()
+    for epoch in range(cfg.max_epochs):
+        model.train()
+        seen, exact = loss_compute.sequences, loss_compute.exact
+        data = data_gen(cfg.V, cfg.batch_size, cfg.nbatches, generator=gen)
+        loss, state = run_epoch(
+            data,
+            model,
+            loss_compute,
+            optimizer,
+            scheduler,
+            train_state=state,
+        )
+        new = loss_compute.sequences - seen
+        checked = greedy_check(model, loss_compute, cfg.check_size, cfg.V, gen)
+        history.append(
+            {
+                "epoch": epoch,
+                "steps": state.accum_step,
+                "samples": state.samples,
+                "train_loss": loss,
+                "train_exact": (loss_compute.exact - exact) / new,
+                "exact_copy": checked,
+                "seconds": time.time() - start,
+            }
+        )
+        log(epoch_summary(history[-1]))
+        if checked == 1.0:
+            break
+    return model, history
+
+
+# -----------------------------------------------------------------------------
 # Files written whole
 # Explained in notebooks/06_tools.py, same heading.
 # -----------------------------------------------------------------------------
@@ -524,158 +681,6 @@ def download_multi30k(
 
 
 # -----------------------------------------------------------------------------
-# Copy-task runs
-# Explained in notebooks/06_tools.py, same heading.
-# -----------------------------------------------------------------------------
-def copy_accuracy_teacher_forced(model, n, V=11, seq_len=10, generator=None):
-    """copy_accuracy's fraction from one teacher-forced forward pass."""
-    model.eval()
-    b = next(data_gen(V, n, 1, seq_len, generator=generator))
-    with torch.no_grad():
-        out = model(b.src, b.tgt, b.src_mask, b.tgt_mask)  # (n, T, d_model)
-        pred = model.generator(out).argmax(dim=-1)  # (n, T)
-    return (pred == b.tgt_y).all(dim=1).float().mean().item()
-
-
-class CopyLossCompute(SimpleLossCompute):
-    """SimpleLossCompute that also counts exactly predicted sequences."""
-
-    def __init__(self, generator, criterion, pad=COPY_PAD):
-        super().__init__(generator, criterion)
-        self.pad = pad
-        self.streak = 0  # exact sequences in a row, up to the latest
-        self.sequences = 0  # sequences seen
-        self.exact = 0  # sequences predicted exactly
-
-    def __call__(self, x, y, norm):
-        result = super().__call__(x, y, norm)
-        with torch.no_grad():
-            right = self.generator(x.detach()).argmax(dim=-1) == y
-            exact = (right | (y == self.pad)).all(dim=1)  # (B,)
-        misses = (~exact).nonzero()
-        if len(misses) == 0:
-            self.streak += len(exact)
-        else:
-            self.streak = len(exact) - 1 - misses[-1].item()
-        self.sequences += len(exact)
-        self.exact += int(exact.sum())
-        return result
-
-
-def greedy_check(model, loss_compute, check_size, V, generator):
-    """Greedy-copy check once the streak is long enough, else None."""
-    if loss_compute.streak < check_size:
-        return None
-    checked = copy_accuracy(model, check_size, V, generator=generator)
-    if checked < 1.0:
-        loss_compute.streak = 0  # earn another streak first
-    return checked
-
-
-@dataclass
-class CopyTaskConfig:
-    """Hyperparameters of the copy task; `for_size` picks a preset."""
-
-    V: int = 11
-    N: int = 2
-    d_model: int = 512
-    d_ff: int = 2048
-    h: int = 8
-    dropout: float = 0.0
-    batch_size: int = 16
-    nbatches: int = 20  # optimizer steps per epoch
-    max_epochs: int = 100
-    lr: float = 3e-4  # peak learning rate
-    warmup: int = 20
-    decay_steps: int = 300  # where the rate reaches its floor
-    beta2: float = 0.999
-    check_size: int = 200
-    seed: int = 0
-
-    @classmethod
-    def for_size(cls, size="full", **changes):
-        """The "full" preset, or the seconds-long "ci" one, with changes."""
-        if size == "full":
-            preset = {}
-        elif size == "ci":
-            preset = dict(N=1, d_model=64, d_ff=256, h=4, lr=3e-3)
-        else:
-            raise ValueError(f'size is "full" or "ci", not {size!r}')
-        return cls(**{**preset, **changes})
-
-
-def epoch_summary(record):
-    """One log line for an epoch record of train_copy_task."""
-    line = (
-        f"epoch {record['epoch']:2d} | step {record['steps']:4d} | "
-        f"loss {record['train_loss']:.4f} | "
-        f"exact while training {record['train_exact']:6.1%}"
-    )
-    if record["exact_copy"] is not None:
-        line += f" | greedy check {record['exact_copy']:6.1%}"
-    return line + f" | {record['seconds']:5.1f} s"
-
-
-def train_copy_task(cfg=None, log=print):
-    """Train until exact copy; returns (model, list of epoch records)."""
-    if cfg is None:
-        cfg = CopyTaskConfig()
-    torch.manual_seed(cfg.seed)
-    model = make_model(
-        cfg.V,
-        cfg.V,
-        N=cfg.N,
-        d_model=cfg.d_model,
-        d_ff=cfg.d_ff,
-        h=cfg.h,
-        dropout=cfg.dropout,
-    )
-    criterion = LabelSmoothing(cfg.V, padding_idx=COPY_PAD, smoothing=0.0)
-    loss_compute = CopyLossCompute(model.generator, criterion)
-
-    def schedule(step):
-        return warmup_linear_decay(step, cfg.lr, cfg.warmup, cfg.decay_steps)
-
-    optimizer, scheduler = make_optimizer(
-        model, cfg.d_model, betas=(0.9, cfg.beta2), schedule=schedule
-    )
-    gen = torch.Generator().manual_seed(cfg.seed)
-    state = TrainState()
-    history = []
-    start = time.time()
-    for epoch in range(cfg.max_epochs):
-        model.train()
-        seen = loss_compute.sequences
-        exact = loss_compute.exact
-        data = data_gen(cfg.V, cfg.batch_size, cfg.nbatches, generator=gen)
-        loss, state = run_epoch(
-            data,
-            model,
-            loss_compute,
-            optimizer,
-            scheduler,
-            train_state=state,
-        )
-        new = loss_compute.sequences - seen
-        checked = greedy_check(model, loss_compute, cfg.check_size, cfg.V, gen)
-        history.append(
-            {
-                "epoch": epoch,
-                "steps": state.accum_step,
-                "samples": state.samples,
-                "train_loss": loss,
-                "train_exact": (loss_compute.exact - exact) / new,
-                "exact_copy": checked,
-                "seconds": time.time() - start,
-            }
-        )
-        log(epoch_summary(history[-1]))
-        if checked == 1.0:
-            break
-    return model, history
-
-
-# -----------------------------------------------------------------------------
 # Presets
 # Explained in notebooks/06_tools.py, same heading.
 # -----------------------------------------------------------------------------
@@ -738,7 +743,7 @@ PRESETS |= {  # the same with one BPE vocabulary and tied embeddings
 }
 
 
-def get_config(preset="cpu", **overrides):
+def get_config(preset="quick", **overrides):
     """A preset's TrainConfig with some fields replaced."""
     if preset not in PRESETS:
         raise ValueError(
@@ -926,8 +931,8 @@ def save_checkpoint(path, **fields):
             raise wrapped.error from None  # e.g. no space left on device
 
 
-def load_checkpoint(path, device="cpu"):
-    """Read a checkpoint safely (weights_only) onto `device`."""
+def checkpoint_head(path):
+    """The first two bytes of a file that could be a checkpoint, checked."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"no checkpoint at {path}; train one first")
     with open(path, "rb") as f:
@@ -936,6 +941,12 @@ def load_checkpoint(path, device="cpu"):
         raise CheckpointError(f"{path} is empty (0 bytes), not a checkpoint")
     if head != b"PK" and head[:1] != b"\x80":  # neither zip nor pickle
         raise CheckpointError(f"{path} is not a checkpoint")
+    return head
+
+
+def load_checkpoint(path, device="cpu"):
+    """Read a checkpoint safely (weights_only) onto `device`."""
+    head = checkpoint_head(path)  # b"PK": torch's zip, b"\x80": a pickle
     damaged = f"{path} is not a readable checkpoint (damaged or cut short)"
     if head == b"PK" and not zipfile.is_zipfile(path):
         raise CheckpointError(f"{damaged}: not a whole zip archive")
@@ -970,9 +981,10 @@ def checkpoint_config(ckpt, path="checkpoint"):
     """The TrainConfig a checkpoint was trained with."""
     try:
         saved = ckpt["config"].items()
-        return TrainConfig(
-            **{LEGACY_CONFIG_NAMES.get(k, k): v for k, v in saved}
-        )
+        fields = {LEGACY_CONFIG_NAMES.get(k, k): v for k, v in saved}
+        if fields.get("precision") == "none":  # the old amp="none"
+            fields["precision"] = "fp32"
+        return TrainConfig(**fields)
     except (KeyError, TypeError, AttributeError) as err:
         why = f"no {err}" if isinstance(err, KeyError) else err
         raise CheckpointError(
@@ -1506,9 +1518,9 @@ def train_worker(
             world_size,
             sizes,
             config,
-            is_distributed,
-            port,
-            device,
+            distributed=is_distributed,
+            port=port,
+            device=device,  # placed already: placing again changes nothing
             batches_per_epoch=len(loaders[0]),
         )
         if show_progress and rank == 0:
@@ -1624,8 +1636,9 @@ def detokenize(tokens):
     """
     out, quote_open = "", False
     for i, tok in enumerate(tokens):
-        # the word after a hyphen: glued, unless the hyphen followed a
-        # comma or a full stop (a dash between clauses)
+        # the word after a hyphen is glued to it ("well-known"), unless a
+        # comma, a full stop or another hyphen came before the hyphen: then
+        # the hyphen is a dash between clauses
         hyphen = out.endswith("-") and i > 1 and tokens[i - 1] == "-"
         glue = (
             i == 0
@@ -1648,6 +1661,9 @@ def decode_text(ids, vocab):
     if is_subword(vocab):  # it writes text itself
         return vocab.decode(ids)
     return detokenize(vocab.lookup_tokens(ids))
+
+
+MAX_EXTRA = 50  # output tokens past the source's length: the paper's limit
 
 
 def encode_sources(sentences, spacy_de, vocab_src, keep_words=False):
@@ -1695,12 +1711,12 @@ def translate_batch(
     vocab_tgt,
     device=None,
     batch_size=128,
-    max_extra=50,
+    max_extra=MAX_EXTRA,
     decode_fn=cached_greedy_decode,
     replace_unk=True,
 ):
     """German sentences to detokenized English, in input order."""
-    decode_fn = decode_fn or cached_greedy_decode
+    decode_fn = decode_fn or cached_greedy_decode  # None also means greedy
     if device is None:  # wherever the model is
         device = next(model.parameters()).device
     model.eval()
@@ -1873,7 +1889,8 @@ def iter_lines(path):
     import gzip
 
     stdin = str(path) == "-"
-    name, number = "standard input" if stdin else Path(path), 0
+    name = "standard input" if stdin else Path(path)
+    number = 0  # lines read so far, for the error messages
     try:
         if stdin and sys.stdin is None:  # started with `<&-`
             raise TextFileError("standard input is closed")
@@ -1917,43 +1934,6 @@ def read_parallel(src_path, ref_path):
     return sources, references
 
 
-def write_results(path, checkpoint, wall_time):
-    """Score test2016 and write a JSON summary of the training run."""
-    sources, references = zip(*read_multi30k("test"), strict=True)
-    model, vocab_src, vocab_tgt, _ = load_trained_model(checkpoint)
-    spacy_de, _ = load_tokenizers()
-
-    def bleu_of(replace_unk):  # False: <unk> left in the output
-        hyps = translate_batch(
-            model,
-            sources,
-            spacy_de,
-            vocab_src,
-            vocab_tgt,
-            replace_unk=replace_unk,
-        )
-        return compute_bleu(hyps, references)
-
-    bleu, kept_bleu = bleu_of(True), bleu_of(False)
-    ckpt = load_checkpoint(checkpoint)  # for its config and history
-    summary = {
-        "command": "python " + " ".join(sys.argv),
-        "config": ckpt["config"],
-        "hardware": hardware_summary(),
-        "wall_time_s": round(wall_time, 1),
-        "epochs": len(ckpt["history"]),
-        "history": ckpt["history"],
-        "test2016_bleu_greedy": round(bleu.score, 2),
-        "bleu": str(bleu),
-        "test2016_bleu_greedy_without_unk_replacement": round(
-            kept_bleu.score, 2
-        ),
-    }
-    with atomic_write(path, "w") as f:
-        f.write(json.dumps(summary, indent=2) + "\n")
-    print(f"test2016 BLEU (greedy): {bleu.score:.2f}; summary in {path}")
-
-
 # -----------------------------------------------------------------------------
 # The command line
 # Explained in notebooks/06_tools.py, same heading.
@@ -1971,7 +1951,7 @@ def say(*lines):
 
 
 def positive_int(text, least=1, most=10**6):
-    """argparse type: a whole number from `least` (1) to `most`."""
+    """A whole number from `least` (1) to `most`, or argparse's error."""
     try:
         number = int(text)
     except ValueError:
@@ -1984,9 +1964,9 @@ def positive_int(text, least=1, most=10**6):
 
 
 def count(least=1, most=10**6):
-    """An argparse type: a whole number from `least` to `most`."""
+    """The argparse `type` for a count: positive_int with these bounds."""
     check = functools.partial(positive_int, least=least, most=most)
-    check.__name__ = "count"
+    check.__name__ = "count"  # argparse names the type in its messages
     return check
 
 
@@ -2064,7 +2044,8 @@ def add_train_parser(sub):
     train.add_argument(
         "--threads",
         type=count(most=4096),
-        help="CPU threads (processes that share the CPU split its cores)",
+        help="CPU threads of a one-process run (several processes on the"
+        " CPU split its cores evenly instead)",
     )
 
 
@@ -2215,7 +2196,12 @@ def train_locked(args, config, ranks=None):
         except ValueError as err:
             raise UserError(f"torchrun: {err}") from None
         train_worker(
-            rank, world, *data, world > 1, resume=args.resume, device=device
+            rank,
+            world,
+            *data,
+            is_distributed=world > 1,
+            resume=args.resume,
+            device=device,
         )
         if rank != 0:
             return 0
@@ -2231,6 +2217,43 @@ def train_locked(args, config, ranks=None):
     if args.results:
         write_results(args.results, final, time.time() - start)
     return 0
+
+
+def write_results(path, checkpoint, wall_time):
+    """Score test2016 and write a JSON summary of the training run."""
+    sources, references = zip(*read_multi30k("test"), strict=True)
+    model, vocab_src, vocab_tgt, _ = load_trained_model(checkpoint)
+    spacy_de, _ = load_tokenizers()
+
+    def bleu_of(replace_unk):  # False: <unk> left in the output
+        hyps = translate_batch(
+            model,
+            sources,
+            spacy_de,
+            vocab_src,
+            vocab_tgt,
+            replace_unk=replace_unk,
+        )
+        return compute_bleu(hyps, references)
+
+    bleu, kept_bleu = bleu_of(True), bleu_of(False)
+    ckpt = load_checkpoint(checkpoint)  # for its config and history
+    summary = {
+        "command": "python " + " ".join(sys.argv),
+        "config": ckpt["config"],
+        "hardware": hardware_summary(),
+        "wall_time_s": round(wall_time, 1),
+        "epochs": len(ckpt["history"]),
+        "history": ckpt["history"],
+        "test2016_bleu_greedy": round(bleu.score, 2),
+        "bleu": str(bleu),
+        "test2016_bleu_greedy_without_unk_replacement": round(
+            kept_bleu.score, 2
+        ),
+    }
+    with atomic_write(path, "w") as f:
+        f.write(json.dumps(summary, indent=2) + "\n")
+    print(f"test2016 BLEU (greedy): {bleu.score:.2f}; summary in {path}")
 
 
 def check_out(out, *inputs):
@@ -2267,11 +2290,10 @@ def load_for_decoding(args):
     return model, vocab_src, vocab_tgt, decode_fn
 
 
-def position_limit(model, max_extra=50):
+def position_limit(model, max_extra=MAX_EXTRA):
     """How many source tokens (without <s>, </s>) a model can translate."""
-    positions = min(
-        model.src_embed[1].pe.size(1), model.tgt_embed[1].pe.size(1)
-    )
+    positional_encodings = model.src_embed[1], model.tgt_embed[1]
+    positions = min(pe.pe.size(1) for pe in positional_encodings)
     return positions - max_extra - 2
 
 
@@ -2492,6 +2514,13 @@ __all__ = [
     "attention_frame",
     "attention_chart",
     "attention_summary_chart",
+    "copy_accuracy_teacher_forced",
+    "CopyLossCompute",
+    "greedy_check",
+    "CopyTaskConfig",
+    "epoch_summary",
+    "copy_task_setup",
+    "train_copy_task",
     "process_alive",
     "clean_partial_files",
     "atomic_write",
@@ -2499,12 +2528,6 @@ __all__ = [
     "MULTI30K_SHA256",
     "sha256_of",
     "download_multi30k",
-    "copy_accuracy_teacher_forced",
-    "CopyLossCompute",
-    "greedy_check",
-    "CopyTaskConfig",
-    "epoch_summary",
-    "train_copy_task",
     "PRESETS",
     "get_config",
     "is_subword",
@@ -2519,6 +2542,7 @@ __all__ = [
     "describe_device",
     "CheckpointError",
     "save_checkpoint",
+    "checkpoint_head",
     "load_checkpoint",
     "epoch_checkpoints",
     "LEGACY_CONFIG_NAMES",
@@ -2563,6 +2587,7 @@ __all__ = [
     "train_model",
     "detokenize",
     "decode_text",
+    "MAX_EXTRA",
     "encode_sources",
     "decode_by_length",
     "finish_text",
@@ -2581,7 +2606,6 @@ __all__ = [
     "iter_lines",
     "read_lines",
     "read_parallel",
-    "write_results",
     "UserError",
     "say",
     "positive_int",
@@ -2596,6 +2620,7 @@ __all__ = [
     "torchrun_ranks",
     "command_train",
     "train_locked",
+    "write_results",
     "check_out",
     "load_for_decoding",
     "position_limit",

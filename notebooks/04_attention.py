@@ -528,25 +528,28 @@ def column_of(source_token):
     return maps.src_tokens.index(source_token)
 
 
-last = maps.decoder_src[-1]  # (h, T, S)
+last = maps.decoder_src[-1]  # (h, T, S): the last layer
 brown = last[:, row_of("brown")].argmax(-1)  # (h,) most-read source position
 black = last[:, row_of("black")].argmax(-1)  # (h,)
 print("row predicting 'brown':", [maps.src_tokens[j] for j in brown])
 print("row predicting 'black':", [maps.src_tokens[j] for j in black])
+if trained:  # the heads' mean reads the right German word
+    assert last[:, row_of("brown")].mean(0).argmax() == column_of("brauner")
+    assert last[:, row_of("black")].mean(0).argmax() == column_of("schwarzen")
 
+# %% [markdown]
+# Then the sentence's edges: the weight, averaged over the heads, that
+# each row puts on `<s>`, "." and `</s>` together.
+
+# %%
 edges = [column_of("<s>"), column_of("."), column_of("</s>")]
 on_edges = last.mean(0)[:, edges].sum(-1)  # (T,) weight on the edges
 ending = torch.tensor([t in (".", "</s>") for t in maps.next_tokens])  # (T,)
-ratio = on_edges[ending].mean() / on_edges[~ending].mean()
 print("weight on <s>, '.' and </s>, mean over the heads:")
 print(f"  rows that predict '.' or </s>: {on_edges[ending].mean():.2f}")
 print(f"  the other rows:                {on_edges[~ending].mean():.2f}")
-mean_brown = last[:, row_of("brown")].mean(0).argmax()  # over the heads
-mean_black = last[:, row_of("black")].mean(0).argmax()
 if trained:
-    assert mean_brown == column_of("brauner")
-    assert mean_black == column_of("schwarzen")
-    assert ratio > 1
+    assert on_edges[ending].mean() > on_edges[~ending].mean()
 
 # %% [markdown]
 # Back to the two dogs. For each English position whose next token is
@@ -903,14 +906,11 @@ def replace_unknowns(ids, aligned, src_words, vocab_tgt):
 # row or a position read one place off; it says nothing about whether
 # the model aligns well.
 
+
 # %%
-examples = 0
-for de, en in val:
-    words = tokenize(de, spacy_de)
-    english = tokenize(en, spacy_en)
+def replace_and_check(words, english):
+    """A reference's ids and its tokens with German words for each <unk>."""
     ids = vocab_tgt(english)
-    if UNK not in ids:
-        continue
     german = torch.tensor([[BOS, *vocab_src(words), EOS]])  # (1, S)
     german_mask = (german != PAD).unsqueeze(-2)  # (1, 1, S)
     out = torch.tensor([[BOS, *ids, EOS]])  # (1, L): the English tokens
@@ -918,12 +918,27 @@ for de, en in val:
     tokens = replace_unknowns(ids, aligned, words, vocab_tgt)
     maps_here = attention_maps(model, german, out)  # its own forward pass
     mean = maps_here.decoder_src.mean((0, 1))  # (T, S): layers, heads
-    copied = []  # "English word -> German word copied in its place"
     for k, token_id in enumerate(ids):
         if token_id == UNK:
             most = int(mean[k, 1:-1].argmax())  # words only: no <s>, </s>
             assert tokens[k] == words[most], (tokens[k], words[most])
-            copied.append(f"{english[k]} -> {tokens[k]}")
+    return ids, tokens
+
+
+# %% [markdown]
+# The first three validation sentences whose reference has an `<unk>`,
+# each checked by `replace_and_check`:
+
+# %%
+examples = 0
+for de, en in val:
+    words, english = tokenize(de, spacy_de), tokenize(en, spacy_en)
+    if UNK not in vocab_tgt(english):
+        continue
+    ids, tokens = replace_and_check(words, english)
+    copied = [
+        f"{english[k]} -> {tokens[k]}" for k, i in enumerate(ids) if i == UNK
+    ]
     print(f"German:    {de}")
     print(f"reference: {en}")
     print(f"with unk:  {' '.join(vocab_tgt.lookup_tokens(ids))}")

@@ -610,8 +610,14 @@ def beam_search(
 
 # %% [markdown]
 # **See, it matches.** With a beam of one, beam search keeps the single
-# most probable extension at every step, which is greedy decoding. And a
-# case where greedy decoding goes wrong: a hand-made "model" over five
+# most probable extension at every step, which is greedy decoding:
+
+# %%
+beam1 = beam_search(model, src, src_mask, max_len, beam_size=1)
+assert torch.equal(beam1, cached)
+
+# %% [markdown]
+# And a case where greedy decoding goes wrong: a hand-made "model" over five
 # tokens, whose next-token probabilities depend only on the last token.
 # After `<s>` it prefers `a` (0.5) to `b` (0.4), but after `a` no token
 # is likely (the best, `</s>`, has 0.4), while `b` is followed by `</s>`
@@ -620,9 +626,6 @@ def beam_search(
 # beam of two also keeps `b` and finds $0.4 \cdot 0.9 = 0.36$.
 
 # %%
-beam1 = beam_search(model, src, src_mask, max_len, beam_size=1)
-assert torch.equal(beam1, cached)
-
 toy_names = ["<s>", "</s>", "<blank>", "a", "b"]
 toy = torch.tensor(
     [  # next-token probabilities; row = previous token

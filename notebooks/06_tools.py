@@ -16,9 +16,9 @@
 #
 # The lessons teach the model, its training and its decoding. Around them sits
 # code that a working program needs but a reader need not study. In order: the
-# lessons' charts; files written whole, so that a crash never leaves half a
-# file; downloading and verifying Multi30k; the copy-task runs of
-# `bench/copy_task.py`; the training presets; vocabularies; the hardware and
+# lessons' charts; the copy-task runs of `bench/copy_task.py`; files written
+# whole, so that a crash never leaves half a file; downloading and verifying
+# Multi30k; the training presets; vocabularies; the hardware and
 # its precision; checkpoint files; training runs on several devices and
 # processes; translating for users; which model a checkpoint holds, and
 # finding one or training a small one; reading text files; and the command
@@ -50,7 +50,6 @@ if "COLAB_RELEASE_TAG" in os.environ and not os.path.isdir(CLONE):
     subprocess.run([sys.executable, "-m", *pip], check=True)
 ROOT = os.path.abspath(CLONE if os.path.isdir(CLONE) else "..")
 sys.path.insert(0, ROOT)
-AT_SIZE = os.environ.get("AT_SIZE", "full")  # "ci": tiny models, CI-sized
 
 # %%
 #| export
@@ -74,7 +73,7 @@ import urllib.request
 import warnings
 from contextlib import nullcontext
 import zipfile
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -87,6 +86,8 @@ import torch
 # that only this notebook's checks use are imported where they are used.)
 # %%
 from the_annotated_transformer import ATTENTION_KINDS, BOS, EOS, PAD, UNK
+from the_annotated_transformer import COPY_PAD, copy_accuracy, data_gen
+from the_annotated_transformer import warmup_linear_decay
 from the_annotated_transformer import MULTI30K_ENV, DatasetError
 from the_annotated_transformer import Batch, BpeVocab, LabelSmoothing
 from the_annotated_transformer import SimpleLossCompute, TrainConfig
@@ -227,6 +228,8 @@ def learning_rate_chart(
 # %% [markdown]
 # ### Attention heat maps (Part 4)
 #
+# `maps` is Part 4's `AttentionMaps`, and a *kind* is one of the keys of
+# `ATTENTION_KINDS`: "encoder self", "decoder self" or "decoder source".
 # `attention_frame` flattens one kind into a table with one row per
 # (layer, head, query, key), leaving out padding. Layers and heads are
 # numbered from 1 in the table and the charts (layer 1 is the one nearest
@@ -381,7 +384,8 @@ def attention_chart(maps, kind, layer=None, columns=4, cell=18):
 # ### Attention heads by layer (Part 4)
 #
 # `attention_summary_chart` plots Part 4's `attention_summary`: for each
-# kind and each of the two numbers, a dot per head above its layer and a
+# kind and each of its two numbers, the entropy of a head's weights and
+# their distance from the diagonal, a dot per head above its layer and a
 # line through the mean of the heads, so that a trend from layer to layer
 # shows as a slope.
 # Stacking the two metrics gives the whole picture of a model on one page:
@@ -437,6 +441,229 @@ def attention_summary_chart(summary, width=170):
         title="Attention heads by layer, averaged over validation sentences"
     )
 
+
+# %% [markdown]
+# ## Copy-task runs
+#
+# Part 2 trains the copy task for a fixed budget and then checks it.
+# `bench/copy_task.py` asks a different question: how soon does the
+# model copy? For that, training stops as soon as the model copies
+# sequences it has never seen, and deciding when costs almost nothing.
+# Every batch that `data_gen` yields is new random data, and `run_epoch`
+# computes the loss *before* the optimizer learns from the batch, so each
+# training batch is also a fair test.
+
+# %% [markdown]
+# A sequence is predicted exactly when the most probable next token is
+# right at every position, given the right prefix (one teacher-forced
+# forward pass). That is exactly when greedy decoding copies it: greedy
+# decoding then never leaves the right prefix.
+# `copy_accuracy_teacher_forced` measures Part 2's `copy_accuracy` that
+# way, and `CopyLossCompute` counts, as training goes, the run (`streak`)
+# of exactly predicted sequences up to the latest batch.
+
+
+# %%
+#| export
+def copy_accuracy_teacher_forced(model, n, V=11, seq_len=10, generator=None):
+    """copy_accuracy's fraction from one teacher-forced forward pass."""
+    model.eval()
+    b = next(data_gen(V, n, 1, seq_len, generator=generator))
+    with torch.no_grad():
+        out = model(b.src, b.tgt, b.src_mask, b.tgt_mask)  # (n, T, d_model)
+        pred = model.generator(out).argmax(dim=-1)  # (n, T)
+    return (pred == b.tgt_y).all(dim=1).float().mean().item()
+
+
+class CopyLossCompute(SimpleLossCompute):
+    """SimpleLossCompute that also counts exactly predicted sequences."""
+
+    def __init__(self, generator, criterion, pad=COPY_PAD):
+        super().__init__(generator, criterion)
+        self.pad = pad
+        self.streak = 0  # exact sequences in a row, up to the latest
+        self.sequences = 0  # sequences seen
+        self.exact = 0  # sequences predicted exactly
+
+    def __call__(self, x, y, norm):
+        result = super().__call__(x, y, norm)
+        with torch.no_grad():
+            right = self.generator(x.detach()).argmax(dim=-1) == y
+            exact = (right | (y == self.pad)).all(dim=1)  # (B,)
+        misses = (~exact).nonzero()
+        if len(misses) == 0:
+            self.streak += len(exact)
+        else:
+            self.streak = len(exact) - 1 - misses[-1].item()
+        self.sequences += len(exact)
+        self.exact += int(exact.sum())
+        return result
+
+
+# %% [markdown]
+# Once the streak reaches `check_size`, `greedy_check` confirms with real
+# greedy decoding of `check_size` more fresh sequences. Training stops
+# only if all of them come back unchanged; otherwise the streak starts
+# again from zero.
+
+
+# %%
+#| export
+def greedy_check(model, loss_compute, check_size, V, generator):
+    """Greedy-copy check once the streak is long enough, else None."""
+    if loss_compute.streak < check_size:
+        return None
+    checked = copy_accuracy(model, check_size, V, generator=generator)
+    if checked < 1.0:
+        loss_compute.streak = 0  # earn another streak first
+    return checked
+
+
+# %% [markdown]
+# `CopyTaskConfig` holds Part 2's recipe, and `for_size("ci")` its
+# CI-sized model. Part 2's fixed budget of 20 epochs becomes a limit,
+# `max_epochs` (100), which a run that copies stops well before.
+
+
+# %%
+#| export
+@dataclass
+class CopyTaskConfig:
+    """Hyperparameters of the copy task; `for_size` picks a preset."""
+
+    V: int = 11
+    N: int = 2
+    d_model: int = 512
+    d_ff: int = 2048
+    h: int = 8
+    dropout: float = 0.0
+    batch_size: int = 16
+    nbatches: int = 20  # optimizer steps per epoch
+    max_epochs: int = 100
+    lr: float = 3e-4  # peak learning rate
+    warmup: int = 20
+    decay_steps: int = 300  # where the rate reaches its floor
+    beta2: float = 0.999
+    check_size: int = 200
+    seed: int = 0
+
+    @classmethod
+    def for_size(cls, size="full", **changes):
+        """The "full" preset, or the seconds-long "ci" one, with changes."""
+        if size == "full":
+            preset = {}
+        elif size == "ci":
+            preset = dict(N=1, d_model=64, d_ff=256, h=4, lr=3e-3)
+        else:
+            raise ValueError(f'size is "full" or "ci", not {size!r}')
+        return cls(**{**preset, **changes})
+
+
+# %% [markdown]
+# `copy_task_setup` builds what Part 2 builds: the model, the loss (here
+# counting exact sequences) and the optimizer with its schedule.
+# `train_copy_task` is Part 2's loop with the stopping rule: after each
+# epoch it records the share of training sequences predicted exactly,
+# runs the greedy check when the streak allows, and stops once that check
+# passes. `epoch_summary` formats an epoch's log line.
+
+
+# %%
+#| export
+def epoch_summary(record):
+    """One log line for an epoch record of train_copy_task."""
+    line = (
+        f"epoch {record['epoch']:2d} | step {record['steps']:4d} | "
+        f"loss {record['train_loss']:.4f} | "
+        f"exact while training {record['train_exact']:6.1%}"
+    )
+    if record["exact_copy"] is not None:
+        line += f" | greedy check {record['exact_copy']:6.1%}"
+    return line + f" | {record['seconds']:5.1f} s"
+
+
+def copy_task_setup(cfg):
+    """(model, loss_compute, optimizer, scheduler) of the copy task."""
+    torch.manual_seed(cfg.seed)
+    model = make_model(
+        cfg.V,
+        cfg.V,
+        N=cfg.N,
+        d_model=cfg.d_model,
+        d_ff=cfg.d_ff,
+        h=cfg.h,
+        dropout=cfg.dropout,
+    )
+    criterion = LabelSmoothing(cfg.V, padding_idx=COPY_PAD, smoothing=0.0)
+    loss_compute = CopyLossCompute(model.generator, criterion)
+
+    def schedule(step):
+        return warmup_linear_decay(step, cfg.lr, cfg.warmup, cfg.decay_steps)
+
+    optimizer, scheduler = make_optimizer(
+        model, cfg.d_model, betas=(0.9, cfg.beta2), schedule=schedule
+    )
+    return model, loss_compute, optimizer, scheduler
+
+
+def train_copy_task(cfg=None, log=print):
+    """Train until exact copy; returns (model, list of epoch records)."""
+    if cfg is None:
+        cfg = CopyTaskConfig()
+    model, loss_compute, optimizer, scheduler = copy_task_setup(cfg)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    state = TrainState()
+    history = []
+    start = time.time()
+    for epoch in range(cfg.max_epochs):
+        model.train()
+        seen, exact = loss_compute.sequences, loss_compute.exact
+        data = data_gen(cfg.V, cfg.batch_size, cfg.nbatches, generator=gen)
+        loss, state = run_epoch(
+            data,
+            model,
+            loss_compute,
+            optimizer,
+            scheduler,
+            train_state=state,
+        )
+        new = loss_compute.sequences - seen
+        checked = greedy_check(model, loss_compute, cfg.check_size, cfg.V, gen)
+        history.append(
+            {
+                "epoch": epoch,
+                "steps": state.accum_step,
+                "samples": state.samples,
+                "train_loss": loss,
+                "train_exact": (loss_compute.exact - exact) / new,
+                "exact_copy": checked,
+                "seconds": time.time() - start,
+            }
+        )
+        log(epoch_summary(history[-1]))
+        if checked == 1.0:
+            break
+    return model, history
+
+
+# %% [markdown]
+# A CI-sized run (seconds; always this size, even at full size). It stops
+# before its limit, and on 500 sequences it has never seen, the teacher-forced
+# check gives exactly the greedy fraction:
+
+# %%
+copy_cfg = CopyTaskConfig.for_size("ci")
+copy_model, copy_history = train_copy_task(copy_cfg)
+assert copy_history[-1]["exact_copy"] == 1.0
+assert len(copy_history) < copy_cfg.max_epochs
+greedy = copy_accuracy(
+    copy_model, 500, generator=torch.Generator().manual_seed(7)
+)
+forced = copy_accuracy_teacher_forced(
+    copy_model, 500, generator=torch.Generator().manual_seed(7)
+)
+print(f"greedy {greedy:.1%}, teacher-forced {forced:.1%}")
+assert forced == greedy
 
 # %% [markdown]
 # ## Files written whole
@@ -706,229 +933,6 @@ assert all(sha256_of(folder / n) == s for n, s in MULTI30K_SHA256.items())
 print(f"{len(MULTI30K_SHA256)} files verified in {folder}")
 
 # %% [markdown]
-# ## Copy-task runs
-#
-# Part 2 trains the copy task for a fixed budget and then checks it.
-# `bench/copy_task.py` asks a different question: how soon does the
-# model copy? For that, training stops as soon as the model copies
-# sequences it has never seen, and deciding when costs almost nothing.
-# Every batch that `data_gen` yields is new random data, and `run_epoch`
-# computes the loss *before* the optimizer learns from the batch, so each
-# training batch is also a fair test.
-
-# %%
-from the_annotated_transformer import COPY_PAD, copy_accuracy, data_gen
-from the_annotated_transformer import warmup_linear_decay
-
-# %% [markdown]
-# A sequence is predicted exactly when the most probable next token is
-# right at every position, given the right prefix (one teacher-forced
-# forward pass). That is exactly when greedy decoding copies it: greedy
-# decoding then never leaves the right prefix.
-# `copy_accuracy_teacher_forced` measures Part 2's `copy_accuracy` that
-# way, and `CopyLossCompute` counts, as training goes, the run (`streak`)
-# of exactly predicted sequences up to the latest batch.
-
-
-# %%
-#| export
-def copy_accuracy_teacher_forced(model, n, V=11, seq_len=10, generator=None):
-    """copy_accuracy's fraction from one teacher-forced forward pass."""
-    model.eval()
-    b = next(data_gen(V, n, 1, seq_len, generator=generator))
-    with torch.no_grad():
-        out = model(b.src, b.tgt, b.src_mask, b.tgt_mask)  # (n, T, d_model)
-        pred = model.generator(out).argmax(dim=-1)  # (n, T)
-    return (pred == b.tgt_y).all(dim=1).float().mean().item()
-
-
-class CopyLossCompute(SimpleLossCompute):
-    """SimpleLossCompute that also counts exactly predicted sequences."""
-
-    def __init__(self, generator, criterion, pad=COPY_PAD):
-        super().__init__(generator, criterion)
-        self.pad = pad
-        self.streak = 0  # exact sequences in a row, up to the latest
-        self.sequences = 0  # sequences seen
-        self.exact = 0  # sequences predicted exactly
-
-    def __call__(self, x, y, norm):
-        result = super().__call__(x, y, norm)
-        with torch.no_grad():
-            right = self.generator(x.detach()).argmax(dim=-1) == y
-            exact = (right | (y == self.pad)).all(dim=1)  # (B,)
-        misses = (~exact).nonzero()
-        if len(misses) == 0:
-            self.streak += len(exact)
-        else:
-            self.streak = len(exact) - 1 - misses[-1].item()
-        self.sequences += len(exact)
-        self.exact += int(exact.sum())
-        return result
-
-
-# %% [markdown]
-# Once the streak reaches `check_size`, `greedy_check` confirms with real
-# greedy decoding of `check_size` more fresh sequences. Training stops
-# only if all of them come back unchanged; otherwise the streak starts
-# again from zero.
-
-
-# %%
-#| export
-def greedy_check(model, loss_compute, check_size, V, generator):
-    """Greedy-copy check once the streak is long enough, else None."""
-    if loss_compute.streak < check_size:
-        return None
-    checked = copy_accuracy(model, check_size, V, generator=generator)
-    if checked < 1.0:
-        loss_compute.streak = 0  # earn another streak first
-    return checked
-
-
-# %% [markdown]
-# `CopyTaskConfig` holds Part 2's recipe, and `for_size("ci")` its
-# CI-sized model. Part 2's fixed budget of 20 epochs becomes a limit,
-# `max_epochs` (100), which a run that copies stops well before.
-
-
-# %%
-#| export
-from dataclasses import dataclass
-
-
-@dataclass
-class CopyTaskConfig:
-    """Hyperparameters of the copy task; `for_size` picks a preset."""
-
-    V: int = 11
-    N: int = 2
-    d_model: int = 512
-    d_ff: int = 2048
-    h: int = 8
-    dropout: float = 0.0
-    batch_size: int = 16
-    nbatches: int = 20  # optimizer steps per epoch
-    max_epochs: int = 100
-    lr: float = 3e-4  # peak learning rate
-    warmup: int = 20
-    decay_steps: int = 300  # where the rate reaches its floor
-    beta2: float = 0.999
-    check_size: int = 200
-    seed: int = 0
-
-    @classmethod
-    def for_size(cls, size="full", **changes):
-        """The "full" preset, or the seconds-long "ci" one, with changes."""
-        if size == "full":
-            preset = {}
-        elif size == "ci":
-            preset = dict(N=1, d_model=64, d_ff=256, h=4, lr=3e-3)
-        else:
-            raise ValueError(f'size is "full" or "ci", not {size!r}')
-        return cls(**{**preset, **changes})
-
-
-# %% [markdown]
-# `train_copy_task` is Part 2's loop with the stopping rule: after each
-# epoch it records the share of training sequences predicted exactly,
-# runs the greedy check when the streak allows, and stops once that check
-# passes. `epoch_summary` formats an epoch's log line.
-
-
-# %%
-#| export
-def epoch_summary(record):
-    """One log line for an epoch record of train_copy_task."""
-    line = (
-        f"epoch {record['epoch']:2d} | step {record['steps']:4d} | "
-        f"loss {record['train_loss']:.4f} | "
-        f"exact while training {record['train_exact']:6.1%}"
-    )
-    if record["exact_copy"] is not None:
-        line += f" | greedy check {record['exact_copy']:6.1%}"
-    return line + f" | {record['seconds']:5.1f} s"
-
-
-def train_copy_task(cfg=None, log=print):
-    """Train until exact copy; returns (model, list of epoch records)."""
-    if cfg is None:
-        cfg = CopyTaskConfig()
-    torch.manual_seed(cfg.seed)
-    model = make_model(
-        cfg.V,
-        cfg.V,
-        N=cfg.N,
-        d_model=cfg.d_model,
-        d_ff=cfg.d_ff,
-        h=cfg.h,
-        dropout=cfg.dropout,
-    )
-    criterion = LabelSmoothing(cfg.V, padding_idx=COPY_PAD, smoothing=0.0)
-    loss_compute = CopyLossCompute(model.generator, criterion)
-
-    def schedule(step):
-        return warmup_linear_decay(step, cfg.lr, cfg.warmup, cfg.decay_steps)
-
-    optimizer, scheduler = make_optimizer(
-        model, cfg.d_model, betas=(0.9, cfg.beta2), schedule=schedule
-    )
-    gen = torch.Generator().manual_seed(cfg.seed)
-    state = TrainState()
-    history = []
-    start = time.time()
-    for epoch in range(cfg.max_epochs):
-        model.train()
-        seen = loss_compute.sequences
-        exact = loss_compute.exact
-        data = data_gen(cfg.V, cfg.batch_size, cfg.nbatches, generator=gen)
-        loss, state = run_epoch(
-            data,
-            model,
-            loss_compute,
-            optimizer,
-            scheduler,
-            train_state=state,
-        )
-        new = loss_compute.sequences - seen
-        checked = greedy_check(model, loss_compute, cfg.check_size, cfg.V, gen)
-        history.append(
-            {
-                "epoch": epoch,
-                "steps": state.accum_step,
-                "samples": state.samples,
-                "train_loss": loss,
-                "train_exact": (loss_compute.exact - exact) / new,
-                "exact_copy": checked,
-                "seconds": time.time() - start,
-            }
-        )
-        log(epoch_summary(history[-1]))
-        if checked == 1.0:
-            break
-    return model, history
-
-
-# %% [markdown]
-# A CI-sized run (seconds; always this size, even at full size). It stops
-# before its limit, and on 500 sequences it has never seen, the teacher-forced
-# check gives exactly the greedy fraction:
-
-# %%
-copy_cfg = CopyTaskConfig.for_size("ci")
-copy_model, copy_history = train_copy_task(copy_cfg)
-assert copy_history[-1]["exact_copy"] == 1.0
-assert len(copy_history) < copy_cfg.max_epochs
-greedy = copy_accuracy(
-    copy_model, 500, generator=torch.Generator().manual_seed(7)
-)
-forced = copy_accuracy_teacher_forced(
-    copy_model, 500, generator=torch.Generator().manual_seed(7)
-)
-print(f"greedy {greedy:.1%}, teacher-forced {forced:.1%}")
-assert forced == greedy
-
-# %% [markdown]
 # ## Presets
 #
 # A preset is a `TrainConfig` (Part 3) with a name. `quick` is the
@@ -943,10 +947,15 @@ assert forced == greedy
 # | `paper` | the paper's base model, for a GPU | never trained to the end |
 # | `ci` | tiny: 1,000 sentence pairs, two epochs | seconds |
 #
-# `cpu` is the dataclass's defaults. The runs are on record:
-# `results/recipe_quick.json`, `results/multi30k_cpu.json` and, for
-# `long`, `docs/results.md`. `paper` has no BLEU score here; `ci` serves
-# tests and the CI-sized notebooks.
+# `cpu` is the dataclass's defaults. Every preset but `ci` asks for
+# `precision="bf16"`, which means "the fastest precision this machine does
+# well" ("Which precision", below): bfloat16 or float16 autocast where the
+# hardware has it, float32 elsewhere. `ci` asks for float32 everywhere, so that
+# its tests give the same numbers on every machine. The runs are on record:
+# `results/recipe_quick.json`, `results/multi30k_cpu.json` and, for `long`,
+# `docs/results.md`. `paper` has no BLEU score here (its model is the paper's,
+# its recipe `cpu`'s: warm-up 800, not 4,000); `ci` serves tests and the
+# CI-sized notebooks.
 
 # %%
 #| export
@@ -1014,7 +1023,7 @@ PRESETS |= {  # the same with one BPE vocabulary and tied embeddings
 }
 
 
-def get_config(preset="cpu", **overrides):
+def get_config(preset="quick", **overrides):
     """A preset's TrainConfig with some fields replaced."""
     if preset not in PRESETS:
         raise ValueError(
@@ -1064,7 +1073,9 @@ def load_vocab(spacy_de, spacy_en, path=None, min_freq=2):
 
 
 # %% [markdown]
-# Part 5's BPE vocabulary is cached the same way, in `data/bpe.json`.
+# Part 5's BPE vocabulary is cached too, in `data/bpe.json`, and trained
+# again when the file holds a vocabulary of another size. Its key is only
+# that size: a new version of `tokenizers` reuses the file.
 
 
 # %%
@@ -1306,13 +1317,14 @@ def save_checkpoint(path, **fields):
 # file is a `FileNotFoundError`, and each way a file can be unusable (empty,
 # not a checkpoint at all, damaged or cut short, or holding a pickle that
 # would build other objects) is a `CheckpointError` with its own one-line
-# message.
+# message. `checkpoint_head` answers the first questions from the file's
+# first two bytes, before torch reads it.
 
 
 # %%
 #| export
-def load_checkpoint(path, device="cpu"):
-    """Read a checkpoint safely (weights_only) onto `device`."""
+def checkpoint_head(path):
+    """The first two bytes of a file that could be a checkpoint, checked."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"no checkpoint at {path}; train one first")
     with open(path, "rb") as f:
@@ -1321,6 +1333,12 @@ def load_checkpoint(path, device="cpu"):
         raise CheckpointError(f"{path} is empty (0 bytes), not a checkpoint")
     if head != b"PK" and head[:1] != b"\x80":  # neither zip nor pickle
         raise CheckpointError(f"{path} is not a checkpoint")
+    return head
+
+
+def load_checkpoint(path, device="cpu"):
+    """Read a checkpoint safely (weights_only) onto `device`."""
+    head = checkpoint_head(path)  # b"PK": torch's zip, b"\x80": a pickle
     damaged = f"{path} is not a readable checkpoint (damaged or cut short)"
     if head == b"PK" and not zipfile.is_zipfile(path):
         raise CheckpointError(f"{damaged}: not a whole zip archive")
@@ -1350,10 +1368,12 @@ def epoch_checkpoints(folder):
 
 # %% [markdown]
 # A checkpoint stores its config as a dict, and vocabularies as plain
-# data: the token lists of a word vocabulary (Part 3), or the JSON text of
-# a BPE vocabulary (Part 5). `checkpoint_config` rebuilds the config (two
-# fields had other names in older runs), and `checkpoint_vocabularies`
-# picks the vocabularies by the config's `tokenization`.
+# data: the token lists of both vocabularies and, for a BPE vocabulary
+# (Part 5), also its JSON text, which holds the merges.
+# `checkpoint_config` rebuilds the config; two fields had other names in
+# older runs, and the old `amp="none"` meant what `precision="fp32"` means
+# now. `checkpoint_vocabularies` picks the vocabularies by the config's
+# `tokenization`.
 
 
 # %%
@@ -1365,9 +1385,10 @@ def checkpoint_config(ckpt, path="checkpoint"):
     """The TrainConfig a checkpoint was trained with."""
     try:
         saved = ckpt["config"].items()
-        return TrainConfig(
-            **{LEGACY_CONFIG_NAMES.get(k, k): v for k, v in saved}
-        )
+        fields = {LEGACY_CONFIG_NAMES.get(k, k): v for k, v in saved}
+        if fields.get("precision") == "none":  # the old amp="none"
+            fields["precision"] = "fp32"
+        return TrainConfig(**fields)
     except (KeyError, TypeError, AttributeError) as err:
         why = f"no {err}" if isinstance(err, KeyError) else err
         raise CheckpointError(
@@ -1395,7 +1416,9 @@ def checkpoint_vocabularies(ckpt, path="checkpoint"):
 # %% [markdown]
 # `load_weights` compares every tensor's size before it loads, so a file
 # of another model is named with the first size that differs, in one
-# short line rather than PyTorch's list of every difference.
+# short line rather than PyTorch's list of every difference. It also
+# renames the weights of checkpoints that older versions of this project
+# wrote (`rename_old_keys`, in the next section).
 
 
 # %%
@@ -1501,8 +1524,9 @@ for key in old_keys:
 
 
 # %% [markdown]
-# Check: a checkpoint round-trips; random bytes, an empty file and a file
-# of another model are each refused with their own message.
+# Check: a checkpoint round-trips; random bytes and an empty file are
+# each refused with their own message; and `size_mismatch` names the first
+# size that differs in weights of another model.
 
 # %%
 with tempfile.TemporaryDirectory() as tmp:
@@ -1553,8 +1577,6 @@ def load_trained_model(path, device="auto"):
 
 # %%
 #| export
-
-
 def average_checkpoints(paths, device="cpu"):
     """(model, vocab_src, vocab_tgt, config) with the mean of the weights."""
     paths = [Path(p) for p in paths]
@@ -1745,7 +1767,8 @@ def backend_for(device):
 #
 # `TrainingRun` then sets up a run: it joins the group if there are
 # several processes, seeds, builds the model and wraps it in DDP, and
-# makes the loss, Part 3's optimizer and schedule for the run's step
+# makes the label-smoothed criterion (the loss itself is computed by
+# `train_epoch`, below), Part 3's optimizer and schedule for the run's step
 # budget (`batches_per_epoch`, or `total` steps), and a `GradScaler`
 # where the precision needs one. `module` is the bare model, whose
 # weights checkpoints store, and `model` is what we call, DDP-wrapped
@@ -1827,11 +1850,12 @@ def params_in_sync(module):
 
 # %% [markdown]
 # Two details of bigger runs wrap each micro-batch, which is why Part 2's
-# `run_epoch` runs it through `micro_step`:
+# `run_epoch` runs it through `micro_step`; these are the meanings of its
+# arguments `hold_sync`, `autocast` and `scaler`:
 #
 # * **Gradient accumulation under DDP.** Every backward pass of a
 #   DDP-wrapped model averages gradients across processes; micro-batches
-#   that do not step skip that inside `model.no_sync()`.
+#   that do not step (`hold_sync=True`) skip that inside `model.no_sync()`.
 # * **Autocast.** `autocast` is a function returning a context, entered
 #   afresh around each micro-batch's forward pass and loss. One region
 #   around a whole epoch would be a silent bug: autocast caches its
@@ -1839,12 +1863,14 @@ def params_in_sync(module):
 #   would compute with stale weights. With float16, `run_epoch` also takes
 #   the `GradScaler`.
 #
-# `device_batch` builds a `Batch` with its masks made on the device: it
-# copies the two id tensors (asynchronously, from pinned memory) and
-# counts the target tokens on the CPU first, because counting them on
-# the GPU would make the CPU wait for it. `all_reduce_loss` turns each
-# process's mean loss into the mean over all processes' tokens, so that
-# the validation loss covers the whole validation set.
+# `device_batch` builds a `Batch` with its masks made on the device: it copies
+# the two id tensors (asynchronously, from pinned memory) and counts the target
+# tokens on the CPU first, because counting them on the GPU would make the CPU
+# wait for it. `counted` passes batches through and adds their tokens to
+# `tally[0]`: a one-element list, so that the caller sees the sum while the
+# batches are consumed. `all_reduce_loss` turns each process's mean loss into
+# the mean over all processes' tokens, so that the validation loss covers the
+# whole validation set.
 
 
 # %%
@@ -2144,6 +2170,8 @@ with tempfile.TemporaryDirectory() as tmp:
 
 
 # %% [markdown]
+# ### One process's whole run: `train_worker`
+#
 # `train_worker` composes the pieces with the checkpoint files. Rank 0
 # says in one line where it trains, writes the files after every epoch,
 # and, after the last epoch, checks that all ranks ended with the same
@@ -2190,9 +2218,9 @@ def train_worker(
             world_size,
             sizes,
             config,
-            is_distributed,
-            port,
-            device,
+            distributed=is_distributed,
+            port=port,
+            device=device,  # placed already: placing again changes nothing
             batches_per_epoch=len(loaders[0]),
         )
         if show_progress and rank == 0:
@@ -2221,12 +2249,12 @@ def train_worker(
 # `torch.multiprocessing.spawn`. With fewer GPUs than processes it stops with a
 # `ValueError` that says so, before starting anything, or, with
 # `cpu_fallback=True`, runs every process on the CPU and says that. A new
-# process imports the module, not the notebook that started it, so only plain
-# data crosses over: vocabularies as token lists (or BPE JSON text) and the
-# config as a dict, which `_spawned_worker` turns back into objects before it
-# calls `train_worker`. Under `torchrun`, PyTorch's launcher for several
-# processes, none of this is needed: it starts the processes and sets the
-# rendezvous address itself.
+# process imports the module, not the notebook that started it, so the
+# vocabularies cross over as plain data, token lists (or BPE JSON text), and
+# the config as a dict, which `_spawned_worker` turns back into objects before
+# it calls `train_worker`; the spaCy tokenizers cross as they are, pickled.
+# Under `torchrun`, PyTorch's launcher for several processes, none of this is
+# needed: it starts the processes and sets the rendezvous address itself.
 
 
 # %%
@@ -2325,7 +2353,9 @@ with socket.socket() as s:
 # %% [markdown]
 # Check: the tiny `ci` preset, for one epoch, in two processes started by
 # `train_distributed_model` (from a terminal: `torchrun
-# --nproc_per_node=2 annotated_transformer_tools.py train`). On a machine
+# --nproc_per_node=2 annotated_transformer_tools.py train --preset ci
+# --epochs 1`), with the vocabularies and tokenizers made in
+# "Vocabularies" above. On a machine
 # with two GPUs or more each process gets one; elsewhere both run on the
 # CPU with gloo (`cpu_fallback=True`), and the first line printed says
 # which. Each process sees half of the batches. Both ranks must end with
@@ -2336,9 +2366,9 @@ with socket.socket() as s:
 import annotated_transformer_tools as tools
 
 with tempfile.TemporaryDirectory() as tmp:
-    ddp = get_config("ci", epochs=1, checkpoint_dir=tmp)
+    two_process_run = get_config("ci", epochs=1, checkpoint_dir=tmp)
     tools.train_distributed_model(
-        *vocabs, *tokenizers, ddp, world_size=2, cpu_fallback=True
+        *vocabs, *tokenizers, two_process_run, world_size=2, cpu_fallback=True
     )
     assert load_checkpoint(f"{tmp}/final.pt")["ranks_in_sync"]
 
@@ -2376,8 +2406,9 @@ def detokenize(tokens):
     """
     out, quote_open = "", False
     for i, tok in enumerate(tokens):
-        # the word after a hyphen: glued, unless the hyphen followed a
-        # comma or a full stop (a dash between clauses)
+        # the word after a hyphen is glued to it ("well-known"), unless a
+        # comma, a full stop or another hyphen came before the hyphen: then
+        # the hyphen is a dash between clauses
         hyphen = out.endswith("-") and i > 1 and tokens[i - 1] == "-"
         glue = (
             i == 0
@@ -2403,21 +2434,23 @@ def decode_text(ids, vocab):
 
 
 # %% [markdown]
-# `translate_batch` translates a list of sentences in three steps, one
-# function each. `encode_sources` turns each sentence into ids, keeping
-# its German words when unknown words are to be replaced (an `<unk>` id
-# has lost its word). `decode_by_length` sorts the sentences by length,
-# so that a batch wastes little on padding, decodes each batch up to the
-# source length + 50 tokens (the paper's limit) and, where an output holds
-# `<unk>`, finds the source position each output token attended to most
-# (Part 4). `finish_text` puts the German word in place of each `<unk>`
-# and joins the tokens into a sentence. `decode_fn` can be any decoder
-# with the signature of the greedy ones; `replace_unk=False` leaves every
-# `<unk>` as it is.
+# `translate_batch` translates a list of sentences in three steps, one function
+# each. `encode_sources` turns each sentence into ids, keeping its German words
+# when unknown words are to be replaced (an `<unk>` id has lost its word).
+# `decode_by_length` sorts the sentences by length, so that a batch wastes
+# little on padding, decodes each batch up to the source length + `MAX_EXTRA`
+# (50) tokens, the paper's limit, and, where an output holds `<unk>`, finds the
+# source position each output token attended to most (Part 4). `finish_text`
+# puts the German word in place of each `<unk>` and joins the tokens into a
+# sentence. `decode_fn` can be any decoder with the signature of the greedy
+# ones; `replace_unk=False` leaves every `<unk>` as it is.
 
 
 # %%
 #| export
+MAX_EXTRA = 50  # output tokens past the source's length: the paper's limit
+
+
 def encode_sources(sentences, spacy_de, vocab_src, keep_words=False):
     """Each sentence as `<s> ids </s>`, and its German words if kept."""
     if not keep_words:
@@ -2463,12 +2496,12 @@ def translate_batch(
     vocab_tgt,
     device=None,
     batch_size=128,
-    max_extra=50,
+    max_extra=MAX_EXTRA,
     decode_fn=cached_greedy_decode,
     replace_unk=True,
 ):
     """German sentences to detokenized English, in input order."""
-    decode_fn = decode_fn or cached_greedy_decode
+    decode_fn = decode_fn or cached_greedy_decode  # None also means greedy
     if device is None:  # wherever the model is
         device = next(model.parameters()).device
     model.eval()
@@ -2487,6 +2520,14 @@ def translate_batch(
     ]
 
 
+# %% [markdown]
+# Translations are scored as plain text against plain references:
+# `compute_bleu` is sacreBLEU's corpus BLEU, cased, with its standard 13a
+# tokenization, the score that papers on Multi30k report.
+
+
+# %%
+#| export
 def compute_bleu(hypotheses, references):
     """Cased corpus BLEU (sacreBLEU, 13a tokenization) of plain text."""
     import sacrebleu
@@ -2633,11 +2674,14 @@ def describe_checkpoint(path):
 # ## A trained model, or a small one trained now
 #
 # Parts 4 and 5 show a trained model's attention and translations.
-# `find_or_train` returns the `final.pt` of the first preset that `make
-# train` has already trained. When there is none, or in a CI-sized run,
-# it trains a small stand-in there and then, in seconds, so every
-# notebook runs on a fresh clone and CI checks the training code rather
-# than a leftover file.
+# `find_or_train` looks under `root` for the `final.pt` of each preset it
+# is given, in order, and returns the first it finds: Parts 4 and 5 ask
+# for `cpu`, which `make train` writes, then `quick`, which Part 3 writes.
+# When there is none, or in a CI-sized run, it trains the small
+# `stand_in` there and then, in seconds, into the stand-in's own
+# `checkpoint_dir` (which is why the notebooks give it an absolute one).
+# So every notebook runs on a fresh clone, and CI checks the training code
+# rather than a leftover file.
 
 
 # %%
@@ -2713,7 +2757,8 @@ def iter_lines(path):
     import gzip
 
     stdin = str(path) == "-"
-    name, number = "standard input" if stdin else Path(path), 0
+    name = "standard input" if stdin else Path(path)
+    number = 0  # lines read so far, for the error messages
     try:
         if stdin and sys.stdin is None:  # started with `<&-`
             raise TextFileError("standard input is closed")
@@ -2767,45 +2812,6 @@ def read_parallel(src_path, ref_path):
     return sources, references
 
 
-# %%
-#| export
-def write_results(path, checkpoint, wall_time):
-    """Score test2016 and write a JSON summary of the training run."""
-    sources, references = zip(*read_multi30k("test"), strict=True)
-    model, vocab_src, vocab_tgt, _ = load_trained_model(checkpoint)
-    spacy_de, _ = load_tokenizers()
-
-    def bleu_of(replace_unk):  # False: <unk> left in the output
-        hyps = translate_batch(
-            model,
-            sources,
-            spacy_de,
-            vocab_src,
-            vocab_tgt,
-            replace_unk=replace_unk,
-        )
-        return compute_bleu(hyps, references)
-
-    bleu, kept_bleu = bleu_of(True), bleu_of(False)
-    ckpt = load_checkpoint(checkpoint)  # for its config and history
-    summary = {
-        "command": "python " + " ".join(sys.argv),
-        "config": ckpt["config"],
-        "hardware": hardware_summary(),
-        "wall_time_s": round(wall_time, 1),
-        "epochs": len(ckpt["history"]),
-        "history": ckpt["history"],
-        "test2016_bleu_greedy": round(bleu.score, 2),
-        "bleu": str(bleu),
-        "test2016_bleu_greedy_without_unk_replacement": round(
-            kept_bleu.score, 2
-        ),
-    }
-    with atomic_write(path, "w") as f:
-        f.write(json.dumps(summary, indent=2) + "\n")
-    print(f"test2016 BLEU (greedy): {bleu.score:.2f}; summary in {path}")
-
-
 # %% [markdown]
 # ## The command line
 #
@@ -2825,11 +2831,16 @@ def write_results(path, checkpoint, wall_time):
 # A program for people should answer every mistake with one line that
 # says what is wrong, and exit status 2, never with a traceback: a bad
 # number or device, a missing, damaged or unsafe checkpoint, a file that
-# is not UTF-8. The library raises ordinary exceptions (`ValueError`s
-# such as `CheckpointError` and `TextFileError`, `FileNotFoundError`,
-# Part 3's `DatasetError`); the command line's own checks raise
-# `UserError`, and only `main` turns them into messages.
+# is not UTF-8. The library raises ordinary exceptions: `CheckpointError`
+# and `TextFileError` (both `ValueError`s), `FileNotFoundError`, Part 3's
+# `DatasetError`, and `FolderInUseError`. The command line's own checks
+# raise `UserError`, also where they turn another `ValueError` that an
+# argument can cause into a message, and only `main` turns these into
+# lines (`USER_ERRORS`, below). Any other exception is a bug, and keeps its
+# traceback.
 # `docs/guarantees.md` lists every exit status.
+#
+# ### Arguments
 #
 # Mistakes in the arguments are argparse's to catch. Its `type` functions
 # refuse a count outside its range (every count has a sensible maximum,
@@ -2854,7 +2865,7 @@ def say(*lines):
 
 
 def positive_int(text, least=1, most=10**6):
-    """argparse type: a whole number from `least` (1) to `most`."""
+    """A whole number from `least` (1) to `most`, or argparse's error."""
     try:
         number = int(text)
     except ValueError:
@@ -2867,9 +2878,9 @@ def positive_int(text, least=1, most=10**6):
 
 
 def count(least=1, most=10**6):
-    """An argparse type: a whole number from `least` to `most`."""
+    """The argparse `type` for a count: positive_int with these bounds."""
     check = functools.partial(positive_int, least=least, most=most)
-    check.__name__ = "count"
+    check.__name__ = "count"  # argparse names the type in its messages
     return check
 
 
@@ -2949,7 +2960,8 @@ def add_train_parser(sub):
     train.add_argument(
         "--threads",
         type=count(most=4096),
-        help="CPU threads (processes that share the CPU split its cores)",
+        help="CPU threads of a one-process run (several processes on the"
+        " CPU split its cores evenly instead)",
     )
 
 
@@ -3047,12 +3059,15 @@ def build_parser():
 
 
 # %% [markdown]
+# ### `train`
+#
 # `train` builds the config from the preset and the flags, takes the lock
 # on the checkpoint folder (so that a second run into it stops at once),
-# checks what `--resume` would resume, makes the vocabularies, and
-# trains: in this process, in `--world-size` spawned ones, or as one of
-# the processes that `torchrun` started (it sets `RANK` and
-# `WORLD_SIZE`; rank 0 takes the lock for all of them).
+# downloads Multi30k if needed, makes the vocabularies, checks what
+# `--resume` would resume, and trains: in this process, in `--world-size`
+# spawned ones, or as one of the processes that `torchrun` started
+# (`torchrun_ranks` recognizes them by the `LOCAL_RANK` that torchrun sets,
+# beside `RANK` and `WORLD_SIZE`; rank 0 takes the lock for all of them).
 
 
 # %%
@@ -3115,7 +3130,12 @@ def train_locked(args, config, ranks=None):
         except ValueError as err:
             raise UserError(f"torchrun: {err}") from None
         train_worker(
-            rank, world, *data, world > 1, resume=args.resume, device=device
+            rank,
+            world,
+            *data,
+            is_distributed=world > 1,
+            resume=args.resume,
+            device=device,
         )
         if rank != 0:
             return 0
@@ -3134,6 +3154,54 @@ def train_locked(args, config, ranks=None):
 
 
 # %% [markdown]
+# With `--results FILE`, `train` also scores the finished model on
+# test2016 with greedy decoding, with and without `<unk>` replacement, and
+# writes the scores, the config, the machine and the run's history to one
+# JSON file.
+
+
+# %%
+#| export
+def write_results(path, checkpoint, wall_time):
+    """Score test2016 and write a JSON summary of the training run."""
+    sources, references = zip(*read_multi30k("test"), strict=True)
+    model, vocab_src, vocab_tgt, _ = load_trained_model(checkpoint)
+    spacy_de, _ = load_tokenizers()
+
+    def bleu_of(replace_unk):  # False: <unk> left in the output
+        hyps = translate_batch(
+            model,
+            sources,
+            spacy_de,
+            vocab_src,
+            vocab_tgt,
+            replace_unk=replace_unk,
+        )
+        return compute_bleu(hyps, references)
+
+    bleu, kept_bleu = bleu_of(True), bleu_of(False)
+    ckpt = load_checkpoint(checkpoint)  # for its config and history
+    summary = {
+        "command": "python " + " ".join(sys.argv),
+        "config": ckpt["config"],
+        "hardware": hardware_summary(),
+        "wall_time_s": round(wall_time, 1),
+        "epochs": len(ckpt["history"]),
+        "history": ckpt["history"],
+        "test2016_bleu_greedy": round(bleu.score, 2),
+        "bleu": str(bleu),
+        "test2016_bleu_greedy_without_unk_replacement": round(
+            kept_bleu.score, 2
+        ),
+    }
+    with atomic_write(path, "w") as f:
+        f.write(json.dumps(summary, indent=2) + "\n")
+    print(f"test2016 BLEU (greedy): {bleu.score:.2f}; summary in {path}")
+
+
+# %% [markdown]
+# ### `evaluate` and `translate`: loading a model
+#
 # `evaluate` and `translate` read and check their input before they load
 # anything, so that a mistake there costs no waiting; `evaluate` also
 # checks `--out` first: it must not name an input, which it would
@@ -3181,6 +3249,8 @@ def load_for_decoding(args):
 
 
 # %% [markdown]
+# ### Lines too long for the model
+#
 # A line can be longer than the model can read: the positional encoding
 # (Part 1) has 5,000 positions, and decoding may run 50 tokens past the
 # source's length. `fit_to_model` cuts such a line to the tokens that fit
@@ -3192,11 +3262,10 @@ def load_for_decoding(args):
 
 # %%
 #| export
-def position_limit(model, max_extra=50):
+def position_limit(model, max_extra=MAX_EXTRA):
     """How many source tokens (without <s>, </s>) a model can translate."""
-    positions = min(
-        model.src_embed[1].pe.size(1), model.tgt_embed[1].pe.size(1)
-    )
+    positional_encodings = model.src_embed[1], model.tgt_embed[1]
+    positions = min(pe.pe.size(1) for pe in positional_encodings)
     return positions - max_extra - 2
 
 
@@ -3255,6 +3324,8 @@ def command_evaluate(args):
 
 
 # %% [markdown]
+# ### `translate`: sentences in, lines out
+#
 # `translate` prints one line for each sentence it is given, in order.
 # Given no sentence, or `-`, it reads standard input, one sentence per
 # line, and with `--input FILE` a file, as Unix filters and sacreBLEU do.
@@ -3361,6 +3432,8 @@ def command_download(args):
 
 
 # %% [markdown]
+# ### `main`: one line per error, and the exit status
+#
 # `main` runs a sub-command and turns every error into one line,
 # `error: ...`, with an exit status that says whose it is:
 #

@@ -89,6 +89,19 @@ def test_write_results_scores_with_and_without_unk_replacement(
     assert summary["config"]["preset"] == "ci"
 
 
+def test_run_model_example_prints_what_translate_gives(ci_run, capsys):
+    cfg, _ = ci_run
+    final = str(Path(cfg.checkpoint_dir) / "final.pt")
+    hyps = tools.run_model_example(final, n_examples=3)
+    pairs = tat.read_multi30k("val")[:3]
+    assert hyps == tools.translate([de for de, _ in pairs], final)
+    printed = capsys.readouterr().out
+    for i, ((de, en), hyp) in enumerate(zip(pairs, hyps)):
+        assert f"example {i}\n  source: {de}\n  reference: {en}" in printed
+        assert f"  model: {hyp}\n" in printed
+    assert "example 3" not in printed
+
+
 RESUME_KEYS = ("optimizer", "scheduler", "train_state", "rng_state")
 
 
@@ -404,3 +417,14 @@ def test_progress_bar_wraps_the_batches_and_changes_nothing(
     assert [desc for desc, _ in bars] == ["epoch 0", "epoch 1"]
     assert bars[0][1]["delay"] > 0  # quick runs print no bar
     assert_same_weights(*weights)
+
+
+def test_an_older_config_is_read_with_todays_names():
+    old = asdict(tools.get_config("ci"))
+    old["num_epochs"] = old.pop("epochs")
+    del old["precision"]
+    old["amp"] = "none"  # autocast off, in the old name's values
+    config = tools.checkpoint_config({"config": old})
+    assert config.epochs == 2 and config.precision == "fp32"
+    old["amp"] = "bf16"
+    assert tools.checkpoint_config({"config": old}).precision == "bf16"
