@@ -6,8 +6,12 @@ PY := .venv/bin/python
 PIP := .venv/bin/python -m pip
 # torch is installed first and pinned, so that a CPU-only machine with a local
 # wheel installs in seconds and a GPU machine gets the matching CUDA build.
-# Override with `make setup TORCH_SPEC="torch>=2.4"`.
+# Override with `make setup TORCH_SPEC="torch>=2.4"`. On Linux, PyPI's torch
+# is the CUDA build (several GB): a machine without an NVIDIA GPU can take
+# the CPU build instead with
+# `make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu`.
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 # Notebook size: "ci" runs every notebook in minutes, "full" does real runs.
 AT_SIZE ?= full
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.py))
@@ -24,7 +28,8 @@ setup: .venv/.installed  ## create .venv with every dependency
 
 .venv/.installed: requirements.txt
 	test -x $(PY) || python3 -m venv .venv
-	$(PIP) install --quiet "$(TORCH_SPEC)"
+	$(PIP) install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) \
+	  "$(TORCH_SPEC)"
 	$(PIP) install --quiet -r requirements.txt
 	touch $@
 

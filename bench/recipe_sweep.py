@@ -248,6 +248,48 @@ SETTINGS = {
         " t.train_model(*t.load_vocabularies(c, *tok), *tok, c,"
         ' resume=True)"',
     },
+    # A third ensemble member: cpu-d02-e18's recipe from another seed.
+    # Stopped by hand after 12 of 18 epochs, recorded from its log.
+    "cpu-d02-e18-s1": {
+        "why": "cpu-d02-e18's recipe (dropout 0.2, 18 epochs) from seed 1",
+        "preset": "cpu",
+        "set": {"dropout": 0.2, "seed": 1, "keep_last": 0},
+        "max_steps": 0,
+        "eval_every": 0,
+    },
+    # The same, continued to all 18 epochs from its training state, in a
+    # copy of its folder; bench/stopped_trial.py --resumed records it.
+    "cpu-d02-e18-s1-e18": {
+        "why": "cpu-d02-e18-s1 continued to 18 epochs from its training"
+        " state (train_model with resume=True)",
+        "preset": "cpu",
+        "set": {"dropout": 0.2, "seed": 1, "epochs": 18, "keep_last": 0},
+        "max_steps": 0,
+        "eval_every": 0,
+        "resumes": "cpu-d02-e18-s1",
+        "resume_command": "cp -rp runs/recipe_sweep/cpu-d02-e18-s1"
+        " runs/recipe_sweep/cpu-d02-e18-s1-e18 && rm"
+        " runs/recipe_sweep/cpu-d02-e18-s1-e18/final.pt && python -c"
+        ' "import torch, annotated_transformer_tools as t;'
+        " torch.set_num_threads(2); c = t.get_config('cpu', dropout=0.2,"
+        " seed=1, epochs=18, keep_last=0,"
+        " checkpoint_dir='runs/recipe_sweep/cpu-d02-e18-s1-e18');"
+        " tok = t.load_tokenizers();"
+        " t.train_model(*t.load_vocabularies(c, *tok), *tok, c,"
+        ' resume=True)"',
+    },
+    # The Noam schedule ends at half its peak rate, which is why averaging
+    # the last epochs helps it so much. The one lever changed against
+    # cpu-d02-e18 (which was cpu-d02-e14 resumed): the rate falls in a
+    # straight line to zero at the last step, with the same warm-up (800)
+    # and peak (2.2e-3), over the same 18 epochs.
+    "cpu-d02-lin-e18": {
+        "why": "cpu-d02-e18 with a linear decay to zero at its last step",
+        "preset": "cpu",
+        "set": {"dropout": 0.2, "schedule": "linear", "keep_last": 0},
+        "max_steps": 0,
+        "eval_every": 0,
+    },
 }
 
 TABLE_HEAD = (

@@ -740,10 +740,12 @@ assert history[-1]["val_loss"] < history[0]["val_loss"]
 # GPUs multiply several times faster: bfloat16 on an A100, L4 or H100, float16
 # with loss scaling (which keeps small gradients from rounding to zero) on a
 # T4; so does a CPU with native bfloat16 (a recent Intel Xeon). The appendix's
-# "Which precision" has the details. On a Mac it stays in float32. So your loss
-# and BLEU will differ a little from the recorded CPU run. On an H100 the
-# recipe took 2.6 minutes from the start of its process to its end
-# (`results/gpu_explore.md`); a T4 and Apple's GPUs were not measured.
+# "Which precision" has the details. On a Mac it stays in float32 (and if
+# training on Apple's GPU fails, `device = torch.device("cpu")` before this
+# cell trains on the CPU instead). So your loss and BLEU will differ a
+# little from the recorded CPU run. On an H100 the recipe took 2.6 minutes
+# from the start of its process to its end (`results/gpu_explore.md`); a
+# T4 and Apple's GPUs were not measured.
 
 # %%
 preset = "ci" if AT_SIZE == "ci" else "quick"

@@ -142,7 +142,7 @@ def line_chart(rows, x, y, color=None, title="", point=False):
 
 
 # %% [markdown]
-# ### Part 1's charts
+# ### Part 1: positional encodings and masks
 #
 # The subsequent mask as a grid of allowed (blue) and hidden (grey)
 # (query, key) pairs, and a few dimensions of the positional encoding as
@@ -189,10 +189,11 @@ def positional_chart(d_model=20, length=100, dims=(4, 5, 6, 7)):
 
 
 # %% [markdown]
-# ### Part 2's line charts
+# ### Part 2: losses and learning rates
 #
 # The loss of one prediction against its margin, with and without label
-# smoothing, and the learning-rate schedule for a few settings.
+# smoothing, and the learning-rate schedule for a few settings. (Part 3
+# draws its BLEU curve with `line_chart` directly.)
 
 
 # %%
@@ -226,7 +227,7 @@ def learning_rate_chart(
 
 
 # %% [markdown]
-# ### Attention heat maps (Part 4)
+# ### Part 4: attention heat maps
 #
 # `maps` is Part 4's `AttentionMaps`, and a *kind* is one of the keys of
 # `ATTENTION_KINDS`: "encoder self", "decoder self" or "decoder source".
@@ -381,7 +382,7 @@ def attention_chart(maps, kind, layer=None, columns=4, cell=18):
 
 
 # %% [markdown]
-# ### Attention heads by layer (Part 4)
+# ### Part 4: attention heads by layer
 #
 # `attention_summary_chart` plots Part 4's `attention_summary`: for each
 # kind and each of its two numbers, the entropy of a head's weights and
@@ -2333,14 +2334,15 @@ def train_model(
     distributed=False,
     world_size=None,
     resume=False,
+    device=None,
 ):
-    """Train in this process, or in several when `distributed`."""
+    """Train in this process (on `device`), or in several if `distributed`."""
     if resume:  # the same run, or a one-line error (see check_resume)
         check_resume(config, vocab_src, vocab_tgt)
     args = (vocab_src, vocab_tgt, spacy_de, spacy_en, config)
     if distributed:
         return train_distributed_model(*args, world_size, resume)
-    return train_worker(0, 1, *args, resume=resume)
+    return train_worker(0, 1, *args, resume=resume, device=device)
 
 
 # %% [markdown]
@@ -2538,12 +2540,16 @@ def compute_bleu(hypotheses, references):
 # %% [markdown]
 # `load_translator` gathers the decoding options of the command line's
 # `evaluate` and `translate`: a checkpoint, a beam size (1 means greedy,
-# with the cache) and a number of epoch checkpoints to average.
+# with the cache), a number of epoch checkpoints to average, and beam
+# search's length penalty $\alpha$ (Part 5: the paper's 0.6 by default;
+# 1.0 scored best on the validation split here).
 
 
 # %%
 #| export
-def load_translator(checkpoint, device="cpu", beam=1, average_last=0):
+def load_translator(
+    checkpoint, device="cpu", beam=1, average_last=0, alpha=0.6
+):
     """(model, vocab_src, vocab_tgt, decode_fn) for greedy or beam search."""
     if average_last:
         paths = epoch_checkpoints(Path(checkpoint).parent)[-average_last:]
@@ -2559,7 +2565,7 @@ def load_translator(checkpoint, device="cpu", beam=1, average_last=0):
         model, vocab_src, vocab_tgt, _ = load_trained_model(checkpoint, device)
     decode_fn = cached_greedy_decode
     if beam > 1:
-        decode_fn = functools.partial(beam_search, beam_size=beam)
+        decode_fn = functools.partial(beam_search, beam_size=beam, alpha=alpha)
     return model, vocab_src, vocab_tgt, decode_fn
 
 
@@ -2591,13 +2597,14 @@ def translate(
     average=0,
     replace_unk=True,
     device="auto",
+    alpha=0.6,
 ):
     """English translations of German sentences, with a trained model."""
     checkpoint = checkpoint or default_checkpoint()
     if device in (None, "auto"):
         device = pick_device()
     model, vocab_src, vocab_tgt, decode_fn = load_translator(
-        checkpoint, device, beam, average
+        checkpoint, device, beam, average, alpha
     )
     spacy_de, _ = load_tokenizers()
     return translate_batch(
@@ -2884,6 +2891,24 @@ def count(least=1, most=10**6):
     return check
 
 
+def number_from(least, most):
+    """The argparse `type` for a real number from `least` to `most`."""
+
+    def check(text):
+        try:
+            number = float(text)
+        except ValueError:
+            number = None
+        if number is None or not least <= number <= most:  # NaN fails too
+            raise argparse.ArgumentTypeError(
+                f"expected a number from {least} to {most}, not {text}"
+            )
+        return number
+
+    check.__name__ = "number"  # argparse names the type in its messages
+    return check
+
+
 def existing_device(name):
     """argparse type: a torch device that this machine has, or "auto"."""
     if name == "auto":  # the fastest here, chosen by pick_device
@@ -2934,6 +2959,18 @@ def add_train_parser(sub):
     )
     train.add_argument(
         "--max-tokens", type=count(most=10**7), help="tokens in a batch"
+    )
+    train.add_argument(
+        "--dropout",
+        type=number_from(0.0, 0.9),
+        help="dropout rate (default: the preset's; the best recipe on"
+        " record is --preset cpu --dropout 0.2)",
+    )
+    train.add_argument(
+        "--device",
+        type=existing_device,
+        help="the device of a one-process run: cpu, cuda:1, mps (default:"
+        " CUDA, else mps, else cpu)",
     )
     train.add_argument("--checkpoint-dir", help="where checkpoints go")
     train.add_argument(
@@ -2992,6 +3029,13 @@ def add_decoding_options(parser):
         default=1,
         metavar="K",
         help="beam size (1: greedy)",
+    )
+    parser.add_argument(
+        "--alpha",
+        type=number_from(0.0, 10.0),
+        default=0.6,
+        help="beam search's length penalty (default 0.6, the paper's; 1.0"
+        " scored best on validation here)",
     )
     parser.add_argument(
         "--average",
@@ -3089,6 +3133,7 @@ def command_train(args):
         for k, v in (
             ("epochs", args.epochs),
             ("max_tokens", args.max_tokens),
+            ("dropout", args.dropout),
             ("checkpoint_dir", args.checkpoint_dir),
             ("keep_last", args.keep_last),
         )
@@ -3096,6 +3141,11 @@ def command_train(args):
     }
     config = get_config(args.preset, **overrides)
     ranks = torchrun_ranks()
+    if args.device and (args.world_size > 1 or ranks):
+        raise UserError(
+            "--device chooses the device of a one-process run; with several"
+            " processes each takes a GPU of its own, or the CPU"
+        )
     if args.world_size > 1 and ranks is None:  # fail now, not in NCCL
         try:
             process_device(0, args.world_size)
@@ -3145,6 +3195,7 @@ def train_locked(args, config, ranks=None):
             distributed=args.world_size > 1,
             world_size=args.world_size,
             resume=args.resume,
+            device=args.device,
         )
     final = Path(config.checkpoint_dir) / "final.pt"
     say(f"trained in {time.time() - start:.0f} s; model in {final}")
@@ -3236,7 +3287,7 @@ def load_for_decoding(args):
     """`load_translator` for the command line, refusing a too-wide beam."""
     try:
         model, vocab_src, vocab_tgt, decode_fn = load_translator(
-            args.checkpoint, args.device, args.beam, args.average
+            args.checkpoint, args.device, args.beam, args.average, args.alpha
         )
     except (FileNotFoundError, ValueError) as err:  # CheckpointError, ...
         raise UserError(str(err)) from err

@@ -502,6 +502,43 @@ def test_train_options_refuse_bad_values(option, value, capsys):
     assert option in err
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["translate", "--alpha", value, "Hallo"]
+        for value in ("-0.1", "11", "nan", "inf", "many")
+    ]
+    + [["train", "--dropout", value] for value in ("-0.1", "1", "nan", "x")]
+    + [["train", "--device", value] for value in ("tpu", "cuda:99")],
+)
+def test_real_number_and_device_options_refuse_bad_values(argv, capsys):
+    with pytest.raises(SystemExit) as stop:
+        tools.main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.splitlines()) == 1
+    assert argv[1] in err and "(see --help)" in err
+
+
+def test_alpha_reaches_beam_search(tiny, tmp_path, capsys):
+    ckpt, *_ = tiny
+    for alpha in (0.0, 1.0):
+        *_, decode_fn = tools.load_translator(ckpt, beam=3, alpha=alpha)
+        assert decode_fn.keywords == {"beam_size": 3, "alpha": alpha}
+    assert tools.build_parser().parse_args(["translate", "x"]).alpha == 0.6
+    # The command line and the library, both with alpha 1.0, agree.
+    sentences = [de for de, _ in PAIRS]
+    source = tmp_path / "in.de"
+    source.write_text("\n".join(sentences) + "\n")
+    argv = ["translate", "--checkpoint", str(ckpt), "--beam", "3"]
+    argv += ["--device", "cpu", "--alpha", "1.0", "--input", str(source)]
+    assert tools.main(argv) == 0
+    printed = capsys.readouterr().out.splitlines()
+    expected = tools.translate(
+        sentences, str(ckpt), beam=3, alpha=1.0, device="cpu"
+    )
+    assert printed == expected
+
+
 def test_positive_int_and_existing_device():
     assert tools.positive_int("3") == 3
     assert tools.existing_device("cpu") == "cpu"

@@ -219,6 +219,47 @@ def test_train_world_size_2_on_one_gpu_is_one_line(machine, capsys):
     assert "--world-size 2" in err and "has 1" in err
 
 
+def train_from_the_command_line(argv, tmp_path, monkeypatch):
+    """main(["train", *argv]) with the data faked; what train_worker got."""
+    got = []
+    monkeypatch.setattr(tools, "download_multi30k", lambda: tmp_path)
+    monkeypatch.setattr(tools, "load_tokenizers", lambda: (None, None))
+    vocab = tat.Vocab(tat.SPECIALS)
+    monkeypatch.setattr(tools, "load_vocabularies", lambda *a: (vocab, vocab))
+    monkeypatch.setattr(
+        tools, "train_worker", lambda *a, **kw: got.append((a, kw))
+    )
+    folder = ["--checkpoint-dir", str(tmp_path)]
+    status = tools.main(["train", "--preset", "ci", *folder, *argv])
+    return status, got
+
+
+@with_machine("a Mac")
+def test_train_device_overrides_the_picked_device(
+    machine, tmp_path, monkeypatch, capsys
+):
+    """A Mac whose MPS fails can train on its CPU: --device cpu."""
+    argv = ["--device", "cpu", "--dropout", "0.2"]
+    status, got = train_from_the_command_line(argv, tmp_path, monkeypatch)
+    ((args, kwargs),) = got
+    config = args[6]  # rank, world, two vocabularies, two tokenizers, config
+    assert status == 0 and kwargs["device"] == "cpu"
+    assert config.dropout == 0.2 and config.preset == "ci"
+    status, got = train_from_the_command_line([], tmp_path, monkeypatch)
+    assert status == 0 and got[0][1]["device"] is None  # pick_device's
+
+
+@with_machine("two A100s")
+def test_train_device_is_for_one_process_only(
+    machine, tmp_path, monkeypatch, capsys
+):
+    argv = ["--device", "cuda:1", "--world-size", "2"]
+    status, got = train_from_the_command_line(argv, tmp_path, monkeypatch)
+    err = capsys.readouterr().err
+    assert status == 2 and got == [] and err.count("\n") == 1
+    assert "--device" in err and "one-process" in err
+
+
 # ------------------------------------------------------- a training run
 SIZES = (20, 20)
 
@@ -357,7 +398,7 @@ def test_translate_and_the_command_line_default_to_pick_device(
     """fbfada1: translate() and --device were "cpu" on every machine."""
     asked = []
 
-    def loader(checkpoint, device, beam, average):
+    def loader(checkpoint, device, beam, average, alpha):
         asked.append(torch.device(device).type)
         raise RuntimeError("stop here")
 

@@ -42,3 +42,32 @@ def test_make_notebook_runs_each_notebook_from_the_notebooks_folder(tmp_path):
     finally:
         out.unlink(missing_ok=True)
     assert "".join(printed).strip() == "ran in notebooks with AT_SIZE ci"
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        ([], ["install", "--quiet", "torch==2.13.0"]),
+        (
+            ["TORCH_INDEX=https://download.pytorch.org/whl/cpu"],
+            [
+                "install",
+                "--quiet",
+                "--index-url",
+                "https://download.pytorch.org/whl/cpu",
+                "torch==2.13.0",
+            ],
+        ),  # fmt: skip
+    ],
+)
+def test_setup_installs_torch_from_the_index_asked_for(extra, expected):
+    """A dry run (-n) of setup's recipe: the torch line it would run."""
+    done = subprocess.run(
+        ["make", "-n", "-B", ".venv/.installed", *extra],
+        cwd=ROOT, check=True, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    commands = done.stdout.replace("\\\n", " ").splitlines()
+    (torch_line,) = [c for c in commands if "torch==" in c]
+    words = [w.strip('"') for w in torch_line.split()]
+    assert words[words.index("install") :] == expected
