@@ -318,7 +318,7 @@ def test_two_a100s_under_torchrun(machine, cpu_model, monkeypatch):
     )
     assert tools.main(["train", "--preset", "ci"]) == 0
     ((args, kwargs),) = calls
-    assert args[:2] == (3, 4) and args[-1] is True  # rank, world, DDP
+    assert args[:2] == (3, 4) and kwargs["is_distributed"] is True  # DDP
     assert kwargs["device"] == torch.device("cuda", 1)
     # What that process then sets up:
     config = tools.get_config("ci", precision="bf16")
