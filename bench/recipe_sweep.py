@@ -282,13 +282,42 @@ SETTINGS = {
     # the last epochs helps it so much. The one lever changed against
     # cpu-d02-e18 (which was cpu-d02-e14 resumed): the rate falls in a
     # straight line to zero at the last step, with the same warm-up (800)
-    # and peak (2.2e-3), over the same 18 epochs.
+    # and peak (2.2e-3), over the same 18 epochs. Stopped by hand after
+    # epoch 4 (765 steps, still inside the warm-up) for the session's time.
     "cpu-d02-lin-e18": {
         "why": "cpu-d02-e18 with a linear decay to zero at its last step",
         "preset": "cpu",
         "set": {"dropout": 0.2, "schedule": "linear", "keep_last": 0},
         "max_steps": 0,
         "eval_every": 0,
+    },
+    # The same run resumed after epoch 4 with a budget of 10 epochs (a
+    # 14-epoch budget was begun, then stopped in its first epoch for the
+    # session's time). Up to step 800 both schedules only warm up,
+    # identically, so this is the run a fresh 10-epoch budget gives. Its
+    # pair: cpu-d02-e14's first 10 epochs, the same run under the Noam
+    # schedule (which has no budget), scored from its epoch files.
+    "cpu-d02-lin-e10": {
+        "why": "cpu-d02-e14's first 10 epochs with a linear decay to zero",
+        "preset": "cpu",
+        "set": {
+            "dropout": 0.2,
+            "schedule": "linear",
+            "epochs": 10,
+            "keep_last": 0,
+        },
+        "max_steps": 0,
+        "eval_every": 0,
+        "resumes": "cpu-d02-lin-e18",
+        "resume_command": "cp -rp runs/recipe_sweep/cpu-d02-lin-e18"
+        " runs/recipe_sweep/cpu-d02-lin-e10 && python -c"
+        ' "import torch, annotated_transformer_tools as t;'
+        " torch.set_num_threads(2); c = t.get_config('cpu', dropout=0.2,"
+        " schedule='linear', epochs=10, keep_last=0,"
+        " checkpoint_dir='runs/recipe_sweep/cpu-d02-lin-e10');"
+        " tok = t.load_tokenizers();"
+        " t.train_model(*t.load_vocabularies(c, *tok), *tok, c,"
+        ' resume=True)"',
     },
 }
 
