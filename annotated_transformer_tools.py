@@ -1450,6 +1450,16 @@ def check_resume(config, vocab_src, vocab_tgt):
     return path
 
 
+def check_resume_and_say(config, vocab_src, vocab_tgt):
+    """check_resume, with a note on stderr when the run starts afresh."""
+    if check_resume(config, vocab_src, vocab_tgt) is None:
+        print(
+            f"note: nothing to resume in {config.checkpoint_dir} (no "
+            "checkpoints there); training from the first epoch",
+            file=sys.stderr,
+        )
+
+
 class FolderInUseError(RuntimeError):
     """Another process trains into the same checkpoint folder."""
 
@@ -1611,7 +1621,7 @@ def train_model(
 ):
     """Train in this process (on `device`), or in several if `distributed`."""
     if resume:  # the same run, or a one-line error (see check_resume)
-        check_resume(config, vocab_src, vocab_tgt)
+        check_resume_and_say(config, vocab_src, vocab_tgt)
     args = (vocab_src, vocab_tgt, spacy_de, spacy_en, config)
     if distributed:
         return train_distributed_model(*args, world_size, resume)
@@ -2228,15 +2238,11 @@ def train_locked(args, config, ranks=None):
     download_multi30k()
     tokenizers = load_tokenizers()
     vocabs = load_vocabularies(config, *tokenizers)
-    if args.resume and check_resume(config, *vocabs) is None:
-        print(
-            f"note: nothing to resume in {config.checkpoint_dir} (no "
-            "checkpoints there); training from the first epoch",
-            file=sys.stderr,
-        )
     data = (*vocabs, *tokenizers, config)
     start = time.time()
     if ranks:  # started by torchrun
+        if args.resume:  # train_model checks this in the other branch
+            check_resume_and_say(config, *vocabs)
         rank, world, local_rank, local_world = ranks
         try:
             device = process_device(local_rank, local_world)
@@ -2627,6 +2633,7 @@ __all__ = [
     "RESUMABLE_CHANGES",
     "changed_settings",
     "check_resume",
+    "check_resume_and_say",
     "FolderInUseError",
     "folder_lock",
     "train_worker",

@@ -488,8 +488,8 @@ class SimpleLossCompute:
         """Return (summed loss, detached; mean loss per token, with grad)."""
         logp = self.generator(x)  # (B, T, vocab)
         flat = logp.reshape(-1, logp.size(-1))  # (B * T, vocab)
-        sloss = self.criterion(flat, y.reshape(-1)) / norm
-        return sloss.detach() * norm, sloss  # no .item(): no GPU sync
+        loss_mean = self.criterion(flat, y.reshape(-1)) / norm
+        return loss_mean.detach() * norm, loss_mean  # no .item(): no GPU sync
 
 
 # -----------------------------------------------------------------------------
@@ -549,13 +549,13 @@ def micro_step(
     with model.no_sync() if hold else nullcontext():  # DDP: no all-reduce
         with autocast():
             out = model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
-            loss, loss_node = loss_compute(out, batch.tgt_y, batch.ntokens)
+            loss_sum, loss_mean = loss_compute(out, batch.tgt_y, batch.ntokens)
         if torch.is_grad_enabled():
-            scaled = loss_node / accum_iter
+            scaled = loss_mean / accum_iter
             if scaler is not None:  # fp16: scaled up against underflow
                 scaled = scaler.scale(scaled)
             scaled.backward()
-    return loss, loss_node
+    return loss_sum, loss_mean
 
 
 def print_progress(i, state, loss_node, speed, optimizer):
@@ -589,10 +589,10 @@ def run_epoch(
         for i, (batch, is_last) in enumerate(with_last_flag(data_iter)):
             steps_now = train and (window + 1 == accum_iter or is_last)
             hold = train and not steps_now  # accumulate without syncing
-            loss, loss_node = micro_step(
+            loss_sum, loss_mean = micro_step(
                 model, batch, loss_compute, accum_iter, hold, autocast, scaler
             )
-            total_loss += loss
+            total_loss += loss_sum
             total_tokens += batch.ntokens
             if not train:
                 continue
@@ -604,10 +604,10 @@ def run_epoch(
                     optimizer, scheduler, model.parameters(), scale, scaler
                 )
                 state.accum_step, window = state.accum_step + 1, 0
-            # == 1: the first line comes after two batches, as in 2022.
+            # == 1, the 2022 rule: the first line comes after two batches.
             if mode == "train+log" and i % log_every == 1:
                 speed = (state.tokens - tokens_before) / (time.time() - start)
-                print_progress(i, state, loss_node, speed, optimizer)
+                print_progress(i, state, loss_mean, speed, optimizer)
     return float(total_loss) / max(total_tokens, 1), state  # one sync
 
 
@@ -628,7 +628,9 @@ def make_optimizer(
 
     With a `schedule`, `d_model`, `factor` and `warmup` are unused.
     """
-    # Fused Adam: the same update in one pass over the parameters.
+    # Fused Adam: the same update in one pass over the parameters. Asked
+    # for only when every parameter is on the CPU or a CUDA GPU; elsewhere
+    # (Apple's MPS, for one) Adam runs its default way.
     fused = all(p.device.type in ("cpu", "cuda") for p in model.parameters())
     optimizer = torch.optim.Adam(
         model.parameters(), lr=1.0, betas=betas, eps=1e-9, fused=fused
@@ -855,7 +857,7 @@ class TokenBatchSampler(torch.utils.data.Sampler):
     def __iter__(self):
         yield from self.epoch_batches()
 
-    def __len__(self):
+    def __len__(self):  # the same every epoch: sorted sizes ignore shuffling
         return len(self.epoch_batches())
 
 
@@ -920,7 +922,7 @@ class TrainConfig:
     epochs: int = 18
     factor: float = 1.0
     warmup: int = 800
-    schedule: str = "noam"  # or "linear" (appendix): to zero at the end
+    schedule: str = "noam"  # or "linear" (below): to zero at the end
     max_len: int = 128
     max_train_pairs: int = 0  # 0 means all 29,000
     seed: int = 0
@@ -1012,8 +1014,8 @@ def train_one_process(
         num_workers=config.num_workers,
         max_train_pairs=config.max_train_pairs,
     )
-    batches = len(train_loader)
-    optimizer, scheduler = make_run_optimizer(model, config, batches)
+    n_batches = len(train_loader)
+    optimizer, scheduler = make_run_optimizer(model, config, n_batches)
     state, history = TrainState(), []
     for epoch in range(config.epochs):
         train_loader.batch_sampler.set_epoch(epoch)
@@ -1420,18 +1422,20 @@ def cached_greedy_decode(
     cache = DecoderCache(model, model.encode(src, src_mask), src_mask)
     out = torch.full((B, max_len), PAD, dtype=torch.long, device=src.device)
     out[:, 0] = start_symbol  # (B, max_len)
-    rows = torch.arange(B, device=src.device)  # sentences still running
+    # `rows` counts in the batch: the rows of `out` still running.
+    rows = torch.arange(B, device=src.device)  # (R,) indices into out
     t = 0
     for t in range(1, max_len):
         logp = decode_step(model, out[rows, t - 1 : t], cache)  # (R, V)
         word = logp.argmax(dim=-1)  # (R,)
         out[rows, t] = word
-        running = word != end_symbol
+        running = word != end_symbol  # (R,) one flag per cache row
         if not running.all():
             if not running.any():
                 break
-            rows = rows[running]
-            cache.select(running.nonzero().squeeze(1))
+            rows = rows[running]  # still indices into out's B rows
+            # The cache counts only its own R rows, 0 to R - 1:
+            cache.select(running.nonzero().squeeze(1))  # cache rows
     return out[:, : t + 1]  # (B, <= max_len)
 
 

@@ -319,6 +319,17 @@ SETTINGS = {
         " t.train_model(*t.load_vocabularies(c, *tok), *tok, c,"
         ' resume=True)"',
     },
+    # The pair of cpu-d02-e18 (Noam, 18 epochs, seed 0) under a linear
+    # decay to zero at its last step, run from scratch in one go: the same
+    # warm-up (800), peak (2.2e-3), dropout, seed and 18 epochs.
+    "cpu-d02-lin18": {
+        "why": "cpu-d02-e18 with a linear decay to zero at its last step,"
+        " run in one go",
+        "preset": "cpu",
+        "set": {"dropout": 0.2, "schedule": "linear", "keep_last": 0},
+        "max_steps": 0,
+        "eval_every": 0,
+    },
 }
 
 TABLE_HEAD = (

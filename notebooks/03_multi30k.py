@@ -19,7 +19,7 @@
 # image captions written in English and translated into German. It is tiny
 # next to the 4.5 million sentence pairs of WMT 2014 that the paper used,
 # but large enough to learn a usable translator in about a quarter of an
-# hour on two CPU cores, or in a few minutes on a GPU.
+# hour on two CPU cores, or in a few minutes on a data-center GPU.
 #
 # From text to translator takes five steps, one section each: read the
 # sentence pairs, cut them into tokens, number the tokens, group sentences
@@ -49,7 +49,8 @@ if "COLAB_RELEASE_TAG" in os.environ and not os.path.isdir(CLONE):
     subprocess.run([sys.executable, "-m", *pip], check=True)
 ROOT = os.path.abspath(CLONE if os.path.isdir(CLONE) else "..")
 sys.path.insert(0, ROOT)
-AT_SIZE = os.environ.get("AT_SIZE", "full")  # "ci": tiny models, CI-sized
+# "ci": the tests' tiny, CI-sized runs (see "Training it"); "full": real ones
+AT_SIZE = os.environ.get("AT_SIZE", "full")
 
 # %%
 #| export
@@ -65,7 +66,10 @@ from pathlib import Path
 import torch
 
 # %%
-# Parts 1 and 2
+# Parts 1 and 2, and the appendix's machinery (notebook 06)
+import json
+
+import annotated_transformer_tools as tools
 from the_annotated_transformer import Batch, LabelSmoothing, SimpleLossCompute
 from the_annotated_transformer import TrainState, greedy_decode, make_model
 from the_annotated_transformer import make_optimizer, rate, run_epoch
@@ -123,8 +127,6 @@ def read_multi30k(split, root=None):
 
 
 # %%
-import annotated_transformer_tools as tools  # Appendix, 06
-
 tools.download_multi30k()  # verifies the files, fetching them on first use
 splits = {split: read_multi30k(split) for split in MULTI30K_SPLITS}
 assert [len(pairs) for pairs in splits.values()] == [29000, 1014, 1000]
@@ -172,10 +174,10 @@ assert tokenize("They don't.", spacy_en) == ["They", "do", "n't", "."]
 # same data always gives the same ids. Rarer tokens become `<unk>`: a word seen
 # once teaches the model almost nothing.
 #
-# `Vocab` keeps two tables: `itos` ("id to string"), the list of tokens
-# in id order, and `stoi` ("string to id"), a dict the other way round.
-# `lookup_tokens` and `get_itos` keep the names of torchtext's vocabulary,
-# which the 2022 tutorial used; Part 4 and the appendix call them.
+# `Vocab` keeps two tables: `_itos` ("id to string"), the list of tokens
+# in id order, and `_stoi` ("string to id"), a dict the other way round.
+# Its methods `lookup_tokens` (ids to tokens) and `get_itos` (the whole
+# list) keep the names that readers of the 2022 tutorial know.
 #
 # The vocabularies are built from the **training split only**. Counting the
 # validation and test sentences too would leak the test set: a word seen
@@ -265,10 +267,12 @@ assert unk["train"] < unk["test"] < 0.05
 # %% [markdown]
 # ## From text to batches
 #
-# Each sentence becomes `<s>`, its token ids, then `</s>`. A `Vocab` reads
-# the tokens that its language's tokenizer cuts.
+# Each sentence becomes `<s>`, its token ids, then `</s>`. German ids come
+# from the German tokenizer and vocabulary, English ids from the English
+# ones.
 #
-# A batch stacks several sentences into one `(B, S)` tensor, padded with
+# A batch stacks B source sentences into one `(B, S)` tensor and their
+# targets into one `(B, T)` tensor, each padded with
 # `<blank>` to its own longest sentence; the masks hide the padding from
 # attention and the loss. The tensors stay on the CPU; the training loop
 # moves them to the device.
@@ -313,6 +317,10 @@ assert [row[row != PAD][-1] for row in tgt] == [EOS] * 3
 # of similar length. The paper grouped sentence pairs by approximate length
 # and gave each batch about 25,000 source and 25,000 target tokens, so a
 # batch of short sentences holds more of them than a batch of long ones.
+# Our budget counts a little differently, and more simply: one number for
+# both sides, the batch's padded size, its number of pairs times the width
+# of its longest side. On Multi30k's short captions the two sides have
+# similar lengths, so little is lost.
 #
 # `bucket` does this for examples sorted by size, shortest first, where
 # `sizes[i]` is the padded width of pair $i$, the longer of its two
@@ -332,6 +340,15 @@ def bucket(order, sizes, max_tokens):
             batch = []
         batch.append(i)
     return batches + [batch] if batch else batches
+
+
+# %% [markdown]
+# Check, by hand: with widths 2, 2, 3 and 5 and a budget of 6 positions,
+# two pairs of width 2 fit (4 positions); a third pair, of width 3, would
+# make 9, so it starts a new batch; the pair of width 5 cannot join it (10).
+
+# %%
+assert bucket([0, 1, 2, 3], [2, 2, 3, 5], max_tokens=6) == [[0, 1], [2], [3]]
 
 
 # %% [markdown]
@@ -375,7 +392,7 @@ class TokenBatchSampler(torch.utils.data.Sampler):
     def __iter__(self):
         yield from self.epoch_batches()
 
-    def __len__(self):
+    def __len__(self):  # the same every epoch: sorted sizes ignore shuffling
         return len(self.epoch_batches())
 
 
@@ -411,6 +428,7 @@ shares = {
 print("padding:", {name: f"{share:.1%}" for name, share in shares.items()})
 assert 0.75 < shares["fixed 72"] < 0.85  # about four positions in five
 assert shares["buckets"] < 0.10 < shares["random 32"]
+assert len(buckets) == 153  # batches per epoch: the training runs' steps
 
 # %% [markdown]
 # Padding to 72 wastes about four positions in five, and buckets bring the
@@ -493,7 +511,8 @@ def create_dataloaders(
 # the last six fields: `preset`, `precision`, `checkpoint_dir` and
 # `keep_last` are for the appendix's `train_worker`, which trains this
 # lesson's model below, and `tokenization` and `tie_embeddings` are for
-# Part 5.
+# Part 5 (`model_from_config` reads `tie_embeddings`, which stays off
+# here).
 
 
 # %%
@@ -513,7 +532,7 @@ class TrainConfig:
     epochs: int = 18
     factor: float = 1.0
     warmup: int = 800
-    schedule: str = "noam"  # or "linear" (appendix): to zero at the end
+    schedule: str = "noam"  # or "linear" (below): to zero at the end
     max_len: int = 128
     max_train_pairs: int = 0  # 0 means all 29,000
     seed: int = 0
@@ -550,8 +569,9 @@ def model_from_config(c, n_src, n_tgt, dropout=None):
 # %% [markdown]
 # ### A schedule that ends
 #
-# Part 2's `rate` (the paper's schedule) decays as $1/\sqrt{\text{step}}$
-# and never reaches zero, which suits a run of unknown length. A run that
+# Part 2's `rate`, the paper's schedule, decays as $1/\sqrt{\text{step}}$
+# and never reaches zero, which suits a run of unknown length (configs
+# call it `"noam"`, after Noam Shazeer, as the 2018 tutorial did). A run that
 # knows how many steps it will take can instead warm up, then lower the
 # rate in a straight line to zero at the end of its step budget:
 # `schedule="linear"`. Its peak is the rate that `rate` reaches at step
@@ -593,22 +613,40 @@ def make_run_optimizer(model, config, batches_per_epoch, total=None):
 
 
 # %% [markdown]
-# Check: the rate rises to Part 2's peak at the end of the warm-up, then
-# falls by the same amount at every step and reaches zero at `total`.
+# Check: the rate rises in a straight line to Part 2's peak,
+# $d_{\text{model}}^{-1/2} \cdot \text{warmup}^{-1/2}$ (factor 1), at the
+# end of the warm-up, then falls by the same amount at every step and
+# reaches zero at `total`.
 
 # %%
 peak = rate(100, 256, 1.0, 100)
+assert math.isclose(peak, 256**-0.5 * 100**-0.5)
 lrs = [warmup_then_linear(s, peak, 100, 1000) for s in range(1, 1001)]
-assert abs(max(lrs) - peak) < 1e-12 and lrs[99] == peak and lrs[-1] == 0
+assert math.isclose(lrs[49], peak / 2)  # step 50: half-way up
+assert lrs[99] == max(lrs) == peak and lrs[-1] == 0
 steps_down = [a - b for a, b in zip(lrs[99:], lrs[100:])]
 assert max(steps_down) - min(steps_down) < 1e-12
+
+# %% [markdown]
+# Check: `make_run_optimizer` gives the reference run below, the `quick`
+# preset (warm-up 300, 5 epochs of 153 batches), a peak of about 2.2e-3
+# at step 300 and a rate of zero at its last step, 765.
+
+# %%
+quick = tools.get_config("quick")
+quick_model = model_from_config(quick, 10, 10)  # tiny vocabularies
+_, quick_schedule = make_run_optimizer(quick_model, quick, 153)
+quick_rate = quick_schedule.lr_lambdas[0]  # Adam's lr is 1: the rate itself
+assert round(quick_rate(300), 4) == 2.2e-3 and quick_rate(765) == 0
 
 
 # %% [markdown]
 # ### The training loop
 #
 # Training runs on the fastest device this machine has: `pick_device`
-# chooses a CUDA GPU, then Apple's GPU (`mps`), then the CPU.
+# chooses a CUDA GPU, then Apple's GPU (`mps`), then the CPU. On a Mac, if
+# a cell below fails on Apple's GPU, write `device = torch.device("cpu")`
+# in place of `device = pick_device()` and run the lesson on the CPU.
 
 
 # %%
@@ -657,8 +695,8 @@ def train_one_process(
         num_workers=config.num_workers,
         max_train_pairs=config.max_train_pairs,
     )
-    batches = len(train_loader)
-    optimizer, scheduler = make_run_optimizer(model, config, batches)
+    n_batches = len(train_loader)
+    optimizer, scheduler = make_run_optimizer(model, config, n_batches)
     state, history = TrainState(), []
     for epoch in range(config.epochs):
         train_loader.batch_sampler.set_epoch(epoch)
@@ -709,7 +747,14 @@ assert history[-1]["val_loss"] < history[0]["val_loss"]
 # that both end with the same weights. It adds what a long run needs:
 # checkpoint files, written after every epoch, so that a run can resume;
 # lower precision where the hardware computes it natively; and several
-# processes or GPUs sharing the work.
+# processes or GPUs sharing the work. That last is PyTorch's
+# `DistributedDataParallel` (DDP): one copy of the model per process, each
+# training on its own share of the batches, with the gradients averaged
+# over all copies before every step so that the copies stay identical. A
+# process's number is its *rank*, and the number of processes the *world
+# size*. The appendix's "Training runs: devices and processes" builds it,
+# and `python annotated_transformer_tools.py train --world-size 2` runs
+# it. Here we train in one process.
 #
 # Our reference run is the `quick` preset: the small model of preset `cpu` for
 # 5 epochs (765 steps of 3,000 tokens), warmed up for 300 steps to a peak
@@ -736,16 +781,18 @@ assert history[-1]["val_loss"] < history[0]["val_loss"]
 # environment), and there the cell trains the tiny `ci` preset instead,
 # every time.
 #
-# On a GPU the same recipe computes in lower precision, 16-bit floats, which
-# GPUs multiply several times faster: bfloat16 on an A100, L4 or H100, float16
-# with loss scaling (which keeps small gradients from rounding to zero) on a
-# T4; so does a CPU with native bfloat16 (a recent Intel Xeon). The appendix's
-# "Which precision" has the details. On a Mac it stays in float32 (and if
-# training on Apple's GPU fails, `device = torch.device("cpu")` before this
-# cell trains on the CPU instead). So your loss and BLEU will differ a
-# little from the recorded CPU run. On an H100 the recipe took 2.6 minutes
-# from the start of its process to its end (`results/gpu_explore.md`); a
+# On a GPU the same recipe computes in 16-bit floats, which GPUs multiply
+# several times faster (the appendix's "Which precision" says which kind
+# on which GPU); on a Mac it stays in float32. So your loss and BLEU will
+# differ a little from the recorded CPU run. On an H100 the recipe trained
+# in 2.2 minutes (`results/gpu_explore.md`; 2.6 from the start of its
+# process, with validation BLEU scored after every epoch). Colab's free
 # T4 and Apple's GPUs were not measured.
+#
+# If you stop the cell part of the way, running it again trains from the
+# first epoch. And once `final.pt` exists, the cell uses it, whatever
+# settings it was trained with: delete `checkpoints/quick/` to train
+# afresh.
 
 # %%
 preset = "ci" if AT_SIZE == "ci" else "quick"
@@ -755,8 +802,8 @@ config = tools.get_config(
 final_checkpoint = Path(config.checkpoint_dir, "final.pt")
 if preset == "ci" or not final_checkpoint.exists():
     tools.train_worker(
-        rank=0,  # the only process
-        world_size=1,
+        rank=0,  # this process's number: the first and only one
+        world_size=1,  # one process, no DDP
         vocab_src=vocab_src,
         vocab_tgt=vocab_tgt,
         spacy_de=spacy_de,
@@ -775,8 +822,6 @@ else:
 # lower than the one before.
 
 # %%
-import json
-
 recorded = json.loads(Path(ROOT, "results/recipe_quick.json").read_text())
 curve = recorded["validation_curve"]
 bleus = [point["val_bleu"] for point in curve]
@@ -816,8 +861,8 @@ tools.line_chart(
 # and time (the two batch trials also differ in warm-up, 200 steps against
 # 300, and peak, 20% higher for the smaller batches). Their validation BLEU
 # replaces `<unk>` with the German word (Part 4), so it runs above the curve,
-# which keeps `<unk>`: q3000-d00 scored 37.03 after its 840 steps, where the
-# curve ends at 34.52 after 765. The `cpu` preset trains
+# which keeps `<unk>`: trial q3000-d00 scored 37.03 at step 765, where the
+# curve ends at 34.52. The `cpu` preset trains
 # the same model for 18 epochs with dropout and Part 2's schedule, in over an
 # hour (`make train`, in the Makefile); Parts 4 and 5 read it when it exists.
 
@@ -865,13 +910,14 @@ def strip_specials(ids, end_symbol=EOS):
 # `final.pt` holds the trained model and the vocabularies it was trained
 # with: a model must be read with the ids it learned. The appendix's
 # `load_trained_model` reads it onto `device`, the one `pick_device`
-# chose above.
+# chose above. Check: they are the vocabularies we built.
 
 # %%
 trained, trained_src, trained_tgt, _ = tools.load_trained_model(
     final_checkpoint, device
 )
 print("model:", tools.describe_checkpoint(final_checkpoint))
+assert trained_src == vocab_src and trained_tgt == vocab_tgt
 
 # %% [markdown]
 # Check against an independent reference: decoding twelve validation
@@ -931,11 +977,14 @@ hyps = tools.translate_batch(
     replace_unk=False,
 )
 print(*[f"{de}\n  → {hyp}" for de, hyp in zip(sources[:3], hyps)], sep="\n")
-assert len(hyps) == len(sources)
 
 # %% [markdown]
-# Then the score. Check: at full size, the `quick` model scores above 33
-# BLEU on the whole test set (the recorded run: 35.46).
+# Then the score. `print(bleu)` shows it, then $p_1$ to $p_4$ in percent,
+# the brevity penalty (BP, the first factor of the formula), the length
+# ratio $c/r$, and the two lengths $c$ and $r$. Check: at full size, the
+# `quick` model scores above 33 BLEU on the whole test set. The recorded
+# run scored 35.46, decoded with the appendix's cached greedy decoder
+# (Part 5), which chooses the same tokens as `batch_greedy_decode`.
 
 # %%
 bleu = tools.compute_bleu(hyps, references)

@@ -30,7 +30,7 @@
 #    average the last 5 checkpoints, the big ones the last 20.
 #
 # Each section explains one idea, builds it on the modules of Parts 1–3
-# without changing how they train, and checks that it computes what it
+# without changing those modules, and checks that it computes what it
 # should.
 
 # %% [markdown]
@@ -59,7 +59,6 @@ AT_SIZE = os.environ.get("AT_SIZE", "full")  # "ci": tiny models, CI-sized
 # %%
 #| export
 import math
-import os
 from typing import NamedTuple
 
 import torch
@@ -115,16 +114,25 @@ from annotated_transformer_tools import (
 # either exists, and in the CI-sized run that the tests make
 # (`AT_SIZE=ci`), `find_or_train` (from the appendix) trains the tiny `ci`
 # preset here in seconds instead; its translations are poor, but every
-# check works the same.
+# check works the same. The `model:` line that the cell prints says which
+# model it is, and for how many epochs it trained.
 #
-# We also make one padded batch of 16 validation sentences of different
-# lengths, to call the decoders directly.
+# On Colab, files last only as long as the runtime: when Colab recycles
+# it, the checkpoints are gone. Run Part 3 in the same runtime first to
+# decode with its `quick` model here; otherwise this lesson uses the small
+# stand-in.
+#
+# The model is loaded onto the CPU, whatever the machine, because the
+# cells below build their input tensors by hand on the CPU, and a model
+# and its inputs must share a device. (`load_trained_model(checkpoint,
+# "auto")` would pick a GPU where there is one; `translate_batch` decodes
+# on whatever device the model is on.)
 
 
 # %%
-tokenizers = spacy_de, spacy_en = load_tokenizers()
-splits = {split: read_multi30k(split) for split in ("val", "test")}
-word_vocabs = load_vocab(*tokenizers)  # (German, English) word vocabularies
+spacy_de, spacy_en = load_tokenizers()
+tokenizers = (spacy_de, spacy_en)
+word_vocabs = load_vocab(spacy_de, spacy_en)  # (German, English) vocabs
 checkpoint = find_or_train(
     presets=["cpu", "quick"],  # a model trained already, if there is one
     stand_in=get_config("ci", checkpoint_dir=f"{ROOT}/checkpoints/ci"),
@@ -133,12 +141,26 @@ checkpoint = find_or_train(
     root=ROOT,
     size=AT_SIZE,
 )
-# On the CPU, whatever the machine: the cells below build CPU tensors.
 model, vocab_src, vocab_tgt, config = load_trained_model(checkpoint, "cpu")
 print("model:", describe_checkpoint(checkpoint))
 trained = config.preset in ("cpu", "quick")  # not the CI-sized stand-in
-encode_args = (vocab_src, vocab_tgt, spacy_de, spacy_en)  # for encode_pairs
-src, _ = collate_batch(encode_pairs(splits["val"][:16], *encode_args))
+
+# %% [markdown]
+# We also make one padded batch of 16 validation sentences of different
+# lengths, to call the decoders directly: Part 3's `encode_pairs` turns
+# each pair of sentences into ids, and `collate_batch` pads them into one
+# tensor.
+
+# %%
+splits = {split: read_multi30k(split) for split in ("val", "test")}
+encoded = encode_pairs(
+    splits["val"][:16],
+    vocab_src=vocab_src,
+    vocab_tgt=vocab_tgt,
+    spacy_de=spacy_de,
+    spacy_en=spacy_en,
+)
+src, _ = collate_batch(encoded)  # (B, S); the English side is not used
 src_mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
 
 # %% [markdown]
@@ -166,15 +188,16 @@ src_mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
 # applies `linear` to `x` of shape `(B, T, d_model)` and splits the result
 # into the heads, `(B, h, T, d_k)`.
 #
-# A sentence can have several rows, `group` of them: 1 for greedy
-# decoding, and the beam size for beam search (section 2), whose rows
-# share one copy of the sentence's source keys and values. So the cache
-# has $R = B \cdot \text{group}$ rows of target positions but only $B$
-# of source keys and values; rows `b * group` to `b * group + group - 1`
-# belong to sentence `b`. `select` keeps some rows, in any order, as long
-# as each run of `group` rows comes from one sentence: greedy decoding
-# uses it to drop finished sentences, and section 2 uses it for beam
-# search.
+# `group` is 1 for greedy decoding, one row per sentence, and matters only
+# for beam search (section 2), which comes back to it with an example.
+# There a sentence has several rows, `group` of them (the beam size), and
+# they share one copy of the sentence's source keys and values. So the
+# cache has $R = B \cdot \text{group}$ rows of target positions but only
+# $B$ of source keys and values; rows `b * group` to
+# `b * group + group - 1` belong to sentence `b`. `select` keeps some
+# rows, in any order, as long as each run of `group` rows comes from one
+# sentence: greedy decoding uses it to drop finished sentences, and
+# section 2 uses it for beam search.
 
 
 # %%
@@ -292,11 +315,12 @@ def decode_step(model, ys_last, cache):
 # after each `</s>`, stopping when every sentence has ended or at
 # `max_len`. A sentence that has ended leaves the batch.
 #
-# This is the decoder that `translate_batch` and the command line use by
-# default. The other two stay, each for a reason: `batch_greedy_decode`
-# is the plain reference, short enough to read at a glance, that the
-# cached version is tested against; `greedy_decode` is Part 2's
-# one-sentence decoder, the simplest of the three, used by the copy task.
+# This is the decoder that `translate_batch` and the command line
+# (section 5) use by default. The other two stay, each for a reason:
+# `batch_greedy_decode` is the plain reference, short enough to read at a
+# glance, that the cached version is tested against; `greedy_decode` is
+# Part 2's decoder for the copy task, the simplest of the three: it
+# always runs `max_len - 1` steps and never stops at `</s>`.
 
 
 # %%
@@ -310,18 +334,20 @@ def cached_greedy_decode(
     cache = DecoderCache(model, model.encode(src, src_mask), src_mask)
     out = torch.full((B, max_len), PAD, dtype=torch.long, device=src.device)
     out[:, 0] = start_symbol  # (B, max_len)
-    rows = torch.arange(B, device=src.device)  # sentences still running
+    # `rows` counts in the batch: the rows of `out` still running.
+    rows = torch.arange(B, device=src.device)  # (R,) indices into out
     t = 0
     for t in range(1, max_len):
         logp = decode_step(model, out[rows, t - 1 : t], cache)  # (R, V)
         word = logp.argmax(dim=-1)  # (R,)
         out[rows, t] = word
-        running = word != end_symbol
+        running = word != end_symbol  # (R,) one flag per cache row
         if not running.all():
             if not running.any():
                 break
-            rows = rows[running]
-            cache.select(running.nonzero().squeeze(1))
+            rows = rows[running]  # still indices into out's B rows
+            # The cache counts only its own R rows, 0 to R - 1:
+            cache.select(running.nonzero().squeeze(1))  # cache rows
     return out[:, : t + 1]  # (B, <= max_len)
 
 
@@ -329,8 +355,10 @@ def cached_greedy_decode(
 # **See, it matches.** We teacher-force the tokens that greedy decoding
 # chose and compare, at every step, the log-probabilities of the cached
 # step with those of the full decoder run over the whole prefix. They
-# agree to float32 rounding. So do the tokens, compared with
-# `greedy_decode` run on one unpadded sentence at a time.
+# agree to float32 rounding. Then the contract: `cached_greedy_decode`
+# returns exactly what `batch_greedy_decode` does, `<blank>`s included.
+# And the tokens agree with `greedy_decode` run on one unpadded sentence
+# at a time, up to its first `</s>` (it never stops there).
 #
 # All decoders here get one output limit, the paper's: input length + 50
 # tokens, where the input length of a padded batch is that of its longest
@@ -352,10 +380,15 @@ with torch.no_grad():
         assert torch.allclose(full, step, atol=1e-4), t
 
 cached = cached_greedy_decode(model, src, src_mask, max_len)
-for ids, mask, row in zip(src, src_mask, cached):
-    n = int(mask.sum())  # the sentence without its padding
-    one = greedy_decode(model, ids[None, :n], mask[None, :, :n], max_len, BOS)
-    assert strip_specials(one[0].tolist()) == strip_specials(row.tolist())
+assert torch.equal(cached, reference)  # the same (B, L) ids
+
+with torch.no_grad():
+    for ids, mask, row in zip(src, src_mask, cached):
+        n = int(mask.sum())  # the sentence without its padding
+        one = greedy_decode(
+            model, ids[None, :n], mask[None, :, :n], max_len, BOS
+        )  # (1, max_len)
+        assert strip_specials(one[0].tolist()) == strip_specials(row.tolist())
 
 # %% [markdown]
 # How much time does the cache save? Here is the 16-sentence batch
@@ -409,7 +442,10 @@ for fn in (batch_greedy_decode, cached_greedy_decode):
 # generated, `</s>` included. The paper tuned $\alpha$ on WMT; on
 # Multi30k's validation split $\alpha = 1.0$ scored 0.1 to 0.6 BLEU higher
 # for every model we tried (`docs/results.md`), and the best recipe uses
-# it.
+# it. This lesson keeps the paper's 0.6 on purpose, as the default of its
+# decoders, since it teaches the paper's method; the command line's
+# `evaluate` and `translate` take `--alpha 1.0` for the better setting
+# (section 5, `docs/cli.md`).
 #
 # Hypotheses end at different times. Here, one that has produced `</s>`
 # stays in the beam with its score frozen: its only continuation is
@@ -576,6 +612,17 @@ def beam_search_steps(
 # parent's row. It has the signature of the greedy decoders, so
 # `translate_batch(..., decode_fn=functools.partial(beam_search,
 # beam_size=4))` translates with it.
+#
+# A small example of `select`: with $B = 2$ sentences and `group=3`, rows
+# 0–2 belong to sentence 0 and rows 3–5 to sentence 1. After a step,
+# `select([1, 1, 0, 3, 5, 5])` says that sentence 0's three new
+# hypotheses extend its rows 1, 1 and 0 (two of them share a parent), and
+# sentence 1's extend rows 3, 5 and 5. `select` reads the sentence of
+# each run of three from its first row (`1 // 3` is 0, `3 // 3` is 1):
+# both sentences are still there, so the source keys and values stay as
+# they are. Once all of sentence 0's hypotheses have ended,
+# `select([3, 5, 5])` keeps only sentence 1's rows, and only its source
+# side.
 
 
 # %%
@@ -607,6 +654,21 @@ def beam_search(
         device=src.device,
     )
 
+
+# %% [markdown]
+# The example, on a real cache for the first two sentences of our batch.
+# Nothing has been decoded yet, so only the source side is there to keep.
+
+# %%
+with torch.no_grad():
+    pair_memory = model.encode(src[:2], src_mask[:2])  # (2, S, d_model)
+    pair_cache = DecoderCache(model, pair_memory, src_mask[:2], group=3)
+keys = pair_cache.cross[0][0]  # layer 0's source keys, (2, h, S, d_k)
+pair_cache.select(torch.tensor([1, 1, 0, 3, 5, 5]))  # both sentences
+assert pair_cache.cross[0][0] is keys  # the source side is unchanged
+pair_cache.select(torch.tensor([3, 5, 5]))  # sentence 0 has ended
+assert torch.equal(pair_cache.cross[0][0], keys[1:2])  # (1, h, S, d_k)
+assert torch.equal(pair_cache.src_mask, src_mask[1:2].unsqueeze(1))
 
 # %% [markdown]
 # **See, it matches.** With a beam of one, beam search keeps the single
@@ -663,21 +725,15 @@ for k, (want_tokens, want_p) in want.items():
 # run) for greedy decoding and a beam of 4. `translate_batch` replaces
 # each `<unk>` in an output with the German word it attends to most
 # (Part 4, "Putting attention to work: unknown words"); it does so by
-# default, for both decoders. For reference, the recorded full runs, on
-# all 1000 sentences:
+# default, for both decoders.
 #
-# | model | greedy | beam 4 | record |
-# |---|---:|---:|---|
-# | `cpu`, 18 epochs | 37.51 | 38.14 | `results/beyond.md` |
-# | `cpu`, 10 epochs | 37.97 | 39.29 | `results/beyond_site_full.md` |
-# | `quick`, 5 epochs | 37.03 | 38.40 | `results/make_notebook.md` |
-#
-# The 18-epoch row was scored before `<unk>` replacement existed and
-# keeps `<unk>`, which costs the 10-epoch model 0.9 greedy BLEU
-# (`results/unk_replacement.md`). A full run of this notebook on one of
-# these models should print scores near its row, a little above it for
-# the 18-epoch model; the check asks only that a trained model scores above 30
-# with both decoders. The CI-sized stand-in scores close to 0.
+# The table in section 5 holds the recorded full runs, on all 1000
+# sentences. To find the row to compare with, match the preset and the
+# number of epochs in the `model:` line printed above. A full run of this
+# notebook on one of those models should print scores near its row, a
+# little above it for the 18-epoch `cpu` model, whose row keeps `<unk>`.
+# The check asks only that a trained model scores above 30 with both
+# decoders. The CI-sized stand-in scores close to 0.
 
 # %%
 test_pairs = splits["test"][:100] if AT_SIZE == "ci" else splits["test"]
@@ -741,7 +797,13 @@ def translation_scores(model, src, src_mask, out, alpha=0.6):
 # greedy translation, and the check asks only that it is no worse on average.)
 
 # %%
-sample = encode_pairs(splits["test"][:100], *encode_args)
+sample = encode_pairs(
+    splits["test"][:100],
+    vocab_src=vocab_src,
+    vocab_tgt=vocab_tgt,
+    spacy_de=spacy_de,
+    spacy_en=spacy_en,
+)
 sample_src, _ = collate_batch(sample)  # (B, S)
 sample_mask = (sample_src != PAD).unsqueeze(-2)  # (B, 1, S)
 limit = sample_src.size(1) + 50  # the same rule: input length + 50
@@ -760,6 +822,8 @@ ties = len(gain) - wins - losses
 print(f"mean s(Y): greedy {scores['greedy'].mean():.3f}, ", end="")
 print(f"beam 4 {scores['beam 4'].mean():.3f}")
 print(f"beam 4 scores higher on {wins}, equal on {ties}, lower on {losses}")
+# A regression guard on a seeded, deterministic run, not a law of beam
+# search (see above): a code change that breaks it deserves a look.
 assert scores["beam 4"].mean() >= scores["greedy"].mean() - 1e-4
 if trained:
     assert scores["beam 4"].mean() > scores["greedy"].mean()
@@ -861,9 +925,11 @@ class BpeVocab:
 # attaches it to the following word, so decoding is just joining the
 # pieces and turning `▁` back into spaces: no detokenizer is needed. It
 # splits only at spaces, so a full stop can share a unit with its word.
-# The appendix's `load_bpe` caches the trained tokenizer in
-# `data/bpe.json` and retrains it, in a few seconds, when the file is
-# missing or has another size.
+# The appendix's `load_bpe` caches the trained tokenizer as `bpe.json` in
+# the data folder (`data/` in the repository; on Colab, `/content/data`)
+# and retrains it, in a few seconds, when the file is missing or has
+# another size. Unlike the Multi30k files, it does not move with
+# `MULTI30K_DIR`.
 
 
 # %%
@@ -890,10 +956,8 @@ def train_bpe(sentences, vocab_size=BPE_VOCAB_SIZE):
 
 # %% [markdown]
 # Below, two validation sentences in subwords: frequent words are single
-# units and rarer ones split into pieces. Two checks: decoding the encoding
-# of every validation sentence gives the sentence back; and on the same
-# test pairs as the BLEU scores above, both languages, BPE produces no
-# `<unk>`, whereas Part 3's word vocabularies miss some words.
+# units and rarer ones split into pieces. Then a check: decoding the
+# encoding of every validation sentence gives the sentence back.
 
 # %%
 bpe = load_bpe()
@@ -904,6 +968,12 @@ for de, en in splits["val"][:2]:
     print(bpe.lookup_tokens(bpe.encode(en)))
 val_sentences = [s for pair in splits["val"] for s in pair]
 assert all(bpe.decode(bpe.encode(s)) == s for s in val_sentences)
+
+# %% [markdown]
+# On the same test pairs as the BLEU scores above, in both languages, BPE
+# produces no `<unk>`, whereas Part 3's word vocabularies miss some words.
+
+# %%
 bpe_ids = []  # the subword ids of the German and English test sentences
 word_ids = []  # their word ids, with Part 3's two vocabularies
 for de, en in test_pairs:
@@ -926,7 +996,11 @@ assert word_unk > 0
 # Sharing one matrix removes two thirds of the vocabulary parameters, and
 # each row learns from every place its unit occurs.
 # `tie_embeddings` takes a model from Part 1's `make_model` and makes the
-# three point at one tensor.
+# three point at one tensor. Training does not call it: Part 3's
+# `model_from_config` makes the same two assignments when a preset sets
+# `tie_embeddings=True`. This function is the version to read, and the
+# check after loading the BPE model below confirms that training tied the
+# same three matrices.
 
 
 # %%
@@ -971,10 +1045,10 @@ del tied
 # `tie_embeddings=True`. As before, `find_or_train` looks for a model that
 # `make train` trained, here in `checkpoints/cpu-bpe/`, and otherwise
 # trains `ci-bpe` now, with the `BpeVocab` as both vocabularies (the spaCy
-# tokenizers it is also given go unused). Its translations are as good as
-# its training: the `model:` line says how long that was. We print three
-# translations and score it on the same test sentences as the word model,
-# with greedy decoding. (`translate_batch` has no `<unk>` to replace here.)
+# tokenizers it is also given go unused). Only `make train` trains
+# `cpu-bpe`, so after `make notebook`, and on Colab, this is almost always
+# the CI-sized stand-in: the `model:` line says which. The check: after
+# loading, the two embeddings and the generator still share one matrix.
 
 # %%
 bpe_checkpoint = find_or_train(
@@ -991,9 +1065,24 @@ bpe_model, bpe_src, bpe_tgt, bpe_config = load_trained_model(
 print("model:", describe_checkpoint(bpe_checkpoint))
 proj = bpe_model.generator.proj.weight
 assert proj is bpe_model.src_embed[0].lut.weight  # still tied after loading
+assert proj is bpe_model.tgt_embed[0].lut.weight
+
+# %% [markdown]
+# Its translations are as good as its training. Here are three validation
+# sentences. (`translate_batch` has no `<unk>` to replace here.)
+
+# %%
 for de, en in splits["val"][:3]:
     hyp = translate_batch(bpe_model, [de], spacy_de, bpe_src, bpe_tgt)[0]
     print(f"source:    {de}\nreference: {en}\nmodel:     {hyp}\n")
+
+# %% [markdown]
+# And its BLEU, on the same test sentences as the word model, with greedy
+# decoding. When the model is the stand-in, trained for seconds, this
+# score says nothing about BPE; the table in section 5 has what trained
+# BPE models scored.
+
+# %%
 bpe_bleu, s = bleu_of(bpe_model, bpe_src, bpe_tgt, cached_greedy_decode)
 print(f"BPE model, greedy: BLEU {bpe_bleu.score:5.2f}  ({s:.1f} s)")
 print(f"word model, greedy: BLEU {plain_bleu['greedy']:5.2f}")
@@ -1020,10 +1109,12 @@ print(f"word model, greedy: BLEU {plain_bleu['greedy']:5.2f}")
 # of `models`, in memory; tied parameters are one tensor, averaged once.
 # `average_checkpoints` (in the appendix, with the other checkpoint files)
 # does the same from files, reading one at a time, so that averaging 20
-# checkpoints needs memory for a few models, not 21. Buffers are not
-# weights: our two buffers, the positional encodings `src_embed.1.pe` and
-# `tgt_embed.1.pe`, are fixed tables, so they are kept and checked to be
-# equal in every file.
+# checkpoints needs memory for a few models, not 21. The command line's
+# `--average` (section 5) uses `average_checkpoints`, file by file;
+# `average` is the version to read, and the check below compares the two.
+# Buffers are not weights: our two buffers, the positional encodings
+# `src_embed.1.pe` and `tgt_embed.1.pe`, are fixed tables, so they are
+# kept and checked to be equal in every file.
 
 
 # %%
@@ -1039,11 +1130,11 @@ def average(model, models):
 
 # %% [markdown]
 # **See, it matches.** We average the epoch checkpoints of our model (the
-# last 5 of a `cpu` or `quick` run; both epochs of `ci`) and compare one weight
-# matrix with the mean computed by hand, and the `pe` buffer with that of
-# the last checkpoint. `average`, on the same checkpoints loaded as
-# models, must give the same weights. Then we score the averaged model
-# next to the model as trained, whose BLEU we computed above.
+# last 5 of a `cpu` or `quick` run; both epochs of `ci`) with
+# `average_checkpoints`, and compare one weight matrix with the mean
+# computed by hand, and the `pe` buffer with that of the last checkpoint.
+# `average`, on the same checkpoints loaded as models, must give the same
+# weights.
 
 # %%
 epochs = epoch_checkpoints(os.path.dirname(checkpoint))[-5:]
@@ -1062,6 +1153,13 @@ in_memory = average(
 for key, value in in_memory.state_dict().items():
     assert torch.allclose(value, averaged_weights[key], atol=1e-6), key
 print(f"averaged {len(epochs)} checkpoints: {[p.name for p in epochs]}")
+
+# %% [markdown]
+# Does the average translate better? Here is its BLEU next to that of the
+# model as trained, computed in section 2, with both decoders. Section 5
+# has the recorded runs.
+
+# %%
 for decoder_name, fn in DECODERS.items():
     bleu, s = bleu_of(averaged, vocab_src, vocab_tgt, fn)
     print(
@@ -1072,36 +1170,58 @@ for decoder_name, fn in DECODERS.items():
 # %% [markdown]
 # ## 5. From the command line, and the results
 #
-# The command line's `evaluate` and `translate` take these options: a
-# checkpoint, `--beam K` (1 means greedy, with the cache) and
-# `--average N`, the number of epoch checkpoints to average, the newest in
-# the checkpoint's folder (the appendix's `load_translator` puts them
-# together).
+# The appendix (notebook 06, "The command line") makes a program of the
+# exported code; `docs/cli.md` describes it. In the repository it runs as
+# `python annotated_transformer_tools.py`, and its `evaluate` and
+# `translate` take this lesson's options: a checkpoint, `--beam K` (1
+# means greedy, with the cache), `--alpha A`, the length penalty's
+# $\alpha$ (the paper's 0.6 unless given), and `--average N`, the number
+# of epoch checkpoints to average, the newest in the checkpoint's folder
+# (the appendix's `load_translator` puts them together). This command
+# scores a checkpoint with the best decoding on record
+# (`docs/results.md`):
 #
-# `python annotated_transformer_tools.py evaluate --beam 4 --average 5`
-# scores a checkpoint that way, and `bench/bleu_table.py` scores test2016
-# with each decoding. Two recorded runs of it, on all 1000 test
-# sentences, of models trained for different numbers of epochs, in
-# different precisions: record A in bf16, made before `<unk>` replacement
-# existed, so its word model keeps `<unk>`; record B in float32, with
-# `<unk>` replaced (BLEU; "+ avg": the average of the last 5 epoch
-# checkpoints):
+# ```bash
+# python annotated_transformer_tools.py evaluate \
+#     --beam 4 --alpha 1.0 --average 5
+# ```
+#
+# `bench/bleu_table.py` scores test2016 with each decoding. The table
+# below holds two recorded runs of it, A and B, and a full run of this
+# notebook on the `quick` model: all on the 1000 test sentences, with
+# beam search at the lesson's $\alpha = 0.6$. Match your run to a row by
+# the preset and the number of epochs in the `model:` lines printed
+# above. The runs differ in epochs and in precision:
+#
+# - record A: bf16, made before `<unk>` replacement existed, so its word
+#   model keeps `<unk>` (which cost the 10-epoch model 0.9 greedy BLEU:
+#   `results/unk_replacement.md`);
+# - record B: float32 (its configs say `precision: bf16`, which means
+#   bf16 only where the CPU computes it natively, and this CPU did not),
+#   with `<unk>` replaced;
+# - `make notebook`: float32, with `<unk>` replaced.
+#
+# BLEU; "+ avg": the average of the last 5 epoch checkpoints; "—": not
+# measured.
 #
 # | record | model | epochs | greedy | beam 4 | beam 4 + avg |
 # |---|---|---:|---:|---:|---:|
 # | A | words, `cpu` | 18 | 37.51 | 38.14 | 40.19 |
-# | A | BPE, `cpu-bpe` | 14 | 36.89 | | 38.99 |
+# | A | BPE, `cpu-bpe` | 14 | 36.89 | — | 38.99 |
 # | B | words, `cpu` | 10 | 37.97 | 39.29 | 38.09 |
-# | B | BPE, `cpu-bpe` | 8 | 33.59 | | 33.76 |
+# | B | BPE, `cpu-bpe` | 8 | 33.59 | — | 33.76 |
+# | `make notebook` | words, `quick` | 5 | 37.03 | 38.40 | 33.64 |
 #
 # A: [results/beyond.md](../results/beyond.md); B:
-# [results/beyond_site_full.md](../results/beyond_site_full.md). In both
-# records beam search adds about one BLEU point to the model as trained.
-# Averaging added 2.0 points to the 18-epoch model, whose validation loss was
-# lowest after about 9 epochs and then rose, from 1.45 to 1.56
-# (`results/multi30k_cpu.json`), and cost
-# 1.2 to the 10-epoch one, whose validation loss still fell from 1.60 to 1.45
-# over its last five epochs (`results/multi30k_cpu_fp32_10ep.json`). On
-# Multi30k the BPE models scored below the word models in both records, but
-# each trained for fewer epochs than its word counterpart, so the comparison is
-# not an even one.
+# [results/beyond_site_full.md](../results/beyond_site_full.md);
+# `make notebook`: [results/make_notebook.md](../results/make_notebook.md).
+# Beam search added 0.63 BLEU to the word model as trained in record A,
+# 1.32 in record B and 1.37 to the `quick` model. Averaging added 2.05
+# points to the 18-epoch model, whose validation loss was lowest (1.45)
+# around epochs 9 to 11 and then rose to 1.56
+# (`results/multi30k_cpu.json`), and cost 1.20 to the 10-epoch one, whose
+# validation loss still fell from 1.60 to 1.45 over its last five epochs
+# (`results/multi30k_cpu_fp32_10ep.json`). On Multi30k the BPE models
+# scored below the word models in both records, but each trained for
+# fewer epochs than its word counterpart, so the comparison is not an
+# even one.

@@ -2061,7 +2061,8 @@ def resume_run(run):
 # neither the old run nor a new one. Only the number of epochs, the
 # folder, the epoch files kept, the data workers and the preset's name
 # may change. It returns the file to resume from, or None for a folder
-# with no checkpoints, where the run starts afresh.
+# with no checkpoints, where the run starts afresh; `check_resume_and_say`
+# then says so.
 
 
 # %%
@@ -2108,6 +2109,16 @@ def check_resume(config, vocab_src, vocab_tgt):
                 + "; train with the same ones, or in another folder"
             )
     return path
+
+
+def check_resume_and_say(config, vocab_src, vocab_tgt):
+    """check_resume, with a note on stderr when the run starts afresh."""
+    if check_resume(config, vocab_src, vocab_tgt) is None:
+        print(
+            f"note: nothing to resume in {config.checkpoint_dir} (no "
+            "checkpoints there); training from the first epoch",
+            file=sys.stderr,
+        )
 
 
 # %% [markdown]
@@ -2338,7 +2349,7 @@ def train_model(
 ):
     """Train in this process (on `device`), or in several if `distributed`."""
     if resume:  # the same run, or a one-line error (see check_resume)
-        check_resume(config, vocab_src, vocab_tgt)
+        check_resume_and_say(config, vocab_src, vocab_tgt)
     args = (vocab_src, vocab_tgt, spacy_de, spacy_en, config)
     if distributed:
         return train_distributed_model(*args, world_size, resume)
@@ -3165,15 +3176,11 @@ def train_locked(args, config, ranks=None):
     download_multi30k()
     tokenizers = load_tokenizers()
     vocabs = load_vocabularies(config, *tokenizers)
-    if args.resume and check_resume(config, *vocabs) is None:
-        print(
-            f"note: nothing to resume in {config.checkpoint_dir} (no "
-            "checkpoints there); training from the first epoch",
-            file=sys.stderr,
-        )
     data = (*vocabs, *tokenizers, config)
     start = time.time()
     if ranks:  # started by torchrun
+        if args.resume:  # train_model checks this in the other branch
+            check_resume_and_say(config, *vocabs)
         rank, world, local_rank, local_world = ranks
         try:
             device = process_device(local_rank, local_world)

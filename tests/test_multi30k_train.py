@@ -161,6 +161,21 @@ def test_resume_refuses_other_training_settings(
     assert tools.check_resume(more, *vocabs) == folder / "last.pt"
 
 
+def test_resume_in_an_empty_folder_says_it_starts_afresh(
+    ci_run, tmp_path, vocabs, capsys
+):
+    """A library user gets the command line's note; a real run, none."""
+    cfg, _ = ci_run
+    empty = replace(cfg, checkpoint_dir=str(tmp_path / "empty"))
+    tools.check_resume_and_say(empty, *vocabs)
+    assert capsys.readouterr().err == (
+        f"note: nothing to resume in {empty.checkpoint_dir} (no checkpoints"
+        " there); training from the first epoch\n"
+    )
+    tools.check_resume_and_say(cfg, *vocabs)  # a run to resume
+    assert capsys.readouterr().err == ""
+
+
 def test_resume_reads_an_older_full_epoch_file(ci_run, tmp_path, vocabs):
     """Runs from before last.pt kept the whole state in each epoch file."""
     cfg, _ = ci_run
