@@ -1964,7 +1964,7 @@ def say(*lines):
         raise OSError(err.errno, err.strerror, "standard output") from err
 
 
-def positive_int(text, least=1, most=10**6):
+def whole_number(text, least=1, most=10**6):
     """A whole number from `least` (1) to `most`, or argparse's error."""
     try:
         number = int(text)
@@ -1978,8 +1978,8 @@ def positive_int(text, least=1, most=10**6):
 
 
 def count(least=1, most=10**6):
-    """The argparse `type` for a count: positive_int with these bounds."""
-    check = functools.partial(positive_int, least=least, most=most)
+    """The argparse `type` for a count: whole_number with these bounds."""
+    check = functools.partial(whole_number, least=least, most=most)
     check.__name__ = "count"  # argparse names the type in its messages
     return check
 
@@ -2663,7 +2663,7 @@ __all__ = [
     "read_parallel",
     "UserError",
     "say",
-    "positive_int",
+    "whole_number",
     "count",
     "number_from",
     "existing_device",

@@ -49,7 +49,7 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--beam",
-        type=tools.positive_int,
+        type=tools.whole_number,
         nargs="+",
         default=[4],
         help="beam size; several give one row each (default 4)",

@@ -330,6 +330,19 @@ SETTINGS = {
         "max_steps": 0,
         "eval_every": 0,
     },
+    # The same from seed 1: a second member for an ensemble.
+    "cpu-d02-lin18-s1": {
+        "why": "cpu-d02-lin18 from seed 1, an ensemble member",
+        "preset": "cpu",
+        "set": {
+            "dropout": 0.2,
+            "schedule": "linear",
+            "seed": 1,
+            "keep_last": 0,
+        },
+        "max_steps": 0,
+        "eval_every": 0,
+    },
 }
 
 TABLE_HEAD = (

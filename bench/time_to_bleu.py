@@ -279,7 +279,7 @@ def build_parser():
         metavar="KEY=VALUE",
         help="replace a TrainConfig field (repeatable): --set warmup=200",
     )
-    parser.add_argument("--epochs", type=tools.positive_int, help="epochs")
+    parser.add_argument("--epochs", type=tools.whole_number, help="epochs")
     parser.add_argument(
         "--eval-every",
         type=tools.count(least=0, most=10**7),
@@ -308,7 +308,7 @@ def build_parser():
     )
     parser.add_argument(
         "--threads",
-        type=tools.positive_int,
+        type=tools.whole_number,
         default=None,
         help="torch threads (default: torch's choice)",
     )

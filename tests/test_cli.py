@@ -539,8 +539,12 @@ def test_alpha_reaches_beam_search(tiny, tmp_path, capsys):
     assert printed == expected
 
 
-def test_positive_int_and_existing_device():
-    assert tools.positive_int("3") == 3
+def test_whole_number_and_existing_device():
+    assert tools.whole_number("3") == 3
+    assert tools.whole_number("0", least=0) == 0  # --keep-last 0: keep all
+    for bad in ("0", "1.5", "x", str(10**6 + 1)):
+        with pytest.raises(argparse.ArgumentTypeError, match="whole number"):
+            tools.whole_number(bad)
     assert tools.existing_device("cpu") == "cpu"
     gpus = torch.cuda.device_count()
     if gpus:
