@@ -255,7 +255,7 @@ def _heat_map(frame, v, lookups, pick, cell):
     tooltip = [alt.Tooltip(f"{f}:N") for f in lookups]  # tokens
     tooltip += [alt.Tooltip("weight:Q", format=".3f"), "layer:O", "head:O"]
     scale = alt.Scale(
-        domainMin=0, range=["#ffffff", "#08306b"], interpolate="lab"
+        domain=[0, 1], range=["#ffffff", "#08306b"], interpolate="lab"
     )
     return (
         alt.Chart(alt.Data(values=numbers.to_dict("records")))

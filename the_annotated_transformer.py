@@ -91,9 +91,10 @@ class LayerStack(nn.Module):
     def __init__(self, layer, N):
         super().__init__()
         self.layers = clones(layer, N)
-        self.norm = LayerNorm(layer.size)
+        self.norm = LayerNorm(layer.size)  # d_model: each layer stores .size
 
-    def run(self, x, *context):  # Encoder and Decoder name the arguments
+    # Subclasses define forward() with named arguments and call run().
+    def run(self, x, *context):
         """Pass (B, T, d_model) through every layer, then normalize."""
         for layer in self.layers:
             x = layer(x, *context)
@@ -109,7 +110,7 @@ class Encoder(LayerStack):
 
 
 class LayerNorm(nn.Module):
-    """Layer norm over the last dimension: a_2 * (x - mean) / std + b_2."""
+    """Over the last dim: a_2 * (x - mean) / sqrt(var + eps) + b_2."""
 
     def __init__(self, features, eps=1e-6):
         super().__init__()
@@ -237,7 +238,7 @@ class MultiHeadedAttention(nn.Module):
         return x.transpose(1, 2)  # (B, h, T, d_k)
 
     def forward(self, query, key, value, mask=None):
-        """Attend from query (B, T, d) to key/value (B, S, d)."""
+        """Attend from query (B, T, d_model) to key/value (B, S, d_model)."""
         if mask is not None:
             # One mask for every head: source (B, 1, 1, S), target
             # (B, 1, T, T).
@@ -249,8 +250,11 @@ class MultiHeadedAttention(nn.Module):
             x, self.attn = attention(q, k, v, mask=mask, dropout=self.dropout)
         else:
             p = self.dropout.p if self.training else 0.0
-            x = F.scaled_dot_product_attention(q, k, v, mask, dropout_p=p)
-        x = x.transpose(1, 2).reshape(query.size(0), -1, self.h * self.d_k)
+            x = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=p
+            )  # (B, h, T, d_k)
+        x = x.transpose(1, 2)  # (B, T, h, d_k)
+        x = x.reshape(query.size(0), -1, self.h * self.d_k)  # (B, T, d_model)
         return self.w_o(x)  # (B, T, d_model)
 
 
@@ -299,12 +303,14 @@ class PositionalEncoding(nn.Module):
     def __init__(self, d_model, dropout, max_len=5000):
         super().__init__()
         pos = torch.arange(max_len, dtype=torch.float64)[:, None]  # (L, 1)
-        two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # (d/2,)
-        angles = pos / 10000 ** (two_i / d_model)  # (L, d/2)
-        waves = torch.stack([angles.sin(), angles.cos()], -1)  # (L, d/2, 2)
+        # (d_model/2,): the even dimensions 0, 2, 4, ...
+        two_i = torch.arange(0, d_model, 2, dtype=torch.float64)
+        angles = pos / 10000 ** (two_i / d_model)  # (L, d_model/2)
+        # (L, d_model/2, 2): each angle's sine next to its cosine
+        waves = torch.stack([angles.sin(), angles.cos()], -1)
         # Interleave to sin, cos, sin, ...; an odd d_model gives one
         # column too many, which [:, :d_model] drops.
-        pe = waves.flatten(1)[:, :d_model].float()  # (L, d)
+        pe = waves.flatten(1)[:, :d_model].float()  # (L, d_model)
         self.dropout = nn.Dropout(p=dropout)
         self.register_buffer("pe", pe.unsqueeze(0))  # (1, max_len, d_model)
 
@@ -1167,9 +1173,9 @@ def _recorded_weights(model, src, src_mask, tgt_in, pad):
     tgt_mask = Batch.make_std_mask(tgt_in, pad)  # (1, T, T)
     with record_attention(model):
         model(src, tgt_in, src_mask, tgt_mask)
-        enc = [layer.self_attn.attn[0] for layer in model.encoder.layers]
-        dec = [layer.self_attn.attn[0] for layer in model.decoder.layers]
-        crs = [layer.src_attn.attn[0] for layer in model.decoder.layers]
+        enc = [m.self_attn.attn[0] for m in model.encoder.layers]
+        dec = [m.self_attn.attn[0] for m in model.decoder.layers]
+        crs = [m.src_attn.attn[0] for m in model.decoder.layers]
     return [torch.stack(w).float().cpu() for w in (enc, dec, crs)]
 
 
@@ -1184,23 +1190,22 @@ def attention_maps(
     model, src, tgt=None, vocab_src=None, vocab_tgt=None, max_extra=50, pad=PAD
 ):
     """Every layer's attention weights for one sentence, in eval mode."""
-    core = getattr(model, "module", model)  # the model, if wrapped for DDP
-    device = next(core.parameters()).device
+    device = next(model.parameters()).device
     src = torch.as_tensor(src, device=device).reshape(1, -1)  # (1, S)
     src_mask = (src != pad).unsqueeze(-2)  # (1, 1, S)
-    training = core.training
-    core.eval()
+    training = model.training
+    model.eval()
     try:
         if tgt is None:
             tgt = batch_greedy_decode(
-                core, src, src_mask, src.size(1) + max_extra
+                model, src, src_mask, src.size(1) + max_extra
             )
         tgt = torch.as_tensor(tgt, device=device).reshape(1, -1)  # (1, T+1)
         if tgt.size(1) < 2:
             raise ValueError("tgt needs <s> and at least one more token")
-        weights = _recorded_weights(core, src, src_mask, tgt[:, :-1], pad)
+        weights = _recorded_weights(model, src, src_mask, tgt[:, :-1], pad)
     finally:
-        core.train(training)
+        model.train(training)
     src, tgt = src[0].cpu(), tgt[0].cpu()
     return AttentionMaps(
         *weights,  # encoder_self, decoder_self, decoder_src

@@ -31,8 +31,10 @@
 # [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/annotated-transformer/done-right/blob/main/notebooks/01_model.ipynb)
 
 # %%
-# Setup only; nothing to learn here. On Colab: clone the repository, then
-# install what the notebooks need. Elsewhere: use this checkout.
+# Setup only; nothing to learn here. Part 1 runs on a CPU in seconds, so on
+# Colab it needs no GPU runtime. On Colab: clone the repository, then
+# install what the notebooks need. Elsewhere: use this checkout. Either
+# way, ROOT is the repository's folder.
 import os
 import subprocess
 import sys
@@ -70,18 +72,27 @@ from torch import nn
 #
 # `EncoderDecoder` holds five parts and says how data moves between them:
 # source ids are embedded and encoded once; target ids are embedded and
-# decoded against that memory. Each part is defined further down.
-# `forward` stops at the decoder's hidden states: it never calls the fifth
-# part, the `generator`. The loss (Part 2) and the decoding loops (Parts 2
-# and 5) call it themselves, on the positions they need.
+# decoded against that memory. Each part is defined further down. Both
+# the encoder and the decoder also take a mask saying which positions may
+# be read; the Masks section, after the decoder, explains them. `forward`
+# stops at the decoder's hidden states: it never calls the fifth part, the
+# `generator`. The loss (Part 2) and the decoding loops (Parts 2 and 5)
+# call it themselves, on the positions they need.
+#
+# Comments such as `# (B, S, d_model)` give a tensor's shape, with the same
+# letters throughout the project: `B` sentences in a batch, `S` source
+# positions, `T` target positions (in attention: `T` queries, `S` keys),
+# `d_model` the width of each position's vector (512 in the paper), `h`
+# attention heads, and `d_k = d_model / h` features per head.
 #
 # ![The Transformer, as this notebook builds it](attachment:transformer.svg)
 #
 # Read it bottom up: each box names its code and output shape; dashed
 # frames repeat $N$ times; each (+) is a residual connection, which adds a
 # block's input to its output: $x + f(x)$. "Shifted right": the decoder
-# reads the English sentence one position late, after a start token, so
-# that each position predicts the next word (Part 2).
+# reads the target sentence (English, in Part 3's German→English task) one
+# position late, after a start token, so that each position predicts the
+# next word (Part 2).
 
 
 # %%
@@ -133,14 +144,20 @@ class Generator(nn.Module):
 # %% [markdown]
 # ## Encoder
 #
-# The encoder is a stack of $N = 6$ identical layers. Identical in shape,
-# each with its own weights: `clones` makes $N$ independent deep copies of
-# one module (equal at first, until `make_model` initializes each afresh).
-# Both stacks end with a `LayerNorm` (explained just below; the pre-norm
-# section says why) and share one base class, `LayerStack`. The `mask`
-# the encoder takes hides the source's padding tokens (filler that makes
-# the sentences of a batch equally long); the section on
-# masks, after the decoder, explains both masks the model uses.
+# The encoder is a stack of $N = 6$ identical layers: identical in shape,
+# each with its own weights. Both stacks end with a `LayerNorm` (explained
+# just below; the pre-norm section says why) and share one base class,
+# `LayerStack`. The `mask` the encoder takes hides the source's padding
+# tokens (filler that makes the sentences of a batch equally long); the
+# section on masks, after the decoder, explains both masks the model uses.
+#
+# The copies come from `clones`, which deep-copies one module $N$ times:
+# every copy gets its own tensors, holding the same values at first.
+# `make_model` then redraws every weight matrix (every parameter with more
+# than one dimension), so only the one-dimensional ones, the biases and the
+# layer norms' gains, stay equal across copies. That is harmless: the
+# copies' weight matrices already differ, so each copy computes and learns
+# something different from the start.
 
 
 # %%
@@ -150,15 +167,34 @@ def clones(module, N):
     return nn.ModuleList([copy.deepcopy(module) for _ in range(N)])
 
 
+# %% [markdown]
+# Two clones hold the same numbers in separate memory, so training one
+# leaves the other alone:
+
+# %%
+pair = clones(nn.Linear(4, 4), 2)
+assert torch.equal(pair[0].weight, pair[1].weight)  # equal values
+assert pair[0].weight.data_ptr() != pair[1].weight.data_ptr()  # own memory
+
+# %% [markdown]
+# `LayerStack` applies its $N$ clones in turn and normalizes the result.
+# The encoder's layers take a mask besides $x$, the decoder's take three
+# more arguments, so `run` passes on whatever follows $x$; each subclass
+# defines `forward()` with named arguments and calls `run()`.
+
+
+# %%
+#| export
 class LayerStack(nn.Module):
     """N copies of one layer, applied in turn, then a final layer norm."""
 
     def __init__(self, layer, N):
         super().__init__()
         self.layers = clones(layer, N)
-        self.norm = LayerNorm(layer.size)
+        self.norm = LayerNorm(layer.size)  # d_model: each layer stores .size
 
-    def run(self, x, *context):  # Encoder and Decoder name the arguments
+    # Subclasses define forward() with named arguments and call run().
+    def run(self, x, *context):
         """Pass (B, T, d_model) through every layer, then normalize."""
         for layer in self.layers:
             x = layer(x, *context)
@@ -194,7 +230,7 @@ class Encoder(LayerStack):
 # %%
 #| export
 class LayerNorm(nn.Module):
-    """Layer norm over the last dimension: a_2 * (x - mean) / std + b_2."""
+    """Over the last dim: a_2 * (x - mean) / sqrt(var + eps) + b_2."""
 
     def __init__(self, features, eps=1e-6):
         super().__init__()
@@ -227,10 +263,11 @@ assert torch.allclose(norm(x), by_hand, atol=1e-5)
 # ### Residual connections, pre-norm
 #
 # Every sub-layer (attention or feed-forward) sits inside a residual
-# connection. The paper applies the norm *after* the addition ("post-norm"):
-# $\mathrm{LayerNorm}(x + \mathrm{Sublayer}(x))$. We apply it *before* the
+# connection. The paper applies the norm *after* the addition
+# ("post-norm"): $\mathrm{LayerNorm}(x +
+# \mathrm{Dropout}(\mathrm{Sublayer}(x)))$. We apply it *before* the
 # sub-layer and leave the residual path untouched ("pre-norm"): $x +
-# \mathrm{Dropout}(\mathrm{Sublayer}( \mathrm{LayerNorm}(x)))$. Pre-norm keeps
+# \mathrm{Dropout}(\mathrm{Sublayer}(\mathrm{LayerNorm}(x)))$. Pre-norm keeps
 # an identity path from the input to the stack's final norm (the check below
 # shows it for one block). Xiong et al. (2020) show that this keeps the
 # gradients of the lower layers well scaled, so that training needs less
@@ -258,11 +295,15 @@ class SublayerConnection(nn.Module):
 
 # %% [markdown]
 # The identity path is easy to see: a sub-layer that outputs zeros leaves
-# its input unchanged.
+# its input unchanged. Post-norm has no such path: the same zero sub-layer
+# returns $\mathrm{LayerNorm}(x + 0)$, which is not $x$: this $x$, from
+# the layer-norm check, has mean about 1 and standard deviation about 3.
 
 # %%
 block = SublayerConnection(24, dropout=0.0)
-assert torch.equal(block(x, torch.zeros_like), x)
+assert torch.equal(block(x, torch.zeros_like), x)  # pre-norm
+post_norm = LayerNorm(24)(x + torch.zeros_like(x))
+assert not torch.allclose(post_norm, x)  # post-norm
 
 # %% [markdown]
 # An encoder layer has two sub-layers: self-attention over the source, then
@@ -411,10 +452,9 @@ save_chart(mask_chart(20), "01_subsequent_mask", Path(ROOT, "figures"))
 # 8, the softmax tends to put most of the weight on one key, and there its
 # gradient is small. The division brings the variance back to 1.
 #
-# The cell below measures this for 1,000 random queries, each against 10
-# random keys. The softmax's gradient with respect to its scores is the
-# matrix $\mathrm{diag}(p) - p p^\top$; its size (Frobenius norm) shrinks
-# as the weights $p$ pile onto one key.
+# The softmax's gradient with respect to its scores is the matrix
+# $\mathrm{diag}(p) - p p^\top$; its size (Frobenius norm) shrinks as the
+# weights $p$ pile onto one key. The cell below computes that size.
 
 
 # %%
@@ -425,26 +465,37 @@ def softmax_gradient_size(weights):
     return jacobian.norm(dim=(1, 2)).mean().item()
 
 
+# %% [markdown]
+# Now 1,000 random queries, each against 10 random keys. For raw and
+# scaled scores the cell prints the scores' standard deviation, the
+# largest weight (averaged over the queries) and the gradient size; the
+# asserts check what the paragraph above says. The last one asks for a
+# clear gap, not just any decrease: the raw scores' gradient must be under
+# 0.6 times the scaled scores' one (the printed ratio).
+
+# %%
 torch.manual_seed(0)
 q = torch.randn(1000, 1, 64)  # 1,000 queries, d_k = 64
 k = torch.randn(1000, 10, 64)  # 10 keys for each query
 raw = (q * k).sum(-1)  # (1000, 10) dot products
-for name, scores in [("raw", raw), ("scaled", raw / math.sqrt(64))]:
-    weights = scores.softmax(dim=-1)
+scaled = raw / math.sqrt(64)
+raw_weights = raw.softmax(dim=-1)
+scaled_weights = scaled.softmax(dim=-1)
+raw_gradient = softmax_gradient_size(raw_weights)
+scaled_gradient = softmax_gradient_size(scaled_weights)
+for name, scores, weights, gradient in [
+    ("raw", raw, raw_weights, raw_gradient),
+    ("scaled", scaled, scaled_weights, scaled_gradient),
+]:
     print(
         f"{name:>6}: std {scores.std():.2f},",
         f"largest weight {weights.max(-1).values.mean():.2f} on average,",
-        f"gradient size {softmax_gradient_size(weights):.2f}",
+        f"gradient size {gradient:.2f}",
     )
-
-# %%
-raw_weights = raw.softmax(dim=-1)
-scaled_weights = (raw / math.sqrt(64)).softmax(dim=-1)
+print(f"gradient ratio, raw / scaled: {raw_gradient / scaled_gradient:.2f}")
 assert 7.5 < raw.std() < 8.5  # sqrt(64) = 8
 assert raw_weights.max(-1).values.mean() > 0.8  # mostly on one key
 assert scaled_weights.max(-1).values.mean() < 0.5
-raw_gradient = softmax_gradient_size(raw_weights)
-scaled_gradient = softmax_gradient_size(scaled_weights)
 assert raw_gradient < 0.6 * scaled_gradient  # saturated: small gradient
 
 # %% [markdown]
@@ -454,11 +505,15 @@ assert raw_gradient < 0.6 * scaled_gradient  # saturated: small gradient
 # the scores' dtype holds, so its weight after the softmax is exactly zero.
 # A fixed $-10^9$ (the 2022 tutorial's choice) does not fit every dtype:
 # float16 ends at $\pm 65504$. The check after the comparison with
-# PyTorch shows $-10^9$ failing in float16 and `finfo.min` working.
+# PyTorch shows $-10^9$ failing in float16 and `finfo.min` working. This
+# masking happens only on the path that keeps the weights
+# (`store_attention=True` in `MultiHeadedAttention`, below); the default,
+# fused path hands the boolean mask to PyTorch, which applies it itself.
 #
-# A departure from the paper, taken from the 2022 tutorial: `attention`
-# can apply dropout to the weights themselves. The paper applies dropout
-# only to each sub-layer's output and to the embeddings.
+# A departure from the paper: `attention` can apply dropout to the weights
+# themselves. It is inherited from the 2022 tutorial and not measured
+# here; the paper (section 5.4) mentions dropout only on each sub-layer's
+# output and on the sums of embeddings and positional encodings.
 
 
 # %%
@@ -562,7 +617,7 @@ class MultiHeadedAttention(nn.Module):
         return x.transpose(1, 2)  # (B, h, T, d_k)
 
     def forward(self, query, key, value, mask=None):
-        """Attend from query (B, T, d) to key/value (B, S, d)."""
+        """Attend from query (B, T, d_model) to key/value (B, S, d_model)."""
         if mask is not None:
             # One mask for every head: source (B, 1, 1, S), target
             # (B, 1, T, T).
@@ -574,8 +629,11 @@ class MultiHeadedAttention(nn.Module):
             x, self.attn = attention(q, k, v, mask=mask, dropout=self.dropout)
         else:
             p = self.dropout.p if self.training else 0.0
-            x = F.scaled_dot_product_attention(q, k, v, mask, dropout_p=p)
-        x = x.transpose(1, 2).reshape(query.size(0), -1, self.h * self.d_k)
+            x = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=p
+            )  # (B, h, T, d_k)
+        x = x.transpose(1, 2)  # (B, T, h, d_k)
+        x = x.reshape(query.size(0), -1, self.h * self.d_k)  # (B, T, d_model)
         return self.w_o(x)  # (B, T, d_model)
 
 
@@ -584,9 +642,8 @@ class MultiHeadedAttention(nn.Module):
 #
 # To see every reshape, push one batch through a `MultiHeadedAttention` by
 # hand: $B=2$ sentences, $T=5$ queries, $S=7$ keys, $d_{\text{model}}=512$,
-# $h=8$. The letters (`B`, `h`, `T` for queries or target, `S` for keys or
-# source, `d_k`) name the same sizes across the whole project; the
-# asserts check them.
+# $h=8$, so $d_k = 64$. The letters are those of the list at the top of
+# this notebook; the asserts check every shape.
 
 # %%
 torch.manual_seed(0)
@@ -641,7 +698,10 @@ assert (weights[1, :, :, 5:] == 0).all()
 #
 # with inner width $d_{ff} = 2048$ for $d_{\text{model}} = 512$. Ours
 # also applies dropout between the two layers, which the formula leaves
-# out: a departure that the 2022 tutorial made, and we keep.
+# out. Like the dropout on attention weights, it is inherited from the
+# 2022 tutorial and not measured here; the paper mentions dropout only on
+# sub-layer outputs and on the sums of embeddings and positional
+# encodings.
 
 
 # %%
@@ -710,24 +770,51 @@ assert torch.allclose(emb(ids), by_matmul)
 # %% [markdown]
 # ## Positional encoding
 #
-# Attention by itself ignores order: permuting the source permutes the
-# memory the same way. Word order comes from a fixed signal added to each
-# embedding: a sine and a cosine per pair of dimensions, the first pair
-# repeating every $2\pi$ positions and each next pair slower by one
-# constant factor, down to a period of about 60,000 positions:
+# Attention by itself ignores order: permute the positions of an encoder
+# layer's input, and its output comes out permuted the same way, so no
+# position knows where it stands. The cell below checks it for one fresh
+# encoder layer, with dropout off and every position visible; a stack of
+# such layers behaves the same.
+
+# %%
+torch.manual_seed(0)
+layer = EncoderLayer(
+    16,
+    MultiHeadedAttention(4, 16, dropout=0.0),
+    PositionwiseFeedForward(16, 32, dropout=0.0),
+    dropout=0.0,
+).eval()
+x = torch.randn(2, 9, 16)  # (B, S, d_model)
+everywhere = torch.ones(2, 1, 9, dtype=torch.bool)  # (B, 1, S), no padding
+shuffle = torch.randperm(9)
+out = layer(x, everywhere)  # (B, S, d_model)
+out_of_shuffled = layer(x[:, shuffle], everywhere)
+assert torch.allclose(out[:, shuffle], out_of_shuffled, atol=1e-5)
+
+# %% [markdown]
+# Word order must therefore come from outside: a fixed signal added to each
+# embedding, a sine and a cosine per pair of dimensions $i$:
 #
 # $$PE_{(pos, 2i)} = \sin\!\left(pos / 10000^{2i/d_{\text{model}}}\right),
 # \qquad PE_{(pos, 2i+1)} = \cos\!\left(pos / 10000^{2i/d_{\text{model}}}
 # \right).$$
 #
-# We compute the table once, for up to `max_len` = 5,000 positions (far
-# longer than any sentence here), and keep it as a buffer: saved with the
-# model, moved with it to a device, but never trained. The angles
-# $pos / 10000^{2i/d}$ reach 5,000 radians, where float32 keeps only about
-# three decimals, so they are computed in float64 and rounded to float32
-# after the sine and cosine. Sines land in the even columns and cosines in
-# the odd ones. Dropout (0.1) is applied to the sum of embedding and
-# encoding.
+# The first pair ($i = 0$) repeats every $2\pi$ positions, and each next
+# pair is slower by the factor $10000^{2/d_{\text{model}}}$. The slowest
+# pair, $i = d_{\text{model}}/2 - 1$, repeats every $2\pi \cdot
+# 10000^{(d_{\text{model}} - 2)/d_{\text{model}}}$ positions. For
+# $d_{\text{model}} = 512$ the factor is about 1.037 and the slowest period
+# about 60,600 positions.
+#
+# We compute the table once, for up to `max_len` = 5,000 positions (`L` in
+# the shape tags; far longer than any sentence here), and keep it as a
+# buffer: saved with the model, moved with it to a device, but never
+# trained. The angles $pos / 10000^{2i/d_{\text{model}}}$ reach almost
+# 5,000 radians, where neighbouring float32 numbers are $2^{-11} \approx
+# 0.0005$ apart, about three decimals. So the angles are computed in
+# float64 and rounded to float32 after the sine and cosine. Sines land in
+# the even columns and cosines in the odd ones. Dropout (0.1) is applied
+# to the sum of embedding and encoding.
 
 
 # %%
@@ -738,12 +825,14 @@ class PositionalEncoding(nn.Module):
     def __init__(self, d_model, dropout, max_len=5000):
         super().__init__()
         pos = torch.arange(max_len, dtype=torch.float64)[:, None]  # (L, 1)
-        two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # (d/2,)
-        angles = pos / 10000 ** (two_i / d_model)  # (L, d/2)
-        waves = torch.stack([angles.sin(), angles.cos()], -1)  # (L, d/2, 2)
+        # (d_model/2,): the even dimensions 0, 2, 4, ...
+        two_i = torch.arange(0, d_model, 2, dtype=torch.float64)
+        angles = pos / 10000 ** (two_i / d_model)  # (L, d_model/2)
+        # (L, d_model/2, 2): each angle's sine next to its cosine
+        waves = torch.stack([angles.sin(), angles.cos()], -1)
         # Interleave to sin, cos, sin, ...; an odd d_model gives one
         # column too many, which [:, :d_model] drops.
-        pe = waves.flatten(1)[:, :d_model].float()  # (L, d)
+        pe = waves.flatten(1)[:, :d_model].float()  # (L, d_model)
         self.dropout = nn.Dropout(p=dropout)
         self.register_buffer("pe", pe.unsqueeze(0))  # (1, max_len, d_model)
 
@@ -751,6 +840,26 @@ class PositionalEncoding(nn.Module):
         """Add PE to (B, T, d_model) embeddings."""
         return self.dropout(x + self.pe[:, : x.size(1)])
 
+
+# %% [markdown]
+# The float64 detour matters. Take the second pair ($i = 1$) of a
+# 512-dimensional table at positions 4,000 to 4,999: computed from float32
+# angles, the sines are off by more than $10^{-4}$; the stored buffer is
+# off only by float32's rounding of the final value (below $10^{-7}$).
+
+# %%
+table_512 = PositionalEncoding(512, dropout=0.0).pe[0]  # (L, 512)
+pos = torch.arange(4000, 5000, dtype=torch.float64)  # late positions
+slowdown = 10000 ** (2 / 512)  # divides the positions in pair i = 1
+exact = torch.sin(pos / slowdown)  # float64 angles
+rough = torch.sin(pos.float() / slowdown)  # float32 angles
+stored = table_512[4000:5000, 2]  # column 2i = 2: the sine of pair 1
+rough_error = (rough.double() - exact).abs().max().item()
+stored_error = (stored.double() - exact).abs().max().item()
+print(f"largest error with float32 angles: {rough_error:.1e}")
+print(f"largest error of the stored buffer: {stored_error:.1e}")
+assert rough_error > 1e-4
+assert stored_error < 1e-7
 
 # %% [markdown]
 # The paper picks sinusoids because, for any fixed offset $k$,
@@ -798,8 +907,11 @@ save_chart(chart, "01_positional_encoding", Path(ROOT, "figures"))
 #
 # 1. One attention module, one feed-forward network and one positional
 #    encoding serve as *prototypes*; `clones` gives every place that needs
-#    one its own deep copy, named after the place, so no two share weights
-#    (or, for the positional encoding, which has none, a dropout).
+#    one its own deep copy, named after the place, so that no two places
+#    share weights. The positional encoding has no weights (its table is
+#    fixed), so one shared module would compute the same; it is copied
+#    anyway, as in the 2022 tutorial, so that the source and target sides
+#    each own theirs.
 # 2. One encoder layer and one decoder layer are built from those copies;
 #    `LayerStack` clones each $N$ times.
 # 3. Each language gets an embedding and a positional encoding; the
@@ -852,7 +964,13 @@ torch.manual_seed(0)
 tiny = make_model(11, 11, N=1, d_model=32, d_ff=64, h=4)
 our_layer = tiny.encoder.layers[0]
 torch_layer = nn.TransformerEncoderLayer(
-    32, 4, 64, 0.0, batch_first=True, norm_first=True, layer_norm_eps=1e-6
+    d_model=32,
+    nhead=4,
+    dim_feedforward=64,
+    dropout=0.0,
+    batch_first=True,
+    norm_first=True,
+    layer_norm_eps=1e-6,
 )
 our_attn = our_layer.self_attn
 our_ff = our_layer.feed_forward
@@ -882,7 +1000,9 @@ with torch.no_grad():
 # as `src_key_padding_mask`, with the opposite convention (`True` means
 # "padding"). Only the real tokens' outputs are compared: nothing ever
 # reads the outputs at pad positions, and PyTorch does not promise what it
-# puts there.
+# puts there. `tests/test_reference.py` makes the same comparison, in
+# float64, for the decoder layer (against `nn.TransformerDecoderLayer`)
+# and for the whole model (against `nn.Transformer`).
 
 # %%
 x = torch.randn(2, 6, 32)  # (B, S, d_model)
@@ -967,18 +1087,22 @@ parameter_table()
 # are arbitrary, but two promises must already hold: the output is a
 # distribution over the vocabulary at every target position, and, thanks
 # to the subsequent mask, rewriting the last two target tokens changes
-# nothing at the positions before them.
+# nothing at the positions before them. (It does change the outputs at
+# the last two positions, which read the new tokens.)
 
 # %%
 torch.manual_seed(0)
 model = make_model(11, 11, N=2, d_model=64, d_ff=128, h=4).eval()
-src = torch.randint(1, 11, (2, 7))  # (B, S), no padding
+# Ids from 1: in Part 2's copy task, which uses this vocabulary of 11,
+# id 0 is the padding token. There is no padding here.
+src = torch.randint(1, 11, (2, 7))  # (B, S)
 tgt = torch.randint(1, 11, (2, 6))  # (B, T)
 src_mask = torch.ones(2, 1, 7, dtype=torch.bool)  # (B, 1, S)
 tgt_mask = subsequent_mask(6)  # (1, T, T), shared by the batch
 hidden = model(src, tgt, src_mask, tgt_mask)  # (B, T, d_model)
 logp = model.generator(hidden)  # (B, T, vocab)
-edited = torch.cat([tgt[:, :4], torch.randint(1, 11, (2, 2))], dim=1)
+# t % 10 + 1 maps 1..9 to 2..10 and 10 to 1: always another id in 1..10.
+edited = torch.cat([tgt[:, :4], tgt[:, 4:] % 10 + 1], dim=1)
 logp_edited = model.generator(model(src, edited, src_mask, tgt_mask))
 assert torch.allclose(logp.exp().sum(-1), torch.ones(2, 6))
 assert torch.allclose(logp[:, :4], logp_edited[:, :4], atol=1e-5)

@@ -36,7 +36,7 @@
 #   longer sums to 1 and a weight above 0.9 is drawn above 1. A cell
 #   below shows the rows that no longer sum to 1.
 # * Recording is an explicit opt-in. Training runs the fused
-#   `scaled_dot_product_attention`, which never materializes the weights;
+#   `scaled_dot_product_attention`, which does not return the weights;
 #   recording switches every layer to the explicit computation only for
 #   the length of a `with` block.
 # * The number of layers $N$ and of heads $h$ are read from the model, so
@@ -80,14 +80,14 @@ import pandas as pd
 
 from the_annotated_transformer import BOS, EOS, PAD, UNK, Batch
 from the_annotated_transformer import MultiHeadedAttention, batch_greedy_decode
-from annotated_transformer_tools import load_trained_model
 from the_annotated_transformer import load_tokenizers
 from the_annotated_transformer import make_model, read_multi30k
 from the_annotated_transformer import subsequent_mask, tokenize
 
-# From the appendix: the stand-in model, and the charts.
+# From the appendix: the data, the trained or stand-in model, the charts.
 from annotated_transformer_tools import describe_checkpoint, find_or_train
-from annotated_transformer_tools import get_config, load_vocab
+from annotated_transformer_tools import download_multi30k, get_config
+from annotated_transformer_tools import load_trained_model, load_vocab
 from annotated_transformer_tools import translate_batch
 from annotated_transformer_tools import (
     attention_chart,
@@ -142,12 +142,8 @@ def record_attention(model):
 #
 # A kind is one of these three strings everywhere below, and
 # `ATTENTION_KINDS` maps it to its field. `view(kind)` returns the weights
-# of one kind together with everything a chart or a statistic needs: the
-# labels of the rows and columns, which rows and columns are real tokens
-# rather than padding, and which cells the masks allow at all. Padding
-# columns are never allowed, in every kind; apart from padding, only the
-# decoder's self-attention has cells that are never allowed: the future
-# positions, which the subsequent mask of Part 1 hides.
+# of one kind with the labels and masks that the charts and the
+# statistics need.
 
 
 # %%
@@ -243,9 +239,9 @@ def _recorded_weights(model, src, src_mask, tgt_in, pad):
     tgt_mask = Batch.make_std_mask(tgt_in, pad)  # (1, T, T)
     with record_attention(model):
         model(src, tgt_in, src_mask, tgt_mask)
-        enc = [layer.self_attn.attn[0] for layer in model.encoder.layers]
-        dec = [layer.self_attn.attn[0] for layer in model.decoder.layers]
-        crs = [layer.src_attn.attn[0] for layer in model.decoder.layers]
+        enc = [m.self_attn.attn[0] for m in model.encoder.layers]
+        dec = [m.self_attn.attn[0] for m in model.decoder.layers]
+        crs = [m.src_attn.attn[0] for m in model.decoder.layers]
     return [torch.stack(w).float().cpu() for w in (enc, dec, crs)]
 
 
@@ -262,23 +258,22 @@ def attention_maps(
     model, src, tgt=None, vocab_src=None, vocab_tgt=None, max_extra=50, pad=PAD
 ):
     """Every layer's attention weights for one sentence, in eval mode."""
-    core = getattr(model, "module", model)  # the model, if wrapped for DDP
-    device = next(core.parameters()).device
+    device = next(model.parameters()).device
     src = torch.as_tensor(src, device=device).reshape(1, -1)  # (1, S)
     src_mask = (src != pad).unsqueeze(-2)  # (1, 1, S)
-    training = core.training
-    core.eval()
+    training = model.training
+    model.eval()
     try:
         if tgt is None:
             tgt = batch_greedy_decode(
-                core, src, src_mask, src.size(1) + max_extra
+                model, src, src_mask, src.size(1) + max_extra
             )
         tgt = torch.as_tensor(tgt, device=device).reshape(1, -1)  # (1, T+1)
         if tgt.size(1) < 2:
             raise ValueError("tgt needs <s> and at least one more token")
-        weights = _recorded_weights(core, src, src_mask, tgt[:, :-1], pad)
+        weights = _recorded_weights(model, src, src_mask, tgt[:, :-1], pad)
     finally:
-        core.train(training)
+        model.train(training)
     src, tgt = src[0].cpu(), tgt[0].cpu()
     return AttentionMaps(
         *weights,  # encoder_self, decoder_self, decoder_src
@@ -302,14 +297,23 @@ def attention_maps(
 # the same shape, fewer epochs.
 #
 # If neither exists, the appendix's `find_or_train` trains a *stand-in*
-# here, in seconds: the tiny `ci` preset with two layers and four
-# heads, so that there is more than one of each to look at. Having seen
-# 1,000 sentences for two epochs, it shows the machinery, not language.
-# (The tests run this page in a CI-sized version, `AT_SIZE=ci`, which
-# always uses the stand-in.) Cells marked *Check* assert what this page
-# says about the trained model's heads only when a trained model is
-# loaded (`trained` below); with the stand-in they print its numbers and
-# check nothing.
+# here, in seconds: the tiny `ci` preset, which has one layer and two
+# heads, widened here to two layers and four heads so that there is more
+# than one of each to look at. Having seen 1,000 sentences for two
+# epochs, it shows the machinery, not language. (The tests run this page
+# in a CI-sized version, `AT_SIZE=ci`, which always uses the stand-in.)
+#
+# On Colab, each notebook opened from its badge gets a runtime of its
+# own, so Part 3's `checkpoints/quick` is here only if you trained it in
+# this same runtime. Without it, this page uses the stand-in, and what
+# the prose says about "brown", "black" and the two dogs will not match
+# the charts and numbers you see.
+#
+# Two kinds of cell check what this page says. Cells titled "See, …"
+# check the code itself, and assert with any model, the stand-in
+# included. Cells marked **Check** test claims about the trained model's
+# heads: they print the numbers of the model loaded, and assert only when
+# it is a trained one (`trained` below).
 #
 # The numbers quoted in the prose, "on record", come from one `cpu` run
 # of 10 epochs (where the preset now trains 18), in `results/site_full.md`
@@ -317,6 +321,7 @@ def attention_maps(
 
 
 # %%
+download_multi30k()  # verifies the files, fetching them on first use
 tokenizers = load_tokenizers()
 spacy_de, spacy_en = tokenizers
 folder = f"{ROOT}/checkpoints/ci-attention"
@@ -362,10 +367,11 @@ print({k: tuple(getattr(maps, f).shape) for k, f in ATTENTION_KINDS.items()})
 # ### See, it adds up
 #
 # Each row is a probability distribution over the keys a query may see:
-# it sums to 1 and no entry exceeds 1. Masked keys, here the future
-# positions of the decoder, get exactly zero weight. And recording changes
-# nothing about what the model computes: the output of the explicit path
-# matches that of the fused kernel.
+# it sums to 1 and no entry exceeds 1. The keys a query may see are the
+# `allowed` mask that `view` returns, shape `(R, C)`: it is False at
+# padding keys, in every kind, and in the decoder's self-attention also at
+# the future positions, which Part 1's subsequent mask hides. Keys that
+# are not allowed get exactly zero weight.
 
 # %%
 for kind in ATTENTION_KINDS:
@@ -376,31 +382,83 @@ for kind in ATTENTION_KINDS:
     assert (v.weights[..., ~v.allowed] == 0).all()
     print(f"{kind:15s} {int((~v.allowed).sum())} masked cells, all 0")
 
+# %% [markdown]
+# Our sentence has no padding, so nothing above masks a padding key. The
+# same pair with two padding tokens appended to the source has two: in
+# both kinds that read the source, their columns are masked and get
+# exactly 0.
+
+# %%
+padded_src = torch.cat([src, torch.tensor([PAD, PAD])])  # (S + 2,)
+padded = attention_maps(model, padded_src, tgt)
+for kind in ("encoder self", "decoder source"):
+    v = padded.view(kind)
+    assert not v.allowed[:, -2:].any(), kind  # the two padding keys
+    assert (v.weights[..., -2:] == 0).all(), kind  # (N, h, R, 2)
+print("the two padding keys: weight 0 in every layer and head")
+
+# %% [markdown]
+# And recording changes nothing about what the model computes: with the
+# masks built as in training, the output of the explicit path matches that
+# of the fused kernel.
+
+# %%
+src_in = src.unsqueeze(0)  # (1, S): a batch of one
+src_mask = (src_in != PAD).unsqueeze(-2)  # (1, 1, S)
 tgt_in = maps.tgt_ids.unsqueeze(0)  # (1, T)
-src_mask = (src != PAD)[None, None]  # (1, 1, S)
-args = (src.unsqueeze(0), tgt_in, src_mask, Batch.make_std_mask(tgt_in, PAD))
+tgt_mask = Batch.make_std_mask(tgt_in, PAD)  # (1, T, T)
 with torch.no_grad():
-    fused = model(*args)  # (1, T, d_model)
+    fused = model(src_in, tgt_in, src_mask, tgt_mask)  # (1, T, d_model)
     with record_attention(model):
-        explicit = model(*args)
+        explicit = model(src_in, tgt_in, src_mask, tgt_mask)
 assert torch.allclose(fused, explicit, atol=1e-5)
 
 # %% [markdown]
-# A second check recomputes the first encoder layer's weights from its
-# parameters, without Part 1's `attention` function: normalize the
+# **See, it matches.** Earlier we said that one teacher-forced pass over a
+# finished translation gives the decoder–source weights that the decoder
+# used while writing it one token at a time. Here is greedy decoding
+# written out step by step, keeping at each step the newest row of every
+# layer's decoder–source weights (the row that picks the next token),
+# against one pass of `attention_maps` over the tokens it wrote.
+
+# %%
+newest = []  # per step: (N, h, S), each layer's last row
+with torch.no_grad(), record_attention(model):
+    memory = model.encode(src_in, src_mask)  # (1, S, d_model)
+    ys = torch.tensor([[BOS]])  # (1, t): the decoder inputs so far
+    for _ in range(len(src) + 5):
+        ys_mask = Batch.make_std_mask(ys, PAD)  # (1, t, t)
+        out = model.decode(memory, src_mask, ys, ys_mask)  # (1, t, d_model)
+        rows = [m.src_attn.attn[0, :, -1] for m in model.decoder.layers]
+        newest.append(torch.stack(rows))  # (N, h, S)
+        word = model.generator(out[:, -1]).argmax(-1, keepdim=True)  # (1, 1)
+        ys = torch.cat([ys, word], dim=1)  # (1, t + 1)
+        if word.item() == EOS:
+            break
+stepwise = torch.stack(newest, dim=2)  # (N, h, T, S)
+forced = attention_maps(model, src, ys[0])  # one pass, teacher-forced
+assert torch.allclose(forced.decoder_src, stepwise, atol=1e-5)
+print(f"{len(newest)} steps, the same weights as one pass")
+
+# %% [markdown]
+# **See, by hand.** The first encoder layer's weights, recomputed from its
+# parameters without Part 1's `attention` function: normalize the
 # embedded source (Part 1's layers normalize before attending), project it
 # with $W^Q$ and $W^K$, split the $h$ heads, and take a softmax of the
-# scaled dot products.
+# scaled dot products. No mask is needed: the sentence has no padding,
+# and the encoder hides no future positions.
 
 # %%
 with torch.no_grad():
-    layer = model.encoder.layers[0]
-    x = layer.self_attn_block.norm(model.src_embed(src.unsqueeze(0)))
-    W_q, W_k = layer.self_attn.w_q, layer.self_attn.w_k  # x is (1, S, d)
-    d_k = layer.self_attn.d_k
+    enc_layer = model.encoder.layers[0]
+    embedded = model.src_embed(src_in)[0]  # (S, d_model): drop the batch
+    x = enc_layer.self_attn_block.norm(embedded)  # (S, d_model)
+    W_q, W_k = enc_layer.self_attn.w_q, enc_layer.self_attn.w_k
+    d_k = enc_layer.self_attn.d_k
     q = W_q(x).view(len(src), h, d_k).transpose(0, 1)  # (h, S, d_k)
     k = W_k(x).view(len(src), h, d_k).transpose(0, 1)  # (h, S, d_k)
-    by_hand = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(d_k), -1)
+    scores = q @ k.transpose(1, 2) / math.sqrt(d_k)  # (h, S, S)
+    by_hand = torch.softmax(scores, dim=-1)
 assert torch.allclose(by_hand, maps.encoder_self[0], atol=1e-5)
 
 # %% [markdown]
@@ -409,10 +467,12 @@ assert torch.allclose(by_hand, maps.encoder_self[0], atol=1e-5)
 # The same recording twice, on a fresh model with the paper's dropout of
 # 0.1: once in `eval()` mode, and once with the dropout of the first
 # encoder layer's attention switched on, and only that one, so that both
-# passes see the same input. With dropout, every weight is either zeroed
-# or the `eval()` weight scaled by $1/0.9$, so the rows no longer sum to
-# 1, and a weight above 0.9 would be drawn above 1 (this small untrained
-# model has no weight that large; a trained one can).
+# passes see the same input. (A fresh model, because `load_trained_model`
+# rebuilds the trained one with dropout 0: switching it to `train()` would
+# change nothing.) With dropout, every weight is either zeroed or the
+# `eval()` weight scaled by $1/0.9$, so the rows no longer sum to 1, and a
+# weight above 0.9 would be drawn above 1 (this small untrained model has
+# no weight that large; a trained one can).
 
 # %%
 torch.manual_seed(0)
@@ -421,14 +481,14 @@ demo = make_model(
 ).eval()
 demo_src = src.unsqueeze(0)  # (1, S)
 demo_mask = (demo_src != PAD).unsqueeze(-2)  # (1, 1, S)
-first = demo.encoder.layers[0].self_attn
+demo_attn = demo.encoder.layers[0].self_attn
 with torch.no_grad(), record_attention(demo):
     demo.encode(demo_src, demo_mask)
-    clean = first.attn  # (1, h, S, S), eval mode
-    first.dropout.train()  # dropout on these weights only
+    clean = demo_attn.attn  # (1, h, S, S), eval mode
+    demo_attn.dropout.train()  # dropout on these weights only
     demo.encode(demo_src, demo_mask)
-    dropped = first.attn  # (1, h, S, S), with dropout
-    first.dropout.eval()
+    dropped = demo_attn.attn  # (1, h, S, S), with dropout
+    demo_attn.dropout.eval()
 kept = dropped != 0
 for name, w in [("eval mode", clean), ("with dropout", dropped)]:
     sums = w.sum(-1)  # (1, h, S)
@@ -481,22 +541,28 @@ save_chart(attention_chart(maps, "decoder self"), "04_decoder_self", FIGURES)
 # This is where the translation reads the German. Read each row with its
 # *next* token, the word that row is asked to predict (the tooltip shows
 # it): a row is labelled with the decoder's input at that position, so
-# the row that predicts "brown" is the one labelled "A". In the trained
-# `cpu` model's last layer, every head, in the row that predicts "brown",
-# looks at "brauner", and in the row that predicts "black", at
-# "schwarzen": each looks at the German word it is about to translate.
-# The rows that predict "." and `</s>`, which have no German
-# word left to translate, put much of their weight on the edges of the
-# sentence instead: `<s>`, the full stop and `</s>`. A stand-in model of
-# a CI-sized run has seen too little to do any of this.
+# the row that predicts "brown" is the one labelled "A".
+#
+# The chart on record below shows each head of the trained `cpu` model's
+# last layer. In the row that predicts "brown" every head looks most at
+# "brauner", and in the row that predicts "black" at "schwarzen": each
+# looks at the German word it is about to translate. The row that
+# predicts `</s>` has no German word left to translate, and puts much of
+# its weight on the edges of the sentence instead, `<s>` and `</s>`. The
+# row that predicts "." does have one, the German full stop, and weight
+# there is alignment, not parking: one head reads the full stop most, two
+# others put much of that row's weight on `<s>` and `</s>`. A stand-in
+# model of a CI-sized run has seen too little to do any of this.
 #
 # Here is that chart of the trained `cpu` model (the one on record in
 # `results/site_full.md`, trained for 10 epochs), as `make site` saved
-# it:
+# it (on Colab, where this picture does not load, open it [on
+# GitHub][github]):
 #
 # ![The trained cpu model's decoder-source attention, last layer][chart]
 #
 # [chart]: ../docs/trained_attention.png
+# [github]: https://github.com/annotated-transformer/done-right/blob/main/docs/trained_attention.png
 #
 # The cell below draws the same chart for the model loaded on this page,
 # which is the stand-in unless a `cpu` or `quick` model exists.
@@ -509,12 +575,11 @@ save_chart(
 # %% [markdown]
 # **Check.** In the chart on record, each of the four heads of the last
 # layer puts the most weight on "brauner" in the row that predicts
-# "brown", and on "schwarzen" in the row that predicts "black"; and the
-# rows that predict "." and `</s>` put more weight on `<s>`, "." and
-# `</s>` than the rows that predict words. The cell prints these for the
-# model loaded here. With a trained model, `cpu` or `quick`, which need
-# not be the run on record, it checks the same, a little more leniently:
-# for the heads' mean rather than each head.
+# "brown", and on "schwarzen" in the row that predicts "black". The cell
+# prints, for each head of the model loaded here, the German word it
+# reads most in those two rows. With a trained model, `cpu` or `quick`,
+# which need not be the run on record, it asserts the claim a little more
+# leniently: for the heads' mean rather than for each head.
 
 
 # %%
@@ -539,7 +604,12 @@ if trained:  # the heads' mean reads the right German word
 
 # %% [markdown]
 # Then the sentence's edges: the weight, averaged over the heads, that
-# each row puts on `<s>`, "." and `</s>` together.
+# each row puts on `<s>`, "." and `</s>` together. For the row that
+# predicts `</s>` that weight is parked; for the row that predicts ".",
+# the German full stop is the word it translates, so its share there is
+# aligned. The claim checked is therefore only this: the two rows that
+# end the sentence put more weight on `<s>` and `</s>`, plus that aligned
+# full stop, than the rows that predict words do.
 
 # %%
 edges = [column_of("<s>"), column_of("."), column_of("</s>")]
@@ -557,8 +627,8 @@ if trained:
 # averaged over the heads of a layer, next to the $1/S$ of a uniform
 # spread. A layer that tells the copies apart weights the first "Hund"
 # more for the first "dog", and the second for the second, and prints
-# `apart: True`. The trained model's last layer does, as its chart shows;
-# the check runs when that model is loaded.
+# `apart: True`. **Check**: the trained model's last layer does, as its
+# chart shows; the cell asserts it when a trained model is loaded.
 
 # %%
 hund = [j for j, t in enumerate(maps.src_tokens) if t == "Hund"]
@@ -627,6 +697,13 @@ def _diagonal(v, kind):
 # real tokens, which leaves one number per layer and head. These are the
 # table's columns `previous`, `same`, `next` and `specials`. (In decoder
 # self-attention `next` is always 0: the mask hides the next position.)
+#
+# In decoder–source attention, row $i$ predicts English token $i+1$, so a
+# head that reads the German word being translated, in a translation that
+# keeps the word order, looks up to one place after the diagonal: a whole
+# place at the first row, shrinking to none at the last. There `next`,
+# and late in the sentence `same`, mean "aligned with the word being
+# predicted", not a fixed neighbour.
 
 
 # %%
@@ -679,10 +756,14 @@ entropy = sum(-x * math.log(x) for row in p for x in row if x > 0)
 distance = sum(
     x * abs(r - c) for r, row in enumerate(p) for c, x in enumerate(row)
 )
-first = attention_statistics(maps)[0]  # encoder self, layer 1, head 1
-assert math.isclose(first["entropy"], entropy / S / math.log(S), abs_tol=1e-5)
-assert math.isclose(first["distance"], distance / S, abs_tol=1e-5)
-print(f"entropy {first['entropy']:.3f}, distance {first['distance']:.3f}")
+head_stats = attention_statistics(maps)[0]  # encoder self, layer 1, head 1
+entropy_fraction = entropy / S / math.log(S)
+assert math.isclose(head_stats["entropy"], entropy_fraction, abs_tol=1e-5)
+assert math.isclose(head_stats["distance"], distance / S, abs_tol=1e-5)
+print(
+    f"entropy {head_stats['entropy']:.3f},"
+    f" distance {head_stats['distance']:.3f}"
+)
 
 # %% [markdown]
 # `attention_summary` averages those numbers over many validation
@@ -716,7 +797,9 @@ def attention_summary(model, pairs, spacy_de, spacy_en, vocab_src, vocab_tgt):
 
 # %%
 # All 1,014 pairs, twice (here and for the untrained model below): the
-# whole notebook ran in about 30 s on a 2-core CPU (results/site_full.md).
+# whole notebook took 30 s with the `cpu` model (results/site_full.md)
+# and 36 to 68 s with `quick` (results/make_notebook.md), on a shared
+# 2-core CPU whose speed varies.
 pairs = val[:40] if AT_SIZE == "ci" else val
 summary = attention_summary(
     model, pairs, spacy_de, spacy_en, vocab_src, vocab_tgt
@@ -733,15 +816,15 @@ table.round(2)
 # %% [markdown]
 # What can they be compared with? An untrained model of the same shape
 # spreads its attention almost evenly: its weights come from random
-# projections, so no key stands out (check: its mean entropy is above 0.9
-# of uniform for every kind). Training is what makes heads pick: the
-# cell below prints both models' mean entropy for each kind, on the same
-# sentences. Check, with the trained model: its decoder–source heads
-# have a lower mean entropy than the untrained model's (in the chart on
-# record, most of each row's weight in the last layer sits on one German
-# word). (A CI-sized stand-in need not pass: after two short epochs its
-# decoder–source attention can still be as even as an untrained
-# model's.)
+# projections, so no key stands out (the cell asserts that its mean
+# entropy is above 0.9 of uniform for every kind). Training is what makes
+# heads pick: the cell below prints both models' mean entropy for each
+# kind, on the same sentences. **Check**, with the trained model: its
+# decoder–source heads have a lower mean entropy than the untrained
+# model's (in the chart on record, most rows of the last layer put most
+# of their weight on one German word). (A CI-sized stand-in need not
+# pass: after two short epochs its decoder–source attention can still be
+# as even as an untrained model's.)
 
 # %%
 torch.manual_seed(0)
@@ -776,10 +859,14 @@ if trained:
 #   In decoder–source attention such a head is an aligner; a small
 #   distance from the diagonal means that it follows the word order of
 #   the source.
-# * A head with a large share in the `previous`, `same` or `next` column
-#   is *positional*: it reads a fixed neighbour, or the token itself,
-#   whatever the sentence says. Its mean distance can still exceed one
-#   token when the rest of its weight lands far away.
+# * In the two self-attentions, a head with a large share in the
+#   `previous`, `same` or `next` column is *positional*: it reads a fixed
+#   neighbour, or the token itself, whatever the sentence says. Its mean
+#   distance can still exceed one token when the rest of its weight lands
+#   far away. In decoder–source attention the same shares say something
+#   else: `next` and `same` are where an aligner of a translation that
+#   keeps the word order looks, so there a large share means that the
+#   head follows the source in order, not that it ignores the sentence.
 # * A head with a large share in `specials` parks its weight on `<s>` and
 #   `</s>`, tokens that every sentence has. One plausible reading, which
 #   the rows that end the sentence above illustrate: a softmax must put
@@ -790,10 +877,11 @@ if trained:
 # without meaning much: the trained `cpu` model is the one to read.
 #
 # The cell below points at one head of each sort in the model loaded on
-# this page: for each kind, the head with the largest share on one fixed
-# neighbour (or itself), and the head with the largest share on `<s>` and
-# `</s>`. It checks nothing: how large a share makes a head positional or
-# parking is for you to judge from the numbers.
+# this page: for each kind, the head with the largest share in one of
+# `previous`, `same` and `next` (positional in the self-attentions, in
+# order in decoder–source attention), and the head with the largest share
+# on `<s>` and `</s>`. It checks nothing: how large a share makes a head
+# positional or parking is for you to judge from the numbers.
 
 # %%
 neighbour = table[["previous", "same", "next"]]  # (heads, 3)
@@ -801,8 +889,8 @@ for kind in ATTENTION_KINDS:
     layer, head = neighbour.loc[kind].max(axis=1).idxmax()
     where = neighbour.loc[(kind, layer, head)]  # 3 shares of that head
     print(
-        f"{kind}: most positional is layer {layer}, head {head},"
-        f" {where.max():.2f} of its weight on `{where.idxmax()}`"
+        f"{kind}: largest `{where.idxmax()}` share is layer {layer},"
+        f" head {head}, {where.max():.2f} of its weight"
     )
     layer, head = table.loc[kind]["specials"].idxmax()
     on_specials = table.loc[(kind, layer, head), "specials"]
@@ -891,7 +979,7 @@ def replace_unknowns(ids, aligned, src_words, vocab_tgt):
 
 
 # %% [markdown]
-# **A consistency check.** `source_alignment` needs only the English
+# **See, the same word.** `source_alignment` needs only the English
 # tokens, whoever wrote them, so we can run it on the reference
 # translations of the validation set, teacher-forced, whose words outside
 # the English vocabulary are `<unk>` too. There we know the English word
@@ -899,12 +987,12 @@ def replace_unknowns(ids, aligned, src_words, vocab_tgt):
 # has no gold alignments). Below, the first three such sentences, with
 # the reference's words, the `<unk>` version, the version with German
 # words copied in, and each copied word next to the English word it
-# stands for, to judge by eye. Check: each copied word is the German word
-# with the largest weight in the maps of this page (`attention_maps`),
-# averaged over every layer and head. Those maps come from their own
-# forward pass, with their own masks and labels, so the check catches a
-# row or a position read one place off; it says nothing about whether
-# the model aligns well.
+# stands for, to judge by eye. The cell asserts that each copied word is
+# the German word with the largest weight in the maps of this page
+# (`attention_maps`), averaged over every layer and head. Those maps come
+# from their own forward pass, with their own masks and labels, so the
+# check catches a row or a position read one place off; it says nothing
+# about whether the model aligns well.
 
 
 # %%
@@ -950,11 +1038,15 @@ for de, en in val:
 assert examples == 3
 
 # %% [markdown]
-# Copying can only help where the German word is also the English one, as with
-# a name or a number. On Multi30k most unknown words are rare German compounds
-# and verbs instead, which stay German when copied: of the 386 words copied
-# into the greedy test2016 translations of the 10-epoch `cpu` model on record,
-# 11 appear in the English reference (`results/unk_replacement.md`, not
-# recomputed here). `translate_batch` and the command line (appendix) replace
-# unknown words by default, and Part 5 shows another way out: a subword
+# Copying can only help where the German word is also the English one, as
+# with a name or a number. On Multi30k most unknown words are rare German
+# compounds and verbs instead, which stay German when copied: of the 386
+# words copied into the greedy test2016 translations of the 10-epoch `cpu`
+# model on record, 11 appear in the English reference. BLEU moves, but not
+# for that reason: the same greedy output scores 37.10 with `<unk>` kept
+# and 37.97 with it replaced, yet 38.05 with every `<unk>` simply deleted,
+# so the gain comes from removing a token that sacreBLEU splits into three
+# pieces that never match (`results/unk_replacement.md`, not recomputed
+# here). `translate_batch` and the command line (appendix) replace unknown
+# words by default, and Part 5 shows another way out: a subword
 # vocabulary, which has no `<unk>` at all.

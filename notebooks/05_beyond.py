@@ -93,6 +93,7 @@ from annotated_transformer_tools import (
     average_checkpoints,
     compute_bleu,
     describe_checkpoint,
+    download_multi30k,
     epoch_checkpoints,
     find_or_train,
     get_config,
@@ -130,6 +131,7 @@ from annotated_transformer_tools import (
 
 
 # %%
+download_multi30k()  # verifies the data, fetching it on a fresh runtime
 spacy_de, spacy_en = load_tokenizers()
 tokenizers = (spacy_de, spacy_en)
 word_vocabs = load_vocab(spacy_de, spacy_en)  # (German, English) vocabs

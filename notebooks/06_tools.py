@@ -317,9 +317,10 @@ def _token_lookups(maps, v, frame):
 
 
 # %% [markdown]
-# Third, the heat map of one head: white for weight 0, dark blue for the
-# largest weight, one square of `cell` pixels per (query, key) pair, and a
-# tooltip that names the query, the key, the next token and the weight.
+# Third, the heat map of one head: white for weight 0, dark blue for
+# weight 1 (one scale for every head and model), one square of `cell`
+# pixels per (query, key) pair, and a tooltip that names the query, the
+# key, the next token and the weight.
 # `attention_chart` then repeats it for every head, in rows of `columns`.
 
 
@@ -333,7 +334,7 @@ def _heat_map(frame, v, lookups, pick, cell):
     tooltip = [alt.Tooltip(f"{f}:N") for f in lookups]  # tokens
     tooltip += [alt.Tooltip("weight:Q", format=".3f"), "layer:O", "head:O"]
     scale = alt.Scale(
-        domainMin=0, range=["#ffffff", "#08306b"], interpolate="lab"
+        domain=[0, 1], range=["#ffffff", "#08306b"], interpolate="lab"
     )
     return (
         alt.Chart(alt.Data(values=numbers.to_dict("records")))

@@ -333,6 +333,9 @@ def test_attention_chart_has_every_head_and_layer_and_no_nan(maps, kind):
     assert max(r["weight"] for r in rows) <= 1.0
     param = spec["params"][0]
     assert param["bind"]["options"] == list(range(1, N + 1))
+    # one colour scale for every map: white is 0 and dark blue is 1
+    colour = spec["spec"]["encoding"]["color"]["scale"]
+    assert colour["domain"] == [0, 1]
 
 
 def test_summary_chart_has_no_nan(model, maps):

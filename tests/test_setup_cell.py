@@ -83,3 +83,28 @@ def test_a_failed_clone_stops_the_cell_with_a_clear_message(tmp_path):
     assert proc.returncode != 0
     assert f"could not clone {missing}" in proc.stderr
     assert not (tmp_path / "done-right").exists()
+
+
+# What reads Multi30k from disk: a lesson opened on a fresh runtime (Colab
+# gives each notebook its own) must fetch the data before its first read.
+READS_DATA = re.compile(r"\b(read_multi30k|load_vocab|build_vocabulary)\(")
+
+
+def lesson_code(path):
+    """The code cells a reader runs: not `#| export` definitions."""
+    nb = jupytext.read(path)
+    cells = [c.source for c in nb.cells if c.cell_type == "code"]
+    return [c for c in cells if not c.startswith("#| export")]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_a_lesson_downloads_multi30k_before_reading_it(path):
+    code = "\n".join(lesson_code(path))
+    first_read = READS_DATA.search(code)
+    if first_read is None:
+        pytest.skip("reads no Multi30k file")
+    download = code.find("download_multi30k()")
+    assert 0 <= download < first_read.start(), (
+        f"{path.name} reads Multi30k ({first_read.group(0)}) before"
+        " calling download_multi30k()"
+    )
