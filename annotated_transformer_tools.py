@@ -2058,6 +2058,13 @@ def add_train_parser(sub):
         " record is --preset cpu --dropout 0.2)",
     )
     train.add_argument(
+        "--schedule",
+        choices=["noam", "linear"],
+        help="the learning rate after the warm-up: noam, the paper's"
+        " (falls as 1/sqrt(step)), or linear (to zero at the last step);"
+        " default: the preset's",
+    )
+    train.add_argument(
         "--device",
         type=existing_device,
         help="the device of a one-process run: cpu, cuda:1, mps (default:"
@@ -2207,6 +2214,7 @@ def command_train(args):
             ("epochs", args.epochs),
             ("max_tokens", args.max_tokens),
             ("dropout", args.dropout),
+            ("schedule", args.schedule),
             ("checkpoint_dir", args.checkpoint_dir),
             ("keep_last", args.keep_last),
         )

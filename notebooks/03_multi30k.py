@@ -917,7 +917,9 @@ trained, trained_src, trained_tgt, _ = tools.load_trained_model(
     final_checkpoint, device
 )
 print("model:", tools.describe_checkpoint(final_checkpoint))
-assert trained_src == vocab_src and trained_tgt == vocab_tgt
+# (compared as token lists: the module's Vocab class is not this page's)
+assert trained_src.get_itos() == vocab_src.get_itos()
+assert trained_tgt.get_itos() == vocab_tgt.get_itos()
 
 # %% [markdown]
 # Check against an independent reference: decoding twelve validation

@@ -509,9 +509,10 @@ def test_train_options_refuse_bad_values(option, value, capsys):
         for value in ("-0.1", "11", "nan", "inf", "many")
     ]
     + [["train", "--dropout", value] for value in ("-0.1", "1", "nan", "x")]
+    + [["train", "--schedule", "cosine"]]
     + [["train", "--device", value] for value in ("tpu", "cuda:99")],
 )
-def test_real_number_and_device_options_refuse_bad_values(argv, capsys):
+def test_number_choice_and_device_options_refuse_bad_values(argv, capsys):
     with pytest.raises(SystemExit) as stop:
         tools.main(argv)
     err = capsys.readouterr().err

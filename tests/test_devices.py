@@ -239,14 +239,17 @@ def test_train_device_overrides_the_picked_device(
     machine, tmp_path, monkeypatch, capsys
 ):
     """A Mac whose MPS fails can train on its CPU: --device cpu."""
-    argv = ["--device", "cpu", "--dropout", "0.2"]
+    argv = ["--device", "cpu", "--dropout", "0.2", "--schedule", "linear"]
     status, got = train_from_the_command_line(argv, tmp_path, monkeypatch)
     ((args, kwargs),) = got
     config = args[6]  # rank, world, two vocabularies, two tokenizers, config
     assert status == 0 and kwargs["device"] == "cpu"
     assert config.dropout == 0.2 and config.preset == "ci"
+    assert config.schedule == "linear"  # ci's own is noam
+    assert tools.get_config("ci").schedule == "noam"
     status, got = train_from_the_command_line([], tmp_path, monkeypatch)
     assert status == 0 and got[0][1]["device"] is None  # pick_device's
+    assert got[0][0][6].schedule == "noam"
 
 
 @with_machine("two A100s")
