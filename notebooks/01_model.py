@@ -48,7 +48,10 @@ if "COLAB_RELEASE_TAG" in os.environ and not os.path.isdir(CLONE):
         raise SystemExit(f"could not clone {REPO}; nothing else will run")
     pip = ["pip", "install", "-q", "-e", f"./{CLONE}[notebooks]"]
     subprocess.run([sys.executable, "-m", *pip], check=True)
-ROOT = os.path.abspath(CLONE if os.path.isdir(CLONE) else "..")
+# The repository: the clone on Colab; else this notebook's parent folder,
+# or the working directory when it is the repository itself.
+HERE = "." if os.path.isfile("the_annotated_transformer.py") else ".."
+ROOT = os.path.abspath(CLONE if os.path.isdir(CLONE) else HERE)
 sys.path.insert(0, ROOT)
 
 # %%

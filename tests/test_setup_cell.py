@@ -108,3 +108,21 @@ def test_a_lesson_downloads_multi30k_before_reading_it(path):
         f"{path.name} reads Multi30k ({first_read.group(0)}) before"
         " calling download_multi30k()"
     )
+
+
+@pytest.mark.parametrize("where", ["notebooks", "."])
+def test_root_is_the_repository_from_its_notebooks_folder_or_itself(where):
+    """Jupyter starts in notebooks/; `python notebooks/01_model.py` in the
+    repository root starts there."""
+    cell = setup_cell(NOTEBOOKS[0])
+    env = {k: v for k, v in os.environ.items() if k != "COLAB_RELEASE_TAG"}
+    proc = subprocess.run(
+        [sys.executable, "-c", cell + "\nprint(ROOT)"],
+        cwd=ROOT / where,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(ROOT)
