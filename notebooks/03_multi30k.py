@@ -853,21 +853,24 @@ tools.line_chart(
 #   model learned faster per step (validation loss 1.53 against 1.65
 #   after 612 steps), and each step took 13% less time, with no random
 #   masks to draw.
-# - **Batches of 3,000 tokens, not fewer.** Halving the batch doubles the
-#   steps for the same tokens. That won for budgets under two epochs and
-#   lost at about five epochs' training time. Both trials had dropout
-#   0.1; with more time and more tokens (17.5 minutes against about 12,
-#   2.4 million tokens against 2.0), 1,600 steps of 1,500 tokens reached
-#   27.2 validation BLEU, and 660 steps of 3,000 reached 32.5.
+# - **Batches of 3,000 tokens, not fewer.** Halving the batch doubles
+#   the steps for the same tokens. That won when training was shorter
+#   than two epochs, and lost at about five epochs' time: 660 steps of
+#   3,000 tokens reached 32.5 validation BLEU, and 1,600 steps of 1,500
+#   tokens only 27.2, although they ran longer (17.5 minutes against
+#   about 12) and saw more tokens (2.4 million against 2.0).
 #
-# Each number comes from a trial in `results/recipe_sweep.md`, with its command
-# and time (the two batch trials also differ in warm-up, 200 steps against
-# 300, and peak, 20% higher for the smaller batches). Their validation BLEU
-# replaces `<unk>` with the German word (Part 4), so it runs above the curve,
-# which keeps `<unk>`: trial q3000-d00 scored 37.03 at step 765, where the
-# curve ends at 34.52. The `cpu` preset trains
-# the same model for 18 epochs with dropout and Part 2's schedule, in over an
-# hour (`make train`, in the Makefile); Parts 4 and 5 read it when it exists.
+# Each number comes from a trial in `results/recipe_sweep.md`, with its
+# command and time. (The two batch trials also differ a little in
+# warm-up, 200 steps against 300, and in peak, 20% higher for the smaller
+# batches; both had dropout 0.1.) The sweep's validation BLEU replaces
+# `<unk>` with the German word (Part 4), so it runs above the curve,
+# which keeps `<unk>`: the trial that became `quick`, q3000-d00, scored
+# 37.03 at step 765, where the curve ends at 34.52.
+#
+# The `cpu` preset trains the same model for 18 epochs with dropout and
+# Part 2's schedule, in over an hour (`make train`, in the Makefile);
+# Parts 4 and 5 read it when it exists.
 
 # %% [markdown]
 # ## Decoding
