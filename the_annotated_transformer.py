@@ -1427,7 +1427,7 @@ def cached_greedy_decode(
     cache = DecoderCache(model, model.encode(src, src_mask), src_mask)
     out = torch.full((B, max_len), PAD, dtype=torch.long, device=src.device)
     out[:, 0] = start_symbol  # (B, max_len)
-    # `rows` counts in the batch: the rows of `out` still running.
+    # rows[r]: the row of `out` (0 to B - 1) that cache row r decodes.
     rows = torch.arange(B, device=src.device)  # (R,) indices into out
     t = 0
     for t in range(1, max_len):

@@ -297,7 +297,8 @@ def attention_maps(
 # vocabularies, trained on all of Multi30k. The page loads
 # `checkpoints/cpu/final.pt`, which `make train` writes in over an hour,
 # or else `checkpoints/quick/final.pt`, which Part 3 trained in minutes:
-# the same shape, fewer epochs.
+# the same shape, fewer epochs. (`make train` now trains 18 epochs; the
+# numbers quoted below come from a 10-epoch run, see below.)
 #
 # If neither exists, the appendix's `find_or_train` trains a *stand-in*
 # here, in seconds: the tiny `ci` preset, which has one layer and two
@@ -312,11 +313,12 @@ def attention_maps(
 # the prose says about "brown", "black" and the two dogs will not match
 # the charts and numbers you see.
 #
-# Two kinds of cell check what this page says. Cells titled "See, …"
-# check the code itself, and assert with any model, the stand-in
-# included. Cells marked **Check** test claims about the trained model's
-# heads: they print the numbers of the model loaded, and assert only when
-# it is a trained one (`trained` below).
+# Two kinds of assert check what this page says. Those that run with any
+# model, the stand-in included, check the code itself (most are in cells
+# titled "See, …"). Those under `if trained:`, in cells marked
+# **Check**, test claims about the trained model's heads: these cells
+# print the numbers of the model loaded, and assert those claims only
+# when it is a trained one (`trained` below).
 #
 # The numbers quoted in the prose, "on record", come from one `cpu` run
 # of 10 epochs (where the preset now trains 18), in `results/site_full.md`
@@ -403,7 +405,8 @@ print("the two padding keys: weight 0 in every layer and head")
 # %% [markdown]
 # And recording changes nothing about what the model computes: with the
 # masks built as in training, the output of the explicit path matches that
-# of the fused kernel.
+# of the fused kernel (the `F.scaled_dot_product_attention` branch that
+# `MultiHeadedAttention` takes when it does not record).
 
 # %%
 src_in = src.unsqueeze(0)  # (1, S): a batch of one
@@ -412,8 +415,8 @@ tgt_in = maps.tgt_ids.unsqueeze(0)  # (1, T)
 tgt_mask = Batch.make_std_mask(tgt_in, PAD)  # (1, T, T)
 with torch.no_grad():
     fused = model(src_in, tgt_in, src_mask, tgt_mask)  # (1, T, d_model)
-    with record_attention(model):
-        explicit = model(src_in, tgt_in, src_mask, tgt_mask)
+with torch.no_grad(), record_attention(model):
+    explicit = model(src_in, tgt_in, src_mask, tgt_mask)
 assert torch.allclose(fused, explicit, atol=1e-5)
 
 # %% [markdown]
@@ -551,11 +554,13 @@ save_chart(attention_chart(maps, "decoder self"), "04_decoder_self", FIGURES)
 # "brauner", and in the row that predicts "black" at "schwarzen": each
 # looks at the German word it is about to translate. The row that
 # predicts `</s>` has no German word left to translate, and puts much of
-# its weight on the edges of the sentence instead, `<s>` and `</s>`. The
-# row that predicts "." does have one, the German full stop, and weight
-# there is alignment, not parking: one head reads the full stop most, two
-# others put much of that row's weight on `<s>` and `</s>`. A stand-in
-# model of a CI-sized run has seen too little to do any of this.
+# its weight on the edges of the sentence instead, `<s>` and `</s>`: *parking*,
+# weight left on a token that carries no content, because a softmax row must
+# put its weight somewhere. The row that predicts "." does have one, the German
+# full stop, and weight there is alignment, not parking: one head reads the
+# full stop most, two others put much of that row's weight on `<s>` and
+# `</s>`. A stand-in model of a CI-sized run has seen too little to do
+# any of this.
 #
 # Here is that chart of the trained `cpu` model (the one on record in
 # `results/site_full.md`, trained for 10 epochs), as `make site` saved
@@ -701,12 +706,15 @@ def _diagonal(v, kind):
 # table's columns `previous`, `same`, `next` and `specials`. (In decoder
 # self-attention `next` is always 0: the mask hides the next position.)
 #
-# In decoder–source attention, row $i$ predicts English token $i+1$, so a
-# head that reads the German word being translated, in a translation that
-# keeps the word order, looks up to one place after the diagonal: a whole
-# place at the first row, shrinking to none at the last. There `next`,
-# and late in the sentence `same`, mean "aligned with the word being
-# predicted", not a fixed neighbour.
+# In decoder–source attention, row $i$ predicts English token $i+1$, so a head
+# that reads the German word being translated, in a translation that keeps the
+# word order, looks up to one place after the diagonal: a whole place at the
+# first row (row 0, `<s>`, predicts the first English word, aligned with German
+# position 1, while the diagonal is at 0), shrinking to none at the last (the
+# row that predicts `</s>` reads German `</s>`, on the diagonal). The diagonal
+# is rounded to the nearest position first. There `next`, and late in the
+# sentence `same`, mean "aligned with the word being predicted", not a fixed
+# neighbour.
 
 
 # %%
@@ -1049,7 +1057,7 @@ assert examples == 3
 # for that reason: the same greedy output scores 37.10 with `<unk>` kept
 # and 37.97 with it replaced, yet 38.05 with every `<unk>` simply deleted,
 # so the gain comes from removing a token that sacreBLEU splits into three
-# pieces that never match (`results/unk_replacement.md`, not recomputed
-# here). `translate_batch` and the command line (appendix) replace unknown
-# words by default, and Part 5 shows another way out: a subword
+# pieces, `<`, `unk` and `>`, that never match (`results/unk_replacement.md`,
+# not recomputed here). `translate_batch` and the command line (appendix)
+# replace unknown words by default, and Part 5 shows another way out: a subword
 # vocabulary, which has no `<unk>` at all.

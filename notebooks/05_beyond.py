@@ -285,8 +285,9 @@ def cached_self_attention(attn, x, cache, i):
 # The rest is the decoder of Part 1, applied to one position: each
 # layer's three `SublayerConnection`s with their norms and residuals, then
 # the final norm and the generator. The new token is the only one we
-# embed, so its positional encoding is read from the `pe` buffer at
-# position $t$.
+# embed, so its positional encoding is read from the `pe` buffer at its
+# own position, `cache.length` (the number of tokens already fed; in the
+# greedy loop below, which predicts position $t$, that is $t - 1$).
 
 
 # %%
@@ -339,7 +340,7 @@ def cached_greedy_decode(
     cache = DecoderCache(model, model.encode(src, src_mask), src_mask)
     out = torch.full((B, max_len), PAD, dtype=torch.long, device=src.device)
     out[:, 0] = start_symbol  # (B, max_len)
-    # `rows` counts in the batch: the rows of `out` still running.
+    # rows[r]: the row of `out` (0 to B - 1) that cache row r decodes.
     rows = torch.arange(B, device=src.device)  # (R,) indices into out
     t = 0
     for t in range(1, max_len):
@@ -360,10 +361,11 @@ def cached_greedy_decode(
 # **See, it matches.** We teacher-force the tokens that greedy decoding
 # chose and compare, at every step, the log-probabilities of the cached
 # step with those of the full decoder run over the whole prefix. They
-# agree to float32 rounding. Then the contract: `cached_greedy_decode`
-# returns exactly what `batch_greedy_decode` does, `<blank>`s included.
-# And the tokens agree with `greedy_decode` run on one unpadded sentence
-# at a time, up to its first `</s>` (it never stops there).
+# agree to within 1e-4: float32 rounding, summed in another order. Then the
+# contract: `cached_greedy_decode` returns exactly what `batch_greedy_decode`
+# does, `<blank>`s included. And the tokens agree with `greedy_decode` run on
+# one unpadded sentence at a time, up to its first `</s>` (it never stops
+# there).
 #
 # All decoders here get one output limit, the paper's: input length + 50
 # tokens, where the input length of a padded batch is that of its longest
@@ -525,10 +527,10 @@ class Beams(NamedTuple):
 # One step: score the candidates, keep the $k$ best of each sentence, and
 # copy the tokens of each survivor's *parent*, the hypothesis it extends.
 # `advance_beams` also returns the parents, which the cache needs, and
-# the scores of the hypotheses that ended at this step. Running
-# hypotheses can push a finished one out of the beam and then score lower
-# once they end, so `keep_best` records each sentence's best finished
-# hypothesis as it ends.
+# the scores of the hypotheses that ended at this step. A finished
+# hypothesis can be pushed out of the beam by running ones that later end
+# with lower scores, so `keep_best` records each sentence's best finished
+# hypothesis when it ends.
 
 
 # %%
@@ -568,7 +570,8 @@ def keep_best(out, best, beams, score):
 # next-token log-probabilities of each hypothesis, and `select`, which
 # reorders the model's state (the cache) when hypotheses are reordered;
 # so a test can drive it with a hand-made table of probabilities. The $k$
-# hypotheses of sentence `b` are rows `b * k ... b * k + k - 1`. A
+# hypotheses of the `b`-th sentence still searching are rows
+# `b * k ... b * k + k - 1`. A
 # sentence whose $k$ beams have all finished leaves the batch. At
 # `max_len`, hypotheses still running compete for the answer too.
 
@@ -690,7 +693,9 @@ assert torch.equal(beam1, cached)
 # is likely (the best, `</s>`, has 0.4), while `b` is followed by `</s>`
 # with probability 0.9.
 # Greedy takes `a` and ends with probability $0.5 \cdot 0.4 = 0.20$; a
-# beam of two also keeps `b` and finds $0.4 \cdot 0.9 = 0.36$.
+# beam of two also keeps `b` and finds $0.4 \cdot 0.9 = 0.36$. The toy
+# needs only the ids of `<s>`, `</s>` and `<blank>` (0 to 2), so id 3 is
+# a word here, not `<unk>`.
 
 # %%
 toy_names = ["<s>", "</s>", "<blank>", "a", "b"]
@@ -736,7 +741,8 @@ for k, (want_tokens, want_p) in want.items():
 # sentences. To find the row to compare with, match the preset and the
 # number of epochs in the `model:` line printed above. A full run of this
 # notebook on one of those models should print scores near its row, a
-# little above it for the 18-epoch `cpu` model, whose row keeps `<unk>`.
+# little above it for the 18-epoch `cpu` model, whose row keeps `<unk>`
+# (it was recorded before `<unk>` replacement existed; see section 5).
 # The check asks only that a trained model scores above 30 with both
 # decoders. The CI-sized stand-in scores close to 0.
 
@@ -827,8 +833,9 @@ ties = len(gain) - wins - losses
 print(f"mean s(Y): greedy {scores['greedy'].mean():.3f}, ", end="")
 print(f"beam 4 {scores['beam 4'].mean():.3f}")
 print(f"beam 4 scores higher on {wins}, equal on {ties}, lower on {losses}")
-# A regression guard on a seeded, deterministic run, not a law of beam
-# search (see above): a code change that breaks it deserves a look.
+# Not a law of beam search (see above): for the CI-sized stand-in, whose
+# training is seeded (the `ci` preset's seed), it is the only check here,
+# a regression guard that a code change breaking it deserves a look.
 assert scores["beam 4"].mean() >= scores["greedy"].mean() - 1e-4
 if trained:
     assert scores["beam 4"].mean() > scores["greedy"].mean()
@@ -1182,9 +1189,10 @@ for decoder_name, fn in DECODERS.items():
 # means greedy, with the cache), `--alpha A`, the length penalty's
 # $\alpha$ (the paper's 0.6 unless given), and `--average N`, the number
 # of epoch checkpoints to average, the newest in the checkpoint's folder
-# (the appendix's `load_translator` puts them together). This command
-# scores a checkpoint with the best decoding on record
-# (`docs/results.md`):
+# (the appendix's `load_translator` puts them together). Without
+# `--checkpoint` they use `checkpoints/cpu/final.pt`, else
+# `checkpoints/quick/final.pt`. This command scores that checkpoint with
+# the best decoding on record (`docs/results.md`):
 #
 # ```bash
 # python annotated_transformer_tools.py evaluate \
@@ -1201,9 +1209,9 @@ for decoder_name, fn in DECODERS.items():
 # - record A: bf16, made before `<unk>` replacement existed, so its word
 #   model keeps `<unk>` (which cost the 10-epoch model 0.9 greedy BLEU:
 #   `results/unk_replacement.md`);
-# - record B: float32 (its configs say `precision: bf16`, which means
-#   bf16 only where the CPU computes it natively, and this CPU did not),
-#   with `<unk>` replaced;
+# - record B: float32 (its config asked for bf16, which is used only
+#   where the CPU computes it natively, and this CPU does not), with
+#   `<unk>` replaced;
 # - `make notebook`: float32, with `<unk>` replaced.
 #
 # BLEU; "+ avg": the average of the last 5 epoch checkpoints; "—": not
