@@ -626,7 +626,8 @@ peak = rate(100, 256, 1.0, 100)
 assert math.isclose(peak, 256**-0.5 * 100**-0.5)
 lrs = [warmup_then_linear(s, peak, 100, 1000) for s in range(1, 1001)]
 assert math.isclose(lrs[49], peak / 2)  # step 50: half-way up
-assert lrs[99] == max(lrs) == peak and lrs[-1] == 0
+assert lrs[99] == max(lrs) == peak  # step 100: the top
+assert lrs[-1] == 0  # step 1000: the end of the budget
 steps_down = [a - b for a, b in zip(lrs[99:], lrs[100:])]
 assert max(steps_down) - min(steps_down) < 1e-12
 
@@ -640,7 +641,8 @@ quick = tools.get_config("quick")
 quick_model = model_from_config(quick, 10, 10)  # tiny vocabularies
 _, quick_schedule = make_run_optimizer(quick_model, quick, 153)
 quick_rate = quick_schedule.lr_lambdas[0]  # Adam's lr is 1: the rate itself
-assert round(quick_rate(300), 4) == 2.2e-3 and quick_rate(765) == 0
+assert round(quick_rate(300), 4) == 2.2e-3  # the peak, after warm-up
+assert quick_rate(765) == 0  # the last step
 
 
 # %% [markdown]

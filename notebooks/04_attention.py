@@ -242,9 +242,9 @@ def _recorded_weights(model, src, src_mask, tgt_in, pad):
     tgt_mask = Batch.make_std_mask(tgt_in, pad)  # (1, T, T)
     with record_attention(model):
         model(src, tgt_in, src_mask, tgt_mask)
-        enc = [m.self_attn.attn[0] for m in model.encoder.layers]
-        dec = [m.self_attn.attn[0] for m in model.decoder.layers]
-        crs = [m.src_attn.attn[0] for m in model.decoder.layers]
+        enc = [layer.self_attn.attn[0] for layer in model.encoder.layers]
+        dec = [layer.self_attn.attn[0] for layer in model.decoder.layers]
+        crs = [layer.src_attn.attn[0] for layer in model.decoder.layers]
     return [torch.stack(w).float().cpu() for w in (enc, dec, crs)]
 
 
