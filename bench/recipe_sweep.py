@@ -343,6 +343,22 @@ SETTINGS = {
         "max_steps": 0,
         "eval_every": 0,
     },
+    # cpu-d02-lin18's validation loss was still falling at its last epoch
+    # (1.463, its lowest), so the linear decay may gain from more steps:
+    # the same run over 24 epochs (153 x 24 = 3,672 steps instead of
+    # 2,754), decaying to zero at the last one.
+    "cpu-d02-lin24": {
+        "why": "cpu-d02-lin18 over 24 epochs: a longer linear decay",
+        "preset": "cpu",
+        "set": {
+            "dropout": 0.2,
+            "schedule": "linear",
+            "epochs": 24,
+            "keep_last": 0,
+        },
+        "max_steps": 0,
+        "eval_every": 0,
+    },
 }
 
 TABLE_HEAD = (
