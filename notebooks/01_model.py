@@ -156,11 +156,7 @@ class Generator(nn.Module):
 #
 # The copies come from `clones`, which deep-copies one module $N$ times:
 # every copy gets its own tensors, holding the same values at first.
-# `make_model` then redraws every weight matrix (every parameter with more
-# than one dimension), so only the one-dimensional ones, the biases and the
-# layer norms' gains, stay equal across copies. That is harmless: the
-# copies' weight matrices already differ, so each copy computes and learns
-# something different from the start.
+# `make_model` re-initializes them (see "The full model").
 
 
 # %%
@@ -223,7 +219,8 @@ class Encoder(LayerStack):
 # \epsilon}} + b, \qquad \sigma^2 = \frac{1}{d}\sum_i (x_i - \mu)^2 .$$
 #
 # **Our choice.** The 2022 tutorial divided by the *unbiased* standard
-# deviation plus $\epsilon$. We use the standard form above, which is what
+# deviation (the one that divides by $d - 1$ instead of $d$) plus
+# $\epsilon$. We use the standard form above, which is what
 # `torch.nn.LayerNorm` computes, so the two can be compared directly. We
 # still write our own small class rather than use `nn.LayerNorm`, only to
 # keep the 2022 tutorial's parameter names: the gain $a$ is `a_2` and the
@@ -250,14 +247,17 @@ class LayerNorm(nn.Module):
 
 # %% [markdown]
 # The formula, written out, gives the same numbers as the fused kernel
-# that `forward` calls:
+# that `forward` calls. The gain and bias are random, so that the check
+# tests them and not just 1 and 0; the input has mean 1 and standard
+# deviation 3, so that the normalization has something to undo (the
+# residual check below reuses it).
 
 # %%
 torch.manual_seed(0)
 norm = LayerNorm(24)
 nn.init.normal_(norm.a_2)
 nn.init.normal_(norm.b_2)
-x = torch.randn(4, 5, 24) * 3 + 1
+x = torch.randn(4, 5, 24) * 3 + 1  # mean 1, standard deviation 3
 mean, var = x.mean(-1, keepdim=True), x.var(-1, keepdim=True, unbiased=False)
 by_hand = norm.a_2 * (x - mean) / torch.sqrt(var + norm.eps) + norm.b_2
 assert torch.allclose(norm(x), by_hand, atol=1e-5)
@@ -272,11 +272,15 @@ assert torch.allclose(norm(x), by_hand, atol=1e-5)
 # sub-layer and leave the residual path untouched ("pre-norm"): $x +
 # \mathrm{Dropout}(\mathrm{Sublayer}(\mathrm{LayerNorm}(x)))$. Pre-norm keeps
 # an identity path from the input to the stack's final norm (the check below
-# shows it for one block). Xiong et al. (2020) show that this keeps the
+# shows it for one block): the gradient reaching a lower layer always
+# includes an unchanged copy of the gradient from above, however many
+# blocks are stacked. Xiong et al. (2020) show that this keeps the
 # gradients of the lower layers well scaled, so that training needs less
 # careful warm-up (the slow start of the learning rate, Part 2); we cite their
 # result rather than repeat it here. The cost is one extra norm at the top of
-# each stack, which is why `LayerStack` ends with a `LayerNorm`.
+# each stack: pre-norm never normalizes the residual stream itself, so the
+# last block's output can have any scale, and the final `LayerNorm` of
+# `LayerStack` fixes that before anything reads it.
 #
 # ![Pre-norm and post-norm residual blocks](attachment:residual.svg)
 
@@ -301,6 +305,8 @@ class SublayerConnection(nn.Module):
 # its input unchanged. Post-norm has no such path: the same zero sub-layer
 # returns $\mathrm{LayerNorm}(x + 0)$, which is not $x$: this $x$, from
 # the layer-norm check, has mean about 1 and standard deviation about 3.
+# (The second assert only shows that post-norm's output is not its input;
+# the benefit for gradients is the cited paper's.)
 
 # %%
 block = SublayerConnection(24, dropout=0.0)
@@ -312,11 +318,15 @@ assert not torch.allclose(post_norm, x)  # post-norm
 # An encoder layer has two sub-layers: self-attention over the source, then
 # a position-wise feed-forward network. Each sits in its own residual
 # block, named for the sub-layer it wraps: `self_attn_block` and
-# `ff_block`. Attention takes queries, keys, values and a mask (the
-# Attention section below explains them); in self-attention all three
-# are the same sequence, hence `self_attn(y, y, y, mask)`. The `lambda`
-# fixes the mask, so that the residual block can call the sub-layer with
-# one argument.
+# `ff_block`. Attention takes queries, keys, values and a mask. In short,
+# each position sends out a *query* and compares it with every position's
+# *key*; the better they match, the more of that position's *value* it
+# takes in, and a mask forbids some query–key pairs (the Attention section
+# below explains all four). In self-attention all three are the same
+# sequence, hence `self_attn(y, y, y, mask)`; inside, three learned
+# projections turn the same `y` into different queries, keys and values. The
+# `lambda` fixes the mask, so that the residual block can call the sub-layer
+# with one argument.
 
 
 # %%
@@ -428,8 +438,11 @@ assert torch.equal(subsequent_mask(20)[0], torch.ones(20, 20).tril().bool())
 
 # %% [markdown]
 # The same mask for 20 positions, drawn by `mask_chart` and saved in `figures/`
-# by `save_chart`, both from the appendix. Blue cells are the pairs the decoder
-# may use: the first position sees only itself, the last sees the whole prefix.
+# (for the README and the docs) by `save_chart`, both from the appendix:
+# notebook 06_tools, exported as `annotated_transformer_tools.py`, which
+# holds the plumbing; nothing in it is needed to follow this lesson. Blue cells
+# are the pairs the decoder may use: the first position sees only itself, the
+# last sees the whole prefix.
 
 # %%
 from pathlib import Path
@@ -450,12 +463,52 @@ save_chart(mask_chart(20), "01_subsequent_mask", Path(ROOT, "figures"))
 # $$\mathrm{Attention}(Q, K, V) = \mathrm{softmax}\!\left(
 # \frac{QK^\top}{\sqrt{d_k}}\right) V .$$
 #
-# Why divide by $\sqrt{d_k}$? With unit-variance entries, $q \cdot k$ has
-# variance $d_k$: at $d_k = 64$ the raw scores have a standard deviation of
-# 8, the softmax tends to put most of the weight on one key, and there its
-# gradient is small. The division brings the variance back to 1.
+# ![Scaled dot-product attention, step by step](attachment:attention.svg)
 #
-# The softmax's gradient with respect to its scores is the matrix
+# In code it is a few lines. `mask` is the boolean mask above; a masked
+# score is replaced by the most negative number its dtype holds, so its
+# weight after the softmax is zero (why that number, below). A departure
+# from the paper: `attention` can apply dropout to the weights
+# themselves. It is inherited from the 2022 tutorial and not measured
+# here; the paper (section 5.4) mentions dropout only on each sub-layer's
+# output and on the sums of embeddings and positional encodings.
+
+
+# %%
+#| export
+def attention(query, key, value, mask=None, dropout=None):
+    """Scaled dot-product attention; returns (output, weights)."""
+    d_k = query.size(-1)
+    scores = query @ key.transpose(-2, -1) / math.sqrt(d_k)  # (B, h, T, S)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    p_attn = scores.softmax(dim=-1)
+    if dropout is not None:
+        p_attn = dropout(p_attn)
+    return p_attn @ value, p_attn  # (B, h, T, d_k), (B, h, T, S)
+
+
+# %% [markdown]
+# PyTorch ships the same function, fused, as `scaled_dot_product_attention`.
+# With a causal mask, the two agree:
+
+# %%
+torch.manual_seed(0)
+q, k, v = torch.randn(3, 2, 4, 6, 8).unbind(0)  # each (B, h, T, d_k)
+out, weights = attention(q, k, v, mask=subsequent_mask(6))
+reference = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+assert torch.allclose(out, reference, atol=1e-6)
+assert (weights.triu(1) == 0).all()  # no weight on future keys
+
+# %% [markdown]
+# Why divide by $\sqrt{d_k}$? With unit-variance entries, $q \cdot k$ has
+# variance $d_k$: at the paper's $d_k = 64$ ($= 512 / 8$: eight heads, each
+# 64 wide; see Multi-head attention) the raw scores have a standard
+# deviation of 8, the softmax tends to put most of the weight on one key, and
+# there its gradient is small. The division brings the variance back to 1.
+#
+# The softmax's gradient with respect to its scores is the matrix of
+# derivatives $\partial p_i / \partial s_j$, the softmax's *Jacobian*,
 # $\mathrm{diag}(p) - p p^\top$; its size (Frobenius norm) shrinks as the
 # weights $p$ pile onto one key. The cell below computes that size.
 
@@ -502,52 +555,14 @@ assert scaled_weights.max(-1).values.mean() < 0.5
 assert raw_gradient < 0.6 * scaled_gradient  # saturated: small gradient
 
 # %% [markdown]
-# ![Scaled dot-product attention, step by step](attachment:attention.svg)
-#
 # A masked position gets `torch.finfo(dtype).min`, the most negative number
 # the scores' dtype holds, so its weight after the softmax is exactly zero.
 # A fixed $-10^9$ (the 2022 tutorial's choice) does not fit every dtype:
-# float16 ends at $\pm 65504$. The check after the comparison with
-# PyTorch shows $-10^9$ failing in float16 and `finfo.min` working. This
-# masking happens only on the path that keeps the weights
-# (`store_attention=True` in `MultiHeadedAttention`, below); the default,
-# fused path hands the boolean mask to PyTorch, which applies it itself.
-#
-# A departure from the paper: `attention` can apply dropout to the weights
-# themselves. It is inherited from the 2022 tutorial and not measured
-# here; the paper (section 5.4) mentions dropout only on each sub-layer's
-# output and on the sums of embeddings and positional encodings.
-
-
-# %%
-#| export
-def attention(query, key, value, mask=None, dropout=None):
-    """Scaled dot-product attention; returns (output, weights)."""
-    d_k = query.size(-1)
-    scores = query @ key.transpose(-2, -1) / math.sqrt(d_k)  # (B, h, T, S)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    p_attn = scores.softmax(dim=-1)
-    if dropout is not None:
-        p_attn = dropout(p_attn)
-    return p_attn @ value, p_attn  # (B, h, T, d_k), (B, h, T, S)
-
-
-# %% [markdown]
-# PyTorch ships the same function, fused, as `scaled_dot_product_attention`.
-# With a causal mask, the two agree:
-
-# %%
-torch.manual_seed(0)
-q, k, v = torch.randn(3, 2, 4, 6, 8).unbind(0)  # each (B, h, T, d_k)
-out, weights = attention(q, k, v, mask=subsequent_mask(6))
-reference = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-assert torch.allclose(out, reference, atol=1e-6)
-assert (weights.triu(1) == 0).all()  # no weight on future keys
-
-# %% [markdown]
-# On float16 scores, `masked_fill` with $-10^9$ raises an overflow error,
-# while `torch.finfo(torch.float16).min` gives the masked key a weight of
+# float16 ends at $\pm 65504$. float16 (half precision) is what float16
+# training on a GPU computes in (Part 2's `GradScaler` and the appendix),
+# to save memory and time, so a mask value must fit it too. On float16
+# scores, `masked_fill` with $-10^9$ raises an overflow error, while
+# `torch.finfo(torch.float16).min` gives the masked key a weight of
 # exactly zero:
 
 # %%
@@ -578,10 +593,14 @@ assert weights[0, 2] == 0
 #
 # With $h = 8$ and $d_k = 64$ the total cost is about that of one head at
 # full width. The four projections $W^Q, W^K, W^V, W^O$ are the layers
-# `w_q`, `w_k`, `w_v` and `w_o`; inside each, the $h$ per-head projections
-# sit side by side ($h$ blocks of $d_k$ output features). The method
-# `split_heads` applies one of these projections, then cuts its output
-# into those $h$ blocks, one per head.
+# `w_q`, `w_k`, `w_v` and `w_o`. In `w_q`, `w_k` and `w_v` the $h$
+# per-head projections sit side by side ($h$ blocks of $d_k$ output
+# features); `w_o` reads the concatenated heads ($h$ blocks of $d_k$
+# *input* features) and mixes them. The method `split_heads` applies one
+# of the first three, then cuts its output into those $h$ blocks, one per
+# head. These projections are why self-attention can pass one sequence
+# three times, `self_attn(y, y, y, mask)`: each turns the same `y` into
+# different queries, keys and values.
 #
 # ![Multi-head attention](attachment:multihead.svg)
 #
@@ -590,7 +609,11 @@ assert weights[0, 2] == 0
 # `scaled_dot_product_attention` (faster, less memory, but it returns no
 # weights), unless `store_attention` is `True`: then it calls `attention`
 # above and keeps the weights in `self.attn` (Part 4 sets the flag to draw
-# them). So no forward pass holds on to the weights by accident.
+# them). So no forward pass holds on to the weights by accident. Only
+# `attention` applies the `finfo.min` masking; the fused path takes the
+# boolean mask and applies it itself. The fused function is a plain
+# function, not a module, so `.eval()` cannot switch its dropout off:
+# `forward` passes a dropout of 0 outside training itself.
 
 
 # %%
@@ -807,7 +830,8 @@ assert torch.allclose(out[:, shuffle], out_of_shuffled, atol=1e-5)
 # pair, $i = d_{\text{model}}/2 - 1$, repeats every $2\pi \cdot
 # 10000^{(d_{\text{model}} - 2)/d_{\text{model}}}$ positions. For
 # $d_{\text{model}} = 512$ the factor is about 1.037 and the slowest period
-# about 60,600 positions.
+# about 60,600 positions, far more than the 5,000 positions of the table
+# below, so even the slowest pair never repeats within it.
 #
 # We compute the table once, for up to `max_len` = 5,000 positions (`L` in
 # the shape tags; far longer than any sentence here), and keep it as a
@@ -845,10 +869,12 @@ class PositionalEncoding(nn.Module):
 
 
 # %% [markdown]
-# The float64 detour matters. Take the second pair ($i = 1$) of a
-# 512-dimensional table at positions 4,000 to 4,999: computed from float32
-# angles, the sines are off by more than $10^{-4}$; the stored buffer is
-# off only by float32's rounding of the final value (below $10^{-7}$).
+# The float64 detour matters. Take the second pair ($i = 1$; not $i = 0$,
+# whose angles are the positions themselves, whole numbers that float32
+# stores exactly) of a 512-dimensional table at positions 4,000 to 4,999:
+# computed from float32 angles, the sines are off by more than $10^{-4}$; the
+# stored buffer is off only by float32's rounding of the final value (below
+# $10^{-7}$).
 
 # %%
 table_512 = PositionalEncoding(512, dropout=0.0).pe[0]  # (L, 512)
@@ -922,6 +948,11 @@ save_chart(chart, "01_positional_encoding", Path(ROOT, "figures"))
 # 4. Every weight matrix, the embedding tables included, is reset with
 #    Xavier/Glorot uniform initialization: uniform, in a range set by the
 #    matrix's two sizes so that signals keep their scale through a layer.
+#    This also matters because the copies of step 1 start out identical,
+#    and identical copies would compute, and learn, the same thing. After
+#    the reset their weight matrices differ; only the one-dimensional
+#    parameters (biases, the norms' gains) stay equal across copies, which
+#    is harmless once the matrices differ.
 
 
 # %%
@@ -961,6 +992,11 @@ def make_model(
 # weights move like this: $W^Q, W^K, W^V$ stacked into `in_proj_weight`
 # and `in_proj_bias`, $W^O$ into `out_proj`, `w_1`, `w_2` into `linear1`,
 # `linear2`, and the norms' `a_2`, `b_2` into `norm1`, `norm2`.
+#
+# First the two layers. `batch_first=True` makes PyTorch's take
+# $(B, S, d_{\text{model}})$ like ours (its default is $(S, B,
+# d_{\text{model}})$), and `layer_norm_eps=1e-6` matches our `LayerNorm`
+# (PyTorch's default is $10^{-5}$).
 
 # %%
 torch.manual_seed(0)
@@ -975,6 +1011,11 @@ torch_layer = nn.TransformerEncoderLayer(
     norm_first=True,
     layer_norm_eps=1e-6,
 )
+
+# %% [markdown]
+# Then our weights, copied into theirs:
+
+# %%
 our_attn = our_layer.self_attn
 our_ff = our_layer.feed_forward
 with torch.no_grad():
@@ -1018,7 +1059,8 @@ assert torch.allclose(ours[real], theirs[real], atol=1e-5)
 # ## Counting parameters
 #
 # Each block's size has a closed form in $d = d_{\text{model}}$ (with
-# $d_{ff} = 4d$), counting weights and biases:
+# $d_{ff} = 4d$, as in the paper's $2048 = 4 \times 512$), counting
+# weights and biases:
 #
 # | block | parameters |
 # |---|---|
@@ -1079,6 +1121,21 @@ def parameter_table(V_src=8000, V_tgt=6000, d=512):
 
 
 parameter_table()
+
+# %% [markdown]
+# With the paper's setup instead, one shared vocabulary of 37,000 tokens
+# and one matrix for all three embeddings (as Part 5 does), the stacks'
+# 44.1M plus $37{,}000 \cdot 512$ for the matrix plus the generator's
+# 37,000 biases make about 63.1M, close to the 65M the paper reports for
+# its base model. Check, by counting:
+
+# %%
+with torch.device("meta"):  # shapes only
+    paper_setup = make_model(37_000, 37_000)
+shared = paper_setup.src_embed[0].lut.weight
+paper_setup.tgt_embed[0].lut.weight = shared
+paper_setup.generator.proj.weight = shared
+assert round(count_parameters(paper_setup) / 1e6, 1) == 63.1
 
 # %% [markdown]
 # Every row matches.

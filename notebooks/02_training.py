@@ -22,6 +22,11 @@
 # long it took) and simple enough that any bug shows. Everything here runs
 # on the CPU, even on a GPU runtime: nothing in this part moves a tensor
 # to a GPU. The GPU paths are in Part 3 and the appendix.
+#
+# Some library code here is written to run fast on a GPU too. On a GPU,
+# reading a number back into Python (`.item()`, `float()`) makes the CPU
+# wait for the GPU to finish (a *sync*), so the code avoids it inside the
+# loop; comments that mention a sync or a GPU can be skipped for now.
 
 # %% [markdown]
 # [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/annotated-transformer/done-right/blob/main/notebooks/02_training.ipynb)
@@ -77,9 +82,10 @@ FIGURES = Path(ROOT, "figures")
 # its last token (`tgt`), and is asked to predict the target without its
 # first, the start symbol (`tgt_y`): at each position, the next token.
 # `Batch(src, tgt)` takes the whole target but stores only these two
-# shifted halves, so `b.tgt` is the decoder's input, not the target passed
-# in. This is *teacher forcing*: the decoder reads the true previous
-# tokens, not its own guesses. Two masks keep the model honest:
+# shifted copies, each one token shorter, so `b.tgt` is the decoder's
+# input, not the target passed in. This is *teacher forcing*: the decoder reads
+# the true previous tokens, not its own guesses. Two masks keep the model
+# honest:
 #
 # * the **source mask** `(B, 1, S)` hides padding in the source;
 # * the **target mask** `(B, T, T)` hides padding *and* future positions,
@@ -134,7 +140,8 @@ causal = torch.ones(4, 4).tril().bool()  # position t sees 0 to t
 not_padding = torch.tensor([True, True, True, False])  # (T,)
 assert torch.equal(b.tgt_mask[0], causal & not_padding)
 assert b.ntokens == 2
-assert torch.equal(b.tgt_y, torch.tensor([[7, 8, 0, 0]]))
+assert torch.equal(b.tgt, torch.tensor([[1, 7, 8, 0]]))  # it reads
+assert torch.equal(b.tgt_y, torch.tensor([[7, 8, 0, 0]]))  # it predicts
 
 # %% [markdown]
 # Throughout this part the data comes from the **copy task**: random sequences
@@ -168,34 +175,21 @@ def data_gen(V, batch_size, nbatches, seq_len=10, generator=None):
 # two entries, the correct token and the padding token, which should never
 # be predicted. Rows whose target *is* padding get all zeros and so add
 # nothing to the loss. The loss is the KL divergence between this smoothed
-# distribution and the model's, summed over tokens.
+# distribution and the model's, summed over tokens. The KL divergence
+# $\sum_j p_j \log(p_j / q_j)$ measures how far the model's distribution
+# $q$ is from the target $p$: it is 0 only when they match, and for a
+# one-hot $p$ it is the familiar cross-entropy, $-\log q_y$.
 #
 # The paper (section 5.4) reports a trade: perplexity (how surprised the
 # model is by the right token) gets worse, as the model keeps some
 # probability off its best guess, and BLEU (the translation score, Part 3)
 # gets better.
 #
-# Some symbols first. $N$ is the number of target tokens and $V$ the
-# vocabulary size; $\epsilon$ is $\epsilon_{ls}$; for one row, $y$ is the
-# target token, $p$ the smoothed target distribution and $q$ the model's
-# probabilities (the loss receives $\log q$). The smoothed targets form an
-# $N \times V$ matrix, as large as the output, but each row holds only
-# three distinct values: $c = 1 - \epsilon$ at $y$, $f = \epsilon / (V -
-# 2)$ at each of the $V - 2$ other non-padding tokens (together
-# $\epsilon$), and 0 at padding. So a row's KL divergence, $\sum_j p_j
-# \log (p_j / q_j)$, collapses to
-#
-# $$c \log c + \epsilon \log f - c \log q_y - f \sum_{j \ne y,\,
-# \mathrm{pad}} \log q_j .$$
-#
-# `forward` uses this closed form, `smoothed_kl`; `keep_targets=True`
-# builds the matrix instead, so that the check below can compare the two.
-#
-# This matters more than it looks. With the 6,190 English words of
-# Multi30k (the data set of Part 3) and a batch of up to 3,000 tokens, the
-# matrix alone takes up to 74 MB of float32 (3,000 × 6,190 × 4 bytes),
-# written, read by the KL divergence, and read again in the backward pass;
-# the closed form reads the log-probabilities once and writes $N$ numbers.
+# `LabelSmoothing` builds the smoothed targets with `smoothed_targets`;
+# `true_dist`, `last_target` and `last_dtype` are there only for code
+# written against the 2022 tutorial, and can be skipped. Its `forward`
+# computes the loss with `smoothed_kl`, defined and explained after an
+# example.
 
 
 # %%
@@ -244,6 +238,56 @@ class LabelSmoothing(nn.Module):
         return self.criterion(x, self.true_dist)
 
 
+# %% [markdown]
+# Here are the smoothed targets of five examples over a vocabulary of five
+# tokens, with smoothing 0.4 so that the spread is visible. Token 0 is
+# padding: its column is empty, and so is the last row, whose target is
+# padding. Every other row keeps 0.6 on its target and shares 0.4 among
+# the three remaining tokens, $0.4 / 3$ each. The assert compares the
+# matrix with these numbers, written out by hand.
+
+# %%
+crit = LabelSmoothing(5, padding_idx=0, smoothing=0.4)
+dist = crit.smoothed_targets(torch.tensor([2, 1, 3, 3, 0]))  # (5, vocab)
+print(dist.numpy().round(3))
+share = 0.4 / 3  # each non-target, non-padding token gets this
+expected = torch.tensor(
+    [
+        [0, share, 0.6, share, share],
+        [0, 0.6, share, share, share],
+        [0, share, share, 0.6, share],
+        [0, share, share, 0.6, share],
+        [0, 0, 0, 0, 0],  # the target is padding
+    ]
+)
+assert torch.allclose(dist, expected)
+
+# %% [markdown]
+# Now the closed form. Some symbols first. $N$ is the number of target tokens
+# and $V$ the vocabulary size; $\epsilon$ is $\epsilon_{ls}$; for one row, $y$
+# is the target token, $p$ the smoothed target distribution and $q$ the model's
+# probabilities (the loss receives $\log q$). The smoothed targets form an $N
+# \times V$ matrix, as large as the output, but each row holds only three
+# distinct values: $c = 1 - \epsilon$ at $y$, $f = \epsilon / (V - 2)$ at each
+# of the $V - 2$ other non-padding tokens (together $\epsilon$), and 0 at
+# padding. So a row's KL divergence, $\sum_j p_j \log (p_j / q_j)$, collapses
+# to
+#
+# $$c \log c + \epsilon \log f - c \log q_y - f \sum_{j \ne y,\,
+# \mathrm{pad}} \log q_j .$$
+#
+# `forward` uses this closed form, `smoothed_kl`; `keep_targets=True`
+# builds the matrix instead, so that the check below can compare the two.
+#
+# This matters more than it looks. With the 6,190 English words of
+# Multi30k (the data set of Part 3) and a batch of up to 3,000 tokens, the
+# matrix alone takes up to 74 MB of float32 (3,000 × 6,190 × 4 bytes),
+# written, read by the KL divergence, and read again in the backward pass;
+# the closed form reads the log-probabilities once and writes $N$ numbers.
+
+
+# %%
+#| export
 def smoothed_kl(x, target, padding_idx, smoothing):
     """LabelSmoothing's loss in closed form: no (N, V) target matrix."""
     c = 1.0 - smoothing  # probability of the target
@@ -278,38 +322,18 @@ for eps in (0.1, 0.4):  # closed form = definition
     assert torch.allclose(fast, slow)
 
 # %% [markdown]
-# Here are the smoothed targets of five examples over a vocabulary of five
-# tokens, with smoothing 0.4 so that the spread is visible. Token 0 is
-# padding: its column is empty, and so is the last row, whose target is
-# padding. Every other row keeps 0.6 on its target and shares 0.4 among
-# the three remaining tokens, $0.4 / 3$ each. The assert compares the
-# matrix with these numbers, written out by hand.
-
-# %%
-crit = LabelSmoothing(5, padding_idx=0, smoothing=0.4)
-dist = crit.smoothed_targets(torch.tensor([2, 1, 3, 3, 0]))  # (5, vocab)
-print(dist.numpy().round(3))
-share = 0.4 / 3  # each non-target, non-padding token gets this
-expected = torch.tensor(
-    [
-        [0, share, 0.6, share, share],
-        [0, 0.6, share, share, share],
-        [0, share, share, 0.6, share],
-        [0, share, share, 0.6, share],
-        [0, 0, 0, 0, 0],  # the target is padding
-    ]
-)
-assert torch.allclose(dist, expected)
-
-# %% [markdown]
 # Why smoothing discourages over-confidence: give the correct token a
 # *margin* $m$ over four rivals, that is, a logit $m$ above theirs (which
-# are all 0). Without smoothing the loss falls forever as $m$ grows. With
-# smoothing 0.1 it has a minimum and rises again once the model is surer
-# than the smoothed target: up to a constant the loss is $\log(e^m + 4) -
-# 0.9\,m$, lowest where the model gives the correct token $e^m / (e^m +
-# 4) = 0.9$, as the smoothed target does. That is $m = \ln 36 \approx
-# 3.6$, where the two distributions are equal and the loss is 0.
+# are all 0). The vocabulary has six tokens: padding (probability 0), the
+# correct one and the four rivals, so each rival's smoothed target is
+# $0.1 / 4 = 0.025$. Without smoothing the loss falls forever as $m$
+# grows. With smoothing 0.1 it has a minimum and rises again once the
+# model is surer than the smoothed target: the loss is $\log(e^m + 4) -
+# 0.9\,m - 0.464$ (the constant is $0.9 \ln 0.9 + 0.1 \ln 0.025$, the
+# $\sum_j p_j \log p_j$ of the smoothed target), lowest where the model
+# gives the correct token $e^m / (e^m + 4) = 0.9$, as the smoothed target
+# does. That is $m = \ln 36 \approx 3.6$, where the two distributions
+# are equal and the loss is 0.
 # `label_smoothing_penalty_rows` computes the loss for the whole-number
 # margins 0 to 24.
 
@@ -348,7 +372,7 @@ from annotated_transformer_tools import (
 # The asserts check the claims above: without smoothing the loss only
 # falls, towards 0; with smoothing it is lowest at $m = 4$, the
 # whole-number margin nearest the minimum at $\ln 36$. The chart shows
-# both curves.
+# both curves; it computes these same rows.
 
 # %%
 rows = label_smoothing_penalty_rows()
@@ -476,7 +500,7 @@ def with_last_flag(iterable):
 
 # %% [markdown]
 # `optimizer_step` ends a group: it multiplies the gradients by `scale`
-# (more than 1 after a short group, to turn their sum into a mean), steps
+# (more than 1 after a short group, as `run_epoch` below explains), steps
 # the optimizer, clears the gradients and steps the schedule. `scaler`, a
 # float16 run's `GradScaler`, steps the optimizer in its stead; in this
 # part it is `None`.
@@ -506,10 +530,21 @@ def optimizer_step(optimizer, scheduler, parameters, scale=1.0, scaler=None):
 # `micro_step` is the plain loop's forward, loss and backward, with the
 # loss divided by `accum_iter`. Like `SimpleLossCompute`, it returns the
 # loss twice: `loss_sum`, for the epoch's total, and `loss_mean`, the mean
-# per token, for the log. Its arguments `hold_sync`, `autocast` and
-# `scaler` serve GPU and multi-process runs, and change nothing in this
-# part; the appendix (notebook 06_tools, "A run, in pieces") explains
-# them.
+# per token, for the log. With this part's arguments (`hold_sync` false,
+# `autocast` the do-nothing `nullcontext`, `scaler` `None`) it is three
+# lines:
+#
+# ```python
+# out = model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
+# loss_sum, loss_mean = loss_compute(out, batch.tgt_y, batch.ntokens)
+# (loss_mean / accum_iter).backward()
+# ```
+#
+# The rest serves GPU and multi-process runs: `autocast` computes in 16
+# bits, `scaler` guards float16 gradients, and `hold_sync` asks DDP
+# (several processes, each training a copy of the model) to delay the
+# exchange of gradients until the last micro-batch of a group. The
+# appendix (notebook 06_tools, "A run, in pieces") explains them.
 
 
 # %%
@@ -553,10 +588,15 @@ def print_progress(i, state, loss_node, speed, optimizer):
 
 
 # %% [markdown]
-# The epoch itself. The loss total stays a tensor until the end of the
-# epoch (on a GPU, each read makes the CPU wait). It logs when `i %
-# log_every == 1`, the 2022 tutorial's rule, kept as it was: the first
-# line comes after two batches, so its speed covers more than one.
+# The epoch itself. `window` counts the micro-batches since the last
+# optimizer step; a step is due when the window is full, or at the last
+# batch. Each loss was divided by `accum_iter`, so a short window of $w$
+# batches holds only $w / k$ of a mean gradient ($k$ = `accum_iter`);
+# multiplying by $k / w$ restores it. The loss total stays a tensor until
+# the end of the epoch (no sync). It logs when `i % log_every == 1`, the
+# 2022 tutorial's rule, kept so that logs compare line for line with it:
+# the first line comes after two batches, so its speed covers more than
+# one.
 
 
 # %%
@@ -609,12 +649,18 @@ def run_epoch(
 # Three checks against the plain loop follow, on tiny float64 models so
 # that the comparison is exact up to rounding. The equivalence is exact
 # here because every copy-task batch has the same number of real tokens
-# (no padding). With padding, the mean of two per-token means differs
-# slightly from the per-token mean of the double batch.
+# (no padding). With padding it is not: if micro-batch A has 2 real tokens
+# with a loss of 2 (a mean of 1.0) and B has 8 with a loss of 4 (a mean of
+# 0.5), accumulation gives $(1.0 + 0.5) / 2 = 0.75$, while the double
+# batch gives $6 / 10 = 0.6$: each token of the short batch counts four
+# times as much.
 #
 # `trained_weights` trains a fresh tiny model for one epoch with a given
 # loop and returns its weights, flattened, so that two loops can be
-# compared.
+# compared. It uses plain SGD, whose update is proportional to the
+# gradient, so a wrongly scaled gradient shows in the weights (Adam
+# divides the scale away and would hide it), and no dropout, so that both
+# runs are deterministic.
 
 
 # %%
@@ -682,7 +728,12 @@ assert not torch.allclose(short_last, first_only)  # the third batch counts
 # ## Optimizer and learning-rate schedule
 #
 # The paper trains with Adam ($\beta_1 = 0.9$, $\beta_2 = 0.98$, $\epsilon
-# = 10^{-9}$) and a learning rate that rises linearly for `warmup` steps
+# = 10^{-9}$). Adam keeps, for each weight, a running average of its
+# gradient (decaying by $\beta_1$ per step) and of its squared gradient
+# (decaying by $\beta_2$), and moves the weight by the first divided by
+# the square root of the second; a larger $\beta_2$ averages over more
+# steps. This $\epsilon$ (not label smoothing's) only keeps the division
+# away from zero. The learning rate rises linearly for `warmup` steps
 # and then decays with the inverse square root of the step:
 #
 # $$lrate = d_{\text{model}}^{-0.5} \cdot \min\left(step^{-0.5},\; step
@@ -816,14 +867,14 @@ def copy_accuracy(model, n, V=11, seq_len=10, generator=None):
 #   and this task needs a few hundred. `warmup_linear_decay` is the lower
 #   of two lines: one rising over the first 20 steps, and one falling from
 #   the nominal peak rate $3 \cdot 10^{-4}$ at step 0 towards zero at step
-#   300, but never below 2% of it. From step 18 the falling line is the
-#   lower, so the highest rate actually used is 94% of the nominal peak.
-#   The decay ends at step 300, before the 400-step budget: in the sweeps
-#   linked below, which stopped once 200 training sequences in a row had
-#   been predicted exactly (teacher-forced, in bfloat16, before learning
-#   from them), that stop came sooner (after 255–276 steps, over three
-#   seeds) than with a decay to step 400 (276–316); the last 100 steps at
-#   the floor are a margin.
+#   300, but never below 2% of it. One `min()` of two lines is the
+#   shortest way to write it; the cost is a cut corner: from step 18 the
+#   falling line is the lower, so the highest rate actually used is 94%
+#   of the nominal peak. `LambdaLR` calls the schedule with 0 before the
+#   first optimizer step, hence the `step + 1` of the rising line.
+#   The decay ends at step 300, before the 400-step budget: in our sweeps
+#   the model learned to copy sooner with a decay to step 300 than to
+#   step 400, and the last 100 steps at the floor are a margin.
 # * **Small batches** of 16 sequences: copying is learned per optimizer
 #   step, so small batches buy more steps for the same sequences.
 # * **No dropout**: with fresh data in every batch, the model cannot
@@ -831,14 +882,13 @@ def copy_accuracy(model, n, V=11, seq_len=10, generator=None):
 # * **No label smoothing**: the right next token is certain.
 # * **Adam's $\beta_2$ is 0.999**, not the paper's 0.98: in an earlier
 #   sweep (with the paper's schedule and a small model, not this recipe),
-#   that cut the steps to that sweep's own teacher-forced exact copy by
-#   42%, from 527 to 303 on average over three seeds (560 / 490 / 530
-#   against 290 / 320 / 300).
+#   the model learned to copy in 42% fewer steps with it.
 #
 # The budget is fixed: 20 epochs of 20 optimizer steps, 400 steps and 6,400
 # sequences in all. (With fresh random data there is no data set to pass over:
 # an epoch here is just 20 batches, a unit for reporting.) The sweeps behind
-# these choices are in [bench/RESULTS.md, "How the defaults were
+# these choices, with their numbers and how each one measured "learned to
+# copy", are in [bench/RESULTS.md, "How the defaults were
 # chosen"](../bench/RESULTS.md#how-the-defaults-were-chosen).
 
 
@@ -895,7 +945,7 @@ criterion = LabelSmoothing(V, padding_idx=COPY_PAD, smoothing=0.0)
 loss_compute = SimpleLossCompute(copy_model.generator, criterion)
 optimizer, scheduler = make_optimizer(
     copy_model,
-    sizes["d_model"],  # unused: copy_schedule replaces `rate`
+    sizes["d_model"],  # required, but unused: copy_schedule replaces `rate`
     betas=(0.9, 0.999),
     schedule=copy_schedule,
 )

@@ -247,18 +247,23 @@ def build_vocabulary(spacy_de, spacy_en, min_freq=2):
 
 
 # %% [markdown]
-# Two checks. On a corpus small enough to count by hand, "z" is seen three
-# times, "a" and "b" twice each (a tie, so in sorted order), "c" once. And on
-# Multi30k, fewer German tokens are `<unk>` in train (those seen once) than in
-# test, where some words never occur in train at all. The vocabularies hold
-# about 8,000 German and 6,200 English tokens; a word-level vocabulary of WMT
-# would need hundreds of thousands, which is one reason the paper cut words
-# into subword units instead.
+# A check on a corpus small enough to count by hand: "z" is seen three
+# times, "a" and "b" twice each (a tie, so in sorted order), "c" once.
 
 # %%
 toy = Vocab.build([["b", "z", "c"], ["z", "b"], ["z", "a", "a"]])
 assert toy.get_itos() == [*SPECIALS, "z", "a", "b"]
 assert toy(["b", "c", "<s>"]) == [6, UNK, BOS]  # 4 specials, z, a, b
+
+# %% [markdown]
+# Now the real vocabularies, which the rest of the lesson uses. They hold
+# 8,012 German and 6,190 English tokens; a word-level vocabulary of WMT
+# would need hundreds of thousands, which is one reason the paper cut words
+# into subword units instead. A check: fewer German tokens are `<unk>` in
+# train (those seen once) than in test, where some words never occur in
+# train at all.
+
+# %%
 vocab_src, vocab_tgt = build_vocabulary(spacy_de, spacy_en)
 unk = {}
 for split in ("train", "test"):
@@ -276,9 +281,10 @@ assert unk["train"] < unk["test"] < 0.05
 #
 # A batch stacks B source sentences into one `(B, S)` tensor and their
 # targets into one `(B, T)` tensor, each padded with
-# `<blank>` to its own longest sentence; the masks hide the padding from
-# attention and the loss. The tensors stay on the CPU; the training loop
-# moves them to the device.
+# `<blank>` to its own longest sentence. `collate_batch` only pads: inside
+# the training loop, Part 2's `Batch` builds the masks from these padded
+# tensors (the masks hide the padding from attention and the loss), after
+# the batch has moved to the device that trains (`pick_device`, below).
 
 
 # %%
@@ -431,16 +437,19 @@ shares = {
 print("padding:", {name: f"{share:.1%}" for name, share in shares.items()})
 assert 0.75 < shares["fixed 72"] < 0.85  # about four positions in five
 assert shares["buckets"] < 0.10 < shares["random 32"]
-assert len(buckets) == 153  # batches per epoch: the training runs' steps
+assert len(buckets) == 153
 
 # %% [markdown]
 # Padding to 72 wastes about four positions in five, and buckets bring the
 # waste to under 10% (the cell prints the share), so the same compute
-# goes into real tokens. In a
-# recorded benchmark (`bench/RESULTS_batching.md`: the paper's model on 1,024
-# training pairs, in float32 on the 2-core development CPU), buckets of 2,304
-# tokens (32 × 72: as many positions as one padded batch) trained 4.96 times
-# faster, in real target tokens per second, than batches of 32 padded to 72.
+# goes into real tokens. In a recorded benchmark
+# (`bench/RESULTS_batching.md`: the paper's model on 1,024 training pairs,
+# in float32 on the 2-core development CPU), buckets of 2,304 tokens (32 ×
+# 72: as many positions as one padded batch) trained 4.96 times faster, in
+# real target tokens per second, than batches of 32 padded to 72.
+#
+# With these settings an epoch is 153 batches (the last assert), which is
+# 153 optimizer steps: the runs below take one step per batch.
 #
 # `create_dataloaders` puts the pieces together: training batches
 # shuffled and without pairs longer than `max_len`; validation batches in
@@ -498,7 +507,9 @@ def create_dataloaders(
 # ## Training
 #
 # A `TrainConfig` defines a run. Its defaults are the `cpu` model ($N=3$,
-# $d_{\text{model}}=256$, $h=4$, $d_{ff}=1024$), sized for a CPU. The
+# $d_{\text{model}}=256$, $h=4$, $d_{ff}=1024$), sized to train in
+# reasonable time on a CPU. `cpu` names a model size, not a device: it
+# trains on a GPU too. The
 # paper's base model has $N=6$, $d_{\text{model}}=512$, $h=8$,
 # $d_{ff}=2048$, and the same dropout and label smoothing of 0.1. The rest
 # comes from Part 2: the label-smoothed loss, Adam with the warm-up
@@ -510,12 +521,8 @@ def create_dataloaders(
 #
 # A *preset* is a named `TrainConfig`, such as `quick`, `cpu`, `paper` and
 # the tiny `ci` that tests use; they live in the appendix (notebook 06,
-# "Presets"), where `get_config` returns one. This lesson's loop ignores
-# the last six fields: `preset`, `precision`, `checkpoint_dir` and
-# `keep_last` are for the appendix's `train_worker`, which trains this
-# lesson's model below, and `tokenization` and `tie_embeddings` are for
-# Part 5 (`model_from_config` reads `tie_embeddings`, which stays off
-# here).
+# "Presets"), where `get_config` returns one. The fields under `# For the
+# appendix and Part 5` are not used by this lesson's loop.
 
 
 # %%
@@ -633,8 +640,10 @@ assert max(steps_down) - min(steps_down) < 1e-12
 
 # %% [markdown]
 # Check: `make_run_optimizer` gives the reference run below, the `quick`
-# preset (warm-up 300, 5 epochs of 153 batches), a peak of about 2.2e-3
-# at step 300 and a rate of zero at its last step, 765.
+# preset, a peak of about 2.2e-3 at step 300 and a rate of zero at its
+# last step, 765. `quick` is the `cpu` model for 5 epochs of 153 batches
+# with `schedule="linear"`, `warmup=300` and `factor=0.61`; the reference
+# run below says why 0.61 gives the same peak as `cpu`'s.
 
 # %%
 quick = tools.get_config("quick")
@@ -749,17 +758,18 @@ assert history[-1]["val_loss"] < history[0]["val_loss"]
 # ### The reference run
 #
 # The appendix's `train_worker` runs this same loop, and a test checks
-# that both end with the same weights. It adds what a long run needs:
-# checkpoint files, written after every epoch, so that a run can resume;
-# lower precision where the hardware computes it natively; and several
-# processes or GPUs sharing the work. That last is PyTorch's
-# `DistributedDataParallel` (DDP): one copy of the model per process, each
-# training on its own share of the batches, with the gradients averaged
-# over all copies before every step so that the copies stay identical. A
-# process's number is its *rank*, and the number of processes the *world
-# size*. The appendix's "Training runs: devices and processes" builds it,
-# and `python annotated_transformer_tools.py train --world-size 2` runs
-# it. Here we train in one process.
+# that both end with the same weights, on the CPU in float32
+# (`tests/test_devices.py::test_worker_and_lesson_loop_agree`). It adds
+# what a long run needs:
+#
+# - checkpoint files, written after every epoch, from which the command
+#   line's `train --resume` continues a stopped run;
+# - *bf16* (bfloat16, a 16-bit float format) where the hardware computes
+#   it natively: recent GPUs and some CPUs. *Autocast* runs the large
+#   matrix products in it and keeps the rest in float32;
+# - several processes or GPUs sharing the work (PyTorch's DDP). Here
+#   `rank=0, world_size=1` means one process; the appendix's "Training
+#   runs: devices and processes" explains the rest.
 #
 # Our reference run is the `quick` preset: the small model of preset `cpu` for
 # 5 epochs (765 steps of 3,000 tokens), warmed up for 300 steps to a peak
@@ -771,8 +781,12 @@ assert history[-1]["val_loss"] < history[0]["val_loss"]
 # $\sqrt{300/800} \approx 0.61$.
 #
 # It took 13.9 minutes on 2 threads of a 2-core AMD EPYC CPU, from the
-# start of the process to its last checkpoint, in float32, and its greedy
-# decoding scores 35.46 BLEU on the test set (`results/recipe_quick.json`).
+# start of the process to its last checkpoint, and its greedy decoding
+# scores 35.46 BLEU on the test set (`results/recipe_quick.json`). That
+# CPU had no native bf16, so it computed in float32. BLEU, defined in the
+# last section, scores translations from 0 to 100 by the runs of one to
+# four words they share with a human translation; higher is better, and
+# a point or two is a clear difference.
 
 # %% [markdown]
 # ### Training it
@@ -788,16 +802,18 @@ assert history[-1]["val_loss"] < history[0]["val_loss"]
 #
 # On a GPU the same recipe computes in 16-bit floats, which GPUs multiply
 # several times faster (the appendix's "Which precision" says which kind
-# on which GPU); on a Mac it stays in float32. So your loss and BLEU will
-# differ a little from the recorded CPU run. On an H100 the recipe trained
+# on which GPU), and so does a CPU with native bf16; on a Mac it stays in
+# float32. So your loss and BLEU will differ a little from the recorded
+# CPU run. On an H100 the recipe trained
 # in 2.2 minutes (`results/gpu_explore.md`; 2.6 from the start of its
 # process, with validation BLEU scored after every epoch). Colab's free
 # T4 and Apple's GPUs were not measured.
 #
 # If you stop the cell part of the way, running it again trains from the
-# first epoch. And once `final.pt` exists, the cell uses it, whatever
-# settings it was trained with: delete `checkpoints/quick/` to train
-# afresh.
+# first epoch: the cell does not pass `resume=True` (the command line's
+# `train --resume` continues from the last epoch file instead). And once
+# `final.pt` exists, the cell uses it, whatever settings it was trained with:
+# delete `checkpoints/quick/` to train afresh.
 
 # %%
 preset = "ci" if AT_SIZE == "ci" else "quick"
@@ -843,7 +859,9 @@ tools.line_chart(
 # ### Why the quick recipe is fast
 #
 # Three choices. The first follows from arithmetic; the other two were
-# measured on the validation split, never the test set:
+# measured on the validation split, never the test set: choosing a recipe
+# by its test score would tune it to those 1,000 sentences, and the test
+# BLEU reported would overstate how well it translates new ones.
 #
 # - **A schedule that ends.** After five epochs (765 steps), the `cpu`
 #   preset's schedule, with its 800-step warm-up, has not even reached
@@ -853,22 +871,25 @@ tools.line_chart(
 # - **No dropout.** Dropout fights overfitting, and five epochs are too
 #   few for this model to overfit 29,000 sentence pairs. Without it the
 #   model learned faster per step (validation loss 1.53 against 1.65
-#   after 612 steps), and each step took 13% less time, with no random
-#   masks to draw.
+#   after 612 steps). Each step also took 13% less time, with no random
+#   masks to draw (two trials side by side, `docs/results.md`).
 # - **Batches of 3,000 tokens, not fewer.** Halving the batch doubles
 #   the steps for the same tokens. That won when training was shorter
 #   than two epochs, and lost at about five epochs' time: 660 steps of
 #   3,000 tokens reached 32.5 validation BLEU, and 1,600 steps of 1,500
-#   tokens only 27.2, although they ran longer (17.5 minutes against
-#   about 12) and saw more tokens (2.4 million against 2.0).
+#   tokens only 27.2, although those saw more target tokens (2.1
+#   million against 1.8).
 #
 # Each number comes from a trial in `results/recipe_sweep.md`, with its
 # command and time. (The two batch trials also differ a little in
 # warm-up, 200 steps against 300, and in peak, 20% higher for the smaller
 # batches; both had dropout 0.1.) The sweep's validation BLEU replaces
 # `<unk>` with the German word (Part 4), so it runs above the curve,
-# which keeps `<unk>`: the trial that became `quick`, q3000-d00, scored
-# 37.03 at step 765, where the curve ends at 34.52.
+# which keeps `<unk>`. The trial that became `quick`, q3000-d00, scored
+# 37.03 on validation at step 765, where the curve ends at 34.52: part of
+# the gap is the replacement (on the test set it was worth 1.6 points,
+# 37.03 against 35.46 in `results/recipe_quick.json`), and part is that
+# q3000-d00 was another run, whose decay ended at step 840.
 #
 # The `cpu` preset trains the same model for 18 epochs with dropout and
 # Part 2's schedule, in over an hour (`make train`, in the Makefile);
@@ -925,7 +946,9 @@ trained, trained_src, trained_tgt, _ = tools.load_trained_model(
     final_checkpoint, device
 )
 print("model:", tools.describe_checkpoint(final_checkpoint))
-# (compared as token lists: the module's Vocab class is not this page's)
+# `load_trained_model` builds its vocabularies with the module's `Vocab`;
+# this page defined its own class of that name above, and two different
+# classes never compare equal, so we compare the token lists.
 assert trained_src.get_itos() == vocab_src.get_itos()
 assert trained_tgt.get_itos() == vocab_tgt.get_itos()
 
@@ -993,8 +1016,13 @@ print(*[f"{de}\n  → {hyp}" for de, hyp in zip(sources[:3], hyps)], sep="\n")
 # the brevity penalty (BP, the first factor of the formula), the length
 # ratio $c/r$, and the two lengths $c$ and $r$. Check: at full size, the
 # `quick` model scores above 33 BLEU on the whole test set. The recorded
-# run scored 35.46, decoded with the appendix's cached greedy decoder
-# (Part 5), which chooses the same tokens as `batch_greedy_decode`.
+# run scored 35.46, decoded with Part 5's `cached_greedy_decode`, which
+# keeps the decoder's past keys and values instead of recomputing them
+# and chooses the same tokens as `batch_greedy_decode`. The check allows
+# 2.5 points below the record for other hardware and 16-bit arithmetic.
+# On a GPU no test score of this recipe is on record; on an H100 it
+# reached 36.33 validation BLEU with `<unk>` replaced
+# (`results/gpu_explore.md`).
 
 # %%
 bleu = tools.compute_bleu(hyps, references)
