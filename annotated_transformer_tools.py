@@ -1077,8 +1077,13 @@ def rename_old_keys(state_dict):
 
 def load_trained_model(path, device="auto"):
     """(model in eval mode, vocab_src, vocab_tgt, config) from a checkpoint."""
-    device = pick_device() if device in (None, "auto") else device
     ckpt = load_checkpoint(path)  # onto the CPU; the model moves at the end
+    return trained_model_from(ckpt, path, device)
+
+
+def trained_model_from(ckpt, path, device="auto"):
+    """load_trained_model's work on a checkpoint already read from `path`."""
+    device = pick_device() if device in (None, "auto") else device
     config = checkpoint_config(ckpt, path)
     vocab_src, vocab_tgt = checkpoint_vocabularies(ckpt, path)
     sizes = (len(vocab_src), len(vocab_tgt))
@@ -2281,25 +2286,47 @@ def train_locked(args, config, ranks=None):
     return 0
 
 
+def greedy_with_and_without_unk(
+    model, sentences, spacy_de, vocab_src, vocab_tgt
+):
+    """translate_batch's greedy output with `<unk>` replaced, and kept."""
+    if is_subword(vocab_src) or is_subword(vocab_tgt):  # no <unk> to replace
+        hyps = translate_batch(
+            model, sentences, spacy_de, vocab_src, vocab_tgt
+        )
+        return hyps, hyps
+    model.eval()
+    device = next(model.parameters()).device
+    encoded, words = encode_sources(sentences, spacy_de, vocab_src, True)
+    batch_size = 128  # translate_batch's default
+    decoded = decode_by_length(
+        model,
+        encoded,
+        cached_greedy_decode,
+        device,
+        batch_size,
+        MAX_EXTRA,
+        True,
+    )
+    replaced = [
+        finish_text(ids, at, w, vocab_tgt)
+        for (ids, at), w in zip(decoded, words, strict=True)
+    ]
+    kept = [finish_text(ids, None, None, vocab_tgt) for ids, _ in decoded]
+    return replaced, kept
+
+
 def write_results(path, checkpoint, wall_time):
     """Score test2016 and write a JSON summary of the training run."""
     sources, references = zip(*read_multi30k("test"), strict=True)
-    model, vocab_src, vocab_tgt, _ = load_trained_model(checkpoint)
+    ckpt = load_checkpoint(checkpoint)  # also for its config and history
+    model, vocab_src, vocab_tgt, _ = trained_model_from(ckpt, checkpoint)
     spacy_de, _ = load_tokenizers()
-
-    def bleu_of(replace_unk):  # False: <unk> left in the output
-        hyps = translate_batch(
-            model,
-            sources,
-            spacy_de,
-            vocab_src,
-            vocab_tgt,
-            replace_unk=replace_unk,
-        )
-        return compute_bleu(hyps, references)
-
-    bleu, kept_bleu = bleu_of(True), bleu_of(False)
-    ckpt = load_checkpoint(checkpoint)  # for its config and history
+    replaced, kept = greedy_with_and_without_unk(
+        model, sources, spacy_de, vocab_src, vocab_tgt
+    )
+    bleu = compute_bleu(replaced, references)
+    kept_bleu = compute_bleu(kept, references)  # <unk> left in the output
     summary = {
         "command": "python " + " ".join(sys.argv),
         "config": ckpt["config"],
@@ -2617,6 +2644,7 @@ __all__ = [
     "rename_old_key",
     "rename_old_keys",
     "load_trained_model",
+    "trained_model_from",
     "average_checkpoints",
     "split_evenly",
     "ShardedBatchSampler",
@@ -2684,6 +2712,7 @@ __all__ = [
     "torchrun_ranks",
     "command_train",
     "train_locked",
+    "greedy_with_and_without_unk",
     "write_results",
     "check_out",
     "load_for_decoding",

@@ -1374,11 +1374,14 @@ class DecoderCache:
 
 
 def attend_step(attn, x, k, v, mask=None):
-    """Attention of new positions x (R, 1, d) to k, v (B or R, h, S, d_k)."""
-    R, B = x.size(0), k.size(0)  # R = B * group
-    # (R, 1, d) -> (B, group, d): the group rows of a sentence become its
-    # queries, so one copy of the source's keys and values serves them all.
-    q = attn.split_heads(x.reshape(B, -1, x.size(-1)), attn.w_q)
+    """Attention of new positions x (R, 1, d) to k, v (kv_rows, h, S, d_k).
+
+    kv_rows is B (one per sentence) in source attention, R in self-attention.
+    """
+    R, kv_rows = x.size(0), k.size(0)  # R = kv_rows * group
+    # (R, 1, d) -> (kv_rows, group, d): the group rows of a sentence become
+    # its queries, so one copy of the source's keys and values serves all.
+    q = attn.split_heads(x.reshape(kv_rows, -1, x.size(-1)), attn.w_q)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     out = out.transpose(1, 2).reshape(R, 1, attn.h * attn.d_k)
     return attn.w_o(out)  # (R, 1, d_model)

@@ -611,23 +611,22 @@ if trained:  # the heads' mean reads the right German word
     assert last[:, row_of("black")].mean(0).argmax() == column_of("schwarzen")
 
 # %% [markdown]
-# Then the sentence's edges: the weight, averaged over the heads, that
-# each row puts on `<s>`, "." and `</s>` together. For the row that
-# predicts `</s>` that weight is parked; for the row that predicts ".",
-# the German full stop is the word it translates, so its share there is
-# aligned. The claim checked is therefore only this: the two rows that
-# end the sentence put more weight on `<s>` and `</s>`, plus that aligned
-# full stop, than the rows that predict words do.
+# Then parking: the weight, averaged over the heads, that each row puts on
+# the sentence's edges, `<s>` and `</s>`. The claim checked is the one the
+# chart shows: the row that predicts `</s>`, with no German word left to
+# translate, parks more of its weight there than the rows that predict
+# words do, on average. (The row that predicts "." is left out of both:
+# the German full stop is the word it translates.)
 
 # %%
-edges = [column_of("<s>"), column_of("."), column_of("</s>")]
-on_edges = last.mean(0)[:, edges].sum(-1)  # (T,) weight on the edges
-ending = torch.tensor([t in (".", "</s>") for t in maps.next_tokens])  # (T,)
-print("weight on <s>, '.' and </s>, mean over the heads:")
-print(f"  rows that predict '.' or </s>: {on_edges[ending].mean():.2f}")
-print(f"  the other rows:                {on_edges[~ending].mean():.2f}")
+edges = [column_of("<s>"), column_of("</s>")]
+on_edges = last.mean(0)[:, edges].sum(-1)  # (T,) weight on <s> and </s>
+words = torch.tensor([t not in (".", "</s>") for t in maps.next_tokens])
+print("weight on <s> and </s>, mean over the heads:")
+print(f"  the row that predicts </s>: {on_edges[row_of('</s>')]:.2f}")
+print(f"  the rows that predict words: {on_edges[words].mean():.2f}")
 if trained:
-    assert on_edges[ending].mean() > on_edges[~ending].mean()
+    assert on_edges[row_of("</s>")] > on_edges[words].mean()
 
 # %% [markdown]
 # Back to the two dogs. For each English position whose next token is

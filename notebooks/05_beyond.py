@@ -31,7 +31,8 @@
 #
 # Each section explains one idea, builds it on the modules of Parts 1–3
 # without changing those modules, and checks that it computes what it
-# should.
+# should. Part 4 is not needed to follow it; only the `<unk>` replacement
+# that translation applies by default comes from there.
 
 # %% [markdown]
 # [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/annotated-transformer/done-right/blob/main/notebooks/05_beyond.ipynb)
@@ -260,11 +261,14 @@ class DecoderCache:
 # %%
 #| export
 def attend_step(attn, x, k, v, mask=None):
-    """Attention of new positions x (R, 1, d) to k, v (B or R, h, S, d_k)."""
-    R, B = x.size(0), k.size(0)  # R = B * group
-    # (R, 1, d) -> (B, group, d): the group rows of a sentence become its
-    # queries, so one copy of the source's keys and values serves them all.
-    q = attn.split_heads(x.reshape(B, -1, x.size(-1)), attn.w_q)
+    """Attention of new positions x (R, 1, d) to k, v (kv_rows, h, S, d_k).
+
+    kv_rows is B (one per sentence) in source attention, R in self-attention.
+    """
+    R, kv_rows = x.size(0), k.size(0)  # R = kv_rows * group
+    # (R, 1, d) -> (kv_rows, group, d): the group rows of a sentence become
+    # its queries, so one copy of the source's keys and values serves all.
+    q = attn.split_heads(x.reshape(kv_rows, -1, x.size(-1)), attn.w_q)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     out = out.transpose(1, 2).reshape(R, 1, attn.h * attn.d_k)
     return attn.w_o(out)  # (R, 1, d_model)

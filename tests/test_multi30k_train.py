@@ -89,6 +89,23 @@ def test_write_results_scores_with_and_without_unk_replacement(
     assert summary["config"]["preset"] == "ci"
 
 
+def test_one_greedy_decoding_gives_both_unk_treatments(ci_run):
+    """write_results' single decoding against translate_batch's two."""
+    cfg, _ = ci_run
+    model, vocab_src, vocab_tgt, _ = tools.load_trained_model(
+        Path(cfg.checkpoint_dir) / "final.pt", "cpu"
+    )
+    with torch.no_grad():  # make <unk> likely, so that the two differ
+        model.generator.proj.bias[tat.UNK] += 3.0
+    sources = [de for de, _ in tat.read_multi30k("val")[:30]]
+    spacy_de, _ = tools.load_tokenizers()
+    args = (model, sources, spacy_de, vocab_src, vocab_tgt)
+    replaced, kept = tools.greedy_with_and_without_unk(*args)
+    assert replaced == tools.translate_batch(*args, replace_unk=True)
+    assert kept == tools.translate_batch(*args, replace_unk=False)
+    assert replaced != kept and any("<unk>" in hyp for hyp in kept)
+
+
 def test_run_model_example_prints_what_translate_gives(ci_run, capsys):
     cfg, _ = ci_run
     final = str(Path(cfg.checkpoint_dir) / "final.pt")
