@@ -933,8 +933,17 @@ def save_checkpoint(path, **fields):
 
 def checkpoint_head(path):
     """The first two bytes of a file that could be a checkpoint, checked."""
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"no checkpoint at {path}; train one first")
+    path = Path(path)
+    if path.is_dir():
+        raise FileNotFoundError(
+            f"{path} is a folder; give a checkpoint file such as"
+            f" {path / 'final.pt'}"
+        )
+    if not path.is_file():
+        where = "" if path.is_absolute() else f" (under {Path.cwd()})"
+        raise FileNotFoundError(
+            f"no checkpoint at {path}{where}; train one first"
+        )
     with open(path, "rb") as f:
         head = f.read(2)
     if not head:
@@ -2238,6 +2247,9 @@ def command_train(args):
         except ValueError as err:
             message = f"--world-size {args.world_size}: {err}"
             raise UserError(message) from None
+    if args.results:  # fail now, not after hours of training
+        check_out(args.results)
+    download_multi30k()  # before the lock makes the checkpoint folder
     rank = ranks[0] if ranks else 0
     lock = folder_lock(config.checkpoint_dir) if rank == 0 else None
     with lock or nullcontext():  # only rank 0 holds the folder's lock
@@ -2248,7 +2260,6 @@ def train_locked(args, config, ranks=None):
     """`train`, with the folder locked by rank 0; `ranks` from torchrun."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    download_multi30k()
     tokenizers = load_tokenizers()
     vocabs = load_vocabularies(config, *tokenizers)
     data = (*vocabs, *tokenizers, config)

@@ -32,7 +32,8 @@ import the_annotated_transformer as tat  # noqa: E402
 
 def parse_args(argv=None):
     """The command-line options."""
-    parser = argparse.ArgumentParser(
+    parser = tools.OneLineParser(
+        prog="bleu_table.py",
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="\n".join(__doc__.splitlines()[2:]),
@@ -56,7 +57,7 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--average",
-        type=int,
+        type=tools.count(least=0, most=1000),
         nargs="+",
         default=[5],
         metavar="K",
@@ -65,7 +66,7 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--alpha",
-        type=float,
+        type=tools.number_from(0.0, 10.0),
         nargs="+",
         default=[ALPHA],
         help=f"the beam's length penalty; several give one row each"
@@ -84,16 +85,35 @@ def parse_args(argv=None):
         " val, then score test once",
     )
     parser.add_argument(
-        "--n", type=int, default=0, help="first N sentences (0: all)"
+        "--n",
+        type=tools.count(least=0),
+        default=0,
+        help="first N sentences (0: all)",
     )
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--threads", type=int, help="torch CPU threads")
+    parser.add_argument(
+        "--batch-size", type=tools.count(most=100_000), default=128
+    )
+    parser.add_argument(
+        "--threads", type=tools.count(most=1024), help="torch CPU threads"
+    )
     parser.add_argument(
         "--out",
         default="results/beyond",
         help="write OUT.json and OUT.md (default: %(default)s)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_out_prefix(parser, args.out)
+    return args
+
+
+def check_out_prefix(parser, out):
+    """Refuse an --out whose OUT.json and OUT.md cannot be written."""
+    folder = Path(out).parent
+    if not folder.is_dir():
+        parser.error(f"--out {out}: there is no folder {folder}")
+    for suffix in (".json", ".md"):
+        if Path(out).with_suffix(suffix).is_dir():
+            parser.error(f"--out {out}: {out}{suffix} is a folder")
 
 
 ALPHA = inspect.signature(tat.beam_search).parameters["alpha"].default
@@ -210,11 +230,12 @@ def summary_head(script, split, pairs):
 
 
 def write_summary(summary, out, markdown):
-    """OUT.json (every number) and OUT.md (the table)."""
+    """OUT.json (every number) and OUT.md (the table), each written whole."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(summary), encoding="utf-8")
+    with tools.atomic_write(out.with_suffix(".json"), "w") as f:
+        f.write(json.dumps(summary, indent=2) + "\n")
+    with tools.atomic_write(out.with_suffix(".md"), "w") as f:
+        f.write(markdown(summary))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
 
 
@@ -223,10 +244,18 @@ def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    plan = list(setups(args))
+    if not plan:  # nothing to score: leave the recorded tables alone
+        print(
+            f"bleu_table.py: error: nothing to score: no final.pt in --word"
+            f" {args.word} or --bpe {args.bpe}",
+            file=sys.stderr,
+        )
+        return 2
     pairs = sentence_pairs(args)
     summary = summary_head("bleu_table.py", args.split, pairs)
     spacy_de, _ = tat.load_tokenizers()
-    for label, folder, beam, average, alpha in setups(args):
+    for label, folder, beam, average, alpha in plan:
         config = tools.load_checkpoint(folder / "final.pt")["config"]
         row = {"setup": label, "folder": str(folder)}
         row |= {"preset": config["preset"], "beam": beam, "average": average}

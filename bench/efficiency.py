@@ -35,7 +35,6 @@ apart, as "first step".
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import sys
@@ -54,34 +53,40 @@ PEAK_SIZES = (256, 512, 1024, 2048)
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = tools.OneLineParser(
+        prog="efficiency.py", description=__doc__.splitlines()[0]
+    )
     parser.add_argument(
         "--presets",
         nargs="+",
+        choices=sorted(tools.PRESETS),
         default=["paper", "cpu"],
         help="model sizes to measure (default: paper cpu)",
     )
     parser.add_argument(
         "--sentences",
-        type=int,
+        type=tools.count(least=2, most=29_000),
         default=512,
         help="training pairs per run (default 512)",
     )
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=tools.count(most=1000), default=3)
     parser.add_argument(
-        "--threads", type=int, default=0, help="torch threads (default: all)"
+        "--threads",
+        type=tools.count(least=0, most=1024),
+        default=0,
+        help="torch threads (default: all)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--profile",
-        type=int,
+        type=tools.count(least=0, most=10_000),
         default=0,
         metavar="STEPS",
         help="also print the top operators over STEPS training steps",
     )
     parser.add_argument(
         "--max-tokens",
-        type=int,
+        type=tools.count(least=0, most=10**7),
         default=0,
         help="token budget per batch (default: the preset's)",
     )
@@ -442,7 +447,10 @@ def main(argv=None):
         + ", ".join(f"{n}: {f / 1e9:.1f}" for n, f in peaks.items())
         + f" GFLOP/s; using the best, {peak / 1e9:.1f}"
     )
-    data, sizes = load_sentences(args.sentences, args.seed)
+    try:
+        data, sizes = load_sentences(args.sentences, args.seed)
+    except tat.DatasetError as err:
+        raise SystemExit(f"efficiency.py: error: {err}") from None
     print(f"{args.sentences} Multi30k training pairs, vocabularies {sizes}")
     for name in args.presets:
         measure_preset(name, data, sizes, peak, args)

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bleu_table import (  # noqa: E402
+    check_out_prefix,
     sentence_pairs,
     summary_head,
     write_summary,  # noqa: E402
@@ -74,6 +75,11 @@ def run_spec(text):
         raise argparse.ArgumentTypeError(f"{text!r}: expected FOLDER:K")
     if not Path(folder, "final.pt").is_file():
         raise argparse.ArgumentTypeError(f"no {folder}/final.pt")
+    found = len(tools.epoch_checkpoints(folder))
+    if int(k) > found:
+        raise argparse.ArgumentTypeError(
+            f"{text}: {folder} has {found} epoch files, not {int(k)}"
+        )
     return Path(folder), int(k)
 
 
@@ -88,13 +94,21 @@ def parse_args(argv=None):
         help="a word-level run, averaged over its last K epoch files (0:"
         " final.pt); repeat for each model",
     )
-    parser.add_argument("--beam", type=int, nargs="+", default=[4])
-    parser.add_argument("--alpha", type=float, default=1.0)
+    parser.add_argument(
+        "--beam", type=tools.count(most=1000), nargs="+", default=[4]
+    )
+    parser.add_argument(
+        "--alpha", type=tools.number_from(0.0, 10.0), default=1.0
+    )
     parser.add_argument("--split", choices=["val", "test"], default="val")
-    parser.add_argument("--n", type=int, default=0, help="first N (0: all)")
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument(
+        "--n", type=tools.count(least=0), default=0, help="first N (0: all)"
+    )
+    parser.add_argument("--threads", type=tools.count(most=1024))
     parser.add_argument("--out", default="results/ensemble_val")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    check_out_prefix(parser, args.out)
+    return args
 
 
 def load(folder, k):

@@ -9,7 +9,6 @@ scored: the sweep never reads a test set.
     python bench/recipe_sweep.py --list
 """
 
-import argparse
 import json
 import subprocess
 import sys
@@ -18,6 +17,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench" / "time_to_bleu.py"
+sys.path.insert(0, str(ROOT))
+
+import annotated_transformer_tools as tools  # noqa: E402
 
 # Each setting: a preset, TrainConfig replacements, and a step budget
 # sized for about 13 minutes of training on 2 shared threads of a 2-core
@@ -443,11 +445,13 @@ def run_trial(name, setting, args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="recipe_sweep.py")
+    parser = tools.OneLineParser(prog="recipe_sweep.py")
     parser.add_argument("trials", nargs="*", help="setting names, in order")
     parser.add_argument("--list", action="store_true", help="list settings")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--minutes", type=float, default=15.0)
+    parser.add_argument("--threads", type=tools.count(most=1024), default=2)
+    parser.add_argument(
+        "--minutes", type=tools.number_from(0.1, 10_000.0), default=15.0
+    )
     parser.add_argument("--table", default="results/recipe_sweep.md")
     parser.add_argument("--out-dir", default="results/recipe_sweep")
     args = parser.parse_args(argv)
@@ -465,6 +469,8 @@ def main(argv=None):
             f"{resumed[0]} continues another trial: run its resume_command"
             " by hand, then bench/stopped_trial.py --resumed"
         )
+    if args.out_dir.exists() and not args.out_dir.is_dir():
+        parser.error(f"--out-dir {args.out_dir} is not a folder")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     for name in args.trials:
         result, failure = run_trial(name, SETTINGS[name], args)

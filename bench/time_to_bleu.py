@@ -302,7 +302,7 @@ def build_parser():
     )
     parser.add_argument(
         "--minutes",
-        type=float,
+        type=tools.number_from(0.0, 100_000.0),
         default=0.0,
         help="stop at the first score after this much training (0: none)",
     )
@@ -353,7 +353,11 @@ def config_from(args):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for option, path in (("--out", args.out), ("--chart", args.chart)):
+        if path and Path(path).is_dir():  # refused now, not after training
+            parser.error(f"{option} {path} is a folder")
     try:
         config = config_from(args)
         if args.threads:
@@ -399,8 +403,8 @@ def main(argv=None):
             result["test2016_bleu_greedy"] = round(bench.bleu(test), 2)
             print(f"test2016 greedy BLEU {result['test2016_bleu_greedy']:.2f}")
         out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1) + "\n")
+        with tools.atomic_write(out, "w") as f:  # makes the folder too
+            f.write(json.dumps(result, indent=1) + "\n")
         print(f"wrote {out}")
         picture = args.chart or out.with_suffix(".png")
         try:

@@ -544,6 +544,26 @@ def test_bleu_table_can_decode_averaged_models_greedily(word_run):
     assert extra[0][2:4] == (1, 2)  # beam 1 on the average of 2
 
 
+def test_bleu_table_with_nothing_to_score_writes_nothing(tmp_path, capsys):
+    """It once wrote empty tables over the record, and exited 0."""
+    bleu_table = load_script("bleu_table")
+    out = tmp_path / "beyond"
+    argv = ["--word", "/nonexistent", "--bpe", "/nonexistent", "--out", out]
+    assert bleu_table.main(list(map(str, argv))) == 2
+    assert "nothing to score" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    for bad, words in (
+        (["--threads", "-1"], "--threads"),
+        (["--average", "-2"], "--average"),
+        (["--out", str(tmp_path / "no" / "b")], "there is no folder"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            bleu_table.parse_args(list(map(str, argv)) + bad)
+        assert stop.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and words in err, err
+
+
 def test_bleu_table_on_ci_checkpoints(word_run, bpe_run, tmp_path):
     import json
 

@@ -444,12 +444,39 @@ BAD_INPUTS = {  # name: (argv, a part of the message, extra environment)
         "nothing to resume in resume_lean",
         {"MULTI30K_DIR": "{multi30k}"},
     ),
+    "a folder as --checkpoint": (
+        ["evaluate", "--checkpoint", "resume_lean", "--src", "three.de"]
+        + ["--ref", "three.en"],
+        "resume_lean is a folder; give a checkpoint file such as"
+        " resume_lean/final.pt",
+    ),
+    "--results in a missing folder": (
+        ["train", "--preset", "ci", "--checkpoint-dir", "never_made"]
+        + ["--results", "no/such/results.json"],
+        "there is no folder",
+        {"MULTI30K_DIR": "{multi30k}"},
+    ),
     "relative MULTI30K_DIR": (
         ["download"],
         "{folder}/no/multi30k",
         {"MULTI30K_DIR": "no/multi30k"},
     ),
 }
+
+
+def test_train_without_the_data_leaves_no_checkpoint_folder(tmp_path):
+    """The folder and its lock file used to be made before the data check."""
+    status, _, err = run_script(
+        "train",
+        "--preset",
+        "ci",
+        "--checkpoint-dir",
+        "ck",
+        cwd=tmp_path,
+        env={"MULTI30K_DIR": str(tmp_path / "nowhere")},
+    )
+    assert status == 2 and "nowhere" in err, err
+    assert not (tmp_path / "ck").exists()
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS, ids=str)

@@ -117,6 +117,23 @@ def test_help():
     assert proc.returncode == 0 and "MFU" in proc.stdout
 
 
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--presets", "nope"], "invalid choice: 'nope'"),
+        (["--runs", "0"], "--runs"),
+        (["--threads", "-1"], "--threads"),
+        (["--sentences", "1"], "--sentences"),
+    ],
+)
+def test_bad_arguments_are_one_line_before_any_work(argv, words, capsys):
+    with pytest.raises(SystemExit) as stop:
+        efficiency.parse_args(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err, err
+
+
 def test_auto_precision_is_what_training_picks(monkeypatch):
     for native, expected in ((True, torch.bfloat16), (False, None)):
         monkeypatch.setattr(tools, "cpu_has_native_bf16", lambda n=native: n)

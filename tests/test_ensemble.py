@@ -76,3 +76,25 @@ def test_bad_runs_are_one_line(argv, words, capsys):
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and words in err
+
+
+def test_bad_numbers_and_outputs_are_one_line(tmp_path, capsys):
+    """Refused while parsing, before any model is read."""
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("final.pt", "epoch_000.pt", "epoch_001.pt"):
+        (run / name).write_bytes(b"")  # the parser only looks at names
+    good = ["--run", f"{run}:2", "--out", str(tmp_path / "e")]
+    assert ensemble.parse_args(good).run == [(run, 2)]
+    for argv, words in (
+        (["--run", f"{run}:3"], "has 2 epoch files, not 3"),
+        ([*good, "--threads", "-1"], "--threads"),
+        ([*good, "--beam", "0"], "--beam"),
+        ([*good, "--alpha", "nan"], "--alpha"),
+        ([*good, "--out", str(tmp_path / "no" / "e")], "there is no folder"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            ensemble.parse_args(argv)
+        assert stop.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and words in err, err

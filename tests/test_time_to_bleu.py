@@ -179,6 +179,8 @@ def test_command_line_writes_json_and_chart(local_multi30k, tmp_path):
         (["--preset", "huge"], "unknown preset"),
         (["--device", "cuda:7"], "no cuda:7 here"),  # also on one GPU
         (["--device", "gpu"], "'gpu' is not a device"),
+        (["--minutes", "-5"], "--minutes"),
+        (["--chart", "."], "--chart . is a folder"),  # before any training
     ],
 )
 def test_errors_are_one_line(argv, words, tmp_path, capsys):
@@ -285,4 +287,16 @@ def test_recipe_sweep_refuses_trials_it_cannot_run(tmp_path, capsys):
             recipe_sweep.main([trial, *out])
         assert stop.value.code == 2
         assert words in capsys.readouterr().err
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for argv, words in (
+        (["--out-dir", str(a_file)], "is not a folder"),
+        (["--threads", "0", *out], "--threads"),
+        (["--minutes", "-1", *out], "--minutes"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            recipe_sweep.main(["q3000-d00", *argv])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and words in err, err
     assert not (tmp_path / "t.md").exists()  # nothing ran, nothing written
