@@ -292,8 +292,11 @@ def smoothed_kl(x, target, padding_idx, smoothing):
     """LabelSmoothing's loss in closed form: no (N, V) target matrix."""
     c = 1.0 - smoothing  # probability of the target
     f = smoothing / (x.size(1) - 2)  # of each other non-padding class
-    picked = x.gather(1, target.unsqueeze(1)).squeeze(1)  # (N,)
-    rest = x.sum(1) - picked - x[:, padding_idx]  # (N,)
+    # Sums in float32 at least: under the CPU's bfloat16 autocast the
+    # log-probabilities arrive in bfloat16, whose sums keep 3 digits.
+    acc = torch.promote_types(x.dtype, torch.float32)
+    picked = x.gather(1, target.unsqueeze(1)).squeeze(1).to(acc)  # (N,)
+    rest = x.sum(1, dtype=acc) - picked - x[:, padding_idx].to(acc)  # (N,)
     # The sum of p log p over a row's targets: c at the target, f at each
     # of the V - 2 others (together `smoothing`). 0 log 0 counts as 0.
     plogp = c * math.log(c) if c > 0 else 0.0
