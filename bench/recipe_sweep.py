@@ -345,6 +345,19 @@ SETTINGS = {
         "max_steps": 0,
         "eval_every": 0,
     },
+    # A third seed of the 18-epoch linear decay: a fourth ensemble member.
+    "cpu-d02-lin18-s2": {
+        "why": "cpu-d02-lin18 from seed 2, an ensemble member",
+        "preset": "cpu",
+        "set": {
+            "dropout": 0.2,
+            "schedule": "linear",
+            "seed": 2,
+            "keep_last": 0,
+        },
+        "max_steps": 0,
+        "eval_every": 0,
+    },
     # cpu-d02-lin18's validation loss was still falling at its last epoch
     # (1.463, its lowest), so the linear decay may gain from more steps:
     # the same run over 24 epochs (153 x 24 = 3,672 steps instead of
