@@ -1417,6 +1417,8 @@ def decode_step(model, ys_last, cache):
     """Log-probs (R, V) of the next token, given the newest ids (R, 1)."""
     embed, position = model.tgt_embed[0], model.tgt_embed[1]
     t = cache.length
+    # PositionalEncoding.forward for position t alone; its dropout does
+    # nothing here, since decoding runs in eval mode.
     x = position.dropout(embed(ys_last) + position.pe[:, t : t + 1])
     for i, layer in enumerate(model.decoder.layers):
         x = decoder_layer_step(layer, x, cache, i)  # (R, 1, d_model)

@@ -24,15 +24,17 @@
 # self-attention over the English written so far, and the decoder's
 # attention to the source. It says what the trained model's heads do, in
 # claims that a cell checks. Then it condenses the heads of many sentences
-# into two numbers each, how spread out and how far from the diagonal
-# their attention is. Last, it puts the decoder's attention to the source
-# to work: the German word that an `<unk>` read most is copied in its
-# place.
+# into two numbers each, how spread out (entropy) and how far from the
+# diagonal (distance) their attention is, plus four shares that say where
+# the weight goes (the previous, same or next position, and `<s>`/`</s>`).
+# Last, it puts the decoder's attention to the source to work: the German word
+# that an `<unk>` read most is copied in its place.
 #
 # Three choices keep the pictures honest:
 #
 # * The model is in `eval()` mode. With dropout active, a tenth of the
-#   weights are zeroed and the rest scaled by $1/0.9$, so a drawn row no
+#   attention weights (the probabilities, not the model's parameters) are
+#   zeroed and the rest scaled by $1/0.9$, so a drawn row no
 #   longer sums to 1 and a weight above 0.9 is drawn above 1. A cell
 #   below shows the rows that no longer sum to 1.
 # * Recording is an explicit opt-in. Training runs the fused
@@ -432,7 +434,7 @@ newest = []  # per step: (N, h, S), each layer's last row
 with torch.no_grad(), record_attention(model):
     memory = model.encode(src_in, src_mask)  # (1, S, d_model)
     ys = torch.tensor([[BOS]])  # (1, t): the decoder inputs so far
-    for _ in range(len(src) + 5):
+    for _ in range(len(src) + 5):  # a few tokens past the source is plenty
         ys_mask = Batch.make_std_mask(ys, PAD)  # (1, t, t)
         out = model.decode(memory, src_mask, ys, ys_mask)  # (1, t, d_model)
         rows = [m.src_attn.attn[0, :, -1] for m in model.decoder.layers]
@@ -449,7 +451,9 @@ print(f"{len(newest)} steps, the same weights as one pass")
 # %% [markdown]
 # **See, by hand.** The first encoder layer's weights, recomputed from its
 # parameters without Part 1's `attention` function: normalize the
-# embedded source (Part 1's layers normalize before attending), project it
+# embedded source (`model.src_embed` is Part 1's scaled embedding lookup
+# plus the positional encoding; Part 1's layers normalize before
+# attending), project it
 # with $W^Q$ and $W^K$, split the $h$ heads, and take a softmax of the
 # scaled dot products. No mask is needed: the sentence has no padding,
 # and the encoder hides no future positions.
@@ -536,7 +540,8 @@ save_chart(attention_chart(maps, "encoder self"), "04_encoder_self", FIGURES)
 # ### Decoder self-attention
 #
 # The upper triangle is empty: the subsequent mask keeps every position
-# from seeing the words after it. Row 1 (`<s>`) can only look at itself.
+# from seeing the words after it. The first row (`<s>`, row 0) can only
+# look at itself.
 
 # %%
 save_chart(attention_chart(maps, "decoder self"), "04_decoder_self", FIGURES)
@@ -547,7 +552,9 @@ save_chart(attention_chart(maps, "decoder self"), "04_decoder_self", FIGURES)
 # This is where the translation reads the German. Read each row with its
 # *next* token, the word that row is asked to predict (the tooltip shows
 # it): a row is labelled with the decoder's input at that position, so
-# the row that predicts "brown" is the one labelled "A".
+# the row that predicts "brown" is the one labelled "A", the row that
+# predicts `</s>` is the one labelled ".", and the row that predicts "."
+# is the second one labelled "dog".
 #
 # The chart on record below shows each head of the trained `cpu` model's
 # last layer. In the row that predicts "brown" every head looks most at
@@ -556,11 +563,8 @@ save_chart(attention_chart(maps, "decoder self"), "04_decoder_self", FIGURES)
 # predicts `</s>` has no German word left to translate, and puts much of
 # its weight on the edges of the sentence instead, `<s>` and `</s>`: *parking*,
 # weight left on a token that carries no content, because a softmax row must
-# put its weight somewhere. The row that predicts "." does have one, the German
-# full stop, and weight there is alignment, not parking: one head reads the
-# full stop most, two others put much of that row's weight on `<s>` and
-# `</s>`. A stand-in model of a CI-sized run has seen too little to do
-# any of this.
+# put its weight somewhere. A stand-in model of a CI-sized run has seen too
+# little to do any of this.
 #
 # Here is that chart of the trained `cpu` model (the one on record in
 # `results/site_full.md`, trained for 10 epochs), as `make site` saved
@@ -615,8 +619,12 @@ if trained:  # the heads' mean reads the right German word
 # the sentence's edges, `<s>` and `</s>`. The claim checked is the one the
 # chart shows: the row that predicts `</s>`, with no German word left to
 # translate, parks more of its weight there than the rows that predict
-# words do, on average. (The row that predicts "." is left out of both:
-# the German full stop is the word it translates.)
+# words do, on average. The row that predicts "." (labelled "dog") is
+# left out of both: it has a German word to align with, the full stop,
+# which one head of the chart on record reads most, even though two
+# others park much of that row's weight. With the `quick` model of a full
+# `make notebook` run, the `</s>` row parked 0.17 of its weight and the
+# word rows 0.02 (`results/make_notebook.md`).
 
 # %%
 edges = [column_of("<s>"), column_of("</s>")]
@@ -806,10 +814,8 @@ def attention_summary(model, pairs, spacy_de, spacy_en, vocab_src, vocab_tgt):
 # from the diagonal below, one column per kind.
 
 # %%
-# All 1,014 pairs, twice (here and for the untrained model below): the
-# whole notebook took 30 s with the `cpu` model (results/site_full.md)
-# and 36 to 68 s with `quick` (results/make_notebook.md), on a shared
-# 2-core CPU whose speed varies.
+# All 1,014 pairs, twice (here and for the untrained model below): most
+# of this page's run time (results/site_full.md, make_notebook.md).
 pairs = val[:40] if AT_SIZE == "ci" else val
 summary = attention_summary(
     model, pairs, spacy_de, spacy_en, vocab_src, vocab_tgt
@@ -944,7 +950,9 @@ for kind in ATTENTION_KINDS:
 # prefix as when its token was written, and the weights are the same up
 # to rounding. Row $t$ reads decoder input $t$ and wrote output token
 # $t+1$. The argmax runs over the source's words only, never over `<s>`,
-# `</s>` or padding.
+# `</s>` or padding. The causal mask alone is enough here: padding in
+# `out` only follows `</s>`, so no real row can see it, and the padded
+# rows' alignments are never read.
 
 
 # %%
