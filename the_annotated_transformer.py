@@ -631,9 +631,16 @@ def rate(step, model_size, factor, warmup):
 
 
 def make_optimizer(
-    model, d_model, factor=1.0, warmup=4000, betas=(0.9, 0.98), schedule=None
+    model,
+    d_model,
+    factor=1.0,
+    warmup=4000,
+    betas=(0.9, 0.98),
+    schedule=None,
+    weight_decay=0.0,
 ):
-    """Adam and a LambdaLR running `rate`, or `schedule` when given.
+    """Adam (AdamW with a weight_decay) and a LambdaLR running `rate`, or
+    `schedule` when given.
 
     With a `schedule`, `d_model`, `factor` and `warmup` are unused.
     """
@@ -641,8 +648,14 @@ def make_optimizer(
     # for only when every parameter is on the CPU or a CUDA GPU; elsewhere
     # (Apple's MPS, for one) Adam runs its default way.
     fused = all(p.device.type in ("cpu", "cuda") for p in model.parameters())
-    optimizer = torch.optim.Adam(
-        model.parameters(), lr=1.0, betas=betas, eps=1e-9, fused=fused
+    adam = torch.optim.AdamW if weight_decay else torch.optim.Adam
+    optimizer = adam(
+        model.parameters(),
+        lr=1.0,
+        betas=betas,
+        eps=1e-9,
+        weight_decay=weight_decay,
+        fused=fused,
     )
     if schedule is None:
         schedule = lambda step: rate(step, d_model, factor, warmup)
@@ -943,6 +956,7 @@ class TrainConfig:
     tokenization: str = "word"  # or "bpe": one subword vocabulary
     tie_embeddings: bool = False  # share embeddings and generator
     keep_last: int = 5  # epoch files kept, for averaging (0: all)
+    weight_decay: float = 0.0  # above 0: AdamW (Part 2's make_optimizer)
 
 
 def model_from_config(c, n_src, n_tgt, dropout=None):
@@ -980,8 +994,11 @@ def make_run_optimizer(model, config, batches_per_epoch, total=None):
     stops part of the way through an epoch.
     """
     c = config
+    decay = c.weight_decay
     if c.schedule == "noam":  # Part 2's
-        return make_optimizer(model, c.d_model, c.factor, c.warmup)
+        return make_optimizer(
+            model, c.d_model, c.factor, c.warmup, weight_decay=decay
+        )
     if c.schedule != "linear":
         raise ValueError(f"unknown schedule {c.schedule!r}: noam or linear")
     if total is None and batches_per_epoch is None:
@@ -990,7 +1007,9 @@ def make_run_optimizer(model, config, batches_per_epoch, total=None):
         total = math.ceil(batches_per_epoch / c.accum_iter) * c.epochs
     peak = rate(c.warmup, c.d_model, c.factor, c.warmup)
     linear = lambda step: warmup_then_linear(step, peak, c.warmup, total)
-    return make_optimizer(model, c.d_model, schedule=linear)
+    return make_optimizer(
+        model, c.d_model, schedule=linear, weight_decay=decay
+    )
 
 
 def pick_device():

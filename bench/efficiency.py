@@ -7,7 +7,10 @@ precision, and every contestant runs under the same autocast.
 For each preset (`paper`, `cpu`) it trains on the same bucketed batches of
 real Multi30k sentences with
 
-* ours: `make_model(...)`, the tutorial's model;
+* ours: `make_model(...)`, the tutorial's model, with the appendix's
+  `FastDropout` swapped in as training does (`TrainingRun`);
+* ours, nn.Dropout: the same with `nn.Dropout`'s mask, as before
+  `FastDropout`, for a before/after of the mask in the same run;
 * peer: `torch.nn.Transformer(norm_first=True, batch_first=True)` with the
   same sizes, wrapped in the same `Embeddings`, `PositionalEncoding` and
   `Generator`, and trained with the same loss and optimizer;
@@ -27,7 +30,7 @@ of the real (non-pad) tokens only, so padding shows up as lost efficiency.
 
     python bench/efficiency.py --threads 2 --runs 3 --profile 5
 
-`--compile` adds a fourth contestant, ours under
+`--compile` adds a fifth contestant, ours under
 `torch.compile(dynamic=True)` (symbolic shapes, so the bucketed batches
 need not compile one graph each), and reports its one-off compile time
 apart, as "first step".
@@ -219,15 +222,19 @@ class TorchPeer(nn.Module):
 
 
 class Ours(nn.Module):
-    """The tutorial's model behind the same one-argument forward."""
+    """The tutorial's model behind the same one-argument forward, with
+    FastDropout as training uses it."""
 
     keep_targets = False  # LabelSmoothing's closed form (the fast path)
+    fast_dropout = True
 
     def __init__(self, src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout):
         super().__init__()
         self.model = tat.make_model(
             src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout
         )
+        if self.fast_dropout:
+            tools.use_fast_dropout(self.model)
         self.generator = self.model.generator
 
     def forward(self, batch):
@@ -241,11 +248,19 @@ def layer_norm_by_hand(self, x):
     return self.a_2 * (x - mean) / torch.sqrt(var + self.eps) + self.b_2
 
 
+class OursTorchDropout(Ours):
+    """Ours with nn.Dropout's mask (torch.bernoulli_), as before."""
+
+    fast_dropout = False
+
+
 class OursBefore(Ours):
     """Ours with the explained paths the fast ones replaced: LayerNorm as
-    the formula reads and label smoothing through its target matrix."""
+    the formula reads, label smoothing through its target matrix, and
+    nn.Dropout."""
 
     keep_targets = True
+    fast_dropout = False
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -360,6 +375,7 @@ def contestants_for(args):
     """Label -> (model class, compiled?) of everything one run times."""
     contestants = {
         "ours": (Ours, False),
+        "ours, nn.Dropout": (OursTorchDropout, False),
         "nn.Transformer": (TorchPeer, False),
         "ours, before": (OursBefore, False),
     }
@@ -393,7 +409,7 @@ def measure_preset(name, data, sizes, peak, args):
             tok_s, flop_s = rates[label][-1]
             extra = f"  (first step {first:.1f} s)" if compiled else ""
             print(
-                f"  run {run} {label:14s} {tok_s:8.1f} tok/s "
+                f"  run {run} {label:16s} {tok_s:8.1f} tok/s "
                 f"{flop_s / 1e9:7.1f} GFLOP/s  MFU {flop_s / peak:5.1%}"
                 + extra
             )
@@ -403,13 +419,15 @@ def measure_preset(name, data, sizes, peak, args):
         flop_s = statistics.median(v[1] for v in values)
         medians[label] = (tok_s, flop_s)
         print(
-            f"  median {label:14s} {tok_s:8.1f} tok/s "
+            f"  median {label:16s} {tok_s:8.1f} tok/s "
             f"{flop_s / 1e9:7.1f} GFLOP/s  MFU {flop_s / peak:5.1%}"
         )
     ratio = medians["ours"][0] / medians["nn.Transformer"][0]
     gain = medians["ours"][0] / medians["ours, before"][0]
     print(f"  ours / nn.Transformer (tok/s): {ratio:.2f}")
     print(f"  ours / ours before the fast paths (tok/s): {gain:.2f}")
+    mask = medians["ours"][0] / medians["ours, nn.Dropout"][0]
+    print(f"  ours / ours with nn.Dropout (tok/s): {mask:.2f}")
     if args.compile:
         speedup = medians["ours, compiled"][0] / medians["ours"][0]
         print(f"  ours compiled / ours (tok/s): {speedup:.2f}")

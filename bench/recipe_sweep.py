@@ -374,6 +374,22 @@ SETTINGS = {
         "max_steps": 0,
         "eval_every": 0,
     },
+    # The levers the GPU tried left weight decay out. AdamW's decoupled
+    # decay of 0.1 on cpu-d02-lin18: the summed learning rate of its
+    # schedule is about 3, so a weight without gradient would shrink by
+    # e^-0.3 over the run.
+    "cpu-d02-lin18-wd01": {
+        "why": "cpu-d02-lin18 with AdamW, weight decay 0.1",
+        "preset": "cpu",
+        "set": {
+            "dropout": 0.2,
+            "schedule": "linear",
+            "weight_decay": 0.1,
+            "keep_last": 0,
+        },
+        "max_steps": 0,
+        "eval_every": 0,
+    },
 }
 
 TABLE_HEAD = (

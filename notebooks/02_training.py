@@ -750,7 +750,9 @@ assert not torch.allclose(short_last, first_only)  # the third batch counts
 # `lr=1.0`. Step 0 is treated as step 1 to avoid $0^{-0.5}$.
 # `make_optimizer` can also take another `schedule`, a function of the
 # step; `d_model`, `factor` and `warmup` only feed `rate`, so they are
-# ignored then.
+# ignored then. A `weight_decay` above 0 (Part 3's sweep tries one) makes
+# it AdamW, which also shrinks every weight by its learning rate times
+# `weight_decay` at each step, apart from the gradient's average.
 
 
 # %%
@@ -762,9 +764,16 @@ def rate(step, model_size, factor, warmup):
 
 
 def make_optimizer(
-    model, d_model, factor=1.0, warmup=4000, betas=(0.9, 0.98), schedule=None
+    model,
+    d_model,
+    factor=1.0,
+    warmup=4000,
+    betas=(0.9, 0.98),
+    schedule=None,
+    weight_decay=0.0,
 ):
-    """Adam and a LambdaLR running `rate`, or `schedule` when given.
+    """Adam (AdamW with a weight_decay) and a LambdaLR running `rate`, or
+    `schedule` when given.
 
     With a `schedule`, `d_model`, `factor` and `warmup` are unused.
     """
@@ -772,8 +781,14 @@ def make_optimizer(
     # for only when every parameter is on the CPU or a CUDA GPU; elsewhere
     # (Apple's MPS, for one) Adam runs its default way.
     fused = all(p.device.type in ("cpu", "cuda") for p in model.parameters())
-    optimizer = torch.optim.Adam(
-        model.parameters(), lr=1.0, betas=betas, eps=1e-9, fused=fused
+    adam = torch.optim.AdamW if weight_decay else torch.optim.Adam
+    optimizer = adam(
+        model.parameters(),
+        lr=1.0,
+        betas=betas,
+        eps=1e-9,
+        weight_decay=weight_decay,
+        fused=fused,
     )
     if schedule is None:
         schedule = lambda step: rate(step, d_model, factor, warmup)

@@ -554,6 +554,7 @@ class TrainConfig:
     tokenization: str = "word"  # or "bpe": one subword vocabulary
     tie_embeddings: bool = False  # share embeddings and generator
     keep_last: int = 5  # epoch files kept, for averaging (0: all)
+    weight_decay: float = 0.0  # above 0: AdamW (Part 2's make_optimizer)
 
 
 def model_from_config(c, n_src, n_tgt, dropout=None):
@@ -609,8 +610,11 @@ def make_run_optimizer(model, config, batches_per_epoch, total=None):
     stops part of the way through an epoch.
     """
     c = config
+    decay = c.weight_decay
     if c.schedule == "noam":  # Part 2's
-        return make_optimizer(model, c.d_model, c.factor, c.warmup)
+        return make_optimizer(
+            model, c.d_model, c.factor, c.warmup, weight_decay=decay
+        )
     if c.schedule != "linear":
         raise ValueError(f"unknown schedule {c.schedule!r}: noam or linear")
     if total is None and batches_per_epoch is None:
@@ -619,7 +623,9 @@ def make_run_optimizer(model, config, batches_per_epoch, total=None):
         total = math.ceil(batches_per_epoch / c.accum_iter) * c.epochs
     peak = rate(c.warmup, c.d_model, c.factor, c.warmup)
     linear = lambda step: warmup_then_linear(step, peak, c.warmup, total)
-    return make_optimizer(model, c.d_model, schedule=linear)
+    return make_optimizer(
+        model, c.d_model, schedule=linear, weight_decay=decay
+    )
 
 
 # %% [markdown]

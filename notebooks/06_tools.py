@@ -63,6 +63,7 @@ import hashlib
 import http.client
 import itertools
 import json
+import math
 import os
 import pickle
 import signal
@@ -1775,6 +1776,78 @@ def backend_for(device):
 
 
 # %% [markdown]
+# ### A cheaper dropout mask
+#
+# On the CPU, dropout's random mask was a quarter of a bf16 training step
+# of the `cpu` model (`bench/RESULTS_efficiency.md`). `torch.bernoulli_`
+# asks the random number generator for one number per element. We ask
+# for one 64-bit number per *four* elements and read it as four 16-bit
+# integers, each uniform over its 65,536 values. An element is dropped
+# when its integer falls in the lowest `round(p * 65536)` of them, so it
+# is kept with probability $1 - p$ to within 1 part in 65,536, and the
+# kept elements are scaled by one over that exact probability, so the
+# mean is unchanged, as in `nn.Dropout`.
+#
+# `FastDropout` is an `nn.Dropout` with that mask; it gives the same
+# identity in `eval()` mode. On other devices it calls `F.dropout` as
+# `nn.Dropout` does: CUDA's dropout is one fused kernel already.
+# `use_fast_dropout` swaps it in for every `nn.Dropout` of a model, in
+# place; dropout has no weights, so checkpoints do not change.
+# Attention's dropout inside `scaled_dot_product_attention` only reads
+# the module's `p`, so it keeps torch's own mask. `TrainingRun`, below,
+# makes the swap; the lessons' loop, `train_one_process`, keeps
+# `nn.Dropout`. How much it saves is measured in
+# `bench/RESULTS_efficiency.md`.
+
+
+# %%
+#| export
+def cheap_keep_mask(shape, p):
+    """(mask, keep probability): a CPU bool tensor of `shape`, each
+    element True (kept) with probability 1 - p, to 1 part in 65,536."""
+    n = math.prod(shape)
+    dropped = min(round(p * 65536), 65535)  # of the 65,536 int16 values
+    bits = torch.empty((n + 3) // 4, dtype=torch.int64)
+    bits.random_(-(2**63), None)  # all 64 bits uniform
+    int16s = bits.view(torch.int16)[:n].view(shape)
+    return int16s >= dropped - 32768, (65536 - dropped) / 65536
+
+
+class FastDropout(torch.nn.Dropout):
+    """nn.Dropout whose CPU mask draws one random number per 4 elements."""
+
+    def forward(self, x):
+        if not self.training or not 0 < self.p < 1 or x.device.type != "cpu":
+            return super().forward(x)  # F.dropout, or x itself
+        keep, keep_prob = cheap_keep_mask(x.shape, self.p)
+        return x * keep.to(x.dtype).mul_(1 / keep_prob)
+
+
+def use_fast_dropout(model):
+    """Swap every nn.Dropout in `model` for FastDropout; return `model`."""
+    for module in list(model.modules()):
+        for name, child in module.named_children():
+            if type(child) is torch.nn.Dropout:
+                setattr(module, name, FastDropout(child.p))
+    return model
+
+
+# %%
+torch.manual_seed(0)
+ones = torch.ones(400, 1000)
+for label, dropout in (
+    ("nn.Dropout", torch.nn.Dropout(0.2)),
+    ("FastDropout", FastDropout(0.2)),
+):
+    out = dropout(ones)
+    print(
+        f"{label:11s} dropped {(out == 0).float().mean():.4f}, "
+        f"mean {out.mean():.4f}, kept values {out[out > 0].unique().tolist()}"
+    )
+assert FastDropout(0.2).eval()(ones) is ones
+
+
+# %% [markdown]
 # ### A run, in pieces
 #
 # `train_worker` is what each process runs, and we build it from a few
@@ -1785,7 +1858,8 @@ def backend_for(device):
 # distributed run.
 #
 # `TrainingRun` then sets up a run: it joins the group if there are
-# several processes, seeds, builds the model and wraps it in DDP, and
+# several processes, seeds, builds the model (with `FastDropout`,
+# above) and wraps it in DDP, and
 # makes the label-smoothed criterion (the loss itself is computed by
 # `train_epoch`, below), Part 3's optimizer and schedule for the run's step
 # budget (`batches_per_epoch`, or `total` steps), and a `GradScaler`
@@ -1840,7 +1914,8 @@ class TrainingRun:
         if distributed:
             join_group(self.device, rank, world_size, port)
         torch.manual_seed(c.seed)
-        self.model = self.module = model_from_config(c, *sizes).to(self.device)
+        model = use_fast_dropout(model_from_config(c, *sizes))
+        self.model = self.module = model.to(self.device)
         if distributed:
             ids = [self.device.index] if self.device.type == "cuda" else None
             DDP = torch.nn.parallel.DistributedDataParallel

@@ -5,9 +5,11 @@ import importlib.util
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import annotated_transformer_tools as tools
@@ -105,6 +107,21 @@ def test_fast_paths_train_like_the_explained_ones():
     torch.testing.assert_close(loss_fast, loss_slow)
     for fast, slow in zip(grads_fast, grads_slow, strict=True):
         torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-4)
+
+
+def test_ours_trains_with_fast_dropout_and_its_pair_with_torchs():
+    """ "ours" is the model as TrainingRun trains it; "ours, nn.Dropout"
+    differs from it in the dropout mask alone."""
+    labels = efficiency.contestants_for(SimpleNamespace(compile=False))
+    assert labels["ours, nn.Dropout"] == (efficiency.OursTorchDropout, False)
+
+    def dropout_types(cls):
+        model = cls(50, 50, 2, 32, 64, 4, 0.1)
+        return {type(m) for m in model.modules() if isinstance(m, nn.Dropout)}
+
+    assert dropout_types(efficiency.Ours) == {tools.FastDropout}
+    assert dropout_types(efficiency.OursTorchDropout) == {nn.Dropout}
+    assert dropout_types(efficiency.OursBefore) == {nn.Dropout}
 
 
 def test_help():
