@@ -3071,6 +3071,11 @@ def add_train_parser(sub):
         " record is --preset cpu --dropout 0.2)",
     )
     train.add_argument(
+        "--weight-decay",
+        type=number_from(0.0, 1.0),
+        help="AdamW's weight decay (default 0: Adam)",
+    )
+    train.add_argument(
         "--schedule",
         choices=["noam", "linear"],
         help="the learning rate after the warm-up: noam, the paper's"
@@ -3245,6 +3250,7 @@ def command_train(args):
             ("epochs", args.epochs),
             ("max_tokens", args.max_tokens),
             ("dropout", args.dropout),
+            ("weight_decay", args.weight_decay),
             ("schedule", args.schedule),
             ("checkpoint_dir", args.checkpoint_dir),
             ("keep_last", args.keep_last),

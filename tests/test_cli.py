@@ -536,6 +536,7 @@ def test_train_options_refuse_bad_values(option, value, capsys):
         for value in ("-0.1", "11", "nan", "inf", "many")
     ]
     + [["train", "--dropout", value] for value in ("-0.1", "1", "nan", "x")]
+    + [["train", "--weight-decay", value] for value in ("-1", "1.5", "nan")]
     + [["train", "--schedule", "cosine"]]
     + [["train", "--device", value] for value in ("tpu", "cuda:99")],
 )

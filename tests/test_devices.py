@@ -240,12 +240,16 @@ def test_train_device_overrides_the_picked_device(
 ):
     """A Mac whose MPS fails can train on its CPU: --device cpu."""
     argv = ["--device", "cpu", "--dropout", "0.2", "--schedule", "linear"]
+    argv += ["--weight-decay", "0.1"]
     status, got = train_from_the_command_line(argv, tmp_path, monkeypatch)
     ((args, kwargs),) = got
     config = args[6]  # rank, world, two vocabularies, two tokenizers, config
     assert status == 0 and kwargs["device"] == "cpu"
     assert config.dropout == 0.2 and config.preset == "ci"
     assert config.schedule == "linear"  # ci's own is noam
+    assert (
+        config.weight_decay == 0.1 and tools.get_config("ci").weight_decay == 0
+    )
     assert tools.get_config("ci").schedule == "noam"
     status, got = train_from_the_command_line([], tmp_path, monkeypatch)
     assert status == 0 and got[0][1]["device"] is None  # pick_device's

@@ -45,6 +45,37 @@ def test_make_optimizer_follows_the_schedule():
     assert opt.param_groups[0]["betas"] == (0.9, 0.999)
 
 
+def test_weight_decay_makes_it_adamw_and_shrinks_weights_apart():
+    """AdamW's decoupled decay: with a zero gradient Adam's own step is
+    zero, so one step multiplies each weight by 1 - lr * weight_decay."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    plain, _ = tat.make_optimizer(model, 16, warmup=5)
+    assert type(plain) is torch.optim.Adam
+    assert plain.param_groups[0]["weight_decay"] == 0
+    opt, sched = tat.make_optimizer(model, 16, warmup=5, weight_decay=0.1)
+    assert type(opt) is torch.optim.AdamW
+    before = [p.detach().clone() for p in model.parameters()]
+    lr = opt.param_groups[0]["lr"]
+    assert lr == pytest.approx(tat.rate(1, 16, 1.0, 5))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for old, new in zip(before, model.parameters(), strict=True):
+        torch.testing.assert_close(new.detach(), old * (1 - lr * 0.1))
+
+
+def test_a_run_config_with_weight_decay_builds_adamw():
+    for schedule in ("noam", "linear"):
+        config = tools.get_config("ci", schedule=schedule, weight_decay=0.05)
+        model = torch.nn.Linear(2, 2)
+        opt, _ = tat.make_run_optimizer(model, config, 5)
+        assert type(opt) is torch.optim.AdamW
+        assert opt.param_groups[0]["weight_decay"] == 0.05
+    opt, _ = tat.make_run_optimizer(model, tools.get_config("ci"), 5)
+    assert type(opt) is torch.optim.Adam
+
+
 # --------------------------------------------------------- label smoothing
 def test_label_smoothing_targets():
     V, pad, eps = 7, 0, 0.3
