@@ -108,12 +108,11 @@ def parse_args(argv=None):
 
 def check_out_prefix(parser, out):
     """Refuse an --out whose OUT.json and OUT.md cannot be written."""
-    folder = Path(out).parent
-    if not folder.is_dir():
-        parser.error(f"--out {out}: there is no folder {folder}")
     for suffix in (".json", ".md"):
-        if Path(out).with_suffix(suffix).is_dir():
-            parser.error(f"--out {out}: {out}{suffix} is a folder")
+        try:
+            tools.check_out(Path(out).with_suffix(suffix))
+        except tools.UserError as err:
+            parser.error(str(err))
 
 
 ALPHA = inspect.signature(tat.beam_search).parameters["alpha"].default

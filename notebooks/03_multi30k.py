@@ -899,7 +899,10 @@ tools.line_chart(
 #
 # The `cpu` preset trains the same model for 18 epochs with dropout and
 # Part 2's schedule, in over an hour (`make train`, in the Makefile);
-# Parts 4 and 5 read it when it exists.
+# Parts 4 and 5 read it when it exists. Its dropout masks are drawn by
+# the appendix's `FastDropout`, from a quarter of the random numbers
+# `nn.Dropout` asks for, which makes a bf16 step 1.15 times as fast
+# (`bench/RESULTS_efficiency.md`).
 
 # %% [markdown]
 # ## Decoding

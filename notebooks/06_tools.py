@@ -3271,7 +3271,7 @@ def command_train(args):
             message = f"--world-size {args.world_size}: {err}"
             raise UserError(message) from None
     if args.results:  # fail now, not after hours of training
-        check_out(args.results)
+        check_out(args.results, option="--results")
     download_multi30k()  # before the lock makes the checkpoint folder
     rank = ranks[0] if ranks else 0
     lock = folder_lock(config.checkpoint_dir) if rank == 0 else None
@@ -3404,22 +3404,23 @@ def write_results(path, checkpoint, wall_time):
 
 # %%
 #| export
-def check_out(out, *inputs):
-    """Refuse an output file that is an input or cannot be written."""
+def check_out(out, *inputs, option="--out"):
+    """Refuse an output file that is an input or cannot be written;
+    `option` names it in the message."""
     out = Path(out).absolute()
     for given in inputs:
         given = Path(given).absolute()
         same = out.exists() and given.exists() and out.samefile(given)
         if same or out.resolve() == given.resolve():
             raise UserError(
-                f"--out {out} is also an input, which it would overwrite"
+                f"{option} {out} is also an input, which it would overwrite"
             )
     if out.is_dir():
-        raise UserError(f"--out {out} is a folder")
+        raise UserError(f"{option} {out} is a folder")
     if not out.parent.is_dir():
-        raise UserError(f"--out {out}: there is no folder {out.parent}")
+        raise UserError(f"{option} {out}: there is no folder {out.parent}")
     if not os.access(out.parent, os.W_OK | os.X_OK):
-        raise UserError(f"--out {out}: cannot write in {out.parent}")
+        raise UserError(f"{option} {out}: cannot write in {out.parent}")
 
 
 def load_for_decoding(args):

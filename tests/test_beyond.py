@@ -552,10 +552,15 @@ def test_bleu_table_with_nothing_to_score_writes_nothing(tmp_path, capsys):
     assert bleu_table.main(list(map(str, argv))) == 2
     assert "nothing to score" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+    (tmp_path / "md.md").mkdir()
     for bad, words in (
         (["--threads", "-1"], "--threads"),
         (["--average", "-2"], "--average"),
         (["--out", str(tmp_path / "no" / "b")], "there is no folder"),
+        (
+            ["--out", str(tmp_path / "md")],
+            f"--out {tmp_path}/md.md is a folder",
+        ),
     ):
         with pytest.raises(SystemExit) as stop:
             bleu_table.parse_args(list(map(str, argv)) + bad)

@@ -453,7 +453,7 @@ BAD_INPUTS = {  # name: (argv, a part of the message, extra environment)
     "--results in a missing folder": (
         ["train", "--preset", "ci", "--checkpoint-dir", "never_made"]
         + ["--results", "no/such/results.json"],
-        "there is no folder",
+        "--results {folder}/no/such/results.json: there is no folder",
         {"MULTI30K_DIR": "{multi30k}"},
     ),
     "relative MULTI30K_DIR": (
