@@ -2336,18 +2336,17 @@ def train_locked(args, config, ranks=None):
 
 
 def greedy_with_and_without_unk(
-    model, sentences, spacy_de, vocab_src, vocab_tgt
+    model, sentences, spacy_de, vocab_src, vocab_tgt, batch_size=128
 ):
     """translate_batch's greedy output with `<unk>` replaced, and kept."""
     if is_subword(vocab_src) or is_subword(vocab_tgt):  # no <unk> to replace
         hyps = translate_batch(
-            model, sentences, spacy_de, vocab_src, vocab_tgt
+            model, sentences, spacy_de, vocab_src, vocab_tgt, None, batch_size
         )
         return hyps, hyps
     model.eval()
     device = next(model.parameters()).device
     encoded, words = encode_sources(sentences, spacy_de, vocab_src, True)
-    batch_size = 128  # translate_batch's default
     decoded = decode_by_length(
         model,
         encoded,

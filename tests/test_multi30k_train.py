@@ -104,6 +104,9 @@ def test_one_greedy_decoding_gives_both_unk_treatments(ci_run):
     assert replaced == tools.translate_batch(*args, replace_unk=True)
     assert kept == tools.translate_batch(*args, replace_unk=False)
     assert replaced != kept and any("<unk>" in hyp for hyp in kept)
+    # the batch size changes how sentences are grouped, not the output
+    small = tools.greedy_with_and_without_unk(*args, batch_size=4)
+    assert small == (replaced, kept)
 
 
 def test_run_model_example_prints_what_translate_gives(ci_run, capsys):
