@@ -750,9 +750,10 @@ assert not torch.allclose(short_last, first_only)  # the third batch counts
 # `lr=1.0`. Step 0 is treated as step 1 to avoid $0^{-0.5}$.
 # `make_optimizer` can also take another `schedule`, a function of the
 # step; `d_model`, `factor` and `warmup` only feed `rate`, so they are
-# ignored then. A `weight_decay` above 0 (Part 3's sweep tries one) makes
-# it AdamW, which also shrinks every weight by its learning rate times
-# `weight_decay` at each step, apart from the gradient's average.
+# ignored then. A `weight_decay` above 0 makes it AdamW, which at each
+# step also multiplies every parameter (biases and norms included) by
+# $1 - lrate \cdot weight\_decay$, separately from Adam's update, which
+# never sees the decay (`bench/recipe_sweep.py` tried it on Multi30k).
 
 
 # %%

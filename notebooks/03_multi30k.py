@@ -898,10 +898,12 @@ tools.line_chart(
 # q3000-d00 was another run, whose decay ended at step 840.
 #
 # The `cpu` preset trains the same model for 18 epochs with dropout and
-# Part 2's schedule, in over an hour (`make train`, in the Makefile);
-# Parts 4 and 5 read it when it exists. Its dropout masks are drawn by
-# the appendix's `FastDropout`, from a quarter of the random numbers
-# `nn.Dropout` asks for, which makes a bf16 step 1.15 times as fast
+# Part 2's schedule (`make train`, in the Makefile, trains it and its BPE
+# twin): about 40 minutes on a 2-core CPU with native bf16, over an hour
+# in float32. Parts 4 and 5 read it when it exists. On the CPU, the
+# appendix's `FastDropout` draws its dropout masks (outside attention)
+# from a quarter as many random numbers as `nn.Dropout`; on one 2-core
+# EPYC that made a bf16 step 1.15 times as fast
 # (`bench/RESULTS_efficiency.md`).
 
 # %% [markdown]
