@@ -536,7 +536,11 @@ class Beams(NamedTuple):
 # the scores of the hypotheses that ended at this step. A finished
 # hypothesis can be pushed out of the beam by running ones that later end
 # with lower scores, so `keep_best` records each sentence's best finished
-# hypothesis when it ends.
+# hypothesis when it ends. For example, with $k = 2$: "a dog . `</s>`"
+# ends at step 4 with score -2.1 and is recorded. At step 5, two running
+# hypotheses with scores -1.8 and -1.9 fill the beam and push it out. If
+# those two end lower, at -2.5 and -2.6, after more tokens, the recorded
+# -2.1 still wins.
 
 
 # %%
@@ -944,7 +948,8 @@ class BpeVocab:
 # attaches it to the following word, so decoding is just joining the
 # pieces and turning `▁` back into spaces: no detokenizer is needed. It
 # splits only at spaces, so a full stop can share a unit with its word.
-# The appendix's `load_bpe` caches the trained tokenizer as `bpe.json` in
+# The appendix's `load_bpe` calls `train_bpe` on the training split's
+# German and English sentences, caches the trained tokenizer as `bpe.json` in
 # the data folder (`data/` in the repository; on Colab, `/content/data`)
 # and retrains it, in a few seconds, when the file is missing or has
 # another size. Unlike the Multi30k files, it does not move with
