@@ -1211,8 +1211,10 @@ for decoder_name, fn in DECODERS.items():
 # (the appendix's `load_translator` puts them together). Without
 # `--checkpoint` they use `checkpoints/cpu/final.pt`, else
 # `checkpoints/quick/final.pt`. This command scores that checkpoint with
-# the decoding that scored best on the best recipe's model (cpu-d02-e18
-# in `docs/results.md`, 18 epochs):
+# the decoding that scored best on validation for the `cpu` preset with
+# Part 2's schedule, which `make train` trains (cpu-d02-e18 in
+# `docs/results.md`, 18 epochs; the runs with a linear decay chose the
+# last 3 instead):
 #
 # ```bash
 # python annotated_transformer_tools.py evaluate \
