@@ -1815,7 +1815,7 @@ def backend_for(device):
 #| export
 def cheap_keep_mask(shape, p):
     """(mask, keep probability): a CPU bool tensor of `shape`, each
-    element True (kept) with probability 1 - p, to 1 part in 65,536."""
+    element True (kept) with probability within 1/131,072 of 1 - p."""
     n = math.prod(shape)
     dropped = min(round(p * 65536), 65535)  # of the 65,536 int16 values
     bits = torch.empty((n + 3) // 4, dtype=torch.int64)
