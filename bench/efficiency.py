@@ -8,12 +8,18 @@ For each preset (`paper`, `cpu`) it trains on the same bucketed batches of
 real Multi30k sentences with
 
 * ours: `make_model(...)`, the tutorial's model, with the appendix's
-  `FastDropout` swapped in as training does (`TrainingRun`);
+  `FastDropout` swapped in and its `FastLabelSmoothing` loss, as training
+  does (`TrainingRun`);
 * ours, nn.Dropout: the same with `nn.Dropout`'s mask, as before
   `FastDropout`, for a before/after of the mask in the same run;
+* ours, autograd loss: the same with Part 2's `LabelSmoothing`, whose
+  gradient autograd computes, as before the appendix's
+  `FastLabelSmoothing` (the loss training uses), for a before/after of
+  the loss's backward pass;
 * peer: `torch.nn.Transformer(norm_first=True, batch_first=True)` with the
   same sizes, wrapped in the same `Embeddings`, `PositionalEncoding` and
-  `Generator`, and trained with the same loss and optimizer;
+  `Generator`, and trained with the same loss (`FastLabelSmoothing`) and
+  optimizer;
 * ours, before: our model with the explained paths that the fast ones
   replaced (LayerNorm written as its formula, label smoothing through a
   full target matrix), for a before/after in the same run;
@@ -227,6 +233,7 @@ class Ours(nn.Module):
 
     keep_targets = False  # LabelSmoothing's closed form (the fast path)
     fast_dropout = True
+    criterion_cls = tools.FastLabelSmoothing  # the hand-written gradient
 
     def __init__(self, src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout):
         super().__init__()
@@ -254,6 +261,12 @@ class OursTorchDropout(Ours):
     fast_dropout = False
 
 
+class OursAutogradLoss(Ours):
+    """Ours with Part 2's LabelSmoothing, differentiated by autograd."""
+
+    criterion_cls = tat.LabelSmoothing
+
+
 class OursBefore(Ours):
     """Ours with the explained paths the fast ones replaced: LayerNorm as
     the formula reads, label smoothing through its target matrix, and
@@ -261,6 +274,7 @@ class OursBefore(Ours):
 
     keep_targets = True
     fast_dropout = False
+    criterion_cls = tat.LabelSmoothing
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -309,7 +323,9 @@ def timed_pass(
     forward = torch.compile(model, dynamic=True) if compile else model
     autocast = tools.autocast_for("cpu", dtype)
     keep = getattr(model_cls, "keep_targets", False)
-    criterion = tat.LabelSmoothing(sizes[1], tat.PAD, 0.1, keep_targets=keep)
+    # the peer trains with the loss that ours trains with
+    loss_cls = getattr(model_cls, "criterion_cls", Ours.criterion_cls)
+    criterion = loss_cls(sizes[1], tat.PAD, 0.1, keep_targets=keep)
     optimizer = torch.optim.Adam(
         model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9
     )
@@ -376,6 +392,7 @@ def contestants_for(args):
     contestants = {
         "ours": (Ours, False),
         "ours, nn.Dropout": (OursTorchDropout, False),
+        "ours, autograd loss": (OursAutogradLoss, False),
         "nn.Transformer": (TorchPeer, False),
         "ours, before": (OursBefore, False),
     }
@@ -409,7 +426,7 @@ def measure_preset(name, data, sizes, peak, args):
             tok_s, flop_s = rates[label][-1]
             extra = f"  (first step {first:.1f} s)" if compiled else ""
             print(
-                f"  run {run} {label:16s} {tok_s:8.1f} tok/s "
+                f"  run {run} {label:19s} {tok_s:8.1f} tok/s "
                 f"{flop_s / 1e9:7.1f} GFLOP/s  MFU {flop_s / peak:5.1%}"
                 + extra
             )
@@ -419,7 +436,7 @@ def measure_preset(name, data, sizes, peak, args):
         flop_s = statistics.median(v[1] for v in values)
         medians[label] = (tok_s, flop_s)
         print(
-            f"  median {label:16s} {tok_s:8.1f} tok/s "
+            f"  median {label:19s} {tok_s:8.1f} tok/s "
             f"{flop_s / 1e9:7.1f} GFLOP/s  MFU {flop_s / peak:5.1%}"
         )
     ratio = medians["ours"][0] / medians["nn.Transformer"][0]
@@ -428,6 +445,8 @@ def measure_preset(name, data, sizes, peak, args):
     print(f"  ours / ours before the fast paths (tok/s): {gain:.2f}")
     mask = medians["ours"][0] / medians["ours, nn.Dropout"][0]
     print(f"  ours / ours with nn.Dropout (tok/s): {mask:.2f}")
+    loss = medians["ours"][0] / medians["ours, autograd loss"][0]
+    print(f"  ours / ours with the autograd loss (tok/s): {loss:.2f}")
     if args.compile:
         speedup = medians["ours, compiled"][0] / medians["ours"][0]
         print(f"  ours compiled / ours (tok/s): {speedup:.2f}")

@@ -405,6 +405,35 @@ SETTINGS = {
         "max_steps": 0,
         "eval_every": 0,
     },
+    # cpu-d02-lin18-wd02 (41.01 on validation) beat wd01 (40.84) and no
+    # decay (40.68): a larger decay, to find where the lever turns.
+    "cpu-d02-lin18-wd03": {
+        "why": "cpu-d02-lin18 with AdamW, weight decay 0.3",
+        "preset": "cpu",
+        "set": {
+            "dropout": 0.2,
+            "schedule": "linear",
+            "weight_decay": 0.3,
+            "keep_last": 0,
+        },
+        "max_steps": 0,
+        "eval_every": 0,
+    },
+    # The best single model from another seed: an ensemble member, and a
+    # measure of how much of wd02's lead over wd01 is the seed.
+    "cpu-d02-lin18-wd02-s1": {
+        "why": "cpu-d02-lin18-wd02 from seed 1, an ensemble member",
+        "preset": "cpu",
+        "set": {
+            "dropout": 0.2,
+            "schedule": "linear",
+            "weight_decay": 0.2,
+            "seed": 1,
+            "keep_last": 0,
+        },
+        "max_steps": 0,
+        "eval_every": 0,
+    },
 }
 
 TABLE_HEAD = (

@@ -94,6 +94,7 @@ from the_annotated_transformer import COPY_PAD, copy_accuracy, data_gen
 from the_annotated_transformer import warmup_linear_decay
 from the_annotated_transformer import MULTI30K_ENV, DatasetError
 from the_annotated_transformer import Batch, BpeVocab, LabelSmoothing
+from the_annotated_transformer import smoothed_kl
 from the_annotated_transformer import SimpleLossCompute, TrainConfig
 from the_annotated_transformer import TrainState, Vocab, beam_search
 from the_annotated_transformer import build_vocabulary, cached_greedy_decode
@@ -1831,7 +1832,8 @@ class FastDropout(torch.nn.Dropout):
         if not self.training or not 0 < self.p < 1 or x.device.type != "cpu":
             return super().forward(x)  # F.dropout, or x itself
         keep, keep_prob = cheap_keep_mask(x.shape, self.p)
-        return x * keep.to(x.dtype).mul_(1 / keep_prob)
+        scaled = keep.to(x.dtype).mul_(1 / keep_prob)
+        return x.mul_(scaled) if self.inplace else x * scaled
 
 
 def use_fast_dropout(model):
@@ -1839,7 +1841,7 @@ def use_fast_dropout(model):
     for module in list(model.modules()):
         for name, child in module.named_children():
             if type(child) is torch.nn.Dropout:
-                setattr(module, name, FastDropout(child.p))
+                setattr(module, name, FastDropout(child.p, child.inplace))
     return model
 
 
@@ -1862,6 +1864,100 @@ assert FastDropout(0.2).eval()(ones) is ones
 
 
 # %% [markdown]
+# ### The loss's gradient, written by hand
+#
+# Part 2's `smoothed_kl` computes the label-smoothed loss without its
+# $N \times V$ target matrix, but autograd's backward pass still builds
+# three $N \times V$ gradients, one for each way the loss reads the
+# log-probabilities (the gathered target, the row sums, the padding
+# column), and adds them up. In bf16 the row sums also cast the whole
+# matrix to float32 first. Profiled on a bf16 step of the `cpu` model, the
+# copies, fills and sums over that matrix outside the two matrix
+# products took more time than the products themselves.
+#
+# The gradient needs none of it. A row's loss is
+# $\sum_j p_j \log p_j - \sum_j p_j \log q_j$, so its derivative with
+# respect to the log-probability $\log q_j$ is simply $-p_j$: minus the
+# smoothed target distribution, the matrix of Part 2's `true_dist`, times
+# the gradient arriving from above. `SmoothedKL` is an
+# `autograd.Function` that says so. Its forward pass is `smoothed_kl`
+# itself, called on blocks of 256 rows, so that the float32 copy of a
+# bf16 block stays small; its backward pass writes the one
+# $N \times V$ matrix, $-f$ in every row (0 in padding rows), then $-c$ at
+# each target and 0 in the padding column.
+#
+# `FastLabelSmoothing` is `LabelSmoothing` with that function. It gives
+# the same loss and, to rounding, the same gradient
+# (`tests/test_fast_loss.py` compares both with autograd's). `TrainingRun`
+# uses it; the lessons keep `LabelSmoothing`.
+
+
+# %%
+#| export
+class SmoothedKL(torch.autograd.Function):
+    """smoothed_kl, with its gradient written by hand: minus the smoothed
+    target distribution."""
+
+    @staticmethod
+    def forward(ctx, x, target, padding_idx, smoothing, rows=256):
+        ctx.save_for_backward(target)
+        ctx.settings = (x.shape, x.dtype, padding_idx, smoothing)
+        return sum(  # blocks of rows: a bf16 block's float32 copy is small
+            smoothed_kl(
+                x[i : i + rows], target[i : i + rows], padding_idx, smoothing
+            )
+            for i in range(0, len(x), rows)
+        )
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (target,) = ctx.saved_tensors
+        shape, dtype, padding_idx, smoothing = ctx.settings
+        c, f = 1.0 - smoothing, smoothing / (shape[1] - 2)
+        real = target != padding_idx  # (N,): padding rows get 0
+        other = torch.where(real, -f * grad_loss, 0.0).to(dtype)  # (N,)
+        grad = torch.empty(shape, dtype=dtype, device=target.device)
+        grad.copy_(other.unsqueeze(1))  # -f everywhere in the row
+        at_target = torch.where(real, -c * grad_loss, 0.0).to(dtype)
+        grad[torch.arange(len(target), device=target.device), target] = (
+            at_target
+        )
+        grad[:, padding_idx] = 0
+        return grad, None, None, None, None
+
+
+class FastLabelSmoothing(LabelSmoothing):
+    """LabelSmoothing whose closed form has a hand-written gradient."""
+
+    def forward(self, x, target):
+        if self.keep_targets:
+            return super().forward(x, target)
+        assert x.size(1) == self.size
+        self.last_target, self.last_dtype = target.detach(), x.dtype
+        return SmoothedKL.apply(x, target, self.padding_idx, self.smoothing)
+
+
+# %%
+torch.manual_seed(0)
+logp = torch.randn(600, 50).log_softmax(-1)  # 600 rows: three blocks
+target = torch.randint(0, 50, (600,))
+target[::7] = PAD
+grads = []
+for criterion in (
+    LabelSmoothing(50, PAD, 0.1),
+    FastLabelSmoothing(50, PAD, 0.1),
+):
+    x = logp.clone().requires_grad_()
+    loss = criterion(x, target)
+    loss.backward()
+    grads.append(x.grad)
+    print(f"{type(criterion).__name__:18s} loss {loss.item():.4f}")
+assert torch.allclose(grads[0], grads[1], atol=1e-7)
+expected = -criterion.true_dist  # the gradient is minus the targets
+assert torch.allclose(grads[1], expected, atol=1e-7)
+
+
+# %% [markdown]
 # ### A run, in pieces
 #
 # `train_worker` is what each process runs, and we build it from a few
@@ -1874,7 +1970,8 @@ assert FastDropout(0.2).eval()(ones) is ones
 # `TrainingRun` then sets up a run: it joins the group if there are
 # several processes, seeds, builds the model with `FastDropout` (above)
 # and wraps it in DDP, picks the precision, and
-# makes the label-smoothed criterion (the loss itself is computed by
+# makes the label-smoothed criterion, `FastLabelSmoothing` (above; the loss
+# itself is computed by
 # `train_epoch`, below), Part 3's optimizer and schedule for the run's step
 # budget (`batches_per_epoch`, or `total` steps), and a `GradScaler`
 # where the precision needs one. `module` is the bare model, whose
@@ -1934,7 +2031,7 @@ class TrainingRun:
             ids = [self.device.index] if self.device.type == "cuda" else None
             DDP = torch.nn.parallel.DistributedDataParallel
             self.model = DDP(self.module, device_ids=ids)
-        self.criterion = LabelSmoothing(sizes[1], PAD, c.label_smoothing)
+        self.criterion = FastLabelSmoothing(sizes[1], PAD, c.label_smoothing)
         self.optimizer, self.scheduler = make_run_optimizer(
             self.module, c, batches_per_epoch, total
         )

@@ -83,7 +83,7 @@ def loss_and_grads(model_cls, batch, V=50):
     """Summed training loss and every gradient, dropout off."""
     torch.manual_seed(0)
     model = model_cls(V, V, 2, 32, 64, 4, 0.0)
-    criterion = tat.LabelSmoothing(
+    criterion = model_cls.criterion_cls(
         V, tat.PAD, 0.1, keep_targets=model_cls.keep_targets
     )
     logp = model.generator(model(batch))
@@ -122,6 +122,36 @@ def test_ours_trains_with_fast_dropout_and_its_pair_with_torchs():
     assert dropout_types(efficiency.Ours) == {tools.FastDropout}
     assert dropout_types(efficiency.OursTorchDropout) == {nn.Dropout}
     assert dropout_types(efficiency.OursBefore) == {nn.Dropout}
+
+
+def test_ours_trains_with_the_fast_loss_and_its_pair_with_autograds():
+    """ "ours, autograd loss" differs from "ours" in the loss alone, and
+    the peer trains with the loss that ours trains with."""
+    labels = efficiency.contestants_for(SimpleNamespace(compile=False))
+    pair = labels["ours, autograd loss"][0]
+    assert efficiency.Ours.criterion_cls is tools.FastLabelSmoothing
+    assert pair.criterion_cls is tat.LabelSmoothing
+    assert pair.fast_dropout and not pair.keep_targets
+    seen = []
+    original = efficiency.Ours.criterion_cls
+
+    class Recording(original):
+        def forward(self, x, target):
+            seen.append(type(self))
+            return super().forward(x, target)
+
+    calls = {}
+    efficiency.Ours.criterion_cls = Recording
+    try:
+        for cls in (efficiency.Ours, efficiency.TorchPeer):
+            efficiency.train_pass(
+                cls, tiny_batches(1), (50, 50), tools.get_config("ci"), 0
+            )
+            calls[cls.__name__] = len(seen) - sum(calls.values())
+    finally:
+        efficiency.Ours.criterion_cls = original
+    # one untimed step and one timed: the peer too, with ours' loss
+    assert calls == {"Ours": 2, "TorchPeer": 2}
 
 
 def test_help():

@@ -130,6 +130,19 @@ def test_use_fast_dropout_swaps_every_dropout_and_keeps_the_weights():
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_inplace_is_kept_and_honoured_as_nn_dropout_does():
+    """nn.Dropout(inplace=True) writes into its input; so must the swap."""
+    model = torch.nn.Sequential(torch.nn.Dropout(0.5, inplace=True))
+    tools.use_fast_dropout(model)
+    assert type(model[0]) is tools.FastDropout and model[0].inplace
+    x = torch.ones(1000)
+    out = model(x)
+    assert out is x and (x == 0).any()
+    y = torch.ones(1000)
+    out = tools.FastDropout(0.5)(y)  # not in place: the input is kept
+    assert out is not y and (y == 1).all() and (out == 0).any()
+
+
 def test_a_training_run_trains_with_fast_dropout():
     config = tools.get_config("ci", dropout=0.1)
     run = tools.TrainingRun(0, 1, (20, 30), config, False, None, "cpu")
