@@ -12,6 +12,9 @@ real Multi30k sentences with
   does (`TrainingRun`);
 * ours, nn.Dropout: the same with `nn.Dropout`'s mask, as before
   `FastDropout`, for a before/after of the mask in the same run;
+* ours, fused attention: the same with every attention through
+  `scaled_dot_product_attention`, as before Part 1's `fused` sent CPU
+  training with dropout to the explicit `attention`;
 * ours, autograd loss: the same with Part 2's `LabelSmoothing`, whose
   gradient autograd computes, as before the appendix's
   `FastLabelSmoothing` (the loss training uses), for a before/after of
@@ -261,6 +264,16 @@ class OursTorchDropout(Ours):
     fast_dropout = False
 
 
+class OursFusedAttention(Ours):
+    """Ours with scaled_dot_product_attention's dropout on the CPU too."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        for module in self.modules():
+            if isinstance(module, tat.MultiHeadedAttention):
+                module.fused = lambda q: True
+
+
 class OursAutogradLoss(Ours):
     """Ours with Part 2's LabelSmoothing, differentiated by autograd."""
 
@@ -392,6 +405,7 @@ def contestants_for(args):
     contestants = {
         "ours": (Ours, False),
         "ours, nn.Dropout": (OursTorchDropout, False),
+        "ours, fused attention": (OursFusedAttention, False),
         "ours, autograd loss": (OursAutogradLoss, False),
         "nn.Transformer": (TorchPeer, False),
         "ours, before": (OursBefore, False),
@@ -426,7 +440,7 @@ def measure_preset(name, data, sizes, peak, args):
             tok_s, flop_s = rates[label][-1]
             extra = f"  (first step {first:.1f} s)" if compiled else ""
             print(
-                f"  run {run} {label:19s} {tok_s:8.1f} tok/s "
+                f"  run {run} {label:21s} {tok_s:8.1f} tok/s "
                 f"{flop_s / 1e9:7.1f} GFLOP/s  MFU {flop_s / peak:5.1%}"
                 + extra
             )
@@ -436,7 +450,7 @@ def measure_preset(name, data, sizes, peak, args):
         flop_s = statistics.median(v[1] for v in values)
         medians[label] = (tok_s, flop_s)
         print(
-            f"  median {label:19s} {tok_s:8.1f} tok/s "
+            f"  median {label:21s} {tok_s:8.1f} tok/s "
             f"{flop_s / 1e9:7.1f} GFLOP/s  MFU {flop_s / peak:5.1%}"
         )
     ratio = medians["ours"][0] / medians["nn.Transformer"][0]
@@ -445,6 +459,8 @@ def measure_preset(name, data, sizes, peak, args):
     print(f"  ours / ours before the fast paths (tok/s): {gain:.2f}")
     mask = medians["ours"][0] / medians["ours, nn.Dropout"][0]
     print(f"  ours / ours with nn.Dropout (tok/s): {mask:.2f}")
+    fused = medians["ours"][0] / medians["ours, fused attention"][0]
+    print(f"  ours / ours with fused attention (tok/s): {fused:.2f}")
     loss = medians["ours"][0] / medians["ours, autograd loss"][0]
     print(f"  ours / ours with the autograd loss (tok/s): {loss:.2f}")
     if args.compile:

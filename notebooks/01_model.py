@@ -604,7 +604,7 @@ assert weights[0, 2] == 0
 #
 # ![Multi-head attention](attachment:multihead.svg)
 #
-# A choice of ours, which the 2022 tutorial did not make: every forward
+# A choice of ours, which the 2022 tutorial did not make: a forward
 # pass calls PyTorch's fused
 # `scaled_dot_product_attention` (faster, less memory, but it returns no
 # weights), unless `store_attention` is `True`: then it calls `attention`
@@ -614,6 +614,13 @@ assert weights[0, 2] == 0
 # boolean mask and applies it itself. The fused function is a plain
 # function, not a module, so `.eval()` cannot switch its dropout off:
 # `forward` passes a dropout of 0 outside training itself.
+#
+# One exception, decided by `fused`. PyTorch's fused kernel for the CPU
+# has no dropout. Given a dropout in training, `scaled_dot_product_attention`
+# falls back on the CPU to an unfused version of the formula, which was
+# slower than `attention` above on this project's CPUs (`bench/efficiency.py`
+# measures the whole training step both ways). So a training pass on the
+# CPU with dropout calls `attention` too, without keeping the weights.
 
 
 # %%
@@ -642,6 +649,12 @@ class MultiHeadedAttention(nn.Module):
         x = x.view(B, -1, self.h, self.d_k)  # (B, T, h, d_k)
         return x.transpose(1, 2)  # (B, h, T, d_k)
 
+    def fused(self, q):
+        """Use scaled_dot_product_attention for these queries? Not to
+        store the weights, nor for dropout on the CPU (no fused kernel)."""
+        cpu_dropout = self.training and self.dropout.p > 0 and q.is_cpu
+        return not (self.store_attention or cpu_dropout)
+
     def forward(self, query, key, value, mask=None):
         """Attend from query (B, T, d_model) to key/value (B, S, d_model)."""
         if mask is not None:
@@ -651,13 +664,15 @@ class MultiHeadedAttention(nn.Module):
         q = self.split_heads(query, self.w_q)  # (B, h, T, d_k)
         k = self.split_heads(key, self.w_k)  # (B, h, S, d_k)
         v = self.split_heads(value, self.w_v)  # (B, h, S, d_k)
-        if self.store_attention:
-            x, self.attn = attention(q, k, v, mask=mask, dropout=self.dropout)
-        else:
+        if self.fused(q):
             p = self.dropout.p if self.training else 0.0
             x = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=p
             )  # (B, h, T, d_k)
+        else:
+            x, weights = attention(q, k, v, mask=mask, dropout=self.dropout)
+            if self.store_attention:
+                self.attn = weights  # (B, h, T, S)
         x = x.transpose(1, 2)  # (B, T, h, d_k)
         x = x.reshape(query.size(0), -1, self.h * self.d_k)  # (B, T, d_model)
         return self.w_o(x)  # (B, T, d_model)

@@ -1799,11 +1799,10 @@ def backend_for(device):
 # in `eval()` mode. On other devices it calls `F.dropout`, as
 # `nn.Dropout` does: CUDA's dropout is one fused kernel already.
 # `use_fast_dropout` swaps it in for every `nn.Dropout` of a model, in
-# place; dropout has no weights, so checkpoints do not change. Attention's
-# fast path passes only the number `self.dropout.p` to
-# `scaled_dot_product_attention`, which draws its own mask there; the
-# slower path that stores attention weights calls the module, and so uses
-# `FastDropout`.
+# place; dropout has no weights, so checkpoints do not change. Attention
+# calls the module too: on the CPU, training with dropout, it takes Part
+# 1's `attention` rather than the fused kernel (see `fused` in Part 1), so
+# its weights are dropped with `FastDropout` as well.
 #
 # `TrainingRun`, below, makes the swap. The lessons' loop,
 # `train_one_process`, keeps `nn.Dropout`, so with dropout on the two draw

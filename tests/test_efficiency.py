@@ -124,6 +124,26 @@ def test_ours_trains_with_fast_dropout_and_its_pair_with_torchs():
     assert dropout_types(efficiency.OursBefore) == {nn.Dropout}
 
 
+def test_the_fused_attention_pair_differs_in_the_attention_path(monkeypatch):
+    calls = []
+    fused = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(
+        tat.F,
+        "scaled_dot_product_attention",
+        lambda *a, **k: calls.append(1) or fused(*a, **k),
+    )
+    labels = efficiency.contestants_for(SimpleNamespace(compile=False))
+    batch = small_batch()
+    for cls, expected in (
+        (efficiency.Ours, 0),
+        (labels["ours, fused attention"][0], 6),  # 2 layers: 1 + 2 each
+    ):
+        calls.clear()
+        model = cls(50, 50, 2, 32, 64, 4, 0.1).train()
+        model(batch)
+        assert len(calls) == expected
+
+
 def test_ours_trains_with_the_fast_loss_and_its_pair_with_autograds():
     """ "ours, autograd loss" differs from "ours" in the loss alone, and
     the peer trains with the loss that ours trains with."""

@@ -86,6 +86,54 @@ def test_multi_head_sdpa_path_equals_explicit_path_in_eval():
         mha.attn = None
 
 
+def sdpa_calls(monkeypatch):
+    """A list that grows by one each time the fused kernel is called."""
+    calls, fused = [], F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs.get("dropout_p"))
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(tat.F, "scaled_dot_product_attention", recording)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "training, p, store, device, fused",
+    [
+        (True, 0.1, False, "cpu", False),  # no fused CPU kernel for dropout
+        (True, 0.0, False, "cpu", True),  # no dropout: fused
+        (False, 0.1, False, "cpu", True),  # eval: fused, dropout 0
+        (True, 0.1, False, "meta", True),  # a GPU's kernel has dropout
+        (False, 0.1, True, "cpu", False),  # weights wanted
+    ],
+)
+def test_which_attention_path_runs(
+    monkeypatch, training, p, store, device, fused
+):
+    calls = sdpa_calls(monkeypatch)
+    mha = tat.MultiHeadedAttention(h=2, d_model=8, dropout=p).to(device)
+    mha.train(training)
+    mha.store_attention = store
+    x = torch.randn(3, 4, 8, device=device)
+    mha(x, x, x, tat.subsequent_mask(4).to(device))
+    assert calls == ([p if training else 0.0] if fused else [])
+    assert (mha.attn is not None) == store
+
+
+def test_cpu_training_with_dropout_drops_attention_weights_with_the_module():
+    """The explicit path calls self.dropout, so FastDropout's swap reaches
+    attention too, and the attention weights are not kept."""
+    torch.manual_seed(0)
+    mha = tat.MultiHeadedAttention(h=2, d_model=8, dropout=0.5).train()
+    seen = []
+    mha.dropout.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    x = torch.randn(3, 4, 8)
+    mha(x, x, x, tat.subsequent_mask(4))
+    assert seen == [(3, 2, 4, 4)]  # (B, h, T, S): the attention weights
+    assert mha.attn is None
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_attention_masking_in_half_precision(dtype):
     # Large scores make a -1e9 style fill overflow; ours must stay finite.
