@@ -35,8 +35,8 @@
 # * The model is in `eval()` mode. With dropout active, a tenth of the
 #   attention weights (the probabilities, not the model's parameters) are
 #   zeroed and the rest scaled by $1/0.9$, so a drawn row no
-#   longer sums to 1 and a weight above 0.9 is drawn above 1. A cell
-#   below shows the rows that no longer sum to 1.
+#   longer sums to 1, and a weight above 0.9 would be drawn above 1. A
+#   cell below shows the rows that no longer sum to 1.
 # * Recording is an explicit opt-in. Training runs the fused
 #   `scaled_dot_product_attention`, which does not return the weights;
 #   recording switches every layer to the explicit computation only for
@@ -244,6 +244,7 @@ def _recorded_weights(model, src, src_mask, tgt_in, pad):
     tgt_mask = Batch.make_std_mask(tgt_in, pad)  # (1, T, T)
     with record_attention(model):
         model(src, tgt_in, src_mask, tgt_mask)
+        # attn[0]: the batch of one, so each is (h, R, C)
         enc = [layer.self_attn.attn[0] for layer in model.encoder.layers]
         dec = [layer.self_attn.attn[0] for layer in model.decoder.layers]
         crs = [layer.src_attn.attn[0] for layer in model.decoder.layers]
@@ -299,8 +300,7 @@ def attention_maps(
 # vocabularies, trained on all of Multi30k. The page loads
 # `checkpoints/cpu/final.pt`, which `make train` writes in over an hour,
 # or else `checkpoints/quick/final.pt`, which Part 3 trained in minutes:
-# the same shape, fewer epochs. (`make train` now trains 18 epochs; the
-# numbers quoted below come from a 10-epoch run, see below.)
+# the same shape, fewer epochs.
 #
 # If neither exists, the appendix's `find_or_train` trains a *stand-in*
 # here, in seconds: the tiny `ci` preset, which has one layer and two
@@ -322,9 +322,20 @@ def attention_maps(
 # print the numbers of the model loaded, and assert those claims only
 # when it is a trained one (`trained` below).
 #
-# The numbers quoted in the prose, "on record", come from one `cpu` run
-# of 10 epochs (where the preset now trains 18), in `results/site_full.md`
-# and `results/unk_replacement.md`; this page does not recompute them.
+# Which model is which:
+#
+# * `cpu`, trained by `make train` for 18 epochs: loaded when
+#   `checkpoints/cpu/final.pt` exists. No number in the prose comes from it.
+# * `cpu` **on record**: one run of 10 epochs, from when the preset had 10.
+#   It is never loaded; the numbers marked "on record" are its own
+#   (`results/site_full.md`, `results/unk_replacement.md`).
+# * `quick`, trained by Part 3 for 5 epochs: loaded when there is no `cpu`
+#   checkpoint. The parking numbers below are its own
+#   (`results/make_notebook.md`).
+# * the stand-in, trained here in seconds: loaded when neither exists, and
+#   always under `AT_SIZE=ci`. It shows the machinery, not language.
+#
+# This page does not recompute the numbers on record.
 
 
 # %%
@@ -474,15 +485,17 @@ assert torch.allclose(by_hand, maps.encoder_self[0], atol=1e-5)
 # %% [markdown]
 # ### Why `eval()` matters
 #
-# The same recording twice, on a fresh model with the paper's dropout of
-# 0.1: once in `eval()` mode, and once with the dropout of the first
-# encoder layer's attention switched on, and only that one, so that both
-# passes see the same input. (A fresh model, because `load_trained_model`
-# rebuilds the trained one with dropout 0: switching it to `train()` would
-# change nothing.) With dropout, every weight is either zeroed or the
-# `eval()` weight scaled by $1/0.9$, so the rows no longer sum to 1, and a
-# weight above 0.9 would be drawn above 1 (this small untrained model has
-# no weight that large; a trained one can).
+# The same recording twice, on a fresh model with Part 1's default dropout of
+# 0.1: once in `eval()` mode, and once with the dropout of the first encoder
+# layer's attention switched on, and only that one. Every other dropout stays
+# off, the one after the embeddings above all: it would change what reaches the
+# layer, and the two recordings should differ in the dropout on the weights
+# alone. (A fresh model, because `load_trained_model` rebuilds the trained one
+# with dropout 0: switching it to `train()` would change nothing.) With
+# dropout, every weight is either zeroed or the `eval()` weight scaled by
+# $1/0.9$, so the rows no longer sum to 1, and a weight above 0.9 would be
+# drawn above 1 (this small untrained model has no weight that large; a trained
+# one can).
 
 # %%
 torch.manual_seed(0)
@@ -573,8 +586,8 @@ save_chart(attention_chart(maps, "decoder self"), "04_decoder_self", FIGURES)
 #
 # ![The trained cpu model's decoder-source attention, last layer][chart]
 #
-# [chart]: ../docs/trained_attention.png
-# [github]: https://github.com/annotated-transformer/done-right/blob/main/docs/trained_attention.png
+# [chart]: ../docs/trained_attention.png [github]:
+# https://github.com/annotated-transformer/done-right/blob/main/docs/trained_attention.png
 #
 # The cell below draws the same chart for the model loaded on this page,
 # which is the stand-in unless a `cpu` or `quick` model exists.
@@ -620,7 +633,9 @@ if trained:  # the heads' mean reads the right German word
 # chart shows: the row that predicts `</s>`, with no German word left to
 # translate, parks more of its weight there than the rows that predict
 # words do, on average. The row that predicts "." (labelled "dog") is
-# left out of both: it has a German word to align with, the full stop,
+# left out of the comparison: it is neither the `</s>` row nor one of the
+# word rows (`words` below excludes it). It has a German word to align
+# with, the full stop,
 # which one head of the chart on record reads most, even though two
 # others park much of that row's weight. With the `quick` model of a full
 # `make notebook` run, the `</s>` row parked 0.17 of its weight and the
@@ -713,15 +728,22 @@ def _diagonal(v, kind):
 # table's columns `previous`, `same`, `next` and `specials`. (In decoder
 # self-attention `next` is always 0: the mask hides the next position.)
 #
-# In decoder–source attention, row $i$ predicts English token $i+1$, so a head
-# that reads the German word being translated, in a translation that keeps the
-# word order, looks up to one place after the diagonal: a whole place at the
-# first row (row 0, `<s>`, predicts the first English word, aligned with German
-# position 1, while the diagonal is at 0), shrinking to none at the last (the
-# row that predicts `</s>` reads German `</s>`, on the diagonal). The diagonal
-# is rounded to the nearest position first. There `next`, and late in the
-# sentence `same`, mean "aligned with the word being predicted", not a fixed
-# neighbour.
+# In decoder–source attention the two sentences can differ in length, so
+# the diagonal is proportional: row $i$ of $T$ meets column
+# $j = i\,(S-1)/(T-1)$ of $S$ (`_diagonal`, above). `distance` uses that
+# exact diagonal; only the three shares round it to the nearest position.
+# Row $i$ predicts English token $i+1$, so a head that reads the German word
+# being translated, in a translation that keeps the word order, looks up to
+# one place *after* the diagonal.
+#
+# Our sentence shows it. Both sides have 11 positions (`<s> A brown dog is
+# running after the black dog .` against `<s> Ein brauner Hund rennt dem
+# schwarzen Hund hinterher . </s>`), so the diagonal is simply $j = i$. The
+# row labelled "A" ($i = 1$) predicts "brown", which aligns with "brauner"
+# ($j = 2$): offset +1, counted in `next`. The row labelled "." ($i = 10$)
+# predicts `</s>` and reads German `</s>` ($j = 10$): offset 0, counted in
+# `same`. So in this kind `next`, and late in the sentence `same`, mean
+# "aligned with the word being predicted", not a fixed neighbour.
 
 
 # %%
@@ -770,14 +792,16 @@ def attention_statistics(maps, specials=(BOS, EOS)):
 # %%
 p = maps.encoder_self[0, 0].tolist()  # S rows of S weights
 S = len(p)
-entropy = sum(-x * math.log(x) for row in p for x in row if x > 0)
-distance = sum(
+# Sums over all S rows; every encoder row sees all S keys (n_i = S).
+entropy_sum = sum(-x * math.log(x) for row in p for x in row if x > 0)
+distance_sum = sum(
     x * abs(r - c) for r, row in enumerate(p) for c, x in enumerate(row)
 )
 head_stats = attention_statistics(maps)[0]  # encoder self, layer 1, head 1
-entropy_fraction = entropy / S / math.log(S)
+# the mean over the S rows, as a fraction of a uniform row's log S
+entropy_fraction = entropy_sum / S / math.log(S)
 assert math.isclose(head_stats["entropy"], entropy_fraction, abs_tol=1e-5)
-assert math.isclose(head_stats["distance"], distance / S, abs_tol=1e-5)
+assert math.isclose(head_stats["distance"], distance_sum / S, abs_tol=1e-5)
 print(
     f"entropy {head_stats['entropy']:.3f},"
     f" distance {head_stats['distance']:.3f}"
@@ -814,8 +838,8 @@ def attention_summary(model, pairs, spacy_de, spacy_en, vocab_src, vocab_tgt):
 # from the diagonal below, one column per kind.
 
 # %%
-# All 1,014 pairs, twice (here and for the untrained model below): most
-# of this page's run time (results/site_full.md, make_notebook.md).
+# All 1,014 validation pairs (Part 3), twice (here and for the untrained
+# model below): most of this page's run time.
 pairs = val[:40] if AT_SIZE == "ci" else val
 summary = attention_summary(
     model, pairs, spacy_de, spacy_en, vocab_src, vocab_tgt
@@ -831,9 +855,11 @@ table.round(2)
 
 # %% [markdown]
 # What can they be compared with? An untrained model of the same shape
-# spreads its attention almost evenly: its weights come from random
-# projections, so no key stands out (the cell asserts that its mean
-# entropy is above 0.9 of uniform for every kind). Training is what makes
+# spreads its attention almost evenly: at initialization the scaled
+# scores of a row are small and close to each other, and the softmax of
+# nearly equal numbers is nearly flat. (The cell asserts that its mean
+# entropy is above 0.9 of uniform for every kind; 0.9 is a margin we
+# chose, not a derived value.) Training is what makes
 # heads pick: the cell below prints both models' mean entropy for each
 # kind, on the same sentences. **Check**, with the trained model: its
 # decoder–source heads have a lower mean entropy than the untrained
@@ -902,7 +928,8 @@ if trained:
 # %%
 neighbour = table[["previous", "same", "next"]]  # (heads, 3)
 for kind in ATTENTION_KINDS:
-    layer, head = neighbour.loc[kind].max(axis=1).idxmax()
+    best_share = neighbour.loc[kind].max(axis=1)  # each head's largest
+    layer, head = best_share.idxmax()  # the head where it is largest
     where = neighbour.loc[(kind, layer, head)]  # 3 shares of that head
     print(
         f"{kind}: largest `{where.idxmax()}` share is layer {layer},"
@@ -950,16 +977,18 @@ for kind in ATTENTION_KINDS:
 # prefix as when its token was written, and the weights are the same up
 # to rounding. Row $t$ reads decoder input $t$ and wrote output token
 # $t+1$. The argmax runs over the source's words only, never over `<s>`,
-# `</s>` or padding. The causal mask alone is enough here: padding in
-# `out` only follows `</s>`, so no real row can see it, and the padded
-# rows' alignments are never read.
+# `</s>` or padding. Unlike `attention_maps`, which builds the decoder's
+# mask as training does (`make_std_mask`), `source_alignment` uses the
+# causal mask alone and does not hide the padding in `out`. That is
+# safe: padding in `out` only follows `</s>`, so no real row can see it,
+# and the padded rows' alignments are never read.
 
 
 # %%
 #| export
 @torch.no_grad()
 def source_alignment(model, src, src_mask, out, layers=None):
-    """(B, L-1): the source position each output token after <s> read most.
+    """(B, T): the source position each output token after <s> read most.
 
     `layers` picks the decoder layers to average (default: all)."""
     memory = model.encode(src, src_mask)  # (B, S, d_model)
@@ -970,7 +999,8 @@ def source_alignment(model, src, src_mask, out, layers=None):
     with record_attention(model):
         model.decode(memory, src_mask, ys, tgt_mask)
         weights = [decoder[i].src_attn.attn for i in chosen]  # (B, h, T, S)
-    attn = torch.stack(weights).mean(dim=(0, 2))  # (B, T, S): layers, heads
+    # (layers, B, h, T, S) -> (B, T, S): the mean over layers and heads
+    attn = torch.stack(weights).mean(dim=(0, 2))
     words = src_mask & ((src != BOS) & (src != EOS)).unsqueeze(1)  # (B, 1, S)
     return attn.masked_fill(~words, -1.0).argmax(dim=-1)
 
@@ -987,7 +1017,7 @@ def source_alignment(model, src, src_mask, out, layers=None):
 def replace_unknowns(ids, aligned, src_words, vocab_tgt):
     """Output tokens, each <unk> replaced by the source word it read most."""
     tokens = vocab_tgt.lookup_tokens(ids)
-    for k, token_id in enumerate(ids):
+    for k, token_id in enumerate(ids):  # ids[k] is out[k + 1]: row k wrote it
         if token_id != UNK:
             continue
         j = aligned[k]  # source position: 0 is <s>, so word j - 1
@@ -997,20 +1027,22 @@ def replace_unknowns(ids, aligned, src_words, vocab_tgt):
 
 
 # %% [markdown]
-# **See, the same word.** `source_alignment` needs only the English
-# tokens, whoever wrote them, so we can run it on the reference
-# translations of the validation set, teacher-forced, whose words outside
-# the English vocabulary are `<unk>` too. There we know the English word
-# behind each `<unk>`, though not which German word is right (Multi30k
-# has no gold alignments). Below, the first three such sentences, with
-# the reference's words, the `<unk>` version, the version with German
-# words copied in, and each copied word next to the English word it
-# stands for, to judge by eye. The cell asserts that each copied word is
-# the German word with the largest weight in the maps of this page
-# (`attention_maps`), averaged over every layer and head. Those maps come
-# from their own forward pass, with their own masks and labels, so the
-# check catches a row or a position read one place off; it says nothing
-# about whether the model aligns well.
+# **See, two code paths pick the same German word.** `source_alignment`
+# (batched, with the causal mask) and `attention_maps` (one sentence, with
+# training's masks) must pick the same German word for each `<unk>`.
+# `source_alignment` needs only the English tokens, whoever wrote them, so we
+# can run it on the reference translations of the validation set,
+# teacher-forced, whose words outside the English vocabulary are `<unk>` too.
+# There we know the English word behind each `<unk>`, though not which German
+# word is right (Multi30k has no gold alignments). Below, the first three such
+# sentences, with the reference's words, the `<unk>` version, the version with
+# German words copied in, and each copied word next to the English word it
+# stands for, to judge by eye. The cell asserts that each copied word is the
+# German word with the largest weight in the maps of this page
+# (`attention_maps`), averaged over every layer and head. Those maps come from
+# their own forward pass, with their own masks and labels, so the check catches
+# a row or a position read one place off; it says nothing about whether the
+# model aligns well.
 
 
 # %%
@@ -1026,7 +1058,9 @@ def replace_and_check(words, english):
     mean = maps_here.decoder_src.mean((0, 1))  # (T, S): layers, heads
     for k, token_id in enumerate(ids):
         if token_id == UNK:
-            most = int(mean[k, 1:-1].argmax())  # words only: no <s>, </s>
+            # words only: with column 0 (<s>) cut, position `most` is
+            # words[most]
+            most = int(mean[k, 1:-1].argmax())
             assert tokens[k] == words[most], (tokens[k], words[most])
     return ids, tokens
 
