@@ -1250,12 +1250,14 @@ class SmoothedKL(torch.autograd.Function):
     def forward(ctx, x, target, padding_idx, smoothing, rows=256):
         ctx.save_for_backward(target)
         ctx.settings = (x.shape, x.dtype, padding_idx, smoothing)
-        return sum(  # blocks of rows: a bf16 block's float32 copy is small
-            smoothed_kl(
-                x[i : i + rows], target[i : i + rows], padding_idx, smoothing
+        acc = torch.promote_types(x.dtype, torch.float32)
+        total = x.new_zeros((), dtype=acc)  # also the loss of no rows
+        for i in range(0, len(x), rows):  # a bf16 block's float32 copy
+            block = slice(i, i + rows)
+            total += smoothed_kl(
+                x[block], target[block], padding_idx, smoothing
             )
-            for i in range(0, len(x), rows)
-        )
+        return total
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -1265,11 +1267,10 @@ class SmoothedKL(torch.autograd.Function):
         real = target != padding_idx  # (N,): padding rows get 0
         other = torch.where(real, -f * grad_loss, 0.0).to(dtype)  # (N,)
         grad = torch.empty(shape, dtype=dtype, device=target.device)
-        grad.copy_(other.unsqueeze(1))  # -f everywhere in the row
+        grad.copy_(other.unsqueeze(1))  # -f g everywhere in a real row
         at_target = torch.where(real, -c * grad_loss, 0.0).to(dtype)
-        grad[torch.arange(len(target), device=target.device), target] = (
-            at_target
-        )
+        rows = torch.arange(len(target), device=target.device)
+        grad[rows, target] = at_target  # -c g at each target
         grad[:, padding_idx] = 0
         return grad, None, None, None, None
 

@@ -237,7 +237,7 @@ class MultiHeadedAttention(nn.Module):
         x = x.view(B, -1, self.h, self.d_k)  # (B, T, h, d_k)
         return x.transpose(1, 2)  # (B, h, T, d_k)
 
-    def fused(self, q):
+    def use_fused(self, q):
         """Use scaled_dot_product_attention for these queries? Not to
         store the weights, nor for dropout on the CPU (no fused kernel)."""
         cpu_dropout = self.training and self.dropout.p > 0 and q.is_cpu
@@ -252,7 +252,7 @@ class MultiHeadedAttention(nn.Module):
         q = self.split_heads(query, self.w_q)  # (B, h, T, d_k)
         k = self.split_heads(key, self.w_k)  # (B, h, S, d_k)
         v = self.split_heads(value, self.w_v)  # (B, h, S, d_k)
-        if self.fused(q):
+        if self.use_fused(q):
             p = self.dropout.p if self.training else 0.0
             x = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=p
@@ -260,7 +260,7 @@ class MultiHeadedAttention(nn.Module):
         else:
             x, weights = attention(q, k, v, mask=mask, dropout=self.dropout)
             if self.store_attention:
-                self.attn = weights  # (B, h, T, S)
+                self.attn = weights  # (B, h, T, S), after any dropout
         x = x.transpose(1, 2)  # (B, T, h, d_k)
         x = x.reshape(query.size(0), -1, self.h * self.d_k)  # (B, T, d_model)
         return self.w_o(x)  # (B, T, d_model)
@@ -1203,6 +1203,7 @@ def _recorded_weights(model, src, src_mask, tgt_in, pad):
     tgt_mask = Batch.make_std_mask(tgt_in, pad)  # (1, T, T)
     with record_attention(model):
         model(src, tgt_in, src_mask, tgt_mask)
+        # attn[0]: the batch of one, so each is (h, R, C)
         enc = [layer.self_attn.attn[0] for layer in model.encoder.layers]
         dec = [layer.self_attn.attn[0] for layer in model.decoder.layers]
         crs = [layer.src_attn.attn[0] for layer in model.decoder.layers]
@@ -1329,7 +1330,7 @@ def attention_summary(model, pairs, spacy_de, spacy_en, vocab_src, vocab_tgt):
 # -----------------------------------------------------------------------------
 @torch.no_grad()
 def source_alignment(model, src, src_mask, out, layers=None):
-    """(B, L-1): the source position each output token after <s> read most.
+    """(B, T): the source position each output token after <s> read most.
 
     `layers` picks the decoder layers to average (default: all)."""
     memory = model.encode(src, src_mask)  # (B, S, d_model)
@@ -1340,7 +1341,8 @@ def source_alignment(model, src, src_mask, out, layers=None):
     with record_attention(model):
         model.decode(memory, src_mask, ys, tgt_mask)
         weights = [decoder[i].src_attn.attn for i in chosen]  # (B, h, T, S)
-    attn = torch.stack(weights).mean(dim=(0, 2))  # (B, T, S): layers, heads
+    # (layers, B, h, T, S) -> (B, T, S): the mean over layers and heads
+    attn = torch.stack(weights).mean(dim=(0, 2))
     words = src_mask & ((src != BOS) & (src != EOS)).unsqueeze(1)  # (B, 1, S)
     return attn.masked_fill(~words, -1.0).argmax(dim=-1)
 
@@ -1348,7 +1350,7 @@ def source_alignment(model, src, src_mask, out, layers=None):
 def replace_unknowns(ids, aligned, src_words, vocab_tgt):
     """Output tokens, each <unk> replaced by the source word it read most."""
     tokens = vocab_tgt.lookup_tokens(ids)
-    for k, token_id in enumerate(ids):
+    for k, token_id in enumerate(ids):  # ids[k] is out[k + 1]: row k wrote it
         if token_id != UNK:
             continue
         j = aligned[k]  # source position: 0 is <s>, so word j - 1

@@ -13,7 +13,7 @@ real Multi30k sentences with
 * ours, nn.Dropout: the same with `nn.Dropout`'s mask, as before
   `FastDropout`, for a before/after of the mask in the same run;
 * ours, fused attention: the same with every attention through
-  `scaled_dot_product_attention`, as before Part 1's `fused` sent CPU
+  `scaled_dot_product_attention`, as before Part 1's `use_fused` sent CPU
   training with dropout to the explicit `attention`;
 * ours, autograd loss: the same with Part 2's `LabelSmoothing`, whose
   gradient autograd computes, as before the appendix's
@@ -271,7 +271,7 @@ class OursFusedAttention(Ours):
         super().__init__(*args)
         for module in self.modules():
             if isinstance(module, tat.MultiHeadedAttention):
-                module.fused = lambda q: True
+                module.use_fused = lambda q: True
 
 
 class OursAutogradLoss(Ours):

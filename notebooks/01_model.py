@@ -604,23 +604,26 @@ assert weights[0, 2] == 0
 #
 # ![Multi-head attention](attachment:multihead.svg)
 #
-# A choice of ours, which the 2022 tutorial did not make: a forward
-# pass calls PyTorch's fused
-# `scaled_dot_product_attention` (faster, less memory, but it returns no
-# weights), unless `store_attention` is `True`: then it calls `attention`
-# above and keeps the weights in `self.attn` (Part 4 sets the flag to draw
-# them). So no forward pass holds on to the weights by accident. Only
-# `attention` applies the `finfo.min` masking; the fused path takes the
-# boolean mask and applies it itself. The fused function is a plain
-# function, not a module, so `.eval()` cannot switch its dropout off:
-# `forward` passes a dropout of 0 outside training itself.
+# A choice of ours, which the 2022 tutorial did not make: a forward pass
+# calls PyTorch's fused `scaled_dot_product_attention` (one routine for the
+# whole formula: usually faster and smaller, but it returns no weights),
+# unless `store_attention` is `True`: then it calls `attention` above and
+# keeps the weights in `self.attn` (Part 4 sets the flag to draw them). So
+# by default no forward pass keeps a (B, h, T, S) weight tensor alive after
+# it returns. Both paths read the same boolean mask, True where a query may
+# attend; only `attention` turns it into `finfo.min` scores, the fused
+# path applies it itself. The fused function is a plain function, not a
+# module, so `.eval()` cannot switch its dropout off: `forward` itself
+# passes `dropout_p=0` when the module is not training.
 #
-# One exception, decided by `fused`. PyTorch's fused kernel for the CPU
-# has no dropout. Given a dropout in training, `scaled_dot_product_attention`
-# falls back on the CPU to an unfused version of the formula, which was
-# slower than `attention` above on this project's CPUs (`bench/efficiency.py`
-# measures the whole training step both ways). So a training pass on the
-# CPU with dropout calls `attention` too, without keeping the weights.
+# One exception, decided by `use_fused`. PyTorch's fused kernel for the CPU
+# refuses a dropout, so in training with dropout
+# `scaled_dot_product_attention` falls back on the CPU to an unfused version
+# of the formula. There we call `attention` instead, without keeping the
+# weights: its dropout is our own module, which the appendix swaps for a
+# cheaper mask in training runs. On one 2-core CPU this made a whole bf16
+# training step of Part 3's `cpu` model 1.03 times as fast, and changed
+# nothing measurable in float32 (`bench/RESULTS_efficiency.md`).
 
 
 # %%
@@ -649,7 +652,7 @@ class MultiHeadedAttention(nn.Module):
         x = x.view(B, -1, self.h, self.d_k)  # (B, T, h, d_k)
         return x.transpose(1, 2)  # (B, h, T, d_k)
 
-    def fused(self, q):
+    def use_fused(self, q):
         """Use scaled_dot_product_attention for these queries? Not to
         store the weights, nor for dropout on the CPU (no fused kernel)."""
         cpu_dropout = self.training and self.dropout.p > 0 and q.is_cpu
@@ -664,7 +667,7 @@ class MultiHeadedAttention(nn.Module):
         q = self.split_heads(query, self.w_q)  # (B, h, T, d_k)
         k = self.split_heads(key, self.w_k)  # (B, h, S, d_k)
         v = self.split_heads(value, self.w_v)  # (B, h, S, d_k)
-        if self.fused(q):
+        if self.use_fused(q):
             p = self.dropout.p if self.training else 0.0
             x = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=p
@@ -672,7 +675,7 @@ class MultiHeadedAttention(nn.Module):
         else:
             x, weights = attention(q, k, v, mask=mask, dropout=self.dropout)
             if self.store_attention:
-                self.attn = weights  # (B, h, T, S)
+                self.attn = weights  # (B, h, T, S), after any dropout
         x = x.transpose(1, 2)  # (B, T, h, d_k)
         x = x.reshape(query.size(0), -1, self.h * self.d_k)  # (B, T, d_model)
         return self.w_o(x)  # (B, T, d_model)

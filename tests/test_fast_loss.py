@@ -124,3 +124,11 @@ def test_training_runs_use_it():
     run = tools.TrainingRun(0, 1, (30, 40), config, False, device="cpu")
     assert type(run.criterion) is tools.FastLabelSmoothing
     assert run.criterion.smoothing == config.label_smoothing
+
+
+def test_no_rows_give_a_zero_loss_and_an_empty_gradient():
+    x = torch.empty(0, 9, requires_grad=True)
+    loss = tools.FastLabelSmoothing(9, PAD, 0.1)(x, torch.empty(0).long())
+    assert torch.is_tensor(loss) and loss.item() == 0.0
+    loss.backward()
+    assert x.grad.shape == (0, 9)
