@@ -900,11 +900,15 @@ tools.line_chart(
 # The `cpu` preset trains the same model for 18 epochs with dropout and
 # Part 2's schedule (`make train`, in the Makefile, trains it and its BPE
 # twin): about 40 minutes on a 2-core CPU with native bf16, over an hour
-# in float32. Parts 4 and 5 read it when it exists. On the CPU, the
-# appendix's `FastDropout` draws its dropout masks (outside attention)
-# from a quarter as many random numbers as `nn.Dropout`; on one 2-core
-# EPYC that made a bf16 step 1.15 times as fast
-# (`bench/RESULTS_efficiency.md`).
+# in float32. Parts 4 and 5 read it when it exists.
+#
+# On the CPU, training runs (`train`, and this notebook's full-size run)
+# take two shortcuts from the appendix, both measured on one 2-core EPYC
+# in bf16 (`bench/RESULTS_efficiency.md`). `FastDropout` draws dropout
+# masks from a quarter as many random numbers as `nn.Dropout`: 1.18
+# times as fast a step of the `cpu` model. `FastLabelSmoothing` computes
+# the loss's gradient in one pass: 1.08 times as fast. The quick recipe
+# has no dropout, so only the second helps it.
 
 # %% [markdown]
 # ## Decoding
