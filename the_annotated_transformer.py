@@ -1552,7 +1552,9 @@ def advance_beams(beams, logp, t, alpha, end_symbol):
 
 
 def keep_best(out, best, beams, score):
-    """Where a hypothesis (score (A, k)) beats its sentence's best, keep it."""
+    """In place: for each sentence, take the best of its k scores (A, k);
+    if it beats `best`, store the score in `best` and the hypothesis's
+    tokens in `out`. Both have a row per batch sentence: `beams.sent`."""
     top, j = score.max(dim=1)  # (A,)
     better = top > best[beams.sent]
     best[beams.sent[better]] = top[better]
@@ -1590,6 +1592,8 @@ def beam_search_steps(
         rows = torch.arange(A, device=device).unsqueeze(1) * k + parent
         select(rows[keep].view(-1))  # (A' * k,) parents of the survivors
         beams = Beams(*(x[keep] for x in beams))
+    # At the end, running hypotheses compete too; finished ones were
+    # recorded when they ended.
     running = beams.logp_sum / length_penalty(beams.lengths, alpha)
     keep_best(out, best, beams, running.masked_fill(beams.finished, -math.inf))
     return out[:, : t + 1]  # (B, <= max_len)
@@ -1675,11 +1679,13 @@ def train_bpe(sentences, vocab_size=BPE_VOCAB_SIZE):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.trainers import BpeTrainer
 
+    # <unk>: for characters never seen in training
     tokenizer = Tokenizer(models.BPE(unk_token=SPECIALS[UNK]))
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
     tokenizer.decoder = decoders.Metaspace()
     trainer = BpeTrainer(
         vocab_size=vocab_size,
+        # added first, so they get ids 0-3, as BpeVocab requires
         special_tokens=list(SPECIALS),
         show_progress=False,
     )

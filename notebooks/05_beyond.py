@@ -533,14 +533,16 @@ class Beams(NamedTuple):
 # One step: score the candidates, keep the $k$ best of each sentence, and
 # copy the tokens of each survivor's *parent*, the hypothesis it extends.
 # `advance_beams` also returns the parents, which the cache needs, and
-# the scores of the hypotheses that ended at this step. A finished
-# hypothesis can be pushed out of the beam by running ones that later end
-# with lower scores, so `keep_best` records each sentence's best finished
-# hypothesis when it ends. For example, with $k = 2$: "a dog . `</s>`"
-# ends at step 4 with score -2.1 and is recorded. At step 5, two running
-# hypotheses with scores -1.8 and -1.9 fill the beam and push it out. If
-# those two end lower, at -2.5 and -2.6, after more tokens, the recorded
-# -2.1 still wins.
+# the scores of the hypotheses that ended at this step. A running
+# hypothesis's score usually falls as it grows, since each token adds a
+# negative log-probability. So a running hypothesis can outscore a
+# finished one now, push it out of the beam, and still end below it.
+# `keep_best` therefore records each sentence's best finished hypothesis
+# when it ends. For example, with $k = 2$: "a dog . `</s>`" ends at step 4
+# with score -2.1 and is recorded. At step 5, two extensions of the other
+# hypothesis in the beam, scoring -1.8 and -1.9, fill the beam and push it
+# out. After more tokens they end at -2.5 and -2.6. Without the record
+# the search would return the -2.5 one; with it, the recorded -2.1 wins.
 
 
 # %%
@@ -568,7 +570,9 @@ def advance_beams(beams, logp, t, alpha, end_symbol):
 
 
 def keep_best(out, best, beams, score):
-    """Where a hypothesis (score (A, k)) beats its sentence's best, keep it."""
+    """In place: for each sentence, take the best of its k scores (A, k);
+    if it beats `best`, store the score in `best` and the hypothesis's
+    tokens in `out`. Both have a row per batch sentence: `beams.sent`."""
     top, j = score.max(dim=1)  # (A,)
     better = top > best[beams.sent]
     best[beams.sent[better]] = top[better]
@@ -619,6 +623,8 @@ def beam_search_steps(
         rows = torch.arange(A, device=device).unsqueeze(1) * k + parent
         select(rows[keep].view(-1))  # (A' * k,) parents of the survivors
         beams = Beams(*(x[keep] for x in beams))
+    # At the end, running hypotheses compete too; finished ones were
+    # recorded when they ended.
     running = beams.logp_sum / length_penalty(beams.lengths, alpha)
     keep_best(out, best, beams, running.masked_fill(beams.finished, -math.inf))
     return out[:, : t + 1]  # (B, <= max_len)
@@ -941,19 +947,23 @@ class BpeVocab:
 
 
 # %% [markdown]
-# We train one BPE vocabulary of 10,000 units on the German and English
-# sides of the **training split only**. Multi30k is about 150 times
-# smaller than WMT 2014, so the paper's 37,000 would hold mostly whole
-# words. The `Metaspace` pre-tokenizer turns each space into `▁` and
+# We train one BPE vocabulary of 10,000 units (a round size, not tuned
+# here) on the German and English sides of the **training split only**.
+# Multi30k has 29,000 training pairs against WMT 2014's 4.5 million (Part
+# 3), about 150 times fewer, so the paper's 37,000 would hold mostly whole
+# words. A pre-tokenizer cuts the text into chunks before BPE runs, and
+# merges never cross a chunk's edge. The `Metaspace` pre-tokenizer turns
+# each space into `▁` and
 # attaches it to the following word, so decoding is just joining the
 # pieces and turning `▁` back into spaces: no detokenizer is needed. It
 # splits only at spaces, so a full stop can share a unit with its word.
 # The appendix's `load_bpe` calls `train_bpe` on the training split's
 # German and English sentences, caches the trained tokenizer as `bpe.json` in
 # the data folder (`data/` in the repository; on Colab, `/content/data`)
-# and retrains it, in a few seconds, when the file is missing or has
-# another size. Unlike the Multi30k files, it does not move with
-# `MULTI30K_DIR`.
+# and retrains it, in a few seconds, when the file is missing or its
+# vocabulary size differs from `BPE_VOCAB_SIZE`. Unlike the Multi30k
+# files, it does not move with `MULTI30K_DIR` (Part 3's environment
+# variable for the data's folder).
 
 
 # %%
@@ -966,11 +976,13 @@ def train_bpe(sentences, vocab_size=BPE_VOCAB_SIZE):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.trainers import BpeTrainer
 
+    # <unk>: for characters never seen in training
     tokenizer = Tokenizer(models.BPE(unk_token=SPECIALS[UNK]))
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
     tokenizer.decoder = decoders.Metaspace()
     trainer = BpeTrainer(
         vocab_size=vocab_size,
+        # added first, so they get ids 0-3, as BpeVocab requires
         special_tokens=list(SPECIALS),
         show_progress=False,
     )
@@ -1128,7 +1140,8 @@ else:
 # at training time.
 #
 # Our checkpoints are further apart: one per epoch, and a `cpu` run has
-# 10 to 18 epochs, so the last 5 span the last third to half of training,
+# 18 epochs (10 in one recorded run, section 5), so the last 5 span
+# roughly the last quarter to half of training,
 # where the paper's last 5 span under an hour of a 12-hour run. Whether
 # their mean helps depends on whether the model had stopped improving by
 # then. A `quick` run has only 5 epochs, so its last 5 are all of its
@@ -1137,15 +1150,19 @@ else:
 # (`results/make_notebook.md`).
 #
 # `average(model, models)` sets `model`'s parameters to the mean of those
-# of `models`, in memory; tied parameters are one tensor, averaged once.
+# of `models`, in memory; tied parameters are one tensor, averaged once,
+# because `named_parameters()` lists a shared tensor only once, under its
+# first name.
 # `average_checkpoints` (in the appendix, with the other checkpoint files)
 # does the same from files, reading one at a time, so that averaging 20
 # checkpoints needs memory for a few models, not 21. The command line's
 # `--average` (section 5) uses `average_checkpoints`, file by file;
 # `average` is the version to read, and the check below compares the two.
-# Buffers are not weights: our two buffers, the positional encodings
-# `src_embed.1.pe` and `tgt_embed.1.pe`, are fixed tables, so they are
-# kept and checked to be equal in every file.
+# Buffers (tensors registered with `register_buffer`: saved in the state
+# dict, never trained) are not weights. Ours are the positional encodings
+# `src_embed.1.pe` and `tgt_embed.1.pe`, fixed tables:
+# `average_checkpoints` keeps the first file's and checks that every file
+# has the same; `average` leaves `model`'s own as they are.
 
 
 # %%
@@ -1169,7 +1186,7 @@ def average(model, models):
 
 # %%
 epochs = epoch_checkpoints(os.path.dirname(checkpoint))[-5:]
-averaged, *_ = average_checkpoints(epochs)
+averaged, *_ = average_checkpoints(epochs)  # also: vocabularies, config
 states = [load_checkpoint(p)["model"] for p in epochs]
 weight_name = "decoder.layers.0.feed_forward.w_1.weight"
 mean_by_hand = sum(s[weight_name] for s in states) / len(states)
@@ -1178,7 +1195,7 @@ assert torch.allclose(averaged_weights[weight_name], mean_by_hand, atol=1e-6)
 pe = "tgt_embed.1.pe"
 assert torch.equal(averaged_weights[pe], states[-1][pe])
 in_memory = average(
-    load_trained_model(epochs[0], "cpu")[0],
+    load_trained_model(epochs[0], "cpu")[0],  # any model of this shape
     [load_trained_model(p, "cpu")[0] for p in epochs],
 )
 for key, value in in_memory.state_dict().items():
