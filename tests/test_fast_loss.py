@@ -132,3 +132,14 @@ def test_no_rows_give_a_zero_loss_and_an_empty_gradient():
     assert torch.is_tensor(loss) and loss.item() == 0.0
     loss.backward()
     assert x.grad.shape == (0, 9)
+
+
+def test_on_another_device_everything_stays_there():
+    """A meta tensor stands in for a GPU's: the gradient and the indices
+    built in the backward pass must be made on the input's device."""
+    x = torch.randn(600, 9, device="meta", requires_grad=True)
+    target = torch.randint(0, 9, (600,), device="meta")
+    loss = tools.FastLabelSmoothing(9, PAD, 0.1)(x, target)
+    loss.backward()
+    assert loss.device.type == x.grad.device.type == "meta"
+    assert x.grad.shape == x.shape and x.grad.dtype == x.dtype
