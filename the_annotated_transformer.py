@@ -239,7 +239,8 @@ class MultiHeadedAttention(nn.Module):
 
     def use_fused(self, q):
         """Use scaled_dot_product_attention for these queries? Not to
-        store the weights, nor for dropout on the CPU (no fused kernel)."""
+        store the weights, nor for dropout on the CPU (its fused kernel
+        takes no dropout)."""
         cpu_dropout = self.training and self.dropout.p > 0 and q.is_cpu
         return not (self.store_attention or cpu_dropout)
 

@@ -617,13 +617,15 @@ assert weights[0, 2] == 0
 # passes `dropout_p=0` when the module is not training.
 #
 # One exception, decided by `use_fused`. PyTorch's fused kernel for the CPU
-# refuses a dropout, so in training with dropout
-# `scaled_dot_product_attention` falls back on the CPU to an unfused version
-# of the formula. There we call `attention` instead, without keeping the
-# weights: its dropout is our own module, which the appendix swaps for a
-# cheaper mask in training runs. On one 2-core CPU this made a whole bf16
-# training step of Part 3's `cpu` model 1.03 times as fast, and changed
-# nothing measurable in float32 (`bench/RESULTS_efficiency.md`).
+# does not support dropout. With dropout, `scaled_dot_product_attention` on
+# the CPU falls back to its own unfused formula, which draws its own
+# dropout mask. There we call `attention` instead, without keeping the
+# weights, because its dropout is an ordinary module, `self.dropout`, that
+# can be replaced: the appendix's `TrainingRun` puts a cheaper mask there
+# (`FastDropout`). The lessons' own training loop keeps `nn.Dropout`. On
+# one 2-core CPU, a whole training step of Part 3's `cpu` model in bf16
+# (bfloat16, a 16-bit float format; see Part 3) was 1.03 times as fast,
+# and no faster in float32 (`bench/RESULTS_efficiency.md`).
 
 
 # %%
@@ -654,7 +656,8 @@ class MultiHeadedAttention(nn.Module):
 
     def use_fused(self, q):
         """Use scaled_dot_product_attention for these queries? Not to
-        store the weights, nor for dropout on the CPU (no fused kernel)."""
+        store the weights, nor for dropout on the CPU (its fused kernel
+        takes no dropout)."""
         cpu_dropout = self.training and self.dropout.p > 0 and q.is_cpu
         return not (self.store_attention or cpu_dropout)
 

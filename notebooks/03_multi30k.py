@@ -897,18 +897,22 @@ tools.line_chart(
 # 37.03 against 35.46 in `results/recipe_quick.json`), and part is that
 # q3000-d00 was another run, whose decay ended at step 840.
 #
-# The `cpu` preset trains the same model for 18 epochs with dropout and
-# Part 2's schedule (`make train`, in the Makefile, trains it and its BPE
-# twin): about 40 minutes on a 2-core CPU with native bf16, over an hour
-# in float32. Parts 4 and 5 read it when it exists.
+# The `cpu` preset trains the same small model as `quick` for 18 epochs,
+# with dropout and Part 2's schedule (`make train`, in the Makefile,
+# trains it, and also a version with the subword vocabularies of Part 5):
+# about 40 minutes on a 2-core CPU with native bf16, over an hour in
+# float32. Parts 4 and 5 load its checkpoint when it exists.
 #
-# On the CPU, training runs (`train`, and this notebook's full-size run)
-# take two shortcuts from the appendix, both measured on one 2-core EPYC
-# in bf16 (`bench/RESULTS_efficiency.md`). `FastDropout` draws dropout
-# masks from a quarter as many random numbers as `nn.Dropout`: 1.18
-# times as fast a step of the `cpu` model. `FastLabelSmoothing` computes
-# the loss's gradient in one pass: 1.08 times as fast. The quick recipe
-# has no dropout, so only the second helps it.
+# Runs through the appendix's `TrainingRun` (the command line's `train`,
+# and the `quick` run of "Training it" above) use two helpers from the
+# appendix, both measured on one 2-core AMD EPYC server CPU in bf16
+# (`bench/RESULTS_efficiency.md`). `FastDropout` draws one random 64-bit
+# number per four elements of a CPU dropout mask, not one per element:
+# a step of the `cpu` model 1.18 times as fast. `FastLabelSmoothing`, on
+# every device, writes the loss's gradient directly instead of letting
+# autograd build it from several large intermediate matrices, with the
+# same loss and gradient up to rounding: 1.08 times as fast. The quick
+# recipe has no dropout, so only the second helps it.
 
 # %% [markdown]
 # ## Decoding
