@@ -434,6 +434,34 @@ SETTINGS = {
         "max_steps": 0,
         "eval_every": 0,
     },
+    "cpu-d02-lin24-wd02": {
+        "why": "cpu-d02-lin18-wd02 over 24 epochs: the longer linear decay"
+        " that helped cpu-d02-lin24 as an ensemble member, with the decay",
+        "preset": "cpu",
+        "set": {
+            "dropout": 0.2,
+            "schedule": "linear",
+            "weight_decay": 0.2,
+            "epochs": 24,
+            "keep_last": 0,
+        },
+        "max_steps": 0,
+        "eval_every": 0,
+    },
+    "cpu-d02-lin18-wd02-N4": {
+        "why": "cpu-d02-lin18-wd02 with 4 layers in the encoder and in the"
+        " decoder, not 3: more capacity, held back by dropout and decay",
+        "preset": "cpu",
+        "set": {
+            "dropout": 0.2,
+            "schedule": "linear",
+            "weight_decay": 0.2,
+            "N": 4,
+            "keep_last": 0,
+        },
+        "max_steps": 0,
+        "eval_every": 0,
+    },
 }
 
 TABLE_HEAD = (
