@@ -459,17 +459,21 @@ class LabelSmoothing(nn.Module):
         """Summed KL loss of (N, size) log-probs against (N,) targets."""
         assert x.size(1) == self.size
         self.last_target, self.last_dtype = target.detach(), x.dtype
-        if not self.keep_targets:
-            return smoothed_kl(x, target, self.padding_idx, self.smoothing)
-        return self.criterion(x, self.true_dist)
+        if self.keep_targets:
+            return self.criterion(x, self.true_dist)
+        return self.closed_form(x, target)
+
+    def closed_form(self, x, target):
+        """The same loss without the (N, size) targets: see below."""
+        return smoothed_kl(x, target, self.padding_idx, self.smoothing)
 
 
 def smoothed_kl(x, target, padding_idx, smoothing):
     """LabelSmoothing's loss in closed form: no (N, V) target matrix."""
     c = 1.0 - smoothing  # probability of the target
     f = smoothing / (x.size(1) - 2)  # of each other non-padding class
-    # Sums in float32 at least: under the CPU's bfloat16 autocast the
-    # log-probabilities arrive in bfloat16, whose sums keep 3 digits.
+    # Sums in float32 even if x is 16-bit (Part 3 trains in bfloat16,
+    # whose sums keep only 3 digits).
     acc = torch.promote_types(x.dtype, torch.float32)
     picked = x.gather(1, target.unsqueeze(1)).squeeze(1).to(acc)  # (N,)
     rest = x.sum(1, dtype=acc) - picked - x[:, padding_idx].to(acc)  # (N,)
@@ -652,6 +656,9 @@ def make_optimizer(
     `schedule` when given.
 
     With a `schedule`, `d_model`, `factor` and `warmup` are unused.
+    AdamW multiplies every parameter (biases and norms included) by
+    1 - lr * weight_decay at each step, apart from Adam's update, which
+    never sees the decay.
     """
     # Fused Adam: the same update in one pass over the parameters. Asked
     # for only when every parameter is on the CPU or a CUDA GPU; elsewhere
@@ -690,10 +697,12 @@ def greedy_decode(model, src, src_mask, max_len, start_symbol):
 
 def copy_accuracy(model, n, V=11, seq_len=10, generator=None):
     """Fraction of n fresh random sequences greedy decoding copies exactly."""
+    was_training = model.training
     model.eval()
     b = next(data_gen(V, n, 1, seq_len, generator=generator))
     with torch.no_grad():
         out = greedy_decode(model, b.src, b.src_mask, seq_len, COPY_START)
+    model.train(was_training)
     return (out == b.src).all(dim=1).float().mean().item()
 
 

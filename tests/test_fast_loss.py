@@ -143,3 +143,12 @@ def test_on_another_device_everything_stays_there():
     loss.backward()
     assert loss.device.type == x.grad.device.type == "meta"
     assert x.grad.shape == x.shape and x.grad.dtype == x.dtype
+
+
+def test_its_gradient_is_the_hand_written_one():
+    x, target = log_probs_and_targets(6, 7)
+    x.requires_grad_()
+    fast = tools.FastLabelSmoothing(7, PAD, 0.1)(x, target)
+    slow = tat.LabelSmoothing(7, PAD, 0.1)(x, target)
+    assert type(fast.grad_fn).__name__ == "SmoothedKLBackward"
+    assert type(slow.grad_fn).__name__ != "SmoothedKLBackward"

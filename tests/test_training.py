@@ -525,3 +525,19 @@ def test_copy_task_config_presets():
     assert ci.batch_size == tools.CopyTaskConfig().batch_size
     with pytest.raises(ValueError, match="full"):
         tools.CopyTaskConfig.for_size("huge")
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_copy_checks_decode_without_dropout_and_restore_the_mode(training):
+    torch.manual_seed(0)
+    model = tat.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2, dropout=0.5)
+    model.train(training)
+    seen = []
+    model.generator.register_forward_hook(
+        lambda module, args, out: seen.append(module.training)
+    )
+    for check in (tools.copy_accuracy_teacher_forced, tat.copy_accuracy):
+        check(model, 3, generator=torch.Generator().manual_seed(1))
+        assert model.training is training
+        assert all(m.training is training for m in model.modules())
+    assert seen and not any(seen)  # every forward pass ran in eval mode
