@@ -851,6 +851,7 @@ def encode_pairs(pairs, vocab_src, vocab_tgt, spacy_de, spacy_en):
 def collate_batch(batch, pad_id=PAD):
     """Pad encoded (src, tgt) id lists to the longest in this batch."""
     pad = torch.nn.utils.rnn.pad_sequence
+    # zip(*batch): [(src, tgt), ...] -> (all sources, all targets)
     sides = [[torch.tensor(ids) for ids in side] for side in zip(*batch)]
     padded = [pad(s, batch_first=True, padding_value=pad_id) for s in sides]
     return tuple(padded)  # (B, S), (B, T)

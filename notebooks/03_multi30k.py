@@ -281,10 +281,8 @@ assert unk["train"] < unk["test"] < 0.05
 #
 # A batch stacks B source sentences into one `(B, S)` tensor and their
 # targets into one `(B, T)` tensor, each padded with
-# `<blank>` to its own longest sentence. `collate_batch` only pads: inside
-# the training loop, Part 2's `Batch` builds the masks from these padded
-# tensors (the masks hide the padding from attention and the loss), after
-# the batch has moved to the device that trains (`pick_device`, below).
+# `<blank>` to its own longest sentence. `collate_batch` only pads. Part
+# 2's `Batch` makes the masks later, in the training loop.
 
 
 # %%
@@ -306,6 +304,7 @@ def encode_pairs(pairs, vocab_src, vocab_tgt, spacy_de, spacy_en):
 def collate_batch(batch, pad_id=PAD):
     """Pad encoded (src, tgt) id lists to the longest in this batch."""
     pad = torch.nn.utils.rnn.pad_sequence
+    # zip(*batch): [(src, tgt), ...] -> (all sources, all targets)
     sides = [[torch.tensor(ids) for ids in side] for side in zip(*batch)]
     padded = [pad(s, batch_first=True, padding_value=pad_id) for s in sides]
     return tuple(padded)  # (B, S), (B, T)
@@ -326,14 +325,15 @@ assert [row[row != PAD][-1] for row in tgt] == [EOS] * 3
 # of similar length. The paper grouped sentence pairs by approximate length
 # and gave each batch about 25,000 source and 25,000 target tokens, so a
 # batch of short sentences holds more of them than a batch of long ones.
-# Our budget counts a little differently, and more simply: one number for
-# both sides, the batch's padded size, its number of pairs times the width
-# of its longest side. On Multi30k's short captions the two sides have
-# similar lengths, so little is lost.
+# Our budget is simpler: one number for both sides, the pairs in the
+# batch times the length of its longest sentence, source or target. On
+# Multi30k's short captions the two sides have similar lengths, so little
+# is lost.
 #
 # `bucket` does this for examples sorted by size, shortest first, where
-# `sizes[i]` is the padded width of pair $i$, the longer of its two
-# sides. The newest example sets the batch's width, so `bucket` closes a
+# `sizes[i]` is the length of pair $i$'s longer sentence. Since pairs
+# arrive shortest first, the newest sets the batch's width, so `bucket`
+# closes a
 # batch when one more example would push its padded size,
 # `(len(batch) + 1) * sizes[i]`, over the budget `max_tokens`.
 
@@ -454,9 +454,10 @@ assert len(buckets) == 153
 # `create_dataloaders` puts the pieces together: training batches
 # shuffled and without pairs longer than `max_len`; validation batches in
 # order, keeping every pair that fits in one batch of `max_tokens`.
-# `max_train_pairs` keeps only the
-# first pairs (and a quarter as many validation pairs), and `num_workers`
-# prepares batches in that many background processes (0: in this one).
+# `max_train_pairs=n` (0 means all) keeps the first $n$ training pairs
+# and the first $n/4$ validation pairs; the tiny `ci` preset uses it.
+# `num_workers` prepares batches in that many background processes (0: in
+# this one).
 
 
 # %%
@@ -645,17 +646,23 @@ steps_down = [a - b for a, b in zip(lrs[99:], lrs[100:])]
 assert max(steps_down) - min(steps_down) < 1e-12
 
 # %% [markdown]
-# Check: `make_run_optimizer` gives the reference run below, the `quick`
-# preset, a peak of about 2.2e-3 at step 300 and a rate of zero at its
-# last step, 765. `quick` is the `cpu` model for 5 epochs of 153 batches
-# with `schedule="linear"`, `warmup=300` and `factor=0.61`; the reference
-# run below says why 0.61 gives the same peak as `cpu`'s.
+# The reference run below is the `quick` preset: the `cpu` model for 5
+# epochs of 153 batches, with `schedule="linear"`, `warmup=300` and
+# `factor=0.61`. Part 2's `rate` peaks at step `warmup`, at
+# $\text{factor} \cdot d_{\text{model}}^{-1/2} \cdot
+# \text{warmup}^{-1/2}$; for `cpu` (factor 1, warm-up 800) that is
+# 2.2e-3. To reach the same peak after only 300 steps, `quick` sets the
+# factor to $\sqrt{300/800} \approx 0.61$, and the linear schedule uses
+# that peak. Check: `make_run_optimizer` gives `quick` a peak of about
+# 2.2e-3 at step 300 and a rate of zero at its last step, 765.
 
 # %%
 quick = tools.get_config("quick")
 quick_model = model_from_config(quick, 10, 10)  # tiny vocabularies
 _, quick_schedule = make_run_optimizer(quick_model, quick, 153)
-quick_rate = quick_schedule.lr_lambdas[0]  # Adam's lr is 1: the rate itself
+# LambdaLR keeps our schedule function in lr_lambdas. Part 2 set Adam's
+# lr to 1, so the function returns the learning rate itself.
+quick_rate = quick_schedule.lr_lambdas[0]
 assert round(quick_rate(300), 4) == 2.2e-3  # the peak, after warm-up
 assert quick_rate(765) == 0  # the last step
 
@@ -664,9 +671,10 @@ assert quick_rate(765) == 0  # the last step
 # ### The training loop
 #
 # Training runs on the fastest device this machine has: `pick_device`
-# chooses a CUDA GPU, then Apple's GPU (`mps`), then the CPU. On a Mac, if
-# a cell below fails on Apple's GPU, write `device = torch.device("cpu")`
-# in place of `device = pick_device()` and run the lesson on the CPU.
+# chooses a CUDA GPU, then Apple's GPU (`mps`), then the CPU. The cell
+# after it sets `device`, which the rest of the lesson uses. On a Mac, if
+# a cell fails on Apple's GPU, set `device = torch.device("cpu")` there
+# and run the lesson on the CPU.
 
 
 # %%
@@ -678,6 +686,11 @@ def pick_device():
     if torch.backends.mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")
+
+
+# %%
+device = pick_device()  # on a Mac, if a cell fails: torch.device("cpu")
+print("device:", device)
 
 
 # %% [markdown]
@@ -753,8 +766,6 @@ def train_one_process(
 # trained next.
 
 # %%
-device = pick_device()
-print("device:", device)
 small = tools.get_config("ci")  # presets live in the appendix
 model, history = train_one_process(*vocabs, *tokenizers, small, device)
 assert history[-1]["val_loss"] < history[0]["val_loss"]
@@ -777,14 +788,10 @@ assert history[-1]["val_loss"] < history[0]["val_loss"]
 #   `rank=0, world_size=1` means one process; the appendix's "Training
 #   runs: devices and processes" explains the rest.
 #
-# Our reference run is the `quick` preset: the small model of preset `cpu` for
-# 5 epochs (765 steps of 3,000 tokens), warmed up for 300 steps to a peak
-# learning rate of 2.2e-3, then decayed linearly to zero, without dropout.
-# Part 2's `rate` peaks at step `warmup`, at
-# $\text{factor} \cdot d_{\text{model}}^{-1/2} \cdot \text{warmup}^{-1/2}$;
-# for `cpu` (factor 1, warm-up 800) that is 2.2e-3. To reach the same peak
-# after only 300 steps, `quick` sets factor to
-# $\sqrt{300/800} \approx 0.61$.
+# Our reference run is the `quick` preset (above): the small model of
+# preset `cpu` for 5 epochs (765 steps of 3,000 tokens), warmed up for
+# 300 steps to a peak learning rate of 2.2e-3, then decayed linearly to
+# zero, without dropout.
 #
 # It took 13.9 minutes on 2 threads of a 2-core AMD EPYC CPU, from the
 # start of the process to its last checkpoint, and its greedy decoding
@@ -810,10 +817,9 @@ assert history[-1]["val_loss"] < history[0]["val_loss"]
 # several times faster (the appendix's "Which precision" says which kind
 # on which GPU), and so does a CPU with native bf16; on a Mac it stays in
 # float32. So your loss and BLEU will differ a little from the recorded
-# CPU run. On an H100 the recipe trained
-# in 2.2 minutes (`results/gpu_explore.md`; 2.6 from the start of its
-# process, with validation BLEU scored after every epoch). Colab's free
-# T4 and Apple's GPUs were not measured.
+# CPU run. On an H100 the recipe took 2.6 minutes from the start of its
+# process (CPU: 13.9), 2.2 of them training (`results/gpu_explore.md`).
+# Colab's free T4 and Apple's GPUs were not measured.
 #
 # If you stop the cell part of the way, running it again trains from the
 # first epoch: the cell does not pass `resume=True` (the command line's
@@ -889,30 +895,22 @@ tools.line_chart(
 # Each number comes from a trial in `results/recipe_sweep.md`, with its
 # command and time. (The two batch trials also differ a little in
 # warm-up, 200 steps against 300, and in peak, 20% higher for the smaller
-# batches; both had dropout 0.1.) The sweep's validation BLEU replaces
-# `<unk>` with the German word (Part 4), so it runs above the curve,
-# which keeps `<unk>`. The trial that became `quick`, q3000-d00, scored
-# 37.03 on validation at step 765, where the curve ends at 34.52: part of
-# the gap is the replacement (on the test set it was worth 1.6 points,
-# 37.03 against 35.46 in `results/recipe_quick.json`), and part is that
-# q3000-d00 was another run, whose decay ended at step 840.
+# batches; both had dropout 0.1.) The sweep scored validation with
+# `<unk>` replaced by the German word (Part 4), so its numbers run above
+# the curve above, which keeps `<unk>`: on the test set, replacement was
+# worth 1.6 points to the quick model (`results/recipe_quick.json`).
 #
 # The `cpu` preset trains the same small model as `quick` for 18 epochs,
 # with dropout and Part 2's schedule (`make train`, in the Makefile,
 # trains it, and also a version with the subword vocabularies of Part 5):
-# about 40 minutes on a 2-core CPU with native bf16, over an hour in
-# float32. Parts 4 and 5 load its checkpoint when it exists.
+# about 80 minutes on one thread of a shared 2-core CPU with native bf16
+# (`results/multi30k_cpu.json`). Parts 4 and 5 load its checkpoint when
+# it exists.
 #
-# Runs through the appendix's `TrainingRun` (the command line's `train`,
-# and the `quick` run of "Training it" above) use two helpers from the
-# appendix, both measured on one 2-core AMD EPYC server CPU in bf16
-# (`bench/RESULTS_efficiency.md`). `FastDropout` draws one random 64-bit
-# number per four elements of a CPU dropout mask, not one per element:
-# a step of the `cpu` model 1.18 times as fast. `FastLabelSmoothing`, on
-# every device, writes the loss's gradient directly instead of letting
-# autograd build it from several large intermediate matrices, with the
-# same loss and gradient up to rounding: 1.08 times as fast. The quick
-# recipe has no dropout, so only the second helps it.
+# The appendix's training runs also use faster, equivalent versions of
+# dropout and of the loss's gradient (the appendix explains both; their
+# speed-ups are in `bench/RESULTS_efficiency.md`). The recorded runs
+# above predate them.
 
 # %% [markdown]
 # ## Decoding
@@ -961,13 +959,11 @@ def strip_specials(ids, end_symbol=EOS):
 # chose above. Check: they are the vocabularies we built.
 
 # %%
-trained, trained_src, trained_tgt, _ = tools.load_trained_model(
+trained, trained_src, trained_tgt, trained_config = tools.load_trained_model(
     final_checkpoint, device
 )
 print("model:", tools.describe_checkpoint(final_checkpoint))
-# `load_trained_model` builds its vocabularies with the module's `Vocab`;
-# this page defined its own class of that name above, and two different
-# classes never compare equal, so we compare the token lists.
+# Compare the token lists, id by id.
 assert trained_src.get_itos() == vocab_src.get_itos()
 assert trained_tgt.get_itos() == vocab_tgt.get_itos()
 
@@ -1004,19 +1000,21 @@ with torch.no_grad():  # Part 2's greedy_decode leaves autograd on
 # \exp\Big(\tfrac14 \textstyle\sum_{n=1}^{4} \log p_n\Big),$$
 #
 # reported times 100. The first factor penalizes output that is too short,
-# which precision alone would reward. We score with sacreBLEU, the standard
-# implementation, on plain, cased text, today's standard, so the model's
-# English tokens are first joined back into sentences. That joining, and
-# translating a long list of sentences in length-sorted batches, are plumbing:
-# `detokenize` and `translate_batch` in the appendix. We decode with
-# `batch_greedy_decode` and keep every `<unk>` as it is (`replace_unk=False`;
-# Part 4 puts the German word in its place, found through attention), so the
-# score is that of plain greedy decoding. First the translations, and three of
-# them to read. A CI-sized run translates only the first 100 test sentences,
-# with the tiny `ci` model, whose output is little more than common words
-# repeated.
+# which precision alone would reward.
+#
+# We score with sacreBLEU, the standard implementation, on detokenized,
+# cased sentences: the model's English tokens are first joined back into
+# text (the appendix's `detokenize`).
+#
+# `tools.translate_batch` translates the whole test set with our
+# `batch_greedy_decode`, in length-sorted batches, and keeps every
+# `<unk>` as it is (`replace_unk=False`; Part 4 puts the German word in
+# its place), so the score is that of plain greedy decoding. First the
+# translations, and three of them to read.
 
 # %%
+# CI: the first 100 sentences, with the tiny `ci` model, whose output is
+# little more than common words repeated.
 test = splits["test"][:100] if AT_SIZE == "ci" else splits["test"]
 sources, references = zip(*test, strict=True)
 hyps = tools.translate_batch(
@@ -1039,9 +1037,7 @@ print(*[f"{de}\n  → {hyp}" for de, hyp in zip(sources[:3], hyps)], sep="\n")
 # keeps the decoder's past keys and values instead of recomputing them
 # and chooses the same tokens as `batch_greedy_decode`. The check allows
 # 2.5 points below the record for other hardware and 16-bit arithmetic.
-# On a GPU no test score of this recipe is on record; on an H100 it
-# reached 36.33 validation BLEU with `<unk>` replaced
-# (`results/gpu_explore.md`).
+# On a GPU no test score of this recipe is on record.
 
 # %%
 bleu = tools.compute_bleu(hyps, references)
