@@ -79,7 +79,7 @@ from torch import nn
 # the encoder and the decoder also take a mask saying which positions may
 # be read; the Masks section, after the decoder, explains them. `forward`
 # stops at the decoder's hidden states: it never calls the fifth part, the
-# `generator`. The loss (Part 2) and the decoding loops (Parts 2 and 5)
+# `generator`. The loss (Part 2) and the decoding loops (Parts 2, 3 and 5)
 # call it themselves, on the positions they need.
 #
 # Comments such as `# (B, S, d_model)` give a tensor's shape, with the same
@@ -147,12 +147,11 @@ class Generator(nn.Module):
 # %% [markdown]
 # ## Encoder
 #
-# The encoder is a stack of $N = 6$ identical layers: identical in shape,
-# each with its own weights. Both stacks end with a `LayerNorm` (explained
-# just below; the pre-norm section says why) and share one base class,
-# `LayerStack`. The `mask` the encoder takes hides the source's padding
-# tokens (filler that makes the sentences of a batch equally long); the
-# section on masks, after the decoder, explains both masks the model uses.
+# The encoder is a stack of $N = 6$ layers, identical in shape but each
+# with its own weights. `clones` makes the copies; `LayerStack`, the base
+# class of both stacks, runs them in turn and ends with a `LayerNorm`
+# (next section). The `mask` hides the source's padding tokens (filler
+# that makes the sentences of a batch equally long).
 #
 # The copies come from `clones`, which deep-copies one module $N$ times:
 # every copy gets its own tensors, holding the same values at first.
@@ -249,8 +248,7 @@ class LayerNorm(nn.Module):
 # The formula, written out, gives the same numbers as the fused kernel
 # that `forward` calls. The gain and bias are random, so that the check
 # tests them and not just 1 and 0; the input has mean 1 and standard
-# deviation 3, so that the normalization has something to undo (the
-# residual check below reuses it).
+# deviation 3, so that the normalization has something to undo.
 
 # %%
 torch.manual_seed(0)
@@ -270,17 +268,16 @@ assert torch.allclose(norm(x), by_hand, atol=1e-5)
 # ("post-norm"): $\mathrm{LayerNorm}(x +
 # \mathrm{Dropout}(\mathrm{Sublayer}(x)))$. We apply it *before* the
 # sub-layer and leave the residual path untouched ("pre-norm"): $x +
-# \mathrm{Dropout}(\mathrm{Sublayer}(\mathrm{LayerNorm}(x)))$. Pre-norm keeps
-# an identity path from the input to the stack's final norm (the check below
-# shows it for one block): the gradient reaching a lower layer always
-# includes an unchanged copy of the gradient from above, however many
-# blocks are stacked. Xiong et al. (2020) show that this keeps the
-# gradients of the lower layers well scaled, so that training needs less
-# careful warm-up (the slow start of the learning rate, Part 2); we cite their
-# result rather than repeat it here. The cost is one extra norm at the top of
-# each stack: pre-norm never normalizes the residual stream itself, so the
-# last block's output can have any scale, and the final `LayerNorm` of
-# `LayerStack` fixes that before anything reads it.
+# \mathrm{Dropout}(\mathrm{Sublayer}(\mathrm{LayerNorm}(x)))$.
+#
+# Pre-norm leaves an untouched path from each block's input to its output,
+# so the gradient flows straight down the stack, however many blocks are
+# stacked. Xiong et al. (2020) show that this lets training use a gentler
+# warm-up (the slow start of the learning rate, Part 2).
+#
+# Because pre-norm never normalizes the residual stream itself, the last
+# block's output can have any scale; so each stack ends with one extra
+# `LayerNorm`, in `LayerStack`.
 #
 # ![Pre-norm and post-norm residual blocks](attachment:residual.svg)
 
@@ -301,14 +298,13 @@ class SublayerConnection(nn.Module):
 
 
 # %% [markdown]
-# The identity path is easy to see: a sub-layer that outputs zeros leaves
+# The untouched path is easy to see: a sub-layer that outputs zeros leaves
 # its input unchanged. Post-norm has no such path: the same zero sub-layer
-# returns $\mathrm{LayerNorm}(x + 0)$, which is not $x$: this $x$, from
-# the layer-norm check, has mean about 1 and standard deviation about 3.
-# (The second assert only shows that post-norm's output is not its input;
-# the benefit for gradients is the cited paper's.)
+# returns $\mathrm{LayerNorm}(x)$, which moves this $x$ (mean 1, standard
+# deviation 3) to mean 0 and standard deviation 1.
 
 # %%
+x = torch.randn(4, 5, 24) * 3 + 1  # mean 1, standard deviation 3
 block = SublayerConnection(24, dropout=0.0)
 assert torch.equal(block(x, torch.zeros_like), x)  # pre-norm
 post_norm = LayerNorm(24)(x + torch.zeros_like(x))
@@ -437,12 +433,12 @@ print(subsequent_mask(5).int())
 assert torch.equal(subsequent_mask(20)[0], torch.ones(20, 20).tril().bool())
 
 # %% [markdown]
-# The same mask for 20 positions, drawn by `mask_chart` and saved in `figures/`
-# (for the README and the docs) by `save_chart`, both from the appendix:
-# notebook 06_tools, exported as `annotated_transformer_tools.py`, which
-# holds the plumbing; nothing in it is needed to follow this lesson. Blue cells
-# are the pairs the decoder may use: the first position sees only itself, the
-# last sees the whole prefix.
+# The appendix (notebook 06_tools, imported as
+# `annotated_transformer_tools`) holds the plotting code; you need not read
+# it. `mask_chart` draws the same mask for 20 positions, and `save_chart`
+# also writes it to `figures/`. Blue cells are the pairs the decoder may
+# use: the first position sees only itself, the last sees the whole
+# prefix.
 
 # %%
 from pathlib import Path
@@ -507,17 +503,19 @@ assert (weights.triu(1) == 0).all()  # no weight on future keys
 # deviation of 8, the softmax tends to put most of the weight on one key, and
 # there its gradient is small. The division brings the variance back to 1.
 #
-# The softmax's gradient with respect to its scores is the matrix of
-# derivatives $\partial p_i / \partial s_j$, the softmax's *Jacobian*,
-# $\mathrm{diag}(p) - p p^\top$; its size (Frobenius norm) shrinks as the
-# weights $p$ pile onto one key. The cell below computes that size.
+# How much the weights react when a score changes is the softmax's
+# gradient, the matrix of derivatives $\partial p_i / \partial s_j$, which
+# works out to $\mathrm{diag}(p) - p p^\top$. Its size (the square root
+# of the sum of its squared entries) shrinks as the weights $p$ pile onto
+# one key. The helper below measures that size; you can treat it as a
+# black box.
 
 
 # %%
 def softmax_gradient_size(weights):
-    """Mean norm of the softmax Jacobian diag(p) - p p^T, per row."""
-    outer = weights[:, :, None] * weights[:, None, :]  # (R, K, K)
-    jacobian = torch.diag_embed(weights) - outer  # (R, K, K)
+    """weights: (queries, keys). Mean norm of diag(p) - p p^T, per row."""
+    outer = weights[:, :, None] * weights[:, None, :]  # (queries, keys, keys)
+    jacobian = torch.diag_embed(weights) - outer  # (queries, keys, keys)
     return jacobian.norm(dim=(1, 2)).mean().item()
 
 
@@ -558,9 +556,9 @@ assert raw_gradient < 0.6 * scaled_gradient  # saturated: small gradient
 # A masked position gets `torch.finfo(dtype).min`, the most negative number
 # the scores' dtype holds, so its weight after the softmax is exactly zero.
 # A fixed $-10^9$ (the 2022 tutorial's choice) does not fit every dtype:
-# float16 ends at $\pm 65504$. float16 (half precision) is what float16
-# training on a GPU computes in (Part 2's `GradScaler` and the appendix),
-# to save memory and time, so a mask value must fit it too. On float16
+# float16 ends at $\pm 65504$. GPU training often computes in float16
+# (half precision) to save memory and time (the appendix), so the mask
+# value must fit in it. On float16
 # scores, `masked_fill` with $-10^9$ raises an overflow error, while
 # `torch.finfo(torch.float16).min` gives the masked key a weight of
 # exactly zero:
@@ -598,9 +596,7 @@ assert weights[0, 2] == 0
 # features); `w_o` reads the concatenated heads ($h$ blocks of $d_k$
 # *input* features) and mixes them. The method `split_heads` applies one
 # of the first three, then cuts its output into those $h$ blocks, one per
-# head. These projections are why self-attention can pass one sequence
-# three times, `self_attn(y, y, y, mask)`: each turns the same `y` into
-# different queries, keys and values.
+# head.
 #
 # ![Multi-head attention](attachment:multihead.svg)
 #
@@ -616,16 +612,10 @@ assert weights[0, 2] == 0
 # module, so `.eval()` cannot switch its dropout off: `forward` itself
 # passes `dropout_p=0` when the module is not training.
 #
-# One exception, decided by `use_fused`. PyTorch's fused kernel for the CPU
-# does not support dropout. With dropout, `scaled_dot_product_attention` on
-# the CPU falls back to its own unfused formula, which draws its own
-# dropout mask. There we call `attention` instead, without keeping the
-# weights, because its dropout is an ordinary module, `self.dropout`, that
-# can be replaced: the appendix's `TrainingRun` puts a cheaper mask there
-# (`FastDropout`). The lessons' own training loop keeps `nn.Dropout`. On
-# one 2-core CPU, a whole training step of Part 3's `cpu` model in bf16
-# (bfloat16, a 16-bit float format; see Part 3) was 1.03 times as fast,
-# and no faster in float32 (`bench/RESULTS_efficiency.md`).
+# One more exception, `use_fused`, exists only to speed up training with
+# dropout on a CPU; the appendix (06_tools, "A cheaper dropout mask")
+# explains it. On a first read, take `use_fused(q)` as
+# `not self.store_attention`.
 
 
 # %%
@@ -745,10 +735,8 @@ assert (weights[1, :, :, 5:] == 0).all()
 #
 # with inner width $d_{ff} = 2048$ for $d_{\text{model}} = 512$. Ours
 # also applies dropout between the two layers, which the formula leaves
-# out. Like the dropout on attention weights, it is inherited from the
-# 2022 tutorial and not measured here; the paper mentions dropout only on
-# sub-layer outputs and on the sums of embeddings and positional
-# encodings.
+# out: another departure inherited from the 2022 tutorial, like the
+# dropout on attention weights.
 
 
 # %%
@@ -1144,6 +1132,8 @@ def parameter_table(V_src=8000, V_tgt=6000, d=512):
 parameter_table()
 
 # %% [markdown]
+# Every row of the table matches its formula (the function asserts it).
+#
 # With the paper's setup instead, one shared vocabulary of 37,000 tokens
 # and one matrix for all three embeddings (as Part 5 does), the stacks'
 # 44.1M plus $37{,}000 \cdot 512$ for the matrix plus the generator's
@@ -1157,9 +1147,6 @@ shared = paper_setup.src_embed[0].lut.weight
 paper_setup.tgt_embed[0].lut.weight = shared
 paper_setup.generator.proj.weight = shared
 assert round(count_parameters(paper_setup) / 1e6, 1) == 63.1
-
-# %% [markdown]
-# Every row matches.
 
 # %% [markdown]
 # ## The whole model, end to end

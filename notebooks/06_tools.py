@@ -1808,8 +1808,16 @@ def backend_for(device):
 # `use_fast_dropout` swaps it in for every `nn.Dropout` of a model, in
 # place; dropout has no weights, so checkpoints do not change. Attention
 # calls the module too: on the CPU, training with dropout, it takes Part
-# 1's `attention` rather than the fused kernel (see `use_fused` in Part 1), so
-# its weights are dropped with `FastDropout` as well.
+# 1's `attention` rather than the fused kernel, so its weights are dropped
+# with `FastDropout` as well. That is Part 1's `use_fused`: PyTorch's fused
+# kernel for the CPU takes no dropout, so with dropout
+# `scaled_dot_product_attention` on the CPU falls back to its own unfused
+# formula, which draws its own mask. Part 1's `attention` does the same
+# work, but its dropout is an ordinary module, `self.dropout`, that can be
+# replaced. With `FastDropout` there, a whole bf16 training step of the
+# `cpu` model was 1.03 times as fast as one that calls the fused function
+# (3880.8 against 3752.7 tok/s), and a float32 step no faster
+# (`bench/RESULTS_efficiency.md`).
 #
 # `TrainingRun`, below, makes the swap. The lessons' loop,
 # `train_one_process`, keeps `nn.Dropout`, so with dropout on the two draw
