@@ -723,6 +723,17 @@ def warmup_linear_decay(step, peak, warmup, total, floor=0.02):
 # The data
 # Explained in notebooks/03_multi30k.py, same heading.
 # -----------------------------------------------------------------------------
+def read_multi30k(split, root=None):
+    """The (German, English) sentence pairs of "train", "val" or "test"."""
+    folder = multi30k_folder(root)
+    sides = []
+    for lang in ("de", "en"):
+        path = split_file(folder, split, lang)
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            sides.append([line.strip() for line in f])  # some end in " "
+    return list(zip(*sides, strict=True))  # line i of .de, line i of .en
+
+
 MULTI30K_ENV = "MULTI30K_DIR"
 MULTI30K_SPLITS = {"train": "train", "val": "val", "test": "test_2016_flickr"}
 
@@ -739,21 +750,21 @@ def data_dir():
     return Path.cwd() / "data"
 
 
-def read_multi30k(split, root=None):
-    """The (German, English) sentence pairs of "train", "val" or "test"."""
-    folder = root or os.environ.get(MULTI30K_ENV) or data_dir() / "multi30k"
-    sides = []
-    for lang in ("de", "en"):
-        path = Path(folder, f"{MULTI30K_SPLITS[split]}.{lang}.gz")
-        if not path.is_file():
-            hint = (
-                "run `python annotated_transformer_tools.py download` in the"
-                " repository (`annotated-transformer download` if installed)"
-            )
-            raise DatasetError(f"no {path}: {hint} or set {MULTI30K_ENV}")
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            sides.append([line.strip() for line in f])  # some end in " "
-    return list(zip(*sides, strict=True))
+def multi30k_folder(root=None):
+    """`root`, else $MULTI30K_DIR, else data/multi30k in the repository."""
+    return root or os.environ.get(MULTI30K_ENV) or data_dir() / "multi30k"
+
+
+def split_file(folder, split, lang):
+    """The path of one split's file in one language; it must exist."""
+    path = Path(folder, f"{MULTI30K_SPLITS[split]}.{lang}.gz")
+    if not path.is_file():
+        hint = (
+            "run `python annotated_transformer_tools.py download` in the"
+            " repository (`annotated-transformer download` if installed)"
+        )
+        raise DatasetError(f"no {path}: {hint} or set {MULTI30K_ENV}")
+    return path
 
 
 # -----------------------------------------------------------------------------
@@ -1770,11 +1781,13 @@ __all__ = [
     "greedy_decode",
     "copy_accuracy",
     "warmup_linear_decay",
+    "read_multi30k",
     "MULTI30K_ENV",
     "MULTI30K_SPLITS",
     "DatasetError",
     "data_dir",
-    "read_multi30k",
+    "multi30k_folder",
+    "split_file",
     "load_tokenizers",
     "tokenize",
     "SPECIALS",
