@@ -1952,17 +1952,30 @@ def describe_checkpoint(path):
 # A trained model, or a small one trained now
 # Explained in notebooks/06_tools.py, same heading.
 # -----------------------------------------------------------------------------
+def model_to_train_here(presets, stand_in, root=".", size="full"):
+    """The config find_or_train trains when it finds no model: `quick`
+    on a CUDA GPU (if asked for), else the stand-in."""
+    if size != "ci" and "quick" in presets and torch.cuda.is_available():
+        folder = Path(root, get_config("quick").checkpoint_dir)
+        return get_config("quick", checkpoint_dir=str(folder))
+    return stand_in
+
+
 def find_or_train(
     presets, stand_in, vocabs, tokenizers, root=".", size="full"
 ):
-    """final.pt of the first trained preset, else train `stand_in` now."""
+    """final.pt of the first trained preset, else train a model now."""
     if size != "ci":  # a CI-sized run always trains its stand-in
         for preset in presets:
             final = Path(root, get_config(preset).checkpoint_dir, "final.pt")
             if final.is_file():
                 return str(final)
-    train_worker(0, 1, *vocabs, *tokenizers, stand_in, show_progress=False)
-    return str(Path(stand_in.checkpoint_dir, "final.pt"))
+    config = model_to_train_here(presets, stand_in, root, size)
+    show = config is not stand_in  # minutes, not seconds: show progress
+    if show:
+        print(f"no trained model found: training {config.preset} here")
+    train_worker(0, 1, *vocabs, *tokenizers, config, show_progress=show)
+    return str(Path(config.checkpoint_dir, "final.pt"))
 
 
 # -----------------------------------------------------------------------------
@@ -2790,6 +2803,7 @@ __all__ = [
     "check_outputs",
     "run_model_example",
     "describe_checkpoint",
+    "model_to_train_here",
     "find_or_train",
     "TextFileError",
     "clean_line",

@@ -302,18 +302,17 @@ def attention_maps(
 # or else `checkpoints/quick/final.pt`, which Part 3 trained in minutes:
 # the same shape, fewer epochs.
 #
-# If neither exists, the appendix's `find_or_train` trains a *stand-in*
-# here, in seconds: the tiny `ci` preset, which has one layer and two
-# heads, widened here to two layers and four heads so that there is more
-# than one of each to look at. Having seen 1,000 sentences for two
-# epochs, it shows the machinery, not language. (The tests run this page
-# in a CI-sized version, `AT_SIZE=ci`, which always uses the stand-in.)
-#
-# On Colab, each notebook opened from its badge gets a runtime of its
-# own, so Part 3's `checkpoints/quick` is here only if you trained it in
-# this same runtime. Without it, this page uses the stand-in, and what
-# the prose says about "brown", "black" and the two dogs will not match
-# the charts and numbers you see.
+# If neither exists, the appendix's `find_or_train` trains one here. On a
+# CUDA GPU, such as Colab's, it trains `quick` itself, in a few minutes:
+# each Colab notebook opened from its badge gets a runtime of its own, so
+# Part 3's model is not here. Elsewhere it trains a *stand-in*, in
+# seconds: the tiny `ci` preset, which has one layer and two heads,
+# widened here to two layers and four heads so that there is more than
+# one of each to look at. Having seen 1,000 sentences for two epochs, it
+# shows the machinery, not language, and what the prose says about
+# "brown", "black" and the two dogs will not match its charts. (The tests
+# run this page in a CI-sized version, `AT_SIZE=ci`, which always uses
+# the stand-in.)
 #
 # Two kinds of assert check what this page says. Those that run with any
 # model, the stand-in included, check the code itself (most are in cells

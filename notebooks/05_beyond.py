@@ -122,10 +122,10 @@ from annotated_transformer_tools import (
 # check works the same. The `model:` line that the cell prints says which
 # model it is, and for how many epochs it trained.
 #
-# On Colab, files last only as long as the runtime: when Colab recycles
-# it, the checkpoints are gone. Run Part 3 in the same runtime first to
-# decode with its `quick` model here; otherwise this lesson uses the small
-# stand-in.
+# On a CUDA GPU, such as Colab's, `find_or_train` trains the `quick`
+# model here when it finds none, in a few minutes, rather than the
+# stand-in: each Colab notebook gets a runtime of its own, so Part 3's
+# model is not here.
 #
 # The model is loaded onto the CPU, whatever the machine, because the
 # cells below build their input tensors by hand on the CPU, and a model

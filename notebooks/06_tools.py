@@ -2927,26 +2927,49 @@ def describe_checkpoint(path):
 # `find_or_train` looks under `root` for the `final.pt` of each preset it
 # is given, in order, and returns the first it finds: Parts 4 and 5 ask
 # for `cpu`, which `make train` writes, then `quick`, which Part 3 writes.
-# When there is none, or in a CI-sized run, it trains the small
-# `stand_in` there and then, in seconds, into the stand-in's own
-# `checkpoint_dir` (which is why the notebooks give it an absolute one).
+# When there is none, or in a CI-sized run, it trains a model there and
+# then; `model_to_train_here` says which:
+#
+# - on a CUDA GPU, when `quick` is among the presets asked for, the
+#   `quick` recipe itself, into `root`'s `checkpoints/quick/`: a few
+#   minutes (2.6 on an H100, `results/gpu_explore.md`). This is for
+#   Colab, where each notebook opened from its badge gets a runtime of
+#   its own and never sees the model that Part 3 trained in another;
+# - everywhere else, and always in a CI-sized run, the small `stand_in`,
+#   in seconds, into the stand-in's own `checkpoint_dir` (which is why
+#   the notebooks give it an absolute one). On a CPU, `quick` would take
+#   a quarter of an hour: run Part 3 first (or `make notebook`).
+#
 # So every notebook runs on a fresh clone, and CI checks the training code
 # rather than a leftover file.
 
 
 # %%
 #| export
+def model_to_train_here(presets, stand_in, root=".", size="full"):
+    """The config find_or_train trains when it finds no model: `quick`
+    on a CUDA GPU (if asked for), else the stand-in."""
+    if size != "ci" and "quick" in presets and torch.cuda.is_available():
+        folder = Path(root, get_config("quick").checkpoint_dir)
+        return get_config("quick", checkpoint_dir=str(folder))
+    return stand_in
+
+
 def find_or_train(
     presets, stand_in, vocabs, tokenizers, root=".", size="full"
 ):
-    """final.pt of the first trained preset, else train `stand_in` now."""
+    """final.pt of the first trained preset, else train a model now."""
     if size != "ci":  # a CI-sized run always trains its stand-in
         for preset in presets:
             final = Path(root, get_config(preset).checkpoint_dir, "final.pt")
             if final.is_file():
                 return str(final)
-    train_worker(0, 1, *vocabs, *tokenizers, stand_in, show_progress=False)
-    return str(Path(stand_in.checkpoint_dir, "final.pt"))
+    config = model_to_train_here(presets, stand_in, root, size)
+    show = config is not stand_in  # minutes, not seconds: show progress
+    if show:
+        print(f"no trained model found: training {config.preset} here")
+    train_worker(0, 1, *vocabs, *tokenizers, config, show_progress=show)
+    return str(Path(config.checkpoint_dir, "final.pt"))
 
 
 # %% [markdown]

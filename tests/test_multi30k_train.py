@@ -463,3 +463,38 @@ def test_an_older_config_is_read_with_todays_names():
     assert config.epochs == 2 and config.precision == "fp32"
     old["amp"] = "bf16"
     assert tools.checkpoint_config({"config": old}).precision == "bf16"
+
+
+@pytest.mark.parametrize(
+    "cuda, presets, size, expected",
+    [
+        (True, ["cpu", "quick"], "full", "quick"),  # Colab's GPU
+        (False, ["cpu", "quick"], "full", "stand-in"),  # a CPU: seconds
+        (True, ["cpu", "quick"], "ci", "stand-in"),  # CI, even on a GPU
+        (True, ["cpu-bpe"], "full", "stand-in"),  # quick not asked for
+    ],
+)
+def test_find_or_train_trains_quick_only_on_a_cuda_gpu(
+    tmp_path, monkeypatch, cuda, presets, size, expected
+):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    calls = []
+
+    def fake_train_worker(*args, show_progress):
+        calls.append((args[-1], show_progress))
+
+    monkeypatch.setattr(tools, "train_worker", fake_train_worker)
+    stand_in = ci_config(tmp_path / "stand-in")
+    found = tools.find_or_train(
+        presets, stand_in, (None, None), (None, None), tmp_path, size
+    )
+    [(config, shown)] = calls
+    if expected == "quick":
+        folder = tmp_path / "checkpoints" / "quick"
+        assert config.preset == "quick"
+        assert config == tools.get_config("quick", checkpoint_dir=str(folder))
+        assert found == str(folder / "final.pt")
+        assert shown  # minutes of training: progress is shown
+    else:
+        assert config is stand_in and not shown
+        assert found == str(tmp_path / "stand-in" / "final.pt")
