@@ -106,11 +106,24 @@ def parse_args(argv=None):
     return args
 
 
+def summary_paths(out):
+    """OUT.json and OUT.md. The suffixes are appended, not swapped in, so
+    a dot inside the name stays ("alpha1.8_val" is not cut to "alpha1");
+    an OUT given as NAME.json or NAME.md means NAME."""
+    out = Path(out)
+    if out.suffix in (".json", ".md"):
+        out = out.with_suffix("")
+    return (
+        out.with_name(out.name + ".json"),
+        out.with_name(out.name + ".md"),
+    )
+
+
 def check_out_prefix(parser, out):
     """Refuse an --out whose OUT.json and OUT.md cannot be written."""
-    for suffix in (".json", ".md"):
+    for path in summary_paths(out):
         try:
-            tools.check_out(Path(out).with_suffix(suffix))
+            tools.check_out(path)
         except tools.UserError as err:
             parser.error(str(err))
 
@@ -230,12 +243,12 @@ def summary_head(script, split, pairs):
 
 def write_summary(summary, out, markdown):
     """OUT.json (every number) and OUT.md (the table), each written whole."""
-    out = Path(out)
-    with tools.atomic_write(out.with_suffix(".json"), "w") as f:
+    json_path, md_path = summary_paths(out)
+    with tools.atomic_write(json_path, "w") as f:
         f.write(json.dumps(summary, indent=2) + "\n")
-    with tools.atomic_write(out.with_suffix(".md"), "w") as f:
+    with tools.atomic_write(md_path, "w") as f:
         f.write(markdown(summary))
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+    print(f"wrote {json_path} and {md_path}")
 
 
 def main(argv=None):

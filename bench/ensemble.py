@@ -68,6 +68,11 @@ def ensemble_beam_search(
     )
 
 
+def member_name(folder, k):
+    """How a table names a member: its run and what it decodes with."""
+    return f"{folder.name} ({f'last {k}' if k else 'final.pt'})"
+
+
 def run_spec(text):
     """argparse type: FOLDER:K, a run and how many epoch files to average."""
     folder, _, k = text.rpartition(":")
@@ -172,7 +177,7 @@ def main(argv=None):
             raise SystemExit(
                 "ensemble.py: error: the runs' vocabularies differ"
             )
-    names = [f"{folder.name} (last {k})" for folder, k in args.run]
+    names = [member_name(folder, k) for folder, k in args.run]
     models = [model for model, _, _ in loaded]
     summary = summary_head("ensemble.py", args.split, pairs)
     spacy_de, _ = tat.load_tokenizers()

@@ -569,6 +569,19 @@ def test_bleu_table_with_nothing_to_score_writes_nothing(tmp_path, capsys):
         assert len(err.splitlines()) == 1 and words in err, err
 
 
+def test_bleu_table_keeps_a_dot_inside_the_out_name(tmp_path):
+    """--out results/x_alpha1.8_val once wrote x_alpha1.json and .md."""
+    bleu_table = load_script("bleu_table")
+    out = tmp_path / "ensemble_alpha1.8_val"
+    summary = {"rows": [], "command": "python bench/ensemble.py"}
+    bleu_table.write_summary(summary, str(out), lambda s: "# table\n")
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["ensemble_alpha1.8_val.json", "ensemble_alpha1.8_val.md"]
+    for given in ("x.json", "x.md", "x"):  # NAME.json or .md means NAME
+        paths = bleu_table.summary_paths(tmp_path / given)
+        assert [p.name for p in paths] == ["x.json", "x.md"]
+
+
 def test_bleu_table_on_ci_checkpoints(word_run, bpe_run, tmp_path):
     import json
 

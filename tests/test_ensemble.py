@@ -98,3 +98,9 @@ def test_bad_numbers_and_outputs_are_one_line(tmp_path, capsys):
         assert stop.value.code == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and words in err, err
+
+
+def test_members_are_named_by_what_they_decode_with(tmp_path):
+    run = tmp_path / "cpu-d02-lin18"
+    assert ensemble.member_name(run, 3) == "cpu-d02-lin18 (last 3)"
+    assert ensemble.member_name(run, 0) == "cpu-d02-lin18 (final.pt)"
