@@ -984,7 +984,7 @@ class TrainConfig:
     precision: str = "bf16"  # "bf16": autocast where native; or "fp32"
     checkpoint_dir: str = "checkpoints/cpu"
     tokenization: str = "word"  # or "bpe": one subword vocabulary
-    tie_embeddings: bool = False  # share embeddings and generator
+    tie_embeddings: bool = False  # the generator reuses an embedding
     keep_last: int = 5  # epoch files kept, for averaging (0: all)
     weight_decay: float = 0.0  # above 0: AdamW (Part 2's make_optimizer)
 
@@ -1003,9 +1003,9 @@ def model_from_config(c, n_src, n_tgt, dropout=None):
         dropout=dropout,
     )
     if c.tie_embeddings:  # Part 5
-        shared = model.src_embed[0].lut.weight
-        model.tgt_embed[0].lut.weight = shared
-        model.generator.proj.weight = shared
+        if c.tokenization == "bpe":  # one vocabulary for both languages
+            model.tgt_embed[0].lut.weight = model.src_embed[0].lut.weight
+        model.generator.proj.weight = model.tgt_embed[0].lut.weight
     return model
 
 

@@ -1037,9 +1037,11 @@ assert word_unk > 0
 # `tie_embeddings` takes a model from Part 1's `make_model` and makes the
 # three point at one tensor. Training does not call it: Part 3's
 # `model_from_config` makes the same two assignments when a preset sets
-# `tie_embeddings=True`. This function is the version to read, and the
-# check after loading the BPE model below confirms that training tied the
-# same three matrices.
+# `tie_embeddings=True` with BPE. This function is the version to read,
+# and the check after loading the BPE model below confirms that training
+# tied the same three matrices. With word vocabularies, German and English
+# have different units, so a word-level config with `tie_embeddings=True`
+# ties only the English side: the generator reuses the target embedding.
 
 
 # %%

@@ -7,7 +7,7 @@ import math
 import os
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -367,6 +367,43 @@ def test_bpe_checkpoint_records_tokenization_and_ties(bpe_run):
     assert vsrc.to_str() == ckpt["bpe"]
 
 
+def test_word_level_tie_shares_the_target_embedding_alone():
+    """Two word vocabularies differ, so a word-level config ties only the
+    English side: the generator reuses the target embedding."""
+    config = tools.get_config("ci", tie_embeddings=True)
+    assert config.tokenization == "word"
+    untied = tat.model_from_config(
+        replace(config, tie_embeddings=False), 30, 20
+    )
+    model = tat.model_from_config(config, 30, 20)
+    assert model.generator.proj.weight is model.tgt_embed[0].lut.weight
+    assert model.src_embed[0].lut.weight is not model.tgt_embed[0].lut.weight
+    d = config.d_model
+    assert tat.count_parameters(untied) - tat.count_parameters(model) == 20 * d
+    batch = tat.Batch(
+        torch.randint(4, 30, (2, 5)), torch.randint(4, 20, (2, 6))
+    )
+    out = model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
+    model.generator(out).sum().backward()
+    embedding_only = tat.model_from_config(
+        replace(config, tie_embeddings=False), 30, 20
+    )
+    embedding_only.load_state_dict(model.state_dict())
+    out = embedding_only(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
+    embedding_only.generator(out).sum().backward()
+    both_uses = (
+        embedding_only.tgt_embed[0].lut.weight.grad
+        + embedding_only.generator.proj.weight.grad
+    )  # the shared matrix's gradient sums its two uses
+    torch.testing.assert_close(model.tgt_embed[0].lut.weight.grad, both_uses)
+
+
+def test_bpe_tie_still_shares_one_matrix_three_ways():
+    config = tools.get_config("ci-bpe")
+    model = tat.model_from_config(config, 40, 40)
+    assert len(tied_pointers(model)) == 1
+
+
 def test_bpe_model_translates_through_the_usual_api(
     bpe_run, tokenizers, capsys
 ):
@@ -406,9 +443,13 @@ def test_bpe_model_translates_through_the_usual_api(
 
 
 def tiny(seed, tie=False):
+    """A small word-level model; with `tie`, its generator reuses the
+    target embedding, as model_from_config ties a word-level config."""
     torch.manual_seed(seed)
     model = tat.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
-    return tat.tie_embeddings(model) if tie else model
+    if tie:
+        model.generator.proj.weight = model.tgt_embed[0].lut.weight
+    return model
 
 
 def test_average_is_the_mean_of_the_parameters():
@@ -458,7 +499,9 @@ def test_average_checkpoints_matches_a_hand_computed_mean(tmp_path, tie):
                 avg[name], (sa[name] + sb[name]) / 2, atol=1e-7, rtol=0
             )
     assert len(vsrc) == 11
-    assert (len(tied_pointers(model)) == 1) == tie
+    assert len(tied_pointers(model)) == (2 if tie else 3)
+    shared = model.generator.proj.weight is model.tgt_embed[0].lut.weight
+    assert shared == tie
 
 
 def test_average_checkpoints_refuses_different_buffers(tmp_path):
