@@ -45,6 +45,20 @@ def test_make_optimizer_follows_the_schedule():
     assert opt.param_groups[0]["betas"] == (0.9, 0.999)
 
 
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_adam_is_fused_on_the_cpu_and_plain_elsewhere(weight_decay):
+    """make_optimizer asks for fused Adam on CPU and CUDA tensors only;
+    on any other device (Apple's MPS on a Mac; the meta device stands in
+    for it here, since this machine has no MPS) Adam runs its default
+    way."""
+    on_cpu = torch.nn.Linear(4, 3)
+    opt, _ = tat.make_optimizer(on_cpu, 16, weight_decay=weight_decay)
+    assert opt.defaults["fused"] is True
+    elsewhere = torch.nn.Linear(4, 3, device="meta")
+    opt, _ = tat.make_optimizer(elsewhere, 16, weight_decay=weight_decay)
+    assert not opt.defaults["fused"]
+
+
 def test_weight_decay_makes_it_adamw_and_shrinks_weights_apart():
     """AdamW's decoupled decay: with a zero gradient Adam's own step is
     zero, so one step multiplies each weight by 1 - lr * weight_decay."""
