@@ -657,8 +657,9 @@ def make_optimizer(
 
     With a `schedule`, `d_model`, `factor` and `warmup` are unused.
     AdamW multiplies every parameter (biases and norms included) by
-    1 - lr * weight_decay at each step, apart from Adam's update, which
-    never sees the decay.
+    1 - lr * weight_decay at each step, besides Adam's update. The decay
+    is not added to the gradient, so Adam's running averages never see
+    it.
     """
     # Fused Adam: the same update in one pass over the parameters. Asked
     # for only when every parameter is on the CPU or a CUDA GPU; elsewhere

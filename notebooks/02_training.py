@@ -292,8 +292,13 @@ assert torch.allclose(dist, expected)
 # $p$ the smoothed target distribution and $q$ the model's probabilities. The
 # loss receives $\log q$, as `x` (an $N \times V$ tensor). The three values of
 # a row are: $c = 1 - \epsilon$ at $y$, $f = \epsilon / (V - 2)$ at each of the
-# $V - 2$ other non-padding tokens (together $\epsilon$), and 0 at padding. So
-# a row's KL divergence, $\sum_j p_j \log (p_j / q_j)$, collapses to
+# $V - 2$ other non-padding tokens (together $\epsilon$), and 0 at padding.
+# A row's KL divergence, $\sum_j p_j \log (p_j / q_j)$, splits into
+# $\sum_j p_j \log p_j - \sum_j p_j \log q_j$. The first sum has $c \log c$
+# at $y$ and $f \log f$ at each of the $V - 2$ others, together $c \log c +
+# \epsilon \log f$ (since $(V - 2) f = \epsilon$). The second sum has $c
+# \log q_y$ at $y$ and $f \log q_j$ everywhere else but padding. So the row's
+# loss is
 #
 # $$c \log c + \epsilon \log f - c \log q_y - f \sum_{j \ne y,\,
 # \mathrm{pad}} \log q_j .$$
@@ -344,9 +349,10 @@ for eps in (0.1, 0.4):  # closed form = definition
 # %% [markdown]
 # Why smoothing discourages over-confidence: give the correct token a
 # *margin* $m$ over four rivals, that is, a logit $m$ above theirs (which
-# are all 0). The vocabulary has six tokens: padding (probability 0), the
-# correct one and the four rivals, so each rival's smoothed target is
-# $0.1 / 4 = 0.025$.
+# are all 0). A *logit* is a raw score before the softmax: a score $m$
+# higher makes a token $e^m$ times more probable. The vocabulary has six
+# tokens: padding (probability 0), the correct one and the four rivals, so
+# each rival's smoothed target is $0.1 / 4 = 0.025$.
 #
 # Without smoothing, the loss keeps falling as $m$ grows. With smoothing
 # 0.1 it is $\log(e^m + 4) - 0.9\,m - 0.464$, where $-0.464 = 0.9 \ln 0.9
@@ -393,8 +399,10 @@ save_chart(ls_chart, "02_label_smoothing_penalty", FIGURES)
 # The loss computation puts the pieces together: the generator turns
 # hidden states into log-probabilities, the criterion compares them with
 # the targets, and the sum is divided by the number of real tokens. It
-# returns the loss twice: the sum, as a detached 0-d tensor for
-# bookkeeping, and the mean per token, with its graph, to back-propagate.
+# returns the loss twice. The sum is for reporting only, so it is cut off
+# from autograd (`detach`); it is a one-number tensor, not a Python float,
+# because reading a GPU tensor's value makes the CPU wait for the GPU. The
+# mean per token is the one `.backward()` is called on.
 
 
 # %%
@@ -416,6 +424,11 @@ class SimpleLossCompute:
 
 # %% [markdown]
 # ## The training loop
+#
+# *On a first read, you may skip from here to "Optimizer and
+# learning-rate schedule".* This part's copy run needs only the plain loop
+# below, and from the rest one thing: `TrainState`, whose `accum_step`
+# counts optimizer steps and `samples` counts sequences.
 #
 # ### The plain loop
 #
@@ -442,21 +455,25 @@ def plain_epoch(batches, model, loss_compute, optimizer):
 # below). One difference: it does not call `model.train()`, because it
 # also evaluates; its caller sets the mode. The next cells add one concern
 # at a time: gradient accumulation, counters and logging. Part 3's
-# translation runs need them; this part's copy run uses none of them, so
-# on a first read you may skip to "Optimizer and learning-rate schedule"
-# and take `run_epoch` as the plain loop that returns the mean loss.
+# translation runs need them; this part's copy run uses only the
+# counters.
 #
 # ### Gradient accumulation
 #
 # Gradient accumulation (`accum_iter = k`) emulates a batch $k$ times
 # larger than memory allows: each micro-batch's loss is divided by $k$,
 # gradients add up over $k$ backward passes, and the optimizer (and the
-# schedule) steps once. The emulation is exact when every micro-batch has
-# the same number of real tokens; with padding it is close but not exact,
-# as the checks below explain. When the number of batches is not a
-# multiple of $k$, the last group has fewer micro-batches; `run_epoch`
-# still steps on it, with its gradients rescaled to a mean. Otherwise they
-# would stay in `.grad` and be added to the next epoch's first step.
+# schedule) steps once.
+#
+# The emulation is exact when every micro-batch has the same number of
+# real tokens. With padding it is close, not exact: each micro-batch's loss
+# is a mean over its own tokens, so a short micro-batch's tokens weigh
+# more (a worked example comes with the checks below).
+#
+# When the number of batches is not a multiple of $k$, the last group has
+# fewer micro-batches. `run_epoch` still steps on it, with its gradients
+# rescaled to a mean over the group. Otherwise they would stay in `.grad`
+# and be added to the next epoch's first step.
 #
 # `TrainState` keeps four counters across epochs, under the names they had
 # in the 2022 Harvard Annotated Transformer, the tutorial this project
@@ -668,10 +685,11 @@ def run_epoch(
 #
 # `trained_weights` trains a fresh tiny model for one epoch with a given
 # loop and returns its weights, flattened, so that two loops can be
-# compared. It uses plain SGD, whose update is proportional to the
-# gradient, so a wrongly scaled gradient shows in the weights (Adam
-# divides the scale away and would hide it), and no dropout, so that both
-# runs are deterministic.
+# compared. It uses plain SGD, which moves each weight by the learning
+# rate times its gradient, so a gradient twice too large gives a step
+# twice too large and shows in the weights. (Adam, introduced below,
+# divides each gradient by its own running size, which would hide such a
+# bug.) It uses no dropout, so that both runs are deterministic.
 
 
 # %%
@@ -724,10 +742,10 @@ assert torch.allclose(trained_weights(accumulate, micro), doubled_weights)
 assert not torch.allclose(plain_weights, doubled_weights)
 
 # %% [markdown]
-# Third: three micro-batches with `accum_iter=2` make one full group and
-# a short one. They must give the plain loop on the first double batch
-# and then the third micro-batch alone, its gradient rescaled to a mean
-# over a group of one; and the third batch must change the result.
+# Third: with `accum_iter=2`, three micro-batches make one full group
+# (micro-batches 1 and 2) and a group of one (micro-batch 3). The result
+# must equal the plain loop run on two batches: the first double batch,
+# then micro-batch 3 alone. And the third batch must change the result.
 
 # %%
 short_last = trained_weights(plain_epoch, [doubled[0], micro[2]])
@@ -752,16 +770,19 @@ assert not torch.allclose(short_last, first_only)  # the third batch counts
 #
 # The two terms are equal at $step = warmup$, so the peak is $d_{\text{
 # model}}^{-0.5} \cdot warmup^{-0.5}$ (times an optional `factor`). Wider
-# models get smaller steps. Step 0 is treated as step 1 to avoid
-# $0^{-0.5}$.
+# models get smaller steps. `LambdaLR` (below) calls the schedule once
+# with step 0, before training starts, so `rate` treats step 0 as step 1
+# to avoid $0^{-0.5}$.
 #
 # In code, `rate` is used through PyTorch's
 # `torch.optim.lr_scheduler.LambdaLR`. It sets the learning rate to the
 # optimizer's `lr` times `rate(step)`; creating the optimizer with
-# `lr=1.0` makes it exactly `rate(step)`. `make_optimizer` builds both.
-# Part 3 also passes it a `schedule` of its own (a function of the step,
-# used instead of `rate`) and a `weight_decay`, which makes the optimizer
-# AdamW; the docstring says what that does.
+# `lr=1.0` makes it exactly `rate(step)`. `make_optimizer` builds both,
+# for Part 3, which also passes it a `schedule` of its own (a function of
+# the step, used instead of `rate`) and a `weight_decay`, which makes the
+# optimizer AdamW; the docstring says what that does. The copy task below
+# does not use the paper's schedule: it builds the same pair by hand, with
+# a shorter schedule.
 
 
 # %%
@@ -786,8 +807,9 @@ def make_optimizer(
 
     With a `schedule`, `d_model`, `factor` and `warmup` are unused.
     AdamW multiplies every parameter (biases and norms included) by
-    1 - lr * weight_decay at each step, apart from Adam's update, which
-    never sees the decay.
+    1 - lr * weight_decay at each step, besides Adam's update. The decay
+    is not added to the gradient, so Adam's running averages never see
+    it.
     """
     # Fused Adam: the same update in one pass over the parameters. Asked
     # for only when every parameter is on the CPU or a CUDA GPU; elsewhere
@@ -897,12 +919,15 @@ def copy_accuracy(model, n, V=11, seq_len=10, generator=None):
 #
 # * **A short schedule.** The paper's schedule is built for 100,000 steps,
 #   and this task needs a few hundred. `warmup_linear_decay` takes the
-#   lower of two lines: one rising over 20 steps, one falling from the
-#   peak rate $3 \cdot 10^{-4}$ to a floor of 2% of it (it would reach
-#   zero at step 300). The decay ends before the 400-step budget: in our
-#   sweeps the model learned to copy sooner that way, and the last steps
-#   at the floor are a margin. `LambdaLR` calls the schedule with 0 before
-#   the first optimizer step, hence the `step + 1` of the rising line.
+#   lower of two lines: one rising from 0 over 20 steps, and one that
+#   starts at the peak rate $3 \cdot 10^{-4}$ at step 0 and falls to a
+#   floor of 2% of it (without the floor it would reach zero at step 300).
+#   The falling line is already falling during the warm-up, so the two
+#   cross just below the peak. The decay ends before the 400-step
+#   budget: in our sweeps the model learned to copy sooner that way, and
+#   the last steps at the floor are a margin. `LambdaLR` calls the
+#   schedule with 0 before the first optimizer step, hence the `step + 1`
+#   of the rising line.
 # * **Small batches** of 16 sequences: copying is learned per optimizer
 #   step, so small batches buy more steps for the same sequences.
 # * **No dropout**: with fresh data in every batch, the model cannot

@@ -91,7 +91,10 @@ from the_annotated_transformer import subsequent_mask
 # The files live in `data/multi30k/` of the repository (on Colab,
 # `/content/data/multi30k`), or in the folder that the environment
 # variable `MULTI30K_DIR` names. Fetching and verifying them is plumbing
-# in the appendix (notebook 06); here we only call it.
+# in the appendix (notebook 06); here we only call it. `read_multi30k`
+# below pairs the lines; the two helpers it calls, `multi30k_folder` (which
+# folder) and `split_file` (which file, or a one-line error if it is
+# missing), are plumbing too, in the cell after it: skim that one.
 
 
 # %%
@@ -108,7 +111,8 @@ def read_multi30k(split, root=None):
 
 
 # %% [markdown]
-# Where the files are, and the one-line error when they are missing:
+# The plumbing `read_multi30k` calls: where the files are, and the
+# one-line error when one is missing.
 
 
 # %%
@@ -200,9 +204,9 @@ assert tokenize("They don't.", spacy_en) == ["They", "do", "n't", "."]
 # list) keep the names that readers of the 2022 tutorial know.
 #
 # The vocabularies are built from the **training split only**. Counting the
-# validation and test sentences too would leak the test set: a word seen
-# only there would get its own id, and the model would look better on
-# unseen words than it is.
+# validation and test sentences too would use the test set before the
+# test: the share of `<unk>` in test sentences would then look lower than
+# it will be on text the model has truly never seen.
 
 
 # %%
@@ -342,17 +346,18 @@ assert [row[row != PAD][-1] for row in tgt] == [EOS] * 3
 # of similar length. The paper grouped sentence pairs by approximate length
 # and gave each batch about 25,000 source and 25,000 target tokens, so a
 # batch of short sentences holds more of them than a batch of long ones.
-# Our budget is simpler: one number for both sides, the pairs in the
-# batch times the length of its longest sentence, source or target. On
-# Multi30k's short captions the two sides have similar lengths, so little
-# is lost.
+# Our budget is simpler: one number for both sides, counting padded
+# positions rather than real tokens: rows × width, where the width is the
+# longest sentence in the batch, German or English. (The name
+# `max_tokens` is kept from the usual usage.) On Multi30k's short captions
+# the two sides have similar lengths, so little is lost.
 #
-# `bucket` does this for examples sorted by size, shortest first, where
-# `sizes[i]` is the length of pair $i$'s longer sentence. Since pairs
-# arrive shortest first, the newest sets the batch's width, so `bucket`
-# closes a
-# batch when one more example would push its padded size,
-# `(len(batch) + 1) * sizes[i]`, over the budget `max_tokens`.
+# `bucket` does this. `order` lists the pair indices sorted by size,
+# shortest first, and `sizes[i]` is the length of pair $i$'s longer
+# sentence. Since pairs arrive shortest first, the newest sets the batch's
+# width, so `bucket` closes a batch when one more example would push its
+# padded size, `(len(batch) + 1) * sizes[i]`, over the budget
+# `max_tokens`.
 
 
 # %%
@@ -378,12 +383,16 @@ assert bucket([0, 1, 2, 3], [2, 2, 3, 5], max_tokens=6) == [[0, 1], [2], [3]]
 
 
 # %% [markdown]
-# `TokenBatchSampler` hands batches to a `DataLoader`. Each epoch it
-# shuffles the examples with a seed made of `(seed, epoch)`, sorts them by
-# size (stably, so equal sizes stay shuffled), buckets them and shuffles
-# the batches. A pair longer than `max_len` tokens is left out and counted
-# in `dropped`, never cut: cutting would remove its `</s>`, and the model
-# would learn from sentences that never end.
+# A PyTorch `DataLoader` normally cuts data into batches of a fixed number
+# of examples; given a `batch_sampler`, it asks it for lists of indices
+# instead. `TokenBatchSampler` is ours. Each epoch it shuffles the
+# examples with a seed made of `(seed, epoch)`, sorts them by size
+# (stably, so equal sizes stay shuffled, and pairs of one length meet new
+# partners each epoch), buckets them, and shuffles the batches, so that an
+# epoch does not run from short sentences to long ones. A pair longer than
+# `max_len` tokens is left out and counted in `dropped`, never cut:
+# cutting would remove its `</s>`, and the model would learn from
+# sentences that never end.
 
 
 # %%
@@ -459,11 +468,9 @@ assert len(buckets) == 153
 # %% [markdown]
 # Padding to 72 wastes about four positions in five, and buckets bring the
 # waste to under 10% (the cell prints the share), so the same compute
-# goes into real tokens. In a recorded benchmark
-# (`bench/RESULTS_batching.md`: the paper's model on 1,024 training pairs,
-# in float32 on the 2-core development CPU), buckets of 2,304 tokens (32 ×
-# 72: as many positions as one padded batch) trained 4.96 times faster, in
-# real target tokens per second, than batches of 32 padded to 72.
+# goes into real tokens. Less padding trains faster: about 5 times the
+# real tokens per second in a recorded benchmark
+# (`bench/RESULTS_batching.md` says how it was measured).
 #
 # With these settings an epoch is 153 batches (the last assert), which is
 # 153 optimizer steps: the runs below take one step per batch.
@@ -527,15 +534,22 @@ def create_dataloaders(
 # A `TrainConfig` defines a run. Its defaults are the `cpu` model ($N=3$,
 # $d_{\text{model}}=256$, $h=4$, $d_{ff}=1024$), sized to train in
 # reasonable time on a CPU. `cpu` names a model size, not a device: it
-# trains on a GPU too. The
-# paper's base model has $N=6$, $d_{\text{model}}=512$, $h=8$,
-# $d_{ff}=2048$, and the same dropout and label smoothing of 0.1. The rest
-# comes from Part 2: the label-smoothed loss, Adam with the warm-up
-# schedule, and `accum_iter`, which adds up the gradients of several
-# batches before one optimizer step. The paper warmed up for 4,000 of
-# 100,000 steps. An epoch of Multi30k in 3,000-token batches is 153
-# steps, and the `cpu` defaults warm up for 800, about five epochs: our
-# choice for a small data set, not a tuned value.
+# trains on a GPU too. The paper's base model has $N=6$,
+# $d_{\text{model}}=512$, $h=8$, $d_{ff}=2048$, and the same dropout and
+# label smoothing of 0.1.
+#
+# The training fields come from Part 2: the label-smoothed loss, Adam
+# with the warm-up schedule (`factor` and `warmup` are `rate`'s
+# arguments; `schedule="noam"` names that schedule, explained below), and
+# `accum_iter`, which adds up the gradients of several batches before one
+# optimizer step. The paper warmed up for 4,000 of 100,000 steps. An
+# epoch of Multi30k in 3,000-token batches is 153 steps, and the `cpu`
+# defaults warm up for 800, about five epochs: our choice for a small
+# data set, not a tuned value.
+#
+# `model_from_config` calls Part 1's `make_model` with the config's sizes.
+# (Its last lines tie embedding matrices together when a config asks;
+# that is Part 5's, and no config in this lesson does.)
 #
 # A *preset* is a named `TrainConfig`, such as `quick`, `cpu`, `paper` and
 # the tiny `ci` that tests use; they live in the appendix (notebook 06,
@@ -603,8 +617,9 @@ def model_from_config(c, n_src, n_tgt, dropout=None):
 # call it `"noam"`, after Noam Shazeer, as the 2018 tutorial did). A run that
 # knows how many steps it will take can instead warm up, then lower the
 # rate in a straight line to zero at the end of its step budget:
-# `schedule="linear"`. Its peak is the rate that `rate` reaches at step
-# `warmup`, so `factor`, `d_model` and `warmup` keep their meaning. (The
+# `schedule="linear"`. It climbs to the same peak that `rate` reaches at
+# step `warmup`, so these three fields mean the same under both
+# schedules. (The
 # copy task's `warmup_linear_decay`, in Part 2, is a cousin that stops at
 # 2% of its peak and stays there.) The loader says how many batches an
 # epoch has, so `make_run_optimizer` builds Adam and the schedule once the
@@ -670,12 +685,17 @@ assert max(steps_down) - min(steps_down) < 1e-12
 # \text{warmup}^{-1/2}$; for `cpu` (factor 1, warm-up 800) that is
 # 2.2e-3. To reach the same peak after only 300 steps, `quick` sets the
 # factor to $\sqrt{300/800} \approx 0.61$, and the linear schedule uses
-# that peak. Check: `make_run_optimizer` gives `quick` a peak of about
+# that peak. (Why the same peak after fewer steps: with only 765 steps in
+# all, a warm-up of 800 would never end, and the high peak is what lets a
+# 5-epoch run learn fast; "Why the quick recipe is fast" below says what
+# the trials found.) Check: `make_run_optimizer` gives `quick` a peak of about
 # 2.2e-3 at step 300 and a rate of zero at its last step, 765.
 
 # %%
 quick = tools.get_config("quick")
-quick_model = model_from_config(quick, 10, 10)  # tiny vocabularies
+# make_run_optimizer needs parameters to optimize: a model with tiny
+# vocabularies will do, since only the schedule is checked.
+quick_model = model_from_config(quick, 10, 10)
 _, quick_schedule = make_run_optimizer(quick_model, quick, 153)
 # LambdaLR keeps our schedule function in lr_lambdas. Part 2 set Adam's
 # lr to 1, so the function returns the learning rate itself.
@@ -808,15 +828,10 @@ assert history[-1]["val_loss"] < history[0]["val_loss"]
 # Our reference run is the `quick` preset (above): the small model of
 # preset `cpu` for 5 epochs (765 steps of 3,000 tokens), warmed up for
 # 300 steps to a peak learning rate of 2.2e-3, then decayed linearly to
-# zero, without dropout.
-#
-# It took 13.9 minutes on 2 threads of a 2-core AMD EPYC CPU, from the
-# start of the process to its last checkpoint, and its greedy decoding
-# scores 35.46 BLEU on the test set (`results/recipe_quick.json`). That
-# CPU had no native bf16, so it computed in float32. BLEU, defined in the
-# last section, scores translations from 0 to 100 by the runs of one to
-# four words they share with a human translation; higher is better, and
-# a point or two is a clear difference.
+# zero, without dropout. On record, it took 13.9 minutes on 2 threads of
+# a 2-core AMD EPYC CPU without native bf16 (so in float32), from the
+# start of the process to its last checkpoint
+# (`results/recipe_quick.json`). Its score comes in the last section.
 
 # %% [markdown]
 # ### Training it
@@ -830,18 +845,16 @@ assert history[-1]["val_loss"] < history[0]["val_loss"]
 # environment), and there the cell trains the tiny `ci` preset instead,
 # every time.
 #
-# On a GPU the same recipe computes in 16-bit floats, which GPUs multiply
-# several times faster (the appendix's "Which precision" says which kind
-# on which GPU), and so does a CPU with native bf16; on a Mac it stays in
-# float32. So your loss and BLEU will differ a little from the recorded
-# CPU run. On an H100 the recipe took 2.6 minutes from the start of its
-# process (CPU: 13.9), 2.2 of them training (`results/gpu_explore.md`).
-# Colab's free T4 and Apple's GPUs were not measured.
+# On a GPU, and on a CPU with native bf16, the same recipe computes in
+# 16-bit floats (the appendix's "Which precision" says which kind where);
+# on a Mac it stays in float32. So your loss and BLEU will differ a little
+# from the recorded run. On an H100 the recipe took 2.6 minutes from the
+# start of its process (`results/gpu_explore.md`); Colab's free T4 and
+# Apple's GPUs were not measured.
 #
-# If you stop the cell part of the way, running it again trains from the
-# first epoch: the cell does not pass `resume=True` (the command line's
-# `train --resume` continues from the last epoch file instead). And once
-# `final.pt` exists, the cell uses it, whatever settings it was trained with:
+# Stopping the cell part of the way and running it again starts from the
+# first epoch (the command line's `train --resume` continues instead).
+# Once `final.pt` exists, the cell uses it, whatever settings trained it:
 # delete `checkpoints/quick/` to train afresh.
 
 # %%
@@ -866,10 +879,13 @@ else:
 
 # %% [markdown]
 # The recorded reference run's curve (from `results/recipe_quick.json`,
-# not from a run this notebook trained): after each epoch, the plain
-# greedy BLEU of its checkpoint on the validation split, `<unk>` kept,
-# against the minutes since its process started. Check: no epoch scored
-# lower than the one before.
+# not from a run this notebook trained). BLEU, defined in the last
+# section, scores translations from 0 to 100 by the runs of one to four
+# words they share with a human translation; higher is better, and a
+# point or two is a clear difference. The curve shows, after each epoch,
+# the greedy BLEU of the checkpoint on the validation split (with `<unk>`
+# kept, the unknown-word token) against the minutes since the process
+# started. Check: no epoch scored lower than the one before.
 
 # %%
 recorded = json.loads(Path(ROOT, "results/recipe_quick.json").read_text())
@@ -903,31 +919,25 @@ tools.line_chart(
 #   after 612 steps). Each step also took 13% less time, with no random
 #   masks to draw (two trials side by side, `docs/results.md`).
 # - **Batches of 3,000 tokens, not fewer.** Halving the batch doubles
-#   the steps for the same tokens. That won when training was shorter
-#   than two epochs, and lost at about five epochs' time: 660 steps of
-#   3,000 tokens reached 32.5 validation BLEU, and 1,600 steps of 1,500
-#   tokens only 27.2, although those saw more target tokens (2.1
-#   million against 1.8).
+#   the steps for the same tokens. That paid only in runs shorter than
+#   two epochs. In two trials of equal time, about five epochs' worth,
+#   3,000-token batches reached 32.5 validation BLEU and 1,500-token
+#   batches 27.2.
 #
 # Each number comes from a trial in `results/recipe_sweep.md`, with its
-# command and time. (The two batch trials also differ a little in
-# warm-up, 200 steps against 300, and in peak, 20% higher for the smaller
-# batches; both had dropout 0.1.) The sweep scored validation with
-# `<unk>` replaced by the German word (Part 4), so its numbers run above
-# the curve above, which keeps `<unk>`: on the test set, replacement was
-# worth 1.6 points to the quick model (`results/recipe_quick.json`).
+# command, its time and how the trials differed. The sweep's scores
+# replace `<unk>` by a German word (Part 4), so they run above the curve
+# above, which keeps it.
 #
 # The `cpu` preset trains the same small model as `quick` for 18 epochs,
-# with dropout and Part 2's schedule (`make train`, in the Makefile,
-# trains it, and also a version with the subword vocabularies of Part 5):
-# about 80 minutes on one thread of a shared 2-core CPU with native bf16
-# (`results/multi30k_cpu.json`). Parts 4 and 5 load its checkpoint when
-# it exists.
+# with dropout and Part 2's schedule. `make train` (in the Makefile)
+# trains it, and Parts 4 and 5 load its checkpoint when it exists; it
+# took about 80 minutes on one thread of another 2-core AMD EPYC, one
+# with native bf16 (`results/multi30k_cpu.json`).
 #
-# The appendix's training runs also use faster, equivalent versions of
-# dropout and of the loss's gradient (the appendix explains both; their
-# speed-ups are in `bench/RESULTS_efficiency.md`). The recorded runs
-# above predate them.
+# The appendix's training runs also use faster versions of dropout and
+# of the loss's gradient, which compute the same thing (the appendix
+# explains both). The recorded runs above predate them.
 
 # %% [markdown]
 # ## Decoding
@@ -988,18 +998,24 @@ assert trained_tgt.get_itos() == vocab_tgt.get_itos()
 # Check against an independent reference: decoding twelve validation
 # sentences of different lengths together, as one padded batch, gives
 # the same tokens as Part 2's `greedy_decode` run on each sentence alone.
-# `strip_specials` keeps what lies between `<s>` and the first `</s>`.
+# If the padding mask were wrong, the short sentences would attend to
+# their `<blank>` padding and their translations would change. The mask is
+# Part 2's source mask (`Batch` builds the same one), and 20 is the most
+# tokens a translation may have here. `strip_specials` keeps what lies
+# between `<s>` and the first `</s>`.
 
 # %%
 batch = encode_pairs(splits["val"][:12], trained_src, trained_tgt, *tokenizers)
 src, _ = collate_batch(batch)
 src = src.to(device)
-batched = batch_greedy_decode(trained, src, (src != PAD).unsqueeze(-2), 20)
+max_len = 20
+src_mask = (src != PAD).unsqueeze(-2)  # (B, 1, S): True at real tokens
+batched = batch_greedy_decode(trained, src, src_mask, max_len)
 with torch.no_grad():  # Part 2's greedy_decode leaves autograd on
     for (ids, _), row in zip(batch, batched.tolist(), strict=True):
         one = torch.tensor([ids], device=device)  # (1, S): no padding
         alone = greedy_decode(
-            trained, one, (one != PAD).unsqueeze(-2), 20, BOS
+            trained, one, (one != PAD).unsqueeze(-2), max_len, BOS
         )
         assert strip_specials(row) == strip_specials(alone[0].tolist())
 
