@@ -294,7 +294,7 @@ class OursForeachAdam(Ours):
     fused_adam = False
 
 
-class OursAtIssue18(Ours):
+class OursAtIssue18(OursFusedAttention):
     """Ours as it trained when issue 18 was filed: nn.Dropout's mask,
     scaled_dot_product_attention's dropout on the CPU, and Part 2's
     LabelSmoothing differentiated by autograd (with fused Adam, as
@@ -302,12 +302,6 @@ class OursAtIssue18(Ours):
 
     fast_dropout = False
     criterion_cls = tat.LabelSmoothing
-
-    def __init__(self, *args):
-        super().__init__(*args)
-        for module in self.modules():
-            if isinstance(module, tat.MultiHeadedAttention):
-                module.use_fused = lambda q: True
 
 
 class OursBefore(Ours):
