@@ -347,10 +347,10 @@ for eps in (0.1, 0.4):  # closed form = definition
     assert torch.allclose(fast, slow)
 
 # %% [markdown]
-# Why smoothing discourages over-confidence: give the correct token a
-# *margin* $m$ over four rivals, that is, a logit $m$ above theirs (which
-# are all 0). A *logit* is a raw score before the softmax: a score $m$
-# higher makes a token $e^m$ times more probable. The vocabulary has six
+# Why smoothing discourages over-confidence: a *logit* is a raw score
+# before the softmax, and a score $m$ higher makes a token $e^m$ times
+# more probable. Give the correct token a *margin* $m$ over four rivals: a
+# logit $m$ above theirs, which are all 0. The vocabulary has six
 # tokens: padding (probability 0), the correct one and the four rivals, so
 # each rival's smoothed target is $0.1 / 4 = 0.025$.
 #
@@ -426,9 +426,11 @@ class SimpleLossCompute:
 # ## The training loop
 #
 # *On a first read, you may skip from here to "Optimizer and
-# learning-rate schedule".* This part's copy run needs only the plain loop
-# below, and from the rest one thing: `TrainState`, whose `accum_step`
-# counts optimizer steps and `samples` counts sequences.
+# learning-rate schedule".* This part's copy run calls the library's
+# `run_epoch` with no extras: read it as the plain loop below that also
+# steps the learning-rate schedule and returns the mean loss per token and
+# a `TrainState`. From the rest it needs one thing: `TrainState`, whose
+# `accum_step` counts optimizer steps and `samples` counts sequences.
 #
 # ### The plain loop
 #
@@ -919,7 +921,8 @@ def copy_accuracy(model, n, V=11, seq_len=10, generator=None):
 #
 # * **A short schedule.** The paper's schedule is built for 100,000 steps,
 #   and this task needs a few hundred. `warmup_linear_decay` takes the
-#   lower of two lines: one rising from 0 over 20 steps, and one that
+#   lower of two lines: one rising by 1/20 of the peak per step (reaching
+#   it at step 19), and one that
 #   starts at the peak rate $3 \cdot 10^{-4}$ at step 0 and falls to a
 #   floor of 2% of it (without the floor it would reach zero at step 300).
 #   The falling line is already falling during the warm-up, so the two

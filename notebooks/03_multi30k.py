@@ -204,8 +204,8 @@ assert tokenize("They don't.", spacy_en) == ["They", "do", "n't", "."]
 # list) keep the names that readers of the 2022 tutorial know.
 #
 # The vocabularies are built from the **training split only**. Counting the
-# validation and test sentences too would use the test set before the
-# test: the share of `<unk>` in test sentences would then look lower than
+# validation and test sentences too would let the test sentences shape the
+# vocabulary: the share of `<unk>` in test sentences would then look lower than
 # it will be on text the model has truly never seen.
 
 
@@ -346,10 +346,11 @@ assert [row[row != PAD][-1] for row in tgt] == [EOS] * 3
 # of similar length. The paper grouped sentence pairs by approximate length
 # and gave each batch about 25,000 source and 25,000 target tokens, so a
 # batch of short sentences holds more of them than a batch of long ones.
-# Our budget is simpler: one number for both sides, counting padded
-# positions rather than real tokens: rows × width, where the width is the
-# longest sentence in the batch, German or English. (The name
-# `max_tokens` is kept from the usual usage.) On Multi30k's short captions
+# Our budget is simpler: one number that caps each side's batch, counted
+# in padded positions rather than real tokens. A batch's size is rows ×
+# width, where the width is its longest sentence, German or English.
+# (Other libraries, fairseq for one, also call such a budget
+# `max_tokens`.) On Multi30k's short captions
 # the two sides have similar lengths, so little is lost.
 #
 # `bucket` does this. `order` lists the pair indices sorted by size,
@@ -468,9 +469,10 @@ assert len(buckets) == 153
 # %% [markdown]
 # Padding to 72 wastes about four positions in five, and buckets bring the
 # waste to under 10% (the cell prints the share), so the same compute
-# goes into real tokens. Less padding trains faster: about 5 times the
-# real tokens per second in a recorded benchmark
-# (`bench/RESULTS_batching.md` says how it was measured).
+# goes into real tokens. Less padding trains faster: in a recorded
+# benchmark, buckets trained about 5 times as many real target tokens per
+# second as batches of 32 padded to 72 (`bench/RESULTS_batching.md` says
+# how it was measured).
 #
 # With these settings an epoch is 153 batches (the last assert), which is
 # 153 optimizer steps: the runs below take one step per batch.
@@ -618,8 +620,8 @@ def model_from_config(c, n_src, n_tgt, dropout=None):
 # knows how many steps it will take can instead warm up, then lower the
 # rate in a straight line to zero at the end of its step budget:
 # `schedule="linear"`. It climbs to the same peak that `rate` reaches at
-# step `warmup`, so these three fields mean the same under both
-# schedules. (The
+# step `warmup`, so `factor`, `d_model` and `warmup` mean the same under
+# both schedules. (The
 # copy task's `warmup_linear_decay`, in Part 2, is a cousin that stops at
 # 2% of its peak and stays there.) The loader says how many batches an
 # epoch has, so `make_run_optimizer` builds Adam and the schedule once the
@@ -920,9 +922,9 @@ tools.line_chart(
 #   masks to draw (two trials side by side, `docs/results.md`).
 # - **Batches of 3,000 tokens, not fewer.** Halving the batch doubles
 #   the steps for the same tokens. That paid only in runs shorter than
-#   two epochs. In two trials of equal time, about five epochs' worth,
-#   3,000-token batches reached 32.5 validation BLEU and 1,500-token
-#   batches 27.2.
+#   two epochs. In two trials of about equal time, about five epochs'
+#   worth, both with dropout 0.1, 3,000-token batches reached 32.5
+#   validation BLEU and 1,500-token batches 27.2.
 #
 # Each number comes from a trial in `results/recipe_sweep.md`, with its
 # command, its time and how the trials differed. The sweep's scores
@@ -1000,9 +1002,9 @@ assert trained_tgt.get_itos() == vocab_tgt.get_itos()
 # the same tokens as Part 2's `greedy_decode` run on each sentence alone.
 # If the padding mask were wrong, the short sentences would attend to
 # their `<blank>` padding and their translations would change. The mask is
-# Part 2's source mask (`Batch` builds the same one), and 20 is the most
-# tokens a translation may have here. `strip_specials` keeps what lies
-# between `<s>` and the first `</s>`.
+# Part 2's source mask (`Batch` builds the same one), and `max_len = 20`
+# caps each output row at 20 tokens, `<s>` included. `strip_specials`
+# keeps what lies between `<s>` and the first `</s>`.
 
 # %%
 batch = encode_pairs(splits["val"][:12], trained_src, trained_tgt, *tokenizers)
