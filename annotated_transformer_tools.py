@@ -2159,12 +2159,25 @@ def add_train_parser(sub):
         type=number_from(0.0, 0.9),
         help="dropout rate (default: the preset's; the best recipe on"
         " record is --preset cpu --dropout 0.2 --schedule linear"
-        " --weight-decay 0.2)",
+        " --weight-decay 0.2 --tie-embeddings --seed 1)",
     )
     train.add_argument(
         "--weight-decay",
         type=number_from(0.0, 1.0),
         help="AdamW's weight decay (default 0: Adam)",
+    )
+    train.add_argument(
+        "--tie-embeddings",
+        action="store_true",
+        default=None,
+        help="the generator reuses the target embedding (word vocabularies;"
+        " with BPE both embeddings share it too, as the -bpe presets do)",
+    )
+    train.add_argument(
+        "--seed",
+        type=count(least=0, most=2**31 - 1),
+        help="the random seed of the weights, dropout and batch order"
+        " (default: the preset's, 0)",
     )
     train.add_argument(
         "--schedule",
@@ -2324,6 +2337,8 @@ def command_train(args):
             ("max_tokens", args.max_tokens),
             ("dropout", args.dropout),
             ("weight_decay", args.weight_decay),
+            ("tie_embeddings", args.tie_embeddings),
+            ("seed", args.seed),
             ("schedule", args.schedule),
             ("checkpoint_dir", args.checkpoint_dir),
             ("keep_last", args.keep_last),

@@ -1042,6 +1042,9 @@ assert word_unk > 0
 # tied the same three matrices. With word vocabularies, German and English
 # have different units, so a word-level config with `tie_embeddings=True`
 # ties only the English side: the generator reuses the target embedding.
+# The best recipe on record does this (`train --tie-embeddings`); it
+# lowered the validation loss from 1.41 to 1.38 (`docs/results.md`, "The
+# generator tied to the target embedding").
 
 
 # %%

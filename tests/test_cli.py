@@ -537,6 +537,7 @@ def test_train_options_refuse_bad_values(option, value, capsys):
     ]
     + [["train", "--dropout", value] for value in ("-0.1", "1", "nan", "x")]
     + [["train", "--weight-decay", value] for value in ("-1", "1.5", "nan")]
+    + [["train", "--seed", value] for value in ("-1", "x", "1.5")]
     + [["train", "--schedule", "cosine"]]
     + [["train", "--device", value] for value in ("tpu", "cuda:99")],
 )

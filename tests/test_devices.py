@@ -251,9 +251,14 @@ def test_train_device_overrides_the_picked_device(
         config.weight_decay == 0.1 and tools.get_config("ci").weight_decay == 0
     )
     assert tools.get_config("ci").schedule == "noam"
+    assert not config.tie_embeddings and config.seed == 0  # the preset's
     status, got = train_from_the_command_line([], tmp_path, monkeypatch)
     assert status == 0 and got[0][1]["device"] is None  # pick_device's
     assert got[0][0][6].schedule == "noam"
+    argv = ["--tie-embeddings", "--seed", "7"]
+    status, got = train_from_the_command_line(argv, tmp_path, monkeypatch)
+    assert status == 0 and got[0][0][6].tie_embeddings is True
+    assert got[0][0][6].seed == 7
 
 
 @with_machine("two A100s")
