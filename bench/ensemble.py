@@ -70,7 +70,8 @@ def ensemble_beam_search(
 
 def member_name(folder, k):
     """How a table names a member: its run and what it decodes with."""
-    return f"{folder.name} ({f'last {k}' if k else 'final.pt'})"
+    decodes_with = f"last {k}" if k else "final.pt"
+    return f"{folder.name} ({decodes_with})"
 
 
 def run_spec(text):
