@@ -10,6 +10,7 @@ scored: the sweep never reads a test set.
 """
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ BENCH = ROOT / "bench" / "time_to_bleu.py"
 sys.path.insert(0, str(ROOT))
 
 import annotated_transformer_tools as tools  # noqa: E402
+import the_annotated_transformer as tat  # noqa: E402
 
 # Each setting: a preset, TrainConfig replacements, and a step budget
 # sized for about 13 minutes of training on 2 shared threads of a 2-core
@@ -525,6 +527,43 @@ SETTINGS = {
         "max_steps": 0,
         "eval_every": 0,
     },
+    # Sequence-level distillation (bench/distill.py): the four tied models
+    # above, decoding together (42.41 on validation), translated the
+    # training German; one model of the same recipe learns their English.
+    # "data" is the Multi30k folder the trial trains on ($MULTI30K_DIR).
+    "cpu-d02-lin18-wd02-tie-s1-kd": {
+        "why": "cpu-d02-lin18-wd02-tie-s1 trained on the four tied models'"
+        " translations of the training German (beam 4, alpha 1.0)",
+        "preset": "cpu",
+        "data": "data/distilled-tie4",
+        "set": {
+            "dropout": 0.2,
+            "schedule": "linear",
+            "weight_decay": 0.2,
+            "tie_embeddings": True,
+            "seed": 1,
+            "keep_last": 0,
+        },
+        "max_steps": 0,
+        "eval_every": 0,
+    },
+    "cpu-d02-lin18-wd02-tie-s1-kdmix": {
+        "why": "as cpu-d02-lin18-wd02-tie-s1-kd, on the distilled pairs and"
+        " the original ones (twice the pairs an epoch, so half the epochs)",
+        "preset": "cpu",
+        "data": "data/distilled-tie4-mix",
+        "set": {
+            "dropout": 0.2,
+            "schedule": "linear",
+            "weight_decay": 0.2,
+            "tie_embeddings": True,
+            "seed": 1,
+            "epochs": 9,
+            "keep_last": 0,
+        },
+        "max_steps": 0,
+        "eval_every": 0,
+    },
 }
 
 TABLE_HEAD = (
@@ -550,7 +589,8 @@ def command_for(name, setting, args):
 def describe(setting):
     """The setting as a short text for the table."""
     pairs = [f"{k}={v}" for k, v in setting["set"].items()]
-    return f"{setting['preset']}: " + ", ".join(pairs)
+    data = f" (data: {setting['data']})" if "data" in setting else ""
+    return f"{setting['preset']}{data}: " + ", ".join(pairs)
 
 
 def args_minutes(result):
@@ -597,13 +637,22 @@ def run_trial(name, setting, args):
     command = command_for(name, setting, args)
     print(" ".join(command), flush=True)
     began = time.time()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    env = None  # this process's own
+    if "data" in setting:  # another Multi30k folder
+        env = os.environ | {tat.MULTI30K_ENV: setting["data"]}
+    done = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, env=env
+    )
     log = args.out_dir / f"{name}.log"
     log.write_text(done.stdout + done.stderr)
     if done.returncode != 0:
         lines = (done.stderr or done.stdout or "no output").strip()
         return None, f"exit {done.returncode}: {lines.splitlines()[-1]}"
-    result = json.loads((args.out_dir / f"{name}.json").read_text())
+    result_path = args.out_dir / f"{name}.json"
+    result = json.loads(result_path.read_text())
+    if "data" in setting:  # the folder it trained on, beside its command
+        result["data"] = setting["data"]
+        result_path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"{name}: {time.time() - began:.0f} s", flush=True)
     return result, ""
 

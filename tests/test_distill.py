@@ -1,0 +1,120 @@
+"""bench/distill.py: an ensemble's translations as a student's training set,
+and recipe_sweep.py's trials that train on them."""
+
+import json
+import subprocess
+
+import pytest
+from test_beyond import train_ci
+from test_time_to_bleu import bench_script
+
+import annotated_transformer_tools as tools
+import the_annotated_transformer as tat
+
+distill = bench_script("distill")
+recipe_sweep = bench_script("recipe_sweep")
+
+pytestmark = pytest.mark.usefixtures("local_multi30k")
+
+
+@pytest.fixture(scope="module")
+def word_run(tmp_path_factory, vocabs, tokenizers):
+    """A ci run (2 epochs, 200 pairs) with word vocabularies."""
+    return train_ci(tmp_path_factory.mktemp("teacher"), *vocabs, tokenizers)
+
+
+def beam_translations(run, sentences, tokenizers, beam, alpha):
+    """The reference: one model's Part 5 beam search, as `evaluate` runs it."""
+    model, vocab_src, vocab_tgt, _ = tools.load_translator(
+        run / "final.pt", "cpu", beam, 0, alpha
+    )
+    decode = lambda m, src, mask, max_len: tat.beam_search(  # noqa: E731
+        m, src, mask, max_len, beam_size=beam, alpha=alpha
+    )
+    return tools.translate_batch(
+        model, sentences, tokenizers[0], vocab_src, vocab_tgt, decode_fn=decode
+    )
+
+
+def test_one_teacher_writes_its_beam_search_english(
+    word_run, vocabs, tokenizers, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(distill, "CHUNK", 4)  # 10 sentences: 3 chunks
+    monkeypatch.setattr(tools, "load_vocab", lambda *args: vocabs)
+    out, mixed = tmp_path / "kd", tmp_path / "kd-mix"
+    argv = ["--run", f"{word_run}:0", "--n", "10", "--beam", "3"]
+    argv += ["--alpha", "0.6", "--out", str(out), "--mix-out", str(mixed)]
+    assert distill.main(argv) == 0
+
+    original = tat.read_multi30k("train")[:10]
+    german = [de for de, _ in original]
+    english = beam_translations(word_run, german, tokenizers, 3, 0.6)
+    assert english != [en for _, en in original]  # a real change
+    distilled = list(zip(german, english))
+    assert tat.read_multi30k("train", root=out) == distilled
+    assert tat.read_multi30k("train", root=mixed) == distilled + original
+    for split in ("val", "test"):  # the human references, unchanged
+        assert tat.read_multi30k(split, root=out) == tat.read_multi30k(split)
+    record = json.loads((out / "distill.json").read_text())
+    assert record["pairs"] == 10 and record["runs"] == [f"{word_run}:0"]
+    assert record["folder"] == str(out)
+
+
+def test_teachers_whose_vocabulary_a_student_lacks_are_refused(
+    word_run, vocabs, tmp_path, monkeypatch, capsys
+):
+    vocab_src, vocab_tgt = vocabs
+    shorter = tat.Vocab(vocab_tgt.get_itos()[:-1])
+    monkeypatch.setattr(
+        tools, "load_vocab", lambda *args: (vocab_src, shorter)
+    )
+    out = tmp_path / "kd"
+    with pytest.raises(SystemExit) as stop:
+        distill.main(["--run", f"{word_run}:0", "--n", "2", "--out", str(out)])
+    assert "data/vocab.json" in str(stop.value)
+    assert len(str(stop.value).splitlines()) == 1
+    assert not out.exists()  # nothing written
+
+
+def test_an_out_that_is_a_file_is_one_line(word_run, tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    with pytest.raises(SystemExit) as stop:
+        distill.parse_args(["--run", f"{word_run}:0", "--mix-out", str(afile)])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is not a folder" in err
+    assert afile.read_text() == "keep me"
+
+
+def fake_trial(calls):
+    """subprocess.run for run_trial: records the environment, writes JSON."""
+
+    def run(command, env=None, **kwargs):
+        calls.append(env)
+        out = command[command.index("--out") + 1]
+        with open(out, "w") as f:
+            json.dump({"command": " ".join(command), "points": []}, f)
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    return run
+
+
+def test_a_trial_with_data_trains_on_that_folder(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(recipe_sweep.subprocess, "run", fake_trial(calls))
+    args = recipe_sweep.tools.OneLineParser().parse_args([])
+    args.out_dir, args.minutes, args.threads = tmp_path, 1.0, 1
+    name = "cpu-d02-lin18-wd02-tie-s1-kd"
+    setting = recipe_sweep.SETTINGS[name]
+    result, failure = recipe_sweep.run_trial(name, setting, args)
+    assert failure == "" and result["data"] == "data/distilled-tie4"
+    assert calls[0][tat.MULTI30K_ENV] == "data/distilled-tie4"
+    saved = json.loads((tmp_path / f"{name}.json").read_text())
+    assert saved["data"] == "data/distilled-tie4"
+    assert "(data: data/distilled-tie4)" in recipe_sweep.describe(setting)
+
+    plain = recipe_sweep.SETTINGS["cpu-d02-lin18-wd02-tie-s1"]
+    recipe_sweep.run_trial("plain", plain, args)
+    assert calls[1] is None  # this process's own environment
+    assert "data" not in json.loads((tmp_path / "plain.json").read_text())
