@@ -151,6 +151,11 @@ def iso_seconds(parser, option, text):
     return moment.replace(tzinfo=moment.tzinfo or timezone.utc).timestamp()
 
 
+def out_path(trial, out=None):
+    """--out, else results/recipe_sweep/TRIAL.json; a dot in TRIAL stays."""
+    return Path(out or Path("results", "recipe_sweep", f"{trial}.json"))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="stopped_trial.py", description=__doc__.split("\n")[0]
@@ -184,8 +189,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     # Relative, as recipe_sweep names them, so bleu_table's rows match.
     folder = Path(args.folder or Path("runs", "recipe_sweep", args.trial))
-    out = Path(args.out or Path("results", "recipe_sweep", args.trial))
-    out = out.with_suffix(".json")
+    out = out_path(args.trial, args.out)
     pairs = at.read_multi30k("val")
     pairs = pairs[: args.val_pairs] if args.val_pairs else pairs
     try:

@@ -300,3 +300,12 @@ def test_recipe_sweep_refuses_trials_it_cannot_run(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and words in err, err
     assert not (tmp_path / "t.md").exists()  # nothing ran, nothing written
+
+
+def test_stopped_trial_keeps_a_dot_in_the_trial_name():
+    stopped_trial = bench_script("stopped_trial")
+    default = stopped_trial.out_path("cpu-alpha1.8")
+    assert default == Path("results/recipe_sweep/cpu-alpha1.8.json")
+    assert stopped_trial.out_path("x", "elsewhere/y.json") == Path(
+        "elsewhere/y.json"
+    )
