@@ -111,27 +111,19 @@ from annotated_transformer_tools import (
 # %% [markdown]
 # ## The models we look at
 #
-# A *preset* is a named configuration (model sizes and training budget)
-# that `get_config` returns. Decoding needs a trained model: in a full run,
-# the `cpu` model that `make train` trains for over an hour, with its
-# epoch checkpoints, from `checkpoints/cpu/`, or else the `quick` model
-# that Part 3 trained in minutes, from `checkpoints/quick/`. Before
-# either exists, and in the CI-sized run that the tests make
-# (`AT_SIZE=ci`), `find_or_train` (from the appendix) trains the tiny `ci`
-# preset here in seconds instead; its translations are poor, but every
-# check works the same. The `model:` line that the cell prints says which
-# model it is, and for how many epochs it trained.
-#
-# On a CUDA GPU, such as Colab's, `find_or_train` trains the `quick`
-# model here when it finds none, in a few minutes, rather than the
-# stand-in: each Colab notebook gets a runtime of its own, so Part 3's
-# model is not here.
+# Decoding needs a trained model. The cell below loads the best one it
+# finds: the `cpu` model that `make train` trains (over an hour), else the
+# `quick` model that Part 3 trained in minutes. Without either, and in the
+# CI-sized run that the tests make (`AT_SIZE=ci`), the appendix's
+# `find_or_train` trains the tiny `ci` preset here in seconds: its
+# translations are poor, but every check works the same. On a CUDA GPU,
+# such as Colab's, where each notebook has a runtime of its own, it trains
+# the `quick` model instead, in a few minutes. The `model:` line that the
+# cell prints says which model it is, and for how many epochs it trained.
 #
 # The model is loaded onto the CPU, whatever the machine, because the
-# cells below build their input tensors by hand on the CPU, and a model
-# and its inputs must share a device. (`load_trained_model(checkpoint,
-# "auto")` would pick a GPU where there is one; `translate_batch` decodes
-# on whatever device the model is on.)
+# cells below build their input tensors on the CPU, and a model and its
+# inputs must share a device.
 
 
 # %%
@@ -194,16 +186,11 @@ src_mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
 # applies `linear` to `x` of shape `(B, T, d_model)` and splits the result
 # into the heads, `(B, h, T, d_k)`.
 #
-# `group` is 1 for greedy decoding, one row per sentence, and matters only
-# for beam search (section 2), which comes back to it with an example.
-# There a sentence has several rows, `group` of them (the beam size), and
-# they share one copy of the sentence's source keys and values. So the
-# cache has $R = B \cdot \text{group}$ rows of target positions but only
-# $B$ of source keys and values; rows `b * group` to
-# `b * group + group - 1` belong to sentence `b`. `select` keeps some
-# rows, in any order, as long as each run of `group` rows comes from one
-# sentence: greedy decoding uses it to drop finished sentences, and
-# section 2 uses it for beam search.
+# `group` is the number of rows (partial translations) per sentence. It
+# is 1 for greedy decoding, one row per sentence; beam search (section 2)
+# keeps several rows per sentence and comes back to `group` with an
+# example. `select` keeps some rows: greedy decoding uses it to drop the
+# sentences that have finished.
 
 
 # %%
@@ -247,17 +234,21 @@ class DecoderCache:
 # %% [markdown]
 # One decoding step reuses the trained modules as they are; only the
 # attention calls change. `attend_step` attends from new positions, one
-# per row, to keys and values already projected. In source attention the
-# $R$ rows meet only $B$ sentences' keys and values, so it regroups the
-# rows: the `group` hypotheses of a sentence become that sentence's
-# queries, side by side, as if they were `group` target positions. That
-# is exact: each query's output depends only on that query and the shared
-# keys and values, never on the other queries, and source attention has
-# no causal mask. `cached_self_attention` appends the newest position's key and
-# value to the layer's cache and attends over all of it, with no mask, since
-# every cached position lies in the past. It calls `attend_step` too: there
-# each row has its own keys and values, so `k` has $R$ rows, the group is 1,
-# and the regrouping changes nothing.
+# per row, to keys and values already projected.
+#
+# In source attention there are $R = B \cdot \text{group}$ rows but only
+# $B$ sentences' keys and values. So `attend_step` reshapes the queries
+# from $(R, 1, d)$ to $(B, \text{group}, d)$: a sentence's `group` rows
+# become its queries, side by side, as if they were `group` target
+# positions. This changes no result, because each query's output depends
+# only on that query and the keys and values, and source attention has no
+# causal mask.
+#
+# `cached_self_attention` appends the newest position's key and value to
+# the layer's cache and attends over all of it, with no mask, since every
+# cached position lies in the past. It calls `attend_step` too. There each
+# row has its own keys and values, so `k` has $R$ rows and the reshape
+# changes nothing.
 
 
 # %%
@@ -637,6 +628,13 @@ def beam_search_steps(
 # `translate_batch(..., decode_fn=functools.partial(beam_search,
 # beam_size=4))` translates with it.
 #
+# Here a sentence has `group` rows, one per hypothesis, and they share
+# one copy of the sentence's source keys and values. So the cache has
+# $R = B \cdot \text{group}$ rows of target positions but only $B$ of
+# source keys and values; rows `b * group` to `b * group + group - 1`
+# belong to sentence `b`. `select` keeps rows in any order, as long as
+# each run of `group` rows comes from one sentence.
+#
 # A small example of `select`: with $B = 2$ sentences and `group=3`, rows
 # 0–2 belong to sentence 0 and rows 3–5 to sentence 1. After a step,
 # `select([1, 1, 0, 3, 5, 5])` says that sentence 0's three new
@@ -753,14 +751,10 @@ for k, (want_tokens, want_p) in want.items():
 # (Part 4, "Putting attention to work: unknown words"); it does so by
 # default, for both decoders.
 #
-# The table in section 5 holds the recorded full runs, on all 1000
-# sentences. To find the row to compare with, match the preset and the
-# number of epochs in the `model:` line printed above. A full run of this
-# notebook on one of those models should print scores near its row, a
-# little above it for the 18-epoch `cpu` model, whose row keeps `<unk>`
-# (it was recorded before `<unk>` replacement existed; see section 5).
-# The check asks only that a trained model scores above 30 with both
-# decoders. The CI-sized stand-in scores close to 0.
+# Section 5's table holds the recorded full runs, and says how to find
+# the row to compare with. The check asks only that a trained model
+# scores above 30 with both decoders. The CI-sized stand-in scores close
+# to 0.
 
 # %%
 test_pairs = splits["test"][:100] if AT_SIZE == "ci" else splits["test"]
@@ -950,20 +944,18 @@ class BpeVocab:
 # We train one BPE vocabulary of 10,000 units (a round size, not tuned
 # here) on the German and English sides of the **training split only**.
 # Multi30k has 29,000 training pairs against WMT 2014's 4.5 million (Part
-# 3), about 150 times fewer, so the paper's 37,000 would hold mostly whole
-# words. A pre-tokenizer cuts the text into chunks before BPE runs, and
-# merges never cross a chunk's edge. The `Metaspace` pre-tokenizer turns
-# each space into `▁` and
-# attaches it to the following word, so decoding is just joining the
-# pieces and turning `▁` back into spaces: no detokenizer is needed. It
-# splits only at spaces, so a full stop can share a unit with its word.
-# The appendix's `load_bpe` calls `train_bpe` on the training split's
-# German and English sentences, caches the trained tokenizer as `bpe.json` in
-# the data folder (`data/` in the repository; on Colab, `/content/data`)
-# and retrains it, in a few seconds, when the file is missing or its
-# vocabulary size differs from `BPE_VOCAB_SIZE`. Unlike the Multi30k
-# files, it does not move with `MULTI30K_DIR` (Part 3's environment
-# variable for the data's folder).
+# 3), about 150 times fewer, and far fewer distinct words: Part 3's word
+# vocabularies (words seen at least twice) hold 8,012 German and 6,190
+# English entries. The paper's 37,000 units would fit nearly every word
+# whole and split almost none.
+#
+# A pre-tokenizer cuts the text into chunks before BPE runs, and merges
+# never cross a chunk's edge. The `Metaspace` pre-tokenizer turns each
+# space into `▁` and attaches it to the following word, so decoding is
+# just joining the pieces and turning `▁` back into spaces: no
+# detokenizer is needed. It splits only at spaces, so a full stop can
+# share a unit with its word. The appendix's `load_bpe` trains it once on
+# the training split and caches it as `bpe.json` in the data folder.
 
 
 # %%
@@ -1034,17 +1026,13 @@ assert word_unk > 0
 # $d_{\text{model}}$ to $V$ can share the embedding's matrix because
 # `nn.Linear(d_model, V)` stores its weight as $(V, d_{\text{model}})$,
 # the embedding's shape.
-# `tie_embeddings` takes a model from Part 1's `make_model` and makes the
-# three point at one tensor. Training does not call it: Part 3's
-# `model_from_config` makes the same two assignments when a preset sets
-# `tie_embeddings=True` with BPE. This function is the version to read,
-# and the check after loading the BPE model below confirms that training
-# tied the same three matrices. With word vocabularies, German and English
-# have different units, so a word-level config with `tie_embeddings=True`
-# ties only the English side: the generator reuses the target embedding.
-# The best recipe on record does this (`train --tie-embeddings`); it
-# lowered the validation loss from 1.41 to 1.38 (`docs/results.md`, "The
-# generator tied to the target embedding").
+#
+# `tie_embeddings` below takes a model from Part 1's `make_model` and
+# makes the three point at one tensor. It is the version to read.
+# Training does not call it: when a config sets `tie_embeddings=True`,
+# Part 3's `model_from_config` ties the matrices itself, and with BPE it
+# ends with the same one tensor (it sets target = source, then generator
+# = target).
 
 
 # %%
@@ -1084,6 +1072,18 @@ print(f"base model, tied, V={V}: {count_parameters(tied):,d} parameters")
 del tied
 
 # %% [markdown]
+# With word vocabularies, German and English have different units and
+# different sizes, so `tie_embeddings` refuses them. Two of the three
+# matrices can still share: the target embedding and the generator both
+# index English words. A word-level config with `tie_embeddings=True`
+# ties just those two in `model_from_config`, and `train
+# --tie-embeddings` sets it. On the word-level `cpu` recipe this cut the
+# parameters from 10.76M to 9.17M, and over two seeds the validation loss
+# fell from about 1.414 to 1.375. The BLEU gain was within what a change
+# of seed moves (`docs/results.md`, "The generator tied to the target
+# embedding").
+
+# %% [markdown]
 # ### Training with BPE
 #
 # The presets `cpu-bpe` and `ci-bpe` set `tokenization="bpe"` and
@@ -1092,8 +1092,10 @@ del tied
 # trains `ci-bpe` now, with the `BpeVocab` as both vocabularies (the spaCy
 # tokenizers it is also given go unused). Only `make train` trains
 # `cpu-bpe`, so after `make notebook`, and on Colab, this is almost always
-# the CI-sized stand-in: the `model:` line says which. The check: after
-# loading, the two embeddings and the generator still share one matrix.
+# the CI-sized stand-in: the `model:` line says which. The check: the
+# model rebuilt from its checkpoint shares one matrix among the two
+# embeddings and the generator (`load_trained_model` calls
+# `model_from_config`, which ties them again).
 
 # %%
 bpe_checkpoint = find_or_train(
@@ -1155,19 +1157,18 @@ else:
 # (`results/make_notebook.md`).
 #
 # `average(model, models)` sets `model`'s parameters to the mean of those
-# of `models`, in memory; tied parameters are one tensor, averaged once,
-# because `named_parameters()` lists a shared tensor only once, under its
-# first name.
-# `average_checkpoints` (in the appendix, with the other checkpoint files)
-# does the same from files, reading one at a time, so that averaging 20
-# checkpoints needs memory for a few models, not 21. The command line's
-# `--average` (section 5) uses `average_checkpoints`, file by file;
-# `average` is the version to read, and the check below compares the two.
-# Buffers (tensors registered with `register_buffer`: saved in the state
-# dict, never trained) are not weights. Ours are the positional encodings
-# `src_embed.1.pe` and `tgt_embed.1.pe`, fixed tables:
-# `average_checkpoints` keeps the first file's and checks that every file
-# has the same; `average` leaves `model`'s own as they are.
+# of `models`. A tied matrix is one tensor, so it is averaged once.
+#
+# Buffers (tensors registered with `register_buffer`: saved with the
+# weights, never trained) are not averaged. Ours are the positional
+# encodings `src_embed.1.pe` and `tgt_embed.1.pe`, fixed tables that are
+# the same in every checkpoint; `average` leaves `model`'s own as they
+# are.
+#
+# The command line's `--average` (section 5) calls the appendix's
+# `average_checkpoints`, which computes the same mean from the files,
+# reading one at a time to save memory. `average` is the version to read,
+# and the check below compares the two.
 
 
 # %%
@@ -1185,7 +1186,7 @@ def average(model, models):
 # **See, it matches.** We average the epoch checkpoints of our model (the
 # last 5 of a `cpu` or `quick` run; both epochs of `ci`) with
 # `average_checkpoints`, and compare one weight matrix with the mean
-# computed by hand, and the `pe` buffer with that of the last checkpoint.
+# computed by hand, and the `pe` buffer with that of every checkpoint.
 # `average`, on the same checkpoints loaded as models, must give the same
 # weights.
 
@@ -1198,7 +1199,7 @@ mean_by_hand = sum(s[weight_name] for s in states) / len(states)
 averaged_weights = averaged.state_dict()
 assert torch.allclose(averaged_weights[weight_name], mean_by_hand, atol=1e-6)
 pe = "tgt_embed.1.pe"
-assert torch.equal(averaged_weights[pe], states[-1][pe])
+assert all(torch.equal(averaged_weights[pe], s[pe]) for s in states)
 in_memory = average(
     load_trained_model(epochs[0], "cpu")[0],  # any model of this shape
     [load_trained_model(p, "cpu")[0] for p in epochs],
@@ -1225,23 +1226,28 @@ for decoder_name, fn in DECODERS.items():
 #
 # The appendix (notebook 06, "The command line") makes a program of the
 # exported code; `docs/cli.md` describes it. In the repository it runs as
-# `python annotated_transformer_tools.py`, and its `evaluate` and
-# `translate` take this lesson's options: a checkpoint, `--beam K` (1
-# means greedy, with the cache), `--alpha A`, the length penalty's
-# $\alpha$ (the paper's 0.6 unless given), and `--average N`, the number
-# of epoch checkpoints to average, the newest in the checkpoint's folder
-# (the appendix's `load_translator` puts them together). Without
-# `--checkpoint` they use `checkpoints/cpu/final.pt`, else
-# `checkpoints/quick/final.pt`. This command scores that checkpoint with
-# the decoding that scored best on validation for the `cpu` preset with
-# Part 2's schedule, which `make train` trains (cpu-d02-e18 in
-# `docs/results.md`, 18 epochs; the runs with a linear decay chose the
-# last 3 instead):
+# `python annotated_transformer_tools.py`. Its `evaluate` and `translate`
+# take this lesson's options:
+#
+# - `--checkpoint`: the model to load. Without it they use
+#   `checkpoints/cpu/final.pt`, else `checkpoints/quick/final.pt`.
+# - `--beam K`: the beam size; 1 means greedy, with the cache.
+# - `--alpha A`: the length penalty's $\alpha$, the paper's 0.6 unless
+#   given.
+# - `--average N`: average the newest N epoch checkpoints in the
+#   checkpoint's folder (the appendix's `load_translator` puts them
+#   together).
 #
 # ```bash
 # python annotated_transformer_tools.py evaluate \
 #     --beam 4 --alpha 1.0 --average 5
 # ```
+#
+# This scores `checkpoints/cpu/final.pt`, which `make train` trains (the
+# `cpu` preset, 18 epochs, dropout 0.1), with beam 4, $\alpha = 1.0$ and
+# its last 5 epochs averaged. Validation chose that decoding for the same
+# preset with dropout 0.2 (cpu-d02-e18 in `docs/results.md`); runs with
+# a linear decay chose the last 3 instead.
 #
 # On a `quick` model leave out `--average`: its 5 epochs are all of its
 # training, and averaging them cost it 4.8 BLEU (the table below). The
@@ -1254,15 +1260,14 @@ for decoder_name, fn in DECODERS.items():
 # notebook on the `quick` model: all on the 1000 test sentences, with
 # beam search at the lesson's $\alpha = 0.6$. Match your run to a row by
 # the preset and the number of epochs in the `model:` lines printed
-# above. The runs differ in epochs and in precision:
+# above; a full run of this notebook on one of those models should print
+# scores near its row. The runs differ in epochs and in precision:
 #
 # - record A: bf16, made before `<unk>` replacement existed, so its word
 #   model keeps `<unk>` (measured on record B's model, keeping `<unk>`
 #   cost 0.87 greedy BLEU and 0.17 with beam 4 and averaging:
 #   `results/unk_replacement.md`);
-# - record B: float32 (its config asked for bf16, which is used only
-#   where the CPU computes it natively, and this CPU does not), with
-#   `<unk>` replaced;
+# - record B: float32, with `<unk>` replaced;
 # - `make notebook`: float32, with `<unk>` replaced.
 #
 # BLEU; "+ avg": the average of the last 5 epoch checkpoints; "—": not
