@@ -148,9 +148,8 @@ class Generator(nn.Module):
 # ## Encoder
 #
 # The encoder is a stack of $N = 6$ layers, identical in shape but each
-# with its own weights. `clones` makes the copies; `LayerStack`, the base
-# class of both stacks, runs them in turn and ends with a `LayerNorm`
-# (next section). The `mask` hides the source's padding tokens (filler
+# with its own weights. `LayerStack`, the base class of both stacks, runs
+# them in turn and ends with a `LayerNorm` (next section). The `mask` hides the source's padding tokens (filler
 # that makes the sentences of a batch equally long).
 #
 # The copies come from `clones`, which deep-copies one module $N$ times:
@@ -176,8 +175,9 @@ assert pair[0].weight.data_ptr() != pair[1].weight.data_ptr()  # own memory
 
 # %% [markdown]
 # `LayerStack` applies its $N$ clones in turn and normalizes the result.
-# The encoder's layers take a mask besides $x$, the decoder's take three
-# more arguments, so `run` passes on whatever follows $x$; each subclass
+# The encoder's layers take a mask besides $x$; the decoder's take three
+# arguments besides $x$ (the memory, the source mask and the target mask).
+# So `run` passes on whatever follows $x$; each subclass
 # defines `forward()` with named arguments and calls `run()`.
 
 
@@ -272,8 +272,10 @@ assert torch.allclose(norm(x), by_hand, atol=1e-5)
 #
 # Pre-norm leaves an untouched path from each block's input to its output,
 # so the gradient flows straight down the stack, however many blocks are
-# stacked. Xiong et al. (2020) show that this lets training use a gentler
-# warm-up (the slow start of the learning rate, Part 2).
+# stacked. Xiong et al. (2020) show that with pre-norm the gradients are
+# well scaled from the first step, so training needs little or no warm-up
+# (the slow start of the learning rate, Part 2). We keep the paper's
+# warm-up anyway.
 #
 # Because pre-norm never normalizes the residual stream itself, the last
 # block's output can have any scale; so each stack ends with one extra
@@ -314,15 +316,11 @@ assert not torch.allclose(post_norm, x)  # post-norm
 # An encoder layer has two sub-layers: self-attention over the source, then
 # a position-wise feed-forward network. Each sits in its own residual
 # block, named for the sub-layer it wraps: `self_attn_block` and
-# `ff_block`. Attention takes queries, keys, values and a mask. In short,
-# each position sends out a *query* and compares it with every position's
-# *key*; the better they match, the more of that position's *value* it
-# takes in, and a mask forbids some query–key pairs (the Attention section
-# below explains all four). In self-attention all three are the same
-# sequence, hence `self_attn(y, y, y, mask)`; inside, three learned
-# projections turn the same `y` into different queries, keys and values. The
-# `lambda` fixes the mask, so that the residual block can call the sub-layer
-# with one argument.
+# `ff_block`. Attention takes queries, keys, values and a mask; the
+# Attention section below explains them. In self-attention all three come
+# from the same sequence, hence `self_attn(y, y, y, mask)`. The `lambda`
+# fixes the mask, so that the residual block can call the sub-layer with
+# one argument.
 
 
 # %%
@@ -463,7 +461,8 @@ save_chart(mask_chart(20), "01_subsequent_mask", Path(ROOT, "figures"))
 #
 # In code it is a few lines. `mask` is the boolean mask above; a masked
 # score is replaced by the most negative number its dtype holds, so its
-# weight after the softmax is zero (why that number, below). A departure
+# weight after the softmax is zero (why that number: after the next
+# check). A departure
 # from the paper: `attention` can apply dropout to the weights
 # themselves. It is inherited from the 2022 tutorial and not measured
 # here; the paper (section 5.4) mentions dropout only on each sub-layer's
@@ -557,8 +556,8 @@ assert raw_gradient < 0.6 * scaled_gradient  # saturated: small gradient
 # the scores' dtype holds, so its weight after the softmax is exactly zero.
 # A fixed $-10^9$ (the 2022 tutorial's choice) does not fit every dtype:
 # float16 ends at $\pm 65504$. GPU training often computes in float16
-# (half precision) to save memory and time (the appendix), so the mask
-# value must fit in it. On float16
+# (half precision) to save memory and time (06_tools, "Which precision"),
+# so the mask value must fit in it. On float16
 # scores, `masked_fill` with $-10^9$ raises an overflow error, while
 # `torch.finfo(torch.float16).min` gives the masked key a weight of
 # exactly zero:
@@ -590,7 +589,9 @@ assert weights[0, 2] == 0
 # KW_i^K, VW_i^V).$$
 #
 # With $h = 8$ and $d_k = 64$ the total cost is about that of one head at
-# full width. The four projections $W^Q, W^K, W^V, W^O$ are the layers
+# full width, because $8 \times 64 = 512$: the projections are the same
+# $512 \times 512$ matrices as for one full-width head, only cut into
+# eight blocks. The four projections $W^Q, W^K, W^V, W^O$ are the layers
 # `w_q`, `w_k`, `w_v` and `w_o`. In `w_q`, `w_k` and `w_v` the $h$
 # per-head projections sit side by side ($h$ blocks of $d_k$ output
 # features); `w_o` reads the concatenated heads ($h$ blocks of $d_k$
@@ -600,22 +601,17 @@ assert weights[0, 2] == 0
 #
 # ![Multi-head attention](attachment:multihead.svg)
 #
-# A choice of ours, which the 2022 tutorial did not make: a forward pass
-# calls PyTorch's fused `scaled_dot_product_attention` (one routine for the
-# whole formula: usually faster and smaller, but it returns no weights),
-# unless `store_attention` is `True`: then it calls `attention` above and
-# keeps the weights in `self.attn` (Part 4 sets the flag to draw them). So
-# by default no forward pass keeps a (B, h, T, S) weight tensor alive after
-# it returns. Both paths read the same boolean mask, True where a query may
-# attend; only `attention` turns it into `finfo.min` scores, the fused
-# path applies it itself. The fused function is a plain function, not a
-# module, so `.eval()` cannot switch its dropout off: `forward` itself
-# passes `dropout_p=0` when the module is not training.
+# A choice of ours, which the 2022 tutorial did not make: by default
+# `forward` calls PyTorch's fused `scaled_dot_product_attention`, one
+# routine for the whole formula, faster but returning no weights. With
+# `store_attention = True` it calls `attention` above instead and keeps the
+# weights in `self.attn` (Part 4 sets the flag to draw them). The fused
+# routine is a plain function, so `.eval()` cannot switch its dropout off:
+# `forward` passes `dropout_p=0` when the module is not training.
 #
-# One more exception, `use_fused`, exists only to speed up training with
-# dropout on a CPU; the appendix (06_tools, "A cheaper dropout mask")
-# explains it. On a first read, take `use_fused(q)` as
-# `not self.store_attention`.
+# On a first read, take `use_fused(q)` as `not self.store_attention`. Its
+# one other case speeds up training with dropout on a CPU (06_tools, "A
+# cheaper dropout mask").
 
 
 # %%
@@ -1135,10 +1131,10 @@ parameter_table()
 # Every row of the table matches its formula (the function asserts it).
 #
 # With the paper's setup instead, one shared vocabulary of 37,000 tokens
-# and one matrix for all three embeddings (as Part 5 does), the stacks'
-# 44.1M plus $37{,}000 \cdot 512$ for the matrix plus the generator's
-# 37,000 biases make about 63.1M, close to the 65M the paper reports for
-# its base model. Check, by counting:
+# and one matrix shared by both embeddings and the generator (as Part 5
+# does), the stacks' 44.1M plus $37{,}000 \cdot 512$ for the matrix plus
+# the generator's 37,000 biases make about 63.1M, close to the 65M the
+# paper reports for its base model. Check, by counting:
 
 # %%
 with torch.device("meta"):  # shapes only
