@@ -1358,6 +1358,8 @@ def source_alignment(model, src, src_mask, out, layers=None):
     `layers` picks the decoder layers to average (default: all)."""
     memory = model.encode(src, src_mask)  # (B, S, d_model)
     ys = out[:, :-1]  # (B, T): decoder inputs; row t wrote out[:, t + 1]
+    # The causal mask alone, not training's make_std_mask: padding in `out`
+    # only follows </s>, so no real row sees it, and padded rows are unread.
     tgt_mask = subsequent_mask(ys.size(1)).to(src.device)  # (1, T, T)
     decoder = model.decoder.layers
     chosen = range(len(decoder)) if layers is None else layers

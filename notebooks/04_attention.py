@@ -37,12 +37,13 @@
 #   zeroed and the rest scaled by $1/0.9$, so a drawn row no
 #   longer sums to 1, and a weight above 0.9 would be drawn above 1. A
 #   cell below shows the rows that no longer sum to 1.
-# * Recording is an explicit opt-in. Training runs the fused
-#   `scaled_dot_product_attention`, which does not return the weights;
-#   recording switches every layer to the explicit computation only for
-#   the length of a `with` block.
+# * Recording is an explicit opt-in. Outside recording, a layer in
+#   `eval()` mode calls PyTorch's fused `scaled_dot_product_attention`,
+#   which does not return the weights; recording switches every layer to
+#   the explicit computation only for the length of a `with` block.
 # * The number of layers $N$ and of heads $h$ are read from the model, so
-#   the same code draws a 2-layer toy and the 6-layer base model.
+#   the same code draws the 2-layer stand-in and Part 3's 3-layer model
+#   alike.
 
 # %% [markdown]
 # [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/annotated-transformer/done-right/blob/main/notebooks/04_attention.ipynb)
@@ -231,8 +232,8 @@ class AttentionMaps:
 #
 # The forward pass builds its masks exactly as training does
 # (`Batch.make_std_mask` hides padding and the future) and runs the model
-# once inside `record_attention`. Any padding in `src` or `tgt` stays in
-# the maps, as columns of exact zeros. `attention_maps` itself switches the
+# once inside `record_attention`. Padding keys stay in the maps, as
+# columns of exact zeros. `attention_maps` itself switches the
 # model to `eval()` for the pass, without autograd, and restores its mode
 # afterwards.
 
@@ -585,8 +586,8 @@ save_chart(attention_chart(maps, "decoder self"), "04_decoder_self", FIGURES)
 #
 # ![The trained cpu model's decoder-source attention, last layer][chart]
 #
-# [chart]: ../docs/trained_attention.png [github]:
-# https://github.com/annotated-transformer/done-right/blob/main/docs/trained_attention.png
+# [chart]: ../docs/trained_attention.png
+# [github]: https://github.com/annotated-transformer/done-right/blob/main/docs/trained_attention.png
 #
 # The cell below draws the same chart for the model loaded on this page,
 # which is the stand-in unless a `cpu` or `quick` model exists.
@@ -686,8 +687,8 @@ if trained:
 #
 # * **Entropy as a fraction of uniform**, $H_i / \log n_i$ with
 #   $H_i = -\sum_j p_{ij} \log p_{ij}$. It is 0 when all the weight is on
-#   one key, and 1 when it is spread evenly. (The decoder's first row sees
-#   only `<s>` and has no choice, so it is left out.)
+#   one key, and 1 when it is spread evenly. (In decoder self-attention
+#   the first row sees only `<s>` and has no choice, so it is left out.)
 # * **Distance from the diagonal**, $\sum_j p_{ij}\,|j - i|$ in tokens:
 #   how far from its own position a query looks.
 #
@@ -741,7 +742,9 @@ def _diagonal(v, kind):
 # row labelled "A" ($i = 1$) predicts "brown", which aligns with "brauner"
 # ($j = 2$): offset +1, counted in `next`. The row labelled "." ($i = 10$)
 # predicts `</s>` and reads German `</s>` ($j = 10$): offset 0, counted in
-# `same`. So in this kind `next`, and late in the sentence `same`, mean
+# `same`, because the diagonal pins the last row to German `</s>`. So in
+# this kind the word a row predicts sits one column after the diagonal
+# early in the sentence and on it at the end: `next` and `same` mean
 # "aligned with the word being predicted", not a fixed neighbour.
 
 
@@ -962,25 +965,22 @@ for kind in ATTENTION_KINDS:
 #
 # Which attention? The last layer alone, whose output becomes the word,
 # is the obvious choice but a worse aligner. Multi30k has no gold word
-# alignments, so "worse" is measured with a proxy: a model writes `<unk>`
-# mostly for rare words, so a good aligner mostly copies a German word
-# that is itself outside the German vocabulary. On the validation set
-# (436 `<unk>` in greedy translations), that same 10-epoch `cpu` model's
-# copied words were such words 47% of the time with the last layer and
-# 66% with the weights averaged over every head of every layer, which is
-# what we use.
+# alignments, so "worse" is measured with a proxy. A model writes `<unk>`
+# for a rare English word, and a rare English word usually translates a
+# rare German word, so a good aligner mostly copies a German word that is
+# itself outside the German vocabulary.
+#
+# On the validation set (436 `<unk>` in greedy translations), the copied
+# word of that same 10-epoch `cpu` model was out of the German vocabulary
+# 47% of the time with the last layer, and 66% with the weights averaged
+# over every head of every layer. We use the average.
 #
 # Greedy decoding does not record attention, so `source_alignment` runs
-# the decoder once more over the finished output, teacher-forced, inside
-# `record_attention`. The decoder is causal, so each row sees the same
-# prefix as when its token was written, and the weights are the same up
-# to rounding. Row $t$ reads decoder input $t$ and wrote output token
+# the decoder once more over the finished output, inside
+# `record_attention`; as shown above, that gives the weights greedy
+# decoding used. Row $t$ reads decoder input $t$ and wrote output token
 # $t+1$. The argmax runs over the source's words only, never over `<s>`,
-# `</s>` or padding. Unlike `attention_maps`, which builds the decoder's
-# mask as training does (`make_std_mask`), `source_alignment` uses the
-# causal mask alone and does not hide the padding in `out`. That is
-# safe: padding in `out` only follows `</s>`, so no real row can see it,
-# and the padded rows' alignments are never read.
+# `</s>` or padding.
 
 
 # %%
@@ -992,6 +992,8 @@ def source_alignment(model, src, src_mask, out, layers=None):
     `layers` picks the decoder layers to average (default: all)."""
     memory = model.encode(src, src_mask)  # (B, S, d_model)
     ys = out[:, :-1]  # (B, T): decoder inputs; row t wrote out[:, t + 1]
+    # The causal mask alone, not training's make_std_mask: padding in `out`
+    # only follows </s>, so no real row sees it, and padded rows are unread.
     tgt_mask = subsequent_mask(ys.size(1)).to(src.device)  # (1, T, T)
     decoder = model.decoder.layers
     chosen = range(len(decoder)) if layers is None else layers
@@ -1029,19 +1031,18 @@ def replace_unknowns(ids, aligned, src_words, vocab_tgt):
 # **See, two code paths pick the same German word.** `source_alignment`
 # (batched, with the causal mask) and `attention_maps` (one sentence, with
 # training's masks) must pick the same German word for each `<unk>`.
-# `source_alignment` needs only the English tokens, whoever wrote them, so we
-# can run it on the reference translations of the validation set,
-# teacher-forced, whose words outside the English vocabulary are `<unk>` too.
-# There we know the English word behind each `<unk>`, though not which German
-# word is right (Multi30k has no gold alignments). Below, the first three such
-# sentences, with the reference's words, the `<unk>` version, the version with
-# German words copied in, and each copied word next to the English word it
-# stands for, to judge by eye. The cell asserts that each copied word is the
-# German word with the largest weight in the maps of this page
-# (`attention_maps`), averaged over every layer and head. Those maps come from
-# their own forward pass, with their own masks and labels, so the check catches
-# a row or a position read one place off; it says nothing about whether the
-# model aligns well.
+#
+# We run `source_alignment` on the validation references, teacher-forced.
+# Their words outside the English vocabulary are `<unk>` too, and there we
+# know the English word behind each one. The cell prints three such
+# sentences, each copied German word beside the English word it stands
+# for, to judge by eye.
+#
+# It asserts that each copied word is also the top German word in the
+# maps of `attention_maps`, averaged over every layer and head. Those maps
+# come from a separate forward pass, so the check catches a row or a
+# position read one place off. It says nothing about whether the model
+# aligns well.
 
 
 # %%
@@ -1093,11 +1094,12 @@ assert examples == 3
 # with a name or a number. On Multi30k most unknown words are rare German
 # compounds and verbs instead, which stay German when copied: of the 386
 # words copied into the greedy test2016 translations of the 10-epoch `cpu`
-# model on record, 11 appear in the English reference. BLEU moves, but not
-# for that reason: the same greedy output scores 37.10 with `<unk>` kept
-# and 37.97 with it replaced, yet 38.05 with every `<unk>` simply deleted,
-# so the gain comes from removing a token that sacreBLEU splits into three
-# pieces, `<`, `unk` and `>`, that never match (`results/unk_replacement.md`,
+# model on record, 11 appear in the English reference.
+#
+# BLEU does rise, from 37.10 with `<unk>` kept to 37.97 with it replaced,
+# but deleting every `<unk>` gives 38.05. So the gain comes from removing
+# `<unk>`, which sacreBLEU splits into three tokens (`<`, `unk`, `>`) that
+# never match, not from the copied words (`results/unk_replacement.md`,
 # not recomputed here). `translate_batch` and the command line (appendix)
 # replace unknown words by default, and Part 5 shows another way out: a subword
 # vocabulary, which has no `<unk>` at all.
