@@ -2,6 +2,7 @@
 section they link to is there, and every score in their tables is found
 in a results file they link."""
 
+import json
 import re
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
 def local_links(markdown):
@@ -118,6 +120,33 @@ def test_the_readme_library_example_runs_in_five_lines():
     assert len(ids) == 10 and ids[0] == 0, proc.stdout
 
 
+def unrendered_links(markdown):
+    """Link or image syntax that CommonMark leaves as text: a reference
+    whose definition it did not find, or a malformed inline link."""
+    from markdown_it import MarkdownIt
+
+    html = MarkdownIt("commonmark").render(markdown)
+    html = re.sub(r"<(pre|code)>.*?</\1>", "", html, flags=re.S)
+    return re.findall(r"!?\[[^\]<>]+\](?:\[[^\]]*\]|\([^)]*\))", html)
+
+
+def markdown_cells(notebook):
+    """The text of each markdown cell of an .ipynb."""
+    cells = json.loads(notebook.read_text())["cells"]
+    markdown = [c for c in cells if c["cell_type"] == "markdown"]
+    return ["".join(c["source"]) for c in markdown]
+
+
+@pytest.mark.parametrize("page", [*PAGES, *NOTEBOOKS], ids=relative)
+def test_every_link_and_picture_renders(page):
+    if page.suffix == ".ipynb":
+        texts = markdown_cells(page)
+    else:
+        texts = [page.read_text()]
+    left = [link for text in texts for link in unrendered_links(text)]
+    assert not left, left
+
+
 def test_the_readme_keeps_no_lesson_statistics():
     readme = (ROOT / "README.md").read_text()
     assert "prose : code" not in readme
@@ -143,3 +172,7 @@ def test_the_checks_can_fail(tmp_path):
     problems = broken_links(page)
     assert any("gone.md" in p for p in problems)
     assert any("#nowhere (no section)" in p for p in problems)
+    broken = "![chart][c]\n\n[c]: a.png [g]:\nhttps://x.org/a.png\n"
+    assert unrendered_links(broken) == ["![chart][c]"]
+    fixed = "![chart][c]\n\n[c]: a.png\n[g]: https://x.org/a.png\n"
+    assert unrendered_links(fixed + "`x[0][1]`") == []
