@@ -298,44 +298,24 @@ def attention_maps(
 #
 # Maps of an untrained model are noise, so we read a translator of Part
 # 3's shape: $N=3$ layers, $d_{model}=256$, $h=4$ heads and word
-# vocabularies, trained on all of Multi30k. The page loads
-# `checkpoints/cpu/final.pt`, which `make train` writes in over an hour,
-# or else `checkpoints/quick/final.pt`, which Part 3 trained in minutes:
-# the same shape, fewer epochs.
+# vocabularies. The page loads `checkpoints/cpu/final.pt`, which `make
+# train` writes, or else `checkpoints/quick/final.pt`, which Part 3
+# trained in minutes.
 #
-# If neither exists, the appendix's `find_or_train` trains one here. On a
-# CUDA GPU, such as Colab's, it trains `quick` itself, in a few minutes:
-# each Colab notebook opened from its badge gets a runtime of its own, so
-# Part 3's model is not here. Elsewhere it trains a *stand-in*, in
-# seconds: the tiny `ci` preset, which has one layer and two heads,
-# widened here to two layers and four heads so that there is more than
-# one of each to look at. Having seen 1,000 sentences for two epochs, it
-# shows the machinery, not language, and what the prose says about
-# "brown", "black" and the two dogs will not match its charts. (The tests
-# run this page in a CI-sized version, `AT_SIZE=ci`, which always uses
-# the stand-in.)
+# If neither exists, the appendix's `find_or_train` trains one here: on a
+# CUDA GPU, such as Colab's, the `quick` model, in a few minutes;
+# elsewhere a *stand-in*, in seconds, with two layers and four heads. The
+# stand-in shows the machinery, not language: what the prose says about
+# "brown", "black" and the two dogs will not match its charts. The tests
+# run this page in a CI-sized version (`AT_SIZE=ci`), which always uses
+# the stand-in.
 #
-# Two kinds of assert check what this page says. Those that run with any
-# model, the stand-in included, check the code itself (most are in cells
-# titled "See, …"). Those under `if trained:`, in cells marked
-# **Check**, test claims about the trained model's heads: these cells
-# print the numbers of the model loaded, and assert those claims only
-# when it is a trained one (`trained` below).
-#
-# Which model is which:
-#
-# * `cpu`, trained by `make train` for 18 epochs: loaded when
-#   `checkpoints/cpu/final.pt` exists. No number in the prose comes from it.
-# * `cpu` **on record**: one run of 10 epochs, from when the preset had 10.
-#   It is never loaded; the numbers marked "on record" are its own
-#   (`results/site_full.md`, `results/unk_replacement.md`).
-# * `quick`, trained by Part 3 for 5 epochs: loaded when there is no `cpu`
-#   checkpoint. The parking numbers below are its own
-#   (`results/make_notebook.md`).
-# * the stand-in, trained here in seconds: loaded when neither exists, and
-#   always under `AT_SIZE=ci`. It shows the machinery, not language.
-#
-# This page does not recompute the numbers on record.
+# Numbers in the prose come from recorded runs, named where they are
+# quoted ("on record": a `cpu` model trained for 10 epochs,
+# `results/site_full.md`), and are not recomputed here. The asserts under
+# `if trained:`, in cells marked **Check**, test claims about a trained
+# model's heads and run only when the model loaded is one; the others, in
+# cells titled "See, …", check the code with any model.
 
 
 # %%
