@@ -11,6 +11,11 @@ folder with the same options, `--split val` then `--split test`:
     python bench/record_best.py results/recipe_sweep/best-d03-e14.json \\
         --val results/recipe_best_val.json \\
         --test results/recipe_best_test.json
+
+A trial trained on an ensemble's translations (`bench/distill.py`; its
+time_to_bleu JSON names the folder as "data") needs `--distill` too, the
+distill.json of that folder: the record then says which models taught
+it, and what the whole recipe costs, teachers' training included.
 """
 
 import argparse
@@ -117,6 +122,31 @@ def record(trial, val_path, test_path):
     return result | by_hand(trial)
 
 
+def distillation(trial, distill, sweep_dir):
+    """What a student's record adds: its data, its teachers and the time
+    the whole recipe takes (each teacher's time from its sweep JSON)."""
+    teachers = [spec.rpartition(":")[0] for spec in distill["runs"]]
+    seconds = []
+    for folder in teachers:
+        teacher = json.loads(
+            Path(sweep_dir, f"{Path(folder).name}.json").read_text()
+        )
+        seconds.append(teacher["wall_seconds"])
+    total = sum(seconds) + distill["seconds"] + trial["wall_seconds"]
+    return {
+        "training_data": f"{trial['data']}: the training German with the"
+        " teachers' English (bench/distill.py); validation and test2016"
+        " unchanged",
+        "distillation": distill,
+        "teachers_train_seconds": seconds,
+        "distill_seconds": distill["seconds"],
+        "recipe_seconds": round(total, 1),
+        "recipe_seconds_means": "the teachers' train_seconds, the"
+        " distillation's decoding and the student's train_seconds, added"
+        " up as if run one after another",
+    }
+
+
 def by_hand(trial):
     """What a record of bench/stopped_trial.py says in place of
     time_to_bleu's timing: how its seconds were counted, and for a
@@ -142,11 +172,22 @@ def main(argv=None):
     parser.add_argument("trial", help="the trial's time_to_bleu JSON")
     parser.add_argument("--val", required=True, help="bleu_table JSON, val")
     parser.add_argument("--test", required=True, help="bleu_table JSON, test")
+    parser.add_argument(
+        "--distill", help="distill.json of the folder a student trained on"
+    )
     parser.add_argument("--out", default="results/recipe_best.json")
     args = parser.parse_args(argv)
     try:
         trial = json.loads(Path(args.trial).read_text())
         result = record(trial, args.val, args.test)
+        if "data" in trial and not args.distill:
+            raise ValueError(
+                f"{args.trial} trained on {trial['data']}: give --distill"
+            )
+        if args.distill:
+            distill = json.loads(Path(args.distill).read_text())
+            sweep_dir = Path(args.trial).parent
+            result |= distillation(trial, distill, sweep_dir)
     except (OSError, ValueError, KeyError) as err:
         print(f"record_best: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None

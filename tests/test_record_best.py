@@ -159,3 +159,35 @@ def test_a_resumed_trial_keeps_its_resume_and_how_time_was_counted(
     assert result["train_seconds_means"] == resumed["seconds_mean"]
     assert result["training_loop_seconds"] is None
     assert result["train_seconds"] == 600.0
+
+
+def test_a_student_records_its_teachers_and_the_whole_cost(tmp_path, capsys):
+    val = bleu_table(tmp_path / "val.json", "validation", [38, 40.5, 40.0])
+    test = bleu_table(tmp_path / "test.json", "test2016", [39.1, 41.0, 42.5])
+    sweep = tmp_path / "recipe_sweep"
+    sweep.mkdir()
+    for name, seconds in (("t0", 3000.0), ("t1", 3100.0)):
+        (sweep / f"{name}.json").write_text(
+            json.dumps({"wall_seconds": seconds})
+        )
+    trial = sweep / "best-x.json"
+    trial.write_text(json.dumps(a_trial() | {"data": "data/kd"}))
+    distill = tmp_path / "distill.json"
+    runs = ["runs/recipe_sweep/t0:5", "runs/recipe_sweep/t1:0"]
+    distill.write_text(json.dumps({"runs": runs, "seconds": 900.0}))
+    out = tmp_path / "out.json"
+    argv = [str(trial), "--val", str(val), "--test", str(test)]
+    with pytest.raises(SystemExit):  # a student needs --distill
+        record_best.main([*argv, "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert "give --distill" in err and "\n" not in err and not out.exists()
+
+    result = record_best.main(
+        [*argv, "--distill", str(distill), "--out", str(out)]
+    )
+    assert result["teachers_train_seconds"] == [3000.0, 3100.0]
+    assert result["recipe_seconds"] == 3000 + 3100 + 900 + 600
+    assert result["distillation"]["runs"] == runs
+    assert result["training_data"].startswith("data/kd:")
+    assert result["test2016_bleu_best"] == 41.0  # still chosen on val
+    assert json.loads(out.read_text()) == result
