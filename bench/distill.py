@@ -146,11 +146,22 @@ def write_folder(out, pairs, english, mix):
             shutil.copyfile(path, Path(out, path.name))
 
 
+def check_not_the_source(*folders):
+    """Refuse to write over the original Multi30k files."""
+    source = Path(tat.multi30k_folder()).resolve()
+    for folder in filter(None, folders):
+        if Path(folder).resolve() == source:
+            raise tools.UserError(
+                f"{folder} holds the original Multi30k: write elsewhere"
+            )
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
+        check_not_the_source(args.out, args.mix_out)
         began = time.perf_counter()
         models, vocab_src, vocab_tgt = teachers(args.run)
         spacy_de, spacy_en = tat.load_tokenizers()

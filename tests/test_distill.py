@@ -2,6 +2,7 @@
 and recipe_sweep.py's trials that train on them."""
 
 import json
+import shutil
 import subprocess
 
 import pytest
@@ -74,6 +75,21 @@ def test_teachers_whose_vocabulary_a_student_lacks_are_refused(
     assert "data/vocab.json" in str(stop.value)
     assert len(str(stop.value).splitlines()) == 1
     assert not out.exists()  # nothing written
+
+
+def test_the_original_data_is_never_written_over(
+    word_run, local_multi30k, tmp_path, monkeypatch
+):
+    source = tmp_path / "multi30k"  # a copy: a failure harms nothing shared
+    shutil.copytree(local_multi30k, source)
+    monkeypatch.setenv(tat.MULTI30K_ENV, str(source))
+    before = {p.name: p.read_bytes() for p in source.iterdir()}
+    for option in ("--out", "--mix-out"):
+        argv = ["--run", f"{word_run}:0", "--n", "2", option, str(source)]
+        with pytest.raises(SystemExit) as stop:
+            distill.main(argv)
+        assert "holds the original Multi30k" in str(stop.value)
+    assert {p.name: p.read_bytes() for p in source.iterdir()} == before
 
 
 def test_an_out_that_is_a_file_is_one_line(word_run, tmp_path, capsys):
