@@ -20,7 +20,8 @@
 # whole, so that a crash never leaves half a file; downloading and verifying
 # Multi30k; the training presets; vocabularies; the hardware and
 # its precision; checkpoint files; training runs on several devices and
-# processes; translating for users; which model a checkpoint holds, and
+# processes, and two faster CPU paths (the dropout masks, the loss's
+# gradient); translating for users; which model a checkpoint holds, and
 # finding one or training a small one; reading text files; and the command
 # line.
 # It lives here, after the lessons, and is exported into a second module,
@@ -656,7 +657,7 @@ def train_copy_task(cfg=None, log=print):
 
 
 # %% [markdown]
-# A CI-sized run (seconds; always this size, even at full size). It stops
+# A CI-sized run, in seconds, whatever `AT_SIZE` the notebooks run at. It stops
 # before its limit, and on 500 sequences it has never seen, the teacher-forced
 # check gives exactly the greedy fraction:
 
@@ -873,11 +874,12 @@ def _fetch(url, path, expected, timeout):
 
 # %% [markdown]
 # `download_multi30k` returns the folder that holds the verified files.
-# When `MULTI30K_DIR` is set (a machine without internet access, or CI),
-# that folder is checked and never written to (a relative path counts from
-# the working directory, and an error names the absolute path it tried);
-# otherwise the files are cached in `data/multi30k/` (or `root`) and
-# fetched only when missing or wrong. When a cached file is damaged and no
+# With `root`, the files are cached there. Otherwise, when `MULTI30K_DIR`
+# is set (a machine without internet access, or CI), that folder is only
+# checked, never written to; a relative path counts from the working
+# directory, and an error names the absolute path it tried. Otherwise the
+# files are cached in `data/multi30k/`. A cached file is fetched only when
+# missing or wrong. When a cached file is damaged and no
 # fresh copy can be fetched, the error names the damaged file.
 
 
@@ -948,23 +950,22 @@ print(f"{len(MULTI30K_SHA256)} files verified in {folder}")
 # default of `train` and of Part 3, on GPUs too. `cpu` and `ci` have a
 # BPE twin (Part 5), with one subword vocabulary and tied embeddings.
 #
-# | preset | model and recipe | time on 2 CPU cores |
+# | preset | model and recipe | time measured on a 2-core CPU (record) |
 # |---|---|---|
-# | `quick` | `cpu` model, 5 epochs, linear to zero, no dropout | 14 min |
-# | `cpu` | 18 epochs, dropout 0.1, Part 2's schedule | over an hour |
-# | `long` | `quick`'s schedule over 12 epochs, dropout 0.1 | 42 min |
+# | `quick` | `cpu` model, 5 epochs, linear to zero, no dropout | 14 min: 2 threads, float32 (`results/recipe_quick.json`) |
+# | `cpu` | 18 epochs, dropout 0.1, Part 2's schedule | 83 min: 1 thread, bf16, machine shared (`results/multi30k_cpu.json`) |
+# | `long` | `quick`'s schedule over 12 epochs, dropout 0.1 | 42 min: 2 threads, float32 (`results/recipe_long.json`) |
 # | `paper` | the paper's base model, for a GPU | never trained to the end |
 # | `ci` | tiny: 1,000 sentence pairs, two epochs | seconds |
 #
 # `cpu` is the dataclass's defaults. Every preset but `ci` asks for
 # `precision="bf16"`, which means "the fastest precision this machine does
 # well" ("Which precision", below): bfloat16 or float16 autocast where the
-# hardware has it, float32 elsewhere. `ci` asks for float32 everywhere, so that
-# its tests give the same numbers on every machine. The runs are on record:
-# `results/recipe_quick.json`, `results/multi30k_cpu.json` and, for `long`,
-# `docs/results.md`. `paper` has no BLEU score here (its model is the paper's,
-# its recipe `cpu`'s: warm-up 800, not 4,000); `ci` serves tests and the
-# CI-sized notebooks.
+# hardware has it, float32 elsewhere. `ci` asks for float32 everywhere, so
+# that its tests give the same numbers on every machine. `paper` has no
+# BLEU score here: its model is the paper's, with 8,000-token batches and
+# 40 epochs, but its schedule is `cpu`'s (warm-up 800, not 4,000). `ci`
+# serves tests and the CI-sized notebooks.
 
 # %%
 #| export
@@ -1634,8 +1635,9 @@ def average_checkpoints(paths, device="cpu"):
 # ## Training runs: devices and processes
 #
 # Part 3's `train_one_process` is the whole training loop in one process.
-# `train_worker` runs the same loop, on the same pieces, and adds what a
-# long run needs:
+# `train_worker` runs the same loop with two faster CPU pieces,
+# `FastDropout` and `FastLabelSmoothing` (below), and adds what a long run
+# needs:
 #
 # * **Checkpoint files**, written after every epoch (see "Checkpoint
 #   files"), and resuming from them.
@@ -1653,7 +1655,8 @@ def average_checkpoints(paths, device="cpu"):
 #   `run_epoch`).
 #
 # `tests/test_devices.py` checks that `train_worker` and
-# `train_one_process` end with the same weights and losses.
+# `train_one_process` end with the same weights and losses, to rounding,
+# on the dropout-free `ci` preset.
 #
 # ### Batches for several processes
 #
@@ -1806,29 +1809,27 @@ def backend_for(device):
 #
 # `FastDropout` is an `nn.Dropout` with that mask. In `eval()` mode it
 # returns its input unchanged, as `nn.Dropout` does (the last assert
-# below). On other devices it calls `F.dropout`, as
-# `nn.Dropout` does: CUDA's dropout is one fused kernel already.
-# `use_fast_dropout` swaps it in for every `nn.Dropout` of a model, in
-# place; dropout has no weights, so checkpoints do not change. Attention
-# calls the module too: on the CPU, training with dropout, it takes Part
-# 1's `attention` rather than the fused kernel, so its weights are dropped
-# with `FastDropout` as well. That is Part 1's `use_fused`: PyTorch's fused
-# kernel for the CPU takes no dropout, so with dropout
-# `scaled_dot_product_attention` on the CPU falls back to its own unfused
-# formula, which draws its own mask. Part 1's `attention` does the same
-# work, but its dropout is an ordinary module, `self.dropout`, that can be
-# replaced. With `FastDropout` there, a whole bf16 training step of the
-# `cpu` model was 1.03 times as fast as one that calls the fused function
-# (3880.8 against 3752.7 tok/s), and a float32 step no faster
-# (`bench/RESULTS_efficiency.md`).
+# below). On other devices it calls `F.dropout`, as `nn.Dropout` does:
+# CUDA's dropout is one fused kernel already. `use_fast_dropout` swaps it
+# in for every `nn.Dropout` of a model, in place; dropout has no weights,
+# so checkpoints do not change. `TrainingRun`, below, makes the swap. The
+# lessons' loop, `train_one_process`, keeps `nn.Dropout`, so with dropout
+# on the two draw different masks from the same seed; the test that they
+# end with the same weights uses the `ci` preset, which has no dropout.
 #
-# `TrainingRun`, below, makes the swap. The lessons' loop,
-# `train_one_process`, keeps `nn.Dropout`, so with dropout on the two draw
-# different masks from the same seed; the test that they end with the same
-# weights uses the `ci` preset, which has no dropout. On one 2-core EPYC
-# the new mask made a bf16 step of the `cpu` model 1.15 times as fast, and
-# an fp32 step 1.10 times, measured while attention's dropout still used
-# torch's mask (`bench/RESULTS_efficiency.md`).
+# Attention's weights get the mask too, through Part 1's `use_fused`.
+# PyTorch's fused attention kernel for the CPU takes no dropout, so with
+# dropout `scaled_dot_product_attention` on the CPU falls back to its own
+# unfused formula, which draws its own mask. So on the CPU, training with
+# dropout, attention takes Part 1's `attention` instead: the same work,
+# but its dropout is an ordinary module, `self.dropout`, that the swap
+# replaces.
+#
+# Timings (`bench/RESULTS_efficiency.md`, one 2-core EPYC, the `cpu`
+# model): the new mask made a bf16 training step 1.15 times as fast, and
+# an fp32 step 1.10 times; sending attention's dropout through it too
+# gave another 1.03 times in bf16 (3880.8 against 3752.7 tok/s), and
+# nothing in fp32.
 
 
 # %%
@@ -1892,8 +1893,9 @@ assert FastDropout(0.2).eval()(ones) is ones
 # backward pass still builds three $N \times V$ gradients, one for each way
 # the loss reads the log-probabilities (the gathered target, the row sums,
 # the padding column), and adds them up. In bf16 the row sums also cast the
-# whole matrix to float32 first: with 3,000 tokens and 6,190 words, each
-# of these passes reads or writes 18.6 million numbers.
+# whole matrix to float32 first: with a `cpu` batch of about 3,000 target
+# tokens and Part 3's English vocabulary of 6,190 words, each of these
+# passes reads or writes 18.6 million numbers.
 #
 # The gradient needs none of it. Write $x_j = \log q_j$ for the inputs, and
 # treat each as a free number, as autograd does (the log-softmax before the
@@ -1998,14 +2000,13 @@ assert torch.allclose(grads[1], -3 * fast.true_dist, atol=1e-7)
 # equal part of its cores. `join_group` connects the processes of a
 # distributed run.
 #
-# `TrainingRun` then sets up a run: it joins the group if there are
-# several processes, seeds, builds the model with `FastDropout` (above)
-# and wraps it in DDP, picks the precision, and
-# makes the label-smoothed criterion, `FastLabelSmoothing` (above; the loss
-# itself is computed by
-# `train_epoch`, below), Part 3's optimizer and schedule for the run's step
-# budget (`batches_per_epoch`, or `total` steps), and a `GradScaler`
-# where the precision needs one. `module` is the bare model, whose
+# `TrainingRun` then sets up one process's run. It joins the group when
+# there are several processes, seeds, and builds the model with
+# `FastDropout` (above), wrapped in DDP. It then makes the criterion,
+# `FastLabelSmoothing` (above; `train_epoch`, below, computes the loss),
+# and Part 3's optimizer and schedule for the step budget
+# (`batches_per_epoch`, or `total` steps). Last, it picks the precision,
+# with a `GradScaler` where the precision needs one. `module` is the bare model, whose
 # weights checkpoints store, and `model` is what we call, DDP-wrapped
 # when distributed. `params_in_sync` checks at the end that all copies
 # agree.
@@ -2495,11 +2496,12 @@ def train_worker(
 # process per GPU (or `world_size` CPU processes) with
 # `torch.multiprocessing.spawn`. With fewer GPUs than processes it stops with a
 # `ValueError` that says so, before starting anything, or, with
-# `cpu_fallback=True`, runs every process on the CPU and says that. A new
-# process imports the module, not the notebook that started it, so the
-# vocabularies cross over as plain data, token lists (or BPE JSON text), and
-# the config as a dict, which `_spawned_worker` turns back into objects before
-# it calls `train_worker`; the spaCy tokenizers cross as they are, pickled.
+# `cpu_fallback=True`, runs every process on the CPU and says that.
+#
+# A spawned process imports the module, not the notebook that started it.
+# So the vocabularies travel as plain data (token lists, or BPE JSON text)
+# and the config as a dict; `_spawned_worker` rebuilds them before it
+# calls `train_worker`. The spaCy tokenizers travel pickled.
 # Under `torchrun`, PyTorch's launcher for several processes, none of this is
 # needed: it starts the processes and sets the rendezvous address itself.
 
@@ -2600,15 +2602,18 @@ with socket.socket() as s:
 
 # %% [markdown]
 # Check: the tiny `ci` preset, for one epoch, in two processes started by
-# `train_distributed_model` (from a terminal: `torchrun
-# --nproc_per_node=2 annotated_transformer_tools.py train --preset ci
-# --epochs 1`), with the vocabularies and tokenizers made in
-# "Vocabularies" above. On a machine
-# with two GPUs or more each process gets one; elsewhere both run on the
-# CPU with gloo (`cpu_fallback=True`), and the first line printed says
-# which. Each process sees half of the batches. Both ranks must end with
-# identical weights. A spawned process imports the module, not this
-# notebook, so the cell calls the module's `train_distributed_model`.
+# `train_distributed_model`, with the vocabularies and tokenizers made in
+# "Vocabularies" above. On a machine with two GPUs or more each process
+# gets one; elsewhere both run on the CPU with gloo (`cpu_fallback=True`),
+# and the first line printed says which. Each process sees half of the
+# batches. Both ranks must end with identical weights. A spawned process
+# imports the module, not this notebook, so the cell calls the module's
+# `train_distributed_model`.
+#
+# From a terminal, `torchrun --nproc_per_node=2
+# annotated_transformer_tools.py train --preset ci --epochs 1` does the
+# same on a machine with no GPU or with two or more. On a machine with one
+# GPU it refuses, since the command line has no CPU fallback.
 
 # %%
 import annotated_transformer_tools as tools
@@ -3068,9 +3073,7 @@ def read_lines(path):
 # %% [markdown]
 # `read_parallel` reads a pair of line-by-line translations and refuses
 # files of different lengths, or empty ones, with a message, not a
-# traceback. `write_results` scores test2016 after a training run and
-# writes a JSON summary with the command, the config, the hardware and the
-# losses.
+# traceback.
 
 
 # %%
@@ -3112,8 +3115,9 @@ def read_parallel(src_path, ref_path):
 # `DatasetError`, and `FolderInUseError`. The command line's own checks
 # raise `UserError`, also where they turn another `ValueError` that an
 # argument can cause into a message, and only `main` turns these into
-# lines (`USER_ERRORS`, below). Any other exception is a bug, and keeps its
-# traceback.
+# lines (`USER_ERRORS`, below). Ctrl-C and the machine's own errors (a
+# full disk, a closed pipe) get their own statuses (`main`, below); any
+# other exception is a bug, and keeps its traceback.
 # `docs/guarantees.md` lists every exit status.
 #
 # ### Arguments
@@ -3400,10 +3404,10 @@ def build_parser():
 # %% [markdown]
 # ### `train`
 #
-# `train` builds the config from the preset and the flags, takes the lock
-# on the checkpoint folder (so that a second run into it stops at once),
-# downloads Multi30k if needed, makes the vocabularies, checks what
-# `--resume` would resume, and trains: in this process, in `--world-size`
+# `train` builds the config from the preset and the flags, checks
+# `--results`, downloads Multi30k if needed, takes the lock on the
+# checkpoint folder (so that a second run into it stops at once), makes
+# the vocabularies, checks what `--resume` would resume, and trains: in this process, in `--world-size`
 # spawned ones, or as one of the processes that `torchrun` started
 # (`torchrun_ranks` recognizes them by the `LOCAL_RANK` that torchrun sets,
 # beside `RANK` and `WORLD_SIZE`; rank 0 takes the lock for all of them).
@@ -3805,8 +3809,8 @@ def command_download(args):
 # %% [markdown]
 # ### `main`: one line per error, and the exit status
 #
-# `main` runs a sub-command and turns every error into one line,
-# `error: ...`, with an exit status that says whose it is:
+# `main` runs a sub-command and ends each failure with an exit status that
+# says whose it is; an error is one line, `error: ...`:
 #
 # | status | when |
 # |---|---|
