@@ -10,7 +10,7 @@ well as the ensemble did.
 
     python bench/distill.py --run runs/recipe_sweep/a:3 --run runs/b:3 \\
         --beam 4 --alpha 1.0 --out data/distilled
-    MULTI30K_DIR=data/distilled python annotated_transformer_tools.py train
+    python annotated_transformer_tools.py train --data data/distilled
 
 OUT is a Multi30k folder: `train.de.gz` holds the original German,
 `train.en.gz` the ensemble's English (in `--mix-out`'s folder, the
@@ -19,10 +19,10 @@ files are copied unchanged, so a student is chosen and scored on the
 human references.
 Only the training split is translated: the test set is never read.
 OUT/distill.json records the command, the members, the hardware and the
-time. The student keeps the teachers' vocabularies: `train` reads the
-word vocabularies cached in data/vocab.json, built from the original
-training split, and this script refuses to run if they differ from the
-teachers'.
+time. The student keeps the teachers' vocabularies: `train --data`
+reads the word vocabularies cached in data/vocab.json, built from the
+original training split, and this script refuses to run if they differ
+from the teachers'.
 """
 
 import functools

@@ -149,8 +149,9 @@ class Generator(nn.Module):
 #
 # The encoder is a stack of $N = 6$ layers, identical in shape but each
 # with its own weights. `LayerStack`, the base class of both stacks, runs
-# them in turn and ends with a `LayerNorm` (next section). The `mask` hides the source's padding tokens (filler
-# that makes the sentences of a batch equally long).
+# them in turn and ends with a `LayerNorm` (next section). The `mask`
+# hides the source's padding tokens (filler that makes the sentences of a
+# batch equally long).
 #
 # The copies come from `clones`, which deep-copies one module $N$ times:
 # every copy gets its own tensors, holding the same values at first.

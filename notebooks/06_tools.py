@@ -950,13 +950,18 @@ print(f"{len(MULTI30K_SHA256)} files verified in {folder}")
 # default of `train` and of Part 3, on GPUs too. `cpu` and `ci` have a
 # BPE twin (Part 5), with one subword vocabulary and tied embeddings.
 #
-# | preset | model and recipe | time measured on a 2-core CPU (record) |
+# | preset | model and recipe | time on a 2-core CPU |
 # |---|---|---|
-# | `quick` | `cpu` model, 5 epochs, linear to zero, no dropout | 14 min: 2 threads, float32 (`results/recipe_quick.json`) |
-# | `cpu` | 18 epochs, dropout 0.1, Part 2's schedule | 83 min: 1 thread, bf16, machine shared (`results/multi30k_cpu.json`) |
-# | `long` | `quick`'s schedule over 12 epochs, dropout 0.1 | 42 min: 2 threads, float32 (`results/recipe_long.json`) |
+# | `quick` | `cpu` model, 5 epochs, linear to zero, no dropout | 14 min |
+# | `cpu` | 18 epochs, dropout 0.1, Part 2's schedule | 83 min |
+# | `long` | `quick`'s schedule over 12 epochs, dropout 0.1 | 42 min |
 # | `paper` | the paper's base model, for a GPU | never trained to the end |
 # | `ci` | tiny: 1,000 sentence pairs, two epochs | seconds |
+#
+# The times are measured runs: `quick` and `long` with 2 threads in
+# float32 (`results/recipe_quick.json`, `results/recipe_long.json`), `cpu`
+# with 1 thread in bf16 on a machine shared with other jobs
+# (`results/multi30k_cpu.json`).
 #
 # `cpu` is the dataclass's defaults. Every preset but `ci` asks for
 # `precision="bf16"`, which means "the fastest precision this machine does
@@ -2006,10 +2011,10 @@ assert torch.allclose(grads[1], -3 * fast.true_dist, atol=1e-7)
 # `FastLabelSmoothing` (above; `train_epoch`, below, computes the loss),
 # and Part 3's optimizer and schedule for the step budget
 # (`batches_per_epoch`, or `total` steps). Last, it picks the precision,
-# with a `GradScaler` where the precision needs one. `module` is the bare model, whose
-# weights checkpoints store, and `model` is what we call, DDP-wrapped
-# when distributed. `params_in_sync` checks at the end that all copies
-# agree.
+# with a `GradScaler` where the precision needs one. `module` is the bare
+# model, whose weights checkpoints store, and `model` is what we call,
+# DDP-wrapped when distributed. `params_in_sync` checks at the end that
+# all copies agree.
 
 
 # %%
@@ -3236,8 +3241,8 @@ def add_train_parser(sub):
     train.add_argument(
         "--dropout",
         type=number_from(0.0, 0.9),
-        help="dropout rate (default: the preset's; the best recipe on"
-        " record is --preset cpu --dropout 0.2 --schedule linear"
+        help="dropout rate (default: the preset's; the best model trained"
+        " alone on record is --preset cpu --dropout 0.2 --schedule linear"
         " --weight-decay 0.2 --tie-embeddings --seed 1)",
     )
     train.add_argument(
@@ -3292,6 +3297,13 @@ def add_train_parser(sub):
     )
     train.add_argument(
         "--results", help="write a JSON summary here, including test BLEU"
+    )
+    train.add_argument(
+        "--data",
+        metavar="FOLDER",
+        help="train on this folder's train.de.gz and train.en.gz instead"
+        " (e.g. bench/distill.py's); its validation and test files must be"
+        " Multi30k's own, and the vocabularies stay those of Multi30k",
     )
     train.add_argument(
         "--threads",
@@ -3407,10 +3419,18 @@ def build_parser():
 # `train` builds the config from the preset and the flags, checks
 # `--results`, downloads Multi30k if needed, takes the lock on the
 # checkpoint folder (so that a second run into it stops at once), makes
-# the vocabularies, checks what `--resume` would resume, and trains: in this process, in `--world-size`
-# spawned ones, or as one of the processes that `torchrun` started
-# (`torchrun_ranks` recognizes them by the `LOCAL_RANK` that torchrun sets,
-# beside `RANK` and `WORLD_SIZE`; rank 0 takes the lock for all of them).
+# the vocabularies, checks what `--resume` would resume, and trains: in
+# this process, in `--world-size` spawned ones, or as one of the processes
+# that `torchrun` started (`torchrun_ranks` recognizes them by the
+# `LOCAL_RANK` that torchrun sets, beside `RANK` and `WORLD_SIZE`; rank 0
+# takes the lock for all of them).
+#
+# With `--data FOLDER`, for instance a folder that `bench/distill.py`
+# wrote, training reads its pairs from that folder instead.
+# `train_on_folder` first checks that the folder's validation and test
+# files are Multi30k's own, so the run is still judged on the human
+# references, and caches the vocabularies of the original training split,
+# so that a student keeps its teachers' vocabularies.
 
 
 # %%
@@ -3423,6 +3443,30 @@ def torchrun_ranks():
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     return rank, world, local_rank, local_world
+
+
+def train_on_folder(folder, config):
+    """Read the training pairs from `folder` from now on (`--data`), once
+    its validation and test files are Multi30k's and the vocabularies of
+    the original training split are cached (a student keeps them)."""
+    folder = Path(folder).absolute()
+    if not folder.is_dir():
+        raise UserError(f"--data {folder}: no such folder")
+    held_out = {
+        name: digest
+        for name, digest in MULTI30K_SHA256.items()
+        if not name.startswith("train.")
+    }
+    try:
+        _check_folder(folder, held_out)
+    except DatasetError as err:
+        problems = str(err).splitlines()[0].partition(": ")[2]
+        raise UserError(f"--data {folder}: {problems}") from None
+    for lang in ("de", "en"):
+        if not (folder / f"train.{lang}.gz").is_file():
+            raise UserError(f"--data {folder}: no train.{lang}.gz")
+    load_vocabularies(config, *load_tokenizers())  # from the original
+    os.environ[MULTI30K_ENV] = str(folder)  # spawned processes inherit it
 
 
 def command_train(args):
@@ -3458,6 +3502,8 @@ def command_train(args):
     if args.results:  # fail now, not after hours of training
         check_out(args.results, option="--results")
     download_multi30k()  # before the lock makes the checkpoint folder
+    if args.data:
+        train_on_folder(args.data, config)
     rank = ranks[0] if ranks else 0
     lock = folder_lock(config.checkpoint_dir) if rank == 0 else None
     with lock or nullcontext():  # only rank 0 holds the folder's lock

@@ -2,8 +2,10 @@
 and recipe_sweep.py's trials that train on them."""
 
 import json
+import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 from test_beyond import train_ci
@@ -134,3 +136,73 @@ def test_a_trial_with_data_trains_on_that_folder(tmp_path, monkeypatch):
     recipe_sweep.run_trial("plain", plain, args)
     assert calls[1] is None  # this process's own environment
     assert "data" not in json.loads((tmp_path / "plain.json").read_text())
+
+
+def student_folder(source, folder, n=1000):
+    """A Multi30k folder whose English training side is upper-cased."""
+    folder.mkdir()
+    for split in ("val", "test"):
+        for lang in ("de", "en"):
+            path = tat.split_file(source, split, lang)
+            shutil.copyfile(path, folder / path.name)
+    pairs = tat.read_multi30k("train", root=source)[:n]
+    distill.write_lines(folder / "train.de.gz", [de for de, _ in pairs])
+    distill.write_lines(
+        folder / "train.en.gz", [en.upper() for _, en in pairs]
+    )
+    return folder
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """Every read_multi30k call: (split, the folder it read)."""
+    calls, read = [], tat.read_multi30k
+
+    def spy(split, root=None):
+        calls.append((split, str(root or tat.multi30k_folder())))
+        return read(split, root)
+
+    monkeypatch.setattr(tat, "read_multi30k", spy)
+    return calls
+
+
+def test_train_data_trains_on_the_folder_with_multi30k_vocabularies(
+    local_multi30k, tokenizers, tmp_path, monkeypatch, reads, capsys
+):
+    monkeypatch.setenv(tat.MULTI30K_ENV, local_multi30k)  # restored after
+    monkeypatch.setattr(tools, "data_dir", lambda: tmp_path / "data")
+    student = student_folder(Path(local_multi30k), tmp_path / "student")
+    ck = tmp_path / "ck"
+    argv = ["train", "--preset", "ci", "--epochs", "1", "--threads", "1"]
+    status = tools.main(
+        [*argv, "--checkpoint-dir", str(ck), "--data", str(student)]
+    )
+    assert status == 0, capsys.readouterr().err
+    assert ("train", local_multi30k) in reads  # the vocabularies
+    assert ("train", str(student)) in reads and ("val", str(student)) in reads
+    assert reads.index(("train", local_multi30k)) < reads.index(
+        ("train", str(student))
+    )
+    _, vocab_src, vocab_tgt, _ = tools.load_translator(ck / "final.pt")
+    assert os.environ[tat.MULTI30K_ENV] == str(student)  # as spawned see it
+    monkeypatch.setenv(tat.MULTI30K_ENV, local_multi30k)
+    original = tools.load_vocab(*tokenizers, path=tmp_path / "v.json")
+    assert (vocab_src, vocab_tgt) == original  # not the upper-cased English
+
+
+@pytest.mark.parametrize("damage", ["val.en.gz", "train.de.gz"])
+def test_train_data_refuses_a_folder_without_multi30k_references(
+    local_multi30k, tmp_path, monkeypatch, damage, capsys
+):
+    monkeypatch.setenv(tat.MULTI30K_ENV, local_multi30k)
+    student = student_folder(Path(local_multi30k), tmp_path / "student", 10)
+    if damage == "val.en.gz":  # another validation set
+        distill.write_lines(student / damage, ["A dog."])
+    else:
+        (student / damage).unlink()
+    ck = tmp_path / "ck"
+    argv = ["train", "--preset", "ci", "--checkpoint-dir", str(ck)]
+    status = tools.main([*argv, "--data", str(student)])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and "--data" in err and damage in err, err
+    assert len(err.splitlines()) == 1 and not ck.exists()
