@@ -25,7 +25,6 @@ original training split, and this script refuses to run if they differ
 from the teachers'.
 """
 
-import functools
 import gzip
 import json
 import shutil
@@ -38,7 +37,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ensemble import ensemble_beam_search, load, member_name, run_spec
+from ensemble import (  # noqa: E402
+    ensemble_decoder,
+    load_members,
+    member_name,
+    run_spec,
+)
 
 import annotated_transformer_tools as tools  # noqa: E402
 import the_annotated_transformer as tat  # noqa: E402
@@ -78,19 +82,17 @@ def parse_args(argv=None):
     for option, folder in (("--out", args.out), ("--mix-out", args.mix_out)):
         if folder is not None and folder.exists() and not folder.is_dir():
             parser.error(f"{option} {folder} is not a folder")
+    if args.mix_out and args.mix_out.resolve() == args.out.resolve():
+        parser.error("--mix-out must be another folder than --out")
     return args
 
 
 def teachers(runs):
-    """(models, vocab_src, vocab_tgt) of the runs, which share vocabularies."""
-    loaded = [load(folder, k) for folder, k in runs]
-    _, vocab_src, vocab_tgt = loaded[0]
-    for _, src, tgt in loaded[1:]:
-        if src != vocab_src or tgt != vocab_tgt:
-            raise tools.UserError("the runs' vocabularies differ")
+    """(models, vocab_src, vocab_tgt) of word-level runs."""
+    models, vocab_src, vocab_tgt = load_members(runs)
     if tools.is_subword(vocab_src):
         raise tools.UserError("distill.py takes word-level runs, not BPE")
-    return [model for model, _, _ in loaded], vocab_src, vocab_tgt
+    return models, vocab_src, vocab_tgt
 
 
 def check_student_vocab(vocab_src, vocab_tgt, spacy_de, spacy_en):
@@ -107,9 +109,7 @@ def translate(models, vocabs, sentences, beam, alpha, spacy_de):
     """The ensemble's English for each German sentence, with progress."""
     from tqdm import tqdm
 
-    decode = functools.partial(
-        ensemble_beam_search, models, beam_size=beam, alpha=alpha
-    )
+    decode = ensemble_decoder(models, beam, alpha)
     english = []
     with tqdm(total=len(sentences), unit="sent", desc="distilling") as bar:
         for start in range(0, len(sentences), CHUNK):
@@ -119,7 +119,7 @@ def translate(models, vocabs, sentences, beam, alpha, spacy_de):
                 chunk,
                 spacy_de,
                 *vocabs,
-                decode_fn=lambda _model, *args: decode(*args),
+                decode_fn=decode,
             )
             bar.update(len(chunk))
     return english
@@ -132,27 +132,34 @@ def write_lines(path, lines):
         f.write(gzip.compress(text.encode("utf-8"), mtime=0))
 
 
-def write_folder(out, pairs, english, mix):
-    """OUT as a Multi30k folder whose training English is `english`."""
+def write_folder(out, source, pairs, english, mix):
+    """OUT as a Multi30k folder whose training English is `english`, the
+    validation and test files copied from `source`; returns its pairs."""
     german = [de for de, _ in pairs]
     if mix:  # the distilled pairs, then the original ones
         german, english = german * 2, english + [en for _, en in pairs]
     write_lines(Path(out, "train.de.gz"), german)
     write_lines(Path(out, "train.en.gz"), english)
-    source = tat.multi30k_folder()
     for split in ("val", "test"):
         for lang in ("de", "en"):
             path = tat.split_file(source, split, lang)
             shutil.copyfile(path, Path(out, path.name))
+    return len(german)
 
 
-def check_not_the_source(*folders):
-    """Refuse to write over the original Multi30k files."""
-    source = Path(tat.multi30k_folder()).resolve()
+def check_folders(source, *folders):
+    """Refuse to write over Multi30k itself or over an earlier training
+    set (a distillation takes long to redo)."""
+    originals = {source.resolve(), (tools.data_dir() / "multi30k").resolve()}
     for folder in filter(None, folders):
-        if Path(folder).resolve() == source:
+        if Path(folder).resolve() in originals:
             raise tools.UserError(
                 f"{folder} holds the original Multi30k: write elsewhere"
+            )
+        if list(Path(folder).glob("train.*.gz")):
+            raise tools.UserError(
+                f"{folder} holds a training set already: remove it, or"
+                " choose another folder"
             )
 
 
@@ -161,12 +168,13 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        check_not_the_source(args.out, args.mix_out)
+        source = Path(tools.download_multi30k())  # Multi30k, checked
+        check_folders(source, args.out, args.mix_out)
         began = time.perf_counter()
         models, vocab_src, vocab_tgt = teachers(args.run)
         spacy_de, spacy_en = tat.load_tokenizers()
         check_student_vocab(vocab_src, vocab_tgt, spacy_de, spacy_en)
-        pairs = tat.read_multi30k("train")[: args.n or None]
+        pairs = tat.read_multi30k("train", root=source)[: args.n or None]
         english = translate(
             models,
             (vocab_src, vocab_tgt),
@@ -175,9 +183,13 @@ def main(argv=None):
             args.alpha,
             spacy_de,
         )
-        write_folder(args.out, pairs, english, mix=False)
+        written = {
+            args.out: write_folder(args.out, source, pairs, english, mix=False)
+        }
         if args.mix_out:
-            write_folder(args.mix_out, pairs, english, mix=True)
+            written[args.mix_out] = write_folder(
+                args.mix_out, source, pairs, english, mix=True
+            )
     except (tools.UserError, tat.DatasetError) as err:
         raise SystemExit(f"distill.py: error: {err}") from None
     record = {
@@ -186,13 +198,13 @@ def main(argv=None):
         "runs": [f"{folder}:{k}" for folder, k in args.run],
         "beam": args.beam,
         "alpha": args.alpha,
-        "pairs": len(pairs),
+        "sentences_translated": len(pairs),
         "hardware": tools.hardware_summary(),
         "seconds": round(time.perf_counter() - began, 1),
         "date": time.strftime("%Y-%m-%d %H:%M %Z"),
     }
-    for folder in filter(None, (args.out, args.mix_out)):
-        record["folder"] = str(folder)
+    for folder, n_pairs in written.items():
+        record |= {"folder": str(folder), "pairs": n_pairs}
         with tools.atomic_write(folder / "distill.json", "w") as f:
             f.write(json.dumps(record, indent=2) + "\n")
         print(f"wrote {folder}")

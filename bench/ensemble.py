@@ -125,18 +125,33 @@ def load(folder, k):
     return model.eval(), vocab_src, vocab_tgt
 
 
-def score(models, vocabs, beam, alpha, pairs, spacy_de):
-    """(BLEU, seconds) of the models decoding together."""
+def load_members(runs):
+    """(models, vocab_src, vocab_tgt) of runs that share vocabularies."""
+    loaded = [load(folder, k) for folder, k in runs]
+    _, vocab_src, vocab_tgt = loaded[0]
+    for _, src, tgt in loaded[1:]:
+        if src != vocab_src or tgt != vocab_tgt:
+            raise tools.UserError("the runs' vocabularies differ")
+    return [model for model, _, _ in loaded], vocab_src, vocab_tgt
+
+
+def ensemble_decoder(models, beam, alpha):
+    """translate_batch's decode_fn for the models decoding together."""
     decode = functools.partial(
         ensemble_beam_search, models, beam_size=beam, alpha=alpha
     )
+    return lambda _model, *args: decode(*args)
+
+
+def score(models, vocabs, beam, alpha, pairs, spacy_de):
+    """(BLEU, seconds) of the models decoding together."""
     began = time.perf_counter()
     hypotheses = tools.translate_batch(
         models[0],
         [de for de, _ in pairs],
         spacy_de,
         *vocabs,
-        decode_fn=lambda _model, *args: decode(*args),
+        decode_fn=ensemble_decoder(models, beam, alpha),
     )
     bleu = tools.compute_bleu(hypotheses, [en for _, en in pairs]).score
     return round(bleu, 2), round(time.perf_counter() - began, 1)
@@ -169,17 +184,11 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     pairs = sentence_pairs(args)
-    loaded = [load(folder, k) for folder, k in args.run]
-    vocabs = loaded[0][1:]
-    for _, vocab_src, vocab_tgt in loaded[1:]:
-        if vocab_src.get_itos() != vocabs[0].get_itos() or (
-            vocab_tgt.get_itos() != vocabs[1].get_itos()
-        ):
-            raise SystemExit(
-                "ensemble.py: error: the runs' vocabularies differ"
-            )
+    try:
+        models, *vocabs = load_members(args.run)
+    except tools.UserError as err:
+        raise SystemExit(f"ensemble.py: error: {err}") from None
     names = [member_name(folder, k) for folder, k in args.run]
-    models = [model for model, _, _ in loaded]
     summary = summary_head("ensemble.py", args.split, pairs)
     spacy_de, _ = tat.load_tokenizers()
     groups = [[i] for i in range(len(models))]

@@ -10,7 +10,6 @@ scored: the sweep never reads a test set.
 """
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -21,7 +20,6 @@ BENCH = ROOT / "bench" / "time_to_bleu.py"
 sys.path.insert(0, str(ROOT))
 
 import annotated_transformer_tools as tools  # noqa: E402
-import the_annotated_transformer as tat  # noqa: E402
 
 # Each setting: a preset, TrainConfig replacements, and a step budget
 # sized for about 13 minutes of training on 2 shared threads of a 2-core
@@ -530,7 +528,8 @@ SETTINGS = {
     # Sequence-level distillation (bench/distill.py): the four tied models
     # above, decoding together (42.41 on validation), translated the
     # training German; one model of the same recipe learns their English.
-    # "data" is the Multi30k folder the trial trains on ($MULTI30K_DIR).
+    # "data" is the folder whose training pairs the trial trains on
+    # (time_to_bleu.py --data).
     "cpu-d02-lin18-wd02-tie-s1-kd": {
         "why": "cpu-d02-lin18-wd02-tie-s1 trained on the four tied models'"
         " translations of the training German (beam 4, alpha 1.0)",
@@ -583,6 +582,8 @@ def command_for(name, setting, args):
     command += ["--minutes", str(args.minutes), "--threads", str(args.threads)]
     command += ["--out", str(args.out_dir / f"{name}.json")]
     command += ["--checkpoint-dir", f"runs/recipe_sweep/{name}"]
+    if "data" in setting:  # training pairs from another folder
+        command += ["--data", setting["data"]]
     return command
 
 
@@ -637,22 +638,13 @@ def run_trial(name, setting, args):
     command = command_for(name, setting, args)
     print(" ".join(command), flush=True)
     began = time.time()
-    env = None  # this process's own
-    if "data" in setting:  # another Multi30k folder
-        env = os.environ | {tat.MULTI30K_ENV: setting["data"]}
-    done = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, env=env
-    )
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     log = args.out_dir / f"{name}.log"
     log.write_text(done.stdout + done.stderr)
     if done.returncode != 0:
         lines = (done.stderr or done.stdout or "no output").strip()
         return None, f"exit {done.returncode}: {lines.splitlines()[-1]}"
-    result_path = args.out_dir / f"{name}.json"
-    result = json.loads(result_path.read_text())
-    if "data" in setting:  # the folder it trained on, beside its command
-        result["data"] = setting["data"]
-        result_path.write_text(json.dumps(result, indent=1) + "\n")
+    result = json.loads((args.out_dir / f"{name}.json").read_text())
     print(f"{name}: {time.time() - began:.0f} s", flush=True)
     return result, ""
 

@@ -125,6 +125,13 @@ def record(trial, val_path, test_path):
 def distillation(trial, distill, sweep_dir):
     """What a student's record adds: its data, its teachers and the time
     the whole recipe takes (each teacher's time from its sweep JSON)."""
+    if "data" not in trial:
+        raise ValueError("--distill is for a trial trained on --data")
+    if Path(distill["folder"]).resolve() != Path(trial["data"]).resolve():
+        raise ValueError(
+            f"the distillation wrote {distill['folder']}, and the trial"
+            f" trained on {trial['data']}"
+        )
     teachers = [spec.rpartition(":")[0] for spec in distill["runs"]]
     seconds = []
     for folder in teachers:

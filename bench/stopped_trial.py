@@ -130,6 +130,8 @@ def record(name, folder, started, threads, pairs, resumed=None):
         "checkpoint": str(final),
         "points": points,
     }
+    if "data" in setting:  # record_best then asks for its distillation
+        result["data"] = setting["data"]
     if resumed is not None:
         result["resume_command"] = setting["resume_command"]
         result["paused_seconds"] = round(paused, 1)
@@ -152,8 +154,12 @@ def iso_seconds(parser, option, text):
 
 
 def out_path(trial, out=None):
-    """--out, else results/recipe_sweep/TRIAL.json; a dot in TRIAL stays."""
-    return Path(out or Path("results", "recipe_sweep", f"{trial}.json"))
+    """--out (.json added if it has no suffix), else
+    results/recipe_sweep/TRIAL.json; a dot in TRIAL stays."""
+    if out is None:
+        return Path("results", "recipe_sweep", f"{trial}.json")
+    out = Path(out)
+    return out if out.suffix else out.with_name(out.name + ".json")
 
 
 def main(argv=None):

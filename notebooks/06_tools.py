@@ -885,8 +885,8 @@ def _fetch(url, path, expected, timeout):
 
 # %%
 #| export
-def _check_folder(folder, sums):
-    """`folder` if it holds every file with the right SHA-256."""
+def _folder_problems(folder, sums):
+    """What is wrong with `folder`'s files, by name; [] if nothing."""
     problems = []
     for name, expected in sorted(sums.items()):
         path = folder / name
@@ -894,6 +894,12 @@ def _check_folder(folder, sums):
             problems.append(f"{name} is missing")
         elif sha256_of(path) != expected:
             problems.append(f"{name} has the wrong SHA-256")
+    return problems
+
+
+def _check_folder(folder, sums):
+    """`folder` if it holds every file with the right SHA-256."""
+    problems = _folder_problems(folder, sums)
     if problems:
         raise DatasetError(
             f"{MULTI30K_ENV}={folder} does not hold Multi30k: "
@@ -3430,7 +3436,8 @@ def build_parser():
 # `train_on_folder` first checks that the folder's validation and test
 # files are Multi30k's own, so the run is still judged on the human
 # references, and caches the vocabularies of the original training split,
-# so that a student keeps its teachers' vocabularies.
+# so that a student keeps its teachers' vocabularies. `multi30k_from` then
+# points `MULTI30K_DIR` at the folder for the length of the run only.
 
 
 # %%
@@ -3446,9 +3453,9 @@ def torchrun_ranks():
 
 
 def train_on_folder(folder, config):
-    """Read the training pairs from `folder` from now on (`--data`), once
-    its validation and test files are Multi30k's and the vocabularies of
-    the original training split are cached (a student keeps them)."""
+    """`--data`'s folder, absolute, once its validation and test files are
+    Multi30k's and the vocabularies of the original training split are
+    cached (a student keeps them)."""
     folder = Path(folder).absolute()
     if not folder.is_dir():
         raise UserError(f"--data {folder}: no such folder")
@@ -3457,16 +3464,32 @@ def train_on_folder(folder, config):
         for name, digest in MULTI30K_SHA256.items()
         if not name.startswith("train.")
     }
-    try:
-        _check_folder(folder, held_out)
-    except DatasetError as err:
-        problems = str(err).splitlines()[0].partition(": ")[2]
-        raise UserError(f"--data {folder}: {problems}") from None
-    for lang in ("de", "en"):
-        if not (folder / f"train.{lang}.gz").is_file():
-            raise UserError(f"--data {folder}: no train.{lang}.gz")
+    problems = _folder_problems(folder, held_out)
+    problems += [
+        f"no {name}"
+        for name in ("train.de.gz", "train.en.gz")
+        if not (folder / name).is_file()
+    ]
+    if problems:
+        raise UserError(f"--data {folder}: " + "; ".join(problems))
     load_vocabularies(config, *load_tokenizers())  # from the original
-    os.environ[MULTI30K_ENV] = str(folder)  # spawned processes inherit it
+    return folder
+
+
+@contextlib.contextmanager
+def multi30k_from(folder):
+    """Read Multi30k from `folder` (None: as before) within the block;
+    processes spawned meanwhile inherit it."""
+    old = os.environ.get(MULTI30K_ENV)
+    if folder is not None:
+        os.environ[MULTI30K_ENV] = str(folder)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(MULTI30K_ENV, None)
+        else:
+            os.environ[MULTI30K_ENV] = old
 
 
 def command_train(args):
@@ -3502,11 +3525,10 @@ def command_train(args):
     if args.results:  # fail now, not after hours of training
         check_out(args.results, option="--results")
     download_multi30k()  # before the lock makes the checkpoint folder
-    if args.data:
-        train_on_folder(args.data, config)
+    data = train_on_folder(args.data, config) if args.data else None
     rank = ranks[0] if ranks else 0
     lock = folder_lock(config.checkpoint_dir) if rank == 0 else None
-    with lock or nullcontext():  # only rank 0 holds the folder's lock
+    with lock or nullcontext(), multi30k_from(data):  # rank 0 locks
         return train_locked(args, config, ranks)
 
 

@@ -61,6 +61,8 @@ def test_one_teacher_writes_its_beam_search_english(
     record = json.loads((out / "distill.json").read_text())
     assert record["pairs"] == 10 and record["runs"] == [f"{word_run}:0"]
     assert record["folder"] == str(out)
+    record = json.loads((mixed / "distill.json").read_text())
+    assert record["pairs"] == 20 and record["sentences_translated"] == 10
 
 
 def test_teachers_whose_vocabulary_a_student_lacks_are_refused(
@@ -94,6 +96,26 @@ def test_the_original_data_is_never_written_over(
     assert {p.name: p.read_bytes() for p in source.iterdir()} == before
 
 
+def test_an_earlier_training_set_is_not_written_over(
+    word_run, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(tools, "load_vocab", lambda *args: None)
+    out = tmp_path / "kd"
+    out.mkdir()
+    (out / "train.en.gz").write_bytes(b"hours of work")
+    with pytest.raises(SystemExit) as stop:
+        distill.main(["--run", f"{word_run}:0", "--n", "2", "--out", str(out)])
+    assert "holds a training set already" in str(stop.value)
+    assert (out / "train.en.gz").read_bytes() == b"hours of work"
+
+
+def test_one_folder_for_both_outputs_is_refused(word_run, tmp_path, capsys):
+    argv = ["--run", f"{word_run}:0", "--out", str(tmp_path / "a")]
+    with pytest.raises(SystemExit):
+        distill.parse_args([*argv, "--mix-out", str(tmp_path / "a")])
+    assert "another folder than --out" in capsys.readouterr().err
+
+
 def test_an_out_that_is_a_file_is_one_line(word_run, tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("keep me")
@@ -106,10 +128,10 @@ def test_an_out_that_is_a_file_is_one_line(word_run, tmp_path, capsys):
 
 
 def fake_trial(calls):
-    """subprocess.run for run_trial: records the environment, writes JSON."""
+    """subprocess.run for run_trial: records the command, writes JSON."""
 
-    def run(command, env=None, **kwargs):
-        calls.append(env)
+    def run(command, **kwargs):
+        calls.append(command)
         out = command[command.index("--out") + 1]
         with open(out, "w") as f:
             json.dump({"command": " ".join(command), "points": []}, f)
@@ -126,16 +148,12 @@ def test_a_trial_with_data_trains_on_that_folder(tmp_path, monkeypatch):
     name = "cpu-d02-lin18-wd02-tie-s1-kd"
     setting = recipe_sweep.SETTINGS[name]
     result, failure = recipe_sweep.run_trial(name, setting, args)
-    assert failure == "" and result["data"] == "data/distilled-tie4"
-    assert calls[0][tat.MULTI30K_ENV] == "data/distilled-tie4"
-    saved = json.loads((tmp_path / f"{name}.json").read_text())
-    assert saved["data"] == "data/distilled-tie4"
+    assert failure == "" and "--data data/distilled-tie4" in result["command"]
+    assert calls[0][-2:] == ["--data", "data/distilled-tie4"]
     assert "(data: data/distilled-tie4)" in recipe_sweep.describe(setting)
-
     plain = recipe_sweep.SETTINGS["cpu-d02-lin18-wd02-tie-s1"]
     recipe_sweep.run_trial("plain", plain, args)
-    assert calls[1] is None  # this process's own environment
-    assert "data" not in json.loads((tmp_path / "plain.json").read_text())
+    assert "--data" not in calls[1]
 
 
 def student_folder(source, folder, n=1000):
@@ -184,10 +202,25 @@ def test_train_data_trains_on_the_folder_with_multi30k_vocabularies(
         ("train", str(student))
     )
     _, vocab_src, vocab_tgt, _ = tools.load_translator(ck / "final.pt")
-    assert os.environ[tat.MULTI30K_ENV] == str(student)  # as spawned see it
-    monkeypatch.setenv(tat.MULTI30K_ENV, local_multi30k)
+    assert os.environ[tat.MULTI30K_ENV] == local_multi30k  # put back
     original = tools.load_vocab(*tokenizers, path=tmp_path / "v.json")
     assert (vocab_src, vocab_tgt) == original  # not the upper-cased English
+
+
+def test_multi30k_from_puts_the_folder_back_even_after_an_error(
+    monkeypatch,
+):
+    monkeypatch.setenv(tat.MULTI30K_ENV, "before")
+    with pytest.raises(RuntimeError), tools.multi30k_from("student"):
+        assert os.environ[tat.MULTI30K_ENV] == "student"
+        raise RuntimeError("training failed")
+    assert os.environ[tat.MULTI30K_ENV] == "before"
+    with tools.multi30k_from(None):  # no --data: nothing changes
+        assert os.environ[tat.MULTI30K_ENV] == "before"
+    monkeypatch.delenv(tat.MULTI30K_ENV)
+    with tools.multi30k_from("student"):
+        assert os.environ[tat.MULTI30K_ENV] == "student"
+    assert tat.MULTI30K_ENV not in os.environ
 
 
 @pytest.mark.parametrize("damage", ["val.en.gz", "train.de.gz"])
@@ -206,3 +239,21 @@ def test_train_data_refuses_a_folder_without_multi30k_references(
     err = capsys.readouterr().err.strip()
     assert status == 2 and "--data" in err and damage in err, err
     assert len(err.splitlines()) == 1 and not ck.exists()
+
+
+def test_time_to_bleu_data_trains_on_the_folder_and_records_it(
+    local_multi30k, tmp_path, monkeypatch, reads
+):
+    monkeypatch.setenv(tat.MULTI30K_ENV, local_multi30k)
+    monkeypatch.setattr(tools, "data_dir", lambda: tmp_path / "data")
+    student = student_folder(Path(local_multi30k), tmp_path / "student", 200)
+    argv = ["--preset", "ci", "--epochs", "1", "--val-pairs", "10"]
+    argv += ["--threads", "1", "--data", str(student)]
+    argv += ["--out", str(tmp_path / "run.json")]
+    result = bench_script("time_to_bleu").main(
+        [*argv, "--checkpoint-dir", str(tmp_path / "ck")]
+    )
+    assert result["data"] == str(student)
+    assert ("train", str(student)) in reads
+    assert ("train", local_multi30k) in reads  # the vocabularies
+    assert os.environ[tat.MULTI30K_ENV] == local_multi30k  # put back

@@ -174,7 +174,8 @@ def test_a_student_records_its_teachers_and_the_whole_cost(tmp_path, capsys):
     trial.write_text(json.dumps(a_trial() | {"data": "data/kd"}))
     distill = tmp_path / "distill.json"
     runs = ["runs/recipe_sweep/t0:5", "runs/recipe_sweep/t1:0"]
-    distill.write_text(json.dumps({"runs": runs, "seconds": 900.0}))
+    record = {"runs": runs, "seconds": 900.0, "folder": "data/kd"}
+    distill.write_text(json.dumps(record))
     out = tmp_path / "out.json"
     argv = [str(trial), "--val", str(val), "--test", str(test)]
     with pytest.raises(SystemExit):  # a student needs --distill
@@ -191,3 +192,12 @@ def test_a_student_records_its_teachers_and_the_whole_cost(tmp_path, capsys):
     assert result["training_data"].startswith("data/kd:")
     assert result["test2016_bleu_best"] == 41.0  # still chosen on val
     assert json.loads(out.read_text()) == result
+
+
+def test_a_distillation_of_another_folder_is_refused(tmp_path):
+    trial = a_trial() | {"data": "data/kd"}
+    record = {"runs": [], "seconds": 1.0, "folder": "data/other"}
+    with pytest.raises(ValueError, match="trained on data/kd"):
+        record_best.distillation(trial, record, tmp_path)
+    with pytest.raises(ValueError, match="trained on --data"):
+        record_best.distillation(a_trial(), record, tmp_path)

@@ -309,3 +309,6 @@ def test_stopped_trial_keeps_a_dot_in_the_trial_name():
     assert stopped_trial.out_path("x", "elsewhere/y.json") == Path(
         "elsewhere/y.json"
     )
+    assert stopped_trial.out_path("x", "elsewhere/y") == Path(
+        "elsewhere/y.json"
+    )
