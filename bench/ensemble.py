@@ -89,17 +89,26 @@ def run_spec(text):
     return Path(folder), int(k)
 
 
-def parse_args(argv=None):
-    parser = tools.OneLineParser(prog="ensemble.py", description=__doc__)
+def add_run_option(parser, what="a word-level run"):
+    """--run FOLDER:K, repeated: the models that decode together."""
     parser.add_argument(
         "--run",
         type=run_spec,
         action="append",
         required=True,
         metavar="FOLDER:K",
-        help="a word-level run, averaged over its last K epoch files (0:"
-        " final.pt); repeat for each model",
+        help=f"{what}, averaged over its last K epoch files (0: final.pt);"
+        " repeat for each model",
     )
+
+
+def parse_args(argv=None):
+    parser = tools.OneLineParser(
+        prog="ensemble.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_run_option(parser)
     parser.add_argument(
         "--beam", type=tools.count(most=1000), nargs="+", default=[4]
     )

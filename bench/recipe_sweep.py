@@ -563,6 +563,22 @@ SETTINGS = {
         "max_steps": 0,
         "eval_every": 0,
     },
+    "cpu-d02-lin18-wd02-tie-kdmix": {
+        "why": "cpu-d02-lin18-wd02-tie-s1-kdmix from seed 0: is the"
+        " student's gain on validation more than seed noise?",
+        "preset": "cpu",
+        "data": "data/distilled-tie4-mix",
+        "set": {
+            "dropout": 0.2,
+            "schedule": "linear",
+            "weight_decay": 0.2,
+            "tie_embeddings": True,
+            "epochs": 9,
+            "keep_last": 0,
+        },
+        "max_steps": 0,
+        "eval_every": 0,
+    },
 }
 
 TABLE_HEAD = (
