@@ -275,8 +275,8 @@ assert torch.allclose(norm(x), by_hand, atol=1e-5)
 # so the gradient flows straight down the stack, however many blocks are
 # stacked. Xiong et al. (2020) show that with pre-norm the gradients are
 # well scaled from the first step, so training needs little or no warm-up
-# (the slow start of the learning rate, Part 2). We keep the paper's
-# warm-up anyway.
+# (the slow start of the learning rate, Part 2). We keep a warm-up anyway
+# (Part 2), though a shorter one than the paper's.
 #
 # Because pre-norm never normalizes the residual stream itself, the last
 # block's output can have any scale; so each stack ends with one extra
@@ -462,8 +462,8 @@ save_chart(mask_chart(20), "01_subsequent_mask", Path(ROOT, "figures"))
 #
 # In code it is a few lines. `mask` is the boolean mask above; a masked
 # score is replaced by the most negative number its dtype holds, so its
-# weight after the softmax is zero (why that number: after the next
-# check). A departure
+# weight after the softmax is zero (why that number: at the end of this
+# section, after the scaling check). A departure
 # from the paper: `attention` can apply dropout to the weights
 # themselves. It is inherited from the 2022 tutorial and not measured
 # here; the paper (section 5.4) mentions dropout only on each sub-layer's
@@ -1131,9 +1131,9 @@ parameter_table()
 # %% [markdown]
 # Every row of the table matches its formula (the function asserts it).
 #
-# With the paper's setup instead, one shared vocabulary of 37,000 tokens
-# and one matrix shared by both embeddings and the generator (as Part 5
-# does), the stacks' 44.1M plus $37{,}000 \cdot 512$ for the matrix plus
+# The paper's setup instead has one shared vocabulary of 37,000 tokens and
+# one matrix shared by both embeddings and the generator (as Part 5
+# does). The stacks' 44.1M plus $37{,}000 \cdot 512$ for the matrix plus
 # the generator's 37,000 biases make about 63.1M, close to the 65M the
 # paper reports for its base model. Check, by counting:
 

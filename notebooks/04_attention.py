@@ -1014,7 +1014,7 @@ def replace_unknowns(ids, aligned, src_words, vocab_tgt):
 #
 # We run `source_alignment` on the validation references, teacher-forced.
 # Their words outside the English vocabulary are `<unk>` too, and there we
-# know the English word behind each one. The cell prints three such
+# know the English word behind each one. The cells below print three such
 # sentences, each copied German word beside the English word it stands
 # for, to judge by eye.
 #

@@ -117,8 +117,9 @@ from annotated_transformer_tools import (
 # CI-sized run that the tests make (`AT_SIZE=ci`), the appendix's
 # `find_or_train` trains the tiny `ci` preset here in seconds: its
 # translations are poor, but every check works the same. On a CUDA GPU,
-# such as Colab's, where each notebook has a runtime of its own, it trains
-# the `quick` model instead, in a few minutes. The `model:` line that the
+# such as Colab's, a full-size run trains the `quick` model instead, in a
+# few minutes (each Colab notebook has its own runtime, so Part 3's model
+# is not there). The `model:` line that the
 # cell prints says which model it is, and for how many epochs it trained.
 #
 # The model is loaded onto the CPU, whatever the machine, because the
@@ -1301,6 +1302,6 @@ for decoder_name, fn in DECODERS.items():
 # probabilities at each step of the beam (`bench/ensemble.py`): four
 # models scored 42.57 on test2016, 1.2 to 1.6 above each alone. And one
 # model can learn from such an ensemble, by training on its translations
-# of the training German (`bench/distill.py`, sequence-level
-# distillation): on test2016 it scored within seed noise of a model
-# trained alone, for five times the training.
+# of the training German beside the original pairs (`bench/distill.py`,
+# sequence-level distillation): on test2016 it scored within seed noise
+# of a model trained alone, for five times the training.

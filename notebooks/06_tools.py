@@ -974,8 +974,9 @@ print(f"{len(MULTI30K_SHA256)} files verified in {folder}")
 # well" ("Which precision", below): bfloat16 or float16 autocast where the
 # hardware has it, float32 elsewhere. `ci` asks for float32 everywhere, so
 # that its tests give the same numbers on every machine. `paper` has no
-# BLEU score here: its model is the paper's, with 8,000-token batches and
-# 40 epochs, but its schedule is `cpu`'s (warm-up 800, not 4,000). `ci`
+# BLEU score here: its model is the paper's base model, trained here with
+# 8,000-token batches for 40 epochs, but with `cpu`'s schedule (warm-up
+# 800, not 4,000). `ci`
 # serves tests and the CI-sized notebooks.
 
 # %%
@@ -1646,8 +1647,8 @@ def average_checkpoints(paths, device="cpu"):
 # ## Training runs: devices and processes
 #
 # Part 3's `train_one_process` is the whole training loop in one process.
-# `train_worker` runs the same loop with two faster CPU pieces,
-# `FastDropout` and `FastLabelSmoothing` (below), and adds what a long run
+# `train_worker` runs the same loop with two faster pieces, `FastDropout`
+# (on the CPU) and `FastLabelSmoothing` (below), and adds what a long run
 # needs:
 #
 # * **Checkpoint files**, written after every epoch (see "Checkpoint
@@ -1838,9 +1839,9 @@ def backend_for(device):
 #
 # Timings (`bench/RESULTS_efficiency.md`, one 2-core EPYC, the `cpu`
 # model): the new mask made a bf16 training step 1.15 times as fast, and
-# an fp32 step 1.10 times; sending attention's dropout through it too
-# gave another 1.03 times in bf16 (3880.8 against 3752.7 tok/s), and
-# nothing in fp32.
+# an fp32 step 1.10 times. Sending attention's dropout through it too gave
+# another 1.03 times in bf16 (3880.8 against 3752.7 tok/s), and nothing
+# in fp32.
 
 
 # %%
@@ -2013,8 +2014,9 @@ assert torch.allclose(grads[1], -3 * fast.true_dist, atol=1e-7)
 #
 # `TrainingRun` then sets up one process's run. It joins the group when
 # there are several processes, seeds, and builds the model with
-# `FastDropout` (above), wrapped in DDP. It then makes the criterion,
-# `FastLabelSmoothing` (above; `train_epoch`, below, computes the loss),
+# `FastDropout` (above), wrapped in DDP when there are several processes.
+# It then makes the criterion, `FastLabelSmoothing` (above; `train_epoch`,
+# below, computes the loss),
 # and Part 3's optimizer and schedule for the step budget
 # (`batches_per_epoch`, or `total` steps). Last, it picks the precision,
 # with a `GradScaler` where the precision needs one. `module` is the bare
@@ -3425,11 +3427,11 @@ def build_parser():
 # `train` builds the config from the preset and the flags, checks
 # `--results`, downloads Multi30k if needed, takes the lock on the
 # checkpoint folder (so that a second run into it stops at once), makes
-# the vocabularies, checks what `--resume` would resume, and trains: in
-# this process, in `--world-size` spawned ones, or as one of the processes
-# that `torchrun` started (`torchrun_ranks` recognizes them by the
-# `LOCAL_RANK` that torchrun sets, beside `RANK` and `WORLD_SIZE`; rank 0
-# takes the lock for all of them).
+# the vocabularies, checks what `--resume` would resume, and trains. It
+# trains in this process, in `--world-size` spawned ones, or as one of the
+# processes that `torchrun` started. `torchrun_ranks` recognizes these by
+# the `LOCAL_RANK` that torchrun sets, beside `RANK` and `WORLD_SIZE`, and
+# rank 0 takes the lock for all of them.
 #
 # With `--data FOLDER`, for instance a folder that `bench/distill.py`
 # wrote, training reads its pairs from that folder instead.
