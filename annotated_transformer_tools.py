@@ -27,6 +27,7 @@ if __name__ == "__main__" or __import__("sys").argv[0].endswith(
 
 import argparse
 import contextlib
+import copy
 import functools
 import hashlib
 import http.client
@@ -1290,6 +1291,48 @@ class FastLabelSmoothing(LabelSmoothing):
         return SmoothedKL.apply(x, target, self.padding_idx, self.smoothing)
 
 
+def doubled(batch):
+    """The batch stacked on itself: rows i and B + i are the same pair.
+
+    `ntokens` stays the pair's real target tokens: counts of tokens seen
+    do not double. The loss (`RDropLossCompute`) knows the batch is doubled.
+    """
+    twice = copy.copy(batch)
+    for name in ("src", "src_mask", "tgt", "tgt_y", "tgt_mask"):
+        setattr(twice, name, torch.cat([getattr(batch, name)] * 2))
+    return twice
+
+
+def symmetric_kl(logp, logq, keep):
+    """(KL(p||q) + KL(q||p)) / 2 of each row, summed where `keep` is True.
+
+    logp, logq: (..., V) log-probabilities; keep: (...) booleans.
+    """
+    acc = torch.promote_types(logp.dtype, torch.float32)  # bf16: float32
+    logp, logq = logp.to(acc), logq.to(acc)
+    per_row = 0.5 * ((logp.exp() - logq.exp()) * (logp - logq)).sum(-1)
+    return per_row.masked_fill(~keep, 0).sum()
+
+
+class RDropLossCompute(SimpleLossCompute):
+    """SimpleLossCompute for a `doubled` batch, plus R-Drop's KL term."""
+
+    def __init__(self, generator, criterion, alpha):
+        super().__init__(generator, criterion)
+        self.alpha = alpha
+
+    def __call__(self, x, y, norm):
+        """x: (2B, T, d_model); y: (2B, T); norm: the B pairs' tokens."""
+        logp = self.generator(x)  # (2B, T, vocab)
+        flat = logp.reshape(-1, logp.size(-1))
+        smoothed = self.criterion(flat, y.reshape(-1))  # both copies
+        first, second = logp.chunk(2)
+        keep = y.chunk(2)[0] != self.criterion.padding_idx
+        kl = symmetric_kl(first, second, keep)
+        loss_mean = (smoothed + self.alpha * kl) / (2 * norm)
+        return smoothed.detach() / 2, loss_mean
+
+
 def place_process(rank, world_size, distributed, device=None):
     """This process's device, made the current GPU on CUDA."""
     if device is None:
@@ -1393,6 +1436,8 @@ def train_pass(run, train_loader, loss):
     """One pass over the training batches; the loss over all processes."""
     tokens = [0]
     batches = (device_batch(s, t, run.device) for s, t in train_loader)
+    if run.config.rdrop > 0:  # each batch twice, for R-Drop (above)
+        batches = map(doubled, batches)
     run.model.train()
     train_loss, run.state = run_epoch(
         counted(batches, tokens),
@@ -1426,12 +1471,16 @@ def validate(run, valid_loader, loss):
 def train_epoch(run, epoch, train_loader, valid_loader, show=True):
     """Train for one epoch, then validate; returns the history entry."""
     loss = SimpleLossCompute(run.module.generator, run.criterion)
+    train_compute = loss  # R-Drop's (above) when rdrop is on
+    if run.config.rdrop > 0:
+        alpha = run.config.rdrop
+        train_compute = RDropLossCompute(loss.generator, run.criterion, alpha)
     train_loader.batch_sampler.set_epoch(epoch)
     if show and run.rank == 0:  # a bar, once an epoch takes over 3 s
         from tqdm.auto import tqdm  # here: the module needs only torch
 
         train_loader = tqdm(train_loader, f"epoch {epoch}", delay=3)
-    train_loss = train_pass(run, train_loader, loss)
+    train_loss = train_pass(run, train_loader, train_compute)
     val_loss = validate(run, valid_loader, loss)
     entry = {"epoch": epoch, "train_loss": train_loss, "val_loss": val_loss}
     run.history.append(entry | {"steps": run.state.accum_step})
@@ -2833,6 +2882,9 @@ __all__ = [
     "use_fast_dropout",
     "SmoothedKL",
     "FastLabelSmoothing",
+    "doubled",
+    "symmetric_kl",
+    "RDropLossCompute",
     "place_process",
     "join_group",
     "TrainingRun",

@@ -579,6 +579,41 @@ SETTINGS = {
         "max_steps": 0,
         "eval_every": 0,
     },
+    "cpu-d02-lin18-wd02-tie-kdmix-rd3": {
+        "why": "cpu-d02-lin18-wd02-tie-kdmix with R-Drop, alpha 3 (the"
+        " appendix): do two dropout passes that must agree lift one"
+        " model? A step costs about twice as much",
+        "preset": "cpu",
+        "data": "data/distilled-tie4-mix",
+        "set": {
+            "dropout": 0.2,
+            "schedule": "linear",
+            "weight_decay": 0.2,
+            "tie_embeddings": True,
+            "epochs": 9,
+            "keep_last": 0,
+            "rdrop": 3.0,
+        },
+        "max_steps": 0,
+        "eval_every": 0,
+    },
+    "cpu-d02-lin18-wd02-tie-kdmix-rd5": {
+        "why": "cpu-d02-lin18-wd02-tie-kdmix-rd3 with alpha 5, the value"
+        " the R-Drop authors used for IWSLT14 German-English",
+        "preset": "cpu",
+        "data": "data/distilled-tie4-mix",
+        "set": {
+            "dropout": 0.2,
+            "schedule": "linear",
+            "weight_decay": 0.2,
+            "tie_embeddings": True,
+            "epochs": 9,
+            "keep_last": 0,
+            "rdrop": 5.0,
+        },
+        "max_steps": 0,
+        "eval_every": 0,
+    },
 }
 
 TABLE_HEAD = (

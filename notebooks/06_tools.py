@@ -59,6 +59,7 @@ sys.path.insert(0, ROOT)
 #| export
 import argparse
 import contextlib
+import copy
 import functools
 import hashlib
 import http.client
@@ -2003,6 +2004,91 @@ assert torch.allclose(grads[1], -3 * fast.true_dist, atol=1e-7)
 
 
 # %% [markdown]
+# ### R-Drop: two dropout passes that must agree
+#
+# Dropout makes every training step use a different sub-network. R-Drop
+# (Liang et al., 2021, "R-Drop: Regularized Dropout for Neural Networks")
+# adds a loss that asks two such sub-networks to predict the same
+# distribution. Each batch goes through the model twice, with two
+# independent dropout masks; the loss is the label-smoothed loss of both
+# passes plus $\alpha$ times the symmetric KL divergence between their
+# predictions, at every real target token:
+#
+# $$\tfrac12\big(\mathrm{KL}(p\,\|\,q) + \mathrm{KL}(q\,\|\,p)\big)
+#   = \tfrac12 \sum_j (p_j - q_j)(\log p_j - \log q_j).$$
+#
+# The two passes are one forward pass over the batch stacked on itself
+# (`doubled`), so that each dropout layer draws one mask for both copies:
+# row $i$ and row $B + i$ are the same sentence pair. The whole loss is
+# divided by the token count of the doubled batch, as in the authors'
+# fairseq code, so $\alpha$ means what it means there. A step costs
+# about twice as much. `TrainConfig.rdrop` is $\alpha$; 0, the default,
+# trains as before. The training loss reported is the label-smoothed
+# part alone, so that it compares with runs without R-Drop.
+
+
+# %%
+#| export
+def doubled(batch):
+    """The batch stacked on itself: rows i and B + i are the same pair.
+
+    `ntokens` stays the pair's real target tokens: counts of tokens seen
+    do not double. The loss (`RDropLossCompute`) knows the batch is doubled.
+    """
+    twice = copy.copy(batch)
+    for name in ("src", "src_mask", "tgt", "tgt_y", "tgt_mask"):
+        setattr(twice, name, torch.cat([getattr(batch, name)] * 2))
+    return twice
+
+
+def symmetric_kl(logp, logq, keep):
+    """(KL(p||q) + KL(q||p)) / 2 of each row, summed where `keep` is True.
+
+    logp, logq: (..., V) log-probabilities; keep: (...) booleans.
+    """
+    acc = torch.promote_types(logp.dtype, torch.float32)  # bf16: float32
+    logp, logq = logp.to(acc), logq.to(acc)
+    per_row = 0.5 * ((logp.exp() - logq.exp()) * (logp - logq)).sum(-1)
+    return per_row.masked_fill(~keep, 0).sum()
+
+
+class RDropLossCompute(SimpleLossCompute):
+    """SimpleLossCompute for a `doubled` batch, plus R-Drop's KL term."""
+
+    def __init__(self, generator, criterion, alpha):
+        super().__init__(generator, criterion)
+        self.alpha = alpha
+
+    def __call__(self, x, y, norm):
+        """x: (2B, T, d_model); y: (2B, T); norm: the B pairs' tokens."""
+        logp = self.generator(x)  # (2B, T, vocab)
+        flat = logp.reshape(-1, logp.size(-1))
+        smoothed = self.criterion(flat, y.reshape(-1))  # both copies
+        first, second = logp.chunk(2)
+        keep = y.chunk(2)[0] != self.criterion.padding_idx
+        kl = symmetric_kl(first, second, keep)
+        loss_mean = (smoothed + self.alpha * kl) / (2 * norm)
+        return smoothed.detach() / 2, loss_mean
+
+
+# %% [markdown]
+# The check: the KL term is zero when both passes agree (dropout off),
+# and it matches `torch.nn.functional.kl_div` computed each way.
+
+# %%
+torch.manual_seed(0)
+logp = torch.randn(2, 5, 9).log_softmax(-1)
+logq = torch.randn(2, 5, 9).log_softmax(-1)
+keep = torch.ones(2, 5, dtype=torch.bool)
+kl_div = torch.nn.functional.kl_div  # kl_div(log q, p): KL(p || q)
+both = kl_div(logq, logp.exp(), reduction="sum") + kl_div(
+    logp, logq.exp(), reduction="sum"
+)
+assert torch.allclose(symmetric_kl(logp, logq, keep), both / 2, atol=1e-6)
+assert symmetric_kl(logp, logp, keep) == 0
+
+
+# %% [markdown]
 # ### A run, in pieces
 #
 # `train_worker` is what each process runs, and we build it from a few
@@ -2167,6 +2253,8 @@ def train_pass(run, train_loader, loss):
     """One pass over the training batches; the loss over all processes."""
     tokens = [0]
     batches = (device_batch(s, t, run.device) for s, t in train_loader)
+    if run.config.rdrop > 0:  # each batch twice, for R-Drop (above)
+        batches = map(doubled, batches)
     run.model.train()
     train_loss, run.state = run_epoch(
         counted(batches, tokens),
@@ -2200,12 +2288,16 @@ def validate(run, valid_loader, loss):
 def train_epoch(run, epoch, train_loader, valid_loader, show=True):
     """Train for one epoch, then validate; returns the history entry."""
     loss = SimpleLossCompute(run.module.generator, run.criterion)
+    train_compute = loss  # R-Drop's (above) when rdrop is on
+    if run.config.rdrop > 0:
+        alpha = run.config.rdrop
+        train_compute = RDropLossCompute(loss.generator, run.criterion, alpha)
     train_loader.batch_sampler.set_epoch(epoch)
     if show and run.rank == 0:  # a bar, once an epoch takes over 3 s
         from tqdm.auto import tqdm  # here: the module needs only torch
 
         train_loader = tqdm(train_loader, f"epoch {epoch}", delay=3)
-    train_loss = train_pass(run, train_loader, loss)
+    train_loss = train_pass(run, train_loader, train_compute)
     val_loss = validate(run, valid_loader, loss)
     entry = {"epoch": epoch, "train_loss": train_loss, "val_loss": val_loss}
     run.history.append(entry | {"steps": run.state.accum_step})
