@@ -77,6 +77,8 @@ def parse_value(field, text):
     kind = {f.name: f.type for f in dataclasses.fields(at.TrainConfig)}
     if field not in kind:
         raise ValueError(f"TrainConfig has no field {field!r}")
+    if field == "data":  # its folder is checked, and MULTI30K_DIR set
+        raise ValueError("--set data=...: use --data FOLDER")
     kind = kind[field]
     if kind in (bool, "bool"):
         if text.lower() not in ("true", "false", "1", "0"):
@@ -376,6 +378,7 @@ def main(argv=None):
         if args.data:
             tools.download_multi30k()  # the vocabularies' source, checked
             data = tools.train_on_folder(args.data, config)
+            config = dataclasses.replace(config, data=str(data))
         with tools.multi30k_from(data):
             bench = Benchmark(
                 config,

@@ -3351,6 +3351,14 @@ def add_train_parser(sub):
         help="AdamW's weight decay (default 0: Adam)",
     )
     train.add_argument(
+        "--rdrop",
+        type=number_from(0.0, 20.0),
+        metavar="ALPHA",
+        help="R-Drop's weight: each batch runs twice and the two"
+        " predictions must agree; a step costs about twice as much"
+        " (default 0: off)",
+    )
+    train.add_argument(
         "--tie-embeddings",
         action="store_true",
         default=None,
@@ -3595,6 +3603,7 @@ def command_train(args):
             ("max_tokens", args.max_tokens),
             ("dropout", args.dropout),
             ("weight_decay", args.weight_decay),
+            ("rdrop", args.rdrop),
             ("tie_embeddings", args.tie_embeddings),
             ("seed", args.seed),
             ("schedule", args.schedule),
@@ -3620,6 +3629,8 @@ def command_train(args):
         check_out(args.results, option="--results")
     download_multi30k()  # before the lock makes the checkpoint folder
     data = train_on_folder(args.data, config) if args.data else None
+    if data:  # in the checkpoints: --resume on other pairs is refused
+        config = replace(config, data=str(data))
     rank = ranks[0] if ranks else 0
     lock = folder_lock(config.checkpoint_dir) if rank == 0 else None
     with lock or nullcontext(), multi30k_from(data):  # rank 0 locks

@@ -205,6 +205,17 @@ def test_train_data_trains_on_the_folder_with_multi30k_vocabularies(
     assert os.environ[tat.MULTI30K_ENV] == local_multi30k  # put back
     original = tools.load_vocab(*tokenizers, path=tmp_path / "v.json")
     assert (vocab_src, vocab_tgt) == original  # not the upper-cased English
+    saved = tools.load_checkpoint(ck / "final.pt")["config"]
+    assert saved["data"] == str(student.absolute())
+    capsys.readouterr()
+    resume = [*argv[:4], "2", "--threads", "1", "--checkpoint-dir", str(ck)]
+    status = tools.main([*resume, "--resume"])  # on Multi30k's own pairs
+    err = capsys.readouterr().err
+    assert status == 2 and "cannot resume" in err and "data" in err, err
+    assert len(err.strip().splitlines()) == 1
+    status = tools.main([*resume, "--resume", "--data", str(student)])
+    assert status == 0, capsys.readouterr().err
+    assert tools.load_checkpoint(ck / "final.pt")["epoch"] == 1
 
 
 def test_multi30k_from_puts_the_folder_back_even_after_an_error(

@@ -185,3 +185,24 @@ def test_train_epoch_uses_rdrop_only_when_asked(monkeypatch):
         assert type(used[-1]) is kind
         if alpha:
             assert used[-1].alpha == alpha
+
+
+def test_train_rdrop_reaches_the_config(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(tools, "download_multi30k", lambda: None)
+    monkeypatch.setattr(
+        tools, "train_locked", lambda args, config, ranks: seen.append(config)
+    )
+    argv = ["train", "--preset", "ci", "--checkpoint-dir", str(tmp_path)]
+    assert tools.main([*argv, "--rdrop", "2.5"]) in (0, None)
+    assert tools.main(argv) in (0, None)
+    assert [c.rdrop for c in seen] == [2.5, 0.0]
+
+
+@pytest.mark.parametrize("bad", ["-1", "21", "much"])
+def test_a_bad_rdrop_is_one_line(bad, capsys):
+    with pytest.raises(SystemExit) as stop:
+        tools.build_parser().parse_args(["train", "--rdrop", bad])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--rdrop" in err

@@ -312,3 +312,9 @@ def test_stopped_trial_keeps_a_dot_in_the_trial_name():
     assert stopped_trial.out_path("x", "elsewhere/y") == Path(
         "elsewhere/y.json"
     )
+
+
+def test_set_data_is_refused_for_data():
+    """A folder named by --set would skip --data's checks."""
+    with pytest.raises(ValueError, match="--data FOLDER"):
+        time_to_bleu.overrides_from(["data=elsewhere"])
