@@ -52,7 +52,8 @@ if "COLAB_RELEASE_TAG" in os.environ and not os.path.isdir(CLONE):
 HERE = "." if os.path.isfile("the_annotated_transformer.py") else ".."
 ROOT = os.path.abspath(CLONE if os.path.isdir(CLONE) else HERE)
 sys.path.insert(0, ROOT)
-# AT_SIZE=ci is for CI only: a smaller copy model (see "Training" below).
+# AT_SIZE=ci: the project's automated tests (CI) train a smaller copy
+# model here (see "Training" below); readers can ignore it.
 AT_SIZE = os.environ.get("AT_SIZE", "full")
 
 # %%
@@ -70,8 +71,10 @@ from torch import nn
 
 from the_annotated_transformer import make_model, subsequent_mask
 
-# Chart helpers from the appendix (06_tools, "Charts"): save_chart shows a
-# chart and also writes it as SVG and PNG into figures/.
+# Chart helpers from the appendix (06_tools, "Charts"): save_chart writes a
+# chart as SVG and PNG into figures/ and returns it, so a cell that ends
+# with it shows the chart. Outside Colab they need `make setup` (or
+# `pip install -e '.[notebooks]'`).
 from annotated_transformer_tools import (
     label_smoothing_penalty_chart,
     learning_rate_chart,
@@ -83,27 +86,28 @@ FIGURES = Path(ROOT, "figures")
 # %% [markdown]
 # ## Batches and masks
 #
-# A `Batch` holds a source and a target batch of token ids and the masks
-# that go with them. Every target begins with a *start symbol*, a token
-# that only means "begin here", so that the decoder has something to read
-# before it has produced anything. The decoder reads the target without
-# its last token (`tgt`), and is asked to predict the target without its
-# first, the start symbol (`tgt_y`): at each position, the next token.
-# After `b = Batch(src, tgt)`, `b.tgt` is the decoder's input, one token
-# shorter than the `tgt` passed in, and `b.tgt_y` what it must predict.
-# This is *teacher forcing*: the decoder reads
-# the true previous tokens, not its own guesses. Two masks keep the model
-# honest:
+# The model reads a batch of B source sequences of length S (the longest
+# in the batch; shorter ones are padded), and B target sequences. A
+# `Batch` holds both, as token ids, and the masks that go with them.
+#
+# Every target begins with a *start symbol*, a token that only means
+# "begin here", so that the decoder has something to read before it has
+# produced anything. The decoder is trained to predict the next token: it
+# reads the target without its last token, and must predict the target
+# without its first. After `b = Batch(src, tgt)`, `b.tgt` is what the
+# decoder reads and `b.tgt_y` what it must predict; both have length T,
+# one less than the `tgt` passed in. This is *teacher forcing*: the
+# decoder reads the true previous tokens, not its own guesses. Two masks
+# keep the model honest:
 #
 # * the **source mask** `(B, 1, S)` hides padding in the source;
 # * the **target mask** `(B, T, T)` hides padding *and* future positions,
 #   the AND of a padding mask and `subsequent_mask`.
 #
-# `ntokens` counts the real (non-pad) tokens to predict, the number the
-# loss is normalized by. It is a plain Python `int`. `to(device)` moves
-# every tensor of a batch to a GPU in one call, for the GPU runs of the
-# appendix (notebook 06_tools). The padding id defaults to 2, the id of
-# `<blank>` in Part 3's vocabularies; the copy task below passes its own.
+# `b.ntokens` is the number of real (non-padding) tokens to predict, a
+# plain Python `int`; the loss is divided by it. The padding id defaults
+# to 2, `<blank>` in Part 3's vocabularies; the copy task below passes its
+# own. (`b.to(device)` moves a batch to a GPU; this part does not use it.)
 
 
 # %%
@@ -180,27 +184,31 @@ def data_gen(V, batch_size, nbatches, seq_len=10, generator=None):
 # %% [markdown]
 # ## The loss: label smoothing
 #
-# Instead of training towards a one-hot target, the paper moves a small
-# mass $\epsilon_{ls} = 0.1$ away from the correct token and spreads it
-# evenly over the other tokens. Ours spreads it over the vocabulary minus
-# two entries, the correct token and the padding token, which should never
-# be predicted. Rows whose target *is* padding get all zeros and so add
-# nothing to the loss. The loss is the KL divergence between this smoothed
-# distribution and the model's, summed over tokens. The KL divergence
-# $\sum_j p_j \log(p_j / q_j)$ measures how far the model's distribution
-# $q$ is from the target $p$: it is 0 only when they match, and for a
-# one-hot $p$ it is the familiar cross-entropy, $-\log q_y$.
+# Instead of training towards a one-hot target (all probability on the
+# correct token), the paper moves a small mass $\epsilon_{ls} = 0.1$ off
+# the correct token and spreads it evenly over the others. We spread it
+# over every token except the correct one and padding, which should never
+# be predicted. Each target token thus gets a smoothed distribution $p$:
+# one row of a matrix with a row per target token. A row whose target is
+# padding is all zeros and adds nothing to the loss.
+#
+# The loss compares each row $p$ with the model's distribution $q$ by the
+# KL divergence $\sum_j p_j \log(p_j / q_j)$, and sums over the rows. The
+# KL divergence is 0 only when $p$ and $q$ match, and for a one-hot $p$ it
+# is the familiar cross-entropy, $-\log q_y$.
 #
 # The paper (section 5.4) reports a trade: perplexity (how surprised the
 # model is by the right token) gets worse, as the model keeps some
 # probability off its best guess, and BLEU (the translation score, Part 3)
 # gets better.
 #
-# `LabelSmoothing` builds the smoothed targets with `smoothed_targets`;
-# `true_dist`, `last_target` and `last_dtype` are there only for code
-# written against the 2022 tutorial, and can be skipped. Its `forward`
-# computes the loss through `closed_form`, which calls `smoothed_kl`,
-# defined and explained after an example. (The appendix's faster loss
+# `LabelSmoothing` computes this loss. Its `forward` calls `closed_form`,
+# which calls `smoothed_kl`, a shortcut explained after the example below.
+# With `keep_targets=True` it builds the whole matrix of smoothed targets
+# instead (`smoothed_targets`, read through `true_dist`, a name the 2022
+# Harvard tutorial used) and hands it to PyTorch's `KLDivLoss`; a check
+# below uses that path to test the shortcut. `last_target` and
+# `last_dtype` only remember the latest call. (The appendix's faster loss
 # replaces `closed_form` alone.)
 
 
@@ -355,7 +363,9 @@ for eps in (0.1, 0.4):  # closed form = definition
 # each rival's smoothed target is $0.1 / 4 = 0.025$.
 #
 # Without smoothing, the loss keeps falling as $m$ grows. With smoothing
-# 0.1 it is $\log(e^m + 4) - 0.9\,m - 0.464$, where $-0.464 = 0.9 \ln 0.9
+# 0.1, the model gives the correct token $q_y = e^m / (e^m + 4)$ and each
+# rival $1 / (e^m + 4)$; put into the row's loss, that gives
+# $\log(e^m + 4) - 0.9\,m - 0.464$, where $-0.464 = 0.9 \ln 0.9
 # + 0.1 \ln 0.025$ (the $\sum_j p_j \log p_j$ of the smoothed target). It
 # is lowest, and 0, where the model gives the correct token the smoothed
 # target's 0.9: $e^m / (e^m + 4) = 0.9$, at $m = \ln 36 \approx 3.6$.
@@ -425,11 +435,11 @@ class SimpleLossCompute:
 # %% [markdown]
 # ## The training loop
 #
-# *On a first read, you may skip from here to "Optimizer and
-# learning-rate schedule".* This part's copy run calls the library's
-# `run_epoch` with no extras: read it as the plain loop below that also
-# steps the learning-rate schedule and returns the mean loss per token and
-# a `TrainState`. From the rest it needs one thing: `TrainState`, whose
+# *On a first read, read "The plain loop" below, then skip to
+# "Optimizer and learning-rate schedule".* The rest of this section
+# builds the library's `run_epoch`, which the copy run uses: the plain
+# loop plus a learning-rate step after each optimizer step. It returns
+# the mean loss per token and a `TrainState`: counters, of which
 # `accum_step` counts optimizer steps and `samples` counts sequences.
 #
 # ### The plain loop
@@ -560,9 +570,9 @@ def optimizer_step(optimizer, scheduler, parameters, scale=1.0, scaler=None):
 # `micro_step` is the plain loop's forward, loss and backward, with the
 # loss divided by `accum_iter`. Like `SimpleLossCompute`, it returns the
 # loss twice: `loss_sum`, for the epoch's total, and `loss_mean`, the mean
-# per token, for the log. With this part's arguments (`hold_sync` false,
-# `autocast` the do-nothing `nullcontext`, `scaler` `None`) it is three
-# lines:
+# per token, for the log. With this part's arguments (`autocast` the
+# do-nothing `nullcontext`, `scaler` `None`, and a model without DDP's
+# `no_sync`, so that `hold_sync` does nothing) it is three lines:
 #
 # ```python
 # out = model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
@@ -732,8 +742,9 @@ assert torch.allclose(trained_weights(run_epoch, micro), plain_weights)
 # Second: with `accum_iter=2`, the four micro-batches must give the same
 # weights as the plain loop on the two double batches. `partial` fixes
 # `accum_iter=2`, so that `trained_weights` can call the result as it
-# calls `plain_epoch`. The last assert shows that the two setups really
-# differ, so that the first one tests something.
+# calls `plain_epoch`. The last assert checks that the two double batches
+# give other weights than the four micro-batches trained one by one;
+# otherwise the first assert would prove nothing.
 
 # %%
 from functools import partial
@@ -745,9 +756,9 @@ assert not torch.allclose(plain_weights, doubled_weights)
 
 # %% [markdown]
 # Third: with `accum_iter=2`, three micro-batches make one full group
-# (micro-batches 1 and 2) and a group of one (micro-batch 3). The result
-# must equal the plain loop run on two batches: the first double batch,
-# then micro-batch 3 alone. And the third batch must change the result.
+# (`micro[0]` and `micro[1]`) and a group of one (`micro[2]`). The result
+# must equal the plain loop on `doubled[0]`, then `micro[2]` alone. The
+# last assert checks that `micro[2]` changed the weights.
 
 # %%
 short_last = trained_weights(plain_epoch, [doubled[0], micro[2]])
@@ -779,12 +790,10 @@ assert not torch.allclose(short_last, first_only)  # the third batch counts
 # In code, `rate` is used through PyTorch's
 # `torch.optim.lr_scheduler.LambdaLR`. It sets the learning rate to the
 # optimizer's `lr` times `rate(step)`; creating the optimizer with
-# `lr=1.0` makes it exactly `rate(step)`. `make_optimizer` builds both,
-# for Part 3, which also passes it a `schedule` of its own (a function of
-# the step, used instead of `rate`) and a `weight_decay`, which makes the
-# optimizer AdamW; the docstring says what that does. The copy task below
-# does not use the paper's schedule: it builds the same pair by hand, with
-# a shorter schedule.
+# `lr=1.0` makes it exactly `rate(step)`. `make_optimizer` builds this
+# pair. Its `schedule` and `weight_decay` options are for Part 3, which
+# explains them. The copy task below does not use the paper's schedule:
+# it builds the same pair by hand, with a shorter schedule.
 
 
 # %%
@@ -919,18 +928,16 @@ def copy_accuracy(model, n, V=11, seq_len=10, generator=None):
 # training differs from the paper's in five ways, because the task is tiny
 # and every batch is new random data:
 #
-# * **A short schedule.** The paper's schedule is built for 100,000 steps,
-#   and this task needs a few hundred. `warmup_linear_decay` takes the
-#   lower of two lines: one rising by 1/20 of the peak per step (reaching
-#   it at step 19), and one that
-#   starts at the peak rate $3 \cdot 10^{-4}$ at step 0 and falls to a
-#   floor of 2% of it (without the floor it would reach zero at step 300).
-#   The falling line is already falling during the warm-up, so the two
-#   cross just below the peak. The decay ends before the 400-step
-#   budget: in our sweeps the model learned to copy sooner that way, and
-#   the last steps at the floor are a margin. `LambdaLR` calls the
-#   schedule with 0 before the first optimizer step, hence the `step + 1`
-#   of the rising line.
+# * **A short schedule.** The paper's schedule is built for 100,000 steps;
+#   this task needs a few hundred. At each step, `warmup_linear_decay`
+#   takes the lower of two straight lines. The first rises by 1/20 of a
+#   nominal peak of $3 \cdot 10^{-4}$ per step. The second starts at that
+#   peak at step 0 and would reach zero at step 300, but stops at a floor
+#   of 2% of the peak. The decay ends before the 400-step budget: in our
+#   sweeps the model learned to copy sooner that way, and the last steps
+#   at the floor are a margin. (The rising line uses `step + 1` because
+#   `LambdaLR` calls the schedule with 0 for the first optimizer step,
+#   which would otherwise get a learning rate of 0.)
 # * **Small batches** of 16 sequences: copying is learned per optimizer
 #   step, so small batches buy more steps for the same sequences.
 # * **No dropout**: with fresh data in every batch, the model cannot
@@ -958,10 +965,11 @@ def warmup_linear_decay(step, peak, warmup, total, floor=0.02):
 
 
 # %% [markdown]
-# The schedule as described. Where the two lines cross, the rising one has not
-# quite reached the peak: the highest rate used is at step 18, 94% of the peak,
-# a corner cut by taking one `min()`. Then it falls at every step until it
-# reaches 2% of the peak (at step 294), and flat from there on.
+# The schedule as described. Because the falling line is already falling
+# during the warm-up, the two cross just below the nominal peak: the
+# highest rate used is 94% of it, at step 18. The rate then falls at every
+# step until it reaches the floor, 2% of the peak, at step 294, and stays
+# there.
 
 # %%
 lrs = [warmup_linear_decay(step, 3e-4, 20, 300) for step in range(400)]
@@ -974,11 +982,12 @@ assert all(math.isclose(lr, 0.02 * 3e-4) for lr in lrs[294:])
 # %% [markdown]
 # ### Training
 #
-# Everything the run needs comes from this part: the model, the loss
-# (label smoothing with a smoothing of 0), Adam with the short schedule,
-# and the data. Adam and its `LambdaLR` are built by hand here, to show
-# the pair that `make_optimizer` returns; with `lr=1.0`, the learning
-# rate is `copy_schedule(step)`.
+# Everything the run needs is now defined: the model (Part 1's
+# `make_model`), the loss (`LabelSmoothing` with a smoothing of 0), Adam
+# with the short schedule, and the data (`data_gen`). Adam and its
+# `LambdaLR` are built by hand, the same pair `make_optimizer` returns.
+# Because the optimizer's `lr` is 1.0, the learning rate at each step is
+# exactly `copy_schedule(step)`.
 
 # %%
 V = 11  # 0 is padding, 1 the start symbol, 2 to 10 the data
@@ -1004,8 +1013,10 @@ scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, copy_schedule)
 
 # %% [markdown]
 # Before training, the check must fail. The held-out sequences come from
-# their own random generator, seeded apart from the training data's, so
-# that the same 1,000 sequences can be drawn again after training.
+# their own generator, `held_out()`, with a fixed seed, so calling it
+# again after training draws the same 1,000 sequences: before and after
+# are measured on the same test. Its seed differs from the training
+# data's; a cell below checks that no held-out sequence was trained on.
 
 
 # %%
@@ -1033,7 +1044,7 @@ BATCH_SIZE = 16
 training_data = torch.Generator().manual_seed(0)
 state = TrainState()
 losses = []
-copy_model.train()  # dropout on (none here), as run_epoch leaves it
+copy_model.train()  # training mode: run_epoch does not set it
 start = time.time()
 for epoch in range(EPOCHS):
     batches = data_gen(V, BATCH_SIZE, STEPS_PER_EPOCH, generator=training_data)
@@ -1105,9 +1116,9 @@ assert not trained_on & {tuple(row) for row in test_batch.src.tolist()}
 
 # %% [markdown]
 # The copy task can also be trained until it copies, rather than for a
-# fixed budget: the appendix (`06_tools.py`, "Copy-task runs") stops as
+# fixed budget: the appendix (notebook 06_tools, "Copy-task runs") stops as
 # soon as the model copies sequences it has never seen, and
 # `bench/copy_task.py` times that.
 #
-# Next, Part 3 (`03_multi30k.py`) trains the same architecture on real
+# Next, Part 3 (notebook 03_multi30k) trains the same architecture on real
 # German and English sentences.

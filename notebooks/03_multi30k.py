@@ -90,11 +90,12 @@ from the_annotated_transformer import subsequent_mask
 #
 # The files live in `data/multi30k/` of the repository (on Colab,
 # `/content/data/multi30k`), or in the folder that the environment
-# variable `MULTI30K_DIR` names. Fetching and verifying them is plumbing
-# in the appendix (notebook 06); here we only call it. `read_multi30k`
-# below pairs the lines; the two helpers it calls, `multi30k_folder` (which
-# folder) and `split_file` (which file, or a one-line error if it is
-# missing), are plumbing too, in the cell after it: skim that one.
+# variable `MULTI30K_DIR` names. Downloading and checking the files is
+# plumbing from the appendix (notebook 06); a cell below calls it as
+# `tools.download_multi30k()`. `read_multi30k` pairs the lines of a split.
+# The two helpers it calls, `multi30k_folder` (which folder) and
+# `split_file` (which file, or a one-line error if it is missing), are
+# plumbing too, in the cell after it: skim that one.
 
 
 # %%
@@ -300,8 +301,9 @@ assert unk["train"] < unk["test"] < 0.05
 # from the German tokenizer and vocabulary, English ids from the English
 # ones.
 #
-# A batch stacks B source sentences into one `(B, S)` tensor and their
-# targets into one `(B, T)` tensor, each padded with
+# A batch stacks B source sentences into one `(B, S)` tensor, S being the
+# batch's longest source, and their targets into one `(B, T)` tensor, T
+# the longest target, each padded with
 # `<blank>` to its own longest sentence. `collate_batch` only pads. Part
 # 2's `Batch` makes the masks later, in the training loop.
 
@@ -346,12 +348,10 @@ assert [row[row != PAD][-1] for row in tgt] == [EOS] * 3
 # of similar length. The paper grouped sentence pairs by approximate length
 # and gave each batch about 25,000 source and 25,000 target tokens, so a
 # batch of short sentences holds more of them than a batch of long ones.
-# Our budget is simpler: one number that caps each side's batch, counted
-# in padded positions rather than real tokens. A batch's size is rows ×
-# width, where the width is its longest sentence, German or English.
-# (Other libraries, fairseq for one, also call such a budget
-# `max_tokens`.) On Multi30k's short captions
-# the two sides have similar lengths, so little is lost.
+# Ours is simpler: one number, `max_tokens`, caps each batch's size, rows
+# × width, where the width is the batch's longest sentence, German or
+# English, and padding counts. On Multi30k's short captions the two sides
+# have similar lengths, so little is lost.
 #
 # `bucket` does this. `order` lists the pair indices sorted by size,
 # shortest first, and `sizes[i]` is the length of pair $i$'s longer
@@ -386,12 +386,17 @@ assert bucket([0, 1, 2, 3], [2, 2, 3, 5], max_tokens=6) == [[0, 1], [2], [3]]
 # %% [markdown]
 # A PyTorch `DataLoader` normally cuts data into batches of a fixed number
 # of examples; given a `batch_sampler`, it asks it for lists of indices
-# instead. `TokenBatchSampler` is ours. Each epoch it shuffles the
-# examples with a seed made of `(seed, epoch)`, sorts them by size
-# (stably, so equal sizes stay shuffled, and pairs of one length meet new
-# partners each epoch), buckets them, and shuffles the batches, so that an
-# epoch does not run from short sentences to long ones. A pair longer than
-# `max_len` tokens is left out and counted in `dropped`, never cut:
+# instead. `TokenBatchSampler` is ours. Each epoch it
+#
+# 1. shuffles the pairs with a seed made of `seed` and `epoch`;
+# 2. sorts them by size, stably, so that pairs of equal size stay
+#    shuffled and meet new partners each epoch;
+# 3. cuts them into batches with `bucket`;
+# 4. shuffles the batches, so that an epoch does not run from short
+#    sentences to long ones.
+#
+# A pair longer than `max_len` tokens is left out and listed in
+# `dropped`, never cut:
 # cutting would remove its `</s>`, and the model would learn from
 # sentences that never end.
 
@@ -470,16 +475,17 @@ assert len(buckets) == 153
 # Padding to 72 wastes about four positions in five, and buckets bring the
 # waste to under 10% (the cell prints the share), so the same compute
 # goes into real tokens. Less padding trains faster: in a recorded
-# benchmark, buckets trained about 5 times as many real target tokens per
-# second as batches of 32 padded to 72 (`bench/RESULTS_batching.md` says
-# how it was measured).
+# benchmark with the paper-size model, buckets trained about 5 times as
+# many real target tokens per second as batches of 32 padded to 72
+# (`bench/RESULTS_batching.md` says how it was measured).
 #
 # With these settings an epoch is 153 batches (the last assert), which is
 # 153 optimizer steps: the runs below take one step per batch.
 #
 # `create_dataloaders` puts the pieces together: training batches
-# shuffled and without pairs longer than `max_len`; validation batches in
-# order, keeping every pair that fits in one batch of `max_tokens`.
+# shuffled and without pairs longer than `max_len`; validation batches
+# sorted by length and not shuffled, keeping every pair that fits in one
+# batch of `max_tokens`.
 # `max_train_pairs=n` (0 means all) keeps the first $n$ training pairs
 # and the first $n/4$ validation pairs; the tiny `ci` preset uses it.
 # `num_workers` prepares batches in that many background processes (0: in
@@ -533,30 +539,29 @@ def create_dataloaders(
 # %% [markdown]
 # ## Training
 #
-# A `TrainConfig` defines a run. Its defaults are the `cpu` model ($N=3$,
-# $d_{\text{model}}=256$, $h=4$, $d_{ff}=1024$), sized to train in
-# reasonable time on a CPU. `cpu` names a model size, not a device: it
-# trains on a GPU too. The paper's base model has $N=6$,
-# $d_{\text{model}}=512$, $h=8$, $d_{ff}=2048$, and the same dropout and
-# label smoothing of 0.1.
+# A `TrainConfig` holds every setting of a run. Its defaults, the `cpu`
+# model ($N=3$, $d_{\text{model}}=256$, $h=4$, $d_{ff}=1024$), halve each
+# size of the paper's base model ($N=6$, 512, 8, 2048), so that it trains
+# on a CPU in reasonable time; `cpu` names the size, and it trains on a
+# GPU too. Dropout and label smoothing are 0.1, as in the paper.
 #
-# The training fields come from Part 2: the label-smoothed loss, Adam
-# with the warm-up schedule (`factor` and `warmup` are `rate`'s
-# arguments; `schedule="noam"` names that schedule, explained below), and
-# `accum_iter`, which adds up the gradients of several batches before one
-# optimizer step. The paper warmed up for 4,000 of 100,000 steps. An
-# epoch of Multi30k in 3,000-token batches is 153 steps, and the `cpu`
-# defaults warm up for 800, about five epochs: our choice for a small
-# data set, not a tuned value.
+# The other fields are Part 2's: `factor` and `warmup` for the schedule
+# `rate` (`schedule="noam"`), and `accum_iter`, the number of batches
+# whose gradients are added up before one optimizer step. An epoch is
+# 153 batches of 3,000 tokens, so the 800-step warm-up lasts about five
+# epochs (the paper: 4,000 of 100,000 steps), our choice for a small data
+# set, not a tuned value.
 #
 # `model_from_config` calls Part 1's `make_model` with the config's sizes.
 # (Its last lines tie embedding matrices together when a config asks;
 # that is Part 5's, and no config in this lesson does.)
 #
-# A *preset* is a named `TrainConfig`, such as `quick`, `cpu`, `paper` and
-# the tiny `ci` that tests use; they live in the appendix (notebook 06,
-# "Presets"), where `get_config` returns one. The fields under `# For the
-# appendix and Part 5` are not used by this lesson's loop.
+# A *preset* is a named `TrainConfig` (`ci`, `quick`, `cpu`, `paper`);
+# they live in the appendix (notebook 06, "Presets"), where
+# `tools.get_config(name)` returns one. Skip the fields under `# For the
+# appendix and Part 5` for now: `train_one_process` does not read them,
+# and the appendix's `train_worker`, which trains the reference model
+# below, reads `precision` and `checkpoint_dir`.
 
 
 # %%
@@ -692,8 +697,9 @@ assert max(steps_down) - min(steps_down) < 1e-12
 # that peak. (Why the same peak after fewer steps: with only 765 steps in
 # all, a warm-up of 800 would never end, and the high peak is what lets a
 # 5-epoch run learn fast; "Why the quick recipe is fast" below says what
-# the trials found.) Check: `make_run_optimizer` gives `quick` a peak of about
-# 2.2e-3 at step 300 and a rate of zero at its last step, 765.
+# the trials found.) Check: `make_run_optimizer` gives `quick` a peak of
+# about 2.2e-3 after 300 steps, and a rate that reaches zero after its
+# last step, the 765th.
 
 # %%
 quick = tools.get_config("quick")
@@ -714,8 +720,8 @@ assert quick_rate(765) == 0  # the last step
 # Training runs on the fastest device this machine has: `pick_device`
 # chooses a CUDA GPU, then Apple's GPU (`mps`), then the CPU. The cell
 # after it sets `device`, which the rest of the lesson uses. On a Mac, if
-# a cell fails on Apple's GPU, set `device = torch.device("cpu")` there
-# and run the lesson on the CPU.
+# a later cell fails on Apple's GPU, change that cell to
+# `device = torch.device("cpu")`, run it, then rerun the failing cell.
 
 
 # %%
@@ -816,15 +822,17 @@ assert history[-1]["val_loss"] < history[0]["val_loss"]
 # ### The reference run
 #
 # The appendix's `train_worker` runs this same loop, and a test checks
-# that both end with the same weights, on the CPU in float32
-# (`tests/test_devices.py::test_worker_and_lesson_loop_agree`). It adds
-# what a long run needs:
+# that both end with the same weights, on the CPU in float32 and without
+# dropout (`tests/test_devices.py::test_worker_and_lesson_loop_agree`;
+# with dropout the two draw different random masks). It adds what a long
+# run needs:
 #
 # - checkpoint files, written after every epoch, from which the command
 #   line's `train --resume` continues a stopped run;
-# - *bf16* (bfloat16, a 16-bit float format) where the hardware computes
-#   it natively: recent GPUs and some CPUs. *Autocast* runs the large
-#   matrix products in it and keeps the rest in float32;
+# - 16-bit arithmetic where the hardware is fast at it: *bf16*
+#   (bfloat16) on recent GPUs and on CPUs with native bf16, *float16* with
+#   loss scaling on older GPUs such as Colab's T4. *Autocast* runs the
+#   large matrix products in it and keeps the rest in float32;
 # - several processes or GPUs sharing the work (PyTorch's DDP). Here
 #   `rank=0, world_size=1` means one process; the appendix's "Training
 #   runs: devices and processes" explains the rest.
@@ -859,7 +867,9 @@ assert history[-1]["val_loss"] < history[0]["val_loss"]
 # Stopping the cell part of the way and running it again starts from the
 # first epoch (the command line's `train --resume` continues instead).
 # Once `final.pt` exists, the cell uses it, whatever settings trained it:
-# delete `checkpoints/quick/` to train afresh.
+# delete the repository's `checkpoints/quick/` (on Colab
+# `/content/done-right/checkpoints/quick/`) to train afresh. On Colab
+# that folder is lost when the runtime is reset.
 
 # %%
 preset = "ci" if AT_SIZE == "ci" else "quick"
@@ -1074,7 +1084,9 @@ print(*[f"{de}\n  → {hyp}" for de, hyp in zip(sources[:3], hyps)], sep="\n")
 # keeps the decoder's past keys and values instead of recomputing them
 # and chooses the same tokens as `batch_greedy_decode`. The check allows
 # 2.5 points below the record for other hardware and 16-bit arithmetic.
-# On a GPU no test score of this recipe is on record.
+# On a GPU or a Mac no test score of this recipe is on record, so there
+# the threshold is untested: a miss by a point or so would come from the
+# arithmetic, not from a bug.
 
 # %%
 bleu = tools.compute_bleu(hyps, references)
