@@ -2018,8 +2018,9 @@ assert torch.allclose(grads[1], -3 * fast.true_dist, atol=1e-7)
 #   = \tfrac12 \sum_j (p_j - q_j)(\log p_j - \log q_j).$$
 #
 # The two passes are one forward pass over the batch stacked on itself
-# (`doubled`), so that each dropout layer draws one mask for both copies:
-# row $i$ and row $B + i$ are the same sentence pair. The whole loss is
+# (`doubled`): row $i$ and row $B + i$ are the same sentence pair. Each
+# dropout layer draws one mask over the whole stack, so the two copies
+# get independent masks. The whole loss is
 # divided by the token count of the doubled batch, as in the authors'
 # fairseq code, so $\alpha$ means what it means there. A step costs
 # about twice as much. `TrainConfig.rdrop` is $\alpha$; 0, the default,
