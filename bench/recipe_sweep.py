@@ -596,6 +596,14 @@ SETTINGS = {
         },
         "max_steps": 0,
         "eval_every": 0,
+        # Two epochs ran side by side with -rd5, one thread each, about 15
+        # minutes an epoch; -rd5 was then stopped and this one continued
+        # from its training state, in its own folder, with both threads.
+        "resume_command": "python annotated_transformer_tools.py train"
+        " --preset cpu --dropout 0.2 --schedule linear --weight-decay 0.2"
+        " --tie-embeddings --epochs 9 --keep-last 0 --rdrop 3"
+        " --data data/distilled-tie4-mix --resume --threads 2"
+        " --checkpoint-dir runs/recipe_sweep/cpu-d02-lin18-wd02-tie-kdmix-rd3",
     },
     "cpu-d02-lin18-wd02-tie-kdmix-rd5": {
         "why": "cpu-d02-lin18-wd02-tie-kdmix-rd3 with alpha 5, the value"
