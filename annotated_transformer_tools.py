@@ -1294,8 +1294,9 @@ class FastLabelSmoothing(LabelSmoothing):
 def doubled(batch):
     """The batch stacked on itself: rows i and B + i are the same pair.
 
-    `ntokens` stays the pair's real target tokens: counts of tokens seen
-    do not double. The loss (`RDropLossCompute`) knows the batch is doubled.
+    `ntokens` stays one copy's real target tokens, so token counts do not
+    double (`TrainState.samples`, which counts rows, does). The loss
+    (`RDropLossCompute`) knows the batch is doubled.
     """
     twice = copy.copy(batch)
     for name in ("src", "src_mask", "tgt", "tgt_y", "tgt_mask"):

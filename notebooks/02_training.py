@@ -208,7 +208,8 @@ def data_gen(V, batch_size, nbatches, seq_len=10, generator=None):
 # instead (`smoothed_targets`, read through `true_dist`, a name the 2022
 # Harvard tutorial used) and hands it to PyTorch's `KLDivLoss`; a check
 # below uses that path to test the shortcut. `last_target` and
-# `last_dtype` only remember the latest call. (The appendix's faster loss
+# `last_dtype` remember the latest call's targets and dtype, from which
+# `true_dist` rebuilds the matrix when read. (The appendix's faster loss
 # replaces `closed_form` alone.)
 
 
@@ -791,9 +792,11 @@ assert not torch.allclose(short_last, first_only)  # the third batch counts
 # `torch.optim.lr_scheduler.LambdaLR`. It sets the learning rate to the
 # optimizer's `lr` times `rate(step)`; creating the optimizer with
 # `lr=1.0` makes it exactly `rate(step)`. `make_optimizer` builds this
-# pair. Its `schedule` and `weight_decay` options are for Part 3, which
-# explains them. The copy task below does not use the paper's schedule:
-# it builds the same pair by hand, with a shorter schedule.
+# pair. Its `schedule` option, a function of the step used instead of
+# `rate`, serves Part 3's schedules; its `weight_decay` turns Adam into
+# AdamW, as its docstring explains. The copy task below does not use the
+# paper's schedule: it builds the same pair by hand, with a shorter
+# schedule.
 
 
 # %%
@@ -969,7 +972,9 @@ def warmup_linear_decay(step, peak, warmup, total, floor=0.02):
 # during the warm-up, the two cross just below the nominal peak: the
 # highest rate used is 94% of it, at step 18. The rate then falls at every
 # step until it reaches the floor, 2% of the peak, at step 294, and stays
-# there.
+# there. (Steps count from 0, as `LambdaLR` counts them: it calls the
+# schedule with 0 when it is created, and that rate serves the first
+# optimizer step, so step 18 is the 19th.)
 
 # %%
 lrs = [warmup_linear_decay(step, 3e-4, 20, 300) for step in range(400)]

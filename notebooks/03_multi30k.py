@@ -395,6 +395,8 @@ assert bucket([0, 1, 2, 3], [2, 2, 3, 5], max_tokens=6) == [[0, 1], [2], [3]]
 # 4. shuffles the batches, so that an epoch does not run from short
 #    sentences to long ones.
 #
+# With `shuffle=False`, as for validation, it skips steps 1 and 4.
+#
 # A pair longer than `max_len` tokens is left out and listed in
 # `dropped`, never cut:
 # cutting would remove its `</s>`, and the model would learn from
@@ -545,23 +547,29 @@ def create_dataloaders(
 # on a CPU in reasonable time; `cpu` names the size, and it trains on a
 # GPU too. Dropout and label smoothing are 0.1, as in the paper.
 #
-# The other fields are Part 2's: `factor` and `warmup` for the schedule
-# `rate` (`schedule="noam"`), and `accum_iter`, the number of batches
-# whose gradients are added up before one optimizer step. An epoch is
-# 153 batches of 3,000 tokens, so the 800-step warm-up lasts about five
-# epochs (the paper: 4,000 of 100,000 steps), our choice for a small data
-# set, not a tuned value.
+# Some fields come from Part 2: `factor` and `warmup`, the arguments of
+# its schedule `rate` (`schedule="noam"`; `"linear"` comes below), and
+# `accum_iter`, the number of batches whose gradients are added up before
+# one optimizer step. `max_tokens`, `max_len`, `max_train_pairs` and
+# `num_workers` are the arguments of `create_dataloaders`, above. An epoch
+# is 153 batches of at most 3,000 positions, so the 800-step warm-up
+# lasts about five epochs (the paper: 4,000 of 100,000 steps), our choice
+# for a small data set, not a tuned value.
 #
 # `model_from_config` calls Part 1's `make_model` with the config's sizes.
 # (Its last lines tie embedding matrices together when a config asks;
 # that is Part 5's, and no config in this lesson does.)
 #
-# A *preset* is a named `TrainConfig` (`ci`, `quick`, `cpu`, `paper`);
+# A *preset* is a named `TrainConfig` (such as `ci`, `quick`, `cpu` and
+# `paper`);
 # they live in the appendix (notebook 06, "Presets"), where
 # `tools.get_config(name)` returns one. Skip the fields under `# For the
-# appendix and Part 5` for now: `train_one_process` does not read them,
-# and the appendix's `train_worker`, which trains the reference model
-# below, reads `precision` and `checkpoint_dir`.
+# appendix and Part 5` for now: at their defaults they change nothing
+# here. `train_one_process` reaches only `tie_embeddings` and
+# `tokenization` (through `model_from_config`) and `weight_decay`
+# (through `make_run_optimizer`); the appendix's `train_worker`, which
+# trains the reference model below, also reads `precision`,
+# `checkpoint_dir`, `keep_last` and `rdrop`.
 
 
 # %%
@@ -711,7 +719,7 @@ _, quick_schedule = make_run_optimizer(quick_model, quick, 153)
 # lr to 1, so the function returns the learning rate itself.
 quick_rate = quick_schedule.lr_lambdas[0]
 assert round(quick_rate(300), 4) == 2.2e-3  # the peak, after warm-up
-assert quick_rate(765) == 0  # the last step
+assert quick_rate(765) == 0  # after the last step (which ran at 764's)
 
 
 # %% [markdown]
@@ -720,8 +728,8 @@ assert quick_rate(765) == 0  # the last step
 # Training runs on the fastest device this machine has: `pick_device`
 # chooses a CUDA GPU, then Apple's GPU (`mps`), then the CPU. The cell
 # after it sets `device`, which the rest of the lesson uses. On a Mac, if
-# a later cell fails on Apple's GPU, change that cell to
-# `device = torch.device("cpu")`, run it, then rerun the failing cell.
+# a later cell fails on Apple's GPU, change that next cell's first line to
+# `device = torch.device("cpu")`, run it, then rerun every cell after it.
 
 
 # %%
@@ -823,16 +831,19 @@ assert history[-1]["val_loss"] < history[0]["val_loss"]
 #
 # The appendix's `train_worker` runs this same loop, and a test checks
 # that both end with the same weights, on the CPU in float32 and without
-# dropout (`tests/test_devices.py::test_worker_and_lesson_loop_agree`;
-# with dropout the two draw different random masks). It adds what a long
-# run needs:
+# dropout (`tests/test_devices.py::test_worker_and_lesson_loop_agree`,
+# on the `ci` preset, which has no dropout: `train_worker` swaps in the
+# appendix's `FastDropout`, so with dropout the two would draw different
+# masks from the same seed). It adds what a long run needs:
 #
 # - checkpoint files, written after every epoch, from which the command
 #   line's `train --resume` continues a stopped run;
-# - 16-bit arithmetic where the hardware is fast at it: *bf16*
-#   (bfloat16) on recent GPUs and on CPUs with native bf16, *float16* with
-#   loss scaling on older GPUs such as Colab's T4. *Autocast* runs the
-#   large matrix products in it and keeps the rest in float32;
+# - 16-bit arithmetic where the hardware has it: *bf16* (bfloat16) on
+#   NVIDIA GPUs of compute capability 8.0 or more (A100, L4, H100, RTX
+#   30xx and later) and on CPUs with native bf16 (AVX512-BF16 or AMX);
+#   *float16* with loss scaling on older NVIDIA GPUs such as Colab's T4;
+#   float32 elsewhere, Apple's GPUs included. *Autocast* runs the large
+#   matrix products in 16 bits and keeps the rest in float32;
 # - several processes or GPUs sharing the work (PyTorch's DDP). Here
 #   `rank=0, world_size=1` means one process; the appendix's "Training
 #   runs: devices and processes" explains the rest.
@@ -1084,9 +1095,10 @@ print(*[f"{de}\n  → {hyp}" for de, hyp in zip(sources[:3], hyps)], sep="\n")
 # keeps the decoder's past keys and values instead of recomputing them
 # and chooses the same tokens as `batch_greedy_decode`. The check allows
 # 2.5 points below the record for other hardware and 16-bit arithmetic.
-# On a GPU or a Mac no test score of this recipe is on record, so there
-# the threshold is untested: a miss by a point or so would come from the
-# arithmetic, not from a bug.
+# On a GPU or a Mac no test score of this recipe is on record (only a
+# validation score on an H100, in `results/gpu_explore.md`), so there the
+# threshold is untested: a miss by a point or so more likely comes from
+# the arithmetic than from a bug.
 
 # %%
 bleu = tools.compute_bleu(hyps, references)

@@ -2009,23 +2009,38 @@ assert torch.allclose(grads[1], -3 * fast.true_dist, atol=1e-7)
 # Dropout makes every training step use a different sub-network. R-Drop
 # (Liang et al., 2021, "R-Drop: Regularized Dropout for Neural Networks")
 # adds a loss that asks two such sub-networks to predict the same
-# distribution. Each batch goes through the model twice, with two
-# independent dropout masks; the loss is the label-smoothed loss of both
-# passes plus $\alpha$ times the symmetric KL divergence between their
-# predictions, at every real target token:
+# distribution. Each batch is seen twice, with two independent dropout
+# masks. The loss is the label-smoothed loss of both passes plus $\alpha$
+# times the symmetric KL divergence between their predicted
+# distributions $p$ and $q$ (here the two passes', not Part 2's target
+# and model), at every real target token:
 #
 # $$\tfrac12\big(\mathrm{KL}(p\,\|\,q) + \mathrm{KL}(q\,\|\,p)\big)
 #   = \tfrac12 \sum_j (p_j - q_j)(\log p_j - \log q_j).$$
 #
-# The two passes are one forward pass over the batch stacked on itself
-# (`doubled`): row $i$ and row $B + i$ are the same sentence pair. Each
-# dropout layer draws one mask over the whole stack, so the two copies
-# get independent masks. The whole loss is
-# divided by the token count of the doubled batch, as in the authors'
-# fairseq code, so $\alpha$ means what it means there. A step costs
-# about twice as much. `TrainConfig.rdrop` is $\alpha$; 0, the default,
-# trains as before. The training loss reported is the label-smoothed
-# part alone, so that it compares with runs without R-Drop.
+# In code the two passes are a single forward pass over the batch stacked
+# on itself (`doubled`): row $i$ and row $B + i$ are the same sentence
+# pair. Each dropout layer draws one mask over all $2B$ rows, with fresh
+# random numbers for every element, so the two copies of a pair get
+# independent masks, as two separate passes would.
+#
+# `doubled` leaves `ntokens` at $N$, the real target tokens of one copy,
+# so that counts of tokens seen count each pair once. `RDropLossCompute`
+# therefore divides by $2N$, the doubled batch's token count, as the
+# authors' fairseq code does, so $\alpha$ means what it means there. Per
+# token of the original batch, the loss is the mean of the two passes'
+# label-smoothed losses plus $\alpha/2$ times their symmetric KL. The
+# training loss reported is that mean of the label-smoothed losses alone,
+# so that it compares with runs without R-Drop.
+#
+# `TrainConfig.rdrop` is $\alpha$ (`train --rdrop`); 0, the default,
+# trains as before. When it is above 0, `train_epoch` (below, "A run, in
+# pieces") uses `RDropLossCompute`, and `train_pass` feeds the model
+# `doubled` batches. Validation is unchanged: one pass, dropout off, the
+# plain loss. A step costs about twice the time and the activation
+# memory. No preset turns R-Drop on; `bench/recipe_sweep.py` tried it on
+# the distilled student, and [results](../docs/results.md) says what it
+# gave.
 
 
 # %%
@@ -2033,8 +2048,9 @@ assert torch.allclose(grads[1], -3 * fast.true_dist, atol=1e-7)
 def doubled(batch):
     """The batch stacked on itself: rows i and B + i are the same pair.
 
-    `ntokens` stays the pair's real target tokens: counts of tokens seen
-    do not double. The loss (`RDropLossCompute`) knows the batch is doubled.
+    `ntokens` stays one copy's real target tokens, so token counts do not
+    double (`TrainState.samples`, which counts rows, does). The loss
+    (`RDropLossCompute`) knows the batch is doubled.
     """
     twice = copy.copy(batch)
     for name in ("src", "src_mask", "tgt", "tgt_y", "tgt_mask"):
