@@ -1437,7 +1437,7 @@ def train_pass(run, train_loader, loss):
     """One pass over the training batches; the loss over all processes."""
     tokens = [0]
     batches = (device_batch(s, t, run.device) for s, t in train_loader)
-    if run.config.rdrop > 0:  # each batch twice, for R-Drop (above)
+    if isinstance(loss, RDropLossCompute):  # each batch twice (above)
         batches = map(doubled, batches)
     run.model.train()
     train_loss, run.state = run_epoch(
@@ -1553,11 +1553,15 @@ def resume_run(run):
 
 
 RESUMABLE_CHANGES = {"epochs", "checkpoint_dir", "keep_last", "num_workers"}
+# Fields newer than some checkpoints, and the training those had without
+# them: a checkpoint that lacks one is compared with this value.
+OLDER_DEFAULTS = {"rdrop": 0.0, "data": ""}
 
 
 def changed_settings(saved, config):
     """What differs between a checkpoint's saved config and `config`."""
     now = asdict(config)
+    saved = OLDER_DEFAULTS | dict(saved)  # older checkpoints lack these
     same_either_way = RESUMABLE_CHANGES | {"preset"}  # a name, not a setting
     return [
         f"{key} {saved[key]!r} there, {value!r} here"
@@ -2423,6 +2427,13 @@ def train_on_folder(folder, config):
     return folder
 
 
+def pairs_digest(folder):
+    """One SHA-256 of a folder's two training files: what `--data` trains
+    on, the same wherever the folder is moved."""
+    files = [sha256_of(Path(folder, f"train.{x}.gz")) for x in ("de", "en")]
+    return "sha256:" + hashlib.sha256(" ".join(files).encode()).hexdigest()
+
+
 @contextlib.contextmanager
 def multi30k_from(folder):
     """Read Multi30k from `folder` (None: as before) within the block;
@@ -2475,7 +2486,7 @@ def command_train(args):
     download_multi30k()  # before the lock makes the checkpoint folder
     data = train_on_folder(args.data, config) if args.data else None
     if data:  # in the checkpoints: --resume on other pairs is refused
-        config = replace(config, data=str(data))
+        config = replace(config, data=pairs_digest(data))
     rank = ranks[0] if ranks else 0
     lock = folder_lock(config.checkpoint_dir) if rank == 0 else None
     with lock or nullcontext(), multi30k_from(data):  # rank 0 locks
@@ -2912,6 +2923,7 @@ __all__ = [
     "resume_point",
     "resume_run",
     "RESUMABLE_CHANGES",
+    "OLDER_DEFAULTS",
     "changed_settings",
     "check_resume",
     "check_resume_and_say",
@@ -2957,6 +2969,7 @@ __all__ = [
     "build_parser",
     "torchrun_ranks",
     "train_on_folder",
+    "pairs_digest",
     "multi30k_from",
     "command_train",
     "train_locked",

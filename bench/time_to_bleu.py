@@ -378,7 +378,8 @@ def main(argv=None):
         if args.data:
             tools.download_multi30k()  # the vocabularies' source, checked
             data = tools.train_on_folder(args.data, config)
-            config = dataclasses.replace(config, data=str(data))
+            digest = tools.pairs_digest(data)
+            config = dataclasses.replace(config, data=digest)
         with tools.multi30k_from(data):
             bench = Benchmark(
                 config,

@@ -603,7 +603,7 @@ class TrainConfig:
     keep_last: int = 5  # epoch files kept, for averaging (0: all)
     weight_decay: float = 0.0  # above 0: AdamW (Part 2's make_optimizer)
     rdrop: float = 0.0  # above 0: R-Drop's weight (the appendix)
-    data: str = ""  # `train --data`'s folder of pairs ("": Multi30k)
+    data: str = ""  # `train --data`'s pairs, by SHA-256 ("": Multi30k)
 
 
 def model_from_config(c, n_src, n_tgt, dropout=None):

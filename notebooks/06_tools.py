@@ -2026,10 +2026,14 @@ assert torch.allclose(grads[1], -3 * fast.true_dist, atol=1e-7)
 #
 # `doubled` leaves `ntokens` at $N$, the real target tokens of one copy,
 # so that counts of tokens seen count each pair once. `RDropLossCompute`
-# therefore divides by $2N$, the doubled batch's token count, as the
-# authors' fairseq code does, so $\alpha$ means what it means there. Per
-# token of the original batch, the loss is the mean of the two passes'
-# label-smoothed losses plus $\alpha/2$ times their symmetric KL. The
+# adds the label-smoothed losses of both copies and $\alpha$ times the
+# KL sum, as the authors' code does, so $\alpha$ weighs the KL against the
+# label-smoothed loss as it does there. It divides by $2N$, the doubled
+# batch's token count, which keeps the plain loss's scale: per token of
+# the original batch, the loss is the mean of the two passes'
+# label-smoothed losses plus $\alpha/2$ times their symmetric KL. (A
+# constant factor on the whole loss changes little under Adam, which
+# divides it out of each step.) The
 # training loss reported is that mean of the label-smoothed losses alone,
 # so that it compares with runs without R-Drop.
 #
@@ -2270,7 +2274,7 @@ def train_pass(run, train_loader, loss):
     """One pass over the training batches; the loss over all processes."""
     tokens = [0]
     batches = (device_batch(s, t, run.device) for s, t in train_loader)
-    if run.config.rdrop > 0:  # each batch twice, for R-Drop (above)
+    if isinstance(loss, RDropLossCompute):  # each batch twice (above)
         batches = map(doubled, batches)
     run.model.train()
     train_loss, run.state = run_epoch(
@@ -2426,11 +2430,15 @@ def resume_run(run):
 # %%
 #| export
 RESUMABLE_CHANGES = {"epochs", "checkpoint_dir", "keep_last", "num_workers"}
+# Fields newer than some checkpoints, and the training those had without
+# them: a checkpoint that lacks one is compared with this value.
+OLDER_DEFAULTS = {"rdrop": 0.0, "data": ""}
 
 
 def changed_settings(saved, config):
     """What differs between a checkpoint's saved config and `config`."""
     now = asdict(config)
+    saved = OLDER_DEFAULTS | dict(saved)  # older checkpoints lack these
     same_either_way = RESUMABLE_CHANGES | {"preset"}  # a name, not a setting
     return [
         f"{key} {saved[key]!r} there, {value!r} here"
@@ -3595,6 +3603,13 @@ def train_on_folder(folder, config):
     return folder
 
 
+def pairs_digest(folder):
+    """One SHA-256 of a folder's two training files: what `--data` trains
+    on, the same wherever the folder is moved."""
+    files = [sha256_of(Path(folder, f"train.{x}.gz")) for x in ("de", "en")]
+    return "sha256:" + hashlib.sha256(" ".join(files).encode()).hexdigest()
+
+
 @contextlib.contextmanager
 def multi30k_from(folder):
     """Read Multi30k from `folder` (None: as before) within the block;
@@ -3647,7 +3662,7 @@ def command_train(args):
     download_multi30k()  # before the lock makes the checkpoint folder
     data = train_on_folder(args.data, config) if args.data else None
     if data:  # in the checkpoints: --resume on other pairs is refused
-        config = replace(config, data=str(data))
+        config = replace(config, data=pairs_digest(data))
     rank = ranks[0] if ranks else 0
     lock = folder_lock(config.checkpoint_dir) if rank == 0 else None
     with lock or nullcontext(), multi30k_from(data):  # rank 0 locks

@@ -206,14 +206,18 @@ def test_train_data_trains_on_the_folder_with_multi30k_vocabularies(
     original = tools.load_vocab(*tokenizers, path=tmp_path / "v.json")
     assert (vocab_src, vocab_tgt) == original  # not the upper-cased English
     saved = tools.load_checkpoint(ck / "final.pt")["config"]
-    assert saved["data"] == str(student.absolute())
+    digest = tools.pairs_digest(student)
+    assert saved["data"] == digest and digest.startswith("sha256:")
+    assert digest != tools.pairs_digest(local_multi30k)
     capsys.readouterr()
     resume = [*argv[:4], "2", "--threads", "1", "--checkpoint-dir", str(ck)]
     status = tools.main([*resume, "--resume"])  # on Multi30k's own pairs
     err = capsys.readouterr().err
-    assert status == 2 and "cannot resume" in err and "data" in err, err
+    assert status == 2, err
+    assert f"data {digest!r} there, '' here" in err, err
     assert len(err.strip().splitlines()) == 1
-    status = tools.main([*resume, "--resume", "--data", str(student)])
+    moved = student.rename(tmp_path / "moved")  # same pairs, elsewhere
+    status = tools.main([*resume, "--resume", "--data", str(moved)])
     assert status == 0, capsys.readouterr().err
     assert tools.load_checkpoint(ck / "final.pt")["epoch"] == 1
 
@@ -265,6 +269,9 @@ def test_time_to_bleu_data_trains_on_the_folder_and_records_it(
         [*argv, "--checkpoint-dir", str(tmp_path / "ck")]
     )
     assert result["data"] == str(student)
+    assert result["config"]["data"] == tools.pairs_digest(student)
+    saved = tools.load_checkpoint(tmp_path / "ck" / "final.pt")["config"]
+    assert saved["data"] == tools.pairs_digest(student)
     assert ("train", str(student)) in reads
     assert ("train", local_multi30k) in reads  # the vocabularies
     assert os.environ[tat.MULTI30K_ENV] == local_multi30k  # put back

@@ -2,6 +2,7 @@
 checked against torch.nn.functional's kl_div and two separate passes."""
 
 import math
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -25,14 +26,18 @@ def toy_batch(B=3, S=5, T=6, V=11, seed=0):
 
 def test_doubled_stacks_every_tensor_and_keeps_the_token_count():
     batch = toy_batch()
+    names = ("src", "src_mask", "tgt", "tgt_y", "tgt_mask")
+    before = {n: getattr(batch, n) for n in names}
+    copies = {n: getattr(batch, n).clone() for n in names}
     twice = tools.doubled(batch)
     B = batch.src.size(0)
-    for name in ("src", "src_mask", "tgt", "tgt_y", "tgt_mask"):
-        original, stacked = getattr(batch, name), getattr(twice, name)
+    for name in names:
+        stacked = getattr(twice, name)
         assert stacked.size(0) == 2 * B
-        assert torch.equal(stacked[:B], original)
-        assert torch.equal(stacked[B:], original)
-        assert getattr(batch, name) is original  # the batch is not changed
+        assert torch.equal(stacked[:B], copies[name])
+        assert torch.equal(stacked[B:], copies[name])
+        assert getattr(batch, name) is before[name]  # the batch unchanged
+        assert torch.equal(before[name], copies[name])
     assert twice.ntokens == batch.ntokens == int((batch.tgt_y != PAD).sum())
 
 
@@ -73,10 +78,10 @@ def forward(model, batch):
     return model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
 
 
-def test_the_loss_is_fairseqs_smoothed_loss_plus_alpha_kl_over_2n():
-    """Against the formula of the authors' fairseq criterion: label-smoothed
-    loss summed over both copies plus alpha times the symmetric KL, over
-    the doubled batch's token count, from two halves decoded apart."""
+def test_the_loss_is_both_smoothed_losses_plus_alpha_kl_over_2n():
+    """Against the formula written out from the two halves decoded apart:
+    the label-smoothed loss summed over both copies plus alpha times the
+    symmetric KL (the authors' sum), over the doubled token count."""
     model = small_model(dropout=0.3).train()
     batch, alpha = toy_batch(), 2.5
     criterion = tat.LabelSmoothing(11, PAD, 0.1)
@@ -206,3 +211,31 @@ def test_a_bad_rdrop_is_one_line(bad, capsys):
     assert stop.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--rdrop" in err
+
+
+def test_train_pass_doubles_only_for_the_rdrop_loss(monkeypatch):
+    """A plain loss given to a run with rdrop > 0 sees single batches."""
+    config = tools.get_config("ci", dropout=0.1, rdrop=1.0)
+    run = tools.TrainingRun(0, 1, (11, 11), config, False, None, "cpu")
+    seen = []
+    model_forward = run.model.forward
+
+    def spy(src, tgt, src_mask, tgt_mask):
+        seen.append(src.size(0))
+        return model_forward(src, tgt, src_mask, tgt_mask)
+
+    monkeypatch.setattr(run.model, "forward", spy)
+    batch = toy_batch()
+    loader = [(batch.src, torch.cat([batch.tgt[:, :1], batch.tgt_y], 1))]
+    plain = tat.SimpleLossCompute(run.module.generator, run.criterion)
+    tools.train_pass(run, loader, plain)
+    assert seen == [batch.src.size(0)]
+
+
+def test_resuming_an_older_checkpoint_with_rdrop_is_refused():
+    """A checkpoint saved before R-Drop existed trained without it."""
+    config = tools.get_config("ci", rdrop=3.0)
+    older = {k: v for k, v in asdict(config).items() if k != "rdrop"}
+    changed = tools.changed_settings(older, config)
+    assert changed == ["rdrop 0.0 there, 3.0 here"]
+    assert tools.changed_settings(older, replace(config, rdrop=0.0)) == []
