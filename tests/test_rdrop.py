@@ -150,10 +150,8 @@ def test_the_kl_term_has_the_gradient_of_finite_differences():
     assert (logits_p.grad[1] == 0).all()  # the row left out
 
 
-def test_a_run_with_rdrop_feeds_the_model_doubled_batches(monkeypatch):
-    """train_pass doubles each batch and counts its real tokens once."""
-    config = tools.get_config("ci", dropout=0.1, rdrop=1.0)
-    run = tools.TrainingRun(0, 1, (11, 11), config, False, None, "cpu")
+def rows_seen(run, monkeypatch):
+    """A list that gets the batch size of every forward pass of the run."""
     seen = []
     model_forward = run.model.forward
 
@@ -162,6 +160,14 @@ def test_a_run_with_rdrop_feeds_the_model_doubled_batches(monkeypatch):
         return model_forward(src, tgt, src_mask, tgt_mask)
 
     monkeypatch.setattr(run.model, "forward", spy)
+    return seen
+
+
+def test_a_run_with_rdrop_feeds_the_model_doubled_batches(monkeypatch):
+    """train_pass doubles each batch and counts its real tokens once."""
+    config = tools.get_config("ci", dropout=0.1, rdrop=1.0)
+    run = tools.TrainingRun(0, 1, (11, 11), config, False, None, "cpu")
+    seen = rows_seen(run, monkeypatch)
     batches = [toy_batch(seed=s) for s in range(3)]
     loader = [(b.src, torch.cat([b.tgt[:, :1], b.tgt_y], 1)) for b in batches]
     compute = tools.RDropLossCompute(run.module.generator, run.criterion, 1.0)
@@ -217,14 +223,7 @@ def test_train_pass_doubles_only_for_the_rdrop_loss(monkeypatch):
     """A plain loss given to a run with rdrop > 0 sees single batches."""
     config = tools.get_config("ci", dropout=0.1, rdrop=1.0)
     run = tools.TrainingRun(0, 1, (11, 11), config, False, None, "cpu")
-    seen = []
-    model_forward = run.model.forward
-
-    def spy(src, tgt, src_mask, tgt_mask):
-        seen.append(src.size(0))
-        return model_forward(src, tgt, src_mask, tgt_mask)
-
-    monkeypatch.setattr(run.model, "forward", spy)
+    seen = rows_seen(run, monkeypatch)
     batch = toy_batch()
     loader = [(batch.src, torch.cat([batch.tgt[:, :1], batch.tgt_y], 1))]
     plain = tat.SimpleLossCompute(run.module.generator, run.criterion)
