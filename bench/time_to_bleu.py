@@ -377,9 +377,7 @@ def main(argv=None):
         data = None
         if args.data:
             tools.download_multi30k()  # the vocabularies' source, checked
-            data = tools.train_on_folder(args.data, config)
-            digest = tools.pairs_digest(data)
-            config = dataclasses.replace(config, data=digest)
+            data, config = tools.train_on_folder(args.data, config)
         with tools.multi30k_from(data):
             bench = Benchmark(
                 config,

@@ -2057,8 +2057,9 @@ def doubled(batch):
     (`RDropLossCompute`) knows the batch is doubled.
     """
     twice = copy.copy(batch)
-    for name in ("src", "src_mask", "tgt", "tgt_y", "tgt_mask"):
-        setattr(twice, name, torch.cat([getattr(batch, name)] * 2))
+    for name, value in vars(batch).items():  # every tensor, as Batch.to
+        if torch.is_tensor(value):
+            setattr(twice, name, torch.cat([value, value]))
     return twice
 
 
@@ -3563,8 +3564,10 @@ def build_parser():
 # `train_on_folder` first checks that the folder's validation and test
 # files are Multi30k's own, so the run is still judged on the human
 # references, and caches the vocabularies of the original training split,
-# so that a student keeps its teachers' vocabularies. `multi30k_from` then
-# points `MULTI30K_DIR` at the folder for the length of the run only.
+# so that a student keeps its teachers' vocabularies. It records the
+# SHA-256 of the folder's training pairs in the config, so that
+# `--resume` on other pairs is refused. `multi30k_from` then points
+# `MULTI30K_DIR` at the folder for the length of the run only.
 
 
 # %%
@@ -3580,9 +3583,11 @@ def torchrun_ranks():
 
 
 def train_on_folder(folder, config):
-    """`--data`'s folder, absolute, once its validation and test files are
-    Multi30k's and the vocabularies of the original training split are
-    cached (a student keeps them)."""
+    """(`--data`'s folder, absolute; `config` with the folder's pairs_digest
+    as `data`), once its validation and test files are Multi30k's and the
+    vocabularies of the original training split are cached (a student
+    keeps them). The digest in the checkpoints refuses a --resume on other
+    pairs."""
     folder = Path(folder).absolute()
     if not folder.is_dir():
         raise UserError(f"--data {folder}: no such folder")
@@ -3600,7 +3605,7 @@ def train_on_folder(folder, config):
     if problems:
         raise UserError(f"--data {folder}: " + "; ".join(problems))
     load_vocabularies(config, *load_tokenizers())  # from the original
-    return folder
+    return folder, replace(config, data=pairs_digest(folder))
 
 
 def pairs_digest(folder):
@@ -3660,9 +3665,9 @@ def command_train(args):
     if args.results:  # fail now, not after hours of training
         check_out(args.results, option="--results")
     download_multi30k()  # before the lock makes the checkpoint folder
-    data = train_on_folder(args.data, config) if args.data else None
-    if data:  # in the checkpoints: --resume on other pairs is refused
-        config = replace(config, data=pairs_digest(data))
+    data = None  # Multi30k's own pairs
+    if args.data:
+        data, config = train_on_folder(args.data, config)
     rank = ranks[0] if ranks else 0
     lock = folder_lock(config.checkpoint_dir) if rank == 0 else None
     with lock or nullcontext(), multi30k_from(data):  # rank 0 locks
