@@ -87,6 +87,15 @@ def test_the_forward_reference_check_can_fail():
     assert "x" not in global_references("def f(x):\n    return x\n")
 
 
+def test_a_module_level_comprehension_variable_is_not_a_global_read():
+    # Python 3.12 lists `name` in the module's own symbol table (PEP 709),
+    # which made `make check-sync` fail there with "undefined names".
+    code = 'X = {f"{name}-b": 1 for name in ("a",)}\nY = [z for z in W]\n'
+    assert global_references(code) == {"W"}
+    inner = "def f():\n    return [v for v in V]\n"
+    assert global_references(inner) == {"V"}
+
+
 @pytest.mark.parametrize("path", BOTH, ids=lambda p: p.stem)
 def test_imports_are_hoisted_to_the_top(path):
     body = module_tree(path).body

@@ -22,6 +22,9 @@ def ci_config(tmp_path, **overrides):
 
 
 def train(cfg, vocabs, tokenizers, **kwargs):
+    """One process on the CPU, also beside a GPU: the checks compare its
+    weights with CPU runs (on an H100, CUDA's rounding differed by 9e-4)."""
+    kwargs.setdefault("device", "cpu")
     return tools.train_worker(
         0, 1, *vocabs, *tokenizers, cfg, show_progress=False, **kwargs
     )
@@ -32,11 +35,24 @@ def final_weights(cfg):
     return torch.load(path, map_location="cpu", weights_only=True)["model"]
 
 
-def assert_same_weights(a, b, atol=0.0):
+def assert_same_weights(a, b, atol=0.0, skip=()):
     assert a.keys() == b.keys()
     for key in a:
+        if key.endswith(skip):
+            continue
         gap = (a[key].float() - b[key].float()).abs().max().item()
         assert gap <= atol, f"{key}: weights differ by {gap:.2e}"
+
+
+def test_the_key_bias_gets_no_gradient():
+    """Adding b_k to every key adds q . b_k to a query's every score,
+    which softmax ignores: only rounding reaches b_k's gradient."""
+    torch.manual_seed(0)
+    attn = tat.MultiHeadedAttention(2, 8, dropout=0.0).double()
+    x = torch.randn(3, 5, 8, dtype=torch.float64)
+    attn(x, x, x, mask=None).square().sum().backward()
+    assert attn.w_k.bias.grad.abs().max() < 1e-12
+    assert attn.w_q.bias.grad.abs().max() > 1e-3  # the others do get one
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +220,7 @@ def test_resume_reads_an_older_full_epoch_file(ci_run, tmp_path, vocabs):
     sizes = (len(vocabs[0]), len(vocabs[1]))
     # only a lean epoch file (a crash before the first last.pt): start over
     shutil.copy(folder / "epoch_001.pt", tmp_path / "epoch_001.pt")
-    run = tools.TrainingRun(0, 1, sizes, old, False)
+    run = tools.TrainingRun(0, 1, sizes, old, False, device="cpu")
     fresh = {k: v.clone() for k, v in run.module.state_dict().items()}
     assert tools.resume_run(run) == 0
     assert_same_weights(run.module.state_dict(), fresh)
@@ -213,7 +229,7 @@ def test_resume_reads_an_older_full_epoch_file(ci_run, tmp_path, vocabs):
     saved = torch.load(
         tmp_path / "epoch_002.pt", map_location="cpu", weights_only=True
     )
-    run = tools.TrainingRun(0, 1, sizes, old, False)
+    run = tools.TrainingRun(0, 1, sizes, old, False, device="cpu")
     assert tools.resume_run(run) == 3
     assert_same_weights(run.module.state_dict(), saved["model"])
     moments = run.optimizer.state_dict()["state"][0]["exp_avg"]
@@ -270,8 +286,13 @@ def test_two_processes_match_one_process_with_accumulation(
     # Summing gradients across processes reorders float additions; Adam
     # turns such rounding into weight gaps of about 1e-4 over this run,
     # where the learning rate moves weights by about 5e-2 a step. A
-    # missing or doubled batch would show up as gaps of that size.
-    assert_same_weights(final_weights(base), ckpt["model"], atol=5e-4)
+    # missing or doubled batch would show up as gaps of that size. The key
+    # biases are left out: their gradient is rounding alone (the test
+    # above), which Adam scales up to steps of its own size (gaps of 1e-3
+    # on an Intel Xeon).
+    assert_same_weights(
+        final_weights(base), ckpt["model"], atol=5e-4, skip=("w_k.bias",)
+    )
 
 
 def test_batch_greedy_matches_one_sentence_at_a_time(ci_run, tokenizers):

@@ -70,8 +70,9 @@ def test_symmetric_kl_sums_bf16_inputs_in_float32():
 
 def small_model(dropout):
     torch.manual_seed(0)
-    return tat.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2,
-                          dropout=dropout)
+    return tat.make_model(
+        11, 11, N=1, d_model=16, d_ff=32, h=2, dropout=dropout
+    )
 
 
 def forward(model, batch):
@@ -88,8 +89,7 @@ def test_the_loss_is_both_smoothed_losses_plus_alpha_kl_over_2n():
     compute = tools.RDropLossCompute(model.generator, criterion, alpha)
     torch.manual_seed(5)
     x = forward(model, tools.doubled(batch))
-    loss_sum, loss_mean = compute(x, tools.doubled(batch).tgt_y,
-                                  batch.ntokens)
+    loss_sum, loss_mean = compute(x, tools.doubled(batch).tgt_y, batch.ntokens)
 
     B, n = batch.src.size(0), batch.ntokens
     logp = model.generator(x).detach()
@@ -115,11 +115,13 @@ def test_without_dropout_the_loss_is_the_plain_loss():
     criterion = tat.LabelSmoothing(11, PAD, 0.1)
     plain = tat.SimpleLossCompute(model.generator, criterion)
     rdrop = tools.RDropLossCompute(model.generator, criterion, alpha=5.0)
-    sum_plain, mean_plain = plain(forward(model, batch), batch.tgt_y,
-                                  batch.ntokens)
+    sum_plain, mean_plain = plain(
+        forward(model, batch), batch.tgt_y, batch.ntokens
+    )
     twice = tools.doubled(batch)
-    sum_rdrop, mean_rdrop = rdrop(forward(model, twice), twice.tgt_y,
-                                  batch.ntokens)
+    sum_rdrop, mean_rdrop = rdrop(
+        forward(model, twice), twice.tgt_y, batch.ntokens
+    )
     assert mean_rdrop.item() == pytest.approx(mean_plain.item(), rel=1e-5)
     assert sum_rdrop.item() == pytest.approx(sum_plain.item(), rel=1e-5)
 
@@ -188,8 +190,10 @@ def test_train_epoch_uses_rdrop_only_when_asked(monkeypatch):
         class batch_sampler:  # noqa: N801
             set_epoch = staticmethod(lambda epoch: None)
 
-    for alpha, kind in ((0.0, tat.SimpleLossCompute), (3.0,
-                                                       tools.RDropLossCompute)):
+    for alpha, kind in (
+        (0.0, tat.SimpleLossCompute),
+        (3.0, tools.RDropLossCompute),
+    ):
         config = tools.get_config("ci", rdrop=alpha)
         run = tools.TrainingRun(0, 1, (11, 11), config, False, None, "cpu")
         tools.train_epoch(run, 0, Loader(), Loader(), show=False)

@@ -206,20 +206,46 @@ def imported_names(imports: list[str]) -> dict[str, str]:
 
 
 def global_references(code: str) -> set[str]:
-    """Global names that any scope of the code reads."""
+    """Global names that any scope of the code reads.
+
+    Python 3.12 inlines comprehensions (PEP 709): the loop variable of a
+    comprehension at module level shows up in the module's own table, as
+    a name read there. It is the comprehension's, so it is left out."""
     seen = set()
+    loop_names = module_comprehension_targets(ast.parse(code))
 
     def walk(table):
+        module = table.get_type() == "module"
         for sym in table.get_symbols():
-            if sym.is_referenced() and (
-                sym.is_global() or table.get_type() == "module"
-            ):
-                seen.add(sym.get_name())
+            name = sym.get_name()
+            if module and name in loop_names:
+                continue
+            if sym.is_referenced() and (sym.is_global() or module):
+                seen.add(name)
         for child in table.get_children():
             walk(child)
 
     walk(symtable.symtable(code, "<export>", "exec"))
     return seen
+
+
+def module_comprehension_targets(tree: ast.AST) -> set[str]:
+    """Names bound by comprehensions outside every function and class."""
+    names = set()
+    scopes = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.comprehension):
+            for target in ast.walk(node.target):
+                if isinstance(target, ast.Name):
+                    names.add(target.id)
+        stack += [
+            child
+            for child in ast.iter_child_nodes(node)
+            if not isinstance(child, scopes)
+        ]
+    return names
 
 
 def ruff_fix(text: str, path: Path) -> str:
