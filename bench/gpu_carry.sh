@@ -41,7 +41,9 @@ find "$site" -name __pycache__ -type d -prune -exec rm -rf {} +
 rm -rf "$site"/{spacy,thinc,blis,srsly}/tests
 mkdir -p .dev
 tar -cJf .dev/site.tar.xz -C "$(dirname "$site")" devsite
+[[ -d .dev/multi30k ]] && chmod -R u+w .dev/multi30k  # a read-only copy
 rm -rf .dev/stub .dev/multi30k
 cp -r bench/gpu_stub .dev/stub
 cp -r "$MULTI30K_DIR" .dev/multi30k
+chmod -R u+w .dev/multi30k
 du -sh .dev
