@@ -596,6 +596,22 @@ SETTINGS = {
         "max_steps": 0,
         "eval_every": 0,
     },
+    "cpu-d02-lin18-wd02-tie-kdmix-e12": {
+        "why": "cpu-d02-lin18-wd02-tie-kdmix for 12 epochs, not 9: its"
+        " validation loss still fell in the last epoch (1.4175, 1.4157)",
+        "preset": "cpu",
+        "data": "data/distilled-tie4-mix",
+        "set": {
+            "dropout": 0.2,
+            "schedule": "linear",
+            "weight_decay": 0.2,
+            "tie_embeddings": True,
+            "epochs": 12,
+            "keep_last": 0,
+        },
+        "max_steps": 0,
+        "eval_every": 0,
+    },
     "cpu-d02-lin18-wd02-tie-kdmix-rd3": {
         "why": "cpu-d02-lin18-wd02-tie-kdmix with R-Drop, alpha 3 (the"
         " appendix): do two dropout passes that must agree lift one"
