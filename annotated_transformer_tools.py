@@ -1998,6 +1998,8 @@ def describe_checkpoint(path):
     c, history = ckpt["config"], ckpt.get("history") or []
     pairs = c.get("max_train_pairs") or 0
     data = f"{pairs:,d} training pairs" if pairs else "all training pairs"
+    if c.get("data"):  # `train --data`: other pairs, named by their digest
+        data = f"the --data pairs {c['data'][:19]}"
     trained = f"{len(history)} epochs on {data}"
     if history:
         trained += f", validation loss {history[-1]['val_loss']:.2f}"

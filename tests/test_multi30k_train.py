@@ -84,6 +84,18 @@ def test_describe_checkpoint_names_the_model_and_its_training(ci_run):
     assert line.endswith(f"validation loss {history[-1]['val_loss']:.2f}")
 
 
+def test_describe_checkpoint_names_the_data_pairs(ci_run, tmp_path):
+    cfg, _ = ci_run
+    ckpt = torch.load(
+        Path(cfg.checkpoint_dir) / "final.pt", map_location="cpu",
+        weights_only=False,
+    )  # fmt: skip
+    ckpt["config"]["data"] = "sha256:" + "ab" * 32  # as `train --data` sets
+    torch.save(ckpt, tmp_path / "final.pt")
+    line = tools.describe_checkpoint(tmp_path / "final.pt")
+    assert "epochs on the --data pairs sha256:abababababab," in line
+
+
 def test_write_results_scores_with_and_without_unk_replacement(
     ci_run, tmp_path, monkeypatch
 ):
