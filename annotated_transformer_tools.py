@@ -86,6 +86,7 @@ from the_annotated_transformer import (
     make_optimizer,
     make_run_optimizer,
     model_from_config,
+    multi30k_folder,
     pick_device,
     rate,
     read_multi30k,
@@ -1643,6 +1644,16 @@ def folder_lock(folder):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def check_training_pairs(config):
+    """Refuse a config whose `data` digest is not the pairs read here."""
+    if config.data and pairs_digest(multi30k_folder()) != config.data:
+        raise ValueError(
+            f"config.data is {config.data[:19]}..., but the training pairs"
+            f" read here ({multi30k_folder()}) are others: read that folder"
+            " with multi30k_from(folder), as `train --data` does"
+        )
+
+
 def train_worker(
     rank,
     world_size,
@@ -1660,6 +1671,7 @@ def train_worker(
     """Train on Multi30k in one process; returns the history of losses."""
     sizes = (len(vocab_src), len(vocab_tgt))
     try:
+        check_training_pairs(config)
         device = place_process(rank, world_size, is_distributed, device)
         loaders = create_dataloaders(
             vocab_src,
@@ -2934,6 +2946,7 @@ __all__ = [
     "check_resume_and_say",
     "FolderInUseError",
     "folder_lock",
+    "check_training_pairs",
     "train_worker",
     "free_port",
     "train_distributed_model",

@@ -2556,11 +2556,23 @@ with tempfile.TemporaryDirectory() as tmp:
 # and, after the last epoch, checks that all ranks ended with the same
 # weights and writes `final.pt`. Whatever happens, a process leaves its
 # process group on the way out (`finally`), so that a failed run does not
-# leave the others waiting.
+# leave the others waiting. A config whose `data` names other training
+# pairs (`train --data` sets it) is refused unless those pairs are the
+# ones being read (`multi30k_from(folder)`, as `train --data` does).
 
 
 # %%
 #| export
+def check_training_pairs(config):
+    """Refuse a config whose `data` digest is not the pairs read here."""
+    if config.data and pairs_digest(multi30k_folder()) != config.data:
+        raise ValueError(
+            f"config.data is {config.data[:19]}..., but the training pairs"
+            f" read here ({multi30k_folder()}) are others: read that folder"
+            " with multi30k_from(folder), as `train --data` does"
+        )
+
+
 def train_worker(
     rank,
     world_size,
@@ -2578,6 +2590,7 @@ def train_worker(
     """Train on Multi30k in one process; returns the history of losses."""
     sizes = (len(vocab_src), len(vocab_tgt))
     try:
+        check_training_pairs(config)
         device = place_process(rank, world_size, is_distributed, device)
         loaders = create_dataloaders(
             vocab_src,

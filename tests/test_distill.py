@@ -222,6 +222,26 @@ def test_train_data_trains_on_the_folder_with_multi30k_vocabularies(
     assert tools.load_checkpoint(ck / "final.pt")["epoch"] == 1
 
 
+def test_train_worker_refuses_a_data_digest_it_does_not_read(
+    local_multi30k, vocabs, tokenizers, tmp_path, monkeypatch
+):
+    # A Python caller that sets `data` by hand, without multi30k_from,
+    # would train on Multi30k's pairs under another pairs' name.
+    monkeypatch.setenv(tat.MULTI30K_ENV, local_multi30k)
+    student = student_folder(Path(local_multi30k), tmp_path / "student")
+    config = tools.get_config(
+        "ci", checkpoint_dir=str(tmp_path / "ck"), epochs=1,
+        max_train_pairs=100, data=tools.pairs_digest(student),
+    )  # fmt: skip
+    args = (0, 1, *vocabs, *tokenizers, config)
+    with pytest.raises(ValueError, match="read that folder with multi30k_"):
+        tools.train_worker(*args, show_progress=False, device="cpu")
+    assert not (tmp_path / "ck" / "final.pt").exists()
+    with tools.multi30k_from(student):  # the pairs it names: trains
+        tools.train_worker(*args, show_progress=False, device="cpu")
+    assert (tmp_path / "ck" / "final.pt").exists()
+
+
 def test_multi30k_from_puts_the_folder_back_even_after_an_error(
     monkeypatch,
 ):
