@@ -1646,10 +1646,11 @@ def folder_lock(folder):
 
 def check_training_pairs(config):
     """Refuse a config whose `data` digest is not the pairs read here."""
-    if config.data and pairs_digest(multi30k_folder()) != config.data:
+    folder = multi30k_folder()
+    if config.data and pairs_digest(folder) != config.data:
         raise ValueError(
-            f"config.data is {config.data[:19]}..., but the training pairs"
-            f" read here ({multi30k_folder()}) are others: read that folder"
+            f"config.data is {short_digest(config.data)}, but the training"
+            f" pairs read here ({folder}) are others: read that folder"
             " with multi30k_from(folder), as `train --data` does"
         )
 
@@ -2011,7 +2012,8 @@ def describe_checkpoint(path):
     pairs = c.get("max_train_pairs") or 0
     data = f"{pairs:,d} training pairs" if pairs else "all training pairs"
     if c.get("data"):  # `train --data`: other pairs, named by their digest
-        data = f"the --data pairs {c['data'][:19]}"
+        first = f", the first {pairs:,d}" if pairs else ""
+        data = f"the --data pairs {short_digest(c['data'])}{first}"
     trained = f"{len(history)} epochs on {data}"
     if history:
         trained += f", validation loss {history[-1]['val_loss']:.2f}"
@@ -2442,6 +2444,11 @@ def train_on_folder(folder, config):
         raise UserError(f"--data {folder}: " + "; ".join(problems))
     load_vocabularies(config, *load_tokenizers())  # from the original
     return folder, replace(config, data=pairs_digest(folder))
+
+
+def short_digest(digest):
+    """A pairs_digest cut to its first 12 hex digits, for messages."""
+    return digest[: len("sha256:") + 12]
 
 
 def pairs_digest(folder):
@@ -2987,6 +2994,7 @@ __all__ = [
     "build_parser",
     "torchrun_ranks",
     "train_on_folder",
+    "short_digest",
     "pairs_digest",
     "multi30k_from",
     "command_train",

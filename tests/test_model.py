@@ -449,3 +449,14 @@ def test_an_older_checkpoint_file_loads_through_the_key_map(tmp_path):
         new.state_dict().items(), old.state_dict().values()
     ):
         assert torch.equal(a, b), name
+
+
+def test_the_key_bias_gets_no_gradient():
+    """Adding b_k to every key adds q . b_k to a query's every score,
+    which softmax ignores: only rounding reaches b_k's gradient."""
+    torch.manual_seed(0)
+    attn = tat.MultiHeadedAttention(2, 8, dropout=0.0).double()
+    x = torch.randn(3, 5, 8, dtype=torch.float64)
+    attn(x, x, x, mask=None).square().sum().backward()
+    assert attn.w_k.bias.grad.abs().max() < 1e-12
+    assert attn.w_q.bias.grad.abs().max() > 1e-3  # the others do get one

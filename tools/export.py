@@ -210,9 +210,12 @@ def global_references(code: str) -> set[str]:
 
     Python 3.12 inlines comprehensions (PEP 709): the loop variable of a
     comprehension at module level shows up in the module's own table, as
-    a name read there. It is the comprehension's, so it is left out."""
+    a name read there. It is the comprehension's, so there it is left out
+    (and a real read of the same name at module level goes unseen)."""
     seen = set()
-    loop_names = module_comprehension_targets(ast.parse(code))
+    loop_names = set()
+    if sys.version_info >= (3, 12):
+        loop_names = module_comprehension_targets(ast.parse(code))
 
     def walk(table):
         module = table.get_type() == "module"

@@ -1,0 +1,48 @@
+"""Run a script as if the GPU were a T4: compute capability 7.5.
+
+`choose_precision` then picks float16 autocast with a `GradScaler`, the
+path of Colab's free GPU, on whatever CUDA GPU runs this. With --scales,
+the scaler's scale after every step is written to FILE (JSON), with the
+number of skipped steps (a step is skipped when the scale drops).
+
+    python bench/gpu_as_t4.py [--scales FILE] SCRIPT [ARGS...]
+"""
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import torch
+
+
+def main(argv):
+    scales_file = None
+    if argv[:1] == ["--scales"]:
+        scales_file, argv = argv[1], argv[2:]
+    torch.cuda.get_device_capability = lambda *args, **kwargs: (7, 5)
+    scales = []
+    update = torch.amp.GradScaler.update
+
+    def recorded_update(self, *args, **kwargs):
+        update(self, *args, **kwargs)
+        scales.append(self.get_scale())
+
+    torch.amp.GradScaler.update = recorded_update
+    sys.argv = argv
+    sys.path.insert(0, str(Path(argv[0]).resolve().parent))  # as python does
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    finally:
+        skipped = sum(b < a for a, b in zip(scales, scales[1:]))
+        print(f"GradScaler: {len(scales)} updates, {skipped} skipped steps")
+        if scales_file:
+            with open(scales_file, "w") as f:
+                json.dump(
+                    {"updates": len(scales), "skipped_steps": skipped,
+                     "scales": scales}, f,
+                )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
