@@ -26,8 +26,13 @@ def test_as_t4_makes_the_cuda_precision_a_t4s(tmp_path):
     )
     scales = tmp_path / "scales.json"
     done = run(
-        [sys.executable, "bench/gpu_as_t4.py", "--scales", str(scales),
-         str(script)],  # fmt: skip
+        [
+            sys.executable,
+            "bench/gpu_as_t4.py",
+            "--scales",
+            str(scales),
+            str(script),
+        ],  # fmt: skip
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert done.returncode == 0, done.stderr
@@ -54,8 +59,13 @@ def test_as_t4_counts_the_steps_a_scaler_skips(tmp_path):
     )
     scales = tmp_path / "scales.json"
     done = run(
-        [sys.executable, "bench/gpu_as_t4.py", "--scales", str(scales),
-         str(script)],  # fmt: skip
+        [
+            sys.executable,
+            "bench/gpu_as_t4.py",
+            "--scales",
+            str(scales),
+            str(script),
+        ],  # fmt: skip
     )
     assert done.returncode == 0, done.stderr
     record = json.loads(scales.read_text())
@@ -66,8 +76,13 @@ def test_as_t4_counts_the_steps_a_scaler_skips(tmp_path):
 def test_ddp_one_rank_joins_a_process_group_of_one(tmp_path, local_multi30k):
     torchrun = Path(sys.executable).parent / "torchrun"
     done = run(
-        [str(torchrun), "--standalone", "--nproc_per_node=1",
-         "bench/gpu_ddp_one_rank.py", str(tmp_path / "ck")],  # fmt: skip
+        [
+            str(torchrun),
+            "--standalone",
+            "--nproc_per_node=1",
+            "bench/gpu_ddp_one_rank.py",
+            str(tmp_path / "ck"),
+        ],  # fmt: skip
         env={**os.environ, "MULTI30K_DIR": local_multi30k},
     )
     assert done.returncode == 0, done.stderr
