@@ -16,6 +16,13 @@ def run(args, **kwargs):
     )
 
 
+def as_t4(script, scales):
+    """Run `script` through bench/gpu_as_t4.py, writing the scales."""
+    helper = ["bench/gpu_as_t4.py", "--scales", str(scales), str(script)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return run([sys.executable, *helper], env=env)
+
+
 def test_as_t4_makes_the_cuda_precision_a_t4s(tmp_path):
     # choose_precision asks torch for the GPU's compute capability, which
     # the helper makes 7.5: float16 with a GradScaler, as on a T4.
@@ -25,16 +32,7 @@ def test_as_t4_makes_the_cuda_precision_a_t4s(tmp_path):
         "print(tools.choose_precision('cuda'))\n"
     )
     scales = tmp_path / "scales.json"
-    done = run(
-        [
-            sys.executable,
-            "bench/gpu_as_t4.py",
-            "--scales",
-            str(scales),
-            str(script),
-        ],  # fmt: skip
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    done = as_t4(script, scales)
     assert done.returncode == 0, done.stderr
     assert "Precision(dtype=torch.float16, scaler=True)" in done.stdout
     assert "GradScaler: 0 updates, 0 skipped steps" in done.stdout
@@ -58,15 +56,7 @@ def test_as_t4_counts_the_steps_a_scaler_skips(tmp_path):
         "    opt.zero_grad()\n"
     )
     scales = tmp_path / "scales.json"
-    done = run(
-        [
-            sys.executable,
-            "bench/gpu_as_t4.py",
-            "--scales",
-            str(scales),
-            str(script),
-        ],  # fmt: skip
-    )
+    done = as_t4(script, scales)
     assert done.returncode == 0, done.stderr
     record = json.loads(scales.read_text())
     assert record["updates"] == 3 and record["skipped_steps"] == 1
