@@ -1647,11 +1647,15 @@ def folder_lock(folder):
 def check_training_pairs(config):
     """Refuse a config whose `data` digest is not the pairs read here."""
     folder = multi30k_folder()
-    if config.data and pairs_digest(folder) != config.data:
+    if not config.data:
+        return
+    found = pairs_digest(folder)
+    if found != config.data:
         raise ValueError(
             f"config.data is {short_digest(config.data)}, but the training"
-            f" pairs read here ({folder}) are others: read that folder"
-            " with multi30k_from(folder), as `train --data` does"
+            f" pairs in {folder} are {short_digest(found)}: read the folder"
+            " that holds them with multi30k_from(folder), as `train --data`"
+            " does"
         )
 
 
@@ -2452,8 +2456,9 @@ def short_digest(digest):
 
 
 def pairs_digest(folder):
-    """One SHA-256 of a folder's two training files: what `--data` trains
-    on, the same wherever the folder is moved."""
+    """One SHA-256 of the SHA-256s of a folder's two training files (their
+    .gz bytes): what `--data` trains on, the same wherever the folder is
+    moved."""
     files = [sha256_of(Path(folder, f"train.{x}.gz")) for x in ("de", "en")]
     return "sha256:" + hashlib.sha256(" ".join(files).encode()).hexdigest()
 

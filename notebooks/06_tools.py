@@ -2552,14 +2552,20 @@ with tempfile.TemporaryDirectory() as tmp:
 # %% [markdown]
 # ### One process's whole run: `train_worker`
 #
-# `train_worker` composes the pieces with the checkpoint files. Rank 0
+# `train_worker` puts the pieces above together (the device, the data
+# loaders, a `TrainingRun`, its epochs) with the checkpoint files. Rank 0
 # says in one line where it trains, writes the files after every epoch,
-# and, after the last epoch, checks that all ranks ended with the same
-# weights and writes `final.pt`. Whatever happens, a process leaves its
-# process group on the way out (`finally`), so that a failed run does not
-# leave the others waiting. A config whose `data` names other training
-# pairs (`train --data` sets it) is refused unless those pairs are the
-# ones being read (`multi30k_from(folder)`, as `train --data` does).
+# and writes `final.pt` after the last; with several processes, it
+# records there whether all ranks ended with the same weights
+# (`ranks_in_sync`). Whatever happens, a process leaves its process group
+# on the way out (`finally`).
+#
+# One more check comes first. `train --data FOLDER` (the command line,
+# below) trains on other pairs, such as a teacher's translations, and
+# stores their digest, a SHA-256, in `config.data`. A config whose `data`
+# is set is refused unless the folder being read (`$MULTI30K_DIR`, which
+# `multi30k_from(FOLDER)` sets while training, as `train --data` does)
+# holds the pairs of that digest.
 
 
 # %%
@@ -2567,11 +2573,15 @@ with tempfile.TemporaryDirectory() as tmp:
 def check_training_pairs(config):
     """Refuse a config whose `data` digest is not the pairs read here."""
     folder = multi30k_folder()
-    if config.data and pairs_digest(folder) != config.data:
+    if not config.data:
+        return
+    found = pairs_digest(folder)
+    if found != config.data:
         raise ValueError(
             f"config.data is {short_digest(config.data)}, but the training"
-            f" pairs read here ({folder}) are others: read that folder"
-            " with multi30k_from(folder), as `train --data` does"
+            f" pairs in {folder} are {short_digest(found)}: read the folder"
+            " that holds them with multi30k_from(folder), as `train --data`"
+            " does"
         )
 
 
@@ -3050,7 +3060,10 @@ def run_model_example(checkpoint=None, n_examples=5):
 #
 # A translation, an attention map or a BLEU score means little without
 # the model behind it. `describe_checkpoint` names a checkpoint in one
-# line: its preset and sizes, its vocabulary and how long it trained. The
+# line: its file, its preset and sizes, its vocabulary, how many epochs it
+# trained on which pairs, and its last validation loss, e.g.
+# `quick/final.pt, preset quick (N=3, d_model=256, h=4, word vocabulary),
+# 5 epochs on all training pairs, validation loss 1.47`. The
 # notebooks print it as `model: ...` whenever they load one, and the
 # website puts those lines at the top of each page.
 
@@ -3632,8 +3645,9 @@ def short_digest(digest):
 
 
 def pairs_digest(folder):
-    """One SHA-256 of a folder's two training files: what `--data` trains
-    on, the same wherever the folder is moved."""
+    """One SHA-256 of the SHA-256s of a folder's two training files (their
+    .gz bytes): what `--data` trains on, the same wherever the folder is
+    moved."""
     files = [sha256_of(Path(folder, f"train.{x}.gz")) for x in ("de", "en")]
     return "sha256:" + hashlib.sha256(" ".join(files).encode()).hexdigest()
 

@@ -234,7 +234,8 @@ def test_train_worker_refuses_a_data_digest_it_does_not_read(
         max_train_pairs=100, data=tools.pairs_digest(student),
     )  # fmt: skip
     args = (0, 1, *vocabs, *tokenizers, config)
-    with pytest.raises(ValueError, match="read that folder with multi30k_"):
+    found = tools.short_digest(tools.pairs_digest(local_multi30k))
+    with pytest.raises(ValueError, match=f"are {found}: read the folder"):
         tools.train_worker(*args, show_progress=False, device="cpu")
     assert not (tmp_path / "ck" / "final.pt").exists()
     with tools.multi30k_from(student):  # the pairs it names: trains
