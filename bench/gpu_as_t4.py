@@ -8,6 +8,7 @@ number of skipped steps (a step is skipped when the scale drops).
     python bench/gpu_as_t4.py [--scales FILE] SCRIPT [ARGS...]
 """
 
+import argparse
 import json
 import runpy
 import sys
@@ -16,10 +17,24 @@ from pathlib import Path
 import torch
 
 
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        description="Run a script as if the GPU were a T4 (compute"
+        " capability 7.5): float16 autocast with a GradScaler."
+    )
+    parser.add_argument(
+        "--scales", metavar="FILE", help="write the scaler's scales here"
+    )
+    parser.add_argument("script", help="the Python script to run")
+    parser.add_argument(
+        "args", nargs=argparse.REMAINDER, help="the script's arguments"
+    )
+    return parser.parse_args(argv)
+
+
 def main(argv):
-    scales_file = None
-    if argv[:1] == ["--scales"]:
-        scales_file, argv = argv[1], argv[2:]
+    options = parse_args(argv)
+    scales_file, argv = options.scales, [options.script, *options.args]
     torch.cuda.get_device_capability = lambda *args, **kwargs: (7, 5)
     scales = []
     update = torch.amp.GradScaler.update

@@ -9,6 +9,7 @@ DDP with `device_ids`, the losses' float64 `all_reduce` and
     torchrun --standalone --nproc_per_node=1 bench/gpu_ddp_one_rank.py DIR
 """
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -44,4 +45,9 @@ def main(folder):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    parser = argparse.ArgumentParser(
+        description="Under torchrun: train the ci preset as a process group"
+        " of one (NCCL on CUDA, gloo on a CPU)."
+    )
+    parser.add_argument("folder", help="where the checkpoints go")
+    sys.exit(main(parser.parse_args().folder))
