@@ -53,10 +53,12 @@ def main(argv):
         print(f"GradScaler: {len(scales)} updates, {skipped} skipped steps")
         if scales_file:
             with open(scales_file, "w") as f:
-                json.dump(
-                    {"updates": len(scales), "skipped_steps": skipped,
-                     "scales": scales}, f,
-                )  # fmt: skip
+                record = {
+                    "updates": len(scales),
+                    "skipped_steps": skipped,
+                    "scales": scales,
+                }
+                json.dump(record, f)
 
 
 if __name__ == "__main__":

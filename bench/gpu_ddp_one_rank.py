@@ -35,9 +35,15 @@ def main(folder):
     tokenizers = tat.load_tokenizers()
     vocabs = tools.load_vocabularies(config, *tokenizers)
     tools.train_worker(
-        rank, world, *vocabs, *tokenizers, config,
-        is_distributed=True, show_progress=False, device=device,
-    )  # fmt: skip
+        rank,
+        world,
+        *vocabs,
+        *tokenizers,
+        config,
+        is_distributed=True,
+        show_progress=False,
+        device=device,
+    )
     final = tools.load_checkpoint(Path(folder, "final.pt"))
     print("process groups joined:", joined, "device:", device)
     print("ranks_in_sync:", final.get("ranks_in_sync"))

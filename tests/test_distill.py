@@ -230,9 +230,12 @@ def test_train_worker_refuses_a_data_digest_it_does_not_read(
     monkeypatch.setenv(tat.MULTI30K_ENV, local_multi30k)
     student = student_folder(Path(local_multi30k), tmp_path / "student")
     config = tools.get_config(
-        "ci", checkpoint_dir=str(tmp_path / "ck"), epochs=1,
-        max_train_pairs=100, data=tools.pairs_digest(student),
-    )  # fmt: skip
+        "ci",
+        checkpoint_dir=str(tmp_path / "ck"),
+        epochs=1,
+        max_train_pairs=100,
+        data=tools.pairs_digest(student),
+    )
     args = (0, 1, *vocabs, *tokenizers, config)
     found = tools.short_digest(tools.pairs_digest(local_multi30k))
     with pytest.raises(ValueError, match=f"are {found}: read the folder"):

@@ -72,7 +72,7 @@ def test_ddp_one_rank_joins_a_process_group_of_one(tmp_path, local_multi30k):
             "--nproc_per_node=1",
             "bench/gpu_ddp_one_rank.py",
             str(tmp_path / "ck"),
-        ],  # fmt: skip
+        ],
         env={**os.environ, "MULTI30K_DIR": local_multi30k},
     )
     assert done.returncode == 0, done.stderr

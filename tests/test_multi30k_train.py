@@ -75,10 +75,8 @@ def test_describe_checkpoint_names_the_model_and_its_training(ci_run):
 
 def test_describe_checkpoint_names_the_data_pairs(ci_run, tmp_path):
     cfg, _ = ci_run
-    ckpt = torch.load(
-        Path(cfg.checkpoint_dir) / "final.pt", map_location="cpu",
-        weights_only=False,
-    )  # fmt: skip
+    path = Path(cfg.checkpoint_dir) / "final.pt"
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
     ckpt["config"]["data"] = "sha256:" + "ab" * 32  # as `train --data` sets
     torch.save(ckpt, tmp_path / "final.pt")
     line = tools.describe_checkpoint(tmp_path / "final.pt")
