@@ -354,3 +354,79 @@ def test_ours_as_at_issue_18_undoes_the_three_changes(monkeypatch):
     )
     assert then.criterion_cls is tat.LabelSmoothing and not then.keep_targets
     assert optimizer_built_for(then, monkeypatch).defaults["fused"]
+
+
+def has_commit(commit):
+    """Is `commit` in this checkout's git history?"""
+    found = subprocess.run(
+        ["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}^{{commit}}"],
+        capture_output=True,
+    )
+    return found.returncode == 0
+
+
+needs_issue_18_history = pytest.mark.skipif(
+    not has_commit(efficiency.ISSUE_18_COMMIT),
+    reason="no git history of the issue-18 commit (archive or shallow clone)",
+)
+
+
+@needs_issue_18_history
+def test_the_code_at_issue_18_is_that_commits_not_todays():
+    """Two facts of that commit: attention had no use_fused (the CPU's
+    dropout ran inside scaled_dot_product_attention), and the closed-form
+    loss summed bf16 log-probabilities in bf16 (today's sums in float32).
+    The architecture is the same: so is the parameter count."""
+    then = efficiency.code_at_commit(efficiency.ISSUE_18_COMMIT).module
+    assert then is not tat
+    assert not hasattr(then.MultiHeadedAttention, "use_fused")
+    assert hasattr(tat.MultiHeadedAttention, "use_fused")
+    x = torch.randn(4, 50).log_softmax(-1).bfloat16()
+    target = torch.tensor([5, 6, tat.PAD, 7])
+    assert then.smoothed_kl(x, target, tat.PAD, 0.1).dtype == torch.bfloat16
+    assert tat.smoothed_kl(x, target, tat.PAD, 0.1).dtype == torch.float32
+    assert then.PAD == tat.PAD
+
+    def count(model):
+        return sum(p.numel() for p in model.parameters())
+
+    assert count(then.make_model(50, 60, 2, 32, 64, 4)) == count(
+        tat.make_model(50, 60, 2, 32, 64, 4)
+    )
+
+
+@needs_issue_18_history
+def test_the_code_at_issue_18_trains_with_its_own_model_and_loss(monkeypatch):
+    labels = efficiency.contestants_for(SimpleNamespace(compile=False))
+    then_cls = labels["code at issue 18"][0]
+    then = then_cls.module
+    model = then_cls(50, 50, 2, 32, 64, 4, 0.1)
+    assert type(model.model) is then.EncoderDecoder
+    assert then_cls.criterion_cls is then.LabelSmoothing
+    dropouts = {type(m) for m in model.modules() if isinstance(m, nn.Dropout)}
+    assert dropouts == {nn.Dropout}
+    assert optimizer_built_for(then_cls, monkeypatch).defaults["fused"]
+    tokens, seconds, _ = efficiency.train_pass(
+        then_cls, tiny_batches(), (50, 50), tools.get_config("ci"), 0
+    )
+    assert tokens == sum(b.ntokens for b in tiny_batches()) and seconds > 0
+
+
+def test_without_git_history_the_issue_18_contestant_is_left_out(
+    monkeypatch, tmp_path, capsys
+):
+    monkeypatch.setattr(efficiency, "REPO", tmp_path)  # not a git checkout
+    assert efficiency.module_at_commit(efficiency.ISSUE_18_COMMIT) is None
+    monkeypatch.setattr(efficiency, "code_at_commit", lambda commit: None)
+    labels = efficiency.contestants_for(SimpleNamespace(compile=False))
+    assert "code at issue 18" not in labels and "ours" in labels
+    efficiency.print_issue_18_goal({"ours": (100.0, 1.0)})
+    assert "not measured (no git history" in capsys.readouterr().out
+
+
+def test_the_issue_18_ratio_is_ours_over_that_code(capsys):
+    medians = {"ours": (300.0, 1.0), "code at issue 18": (200.0, 1.0)}
+    efficiency.print_issue_18_goal(medians)
+    out = capsys.readouterr().out
+    assert f"the code at issue 18, {efficiency.ISSUE_18_COMMIT}" in out
+    assert "(tok/s): 1.50 (issue 18 asks for 2 in bf16)" in out
