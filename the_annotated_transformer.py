@@ -1286,7 +1286,10 @@ def _mean(x, keep):
 
 
 def _diagonal(v, kind):
-    """Query and key positions (R, 1) and (1, C); the diagonal is j == i."""
+    """Row positions (R, 1), in column units, and key positions (1, C).
+
+    The diagonal is where j == i. For "decoder source", row i is rescaled
+    to i (S-1) / (T-1), so they need not be whole numbers."""
     R, C = v.allowed.shape
     i = torch.arange(R, dtype=torch.float64)[:, None]  # (R, 1)
     j = torch.arange(C, dtype=torch.float64)[None, :]  # (1, C)
@@ -1518,7 +1521,7 @@ def length_penalty(length, alpha=0.6):
 
 
 def beam_candidates(logp, logp_sum, lengths, finished, alpha):
-    """The best extensions of each hypothesis: score, log P, token."""
+    """The best extensions of each hypothesis: score, log P, token, length."""
     A, k, V = logp.shape  # (sentences, beams, vocabulary)
     c = min(k, V)  # candidates kept per hypothesis: all that can win
     logp, word = logp.topk(c, dim=-1)  # (A, k, c)
@@ -1579,9 +1582,15 @@ def advance_beams(beams, logp, t, alpha, end_symbol):
 
 
 def keep_best(out, best, beams, score):
-    """In place: for each sentence, take the best of its k scores (A, k);
-    if it beats `best`, store the score in `best` and the hypothesis's
-    tokens in `out`. Both have a row per batch sentence: `beams.sent`."""
+    """In place: keep each sentence's best hypothesis so far.
+
+    `out` (B, max_len) and `best` (B,) have one row per sentence of the
+    whole batch. `score` (A, k) has one row per sentence still searching,
+    and `beams.sent` maps each of those to its row in `out` and `best`.
+    For each searching sentence, take the best of its k scores; if it
+    beats `best`, store the score in `best` and the hypothesis's tokens
+    in `out`.
+    """
     top, j = score.max(dim=1)  # (A,)
     better = top > best[beams.sent]
     best[beams.sent[better]] = top[better]

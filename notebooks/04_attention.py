@@ -23,12 +23,15 @@
 # self-attention over the German source, the decoder's masked
 # self-attention over the English written so far, and the decoder's
 # attention to the source. It says what the trained model's heads do, in
-# claims that a cell checks. Then it condenses the heads of many sentences
-# into two numbers each, how spread out (entropy) and how far from the
-# diagonal (distance) their attention is, plus four shares that say where
-# the weight goes (the previous, same or next position, and `<s>`/`</s>`).
-# Last, it puts the decoder's attention to the source to work: the German word
-# that an `<unk>` read most is copied in its place.
+# claims that a cell checks when a trained model is loaded. With the
+# *stand-in* (a tiny model trained here in seconds when no trained one is
+# found), such a cell prints that it did not check the claim. Then it
+# condenses the heads of many sentences into two numbers each, how spread
+# out (entropy) and how far from the diagonal (distance) their attention
+# is, plus four shares that say where the weight goes (the previous, same
+# or next position, and `<s>`/`</s>`). Last, it puts the decoder's
+# attention to the source to work: the German word that an `<unk>` read
+# most is copied in its place.
 #
 # Three choices keep the pictures honest:
 #
@@ -36,14 +39,18 @@
 #   attention weights (the probabilities, not the model's parameters) are
 #   zeroed and the rest scaled by $1/0.9$, so a drawn row no
 #   longer sums to 1, and a weight above 0.9 would be drawn above 1. A
-#   cell below shows the rows that no longer sum to 1.
+#   cell below shows the rows that no longer sum to 1. (The trained
+#   model is loaded with dropout 0, so for it `eval()` is a safeguard;
+#   that cell uses a fresh model with dropout.)
 # * Recording is an explicit opt-in. Outside recording, a layer in
-#   `eval()` mode calls PyTorch's fused `scaled_dot_product_attention`,
-#   which does not return the weights; recording switches every layer to
-#   the explicit computation only for the length of a `with` block.
-# * The number of layers $N$ and of heads $h$ are read from the model, so
-#   the same code draws the 2-layer stand-in and Part 3's 3-layer model
-#   alike.
+#   `eval()` mode calls PyTorch's *fused* `scaled_dot_product_attention`:
+#   one optimized call that computes
+#   $\mathrm{softmax}(QK^\top / \sqrt{d_k})\,V$ and never hands back the
+#   weights. Recording switches every layer to the explicit computation,
+#   only for the length of a `with` block.
+# * The number of layers $N$ and of heads $h$ are read from the model.
+#   So the same code draws Part 3's 3-layer model and the 2-layer
+#   stand-in alike.
 
 # %% [markdown]
 # [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/annotated-transformer/done-right/blob/main/notebooks/04_attention.ipynb)
@@ -69,7 +76,9 @@ if "COLAB_RELEASE_TAG" in os.environ and not os.path.isdir(CLONE):
 HERE = "." if os.path.isfile("the_annotated_transformer.py") else ".."
 ROOT = os.path.abspath(CLONE if os.path.isdir(CLONE) else HERE)
 sys.path.insert(0, ROOT)
-AT_SIZE = os.environ.get("AT_SIZE", "full")  # "ci": tiny models, CI-sized
+# CI, the project's automated test run, sets AT_SIZE=ci to run everything
+# small; otherwise the page runs at full size.
+AT_SIZE = os.environ.get("AT_SIZE", "full")
 
 # %%
 #| export
@@ -226,9 +235,10 @@ class AttentionMaps:
 # `<s> y_1 ... </s>`: its inputs are every token but the last, and row $t$
 # is the position that predicts token $t+1$, kept in `next_tokens` for the
 # tooltips. Without a target, the model first translates the sentence
-# greedily and the maps are those of its own translation. Because the
-# decoder is causal, one pass over the finished translation gives the same
-# weights, up to rounding, as it used while writing it one token at a time.
+# greedily and the maps are those of its own translation. The decoder is
+# *causal*: each position sees only itself and the positions before it.
+# So one pass over the finished translation gives the same weights, up to
+# rounding, as it used while writing it one token at a time.
 #
 # The forward pass builds its masks exactly as training does
 # (`Batch.make_std_mask` hides padding and the future) and runs the model
@@ -298,24 +308,50 @@ def attention_maps(
 #
 # Maps of an untrained model are noise, so we read a translator of Part
 # 3's shape: $N=3$ layers, $d_{model}=256$, $h=4$ heads and word
-# vocabularies. The page loads `checkpoints/cpu/final.pt`, which `make
-# train` writes, or else `checkpoints/quick/final.pt`, which Part 3
-# trained in minutes.
+# vocabularies. The page loads the first of these two that exists:
 #
-# If neither exists, the appendix's `find_or_train` trains one here: on a
-# CUDA GPU, such as Colab's, the `quick` model, in a few minutes;
-# elsewhere a *stand-in*, in seconds, with two layers and four heads. The
-# stand-in shows the machinery, not language: what the prose says about
-# "brown", "black" and the two dogs will not match its charts. The tests
-# run this page in a CI-sized version (`AT_SIZE=ci`), which always uses
-# the stand-in.
+# * `checkpoints/cpu/final.pt`, which `make train` writes. That takes
+#   hours. `make train` trains the `cpu` preset for 18 epochs, then a BPE
+#   model: about 3 hours in all on a CPU with native bf16, by the README's
+#   estimate, and longer in float32. The chart on record below comes from a
+#   `cpu` model stopped after 10 of its 18 epochs.
+# * `checkpoints/quick/final.pt`, the `quick` model (5 epochs) that Part 3
+#   trains in minutes.
 #
-# Numbers in the prose come from recorded runs, named where they are
-# quoted ("on record": a `cpu` model trained for 10 epochs,
-# `results/site_full.md`), and are not recomputed here. The asserts under
-# `if trained:`, in cells marked **Check**, test claims about a trained
-# model's heads and run only when the model loaded is one; the others, in
-# cells titled "See, …", check the code with any model.
+# If neither exists, the appendix's `find_or_train` trains a model here.
+# On a CUDA GPU it trains `quick`. On the H100 lent to this project, that
+# took 2.6 minutes from start to end (`docs/gpu.md`); no timing on a T4 is
+# recorded. Elsewhere it trains the stand-in, in seconds: two layers, four
+# heads, two short epochs on 1,000 sentence pairs. On an Apple-silicon
+# Mac the stand-in trains on MPS. If an operation is missing there, set
+# `PYTORCH_ENABLE_MPS_FALLBACK=1` before starting Jupyter: PyTorch then
+# runs that operation on the CPU.
+#
+# In Colab, pick a GPU runtime first (Runtime → Change runtime type).
+# Otherwise Colab gives you a CPU, and you get the stand-in. Colab's T4
+# trains in float16, and no real T4 has run this project: see the section
+# "If it fails on a T4 or a Mac" of
+# [docs/gpu.md](../docs/gpu.md#if-it-fails-on-a-t4-or-a-mac).
+#
+# The stand-in shows the machinery, not language: what the prose says
+# about "brown", "black" and the two dogs will not match its charts. CI,
+# the project's automated test run, sets `AT_SIZE=ci` to run everything
+# small, and then this page always uses the stand-in.
+#
+# Numbers in the prose come from recorded runs and are not recomputed
+# here. Each one names the run it comes from. "On record" means one
+# model: the `cpu` model stopped after 10 epochs, trained in float32 and
+# recorded in `results/site_full.md`. The chart on record below is that
+# model's.
+#
+# Two kinds of checks run on this page:
+#
+# * Paragraphs marked **Check** state a claim about what a trained
+#   model's heads do. Their cell asserts it under `if trained:`, so only
+#   when a `cpu` or `quick` model is loaded. With the stand-in, the cell
+#   prints one line saying that the claim was not checked.
+# * Every other assert runs with any model, the stand-in included. Many of
+#   them test the code, under a bold title that starts with "See, …".
 
 
 # %%
@@ -332,6 +368,7 @@ checkpoint = find_or_train(
 model, vocab_src, vocab_tgt, config = load_trained_model(checkpoint, "cpu")
 N, h = len(model.encoder.layers), model.encoder.layers[0].self_attn.h
 trained = config.preset in ("cpu", "quick")  # not the stand-in
+SKIPPED = "stand-in loaded: this claim is checked only with a trained model"
 print("model:", describe_checkpoint(checkpoint))
 
 # %% [markdown]
@@ -413,12 +450,13 @@ with torch.no_grad(), record_attention(model):
 assert torch.allclose(fused, explicit, atol=1e-5)
 
 # %% [markdown]
-# **See, it matches.** Earlier we said that one teacher-forced pass over a
-# finished translation gives the decoder–source weights that the decoder
-# used while writing it one token at a time. Here is greedy decoding
-# written out step by step, keeping at each step the newest row of every
-# layer's decoder–source weights (the row that picks the next token),
-# against one pass of `attention_maps` over the tokens it wrote.
+# **See, one pass matches step by step.** Earlier we said that one
+# teacher-forced pass over a finished translation gives the decoder–source
+# weights that the decoder used while writing it one token at a time.
+# Here is greedy decoding written out step by step, keeping at each step
+# the newest row of every layer's decoder–source weights (the row that
+# picks the next token), against one pass of `attention_maps` over the
+# tokens it wrote.
 
 # %%
 newest = []  # per step: (N, h, S), each layer's last row
@@ -532,6 +570,11 @@ save_chart(attention_chart(maps, "encoder self"), "04_encoder_self", FIGURES)
 # %% [markdown]
 # ### Decoder self-attention
 #
+# **Here and in the next chart, each row is labelled with what the
+# decoder reads; the word it predicts is the next label down.** (The last
+# row predicts `</s>`, which labels no row.) The hover tooltip shows the
+# predicted word as `next`.
+#
 # The upper triangle is empty: the subsequent mask keeps every position
 # from seeing the words after it. The first row (`<s>`, row 0) can only
 # look at itself.
@@ -542,27 +585,25 @@ save_chart(attention_chart(maps, "decoder self"), "04_decoder_self", FIGURES)
 # %% [markdown]
 # ### Decoder–source attention
 #
-# This is where the translation reads the German. Read each row with its
-# *next* token, the word that row is asked to predict (the tooltip shows
-# it): a row is labelled with the decoder's input at that position, so
-# the row that predicts "brown" is the one labelled "A", the row that
-# predicts `</s>` is the one labelled ".", and the row that predicts "."
-# is the second one labelled "dog".
+# This is where the translation reads the German. As above, read each
+# row with the next label down, the word it predicts. So the row that
+# predicts "brown" is the one labelled "A". The row that predicts `</s>`
+# is the one labelled ".". The row that predicts "." is the second one
+# labelled "dog".
 #
 # The chart on record below shows each head of the trained `cpu` model's
 # last layer. In the row that predicts "brown" every head looks most at
 # "brauner", and in the row that predicts "black" at "schwarzen": each
 # looks at the German word it is about to translate. The row that
-# predicts `</s>` has no German word left to translate, and puts much of
-# its weight on the edges of the sentence instead, `<s>` and `</s>`: *parking*,
-# weight left on a token that carries no content, because a softmax row must
-# put its weight somewhere. A stand-in model of a CI-sized run has seen too
-# little to do any of this.
+# predicts `</s>` has no German word left to translate. It puts much of
+# its weight on the edges of the sentence instead, `<s>` and `</s>`. We
+# call this *parking*: weight left on a token that carries no content,
+# because a softmax row must put its weight somewhere. The stand-in has
+# seen too little to do any of this.
 #
-# Here is that chart of the trained `cpu` model (the one on record in
-# `results/site_full.md`, trained for 10 epochs), as `make site` saved
-# it (on Colab, where this picture does not load, open it [on
-# GitHub][github]):
+# Here is that chart of the model on record (the `cpu` model stopped
+# after 10 epochs), as `make site` saved it. On Colab, where this picture
+# does not load, open it [on GitHub][github].
 #
 # ![The trained cpu model's decoder-source attention, last layer][chart]
 #
@@ -604,22 +645,33 @@ black = last[:, row_of("black")].argmax(-1)  # (h,)
 print("row predicting 'brown':", [maps.src_tokens[j] for j in brown])
 print("row predicting 'black':", [maps.src_tokens[j] for j in black])
 if trained:  # the heads' mean reads the right German word
-    assert last[:, row_of("brown")].mean(0).argmax() == column_of("brauner")
-    assert last[:, row_of("black")].mean(0).argmax() == column_of("schwarzen")
+    brown_mean = last[:, row_of("brown")].mean(0)  # (S,)
+    black_mean = last[:, row_of("black")].mean(0)  # (S,)
+    hint = "trained too little? see docs/gpu.md"
+    assert brown_mean.argmax() == column_of("brauner"), hint
+    assert black_mean.argmax() == column_of("schwarzen"), hint
+else:
+    print(SKIPPED)
 
 # %% [markdown]
-# Then parking: the weight, averaged over the heads, that each row puts on
-# the sentence's edges, `<s>` and `</s>`. The claim checked is the one the
-# chart shows: the row that predicts `</s>`, with no German word left to
-# translate, parks more of its weight there than the rows that predict
-# words do, on average. The row that predicts "." (labelled "dog") is
-# left out of the comparison: it is neither the `</s>` row nor one of the
-# word rows (`words` below excludes it). It has a German word to align
-# with, the full stop,
-# which one head of the chart on record reads most, even though two
-# others park much of that row's weight. With the `quick` model of a full
-# `make notebook` run, the `</s>` row parked 0.17 of its weight and the
-# word rows 0.02 (`results/make_notebook.md`).
+# **Check.** Then parking. The cell below measures, for each row, the
+# weight that the heads put on the sentence's edges, `<s>` and `</s>`,
+# averaged over the heads. It compares the row that predicts `</s>` with
+# the rows that predict words. The claim is the one the chart shows: the
+# `</s>` row, with no German word left to translate, parks more of its
+# weight than the word rows do on average.
+#
+# The row that predicts "." (labelled "dog") is left out. It still has a
+# German "." to read, so it is not like the `</s>` row. In the chart on
+# record, one head reads that German "." most, while two others park much
+# of that row's weight.
+#
+# The figures on record for this check come from a different model: the
+# `quick` model of the fourth run in `results/make_notebook.md`, trained
+# in bf16 on a CPU. There the `</s>` row parked 0.17 of its weight and the
+# word rows 0.02. The fifth run's `quick` model, also bf16, gave the same.
+# No float32 figure is recorded, neither for a float32 `quick` model nor
+# for the `cpu` model on record.
 
 # %%
 edges = [column_of("<s>"), column_of("</s>")]
@@ -629,7 +681,10 @@ print("weight on <s> and </s>, mean over the heads:")
 print(f"  the row that predicts </s>: {on_edges[row_of('</s>')]:.2f}")
 print(f"  the rows that predict words: {on_edges[words].mean():.2f}")
 if trained:
-    assert on_edges[row_of("</s>")] > on_edges[words].mean()
+    hint = "the </s> row parks no more than the word rows; see docs/gpu.md"
+    assert on_edges[row_of("</s>")] > on_edges[words].mean(), hint
+else:
+    print(SKIPPED)
 
 # %% [markdown]
 # Back to the two dogs. For each English position whose next token is
@@ -655,7 +710,10 @@ for layer in range(N):
     )
     print(f"layer {layer + 1}: {on}; apart: {apart[-1]}")
 if trained:
-    assert apart[-1]  # the last layer
+    hint = "the last layer does not tell the dogs apart; see docs/gpu.md"
+    assert apart[-1], hint  # the last layer
+else:
+    print(SKIPPED)
 
 
 # %% [markdown]
@@ -673,10 +731,12 @@ if trained:
 #   how far from its own position a query looks.
 #
 # For decoder–source attention "the diagonal" needs a definition, since
-# the two sentences have different lengths $T$ and $S$. We use the
-# proportional one, $j = i (S-1)/(T-1)$: the alignment of a translation
-# that keeps the word order and stretches it evenly. `_diagonal` returns
-# the positions $i$ and $j$ with that convention.
+# the two sentences can have different lengths: $T$ rows and $S$ columns.
+# We use the proportional one: row $i$ meets column $j = i\,(S-1)/(T-1)$.
+# It is the *word alignment* (which source word each target word
+# translates) of a translation that keeps the word order and stretches it
+# evenly. `_diagonal` rescales each row position $i$ into column units,
+# so that the diagonal is where $j$ equals it.
 
 
 # %%
@@ -689,7 +749,10 @@ def _mean(x, keep):
 
 
 def _diagonal(v, kind):
-    """Query and key positions (R, 1) and (1, C); the diagonal is j == i."""
+    """Row positions (R, 1), in column units, and key positions (1, C).
+
+    The diagonal is where j == i. For "decoder source", row i is rescaled
+    to i (S-1) / (T-1), so they need not be whole numbers."""
     R, C = v.allowed.shape
     i = torch.arange(R, dtype=torch.float64)[:, None]  # (R, 1)
     j = torch.arange(C, dtype=torch.float64)[None, :]  # (1, C)
@@ -708,13 +771,17 @@ def _diagonal(v, kind):
 # table's columns `previous`, `same`, `next` and `specials`. (In decoder
 # self-attention `next` is always 0: the mask hides the next position.)
 #
-# In decoder–source attention the two sentences can differ in length, so
-# the diagonal is proportional: row $i$ of $T$ meets column
-# $j = i\,(S-1)/(T-1)$ of $S$ (`_diagonal`, above). `distance` uses that
-# exact diagonal; only the three shares round it to the nearest position.
-# Row $i$ predicts English token $i+1$, so a head that reads the German word
-# being translated, in a translation that keeps the word order, looks up to
-# one place *after* the diagonal.
+# The shares overlap, and they need not sum to 1. `previous`, `same` and
+# `next` never share a key, but `specials` can share one with each of
+# them. In self-attention, for example, `<s>` is the previous position of
+# row 1, and it is also a special token. Weight more than one position
+# from the diagonal, on a word, is in no share at all.
+#
+# In decoder–source attention, `distance` uses the proportional diagonal
+# defined above as it is; only the three shares round it to the nearest
+# position. Row $i$ predicts English token $i+1$, so a head that reads
+# the German word being translated, in a translation that keeps the word
+# order, looks up to one place *after* the diagonal.
 #
 # Our sentence shows it. Both sides have 11 positions (`<s> A brown dog is
 # running after the black dog .` against `<s> Ein brauner Hund rennt dem
@@ -767,9 +834,10 @@ def attention_statistics(maps, specials=(BOS, EOS)):
 
 
 # %% [markdown]
-# **See, it matches.** The entropy and the distance of the first encoder
-# head, recomputed from the formulas above with plain Python loops over
-# the $S \times S$ weights of our sentence, which has no padding:
+# **See, the statistics by hand.** The entropy and the distance of the
+# first encoder head, recomputed from the formulas above with plain Python
+# loops over the $S \times S$ weights of our sentence, which has no
+# padding:
 
 # %%
 p = maps.encoder_self[0, 0].tolist()  # S rows of S weights
@@ -846,9 +914,9 @@ table.round(2)
 # kind, on the same sentences. **Check**, with the trained model: its
 # decoder–source heads have a lower mean entropy than the untrained
 # model's (in the chart on record, most rows of the last layer put most
-# of their weight on one German word). (A CI-sized stand-in need not
-# pass: after two short epochs its decoder–source attention can still be
-# as even as an untrained model's.)
+# of their weight on one German word). The stand-in is not checked: after
+# two short epochs on 1,000 sentence pairs, its heads may still be as even
+# as an untrained model's, or focused without meaning much.
 
 # %%
 torch.manual_seed(0)
@@ -874,13 +942,17 @@ print(entropies.round(2))
 assert (entropies["untrained"] > 0.9).all()
 if trained:
     source = entropies.loc["decoder source"]
-    assert source["this model"] < source["untrained"]
+    hint = "decoder-source attention as even as untrained; see docs/gpu.md"
+    assert source["this model"] < source["untrained"], hint
+else:
+    print(SKIPPED)
 
 # %% [markdown]
 # Read the chart and the table with the heat maps above:
 #
 # * A head whose entropy is far below 1 commits to a few keys per query.
-#   In decoder–source attention such a head is an aligner; a small
+#   In decoder–source attention such a head is an *aligner*: for each
+#   English word it reads the German word being translated. A small
 #   distance from the diagonal means that it follows the word order of
 #   the source.
 # * In the two self-attentions, a head with a large share in the
@@ -897,8 +969,8 @@ if trained:
 #   its weight somewhere, and such a token is a harmless place to leave it
 #   when the head has nothing to add for that query.
 #
-# A `ci` stand-in has seen 1,000 sentences, so its heads can be focused
-# without meaning much: the trained `cpu` model is the one to read.
+# The stand-in's heads, as said above, may be even or focused, and
+# either way mean little: the trained `cpu` model is the one to read.
 #
 # The cell below points at one head of each sort in the model loaded on
 # this page: for each kind, the head with the largest share in one of
@@ -932,23 +1004,26 @@ for kind in ATTENTION_KINDS:
 # training; every other English word is one token, `<unk>`. The trained
 # `cpu` model on record wrote it 386 times, in 273 of the 1,000 test2016
 # sentences, with greedy decoding, some of them where the German has a
-# name or a number that could simply be copied. (This and the numbers
-# below come from `results/unk_replacement.md`: `checkpoints/cpu/final.pt`
-# after 10 epochs in float32, where Part 3's preset trains for 18. This
-# page does not recompute them.)
+# name or a number that could simply be copied.
+#
+# Numbers in this section: the 10-epoch `cpu` model on record
+# (`results/unk_replacement.md`), not recomputed here.
 #
 # Decoder–source attention says which German word the decoder was
-# reading when it wrote each token. *Unknown-word
-# replacement* (Luong et al., 2015; Jean et al., 2015, who used the
-# attention weights as we do) copies, for each `<unk>`, the German word
-# that got the most attention.
+# reading when it wrote each token. *Unknown-word replacement* copies,
+# for each `<unk>`, the German word that got the most attention. It comes
+# from [Luong et al., 2015](https://arxiv.org/abs/1410.8206), who trained
+# a model to point at the source word with the help of a separate word
+# aligner, and [Jean et al., 2015](https://arxiv.org/abs/1412.2007), who
+# used the attention weights, as we do.
 #
 # Which attention? The last layer alone, whose output becomes the word,
 # is the obvious choice but a worse aligner. Multi30k has no gold word
-# alignments, so "worse" is measured with a proxy. A model writes `<unk>`
-# for a rare English word, and a rare English word usually translates a
-# rare German word, so a good aligner mostly copies a German word that is
-# itself outside the German vocabulary.
+# alignments (alignments drawn by people), so "worse" is measured with a
+# proxy. A model writes `<unk>` for a rare English word, and a rare
+# English word usually translates a rare German word, so a good aligner
+# mostly copies a German word that is itself outside the German
+# vocabulary.
 #
 # On the validation set (436 `<unk>` in greedy translations), the copied
 # word of that same 10-epoch `cpu` model was out of the German vocabulary
