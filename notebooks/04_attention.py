@@ -25,7 +25,8 @@
 # attention to the source. It says what the trained model's heads do, in
 # claims that a cell checks when a trained model is loaded. With the
 # *stand-in* (a tiny model trained here in seconds when no trained one is
-# found), such a cell prints that it did not check the claim. Then it
+# found), such a cell prints that it did not check the claim. Next it
+# checks that the drawn weights are the ones the model uses. Then it
 # condenses the heads of many sentences into two numbers each, how spread
 # out (entropy) and how far from the diagonal (distance) their attention
 # is, plus four shares that say where the weight goes (the previous, same
@@ -39,9 +40,10 @@
 #   attention weights (the probabilities, not the model's parameters) are
 #   zeroed and the rest scaled by $1/0.9$, so a drawn row no
 #   longer sums to 1, and a weight above 0.9 would be drawn above 1. A
-#   cell below shows the rows that no longer sum to 1. (The trained
-#   model is loaded with dropout 0, so for it `eval()` is a safeguard;
-#   that cell uses a fresh model with dropout.)
+#   cell in "Can we trust these pictures?", after the charts, shows the
+#   rows that no longer sum to 1. (The trained model is loaded with
+#   dropout 0, so for it `eval()` is a safeguard; that cell uses a fresh
+#   model with dropout.)
 # * Recording is an explicit opt-in. Outside recording, a layer in
 #   `eval()` mode calls PyTorch's *fused* `scaled_dot_product_attention`:
 #   one optimized call that computes
@@ -399,152 +401,6 @@ print(f"source:     {de}\nreference:  {en}\nmodel:      {hypothesis[0]}\n")
 print({k: tuple(getattr(maps, f).shape) for k, f in ATTENTION_KINDS.items()})
 
 # %% [markdown]
-# ### See, it adds up
-#
-# Each row is a probability distribution over the keys a query may see:
-# it sums to 1 and no entry exceeds 1. The keys a query may see are the
-# `allowed` mask that `view` returns, shape `(R, C)`: it is False at
-# padding keys, in every kind, and in the decoder's self-attention also at
-# the future positions, which Part 1's subsequent mask hides. Keys that
-# are not allowed get exactly zero weight.
-
-# %%
-for kind in ATTENTION_KINDS:
-    v = maps.view(kind)
-    sums = v.weights.sum(-1)  # (N, h, R)
-    assert torch.allclose(sums, torch.ones_like(sums), atol=1e-5), kind
-    assert v.weights.max() <= 1
-    assert (v.weights[..., ~v.allowed] == 0).all()
-    print(f"{kind:15s} {int((~v.allowed).sum())} masked cells, all 0")
-
-# %% [markdown]
-# Our sentence has no padding, so nothing above masks a padding key. The
-# same pair with two padding tokens appended to the source has two: in
-# both kinds that read the source, their columns are masked and get
-# exactly 0.
-
-# %%
-padded_src = torch.cat([src, torch.tensor([PAD, PAD])])  # (S + 2,)
-padded = attention_maps(model, padded_src, tgt)
-for kind in ("encoder self", "decoder source"):
-    v = padded.view(kind)
-    assert not v.allowed[:, -2:].any(), kind  # the two padding keys
-    assert (v.weights[..., -2:] == 0).all(), kind  # (N, h, R, 2)
-print("the two padding keys: weight 0 in every layer and head")
-
-# %% [markdown]
-# And recording changes nothing about what the model computes: with the
-# masks built as in training, the output of the explicit path matches that
-# of the fused kernel (the `F.scaled_dot_product_attention` branch that
-# `MultiHeadedAttention` takes when it does not record).
-
-# %%
-src_in = src.unsqueeze(0)  # (1, S): a batch of one
-src_mask = (src_in != PAD).unsqueeze(-2)  # (1, 1, S)
-tgt_in = maps.tgt_ids.unsqueeze(0)  # (1, T)
-tgt_mask = Batch.make_std_mask(tgt_in, PAD)  # (1, T, T)
-with torch.no_grad():
-    fused = model(src_in, tgt_in, src_mask, tgt_mask)  # (1, T, d_model)
-with torch.no_grad(), record_attention(model):
-    explicit = model(src_in, tgt_in, src_mask, tgt_mask)
-assert torch.allclose(fused, explicit, atol=1e-5)
-
-# %% [markdown]
-# **See, one pass matches step by step.** Earlier we said that one
-# teacher-forced pass over a finished translation gives the decoder–source
-# weights that the decoder used while writing it one token at a time.
-# Here is greedy decoding written out step by step, keeping at each step
-# the newest row of every layer's decoder–source weights (the row that
-# picks the next token), against one pass of `attention_maps` over the
-# tokens it wrote.
-
-# %%
-newest = []  # per step: (N, h, S), each layer's last row
-with torch.no_grad(), record_attention(model):
-    memory = model.encode(src_in, src_mask)  # (1, S, d_model)
-    ys = torch.tensor([[BOS]])  # (1, t): the decoder inputs so far
-    for _ in range(len(src) + 5):  # a few tokens past the source is plenty
-        ys_mask = Batch.make_std_mask(ys, PAD)  # (1, t, t)
-        out = model.decode(memory, src_mask, ys, ys_mask)  # (1, t, d_model)
-        rows = [m.src_attn.attn[0, :, -1] for m in model.decoder.layers]
-        newest.append(torch.stack(rows))  # (N, h, S)
-        word = model.generator(out[:, -1]).argmax(-1, keepdim=True)  # (1, 1)
-        ys = torch.cat([ys, word], dim=1)  # (1, t + 1)
-        if word.item() == EOS:
-            break
-stepwise = torch.stack(newest, dim=2)  # (N, h, T, S)
-forced = attention_maps(model, src, ys[0])  # one pass, teacher-forced
-assert torch.allclose(forced.decoder_src, stepwise, atol=1e-5)
-print(f"{len(newest)} steps, the same weights as one pass")
-
-# %% [markdown]
-# **See, by hand.** The first encoder layer's weights, recomputed from its
-# parameters without Part 1's `attention` function: normalize the
-# embedded source (`model.src_embed` is Part 1's scaled embedding lookup
-# plus the positional encoding; Part 1's layers normalize before
-# attending), project it
-# with $W^Q$ and $W^K$, split the $h$ heads, and take a softmax of the
-# scaled dot products. No mask is needed: the sentence has no padding,
-# and the encoder hides no future positions.
-
-# %%
-with torch.no_grad():
-    enc_layer = model.encoder.layers[0]
-    embedded = model.src_embed(src_in)[0]  # (S, d_model): drop the batch
-    x = enc_layer.self_attn_block.norm(embedded)  # (S, d_model)
-    W_q, W_k = enc_layer.self_attn.w_q, enc_layer.self_attn.w_k
-    d_k = enc_layer.self_attn.d_k
-    q = W_q(x).view(len(src), h, d_k).transpose(0, 1)  # (h, S, d_k)
-    k = W_k(x).view(len(src), h, d_k).transpose(0, 1)  # (h, S, d_k)
-    scores = q @ k.transpose(1, 2) / math.sqrt(d_k)  # (h, S, S)
-    by_hand = torch.softmax(scores, dim=-1)
-assert torch.allclose(by_hand, maps.encoder_self[0], atol=1e-5)
-
-# %% [markdown]
-# ### Why `eval()` matters
-#
-# The same recording twice, on a fresh model with Part 1's default dropout of
-# 0.1: once in `eval()` mode, and once with the dropout of the first encoder
-# layer's attention switched on, and only that one. Every other dropout stays
-# off, the one after the embeddings above all: it would change what reaches the
-# layer, and the two recordings should differ in the dropout on the weights
-# alone. (A fresh model, because `load_trained_model` rebuilds the trained one
-# with dropout 0: switching it to `train()` would change nothing.) With
-# dropout, every weight is either zeroed or the `eval()` weight scaled by
-# $1/0.9$, so the rows no longer sum to 1, and a weight above 0.9 would be
-# drawn above 1 (this small untrained model has no weight that large; a trained
-# one can).
-
-# %%
-torch.manual_seed(0)
-demo = make_model(
-    len(vocab_src), len(vocab_tgt), N=1, d_model=64, d_ff=128, h=4, dropout=0.1
-).eval()
-demo_src = src.unsqueeze(0)  # (1, S)
-demo_mask = (demo_src != PAD).unsqueeze(-2)  # (1, 1, S)
-demo_attn = demo.encoder.layers[0].self_attn
-with torch.no_grad(), record_attention(demo):
-    demo.encode(demo_src, demo_mask)
-    clean = demo_attn.attn  # (1, h, S, S), eval mode
-    demo_attn.dropout.train()  # dropout on these weights only
-    demo.encode(demo_src, demo_mask)
-    dropped = demo_attn.attn  # (1, h, S, S), with dropout
-    demo_attn.dropout.eval()
-kept = dropped != 0
-for name, w in [("eval mode", clean), ("with dropout", dropped)]:
-    sums = w.sum(-1)  # (1, h, S)
-    print(
-        f"{name:12s}: row sums {sums.min():.3f} to {sums.max():.3f},"
-        f" largest weight {w.max():.3f}"
-    )
-print(f"{int((~kept).sum())} of {kept.numel()} weights zeroed by dropout")
-ones = torch.ones_like(clean.sum(-1))  # (1, h, S)
-assert torch.allclose(clean.sum(-1), ones, atol=1e-5)
-assert torch.allclose(dropped[kept], clean[kept] / 0.9)  # the rest scaled
-assert (~kept).any()
-assert not torch.allclose(dropped.sum(-1), clean.sum(-1))
-
-# %% [markdown]
 # ## Drawing the maps
 #
 # `attention_chart` (from the appendix's "Charts" section) draws one kind of
@@ -715,6 +571,164 @@ if trained:
 else:
     print(SKIPPED)
 
+
+# %% [markdown]
+# ## Can we trust these pictures?
+#
+# The pictures above draw the weights that `attention_maps` records, so
+# they are worth reading only if those are the weights the model uses.
+# The cells below check that they are, with any model, the stand-in
+# included: the rows are probability distributions, padding gets no
+# weight, recording leaves the output unchanged, the weights match
+# step-by-step decoding and a computation by hand, and `eval()` keeps
+# dropout out of them.
+
+# %% [markdown]
+# ### See, it adds up
+#
+# Each row is a probability distribution over the keys a query may see:
+# it sums to 1 and no entry exceeds 1. The keys a query may see are the
+# `allowed` mask that `view` returns, shape `(R, C)`: it is False at
+# padding keys, in every kind, and in the decoder's self-attention also at
+# the future positions, which Part 1's subsequent mask hides. Keys that
+# are not allowed get exactly zero weight.
+
+# %%
+for kind in ATTENTION_KINDS:
+    v = maps.view(kind)
+    sums = v.weights.sum(-1)  # (N, h, R)
+    assert torch.allclose(sums, torch.ones_like(sums), atol=1e-5), kind
+    assert v.weights.max() <= 1
+    assert (v.weights[..., ~v.allowed] == 0).all()
+    print(f"{kind:15s} {int((~v.allowed).sum())} masked cells, all 0")
+
+# %% [markdown]
+# Our sentence has no padding, so nothing above masks a padding key. The
+# same pair with two padding tokens appended to the source has two: in
+# both kinds that read the source, their columns are masked and get
+# exactly 0.
+
+# %%
+padded_src = torch.cat([src, torch.tensor([PAD, PAD])])  # (S + 2,)
+padded = attention_maps(model, padded_src, tgt)
+for kind in ("encoder self", "decoder source"):
+    v = padded.view(kind)
+    assert not v.allowed[:, -2:].any(), kind  # the two padding keys
+    assert (v.weights[..., -2:] == 0).all(), kind  # (N, h, R, 2)
+print("the two padding keys: weight 0 in every layer and head")
+
+# %% [markdown]
+# And recording changes nothing about what the model computes: with the
+# masks built as in training, the output of the explicit path matches that
+# of the fused kernel (the `F.scaled_dot_product_attention` branch that
+# `MultiHeadedAttention` takes when it does not record).
+
+# %%
+src_in = src.unsqueeze(0)  # (1, S): a batch of one
+src_mask = (src_in != PAD).unsqueeze(-2)  # (1, 1, S)
+tgt_in = maps.tgt_ids.unsqueeze(0)  # (1, T)
+tgt_mask = Batch.make_std_mask(tgt_in, PAD)  # (1, T, T)
+with torch.no_grad():
+    fused = model(src_in, tgt_in, src_mask, tgt_mask)  # (1, T, d_model)
+with torch.no_grad(), record_attention(model):
+    explicit = model(src_in, tgt_in, src_mask, tgt_mask)
+assert torch.allclose(fused, explicit, atol=1e-5)
+
+# %% [markdown]
+# **See, one pass matches step by step.** The section "One sentence,
+# every map" said that one teacher-forced pass over a finished translation
+# gives the decoder–source weights that the decoder used while writing it
+# one token at a time.
+# Here is greedy decoding written out step by step, keeping at each step
+# the newest row of every layer's decoder–source weights (the row that
+# picks the next token), against one pass of `attention_maps` over the
+# tokens it wrote.
+
+# %%
+newest = []  # per step: (N, h, S), each layer's last row
+with torch.no_grad(), record_attention(model):
+    memory = model.encode(src_in, src_mask)  # (1, S, d_model)
+    ys = torch.tensor([[BOS]])  # (1, t): the decoder inputs so far
+    for _ in range(len(src) + 5):  # a few tokens past the source is plenty
+        ys_mask = Batch.make_std_mask(ys, PAD)  # (1, t, t)
+        out = model.decode(memory, src_mask, ys, ys_mask)  # (1, t, d_model)
+        rows = [m.src_attn.attn[0, :, -1] for m in model.decoder.layers]
+        newest.append(torch.stack(rows))  # (N, h, S)
+        word = model.generator(out[:, -1]).argmax(-1, keepdim=True)  # (1, 1)
+        ys = torch.cat([ys, word], dim=1)  # (1, t + 1)
+        if word.item() == EOS:
+            break
+stepwise = torch.stack(newest, dim=2)  # (N, h, T, S)
+forced = attention_maps(model, src, ys[0])  # one pass, teacher-forced
+assert torch.allclose(forced.decoder_src, stepwise, atol=1e-5)
+print(f"{len(newest)} steps, the same weights as one pass")
+
+# %% [markdown]
+# **See, by hand.** The first encoder layer's weights, recomputed from its
+# parameters without Part 1's `attention` function: normalize the
+# embedded source (`model.src_embed` is Part 1's scaled embedding lookup
+# plus the positional encoding; Part 1's layers normalize before
+# attending), project it
+# with $W^Q$ and $W^K$, split the $h$ heads, and take a softmax of the
+# scaled dot products. No mask is needed: the sentence has no padding,
+# and the encoder hides no future positions.
+
+# %%
+with torch.no_grad():
+    enc_layer = model.encoder.layers[0]
+    embedded = model.src_embed(src_in)[0]  # (S, d_model): drop the batch
+    x = enc_layer.self_attn_block.norm(embedded)  # (S, d_model)
+    W_q, W_k = enc_layer.self_attn.w_q, enc_layer.self_attn.w_k
+    d_k = enc_layer.self_attn.d_k
+    q = W_q(x).view(len(src), h, d_k).transpose(0, 1)  # (h, S, d_k)
+    k = W_k(x).view(len(src), h, d_k).transpose(0, 1)  # (h, S, d_k)
+    scores = q @ k.transpose(1, 2) / math.sqrt(d_k)  # (h, S, S)
+    by_hand = torch.softmax(scores, dim=-1)
+assert torch.allclose(by_hand, maps.encoder_self[0], atol=1e-5)
+
+# %% [markdown]
+# ### Why `eval()` matters
+#
+# The same recording twice, on a fresh model with Part 1's default dropout of
+# 0.1: once in `eval()` mode, and once with the dropout of the first encoder
+# layer's attention switched on, and only that one. Every other dropout stays
+# off, the one after the embeddings above all: it would change what reaches the
+# layer, and the two recordings should differ in the dropout on the weights
+# alone. (A fresh model, because `load_trained_model` rebuilds the trained one
+# with dropout 0: switching it to `train()` would change nothing.) With
+# dropout, every weight is either zeroed or the `eval()` weight scaled by
+# $1/0.9$, so the rows no longer sum to 1, and a weight above 0.9 would be
+# drawn above 1 (this small untrained model has no weight that large; a trained
+# one can).
+
+# %%
+torch.manual_seed(0)
+demo = make_model(
+    len(vocab_src), len(vocab_tgt), N=1, d_model=64, d_ff=128, h=4, dropout=0.1
+).eval()
+demo_src = src.unsqueeze(0)  # (1, S)
+demo_mask = (demo_src != PAD).unsqueeze(-2)  # (1, 1, S)
+demo_attn = demo.encoder.layers[0].self_attn
+with torch.no_grad(), record_attention(demo):
+    demo.encode(demo_src, demo_mask)
+    clean = demo_attn.attn  # (1, h, S, S), eval mode
+    demo_attn.dropout.train()  # dropout on these weights only
+    demo.encode(demo_src, demo_mask)
+    dropped = demo_attn.attn  # (1, h, S, S), with dropout
+    demo_attn.dropout.eval()
+kept = dropped != 0
+for name, w in [("eval mode", clean), ("with dropout", dropped)]:
+    sums = w.sum(-1)  # (1, h, S)
+    print(
+        f"{name:12s}: row sums {sums.min():.3f} to {sums.max():.3f},"
+        f" largest weight {w.max():.3f}"
+    )
+print(f"{int((~kept).sum())} of {kept.numel()} weights zeroed by dropout")
+ones = torch.ones_like(clean.sum(-1))  # (1, h, S)
+assert torch.allclose(clean.sum(-1), ones, atol=1e-5)
+assert torch.allclose(dropped[kept], clean[kept] / 0.9)  # the rest scaled
+assert (~kept).any()
+assert not torch.allclose(dropped.sum(-1), clean.sum(-1))
 
 # %% [markdown]
 # ## What the heads do, measured
@@ -1032,10 +1046,10 @@ for kind in ATTENTION_KINDS:
 #
 # Greedy decoding does not record attention, so `source_alignment` runs
 # the decoder once more over the finished output, inside
-# `record_attention`; as shown above, that gives the weights greedy
-# decoding used. Row $t$ reads decoder input $t$ and wrote output token
-# $t+1$. The argmax runs over the source's words only, never over `<s>`,
-# `</s>` or padding.
+# `record_attention`. The section "Can we trust these pictures?" showed
+# that this gives the weights greedy decoding used. Row $t$ reads decoder
+# input $t$ and wrote output token $t+1$. The argmax runs over the
+# source's words only, never over `<s>`, `</s>` or padding.
 
 
 # %%
