@@ -316,12 +316,12 @@ def attention_maps(
 #   hours. `make train` trains the `cpu` preset for 18 epochs, then a BPE
 #   model: about 3 hours in all on a CPU with native bf16, by the README's
 #   estimate, and longer in float32. The chart on record below comes from a
-#   `cpu` model stopped after 10 of its 18 epochs.
+#   `cpu` model trained for 10 epochs (`train --preset cpu --epochs 10`).
 # * `checkpoints/quick/final.pt`, the `quick` model (5 epochs) that Part 3
 #   trains in minutes.
 #
 # If neither exists, the appendix's `find_or_train` trains a model here.
-# On a CUDA GPU it trains `quick`. On the H100 lent to this project, that
+# On a CUDA GPU it trains `quick`. On an H100, that
 # took 2.6 minutes from start to end (`docs/gpu.md`); no timing on a T4 is
 # recorded. Elsewhere it trains the stand-in, in seconds: two layers, four
 # heads, two short epochs on 1,000 sentence pairs. On an Apple-silicon
@@ -342,7 +342,7 @@ def attention_maps(
 #
 # Numbers in the prose come from recorded runs and are not recomputed
 # here. Each one names the run it comes from. "On record" means one
-# model: the `cpu` model stopped after 10 epochs, trained in float32 and
+# model: the `cpu` model trained for 10 epochs, in float32, and
 # recorded in `results/site_full.md`. The chart on record below is that
 # model's.
 #
@@ -352,8 +352,10 @@ def attention_maps(
 #   model's heads do. Their cell asserts it under `if trained:`, so only
 #   when a `cpu` or `quick` model is loaded. With the stand-in, the cell
 #   prints one line saying that the claim was not checked.
-# * Every other assert runs with any model, the stand-in included. Many of
-#   them test the code, under a bold title that starts with "See, …".
+# * Every other assert runs with any model, the stand-in included. Most
+#   of them test the code, in the section "Can we trust these pictures?"
+#   after the charts. The **Check** cells rely on what that section
+#   verifies: that the drawn weights are the ones the model uses.
 
 
 # %%
@@ -584,7 +586,9 @@ else:
 # dropout out of them.
 
 # %% [markdown]
-# ### See, it adds up
+# ### Rows, padding and recording
+#
+# **See, it adds up.**
 #
 # Each row is a probability distribution over the keys a query may see:
 # it sums to 1 and no entry exceeds 1. The keys a query may see are the

@@ -357,11 +357,14 @@ def test_ours_as_at_issue_18_undoes_the_three_changes(monkeypatch):
 
 
 def has_commit(commit):
-    """Is `commit` in this checkout's git history?"""
-    found = subprocess.run(
-        ["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}^{{commit}}"],
-        capture_output=True,
-    )
+    """Is `commit` in this checkout's git history (and git here)?"""
+    try:
+        found = subprocess.run(
+            ["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}^{{commit}}"],
+            capture_output=True,
+        )
+    except OSError:  # no git program
+        return False
     return found.returncode == 0
 
 
@@ -377,20 +380,20 @@ def test_the_code_at_issue_18_is_that_commits_not_todays():
     dropout ran inside scaled_dot_product_attention), and the closed-form
     loss summed bf16 log-probabilities in bf16 (today's sums in float32).
     The architecture is the same: so is the parameter count."""
-    then = efficiency.code_at_commit(efficiency.ISSUE_18_COMMIT).module
-    assert then is not tat
-    assert not hasattr(then.MultiHeadedAttention, "use_fused")
+    old = efficiency.module_at_commit(efficiency.ISSUE_18_COMMIT)
+    assert old.__name__.endswith(efficiency.ISSUE_18_COMMIT)
+    assert not hasattr(old.MultiHeadedAttention, "use_fused")
     assert hasattr(tat.MultiHeadedAttention, "use_fused")
     x = torch.randn(4, 50).log_softmax(-1).bfloat16()
     target = torch.tensor([5, 6, tat.PAD, 7])
-    assert then.smoothed_kl(x, target, tat.PAD, 0.1).dtype == torch.bfloat16
+    assert old.smoothed_kl(x, target, tat.PAD, 0.1).dtype == torch.bfloat16
     assert tat.smoothed_kl(x, target, tat.PAD, 0.1).dtype == torch.float32
-    assert then.PAD == tat.PAD
+    assert old.PAD == tat.PAD
 
     def count(model):
         return sum(p.numel() for p in model.parameters())
 
-    assert count(then.make_model(50, 60, 2, 32, 64, 4)) == count(
+    assert count(old.make_model(50, 60, 2, 32, 64, 4)) == count(
         tat.make_model(50, 60, 2, 32, 64, 4)
     )
 
@@ -398,35 +401,71 @@ def test_the_code_at_issue_18_is_that_commits_not_todays():
 @needs_issue_18_history
 def test_the_code_at_issue_18_trains_with_its_own_model_and_loss(monkeypatch):
     labels = efficiency.contestants_for(SimpleNamespace(compile=False))
-    then_cls = labels["code at issue 18"][0]
-    then = then_cls.module
-    model = then_cls(50, 50, 2, 32, 64, 4, 0.1)
-    assert type(model.model) is then.EncoderDecoder
-    assert then_cls.criterion_cls is then.LabelSmoothing
+    old_cls = labels["code at issue 18"][0]
+    old = old_cls.source_module
+    model = old_cls(50, 50, 2, 32, 64, 4, 0.1)
+    assert type(model.model) is old.EncoderDecoder
+    assert type(model.model) is not tat.EncoderDecoder
+    assert old_cls.criterion_cls is old.LabelSmoothing
     dropouts = {type(m) for m in model.modules() if isinstance(m, nn.Dropout)}
     assert dropouts == {nn.Dropout}
-    assert optimizer_built_for(then_cls, monkeypatch).defaults["fused"]
+    assert optimizer_built_for(old_cls, monkeypatch).defaults["fused"]
     tokens, seconds, _ = efficiency.train_pass(
-        then_cls, tiny_batches(), (50, 50), tools.get_config("ci"), 0
+        old_cls, tiny_batches(), (50, 50), tools.get_config("ci"), 0
     )
     assert tokens == sum(b.ntokens for b in tiny_batches()) and seconds > 0
 
 
-def test_without_git_history_the_issue_18_contestant_is_left_out(
+def left_out_line(capsys):
+    """contestants_for's labels, and the line it printed."""
+    labels = efficiency.contestants_for(SimpleNamespace(compile=False))
+    return labels, capsys.readouterr().out
+
+
+def test_outside_a_git_checkout_the_contestant_is_left_out_saying_why(
     monkeypatch, tmp_path, capsys
 ):
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
     monkeypatch.setattr(efficiency, "REPO", tmp_path)  # not a git checkout
-    assert efficiency.module_at_commit(efficiency.ISSUE_18_COMMIT) is None
-    monkeypatch.setattr(efficiency, "code_at_commit", lambda commit: None)
-    labels = efficiency.contestants_for(SimpleNamespace(compile=False))
+    labels, out = left_out_line(capsys)
     assert "code at issue 18" not in labels and "ours" in labels
-    efficiency.print_issue_18_goal({"ours": (100.0, 1.0)})
-    assert "not measured (no git history" in capsys.readouterr().out
+    assert "code at issue 18: left out, git show failed:" in out
+
+
+def test_without_git_the_contestant_is_left_out_saying_why(
+    monkeypatch, capsys
+):
+    def no_git(*args, **kwargs):
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(efficiency.subprocess, "run", no_git)
+    labels, out = left_out_line(capsys)
+    assert "code at issue 18" not in labels
+    assert "left out, git could not run" in out
+
+
+def test_old_code_that_fails_to_run_is_left_out_and_forgotten(
+    monkeypatch, capsys
+):
+    broken = SimpleNamespace(returncode=0, stdout="import no_such_module\n")
+    monkeypatch.setattr(efficiency.subprocess, "run", lambda *a, **k: broken)
+    labels, out = left_out_line(capsys)
+    assert "code at issue 18" not in labels
+    assert "its code failed to run: ModuleNotFoundError" in out
+    name = f"the_annotated_transformer_at_{efficiency.ISSUE_18_COMMIT}"
+    assert name not in sys.modules
+
+
+def test_the_goal_line_without_the_contestant(capsys):
+    efficiency.print_issue_18_goal({"ours": (100.0, 1.0)}, torch.bfloat16)
+    assert "code at issue 18: not measured" in capsys.readouterr().out
 
 
 def test_the_issue_18_ratio_is_ours_over_that_code(capsys):
     medians = {"ours": (300.0, 1.0), "code at issue 18": (200.0, 1.0)}
-    efficiency.print_issue_18_goal(medians)
+    efficiency.print_issue_18_goal(medians, torch.bfloat16)
     out = capsys.readouterr().out
-    assert f"the code at issue 18, {efficiency.ISSUE_18_COMMIT}" in out
-    assert "(tok/s): 1.50 (issue 18 asks for 2 in bf16)" in out
+    assert "the code at issue 18, c0b4240 (tok/s): 1.50" in out
+    assert "(issue 18 asks for 2)" in out
+    efficiency.print_issue_18_goal(medians, None)  # float32
+    assert "asks for 2" not in capsys.readouterr().out
