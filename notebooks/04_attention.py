@@ -26,13 +26,13 @@
 # claims that a cell checks when a trained model is loaded. With the
 # *stand-in* (a tiny model trained here in seconds when no trained one is
 # found), such a cell prints that it did not check the claim. Next it
-# checks that the drawn weights are the ones the model uses. Then it
-# condenses the heads of many sentences into two numbers each, how spread
-# out (entropy) and how far from the diagonal (distance) their attention
-# is, plus four shares that say where the weight goes (the previous, same
-# or next position, and `<s>`/`</s>`). Last, it puts the decoder's
-# attention to the source to work: the German word that an `<unk>` read
-# most is copied in its place.
+# checks that the drawn weights are the ones the model uses. Then, over
+# many sentences, it describes each head with two numbers, how spread out
+# its attention is (entropy) and how far from the diagonal it looks
+# (distance), and with four shares that say where its weight goes (the
+# previous, same or next position, or `<s>`/`</s>`). Last, it puts the
+# decoder's attention to the source to work: the German word that an
+# `<unk>` read most is copied in its place.
 #
 # Three choices keep the pictures honest:
 #
@@ -315,8 +315,9 @@ def attention_maps(
 # * `checkpoints/cpu/final.pt`, which `make train` writes. That takes
 #   hours. `make train` trains the `cpu` preset for 18 epochs, then a BPE
 #   model: about 3 hours in all on a CPU with native bf16, by the README's
-#   estimate, and longer in float32. The chart on record below comes from a
-#   `cpu` model trained for 10 epochs (`train --preset cpu --epochs 10`).
+#   estimate, and longer in float32. The chart shown later on this page
+#   comes from a `cpu` model trained for 10 epochs (`train --preset cpu
+#   --epochs 10`).
 # * `checkpoints/quick/final.pt`, the `quick` model (5 epochs) that Part 3
 #   trains in minutes.
 #
@@ -354,8 +355,9 @@ def attention_maps(
 #   prints one line saying that the claim was not checked.
 # * Every other assert runs with any model, the stand-in included. Most
 #   of them test the code, in the section "Can we trust these pictures?"
-#   after the charts. The **Check** cells rely on what that section
-#   verifies: that the drawn weights are the ones the model uses.
+#   after the charts. The **Check** cells come first, right after the
+#   charts they are about. They assume that the drawn weights are the ones
+#   the model uses, which that section verifies afterwards.
 
 
 # %%
@@ -524,12 +526,12 @@ else:
 # record, one head reads that German "." most, while two others park much
 # of that row's weight.
 #
-# The figures on record for this check come from a different model: the
-# `quick` model of the fourth run in `results/make_notebook.md`, trained
-# in bf16 on a CPU. There the `</s>` row parked 0.17 of its weight and the
-# word rows 0.02. The fifth run's `quick` model, also bf16, gave the same.
-# No float32 figure is recorded, neither for a float32 `quick` model nor
-# for the `cpu` model on record.
+# The parking figures here come from another recorded run, not from the model
+# on record: the `quick` model of the fourth run in `results/make_notebook.md`,
+# trained in bf16 on a CPU. There the `</s>` row parked 0.17 of its weight and
+# the word rows 0.02. The fifth run's `quick` model, also bf16, gave the same.
+# No float32 figure is recorded, neither for a float32 `quick` model nor for
+# the `cpu` model on record.
 
 # %%
 edges = [column_of("<s>"), column_of("</s>")]
@@ -550,8 +552,10 @@ else:
 # averaged over the heads of a layer, next to the $1/S$ of a uniform
 # spread. A layer that tells the copies apart weights the first "Hund"
 # more for the first "dog", and the second for the second, and prints
-# `apart: True`. **Check**: the trained model's last layer does, as its
-# chart shows; the cell asserts it when a trained model is loaded.
+# `apart: True`.
+#
+# **Check.** In the chart on record, the last layer tells the two dogs
+# apart. The cell asserts it when a trained model is loaded.
 
 # %%
 hund = [j for j, t in enumerate(maps.src_tokens) if t == "Hund"]
@@ -696,8 +700,8 @@ assert torch.allclose(by_hand, maps.encoder_self[0], atol=1e-5)
 # The same recording twice, on a fresh model with Part 1's default dropout of
 # 0.1: once in `eval()` mode, and once with the dropout of the first encoder
 # layer's attention switched on, and only that one. Every other dropout stays
-# off, the one after the embeddings above all: it would change what reaches the
-# layer, and the two recordings should differ in the dropout on the weights
+# off, especially the one after the embeddings: it would change what reaches
+# the layer, and the two recordings should differ in the dropout on the weights
 # alone. (A fresh model, because `load_trained_model` rebuilds the trained one
 # with dropout 0: switching it to `train()` would change nothing.) With
 # dropout, every weight is either zeroed or the `eval()` weight scaled by
