@@ -413,7 +413,8 @@ def test_the_code_at_issue_18_trains_with_its_own_model_and_loss(monkeypatch):
     tokens, seconds, _ = efficiency.train_pass(
         old_cls, tiny_batches(), (50, 50), tools.get_config("ci"), 0
     )
-    assert tokens == sum(b.ntokens for b in tiny_batches()) and seconds > 0
+    assert tokens == sum(b.ntokens for b in tiny_batches())
+    assert seconds > 0
 
 
 def left_out_line(capsys):
@@ -428,7 +429,8 @@ def test_outside_a_git_checkout_the_contestant_is_left_out_saying_why(
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
     monkeypatch.setattr(efficiency, "REPO", tmp_path)  # not a git checkout
     labels, out = left_out_line(capsys)
-    assert "code at issue 18" not in labels and "ours" in labels
+    assert "code at issue 18" not in labels
+    assert "ours" in labels
     assert "code at issue 18: left out, git show failed:" in out
 
 
