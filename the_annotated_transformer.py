@@ -14,6 +14,7 @@ process launch live in ``annotated_transformer_tools.py``.
 
 import copy
 import gzip
+import importlib.util
 import math
 import os
 import random
@@ -206,6 +207,7 @@ def attention(query, key, value, mask=None, dropout=None):
     d_k = query.size(-1)
     scores = query @ key.transpose(-2, -1) / math.sqrt(d_k)  # (B, h, T, S)
     if mask is not None:
+        # The dtype's lowest value, not -1e9: -1e9 overflows in float16.
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     p_attn = scores.softmax(dim=-1)
     if dropout is not None:
@@ -238,9 +240,10 @@ class MultiHeadedAttention(nn.Module):
         return x.transpose(1, 2)  # (B, h, T, d_k)
 
     def use_fused(self, q):
-        """Use scaled_dot_product_attention for these queries? Not to
-        store the weights, nor for dropout on the CPU (its fused kernel
-        takes no dropout)."""
+        """Use scaled_dot_product_attention? Not to store the weights.
+        Nor when training with dropout on the CPU: there PyTorch falls
+        back to its unfused formula anyway, and `attention` lets the
+        appendix swap self.dropout for FastDropout."""
         cpu_dropout = self.training and self.dropout.p > 0 and q.is_cpu
         return not (self.store_attention or cpu_dropout)
 
@@ -743,11 +746,37 @@ class DatasetError(RuntimeError):
     """Multi30k could not be found, downloaded or verified."""
 
 
+def module_folder():
+    """The folder of the importable the_annotated_transformer.py, or None.
+
+    find_spec asks Python's import system, so it answers in a notebook
+    too, where a cell has no __file__.
+    """
+    try:
+        spec = importlib.util.find_spec("the_annotated_transformer")
+    except ValueError:  # imported some other way, without a spec
+        return None
+    return Path(spec.origin).parent if spec and spec.origin else None
+
+
+MODULE_DIR = module_folder()  # None when the module cannot be found
+
+
 def data_dir():
-    """`data/` in the repository root, or in the working directory."""
+    """The `data/` folder of the repository, where downloads are kept.
+
+    The repository is the first folder, from the working directory up,
+    that holds the_annotated_transformer.py. Failing that, it is the
+    module's own folder when that is a checkout: it holds pyproject.toml,
+    as after `pip install -e` (the notebooks' setup on Colab). Failing
+    that too (an installed copy, not a checkout), it is the working
+    directory.
+    """
     for folder in (Path.cwd(), *Path.cwd().parents):
         if (folder / "the_annotated_transformer.py").exists():
             return folder / "data"
+    if MODULE_DIR and (MODULE_DIR / "pyproject.toml").exists():
+        return MODULE_DIR / "data"
     return Path.cwd() / "data"
 
 
@@ -831,7 +860,18 @@ class Vocab:
         return list(self._itos)
 
     def __eq__(self, other):
-        return isinstance(other, Vocab) and self._itos == other._itos
+        """Equal to any word vocabulary with the same token list.
+
+        Judged by behaviour, not by class: the notebook's `Vocab` and the
+        module's are two classes. A vocabulary with `encode` (Part 5's
+        subwords) cuts raw text its own way, so it is never equal to this
+        one, even with the same list.
+        """
+        if not hasattr(other, "get_itos"):
+            return NotImplemented  # not a vocabulary: Python says unequal
+        if hasattr(other, "encode"):
+            return False
+        return self._itos == other.get_itos()
 
 
 def build_vocabulary(spacy_de, spacy_en, min_freq=2):
@@ -980,7 +1020,7 @@ class TrainConfig:
     max_train_pairs: int = 0  # 0 means all 29,000
     seed: int = 0
     num_workers: int = 0  # processes that prepare batches (0: this one)
-    # For the appendix and Part 5 (see above):
+    # Set only by the appendix and Part 5; these defaults change nothing:
     preset: str = "cpu"
     precision: str = "bf16"  # "bf16": autocast where native; or "fp32"
     checkpoint_dir: str = "checkpoints/cpu"
@@ -1046,7 +1086,7 @@ def make_run_optimizer(model, config, batches_per_epoch, total=None):
 
 
 def pick_device():
-    """The fastest device here: a CUDA GPU, else Apple's MPS, else the CPU."""
+    """A CUDA GPU if there is one, else Apple's GPU (MPS), else the CPU."""
     if torch.cuda.is_available():
         return torch.device("cuda")
     if torch.backends.mps.is_available():
@@ -1799,6 +1839,8 @@ __all__ = [
     "MULTI30K_ENV",
     "MULTI30K_SPLITS",
     "DatasetError",
+    "module_folder",
+    "MODULE_DIR",
     "data_dir",
     "multi30k_folder",
     "split_file",

@@ -20,7 +20,8 @@
 # updated 2022; "the 2022 tutorial" below) and keeps most of its names.
 # Every cell marked `#| export` is also copied into
 # `the_annotated_transformer.py`, so the code you read here is the code you
-# import later. After most definitions a short cell checks the new piece
+# import later. The command `make export` (it runs `tools/export.py`) does
+# the copying. After most definitions a short cell checks the new piece
 # against a PyTorch built-in, a closed form, or a property the paper
 # promises. Where we depart from the paper, one sentence says so and why.
 #
@@ -90,12 +91,16 @@ from torch import nn
 #
 # ![The Transformer, as this notebook builds it](attachment:transformer.svg)
 #
-# Read it bottom up: each box names its code and output shape; dashed
-# frames repeat $N$ times; each (+) is a residual connection, which adds a
-# block's input to its output: $x + f(x)$. "Shifted right": the decoder
-# reads the target sentence (English, in Part 3's German→English task) one
-# position late, after a start token, so that each position predicts the
-# next word (Part 2).
+# Read it bottom up: each box names the code that implements it, and some
+# also give their output shape. Dashed frames repeat $N$ times. Each (+)
+# is a residual connection, which adds a block's input to its output:
+# $x + f(x)$. "Shifted right": the decoder reads the target sentence
+# (English, in Part 3's German→English task) one position late, after a
+# start token, so that each position predicts the next word (Part 2).
+#
+# The picture draws the `Generator` on top of the decoder, under
+# `EncoderDecoder.decode`. In the code, neither `decode` nor `forward`
+# calls it: the loss and the decoding loops do.
 
 
 # %%
@@ -224,7 +229,8 @@ class Encoder(LayerStack):
 # `torch.nn.LayerNorm` computes, so the two can be compared directly. We
 # still write our own small class rather than use `nn.LayerNorm`, only to
 # keep the 2022 tutorial's parameter names: the gain $a$ is `a_2` and the
-# bias $b$ is `b_2`.
+# bias $b$ is `b_2`. (Keeping the names lets the 2022 tutorial's code and
+# checkpoints map one to one onto ours.)
 
 
 # %%
@@ -312,6 +318,12 @@ block = SublayerConnection(24, dropout=0.0)
 assert torch.equal(block(x, torch.zeros_like), x)  # pre-norm
 post_norm = LayerNorm(24)(x + torch.zeros_like(x))
 assert not torch.allclose(post_norm, x)  # post-norm
+for name, tensor in [("x", x), ("post-norm output", post_norm)]:
+    print(f"{name}: mean {tensor.mean():.2f}, std {tensor.std():.2f}")
+# Each position's vector: mean 0 and (biased) standard deviation 1
+assert torch.allclose(post_norm.mean(-1), torch.zeros(4, 5), atol=1e-5)
+position_std = post_norm.std(-1, unbiased=False)
+assert torch.allclose(position_std, torch.ones(4, 5), atol=1e-4)
 
 # %% [markdown]
 # An encoder layer has two sub-layers: self-attention over the source, then
@@ -348,9 +360,11 @@ class EncoderLayer(nn.Module):
 #
 # The decoder is also a stack of $N$ layers. Each has a third sub-layer
 # between the two the encoder has: attention from the target positions to
-# the encoder's memory ("source attention"). Queries come from the target;
-# keys and values come from the memory. Self-attention uses the target
-# mask, source attention the source mask; the next section explains both.
+# the encoder's memory ("source attention"). The paper calls it
+# encoder-decoder attention; it is also often called cross-attention.
+# Queries come from the target; keys and values come from the memory.
+# Self-attention uses the target mask, source attention the source mask;
+# the next section explains both.
 
 
 # %%
@@ -420,10 +434,11 @@ def subsequent_mask(size):
 
 
 # %% [markdown]
-# For five positions (1 = may attend):
+# For five positions (1 = may attend). The mask's shape is $(1, 5, 5)$;
+# `[0]` drops the leading 1 so that it prints as a plain square:
 
 # %%
-print(subsequent_mask(5).int())
+print(subsequent_mask(5)[0].int())
 
 # %% [markdown]
 # It matches the lower triangle built another way, with `tril`:
@@ -438,6 +453,11 @@ assert torch.equal(subsequent_mask(20)[0], torch.ones(20, 20).tril().bool())
 # also writes it to `figures/`. Blue cells are the pairs the decoder may
 # use: the first position sees only itself, the last sees the whole
 # prefix.
+#
+# The chart helpers import `subsequent_mask` and `PositionalEncoding` from
+# the library, `the_annotated_transformer.py`, not from this notebook. So
+# if you edit one of those cells here, run `make export` and restart the
+# notebook to see your change in the chart.
 
 # %%
 from pathlib import Path
@@ -460,14 +480,18 @@ save_chart(mask_chart(20), "01_subsequent_mask", Path(ROOT, "figures"))
 #
 # ![Scaled dot-product attention, step by step](attachment:attention.svg)
 #
-# In code it is a few lines. `mask` is the boolean mask above; a masked
+# In code it is a few lines. `mask` is the boolean mask above. A masked
 # score is replaced by the most negative number its dtype holds, so its
-# weight after the softmax is zero (why that number: at the end of this
-# section, after the scaling check). A departure
-# from the paper: `attention` can apply dropout to the weights
-# themselves. It is inherited from the 2022 tutorial and not measured
-# here; the paper (section 5.4) mentions dropout only on each sub-layer's
-# output and on the sums of embeddings and positional encodings.
+# weight after the softmax is zero. We do not use a fixed $-10^9$, as the
+# 2022 tutorial did, because it overflows in float16; the end of this
+# section shows it. (The fused path of `MultiHeadedAttention`, below,
+# needs no fill value: it hands the boolean mask to PyTorch as is.)
+#
+# A departure from the paper: `attention` can apply dropout to the
+# weights themselves. It is inherited from the 2022 tutorial and not
+# measured here; the paper (section 5.4) mentions dropout only on each
+# sub-layer's output and on the sums of embeddings and positional
+# encodings.
 
 
 # %%
@@ -477,6 +501,7 @@ def attention(query, key, value, mask=None, dropout=None):
     d_k = query.size(-1)
     scores = query @ key.transpose(-2, -1) / math.sqrt(d_k)  # (B, h, T, S)
     if mask is not None:
+        # The dtype's lowest value, not -1e9: -1e9 overflows in float16.
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     p_attn = scores.softmax(dim=-1)
     if dropout is not None:
@@ -490,8 +515,11 @@ def attention(query, key, value, mask=None, dropout=None):
 
 # %%
 torch.manual_seed(0)
-q, k, v = torch.randn(3, 2, 4, 6, 8).unbind(0)  # each (B, h, T, d_k)
-out, weights = attention(q, k, v, mask=subsequent_mask(6))
+B, h, T, d_k = 2, 4, 6, 8
+q = torch.randn(B, h, T, d_k)
+k = torch.randn(B, h, T, d_k)
+v = torch.randn(B, h, T, d_k)
+out, weights = attention(q, k, v, mask=subsequent_mask(T))
 reference = F.scaled_dot_product_attention(q, k, v, is_causal=True)
 assert torch.allclose(out, reference, atol=1e-6)
 assert (weights.triu(1) == 0).all()  # no weight on future keys
@@ -611,8 +639,15 @@ assert weights[0, 2] == 0
 # `forward` passes `dropout_p=0` when the module is not training.
 #
 # On a first read, take `use_fused(q)` as `not self.store_attention`. Its
-# one other case speeds up training with dropout on a CPU (06_tools, "A
-# cheaper dropout mask").
+# one other case is plumbing for the appendix (06_tools, "A cheaper
+# dropout mask"). PyTorch's fused CPU attention kernel takes no dropout.
+# So when training with dropout on the CPU, `scaled_dot_product_attention`
+# falls back to its unfused formula anyway. There we call `attention`
+# instead, so that the appendix's `FastDropout` can replace its dropout.
+# Without that swap (Part 2's own loop keeps `nn.Dropout`), the two
+# branches compute the same thing at the same cost. With it, a bf16
+# training step was 1.03 times as fast, and an fp32 step no faster
+# (`bench/RESULTS_efficiency.md`).
 
 
 # %%
@@ -642,9 +677,10 @@ class MultiHeadedAttention(nn.Module):
         return x.transpose(1, 2)  # (B, h, T, d_k)
 
     def use_fused(self, q):
-        """Use scaled_dot_product_attention for these queries? Not to
-        store the weights, nor for dropout on the CPU (its fused kernel
-        takes no dropout)."""
+        """Use scaled_dot_product_attention? Not to store the weights.
+        Nor when training with dropout on the CPU: there PyTorch falls
+        back to its unfused formula anyway, and `attention` lets the
+        appendix swap self.dropout for FastDropout."""
         cpu_dropout = self.training and self.dropout.p > 0 and q.is_cpu
         return not (self.store_attention or cpu_dropout)
 
@@ -672,12 +708,26 @@ class MultiHeadedAttention(nn.Module):
 
 
 # %% [markdown]
+# Eight heads cost about what one full-width head costs. The scores
+# $QK^\top$ take $h \cdot T \cdot S \cdot d_k = T \cdot S \cdot
+# d_{\text{model}}$ multiply-adds either way. The parameters are the same
+# four $d_{\text{model}} \times d_{\text{model}}$ maps, only cut
+# differently, so the counts are equal:
+
+# %%
+heads_8 = sum(p.numel() for p in MultiHeadedAttention(8, 512).parameters())
+heads_1 = sum(p.numel() for p in MultiHeadedAttention(1, 512).parameters())
+print(f"h = 8: {heads_8:,} parameters; h = 1: {heads_1:,}")
+assert heads_8 == heads_1 == 4 * (512 * 512 + 512)
+
+# %% [markdown]
 # ### Shape walkthrough
 #
 # To see every reshape, push one batch through a `MultiHeadedAttention` by
 # hand: $B=2$ sentences, $T=5$ queries, $S=7$ keys, $d_{\text{model}}=512$,
 # $h=8$, so $d_k = 64$. The letters are those of the list at the top of
-# this notebook; the asserts check every shape.
+# this notebook. The cell prints every intermediate shape, and the asserts
+# check them.
 
 # %%
 torch.manual_seed(0)
@@ -696,6 +746,17 @@ out, weights = attention(q, k, v, mask=src_mask.unsqueeze(1))
 concat = out.transpose(1, 2).reshape(B, T, h * d_k)  # (B, T, h * d_k)
 final = mha.w_o(concat)  # (B, T, d_model)
 
+named = [
+    ("q", q),
+    ("k", k),
+    ("v", v),
+    ("weights", weights),
+    ("out", out),
+    ("concat", concat),
+    ("final", final),
+]
+for name, tensor in named:
+    print(f"{name:>7}: {tuple(tensor.shape)}")
 assert q.shape == (B, h, T, d_k)
 assert k.shape == v.shape == (B, h, S, d_k)
 assert weights.shape == (B, h, T, S)
@@ -768,7 +829,8 @@ assert torch.allclose(ffn(x)[:, shuffle], ffn(x[:, shuffle]), atol=1e-6)
 #
 # Token ids become $d_{\text{model}}$-dimensional vectors through a learned
 # table, whose output the paper multiplies by $\sqrt{d_{\text{model}}}$
-# (section 3.4, with no reason given; we keep the factor). The paper also
+# (section 3.4, with no reason given; we keep the factor, and "The full
+# model" shows what it does to the scale). The paper also
 # shares one matrix between the two embeddings and the generator; that
 # needs one vocabulary for both languages, which Part 5 builds.
 
@@ -840,14 +902,18 @@ assert torch.allclose(out[:, shuffle], out_of_shuffled, atol=1e-5)
 # below, so even the slowest pair never repeats within it.
 #
 # We compute the table once, for up to `max_len` = 5,000 positions (`L` in
-# the shape tags; far longer than any sentence here), and keep it as a
+# the shape tags; far longer than any sentence here). It is kept as a
 # buffer: saved with the model, moved with it to a device, but never
-# trained. The angles $pos / 10000^{2i/d_{\text{model}}}$ reach almost
-# 5,000 radians, where neighbouring float32 numbers are $2^{-11} \approx
-# 0.0005$ apart, about three decimals. So the angles are computed in
-# float64 and rounded to float32 after the sine and cosine. Sines land in
-# the even columns and cosines in the odd ones. Dropout (0.1) is applied
-# to the sum of embedding and encoding.
+# trained.
+#
+# The angles $pos / 10000^{2i/d_{\text{model}}}$ reach almost 5,000
+# radians. There neighbouring float32 numbers are $2^{-11} \approx 0.0005$
+# apart, about three decimals. So the angles are computed in float64 and
+# rounded to float32 after the sine and cosine.
+#
+# In the table, sines land in the even columns and cosines in the odd
+# ones. `forward` adds the table's first rows to the embeddings and
+# applies dropout (0.1 in the paper) to the sum.
 
 
 # %%
@@ -875,15 +941,14 @@ class PositionalEncoding(nn.Module):
 
 
 # %% [markdown]
-# The float64 detour matters. Take the second pair ($i = 1$; not $i = 0$,
-# whose angles are the positions themselves, whole numbers that float32
-# stores exactly) of a 512-dimensional table at positions 4,000 to 4,999:
-# computed from float32 angles, the sines are off by more than $10^{-4}$; the
-# stored buffer is off only by float32's rounding of the final value (below
-# $10^{-7}$).
+# The float64 detour matters: at positions 4,000 to 4,999, sines computed
+# from float32 angles are off by more than $10^{-4}$, while the stored
+# buffer is off by less than $10^{-7}$.
 
 # %%
 table_512 = PositionalEncoding(512, dropout=0.0).pe[0]  # (L, 512)
+# Pair i = 1, not i = 0: the angles of i = 0 are the positions themselves,
+# whole numbers that float32 stores exactly.
 pos = torch.arange(4000, 5000, dtype=torch.float64)  # late positions
 slowdown = 10000 ** (2 / 512)  # divides the positions in pair i = 1
 exact = torch.sin(pos / slowdown)  # float64 angles
@@ -920,7 +985,10 @@ assert torch.allclose(rotated, table[k : 100 + k], atol=1e-5)
 
 # %% [markdown]
 # Four dimensions of a 20-dimensional encoding over the first 100
-# positions, drawn by `positional_chart` from the appendix:
+# positions, drawn by `positional_chart` from the appendix. Like
+# `mask_chart`, it uses the library's `PositionalEncoding`: after editing
+# the class here, run `make export` and restart the notebook to see the
+# change in the chart.
 
 # %%
 from annotated_transformer_tools import positional_chart
@@ -953,12 +1021,10 @@ save_chart(chart, "01_positional_encoding", Path(ROOT, "figures"))
 #    generator maps back to the target vocabulary.
 # 4. Every weight matrix, the embedding tables included, is reset with
 #    Xavier/Glorot uniform initialization: uniform, in a range set by the
-#    matrix's two sizes so that signals keep their scale through a layer.
-#    This also matters because the copies of step 1 start out identical,
-#    and identical copies would compute, and learn, the same thing. After
-#    the reset their weight matrices differ; only the one-dimensional
-#    parameters (biases, the norms' gains) stay equal across copies, which
-#    is harmless once the matrices differ.
+#    matrix's two sizes. The range is chosen so that each layer's output
+#    keeps about the scale of its input. The one-dimensional parameters
+#    (biases, the norms' gains and biases) keep the values they were made
+#    with.
 
 
 # %%
@@ -987,6 +1053,35 @@ def make_model(
     for weight in [p for p in model.parameters() if p.dim() > 1]:
         nn.init.xavier_uniform_(weight)
     return model
+
+
+# %% [markdown]
+# Now the factor $\sqrt{d_{\text{model}}}$ of `Embeddings`. The cell builds
+# a base-size model with 8,000 source words and 6,000 target words, and
+# prints the standard deviation of its source embedding table before and
+# after the factor, next to that of the positional encoding it is added
+# to:
+
+# %%
+torch.manual_seed(0)
+base = make_model(8000, 6000)  # d_model = 512
+table_std = base.src_embed[0].lut.weight.std().item()
+scaled_std = table_std * math.sqrt(512)
+pe_std = PositionalEncoding(512, dropout=0.0).pe.std().item()
+print(f"embedding table:           std {table_std:.3f}")
+print(f"times sqrt(512):           std {scaled_std:.3f}")
+print(f"positional encoding table: std {pe_std:.3f}")
+print(f"encoding / table: {pe_std / table_std:.0f}")
+print(f"encoding / scaled table: {pe_std / scaled_std:.1f}")
+# Xavier's range for a (8000, 512) table: std sqrt(2 / (8000 + 512))
+assert abs(table_std - math.sqrt(2 / 8512)) < 1e-3
+
+# %% [markdown]
+# Without the factor, the embeddings would be about 45 times smaller than
+# the encoding, and their sum would be almost all position. With it, they
+# are about half the encoding's scale (0.347 against 0.695): of the same
+# order, though not equal. Xavier's range depends on the vocabulary size,
+# so this ratio does too.
 
 
 # %% [markdown]
@@ -1123,7 +1218,7 @@ def parameter_table(V_src=8000, V_tgt=6000, d=512):
     counts = {k: (count_parameters(m), f) for k, (m, f) in rows.items()}
     table = pd.DataFrame(counts, index=["counted", "formula"]).T
     assert (table.counted == table.formula).all(), table
-    return table
+    return table.map(lambda n: f"{n:,}")  # 44140544 prints as 44,140,544
 
 
 parameter_table()

@@ -151,6 +151,54 @@ def test_read_multi30k_line_counts(split, lines, multi30k_dir, monkeypatch):
     assert all(isinstance(de, str) and de for de, _ in pairs)
 
 
+# ------------------------------------------------------ where data lives
+def test_data_dir_inside_a_repository_is_its_data(tmp_path, monkeypatch):
+    repo = tmp_path / "repo"
+    (repo / "notebooks").mkdir(parents=True)
+    (repo / "the_annotated_transformer.py").touch()
+    monkeypatch.chdir(repo / "notebooks")
+    monkeypatch.setattr(tat, "MODULE_DIR", tmp_path / "elsewhere")
+    assert tat.data_dir() == repo / "data"
+
+
+def test_data_dir_outside_falls_back_to_the_modules_checkout(
+    tmp_path, monkeypatch
+):
+    # Colab: the clone is /content/done-right, the working directory
+    # /content, and the module is installed with `pip install -e`.
+    clone = tmp_path / "done-right"
+    clone.mkdir()
+    (clone / "the_annotated_transformer.py").touch()
+    (clone / "pyproject.toml").touch()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tat, "MODULE_DIR", clone)
+    assert tat.data_dir() == clone / "data"
+    assert tools.data_dir() == clone / "data"  # the appendix's downloads
+
+
+def test_data_dir_outside_with_an_installed_module_is_the_cwds(
+    tmp_path, monkeypatch
+):
+    installed = tmp_path / "site-packages"  # no pyproject.toml there
+    installed.mkdir()
+    (installed / "the_annotated_transformer.py").touch()
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(tat, "MODULE_DIR", installed)
+    assert tat.data_dir() == work / "data"
+
+
+def test_module_dir_is_the_folder_of_the_imported_module():
+    assert tat.MODULE_DIR == Path(tat.__file__).parent
+
+
+def test_data_dir_without_a_module_folder_is_the_cwds(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tat, "MODULE_DIR", None)
+    assert tat.data_dir() == tmp_path / "data"
+
+
 # -------------------------------------------------------------- vocabulary
 def test_vocab_specials_order_min_freq_and_unknowns():
     sentences = [["b", "z", "c"], ["z", "b", "d"], ["z", "a", "a"]]
@@ -172,6 +220,37 @@ def test_vocab_rebuilt_from_its_itos_is_equal():
     again = tat.Vocab(vocab.get_itos())  # how the appendix reads vocab.json
     assert again == vocab
     assert again["Straße"] == vocab["Straße"] != tat.UNK
+
+
+class WordList:
+    """Not a Vocab: another class with the same get_itos, as the lesson's
+    notebook defines its own Vocab beside the module's."""
+
+    def __init__(self, itos):
+        self.itos = list(itos)
+
+    def get_itos(self):
+        return list(self.itos)
+
+
+class SubwordList(WordList):
+    """A vocabulary that encodes raw text itself, as Part 5's BpeVocab."""
+
+    def encode(self, text):
+        return []
+
+
+def test_vocab_equality_goes_by_the_token_list_not_the_class():
+    itos = [*tat.SPECIALS, "Hund", "ein"]
+    vocab = tat.Vocab(itos)
+    assert vocab == WordList(itos)
+    assert WordList(itos) == vocab
+    assert vocab != WordList([*tat.SPECIALS, "ein", "Hund"])  # other ids
+    assert vocab != WordList(itos[:-1])
+    assert vocab != SubwordList(itos)  # cuts text its own way
+    assert vocab != object()  # not a vocabulary
+    assert vocab != itos  # a list, not a vocabulary
+    assert vocab.__eq__(object()) is NotImplemented
 
 
 def test_vocabulary_is_built_from_train_only(tmp_path, monkeypatch):
