@@ -416,6 +416,7 @@ def data_gen(V, batch_size, nbatches, seq_len=10, generator=None):
     for _ in range(nbatches):
         data = torch.randint(2, V, (batch_size, seq_len), generator=generator)
         data[:, 0] = COPY_START
+        # Not Batch's default pad, 2: here 2 is a data token.
         yield Batch(data, data.clone(), pad=COPY_PAD)
 
 
@@ -434,8 +435,10 @@ class LabelSmoothing(nn.Module):
         self.confidence = 1.0 - smoothing  # mass the correct token keeps
         self.criterion = nn.KLDivLoss(reduction="sum")
         self.keep_targets = keep_targets  # build (N, size) targets, slower
-        self.last_target = None  # (N,) targets of the latest call,
-        self.last_dtype = torch.float32  # and its dtype: for true_dist
+        # Kept for the 2022 tutorial's code: `true_dist` (below) rebuilds
+        # the latest call's smoothed targets from these two.
+        self.last_target = None  # (N,) targets of the latest call
+        self.last_dtype = torch.float32  # and their dtype
 
     def smoothed_targets(self, target, dtype=torch.float32):
         """(N,) target ids to the (N, size) smoothed distribution."""
@@ -629,7 +632,6 @@ def run_epoch(
                     optimizer, scheduler, model.parameters(), scale, scaler
                 )
                 state.accum_step, window = state.accum_step + 1, 0
-            # == 1, the 2022 rule: the first line comes after two batches.
             if mode == "train+log" and i % log_every == 1:
                 speed = (state.tokens - tokens_before) / (time.time() - start)
                 print_progress(i, state, loss_mean, speed, optimizer)
@@ -747,14 +749,18 @@ class DatasetError(RuntimeError):
 
 
 def module_folder():
-    """The folder of the importable the_annotated_transformer.py, or None.
+    """The folder of the library's file, the_annotated_transformer.py.
 
-    find_spec asks Python's import system, so it answers in a notebook
-    too, where a cell has no __file__.
+    In the module, that is the folder of its own file, __file__. A
+    notebook cell has no __file__, so there Python's import system is
+    asked where the library would be imported from. None if nowhere.
     """
+    here = globals().get("__file__")
+    if here:
+        return Path(here).resolve().parent
     try:
         spec = importlib.util.find_spec("the_annotated_transformer")
-    except ValueError:  # imported some other way, without a spec
+    except ValueError:  # a module of that name without a spec
         return None
     return Path(spec.origin).parent if spec and spec.origin else None
 
@@ -1020,7 +1026,7 @@ class TrainConfig:
     max_train_pairs: int = 0  # 0 means all 29,000
     seed: int = 0
     num_workers: int = 0  # processes that prepare batches (0: this one)
-    # Set only by the appendix and Part 5; these defaults change nothing:
+    # Read by the appendix's train_worker and Part 5 (see above):
     preset: str = "cpu"
     precision: str = "bf16"  # "bf16": autocast where native; or "fp32"
     checkpoint_dir: str = "checkpoints/cpu"

@@ -229,8 +229,9 @@ class Encoder(LayerStack):
 # `torch.nn.LayerNorm` computes, so the two can be compared directly. We
 # still write our own small class rather than use `nn.LayerNorm`, only to
 # keep the 2022 tutorial's parameter names: the gain $a$ is `a_2` and the
-# bias $b$ is `b_2`. (Keeping the names lets the 2022 tutorial's code and
-# checkpoints map one to one onto ours.)
+# bias $b$ is `b_2`. (Only these names match: the 2022 tutorial's
+# checkpoint files cannot be loaded here, as the appendix's "Checkpoints
+# from older versions" explains.)
 
 
 # %%
@@ -644,10 +645,10 @@ assert weights[0, 2] == 0
 # So when training with dropout on the CPU, `scaled_dot_product_attention`
 # falls back to its unfused formula anyway. There we call `attention`
 # instead, so that the appendix's `FastDropout` can replace its dropout.
-# Without that swap (Part 2's own loop keeps `nn.Dropout`), the two
-# branches compute the same thing at the same cost. With it, a bf16
-# training step was 1.03 times as fast, and an fp32 step no faster
-# (`bench/RESULTS_efficiency.md`).
+# Without that swap (Part 2's own loop keeps `nn.Dropout`), both
+# branches compute the same formula; that pair was not timed. With the
+# swap, a bf16 training step was 1.03 times as fast, and an fp32 step no
+# faster (`bench/RESULTS_efficiency.md`).
 
 
 # %%
@@ -708,17 +709,18 @@ class MultiHeadedAttention(nn.Module):
 
 
 # %% [markdown]
-# Eight heads cost about what one full-width head costs. The scores
-# $QK^\top$ take $h \cdot T \cdot S \cdot d_k = T \cdot S \cdot
-# d_{\text{model}}$ multiply-adds either way. The parameters are the same
-# four $d_{\text{model}} \times d_{\text{model}}$ maps, only cut
-# differently, so the counts are equal:
+# A check of the cost argument above: the scores $QK^\top$ take
+# $h \cdot T \cdot S \cdot d_k = T \cdot S \cdot d_{\text{model}}$
+# multiply-adds whatever $h$ is, and the parameters are the same four
+# $d_{\text{model}} \times d_{\text{model}}$ maps, so eight heads and one
+# have equal counts:
 
 # %%
 heads_8 = sum(p.numel() for p in MultiHeadedAttention(8, 512).parameters())
 heads_1 = sum(p.numel() for p in MultiHeadedAttention(1, 512).parameters())
 print(f"h = 8: {heads_8:,} parameters; h = 1: {heads_1:,}")
-assert heads_8 == heads_1 == 4 * (512 * 512 + 512)
+assert heads_8 == heads_1
+assert heads_1 == 4 * (512 * 512 + 512)  # four weights and four biases
 
 # %% [markdown]
 # ### Shape walkthrough
@@ -941,9 +943,10 @@ class PositionalEncoding(nn.Module):
 
 
 # %% [markdown]
-# The float64 detour matters: at positions 4,000 to 4,999, sines computed
-# from float32 angles are off by more than $10^{-4}$, while the stored
-# buffer is off by less than $10^{-7}$.
+# The float64 detour matters. Take the second sine column (pair $i = 1$)
+# at positions 4,000 to 4,999: sines computed from float32 angles are off
+# by more than $10^{-4}$, while the stored buffer is off by less than
+# $10^{-7}$.
 
 # %%
 table_512 = PositionalEncoding(512, dropout=0.0).pe[0]  # (L, 512)
@@ -1073,14 +1076,15 @@ print(f"times sqrt(512):           std {scaled_std:.3f}")
 print(f"positional encoding table: std {pe_std:.3f}")
 print(f"encoding / table: {pe_std / table_std:.0f}")
 print(f"encoding / scaled table: {pe_std / scaled_std:.1f}")
-# Xavier's range for a (8000, 512) table: std sqrt(2 / (8000 + 512))
+# Xavier's uniform range for a (8000, 512) table has std
+# sqrt(2 / (8000 + 512))
 assert abs(table_std - math.sqrt(2 / 8512)) < 1e-3
 
 # %% [markdown]
 # Without the factor, the embeddings would be about 45 times smaller than
 # the encoding, and their sum would be almost all position. With it, they
 # are about half the encoding's scale (0.347 against 0.695): of the same
-# order, though not equal. Xavier's range depends on the vocabulary size,
+# order, though not equal. Xavier's scale depends on the vocabulary size,
 # so this ratio does too.
 
 
@@ -1218,7 +1222,8 @@ def parameter_table(V_src=8000, V_tgt=6000, d=512):
     counts = {k: (count_parameters(m), f) for k, (m, f) in rows.items()}
     table = pd.DataFrame(counts, index=["counted", "formula"]).T
     assert (table.counted == table.formula).all(), table
-    return table.map(lambda n: f"{n:,}")  # 44140544 prints as 44,140,544
+    # 44140544 prints as 44,140,544
+    return table.apply(lambda column: column.map("{:,}".format))
 
 
 parameter_table()

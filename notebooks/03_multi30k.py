@@ -132,14 +132,18 @@ class DatasetError(RuntimeError):
 
 
 def module_folder():
-    """The folder of the importable the_annotated_transformer.py, or None.
+    """The folder of the library's file, the_annotated_transformer.py.
 
-    find_spec asks Python's import system, so it answers in a notebook
-    too, where a cell has no __file__.
+    In the module, that is the folder of its own file, __file__. A
+    notebook cell has no __file__, so there Python's import system is
+    asked where the library would be imported from. None if nowhere.
     """
+    here = globals().get("__file__")
+    if here:
+        return Path(here).resolve().parent
     try:
         spec = importlib.util.find_spec("the_annotated_transformer")
-    except ValueError:  # imported some other way, without a spec
+    except ValueError:  # a module of that name without a spec
         return None
     return Path(spec.origin).parent if spec and spec.origin else None
 
@@ -322,10 +326,10 @@ assert toy(["b", "c", "<s>"]) == [6, UNK, BOS]  # 4 specials, z, a, b
 
 # %% [markdown]
 # Now the real vocabularies, which the rest of the lesson uses. They hold
-# 8,012 German and 6,190 English words (types: each distinct token counted
-# once, the four specials included). A word-level vocabulary of WMT would
-# need hundreds of thousands, which is one reason the paper cut words into
-# subword units instead.
+# 8,012 German and 6,190 English tokens (types: each distinct word or
+# punctuation mark counted once, the four specials included). A
+# word-level vocabulary of WMT would need hundreds of thousands, which is
+# one reason the paper cut words into subword units instead.
 #
 # A check: a smaller share of the German tokens in running text is
 # `<unk>` in train (words seen once there) than in test, where some words
@@ -333,8 +337,8 @@ assert toy(["b", "c", "<s>"]) == [6, UNK, BOS]  # 4 specials, z, a, b
 
 # %%
 vocab_src, vocab_tgt = build_vocabulary(spacy_de, spacy_en)
-print(f"vocabulary: {len(vocab_src):,d} German words (types)")
-print(f"vocabulary: {len(vocab_tgt):,d} English words (types)")
+print(f"vocabulary: {len(vocab_src):,d} German tokens (types)")
+print(f"vocabulary: {len(vocab_tgt):,d} English tokens (types)")
 unk = {}
 for split in ("train", "test"):
     ids = [vocab_src(tokenize(de, spacy_de)) for de, _ in splits[split]]
@@ -618,10 +622,13 @@ def create_dataloaders(
 # `paper`. Presets live in the appendix (notebook 06, "Presets"), where
 # `tools.get_config(name)` returns one.
 #
-# Skip the fields under the dataclass's last comment for now: only the
-# appendix and Part 5 set them, and at their defaults they change nothing
-# here. (The last lines of `model_from_config`, which tie embedding
-# matrices together, are Part 5's too.)
+# Skip the fields under the dataclass's last comment for now. The
+# lesson's own loop, `train_one_process` below, reads only three of them:
+# `tie_embeddings` and `tokenization` (through `model_from_config`, whose
+# last lines tie embedding matrices together, for Part 5) and
+# `weight_decay`, and at their defaults they change nothing. The
+# appendix's `train_worker`, which trains the reference run below, also
+# reads `precision`, `checkpoint_dir`, `keep_last` and `rdrop`.
 
 
 # %%
@@ -646,7 +653,7 @@ class TrainConfig:
     max_train_pairs: int = 0  # 0 means all 29,000
     seed: int = 0
     num_workers: int = 0  # processes that prepare batches (0: this one)
-    # Set only by the appendix and Part 5; these defaults change nothing:
+    # Read by the appendix's train_worker and Part 5 (see above):
     preset: str = "cpu"
     precision: str = "bf16"  # "bf16": autocast where native; or "fp32"
     checkpoint_dir: str = "checkpoints/cpu"
@@ -932,7 +939,9 @@ assert last < guess
 #
 # A test in `tests/test_devices.py` checks, on the CPU with the tiny `ci`
 # preset, that `train_worker` and `train_one_process` end with the same
-# weights.
+# weights. `ci` has no dropout, and that matters: `train_worker` draws its
+# dropout masks with the appendix's faster `FastDropout`, so with dropout
+# the same seed gives the two loops different masks.
 #
 # Our reference run is the `quick` preset (above): the small model of
 # preset `cpu` for 5 epochs (765 steps of 3,000 tokens), warmed up for
@@ -959,7 +968,8 @@ assert last < guess
 # `the_annotated_transformer.py`, which `make export` writes from this
 # lesson's source, `notebooks/03_multi30k.py`. So an edit to a cell above
 # reaches the lesson's own loop, `train_one_process`, at once, but
-# reaches `train_worker` only once it is exported.
+# reaches `train_worker` only once it is exported and the notebook
+# restarted.
 #
 # On a GPU, and on a CPU with native bf16, the same recipe computes in
 # 16-bit floats; on a Mac it stays in float32. So your loss and BLEU will
@@ -1070,7 +1080,8 @@ if history is not None and preset == "quick":
 # dropout and of the loss's gradient, which these recorded runs predate.
 # The `cpu` preset (18 epochs, dropout 0.1, Part 2's schedule), which
 # `make train` trains and Parts 4 and 5 load when it exists, took about
-# 83 minutes on one thread (`results/multi30k_cpu.json`).
+# 83 minutes on one thread of a CPU with native bf16, shared with other
+# jobs (`results/multi30k_cpu.json`); expect longer in float32.
 
 # %% [markdown]
 # ## Decoding

@@ -4,6 +4,7 @@ import functools
 import gzip
 import hashlib
 import http.server
+import importlib.util
 import random
 import socket
 import threading
@@ -191,6 +192,26 @@ def test_data_dir_outside_with_an_installed_module_is_the_cwds(
 
 def test_module_dir_is_the_folder_of_the_imported_module():
     assert tat.MODULE_DIR == Path(tat.__file__).parent
+
+
+def test_module_folder_in_a_notebook_asks_the_import_system(monkeypatch):
+    expected = Path(tat.__file__).resolve().parent
+    # A notebook cell has no __file__: take it away from the module.
+    monkeypatch.delitem(vars(tat), "__file__")
+    assert tat.module_folder() == expected
+
+
+@pytest.mark.parametrize("answer", ["none", "no spec"])
+def test_module_folder_nowhere_is_none(answer, monkeypatch):
+    monkeypatch.delitem(vars(tat), "__file__")
+
+    def find_spec(name):
+        if answer == "none":
+            return None  # not importable
+        raise ValueError(f"{name}.__spec__ is None")  # imported oddly
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    assert tat.module_folder() is None
 
 
 def test_data_dir_without_a_module_folder_is_the_cwds(tmp_path, monkeypatch):
