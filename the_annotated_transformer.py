@@ -435,8 +435,9 @@ class LabelSmoothing(nn.Module):
         self.confidence = 1.0 - smoothing  # mass the correct token keeps
         self.criterion = nn.KLDivLoss(reduction="sum")
         self.keep_targets = keep_targets  # build (N, size) targets, slower
-        # Kept for the 2022 tutorial's code: `true_dist` (below) rebuilds
-        # the latest call's smoothed targets from these two.
+        # `true_dist` (below) rebuilds the latest call's smoothed targets
+        # from these two; `forward` reads it when keep_targets is set, as
+        # the 2022 tutorial's code did.
         self.last_target = None  # (N,) targets of the latest call
         self.last_dtype = torch.float32  # and their dtype
 
@@ -616,7 +617,9 @@ def run_epoch(
     with torch.set_grad_enabled(train):
         for i, (batch, is_last) in enumerate(with_last_flag(data_iter)):
             steps_now = train and (window + 1 == accum_iter or is_last)
-            hold = train and not steps_now  # accumulate without syncing
+            # Accumulate; with several processes (DDP, the appendix), do
+            # not exchange gradients yet.
+            hold = train and not steps_now
             loss_sum, loss_mean = micro_step(
                 model, batch, loss_compute, accum_iter, hold, autocast, scaler
             )

@@ -226,8 +226,9 @@ class LabelSmoothing(nn.Module):
         self.confidence = 1.0 - smoothing  # mass the correct token keeps
         self.criterion = nn.KLDivLoss(reduction="sum")
         self.keep_targets = keep_targets  # build (N, size) targets, slower
-        # Kept for the 2022 tutorial's code: `true_dist` (below) rebuilds
-        # the latest call's smoothed targets from these two.
+        # `true_dist` (below) rebuilds the latest call's smoothed targets
+        # from these two; `forward` reads it when keep_targets is set, as
+        # the 2022 tutorial's code did.
         self.last_target = None  # (N,) targets of the latest call
         self.last_dtype = torch.float32  # and their dtype
 
@@ -315,7 +316,7 @@ assert torch.allclose(dist, expected)
 # $$c \log c + \epsilon \log f - c \log q_y - f \sum_{j \ne y,\,
 # \mathrm{pad}} \log q_j .$$
 #
-# `forward` uses this closed form: its method `closed_form` calls the
+# `forward` uses this closed form: the class's method `closed_form` calls the
 # function `smoothed_kl` below. (The appendix's faster loss replaces
 # `closed_form` alone.) With `keep_targets=True`, `forward` builds the
 # matrix instead and hands it to PyTorch's `KLDivLoss`, so that the check
@@ -403,7 +404,10 @@ def label_smoothing_penalty_rows(margins=range(0, 25), smoothing=0.1):
 # %% [markdown]
 # The asserts check the claims above: without smoothing the loss only
 # falls, towards 0; with smoothing it is lowest at $m = 4$, the
-# whole-number margin nearest the minimum at $\ln 36$.
+# whole-number margin nearest the minimum at $\ln 36$. The rows are
+# computed in float32, which rounds the unsmoothed loss to exactly 0 from
+# about $m = 17$ on, so the first assert lets neighbouring values be
+# equal; the cell also prints the exact value at $m = 24$.
 #
 # The chart shows both curves. It does not take this notebook's `rows`:
 # it recomputes them with the library's copy of
@@ -419,7 +423,10 @@ assert all(a >= b for a, b in zip(unsmoothed, unsmoothed[1:]))  # falls
 assert unsmoothed[-1] < 1e-3
 lowest = smooth.index(min(smooth))  # margins start at 0: the index is m
 print(f"without smoothing: {unsmoothed[0]:.3f} at m = 0")
-print(f"without smoothing: {unsmoothed[-1]:.4f} at m = 24")
+exact_24 = math.log1p(4 * math.exp(-24))  # log(1 + 4 e^-m), in float64
+print(
+    f"without smoothing: {unsmoothed[-1]} at m = 24 (exactly {exact_24:.1e})"
+)
 print(f"with smoothing: lowest, {min(smooth):.4f}, at m = {lowest}")
 print(f"ln 36 = {math.log(36):.2f}")
 assert lowest == 4
@@ -501,7 +508,7 @@ def plain_epoch(batches, model, loss_compute, optimizer):
 # schedule) steps once.
 #
 # The emulation is exact when every micro-batch has the same number of
-# real tokens. With padding it is close, not exact: each micro-batch's loss
+# real tokens. With padding it differs: each micro-batch's loss
 # is a mean over its own tokens, so a short micro-batch's tokens weigh
 # more.
 #
@@ -691,7 +698,9 @@ def run_epoch(
     with torch.set_grad_enabled(train):
         for i, (batch, is_last) in enumerate(with_last_flag(data_iter)):
             steps_now = train and (window + 1 == accum_iter or is_last)
-            hold = train and not steps_now  # accumulate without syncing
+            # Accumulate; with several processes (DDP, the appendix), do
+            # not exchange gradients yet.
+            hold = train and not steps_now
             loss_sum, loss_mean = micro_step(
                 model, batch, loss_compute, accum_iter, hold, autocast, scaler
             )
@@ -994,8 +1003,8 @@ def copy_accuracy(model, n, V=11, seq_len=10, generator=None):
 #   step, so small batches buy more steps for the same sequences. In the
 #   sweep (seed 0), batches of 16 took 255 steps and batches of 8 took
 #   463. Batches of 32 (at a peak of $4 \cdot 10^{-4}$) took 231, but
-#   each of their steps took almost twice as long (211 against 109 ms),
-#   so 16 was the fastest in seconds.
+#   each forward and backward pass took almost twice as long (211
+#   against 109 ms, one thread), so 16 was the fastest in seconds.
 # * **No dropout**: with fresh data in every batch, the model cannot
 #   memorize its training set.
 # * **No label smoothing**: the right next token is certain.
@@ -1039,8 +1048,10 @@ print(f"highest rate: {lrs[top] / 3e-4:.0%} of the peak, at step {top}")
 floor_lr = 0.02 * 3e-4
 at_floor = [i for i, lr in enumerate(lrs) if math.isclose(lr, floor_lr)]
 first, last = at_floor[0], at_floor[-1]
-share = lrs[first] / 3e-4
-print(f"floor: {share:.0%} of the peak, from step {first} to step {last}")
+print(f"at the floor (2% of the peak) from step {first} to step {last}")
+above = lrs[first - 1] / 3e-4  # the last step above the floor
+end = lrs[-1] / 3e-4
+print(f"step {first - 1}: {above:.1%} of the peak; step 399: {end:.1%}")
 assert top == 18
 assert math.isclose(lrs[top], 0.94 * 3e-4)
 assert all(a > b for a, b in zip(lrs[top:294], lrs[top + 1 : 295]))
@@ -1053,7 +1064,8 @@ assert at_floor == list(range(294, 400))  # from step 294 to the end
 # `make_model`), the loss (`LabelSmoothing` with a smoothing of 0), Adam
 # with the short schedule, and the data (`data_gen`). Adam and its
 # `LambdaLR` are built by hand. They are the pair that `make_optimizer`
-# builds with `betas=(0.9, 0.999)` and `schedule=copy_schedule`, except
+# builds, whatever its `d_model`, with `betas=(0.9, 0.999)` and
+# `schedule=copy_schedule`, except
 # that `make_optimizer` also asks for fused Adam (the same update in one
 # pass over the parameters). Because the optimizer's `lr` is 1.0, the
 # learning rate at each step is exactly `copy_schedule(step)`.

@@ -101,7 +101,8 @@ from the_annotated_transformer import load_tokenizers
 from the_annotated_transformer import make_model, read_multi30k
 from the_annotated_transformer import subsequent_mask, tokenize
 
-# From the appendix: the data, the trained or stand-in model, the charts.
+# From the appendix (notebook 06, the machinery behind the lessons):
+# the data, the trained or stand-in model, the charts.
 from annotated_transformer_tools import describe_checkpoint, find_or_train
 from annotated_transformer_tools import download_multi30k, get_config
 from annotated_transformer_tools import load_trained_model, load_vocab
@@ -627,9 +628,10 @@ print("the two padding keys: weight 0 in every layer and head")
 
 # %% [markdown]
 # And recording changes nothing about what the model computes: with the
-# masks built as in training, the output of the explicit path matches that
-# of the fused kernel (the `F.scaled_dot_product_attention` branch that
-# `MultiHeadedAttention` takes when it does not record).
+# masks built as in training, the output of the explicit path matches
+# that of the fused path (the branch that calls PyTorch's
+# `scaled_dot_product_attention`, which `MultiHeadedAttention` takes when
+# it does not record).
 
 # %%
 src_in = src.unsqueeze(0)  # (1, S): a batch of one
@@ -640,6 +642,8 @@ with torch.no_grad():
     fused = model(src_in, tgt_in, src_mask, tgt_mask)  # (1, T, d_model)
 with torch.no_grad(), record_attention(model):
     explicit = model(src_in, tgt_in, src_mask, tgt_mask)
+gap = (fused - explicit).abs().max().item()
+print(f"fused against recorded output: largest difference {gap:.1e}")
 assert torch.allclose(fused, explicit, atol=1e-5)
 
 # %% [markdown]
@@ -692,6 +696,8 @@ with torch.no_grad():
     k = W_k(x).view(len(src), h, d_k).transpose(0, 1)  # (h, S, d_k)
     scores = q @ k.transpose(1, 2) / math.sqrt(d_k)  # (h, S, S)
     by_hand = torch.softmax(scores, dim=-1)
+gap = (by_hand - maps.encoder_self[0]).abs().max().item()
+print(f"by hand against recorded weights: largest difference {gap:.1e}")
 assert torch.allclose(by_hand, maps.encoder_self[0], atol=1e-5)
 
 # %% [markdown]
