@@ -36,6 +36,7 @@ import json
 import math
 import os
 import pickle
+import re
 import signal
 import socket
 import sys
@@ -2149,16 +2150,26 @@ def say(*lines):
 
 
 def whole_number(text, least=1, most=10**6):
-    """A whole number from `least` (1) to `most`, or argparse's error."""
-    try:
-        number = int(text)
-    except ValueError:
-        number = None
+    """A whole number from `least` (1) to `most`, or argparse's error.
+
+    Plain digits 0 to 9 only: Python's int() would also take " 3",
+    "1_000" and other scripts' digits, which are more likely typos.
+    """
+    plain = re.fullmatch(r"[0-9]+", text) is not None
+    number = int(text) if plain else None
     if number is None or not least <= number <= most:
         raise argparse.ArgumentTypeError(
             f"expected a whole number from {least} to {most:,d}, not {text}"
         )
     return number
+
+
+def path_text(text):
+    """The argparse `type` of a path: any text but the empty one, which
+    would otherwise mean the working directory."""
+    if not text:
+        raise argparse.ArgumentTypeError("expected a path, not nothing")
+    return text
 
 
 def count(least=1, most=10**6):
@@ -2281,7 +2292,9 @@ def add_train_parser(sub):
         help="the device of a one-process run: cpu, cuda:1, mps (default:"
         " CUDA, else mps, else cpu)",
     )
-    train.add_argument("--checkpoint-dir", help="where checkpoints go")
+    train.add_argument(
+        "--checkpoint-dir", type=path_text, help="where checkpoints go"
+    )
     train.add_argument(
         "--resume",
         action="store_true",
@@ -2301,10 +2314,13 @@ def add_train_parser(sub):
         help="processes to spawn (torchrun sets its own)",
     )
     train.add_argument(
-        "--results", help="write a JSON summary here, including test BLEU"
+        "--results",
+        type=path_text,
+        help="write a JSON summary here, including test BLEU",
     )
     train.add_argument(
         "--data",
+        type=path_text,
         metavar="FOLDER",
         help="train on this folder's train.de.gz and train.en.gz instead"
         " (e.g. bench/distill.py's); its validation and test files must be"
@@ -2322,6 +2338,7 @@ def add_decoding_options(parser):
     """Options shared by `evaluate` and `translate`."""
     parser.add_argument(
         "--checkpoint",
+        type=path_text,
         help="default: checkpoints/cpu/final.pt if it exists, else"
         " checkpoints/quick/final.pt",
     )
@@ -2372,11 +2389,16 @@ def add_evaluate_parser(sub):
     add_decoding_options(evaluate)
     evaluate.add_argument(
         "--src",
+        type=path_text,
         help="German sources, one per line "
         "(.gz is fine; default: Multi30k test2016)",
     )
-    evaluate.add_argument("--ref", help="English references, one per line")
-    evaluate.add_argument("--out", help="also write the translations here")
+    evaluate.add_argument(
+        "--ref", type=path_text, help="English references, one per line"
+    )
+    evaluate.add_argument(
+        "--out", type=path_text, help="also write the translations here"
+    )
 
 
 def add_translate_parser(sub):
@@ -2391,6 +2413,7 @@ def add_translate_parser(sub):
     )
     translate.add_argument(
         "--input",
+        type=path_text,
         metavar="FILE",
         help="translate FILE line by line (.gz is fine; -: standard input)",
     )
@@ -2498,6 +2521,11 @@ def command_train(args):
         if v is not None
     }
     config = get_config(args.preset, **overrides)
+    if config.max_tokens < config.max_len:  # a batch must hold a sentence
+        raise UserError(
+            f"--max-tokens {config.max_tokens} is below the longest"
+            f" sentence a batch must hold, {config.max_len} tokens"
+        )
     ranks = torchrun_ranks()
     if args.device and (args.world_size > 1 or ranks):
         raise UserError(
@@ -2634,6 +2662,13 @@ def check_out(out, *inputs, option="--out"):
             )
     if out.is_dir():
         raise UserError(f"{option} {out} is a folder")
+    if out.is_symlink() or (out.exists() and not out.is_file()):
+        # Writing replaces the file whole, so a link, a device or a pipe
+        # would be replaced by an ordinary file, not written through.
+        raise UserError(
+            f"{option} {out} is a link, device or pipe; name a new or"
+            " ordinary file"
+        )
     if not out.parent.is_dir():
         raise UserError(f"{option} {out}: there is no folder {out.parent}")
     if not os.access(out.parent, os.W_OK | os.X_OK):
@@ -2988,6 +3023,7 @@ __all__ = [
     "UserError",
     "say",
     "whole_number",
+    "path_text",
     "count",
     "number_from",
     "existing_device",

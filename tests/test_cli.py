@@ -575,6 +575,10 @@ def test_whole_number_and_existing_device():
     for bad in ("0", "1.5", "x", str(10**6 + 1)):
         with pytest.raises(argparse.ArgumentTypeError, match="whole number"):
             tools.whole_number(bad)
+    # int() takes these; a count on the command line does not.
+    for loose in (" 3", "3 ", "1_000", "\u0663", "+3"):
+        with pytest.raises(argparse.ArgumentTypeError, match="whole number"):
+            tools.whole_number(loose)
     assert tools.existing_device("cpu") == "cpu"
     gpus = torch.cuda.device_count()
     if gpus:
@@ -1029,3 +1033,50 @@ def test_a_checkpoint_cut_anywhere_is_one_line(tiny, tmp_path, capsys):
         )
         assert status == 2 and len(err.splitlines()) == 1, (cut, err)
         assert f"{path} is not a" in err, err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "--checkpoint-dir", ""],
+        ["train", "--results", ""],
+        ["train", "--data", ""],
+        ["evaluate", "--out", ""],
+        ["evaluate", "--src", ""],
+        ["translate", "--checkpoint", "", "Hallo"],
+        ["translate", "--input", ""],
+    ],
+)
+def test_an_empty_path_is_refused_in_one_line(argv, capsys):
+    # An empty path would mean the working directory, or be skipped.
+    with pytest.raises(SystemExit) as stop:
+        tools.main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2
+    assert len(err.splitlines()) == 1
+    assert argv[1] in err
+
+
+def test_max_tokens_below_max_len_is_one_line(tmp_path, capsys):
+    folder = tmp_path / "ck"
+    argv = ["train", "--preset", "ci", "--max-tokens", "127"]
+    status, out, err = run_cli(capsys, *argv, "--checkpoint-dir", folder)
+    assert status == 2
+    assert len(err.splitlines()) == 1
+    assert "--max-tokens 127" in err
+    assert not folder.exists()  # refused before anything was written
+
+
+def test_out_must_be_an_ordinary_file(tmp_path):
+    target = tmp_path / "kept.txt"
+    target.write_text("old\n")
+    link = tmp_path / "link.txt"
+    link.symlink_to(target)
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    for special in (link, pipe, Path(os.devnull)):
+        with pytest.raises(tools.UserError, match="link, device or pipe"):
+            tools.check_out(special)
+    tools.check_out(target)  # an ordinary file may be replaced
+    tools.check_out(tmp_path / "new.txt")  # and a new one written
+    assert target.read_text() == "old\n"
