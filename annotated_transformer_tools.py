@@ -2774,6 +2774,10 @@ def sentences_to_translate(args):
             raise UserError("- (standard input) cannot mix with sentences")
         if not clean_line(sentence).strip():
             raise UserError(f"sentence {number} is empty: no German to read")
+        try:  # an argument's undecodable bytes arrive as lone surrogates
+            sentence.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UserError(f"sentence {number} is not UTF-8 text") from None
     return iter(map(clean_line, args.sentence))
 
 

@@ -1080,3 +1080,12 @@ def test_out_must_be_an_ordinary_file(tmp_path):
     tools.check_out(target)  # an ordinary file may be replaced
     tools.check_out(tmp_path / "new.txt")  # and a new one written
     assert target.read_text() == "old\n"
+
+
+def test_a_sentence_argument_that_is_not_utf8_is_one_line(tmp_path):
+    # The shell passes the bytes; Python decodes \xff as a lone surrogate.
+    argv = [sys.executable, str(SCRIPT), "translate", b"Ein \xff Mann."]
+    argv += ["--checkpoint", str(tmp_path / "unused.pt")]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == ["error: sentence 1 is not UTF-8 text"]
