@@ -3727,6 +3727,9 @@ def command_train(args):
         except ValueError as err:
             message = f"--world-size {args.world_size}: {err}"
             raise UserError(message) from None
+    folder = Path(config.checkpoint_dir)
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"--checkpoint-dir {folder} is a file, not a folder")
     if args.results:  # fail now, not after hours of training
         check_out(args.results, option="--results")
     download_multi30k()  # before the lock makes the checkpoint folder

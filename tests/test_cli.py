@@ -1089,3 +1089,15 @@ def test_a_sentence_argument_that_is_not_utf8_is_one_line(tmp_path):
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.splitlines() == ["error: sentence 1 is not UTF-8 text"]
+
+
+def test_a_checkpoint_dir_that_is_a_file_is_one_line(tmp_path, capsys):
+    file = tmp_path / "notes.txt"
+    file.write_text("mine\n")
+    argv = ["train", "--preset", "ci", "--checkpoint-dir", file]
+    status, out, err = run_cli(capsys, *argv)
+    assert status == 2
+    assert err.splitlines() == [
+        f"error: --checkpoint-dir {file} is a file, not a folder"
+    ]
+    assert file.read_text() == "mine\n"  # left as it was
