@@ -57,6 +57,7 @@ apart, as "first step".
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import random
 import statistics
@@ -78,6 +79,21 @@ REPO = Path(__file__).resolve().parent.parent
 # The last commit before the first change made for issue 18 ("2x today's
 # bf16 training tok/s"): the code that goal is measured against.
 ISSUE_18_COMMIT = "c0b4240e0e6f09b4ebd30cdf843fec9130752aac"
+# git's id of the_annotated_transformer.py in that commit (`git rev-parse
+# c0b4240:the_annotated_transformer.py`): --code-at-issue-18 checks a file
+# against it, for a machine without this checkout's git history.
+ISSUE_18_BLOB = "b5ac9c75f9a1b5dbfdaf6ce22dc95c437912f72a"
+CONTESTANTS = (
+    "ours",
+    "ours, nn.Dropout",
+    "ours, fused attention",
+    "ours, autograd loss",
+    "ours, foreach Adam",
+    "ours, as at issue 18",
+    "code at issue 18",
+    "nn.Transformer",
+    "ours, before",
+)
 
 
 def parse_args(argv=None):
@@ -131,6 +147,22 @@ def parse_args(argv=None):
         action="store_true",
         help="also time ours under torch.compile(dynamic=True), reporting"
         " its one-off compile time apart",
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=CONTESTANTS,
+        metavar="LABEL",
+        help="time ours and these contestants alone, named as the runs"
+        " print them, quoted (default: all of them)",
+    )
+    parser.add_argument(
+        "--code-at-issue-18",
+        type=tools.path_text,
+        metavar="FILE",
+        help="the_annotated_transformer.py as committed at"
+        f" {ISSUE_18_COMMIT[:7]}, for a copy without git history (checked"
+        " against git's id of that file); default: read from git",
     )
     return parser.parse_args(argv)
 
@@ -318,14 +350,13 @@ class OldCodeUnavailable(Exception):
     """The code of an earlier commit could not be read or run here."""
 
 
-def module_at_commit(commit, name="the_annotated_transformer"):
-    """The module `name` as committed at `commit`, read from this
-    checkout's git history and run as a module of its own.
+def git_blob_id(data):
+    """The id git gives a file with these bytes (`git hash-object`)."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
-    Raises OldCodeUnavailable, with the reason, where there is no git, no
-    such commit (an archive, a shallow clone), or the old code fails to
-    run with today's packages.
-    """
+
+def source_from_git(commit, name):
+    """The text of `name`.py as committed at `commit`, by `git show`."""
     try:
         shown = subprocess.run(
             ["git", "-C", str(REPO), "show", f"{commit}:{name}.py"],
@@ -337,14 +368,40 @@ def module_at_commit(commit, name="the_annotated_transformer"):
     if shown.returncode != 0:
         reason = shown.stderr.strip().splitlines()[-1:] or ["no output"]
         raise OldCodeUnavailable(f"git show failed: {reason[0]}")
+    return shown.stdout
+
+
+def source_from_file(path, blob):
+    """The text of the file at `path`, if git's id of it is `blob`."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise OldCodeUnavailable(f"{path} could not be read: {err}") from None
+    if git_blob_id(data) != blob:
+        raise OldCodeUnavailable(f"{path} is not that commit's file")
+    return data.decode("utf-8")
+
+
+def module_at_commit(
+    commit, name="the_annotated_transformer", path=None, blob=None
+):
+    """The module `name` as committed at `commit`, read from this
+    checkout's git history (or from the file at `path`, whose git id must
+    be `blob`) and run as a module of its own.
+
+    Raises OldCodeUnavailable, with the reason, where there is no git, no
+    such commit (an archive, a shallow clone), a file that is not that
+    commit's, or old code that fails to run with today's packages.
+    """
+    if path is None:
+        source = source_from_git(commit, name)
+    else:
+        source = source_from_file(path, blob)
     spec = importlib.util.spec_from_loader(f"{name}_at_{commit}", loader=None)
     old_module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = old_module  # dataclasses look their module up
     try:
-        exec(
-            compile(shown.stdout, f"{commit}:{name}.py", "exec"),
-            vars(old_module),
-        )
+        exec(compile(source, f"{commit}:{name}.py", "exec"), vars(old_module))
     except Exception as err:
         del sys.modules[spec.name]
         raise OldCodeUnavailable(
@@ -353,11 +410,11 @@ def module_at_commit(commit, name="the_annotated_transformer"):
     return old_module
 
 
-def code_at_commit(commit):
+def code_at_commit(commit, path=None, blob=None):
     """A contestant class built from the model and loss committed at
     `commit`: its make_model and LabelSmoothing, nn.Dropout's masks, and
     fused Adam. Raises OldCodeUnavailable (see module_at_commit)."""
-    old_module = module_at_commit(commit)
+    old_module = module_at_commit(commit, path=path, blob=blob)
 
     class CodeAtCommit(Ours):
         __doc__ = f"The model and loss as committed at {commit[:7]}."
@@ -502,23 +559,33 @@ def load_sentences(count, seed):
 
 
 def contestants_for(args):
-    """Label -> (model class, compiled?) of everything one run times."""
-    contestants = {
-        "ours": (Ours, False),
-        "ours, nn.Dropout": (OursTorchDropout, False),
-        "ours, fused attention": (OursFusedAttention, False),
-        "ours, autograd loss": (OursAutogradLoss, False),
-        "ours, foreach Adam": (OursForeachAdam, False),
-        "ours, as at issue 18": (OursAtIssue18, False),
-        "nn.Transformer": (TorchPeer, False),
-        "ours, before": (OursBefore, False),
+    """Label -> (model class, compiled?) of everything one run times: all
+    of CONTESTANTS, or ours and those `--only` names."""
+    classes = {
+        "ours": Ours,
+        "ours, nn.Dropout": OursTorchDropout,
+        "ours, fused attention": OursFusedAttention,
+        "ours, autograd loss": OursAutogradLoss,
+        "ours, foreach Adam": OursForeachAdam,
+        "ours, as at issue 18": OursAtIssue18,
+        "code at issue 18": None,  # read below
+        "nn.Transformer": TorchPeer,
+        "ours, before": OursBefore,
     }
-    try:
-        old_cls = code_at_commit(ISSUE_18_COMMIT)
-    except OldCodeUnavailable as err:
-        print(f"code at issue 18: left out, {err}")
-    else:
-        contestants["code at issue 18"] = (old_cls, False)
+    wanted = {"ours", *(args.only or CONTESTANTS)}
+    contestants = {}
+    for label, cls in classes.items():
+        if label not in wanted:
+            continue
+        if label == "code at issue 18":
+            try:
+                cls = code_at_commit(
+                    ISSUE_18_COMMIT, args.code_at_issue_18, ISSUE_18_BLOB
+                )
+            except OldCodeUnavailable as err:
+                print(f"code at issue 18: left out, {err}")
+                continue
+        contestants[label] = (cls, False)
     if args.compile:
         contestants["ours, compiled"] = (Ours, True)
     return contestants
@@ -562,29 +629,37 @@ def measure_preset(name, data, sizes, peak, args):
             f"  median {label:21s} {tok_s:8.1f} tok/s "
             f"{flop_s / 1e9:7.1f} GFLOP/s  MFU {flop_s / peak:5.1%}"
         )
-    ratio = medians["ours"][0] / medians["nn.Transformer"][0]
-    gain = medians["ours"][0] / medians["ours, before"][0]
-    print(f"  ours / nn.Transformer (tok/s): {ratio:.2f}")
-    print(f"  ours / ours before the fast paths (tok/s): {gain:.2f}")
-    mask = medians["ours"][0] / medians["ours, nn.Dropout"][0]
-    print(f"  ours / ours with nn.Dropout (tok/s): {mask:.2f}")
-    fused = medians["ours"][0] / medians["ours, fused attention"][0]
-    print(f"  ours / ours with fused attention (tok/s): {fused:.2f}")
-    loss = medians["ours"][0] / medians["ours, autograd loss"][0]
-    print(f"  ours / ours with the autograd loss (tok/s): {loss:.2f}")
-    adam = medians["ours"][0] / medians["ours, foreach Adam"][0]
-    print(f"  ours / ours with foreach Adam (tok/s): {adam:.2f}")
-    rebuilt = medians["ours"][0] / medians["ours, as at issue 18"][0]
-    print(f"  ours / ours as at issue 18 (tok/s): {rebuilt:.2f}")
+    print_ratios(medians)
     print_issue_18_goal(medians, dtype)
     if args.compile:
         speedup = medians["ours, compiled"][0] / medians["ours"][0]
         print(f"  ours compiled / ours (tok/s): {speedup:.2f}")
     if args.profile:
-        for label, cls in (("ours", Ours), ("ours, before", OursBefore)):
-            print(f"  top operators, {label}, {args.profile} steps:")
-            train_pass(cls, batches, sizes, config, 0, args.profile, dtype)
-    return medians, ratio
+        for label, (cls, _) in contestants.items():
+            if label in ("ours", "ours, before", "code at issue 18"):
+                print(f"  top operators, {label}, {args.profile} steps:")
+                train_pass(cls, batches, sizes, config, 0, args.profile, dtype)
+    return medians
+
+
+# Contestant -> how the ratio of ours to it reads, for those timed.
+RATIO_NAMES = {
+    "nn.Transformer": "nn.Transformer",
+    "ours, before": "ours before the fast paths",
+    "ours, nn.Dropout": "ours with nn.Dropout",
+    "ours, fused attention": "ours with fused attention",
+    "ours, autograd loss": "ours with the autograd loss",
+    "ours, foreach Adam": "ours with foreach Adam",
+    "ours, as at issue 18": "ours as at issue 18",
+}
+
+
+def print_ratios(medians):
+    """Ours over each other contestant timed, in tok/s."""
+    for label, name in RATIO_NAMES.items():
+        if label in medians:
+            ratio = medians["ours"][0] / medians[label][0]
+            print(f"  ours / {name} (tok/s): {ratio:.2f}")
 
 
 def print_issue_18_goal(medians, dtype):

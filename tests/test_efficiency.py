@@ -25,6 +25,13 @@ _spec.loader.exec_module(efficiency)
 SIZES = dict(N=2, d_model=32, d_ff=64, vocab=50)
 
 
+def contestant_args(compile=False, only=None, code_at_issue_18=None):
+    """The options contestants_for reads, as parse_args gives them."""
+    return SimpleNamespace(
+        compile=compile, only=only, code_at_issue_18=code_at_issue_18
+    )
+
+
 def counted_training_flops(model, batch):
     """FLOPs that torch counts for one forward and backward pass."""
     with FlopCounterMode(display=False) as counter:
@@ -112,7 +119,7 @@ def test_fast_paths_train_like_the_explained_ones():
 def test_ours_trains_with_fast_dropout_and_its_pair_with_torchs():
     """ "ours" is the model as TrainingRun trains it; "ours, nn.Dropout"
     differs from it in the dropout mask alone."""
-    labels = efficiency.contestants_for(SimpleNamespace(compile=False))
+    labels = efficiency.contestants_for(contestant_args())
     assert labels["ours, nn.Dropout"] == (efficiency.OursTorchDropout, False)
 
     def dropout_types(cls):
@@ -133,7 +140,7 @@ def test_the_fused_attention_pair_differs_in_the_attention_path(monkeypatch):
         return fused(*args, **kwargs)
 
     monkeypatch.setattr(tat.F, "scaled_dot_product_attention", counted)
-    labels = efficiency.contestants_for(SimpleNamespace(compile=False))
+    labels = efficiency.contestants_for(contestant_args())
     batch = small_batch()
     for cls, expected in (
         (efficiency.Ours, 0),
@@ -148,7 +155,7 @@ def test_the_fused_attention_pair_differs_in_the_attention_path(monkeypatch):
 def test_ours_trains_with_the_fast_loss_and_its_pair_with_autograds():
     """ "ours, autograd loss" differs from "ours" in the loss alone, and
     the peer trains with the loss that ours trains with."""
-    labels = efficiency.contestants_for(SimpleNamespace(compile=False))
+    labels = efficiency.contestants_for(contestant_args())
     pair = labels["ours, autograd loss"][0]
     assert efficiency.Ours.criterion_cls is tools.FastLabelSmoothing
     assert pair.criterion_cls is tat.LabelSmoothing
@@ -274,13 +281,12 @@ def test_main_measures_the_peak_in_the_training_precision(monkeypatch, capsys):
 
 
 def test_compiled_contestant_compiles_ours_with_symbolic_shapes(monkeypatch):
-    from types import SimpleNamespace
 
     import torch.fx.experimental._config as shapes
 
-    labels = efficiency.contestants_for(SimpleNamespace(compile=True))
+    labels = efficiency.contestants_for(contestant_args(compile=True))
     assert labels["ours, compiled"] == (efficiency.Ours, True)
-    eager = efficiency.contestants_for(SimpleNamespace(compile=False))
+    eager = efficiency.contestants_for(contestant_args())
     assert "ours, compiled" not in eager
     calls = []
 
@@ -327,7 +333,7 @@ def test_contestants_step_adam_as_training_does(cls, monkeypatch):
 
 
 def test_the_foreach_adam_pair_differs_in_the_optimizer_alone(monkeypatch):
-    labels = efficiency.contestants_for(SimpleNamespace(compile=False))
+    labels = efficiency.contestants_for(contestant_args())
     pair = labels["ours, foreach Adam"][0]
     assert not optimizer_built_for(pair, monkeypatch).defaults["fused"]
     for name in ("fast_dropout", "keep_targets", "criterion_cls"):
@@ -337,7 +343,7 @@ def test_the_foreach_adam_pair_differs_in_the_optimizer_alone(monkeypatch):
 def test_ours_as_at_issue_18_undoes_the_three_changes(monkeypatch):
     """Its mask, attention path and loss are those of the pairs that undo
     one change each; its optimizer is training's, then as now."""
-    labels = efficiency.contestants_for(SimpleNamespace(compile=False))
+    labels = efficiency.contestants_for(contestant_args())
     then = labels["ours, as at issue 18"][0]
     model = then(50, 50, 2, 32, 64, 4, 0.1).train()
     dropouts = {type(m) for m in model.modules() if isinstance(m, nn.Dropout)}
@@ -400,7 +406,7 @@ def test_the_code_at_issue_18_is_that_commits_not_todays():
 
 @needs_issue_18_history
 def test_the_code_at_issue_18_trains_with_its_own_model_and_loss(monkeypatch):
-    labels = efficiency.contestants_for(SimpleNamespace(compile=False))
+    labels = efficiency.contestants_for(contestant_args())
     old_cls = labels["code at issue 18"][0]
     old = old_cls.source_module
     model = old_cls(50, 50, 2, 32, 64, 4, 0.1)
@@ -419,7 +425,7 @@ def test_the_code_at_issue_18_trains_with_its_own_model_and_loss(monkeypatch):
 
 def left_out_line(capsys):
     """contestants_for's labels, and the line it printed."""
-    labels = efficiency.contestants_for(SimpleNamespace(compile=False))
+    labels = efficiency.contestants_for(contestant_args())
     return labels, capsys.readouterr().out
 
 
@@ -456,6 +462,83 @@ def test_old_code_that_fails_to_run_is_left_out_and_forgotten(
     assert "its code failed to run: ModuleNotFoundError" in out
     name = f"the_annotated_transformer_at_{efficiency.ISSUE_18_COMMIT}"
     assert name not in sys.modules
+
+
+@needs_issue_18_history
+def test_the_code_at_issue_18_from_a_file_is_checked_against_gits_id(
+    tmp_path, capsys
+):
+    """For a copy without git history (a lent machine): the file is used
+    only if git's id of it is that commit's, one changed byte refused."""
+    shown = subprocess.run(
+        [
+            "git",
+            "-C",
+            str(ROOT),
+            "show",
+            f"{efficiency.ISSUE_18_COMMIT}:the_annotated_transformer.py",
+        ],
+        capture_output=True,
+        check=True,
+    ).stdout
+    good = tmp_path / "then.py"
+    good.write_bytes(shown)
+    labels = efficiency.contestants_for(contestant_args(code_at_issue_18=good))
+    old = labels["code at issue 18"][0].source_module
+    assert not hasattr(old.MultiHeadedAttention, "use_fused")
+    changed = tmp_path / "changed.py"
+    changed.write_bytes(shown.replace(b"PAD", b"PAD ", 1))
+    labels = efficiency.contestants_for(
+        contestant_args(code_at_issue_18=changed)
+    )
+    assert "code at issue 18" not in labels
+    assert "changed.py is not that commit's file" in capsys.readouterr().out
+
+
+def test_a_missing_file_for_the_code_at_issue_18_is_left_out(tmp_path, capsys):
+    missing = tmp_path / "absent.py"
+    labels = efficiency.contestants_for(
+        contestant_args(code_at_issue_18=missing)
+    )
+    assert "code at issue 18" not in labels
+    assert "absent.py could not be read" in capsys.readouterr().out
+
+
+def test_git_blob_id_is_what_git_hash_object_gives(tmp_path):
+    path = tmp_path / "some.py"
+    path.write_bytes(b"x = 1\n\xc3\xa9\n")
+    try:
+        hashed = subprocess.run(
+            ["git", "hash-object", str(path)], capture_output=True, text=True
+        )
+    except OSError:
+        pytest.skip("no git program")
+    assert efficiency.git_blob_id(path.read_bytes()) == hashed.stdout.strip()
+
+
+def test_only_times_ours_and_the_contestants_named(monkeypatch):
+    monkeypatch.setattr(efficiency, "code_at_commit", lambda *a: "old")
+    labels = efficiency.contestants_for(
+        contestant_args(only=["code at issue 18", "nn.Transformer"])
+    )
+    assert list(labels) == ["ours", "code at issue 18", "nn.Transformer"]
+    assert labels["code at issue 18"] == ("old", False)
+    everyone = efficiency.contestants_for(contestant_args())
+    assert list(everyone) == list(efficiency.CONTESTANTS)
+
+
+def test_only_takes_the_printed_labels(capsys):
+    args = efficiency.parse_args(["--only", "nn.Transformer", "ours, before"])
+    assert args.only == ["nn.Transformer", "ours, before"]
+    with pytest.raises(SystemExit):
+        efficiency.parse_args(["--only", "peer"])
+    assert "invalid choice: 'peer'" in capsys.readouterr().err
+
+
+def test_ratios_are_printed_for_the_contestants_timed(capsys):
+    medians = {"ours": (300.0, 1.0), "nn.Transformer": (250.0, 1.0)}
+    efficiency.print_ratios(medians)
+    assert capsys.readouterr().out == "  ours / nn.Transformer (tok/s): 1.20\n"
 
 
 def test_the_goal_line_without_the_contestant(capsys):
