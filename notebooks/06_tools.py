@@ -1346,7 +1346,9 @@ def save_checkpoint(path, **fields):
 # not a checkpoint at all, damaged or cut short, or holding a pickle that
 # would build other objects) is a `CheckpointError` with its own one-line
 # message. `checkpoint_head` answers the first questions from the file's
-# first two bytes, before torch reads it.
+# first two bytes, before torch reads it, and `check_zip` checks the
+# CRC-32 that the archive records for each entry: `torch.load` does not,
+# so a byte changed inside the weights would load as other weights.
 
 
 # %%
@@ -1373,12 +1375,26 @@ def checkpoint_head(path):
     return head
 
 
+def check_zip(path, damaged):
+    """Refuse a zip checkpoint cut short, or with a byte changed: torch
+    reads one without checking the CRC-32 that each entry records."""
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(f"{damaged}: not a whole zip archive")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()  # reads every entry, checks its CRC
+    except (zipfile.BadZipFile, EOFError, OSError) as err:
+        raise CheckpointError(f"{damaged}: {err}") from err
+    if bad is not None:
+        raise CheckpointError(f"{damaged}: {bad} fails its checksum")
+
+
 def load_checkpoint(path, device="cpu"):
     """Read a checkpoint safely (weights_only) onto `device`."""
     head = checkpoint_head(path)  # b"PK": torch's zip, b"\x80": a pickle
     damaged = f"{path} is not a readable checkpoint (damaged or cut short)"
-    if head == b"PK" and not zipfile.is_zipfile(path):
-        raise CheckpointError(f"{damaged}: not a whole zip archive")
+    if head == b"PK":
+        check_zip(path, damaged)
     try:
         ckpt = torch.load(path, map_location=device, weights_only=True)
     except pickle.UnpicklingError as err:  # it would build other objects?
@@ -1619,8 +1635,9 @@ def trained_model_from(ckpt, path, device="auto"):
 
 # %%
 #| export
-def average_checkpoints(paths, device="cpu"):
-    """(model, vocab_src, vocab_tgt, config) with the mean of the weights."""
+def average_checkpoints(paths, device="cpu", history=None):
+    """(model, vocab_src, vocab_tgt, config) with the mean of the weights.
+    With `history` (a run's losses), each file must be of that run."""
     paths = [Path(p) for p in paths]
     if not paths:
         raise ValueError("no checkpoints to average")
@@ -1631,7 +1648,13 @@ def average_checkpoints(paths, device="cpu"):
         n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()
     }
     for path in paths:
-        state = load_checkpoint(path, "cpu")["model"]  # MPS has no float64
+        ckpt = load_checkpoint(path, "cpu")  # MPS has no float64
+        if history is not None and not same_run(ckpt.get("history"), history):
+            raise ValueError(
+                f"{path} is from another training run (its losses differ "
+                "from the checkpoint's); average the epochs of one run"
+            )
+        state = ckpt["model"]
         shapes = {n: state[n].shape for n in sums if n in state}
         if shapes != {n: s.shape for n, s in sums.items()}:
             raise ValueError(f"{path} is not the same model as {paths[0]}")
@@ -1644,6 +1667,13 @@ def average_checkpoints(paths, device="cpu"):
         for name, p in params.items():
             p.copy_(sums[name] / len(paths))
     return model.to(device).eval(), vocab_src, vocab_tgt, config
+
+
+def same_run(epoch_history, history):
+    """Is a file's history of losses the start of a run's `history`?"""
+    if epoch_history is None:  # a file from before histories were saved
+        return True
+    return epoch_history == history[: len(epoch_history)]
 
 
 # %% [markdown]
@@ -2390,6 +2420,33 @@ def save_epoch(run, epoch, vocab_src, vocab_tgt):
             old.unlink()
 
 
+def clear_earlier_run(folder):
+    """Remove an earlier run's epoch files and last.pt from `folder`, so
+    that a run started afresh there neither prunes its own epoch files in
+    their place nor leaves them to be averaged with its own. Returns the
+    names removed; final.pt stays until the new run replaces it."""
+    stale = [*epoch_checkpoints(folder), Path(folder, "last.pt")]
+    removed = [path.name for path in stale if path.is_file()]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return removed
+
+
+def note_cleared(folder):
+    """clear_earlier_run, saying on stderr what it removed, if anything."""
+    removed = clear_earlier_run(folder)
+    if removed:
+        final = Path(folder, "final.pt").is_file()
+        print(
+            f"note: {folder} held an earlier run; training afresh, so its "
+            f"{len(removed)} checkpoint files ({removed[0]} to "
+            f"{removed[-1]}) are removed"
+            + (" and its final.pt is replaced at the end" if final else "")
+            + " (--resume continues a run instead)",
+            file=sys.stderr,
+        )
+
+
 def resume_point(folder):
     """The file a run in `folder` resumes from, or None."""
     paths = [Path(folder, "last.pt"), *epoch_checkpoints(folder)[-1:]]
@@ -2476,6 +2533,13 @@ def check_resume(config, vocab_src, vocab_tgt):
                 f"cannot resume from {path} with other training settings: "
                 + "; ".join(changed)
                 + "; train with the same ones, or in another folder"
+            )
+        done = ckpt.get("epoch", -1) + 1
+        if config.epochs < done:
+            raise CheckpointError(
+                f"cannot resume from {path} for {config.epochs} epochs in"
+                f" all: it has trained {done} already; ask for {done} or"
+                " more (--epochs)"
             )
     return path
 
@@ -2630,7 +2694,10 @@ def train_worker(
         )
         if show_progress and rank == 0:
             print(describe_device(run.device, run.precision))
-        for epoch in range(resume_run(run) if resume else 0, config.epochs):
+        first_epoch = resume_run(run) if resume else 0
+        if first_epoch == 0 and rank == 0:
+            note_cleared(config.checkpoint_dir)
+        for epoch in range(first_epoch, config.epochs):
             train_epoch(run, epoch, *loaders, show=show_progress)
             if rank == 0:
                 save_epoch(run, epoch, vocab_src, vocab_tgt)
@@ -2953,6 +3020,44 @@ def compute_bleu(hypotheses, references):
 # 1.0 scored best on the validation split here).
 
 
+# %% [markdown]
+# `--average K` averages the checkpoint's own last K epochs: the epoch
+# files next to it that end at its epoch, each of which must come from
+# the same run. A file of that run recorded the losses of every epoch up
+# to its own, so its history is the start of the checkpoint's; an epoch
+# file left by another run in the same folder is refused, not averaged in.
+
+
+# %%
+#| export
+def own_epoch_files(checkpoint, count):
+    """(the `count` epoch files of `checkpoint`'s run that end at its
+    epoch, oldest first; the checkpoint's history of losses)."""
+    ckpt = load_checkpoint(checkpoint)
+    last = ckpt.get("epoch")
+    if last is None:
+        raise ValueError(
+            f"{checkpoint} records no epoch, so --average cannot tell its "
+            "own epoch files; average chosen files with average_checkpoints"
+        )
+    if count > last + 1:
+        raise ValueError(
+            f"--average {count} needs {count} epochs; {checkpoint} was "
+            f"trained for {last + 1}"
+        )
+    folder = Path(checkpoint).parent
+    epochs = range(last - count + 1, last + 1)
+    paths = [folder / f"epoch_{epoch:03d}.pt" for epoch in epochs]
+    missing = [path.name for path in paths if not path.is_file()]
+    if missing:
+        raise ValueError(
+            f"--average {count} needs {', '.join(missing)} next to "
+            f"{checkpoint}, which training removed (it keeps the newest "
+            "--keep-last)"
+        )
+    return paths, ckpt.get("history")
+
+
 # %%
 #| export
 def load_translator(
@@ -2960,15 +3065,10 @@ def load_translator(
 ):
     """(model, vocab_src, vocab_tgt, decode_fn) for greedy or beam search."""
     if average_last:
-        paths = epoch_checkpoints(Path(checkpoint).parent)[-average_last:]
-        if len(paths) < average_last:
-            n = average_last
-            raise ValueError(
-                f"--average {n} needs {n} epoch checkpoints "
-                f"next to {checkpoint}; found {len(paths)} (training keeps "
-                "the newest --keep-last)"
-            )
-        model, vocab_src, vocab_tgt, _ = average_checkpoints(paths, device)
+        paths, history = own_epoch_files(checkpoint, average_last)
+        model, vocab_src, vocab_tgt, _ = average_checkpoints(
+            paths, device, history
+        )
     else:
         model, vocab_src, vocab_tgt, _ = load_trained_model(checkpoint, device)
     decode_fn = cached_greedy_decode
@@ -3526,9 +3626,8 @@ def add_decoding_options(parser):
     parser.add_argument(
         "--alpha",
         type=number_from(0.0, 10.0),
-        default=0.6,
-        help="beam search's length penalty (default 0.6, the paper's; 1.0"
-        " scored best on validation here)",
+        help="beam search's length penalty, with --beam 2 or more (default"
+        " 0.6, the paper's; 1.0 scored best on validation here)",
     )
     parser.add_argument(
         "--average",
@@ -3658,6 +3757,10 @@ def train_on_folder(folder, config):
     ]
     if problems:
         raise UserError(f"--data {folder}: " + "; ".join(problems))
+    try:  # whole, UTF-8, line by line and not empty, before any training
+        read_parallel(folder / "train.de.gz", folder / "train.en.gz")
+    except TextFileError as err:
+        raise UserError(f"--data {folder}: {err}") from None
     load_vocabularies(config, *load_tokenizers())  # from the original
     return folder, replace(config, data=pairs_digest(folder))
 
@@ -3893,10 +3996,17 @@ def check_out(out, *inputs, option="--out"):
 
 
 def load_for_decoding(args):
-    """`load_translator` for the command line, refusing a too-wide beam."""
+    """`load_translator` for the command line, refusing a too-wide beam,
+    and a length penalty without a beam to apply it to."""
+    if args.alpha is not None and args.beam == 1:
+        raise UserError(
+            f"--alpha {args.alpha:g} is beam search's length penalty, and"
+            " greedy decoding (--beam 1) has none; add --beam 4, say"
+        )
+    alpha = 0.6 if args.alpha is None else args.alpha
     try:
         model, vocab_src, vocab_tgt, decode_fn = load_translator(
-            args.checkpoint, args.device, args.beam, args.average, args.alpha
+            args.checkpoint, args.device, args.beam, args.average, alpha
         )
     except (FileNotFoundError, ValueError) as err:  # CheckpointError, ...
         raise UserError(str(err)) from err

@@ -554,7 +554,12 @@ def test_alpha_reaches_beam_search(tiny, tmp_path, capsys):
     for alpha in (0.0, 1.0):
         *_, decode_fn = tools.load_translator(ckpt, beam=3, alpha=alpha)
         assert decode_fn.keywords == {"beam_size": 3, "alpha": alpha}
-    assert tools.build_parser().parse_args(["translate", "x"]).alpha == 0.6
+    # Without --alpha, beam search gets the paper's 0.6.
+    args = tools.build_parser().parse_args(
+        ["translate", "--checkpoint", str(ckpt), "--beam", "3", "x"]
+    )
+    *_, decode_fn = tools.load_for_decoding(args)
+    assert decode_fn.keywords == {"beam_size": 3, "alpha": 0.6}
     # The command line and the library, both with alpha 1.0, agree.
     sentences = [de for de, _ in PAIRS]
     source = tmp_path / "in.de"
@@ -567,6 +572,16 @@ def test_alpha_reaches_beam_search(tiny, tmp_path, capsys):
         sentences, str(ckpt), beam=3, alpha=1.0, device="cpu"
     )
     assert printed == expected
+
+
+def test_alpha_without_a_beam_is_one_line(tiny, capsys):
+    """Greedy decoding has no length penalty: --alpha was ignored."""
+    status, out, err = run_cli(
+        capsys, "translate", "--checkpoint", tiny[0], "--alpha", "1", "x"
+    )
+    assert status == 2 and out == "" and len(err.splitlines()) == 1
+    assert "--alpha 1 is beam search's length penalty" in err
+    assert "greedy decoding (--beam 1) has none" in err
 
 
 def test_whole_number_and_existing_device():
@@ -619,6 +634,24 @@ def test_cli_rejects_a_foreign_checkpoint(tmp_path, capsys):
     )
     assert status == 2 and "not a readable checkpoint" in err
     assert len(err.splitlines()) == 1
+
+
+def test_a_checkpoint_with_a_changed_byte_is_refused(tiny, tmp_path, capsys):
+    """torch.load reads a tensor's bytes without checking them: one byte
+    flipped inside the weights loaded silently, as other weights."""
+    data = bytearray(Path(tiny[0]).read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside the weights
+    damaged = tmp_path / "damaged.pt"
+    damaged.write_bytes(data)
+    torch.load(damaged, weights_only=True)  # what torch alone does
+    with pytest.raises(tools.CheckpointError, match="fails its checksum"):
+        tools.load_checkpoint(damaged)
+    status, out, err = run_cli(
+        capsys, "translate", "--checkpoint", damaged, "Hallo"
+    )
+    assert status == 2 and out == "" and len(err.splitlines()) == 1
+    assert "not a readable checkpoint (damaged or cut short)" in err
+    tools.load_checkpoint(tiny[0])  # the intact file still loads
 
 
 def test_non_utf8_lines_are_named(tmp_path):

@@ -280,6 +280,43 @@ def test_train_data_refuses_a_folder_without_multi30k_references(
     assert len(err.splitlines()) == 1 and not ck.exists()
 
 
+def gzip_bytes(data):
+    import gzip
+
+    return gzip.compress(data)
+
+
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        ({"train.en.gz": gzip_bytes(b"A dog.\n")}, "has 10 lines but"),
+        ({"train.de.gz": gzip_bytes(b"\xff\xfe\n" * 10)}, "is not UTF-8"),
+        ({"train.de.gz": b"plain, not gzip\n"}, "cannot read"),
+        ({"train.en.gz": gzip_bytes(b"A dog.\n" * 10)[:-9]}, "cannot read"),
+        (
+            {"train.de.gz": gzip_bytes(b""), "train.en.gz": gzip_bytes(b"")},
+            "train.de.gz is empty",
+        ),
+    ],
+    ids=["line counts", "not UTF-8", "not gzip", "cut short", "empty"],
+)
+def test_train_data_refuses_training_files_it_cannot_train_on(
+    local_multi30k, tmp_path, monkeypatch, damage, words, capsys
+):
+    """One line, status 2, nothing written: not a traceback in training,
+    nor a run that trains on nothing and succeeds."""
+    monkeypatch.setenv(tat.MULTI30K_ENV, local_multi30k)
+    student = student_folder(Path(local_multi30k), tmp_path / "student", 10)
+    for name, data in damage.items():
+        (student / name).write_bytes(data)
+    ck = tmp_path / "ck"
+    argv = ["train", "--preset", "ci", "--checkpoint-dir", str(ck)]
+    status = tools.main([*argv, "--data", str(student)])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and f"--data {student}:" in err and words in err, err
+    assert len(err.splitlines()) == 1 and not ck.exists()
+
+
 def test_time_to_bleu_data_trains_on_the_folder_and_records_it(
     local_multi30k, tmp_path, monkeypatch, reads
 ):

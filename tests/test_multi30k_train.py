@@ -178,6 +178,59 @@ def test_only_last_pt_keeps_the_training_state(ci_run):
         tools.load_translator(folder / "final.pt", average_last=3)
 
 
+def test_average_takes_the_named_checkpoints_own_epochs(ci_run):
+    """--average K counts back from the checkpoint named, not from the
+    newest file in its folder."""
+    cfg, _ = ci_run
+    folder = Path(cfg.checkpoint_dir)
+    model, *_ = tools.load_translator(folder / "epoch_001.pt", average_last=1)
+    saved = torch.load(folder / "epoch_001.pt", weights_only=True)["model"]
+    assert_same_weights(model.state_dict(), saved)
+    newest = torch.load(folder / "epoch_002.pt", weights_only=True)["model"]
+    with pytest.raises(AssertionError, match="weights differ"):
+        assert_same_weights(model.state_dict(), newest)
+    with pytest.raises(ValueError, match="needs 3 epochs; .* trained for 2"):
+        tools.load_translator(folder / "epoch_001.pt", average_last=3)
+
+
+def test_average_refuses_an_epoch_file_of_another_run(ci_run, tmp_path):
+    """An epoch file whose losses are not the start of the checkpoint's
+    is another run's, left in the same folder: refused, not averaged."""
+    cfg, _ = ci_run
+    folder = tmp_path / "copy"
+    shutil.copytree(cfg.checkpoint_dir, folder)
+    stale = torch.load(folder / "epoch_001.pt", weights_only=True)
+    stale["history"][0]["val_loss"] += 0.5
+    torch.save(stale, folder / "epoch_001.pt")
+    with pytest.raises(ValueError, match="epoch_001.pt is from another"):
+        tools.load_translator(folder / "final.pt", average_last=2)
+    model, *_ = tools.load_translator(folder / "final.pt", average_last=1)
+    assert_same_weights(model.state_dict(), final_weights(cfg))
+
+
+def test_training_afresh_clears_an_earlier_runs_epoch_files(
+    ci_run, tmp_path, vocabs, tokenizers, capsys
+):
+    """Else the earlier run's newer-numbered files would be the ones kept
+    (the new run's own pruned in their place) and averaged."""
+    cfg, _ = ci_run
+    folder = tmp_path / "copy"
+    shutil.copytree(cfg.checkpoint_dir, folder)  # epochs 1, 2, last, final
+    again = replace(cfg, checkpoint_dir=str(folder), epochs=1, seed=7)
+    train(again, vocabs, tokenizers)
+    names = sorted(p.name for p in folder.glob("*.pt"))
+    assert names == ["epoch_000.pt", "final.pt", "last.pt"]
+    err = capsys.readouterr().err
+    assert f"note: {folder} held an earlier run; training afresh" in err
+    assert "3 checkpoint files (epoch_001.pt to last.pt) are removed" in err
+    assert "final.pt is replaced at the end" in err
+    model, *_ = tools.load_translator(folder / "final.pt", average_last=1)
+    assert_same_weights(model.state_dict(), final_weights(again))
+    train(again, vocabs, tokenizers)  # once more: its own files go too
+    err = capsys.readouterr().err
+    assert "2 checkpoint files (epoch_000.pt to last.pt) are removed" in err
+
+
 def test_resume_refuses_other_training_settings(
     ci_run, tmp_path, vocabs, tokenizers
 ):
@@ -195,6 +248,12 @@ def test_resume_refuses_other_training_settings(
     more = replace(other, dropout=0.0, warmup=20, epochs=4, keep_last=1)
     more = replace(more, preset="renamed")
     assert tools.check_resume(more, *vocabs) == folder / "last.pt"
+    # the same number of epochs: nothing left, nothing refused
+    assert tools.check_resume(replace(more, epochs=3), *vocabs)
+    # fewer epochs than it has trained would save a final.pt that says so
+    fewer = replace(more, epochs=2)
+    with pytest.raises(tools.CheckpointError, match="for 2 epochs in all"):
+        tools.check_resume(fewer, *vocabs)
 
 
 def test_resume_in_an_empty_folder_says_it_starts_afresh(
