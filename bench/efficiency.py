@@ -36,6 +36,9 @@ real Multi30k sentences with
 * ours, before: our model with the explained paths that the fast ones
   replaced (LayerNorm written as its formula, label smoothing through a
   full target matrix), for a before/after in the same run;
+* ours, wholly bf16 (only when `--only` names it, and only in bf16): ours
+  with bf16 weights and no autocast, so no casts at all; not how training
+  runs, a bound on what removing autocast's casts could give;
 
 and prints, for every run and as medians: real target tokens per second,
 achieved model FLOP/s and its fraction of the matmul peak measured in this
@@ -93,6 +96,7 @@ CONTESTANTS = (
     "code at issue 18",
     "nn.Transformer",
     "ours, before",
+    "ours, wholly bf16",
 )
 
 
@@ -432,6 +436,15 @@ def code_at_commit(commit, path=None, blob=None):
     return CodeAtCommit
 
 
+class OursWhollyBf16(Ours):
+    """Ours with its weights in bf16 too, and no autocast: no casts
+    between float32 and bf16 at all. Not how training runs (Adam would
+    update bf16 weights); a bound on what removing the casts can give.
+    Timed only in bf16."""
+
+    wholly_bf16 = True
+
+
 class OursBefore(Ours):
     """Ours with the explained paths the fast ones replaced: LayerNorm as
     the formula reads, label smoothing through its target matrix, and
@@ -495,6 +508,14 @@ def timed_pass(
     )
     forward = torch.compile(model, dynamic=True) if compile else model
     autocast = tools.autocast_for("cpu", dtype)
+    if getattr(model_cls, "wholly_bf16", False):
+        if dtype != torch.bfloat16:
+            raise SystemExit(
+                "efficiency.py: error: 'ours, wholly bf16' is"
+                " timed only with --precision bf16"
+            )
+        model.to(torch.bfloat16)
+        autocast = tools.autocast_for("cpu", None)  # nothing to cast
     keep = getattr(model_cls, "keep_targets", False)
     # the peer trains with the loss that ours trains with
     loss_cls = getattr(model_cls, "criterion_cls", Ours.criterion_cls)
@@ -571,8 +592,11 @@ def contestants_for(args):
         "code at issue 18": None,  # read below
         "nn.Transformer": TorchPeer,
         "ours, before": OursBefore,
+        "ours, wholly bf16": OursWhollyBf16,
     }
-    wanted = {"ours", *(args.only or CONTESTANTS)}
+    # by default, every contestant but the bound, which --only names
+    default = [label for label in CONTESTANTS if label != "ours, wholly bf16"]
+    wanted = {"ours", *(args.only or default)}
     contestants = {}
     for label, cls in classes.items():
         if label not in wanted:
@@ -651,6 +675,7 @@ RATIO_NAMES = {
     "ours, autograd loss": "ours with the autograd loss",
     "ours, foreach Adam": "ours with foreach Adam",
     "ours, as at issue 18": "ours as at issue 18",
+    "ours, wholly bf16": "ours wholly in bf16",
 }
 
 
@@ -673,6 +698,14 @@ def print_issue_18_goal(medians, dtype):
         f"  ours / the code at issue 18, {ISSUE_18_COMMIT[:7]} (tok/s):"
         f" {ratio:.2f}{goal}"
     )
+    if "ours, wholly bf16" in medians:
+        bound = (
+            medians["ours, wholly bf16"][0] / medians["code at issue 18"][0]
+        )
+        print(
+            "  ours wholly in bf16 / the code at issue 18 (tok/s):"
+            f" {bound:.2f} (a bound: training keeps float32 weights)"
+        )
 
 
 def precision_name(dtype):

@@ -524,7 +524,8 @@ def test_only_times_ours_and_the_contestants_named(monkeypatch):
     assert list(labels) == ["ours", "code at issue 18", "nn.Transformer"]
     assert labels["code at issue 18"] == ("old", False)
     everyone = efficiency.contestants_for(contestant_args())
-    assert list(everyone) == list(efficiency.CONTESTANTS)
+    bound = "ours, wholly bf16"  # timed only when named
+    assert list(everyone) == [c for c in efficiency.CONTESTANTS if c != bound]
 
 
 def test_only_takes_the_printed_labels(capsys):
@@ -533,6 +534,51 @@ def test_only_takes_the_printed_labels(capsys):
     with pytest.raises(SystemExit):
         efficiency.parse_args(["--only", "peer"])
     assert "invalid choice: 'peer'" in capsys.readouterr().err
+
+
+def test_the_wholly_bf16_bound_is_timed_only_when_named(monkeypatch):
+    monkeypatch.setattr(efficiency, "code_at_commit", lambda *a: "old")
+    assert "ours, wholly bf16" not in efficiency.contestants_for(
+        contestant_args()
+    )
+    named = efficiency.contestants_for(
+        contestant_args(only=["ours, wholly bf16"])
+    )
+    assert list(named) == ["ours", "ours, wholly bf16"]
+
+
+def test_the_wholly_bf16_bound_trains_bf16_weights_without_autocast(
+    monkeypatch,
+):
+    seen = {}
+    real_adam, real_autocast = efficiency.adam_for, tools.autocast_for
+
+    def spy(model, fused):
+        seen["dtypes"] = {p.dtype for p in model.parameters()}
+        return real_adam(model, fused)
+
+    def no_autocast(device, dtype):
+        seen["autocast"] = dtype
+        return real_autocast(device, dtype)
+
+    monkeypatch.setattr(efficiency, "adam_for", spy)
+    monkeypatch.setattr(efficiency.tools, "autocast_for", no_autocast)
+    cls = efficiency.OursWhollyBf16
+    tokens, seconds, _ = efficiency.train_pass(
+        cls,
+        tiny_batches(),
+        (50, 50),
+        tools.get_config("ci"),
+        0,
+        0,
+        torch.bfloat16,
+    )
+    assert seen == {"dtypes": {torch.bfloat16}, "autocast": None}
+    assert tokens == sum(b.ntokens for b in tiny_batches())
+    with pytest.raises(SystemExit, match="only with --precision bf16"):
+        efficiency.train_pass(
+            cls, tiny_batches(), (50, 50), tools.get_config("ci"), 0
+        )
 
 
 def test_ratios_are_printed_for_the_contestants_timed(capsys):
