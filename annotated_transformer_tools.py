@@ -974,8 +974,9 @@ def check_zip(path, damaged):
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()  # reads every entry, checks its CRC
-    except (zipfile.BadZipFile, EOFError, OSError) as err:
-        raise CheckpointError(f"{damaged}: {err}") from err
+    except Exception as err:  # a damaged directory: many kinds of error
+        why = " ".join(str(err).split())[:200] or type(err).__name__
+        raise CheckpointError(f"{damaged}: {why}") from err
     if bad is not None:
         raise CheckpointError(f"{damaged}: {bad} fails its checksum")
 
@@ -1005,9 +1006,22 @@ def load_checkpoint(path, device="cpu"):
     return ckpt
 
 
+EPOCH_FILE = re.compile(r"epoch_(\d{3,})\.pt")  # what save_epoch writes
+
+
+def epoch_of(path):
+    """The epoch in an epoch file's name: 7 for epoch_007.pt."""
+    return int(EPOCH_FILE.fullmatch(Path(path).name)[1])
+
+
 def epoch_checkpoints(folder):
-    """The epoch checkpoints in a folder, oldest first."""
-    return sorted(Path(folder).glob("epoch_*.pt"))
+    """The epoch checkpoints in a folder, oldest first: files named as
+    save_epoch names them, in the order of their numbers (epoch_1000.pt
+    comes after epoch_999.pt), and no other file."""
+    found = Path(folder).glob("epoch_*.pt")
+    return sorted(
+        (p for p in found if EPOCH_FILE.fullmatch(p.name)), key=epoch_of
+    )
 
 
 LEGACY_CONFIG_NAMES = {"num_epochs": "epochs", "amp": "precision"}
@@ -1142,19 +1156,18 @@ def average_checkpoints(paths, device="cpu", history=None):
     }
     for path in paths:
         ckpt = load_checkpoint(path, "cpu")  # MPS has no float64
-        if history is not None and not same_run(ckpt.get("history"), history):
-            raise ValueError(
-                f"{path} is from another training run (its losses differ "
-                "from the checkpoint's); average the epochs of one run"
-            )
-        state = ckpt["model"]
+        if history is not None:
+            check_run_file(path, ckpt, history)
+        state = ckpt.get("model")
+        if not isinstance(state, dict):
+            raise ValueError(f"{path} holds no model weights")
         shapes = {n: state[n].shape for n in sums if n in state}
         if shapes != {n: s.shape for n, s in sums.items()}:
             raise ValueError(f"{path} is not the same model as {paths[0]}")
         for name in sums:
             sums[name] += state[name].double()
         for name, b in buffers.items():
-            if not torch.equal(state[name], b):
+            if name not in state or not torch.equal(state[name], b):
                 raise ValueError(f"{path}: buffer {name} differs")
     with torch.no_grad():
         for name, p in params.items():
@@ -1162,11 +1175,29 @@ def average_checkpoints(paths, device="cpu", history=None):
     return model.to(device).eval(), vocab_src, vocab_tgt, config
 
 
+def check_run_file(path, ckpt, history):
+    """Refuse an epoch file that is not its run's file of the epoch its
+    name says: a copied or renamed file, or another run's."""
+    named = epoch_of(path)
+    if ckpt.get("epoch") != named:
+        raise ValueError(
+            f"{path} holds epoch {ckpt.get('epoch')!r}, not {named}: a"
+            " copied or renamed file; average the epochs of one run"
+        )
+    if not same_run(ckpt.get("history"), history):
+        raise ValueError(
+            f"{path} is from another training run (its losses differ "
+            "from the checkpoint's); average the epochs of one run"
+        )
+
+
 def same_run(epoch_history, history):
-    """Is a file's history of losses the start of a run's `history`?"""
+    """Is a file's history of losses the start of a run's `history`?
+    Compared as text, so that a diverged run's NaN matches itself."""
     if epoch_history is None:  # a file from before histories were saved
         return True
-    return epoch_history == history[: len(epoch_history)]
+    start = list(history)[: len(epoch_history)]
+    return repr(list(epoch_history)) == repr(start)
 
 
 # -----------------------------------------------------------------------------
@@ -1571,18 +1602,25 @@ def clear_earlier_run(folder):
 
 
 def note_cleared(folder):
-    """clear_earlier_run, saying on stderr what it removed, if anything."""
+    """clear_earlier_run, saying on stderr what it did, if anything."""
     removed = clear_earlier_run(folder)
+    final = Path(folder, "final.pt").is_file()
+    if not (removed or final):
+        return
+    what = []
     if removed:
-        final = Path(folder, "final.pt").is_file()
-        print(
-            f"note: {folder} held an earlier run; training afresh, so its "
-            f"{len(removed)} checkpoint files ({removed[0]} to "
-            f"{removed[-1]}) are removed"
-            + (" and its final.pt is replaced at the end" if final else "")
-            + " (--resume continues a run instead)",
-            file=sys.stderr,
-        )
+        names = removed[0] if len(removed) == 1 else ", ".join(removed)
+        if len(removed) > 3:
+            names = f"{removed[0]} to {removed[-1]}"
+        what.append(f"removed {len(removed)} of its files ({names})")
+    if final:
+        what.append("its final.pt is replaced at the end")
+    print(
+        f"note: {folder} held an earlier run; training afresh, so "
+        + " and ".join(what)
+        + " (--resume continues a run instead)",
+        file=sys.stderr,
+    )
 
 
 def resume_point(folder):
@@ -1632,11 +1670,12 @@ def check_resume(config, vocab_src, vocab_tgt):
     """The checkpoint a run would resume from (None: none), checked."""
     folder = config.checkpoint_dir
     path = resume_point(folder)
-    if path is None and epoch_checkpoints(folder):
+    final = Path(folder, "final.pt")
+    if path is None and (epoch_checkpoints(folder) or final.is_file()):
         raise CheckpointError(
-            f"nothing to resume in {folder}: its epoch files lack the "
+            f"nothing to resume in {folder}: its checkpoints lack the "
             "training state (no last.pt), and starting afresh would "
-            "overwrite them; move them away or choose another "
+            "replace them; move them away or choose another "
             "--checkpoint-dir"
         )
     if path is not None:
@@ -1991,11 +2030,12 @@ def own_epoch_files(checkpoint, count):
     """(the `count` epoch files of `checkpoint`'s run that end at its
     epoch, oldest first; the checkpoint's history of losses)."""
     ckpt = load_checkpoint(checkpoint)
-    last = ckpt.get("epoch")
-    if last is None:
+    last, history = ckpt.get("epoch"), ckpt.get("history")
+    if type(last) is not int or last < 0 or not isinstance(history, list):
         raise ValueError(
-            f"{checkpoint} records no epoch, so --average cannot tell its "
-            "own epoch files; average chosen files with average_checkpoints"
+            f"{checkpoint} does not record its epoch and losses as training"
+            " does, so --average cannot tell its own epoch files; average"
+            " chosen files with average_checkpoints"
         )
     if count > last + 1:
         raise ValueError(
@@ -2009,10 +2049,10 @@ def own_epoch_files(checkpoint, count):
     if missing:
         raise ValueError(
             f"--average {count} needs {', '.join(missing)} next to "
-            f"{checkpoint}, which training removed (it keeps the newest "
-            "--keep-last)"
+            f"{checkpoint}, and it is not there (training keeps only the "
+            "newest --keep-last epoch files)"
         )
-    return paths, ckpt.get("history")
+    return paths, history
 
 
 def load_translator(
@@ -2557,9 +2597,15 @@ def train_on_folder(folder, config):
     if problems:
         raise UserError(f"--data {folder}: " + "; ".join(problems))
     try:  # whole, UTF-8, line by line and not empty, before any training
-        read_parallel(folder / "train.de.gz", folder / "train.en.gz")
+        pairs = zip(
+            *read_parallel(folder / "train.de.gz", folder / "train.en.gz")
+        )
     except TextFileError as err:
         raise UserError(f"--data {folder}: {err}") from None
+    if not any(de.strip() and en.strip() for de, en in pairs):
+        raise UserError(
+            f"--data {folder}: no training pair has text on both sides"
+        )
     load_vocabularies(config, *load_tokenizers())  # from the original
     return folder, replace(config, data=pairs_digest(folder))
 
@@ -2591,6 +2637,15 @@ def multi30k_from(folder):
             os.environ.pop(MULTI30K_ENV, None)
         else:
             os.environ[MULTI30K_ENV] = old
+
+
+def training_writes(path, folder):
+    """Is `path` a file that training into `folder` writes?"""
+    path = Path(path).absolute()
+    if path.parent.resolve() != Path(folder).absolute().resolve():
+        return False
+    names = ("final.pt", "last.pt", ".lock")
+    return path.name in names or bool(EPOCH_FILE.fullmatch(path.name))
 
 
 def command_train(args):
@@ -2633,6 +2688,11 @@ def command_train(args):
     if folder.exists() and not folder.is_dir():
         raise UserError(f"--checkpoint-dir {folder} is a file, not a folder")
     if args.results:  # fail now, not after hours of training
+        if training_writes(args.results, folder):
+            raise UserError(
+                f"--results {args.results} is a file that training writes"
+                f" into {folder}; name another file"
+            )
         check_out(args.results, option="--results")
     download_multi30k()  # before the lock makes the checkpoint folder
     data = None  # Multi30k's own pairs
@@ -2822,6 +2882,8 @@ def command_evaluate(args):
         raise UserError("give both --src and --ref, or neither")
     if args.out:
         inputs = [args.checkpoint, *filter(None, [args.src, args.ref])]
+        if args.average:  # the epoch files averaged are inputs too
+            inputs += epoch_checkpoints(Path(args.checkpoint).parent)
         check_out(args.out, *inputs)
     if args.src is None:
         folder = download_multi30k()
@@ -2966,6 +3028,11 @@ def one_line(err):
     return " ".join(str(err).split()) or type(err).__name__
 
 
+def warning_line(message, *args, **kwargs):
+    """A warning on the command line: one line on stderr, no source."""
+    print("warning: " + one_line(message), file=sys.stderr)
+
+
 def main(argv=None):
     """Command-line entry point; returns the exit status."""
     if threading.current_thread() is threading.main_thread():
@@ -2985,6 +3052,7 @@ def main(argv=None):
         }
         with warnings.catch_warnings():  # torch's note on an old pickle
             warnings.filterwarnings("ignore", "Detected pickle protocol")
+            warnings.showwarning = warning_line  # restored on leaving
             status = commands[args.command](args)
         sys.stdout.flush()  # a full disk shows here, not at exit
         return status
@@ -3051,6 +3119,8 @@ __all__ = [
     "checkpoint_head",
     "check_zip",
     "load_checkpoint",
+    "EPOCH_FILE",
+    "epoch_of",
     "epoch_checkpoints",
     "LEGACY_CONFIG_NAMES",
     "checkpoint_config",
@@ -3064,6 +3134,7 @@ __all__ = [
     "load_trained_model",
     "trained_model_from",
     "average_checkpoints",
+    "check_run_file",
     "same_run",
     "split_evenly",
     "ShardedBatchSampler",
@@ -3148,6 +3219,7 @@ __all__ = [
     "short_digest",
     "pairs_digest",
     "multi30k_from",
+    "training_writes",
     "command_train",
     "train_locked",
     "greedy_with_and_without_unk",
@@ -3169,6 +3241,7 @@ __all__ = [
     "USER_ERRORS",
     "stdout_fault",
     "one_line",
+    "warning_line",
 ]
 
 

@@ -989,6 +989,8 @@ def create_dataloaders(
             shuffle=train,
             seed=seed,
         )
+        if not sampler.kept:  # e.g. other pairs, all of them too long
+            raise DatasetError(f"{split}: no pair fits in {max_tokens} tokens")
         if sampler.dropped:
             n_dropped = len(sampler.dropped)
             too_long = f"pairs longer than {sampler.max_len} tokens"

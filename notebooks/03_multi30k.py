@@ -547,7 +547,8 @@ assert len(buckets) == 153
 # `create_dataloaders` puts the pieces together: training batches
 # shuffled and without pairs longer than `max_len`; validation batches
 # sorted by length and not shuffled, keeping every pair that fits in one
-# batch of `max_tokens`.
+# batch of `max_tokens`. A split with no pair left is an error, not an
+# epoch of nothing.
 # `max_train_pairs=n` (0 means all) keeps the first $n$ training pairs
 # and the first $n/4$ validation pairs; the tiny `ci` preset uses it.
 # `num_workers` prepares batches in that many background processes (0: in
@@ -582,6 +583,8 @@ def create_dataloaders(
             shuffle=train,
             seed=seed,
         )
+        if not sampler.kept:  # e.g. other pairs, all of them too long
+            raise DatasetError(f"{split}: no pair fits in {max_tokens} tokens")
         if sampler.dropped:
             n_dropped = len(sampler.dropped)
             too_long = f"pairs longer than {sampler.max_len} tokens"

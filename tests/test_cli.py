@@ -7,6 +7,7 @@ import io
 import os
 import pickle
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -652,6 +653,88 @@ def test_a_checkpoint_with_a_changed_byte_is_refused(tiny, tmp_path, capsys):
     assert status == 2 and out == "" and len(err.splitlines()) == 1
     assert "not a readable checkpoint (damaged or cut short)" in err
     tools.load_checkpoint(tiny[0])  # the intact file still loads
+
+
+def test_a_damaged_zip_directory_is_one_line(tiny, tmp_path, capsys):
+    """A changed byte in the archive's directory makes zipfile raise
+    other errors than BadZipFile (here NotImplementedError)."""
+    data = bytearray(Path(tiny[0]).read_bytes())
+    entry = data.index(b"PK\x01\x02")  # the first directory entry
+    data[entry + 10] = 99  # its compression method: none that exists
+    damaged = tmp_path / "method.pt"
+    damaged.write_bytes(data)
+    with pytest.raises(tools.CheckpointError, match="not a readable"):
+        tools.load_checkpoint(damaged)
+    status, out, err = run_cli(
+        capsys, "translate", "--checkpoint", damaged, "Hallo"
+    )
+    assert status == 2 and out == "" and len(err.splitlines()) == 1
+    assert "compression method" in err
+
+
+def test_epoch_files_are_named_as_training_names_them(tmp_path):
+    """Other files that start with epoch_ are the user's; epochs sort by
+    number, so --keep-last keeps epoch_1000.pt over epoch_999.pt."""
+    names = ["epoch_999.pt", "epoch_1000.pt", "epoch_001.pt"]
+    names += ["epoch_best.pt", "epoch_001_backup.pt", "epoch_01.pt"]
+    for name in names:
+        (tmp_path / name).touch()
+    found = [p.name for p in tools.epoch_checkpoints(tmp_path)]
+    assert found == ["epoch_001.pt", "epoch_999.pt", "epoch_1000.pt"]
+    (tmp_path / "last.pt").touch()
+    removed = tools.clear_earlier_run(tmp_path)
+    assert removed == [*found, "last.pt"]
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["epoch_001_backup.pt", "epoch_01.pt", "epoch_best.pt"]
+
+
+def test_a_diverged_runs_losses_match_themselves():
+    history = [{"epoch": 0, "val_loss": float("nan")}]
+    assert tools.same_run([dict(history[0])], history)
+    assert tools.same_run(tuple(history), history + [{"epoch": 1}])
+    assert not tools.same_run([{"epoch": 0, "val_loss": 1.0}], history)
+
+
+def test_evaluate_out_may_not_name_an_epoch_file_it_averages(
+    tiny, tmp_path, capsys
+):
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("final.pt", "epoch_000.pt"):
+        shutil.copy(tiny[0], run / name)
+    before = (run / "epoch_000.pt").read_bytes()
+    argv = ["evaluate", "--checkpoint", run / "final.pt", "--average", "1"]
+    status, out, err = run_cli(capsys, *argv, "--out", run / "epoch_000.pt")
+    assert status == 2 and "is also an input" in err
+    assert (run / "epoch_000.pt").read_bytes() == before
+
+
+@pytest.mark.parametrize("name", ["final.pt", "last.pt", "epoch_003.pt"])
+def test_train_results_may_not_name_a_file_training_writes(
+    tmp_path, capsys, name
+):
+    folder = tmp_path / "ck"
+    status, out, err = run_cli(
+        capsys,
+        "train",
+        "--preset",
+        "ci",
+        "--checkpoint-dir",
+        folder,
+        "--results",
+        folder / name,
+    )
+    assert status == 2 and len(err.splitlines()) == 1
+    assert "is a file that training writes" in err and not folder.exists()
+    assert not tools.training_writes(tmp_path / "results.json", folder)
+    assert tools.training_writes(folder / ".." / "ck" / name, folder)
+
+
+def test_a_warning_on_the_command_line_is_one_line(capsys):
+    tools.warning_line(
+        UserWarning("train: left out 3\npairs"), UserWarning, "x.py", 1
+    )
+    assert capsys.readouterr().err == "warning: train: left out 3 pairs\n"
 
 
 def test_non_utf8_lines_are_named(tmp_path):

@@ -478,6 +478,23 @@ def test_create_dataloaders_on_multi30k(multi30k_dir, monkeypatch):
         assert len(loader.batch_sampler.kept) == n
 
 
+def test_a_split_with_no_pair_that_fits_is_an_error(multi30k_dir, monkeypatch):
+    """Not an epoch of zero batches that reports a loss of 0."""
+    monkeypatch.setenv("MULTI30K_DIR", str(multi30k_dir))
+    spacy_de, spacy_en = tat.load_tokenizers()
+    vocab = tat.Vocab(tat.SPECIALS)
+    with pytest.raises(tat.DatasetError, match="train: no pair fits in 4"):
+        tat.create_dataloaders(
+            vocab,
+            vocab,
+            spacy_de,
+            spacy_en,
+            max_tokens=4,
+            max_len=4,
+            max_train_pairs=20,
+        )
+
+
 # ------------------------------------------------- bench/batching.py sides
 def test_batching_benchmark_feeds_both_sides_the_same_sentences():
     import importlib.util

@@ -297,8 +297,22 @@ def gzip_bytes(data):
             {"train.de.gz": gzip_bytes(b""), "train.en.gz": gzip_bytes(b"")},
             "train.de.gz is empty",
         ),
+        (
+            {
+                "train.de.gz": gzip_bytes(b"\n" * 10),
+                "train.en.gz": gzip_bytes(b"A dog.\n" * 9 + b"  \n"),
+            },
+            "no training pair has text on both sides",
+        ),
     ],
-    ids=["line counts", "not UTF-8", "not gzip", "cut short", "empty"],
+    ids=[
+        "line counts",
+        "not UTF-8",
+        "not gzip",
+        "cut short",
+        "empty",
+        "blank",
+    ],
 )
 def test_train_data_refuses_training_files_it_cannot_train_on(
     local_multi30k, tmp_path, monkeypatch, damage, words, capsys

@@ -222,13 +222,78 @@ def test_training_afresh_clears_an_earlier_runs_epoch_files(
     assert names == ["epoch_000.pt", "final.pt", "last.pt"]
     err = capsys.readouterr().err
     assert f"note: {folder} held an earlier run; training afresh" in err
-    assert "3 checkpoint files (epoch_001.pt to last.pt) are removed" in err
+    removed = "removed 3 of its files (epoch_001.pt, epoch_002.pt, last.pt)"
+    assert removed in err
     assert "final.pt is replaced at the end" in err
     model, *_ = tools.load_translator(folder / "final.pt", average_last=1)
     assert_same_weights(model.state_dict(), final_weights(again))
     train(again, vocabs, tokenizers)  # once more: its own files go too
     err = capsys.readouterr().err
-    assert "2 checkpoint files (epoch_000.pt to last.pt) are removed" in err
+    assert "removed 2 of its files (epoch_000.pt, last.pt)" in err
+
+
+def test_average_refuses_a_copied_or_renamed_epoch_file(ci_run, tmp_path):
+    """A file's own epoch must be the one its name says."""
+    cfg, _ = ci_run
+    folder = tmp_path / "copy"
+    shutil.copytree(cfg.checkpoint_dir, folder)
+    shutil.copy(folder / "epoch_001.pt", folder / "epoch_002.pt")
+    with pytest.raises(ValueError, match="holds epoch 1, not 2: a copied"):
+        tools.load_translator(folder / "final.pt", average_last=2)
+    shutil.copy(folder / "final.pt", folder / "epoch_001.pt")
+    with pytest.raises(ValueError, match="holds epoch 2, not 1"):
+        tools.load_translator(folder / "final.pt", average_last=2)
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"epoch": "2"}, "does not record its epoch and losses"),
+        ({"epoch": 2.0}, "does not record its epoch and losses"),
+        ({"history": None}, "does not record its epoch and losses"),
+    ],
+)
+def test_average_needs_a_checkpoint_that_records_its_run(
+    ci_run, tmp_path, change, words
+):
+    cfg, _ = ci_run
+    folder = tmp_path / "copy"
+    shutil.copytree(cfg.checkpoint_dir, folder)
+    final = torch.load(folder / "final.pt", weights_only=True)
+    torch.save(final | change, folder / "final.pt")
+    with pytest.raises(ValueError, match=words):
+        tools.load_translator(folder / "final.pt", average_last=2)
+
+
+def test_average_refuses_an_epoch_file_without_weights(ci_run, tmp_path):
+    cfg, _ = ci_run
+    folder = tmp_path / "copy"
+    shutil.copytree(cfg.checkpoint_dir, folder)
+    lean = torch.load(folder / "epoch_002.pt", weights_only=True)
+    del lean["model"]
+    torch.save(lean, folder / "epoch_002.pt")
+    with pytest.raises(ValueError, match="epoch_002.pt holds no model"):
+        tools.load_translator(folder / "final.pt", average_last=2)
+    buffers = torch.load(folder / "epoch_001.pt", weights_only=True)
+    buffers["model"] = {
+        k: v for k, v in buffers["model"].items() if not k.endswith(".pe")
+    }
+    torch.save(buffers, folder / "epoch_001.pt")
+    with pytest.raises(ValueError, match="buffer .*pe differs"):
+        tools.average_checkpoints(
+            [folder / "final.pt", folder / "epoch_001.pt"]
+        )
+
+
+def test_resume_refuses_a_folder_with_only_a_final_model(
+    ci_run, tmp_path, vocabs
+):
+    """Starting afresh would replace the model without a word."""
+    cfg, _ = ci_run
+    shutil.copy(Path(cfg.checkpoint_dir, "final.pt"), tmp_path / "final.pt")
+    alone = replace(cfg, checkpoint_dir=str(tmp_path), epochs=1)
+    with pytest.raises(tools.CheckpointError, match="lack the training"):
+        tools.check_resume(alone, *vocabs)
 
 
 def test_resume_refuses_other_training_settings(
