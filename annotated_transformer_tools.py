@@ -989,11 +989,15 @@ def load_checkpoint(path, device="cpu"):
         check_zip(path, damaged)
     try:
         ckpt = torch.load(path, map_location=device, weights_only=True)
-    except pickle.UnpicklingError as err:  # it would build other objects?
-        if head == b"PK" and "Unsupported global" not in str(err):
+    except pickle.UnpicklingError as err:
+        if "Unsupported global" in str(err):  # it would build other objects
+            why = "holds more than tensors, so it is not loaded, for safety"
+            raise CheckpointError(f"{path} {why}") from err
+        if head == b"PK":
             raise CheckpointError(f"{damaged}: its pickle is broken") from err
-        why = "holds more than tensors, so it is not loaded, for safety"
-        raise CheckpointError(f"{path} {why}") from err
+        raise CheckpointError(  # a pickle, but not one torch.save wrote
+            f"{path} is not a checkpoint that torch.save wrote"
+        ) from err
     except (RuntimeError, EOFError, ValueError, OSError) as err:
         first = str(err).strip().splitlines()[0][:200] if str(err) else ""
         raise CheckpointError(
@@ -1806,10 +1810,10 @@ def train_worker(
         if show_progress and rank == 0:
             print(describe_device(run.device, run.precision))
         first_epoch = resume_run(run) if resume else 0
-        if first_epoch == 0 and rank == 0:
-            note_cleared(config.checkpoint_dir)
         for epoch in range(first_epoch, config.epochs):
             train_epoch(run, epoch, *loaders, show=show_progress)
+            if rank == 0 and epoch == 0:  # afresh: the old run is kept
+                note_cleared(config.checkpoint_dir)  # until now, then goes
             if rank == 0:
                 save_epoch(run, epoch, vocab_src, vocab_tgt)
         in_sync = params_in_sync(run.module) if is_distributed else True

@@ -346,9 +346,9 @@ BAD_INPUTS = {  # name: (argv, a part of the message, extra environment)
         ["translate", "--checkpoint", "code.pt", "Ja"],
         "holds more than tensors, so it is not loaded, for safety",
     ),
-    "old pickle with code": (
+    "plain pickle with code": (  # pickle.dump's, not torch.save's
         ["translate", "--checkpoint", "code.pkl", "Ja"],
-        "holds more than tensors",
+        "code.pkl is not a checkpoint that torch.save wrote",
     ),
     "another vocabulary": (  # one short line, not a state-dict diff
         ["translate", "--checkpoint", "other.pt", "Ja"],

@@ -232,6 +232,26 @@ def test_training_afresh_clears_an_earlier_runs_epoch_files(
     assert "removed 2 of its files (epoch_000.pt, last.pt)" in err
 
 
+def test_a_retrain_stopped_in_its_first_epoch_leaves_the_earlier_run(
+    ci_run, tmp_path, vocabs, tokenizers, monkeypatch
+):
+    """Forgetting --resume and pressing Ctrl-C at once costs nothing."""
+    cfg, _ = ci_run
+    folder = tmp_path / "copy"
+    shutil.copytree(cfg.checkpoint_dir, folder)
+    before = {p.name: p.read_bytes() for p in folder.glob("*.pt")}
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tools, "train_epoch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train(replace(cfg, checkpoint_dir=str(folder)), vocabs, tokenizers)
+    after = {p.name: p.read_bytes() for p in folder.glob("*.pt")}
+    assert after == before
+    assert tools.resume_point(folder) == folder / "last.pt"
+
+
 def test_average_refuses_a_copied_or_renamed_epoch_file(ci_run, tmp_path):
     """A file's own epoch must be the one its name says."""
     cfg, _ = ci_run
