@@ -966,23 +966,24 @@ def checkpoint_head(path):
     return head
 
 
-def check_zip(path, damaged):
+def check_zip(path, message):
     """Refuse a zip checkpoint cut short, or with a byte changed: torch
-    reads one without checking the CRC-32 that each entry records."""
+    reads one without checking the CRC-32 that each entry records.
+    `message` starts the error's text."""
     if not zipfile.is_zipfile(path):
-        raise CheckpointError(f"{damaged}: not a whole zip archive")
+        raise CheckpointError(f"{message}: not a whole zip archive")
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()  # reads every entry, checks its CRC
     except Exception as err:  # a damaged directory: many kinds of error
-        why = " ".join(str(err).split())[:200] or type(err).__name__
-        raise CheckpointError(f"{damaged}: {why}") from err
+        raise CheckpointError(f"{message}: {one_line(err)[:200]}") from err
     if bad is not None:
-        raise CheckpointError(f"{damaged}: {bad} fails its checksum")
+        raise CheckpointError(f"{message}: {bad} fails its checksum")
 
 
 def load_checkpoint(path, device="cpu"):
-    """Read a checkpoint safely (weights_only) onto `device`."""
+    """Read a checkpoint safely (weights_only) onto `device`, checking a
+    zip checkpoint's CRCs first."""
     head = checkpoint_head(path)  # b"PK": torch's zip, b"\x80": a pickle
     damaged = f"{path} is not a readable checkpoint (damaged or cut short)"
     if head == b"PK":
@@ -995,10 +996,11 @@ def load_checkpoint(path, device="cpu"):
             raise CheckpointError(f"{path} {why}") from err
         if head == b"PK":
             raise CheckpointError(f"{damaged}: its pickle is broken") from err
-        raise CheckpointError(  # a pickle, but not one torch.save wrote
-            f"{path} is not a checkpoint that torch.save wrote"
+        raise CheckpointError(  # torch.save's old format, damaged, or
+            f"{path} is not a readable checkpoint (damaged, or not"
+            " written by torch.save)"  # a pickle that torch did not write
         ) from err
-    except (RuntimeError, EOFError, ValueError, OSError) as err:
+    except Exception as err:  # cut short, damaged: many kinds of error
         first = str(err).strip().splitlines()[0][:200] if str(err) else ""
         raise CheckpointError(
             f"{damaged}: {first or type(err).__name__}"
@@ -1182,6 +1184,8 @@ def average_checkpoints(paths, device="cpu", history=None):
 def check_run_file(path, ckpt, history):
     """Refuse an epoch file that is not its run's file of the epoch its
     name says: a copied or renamed file, or another run's."""
+    if not EPOCH_FILE.fullmatch(Path(path).name):
+        raise ValueError(f"{path} is not named as an epoch file, epoch_NNN.pt")
     named = epoch_of(path)
     if ckpt.get("epoch") != named:
         raise ValueError(
@@ -1593,38 +1597,34 @@ def save_epoch(run, epoch, vocab_src, vocab_tgt):
             old.unlink()
 
 
+def earlier_run_files(folder):
+    """The epoch files and last.pt that an earlier run left in `folder`."""
+    last = Path(folder, "last.pt")
+    return [*epoch_checkpoints(folder), *([last] if last.is_file() else [])]
+
+
+def note_earlier_run(folder):
+    """Say on stderr, as a run starts afresh, what it will replace."""
+    files = earlier_run_files(folder)
+    if files or Path(folder, "final.pt").is_file():
+        print(
+            f"note: {folder} holds an earlier run; training afresh replaces"
+            " it (its epoch files and last.pt are removed when the first"
+            " epoch is saved, its final.pt at the end); to continue it"
+            " instead, stop now and add --resume",
+            file=sys.stderr,
+        )
+
+
 def clear_earlier_run(folder):
-    """Remove an earlier run's epoch files and last.pt from `folder`, so
-    that a run started afresh there neither prunes its own epoch files in
-    their place nor leaves them to be averaged with its own. Returns the
-    names removed; final.pt stays until the new run replaces it."""
-    stale = [*epoch_checkpoints(folder), Path(folder, "last.pt")]
-    removed = [path.name for path in stale if path.is_file()]
-    for path in stale:
-        path.unlink(missing_ok=True)
-    return removed
-
-
-def note_cleared(folder):
-    """clear_earlier_run, saying on stderr what it did, if anything."""
-    removed = clear_earlier_run(folder)
-    final = Path(folder, "final.pt").is_file()
-    if not (removed or final):
-        return
-    what = []
-    if removed:
-        names = removed[0] if len(removed) == 1 else ", ".join(removed)
-        if len(removed) > 3:
-            names = f"{removed[0]} to {removed[-1]}"
-        what.append(f"removed {len(removed)} of its files ({names})")
-    if final:
-        what.append("its final.pt is replaced at the end")
-    print(
-        f"note: {folder} held an earlier run; training afresh, so "
-        + " and ".join(what)
-        + " (--resume continues a run instead)",
-        file=sys.stderr,
-    )
+    """Remove an earlier run's epoch files and last.pt from `folder`;
+    return their names. Left there, the earlier run's higher-numbered
+    files would count as the newest: keep_last would delete the new run's
+    files instead, and --average could mix the two runs."""
+    files = earlier_run_files(folder)
+    for path in files:
+        path.unlink()
+    return [path.name for path in files]
 
 
 def resume_point(folder):
@@ -1678,9 +1678,9 @@ def check_resume(config, vocab_src, vocab_tgt):
     if path is None and (epoch_checkpoints(folder) or final.is_file()):
         raise CheckpointError(
             f"nothing to resume in {folder}: its checkpoints lack the "
-            "training state (no last.pt), and starting afresh would "
-            "replace them; move them away or choose another "
-            "--checkpoint-dir"
+            "training state (no last.pt); train without --resume to start"
+            " afresh, which replaces them, or choose another"
+            " --checkpoint-dir"
         )
     if path is not None:
         with torch.device("meta"):  # shapes only, no memory
@@ -1810,11 +1810,13 @@ def train_worker(
         if show_progress and rank == 0:
             print(describe_device(run.device, run.precision))
         first_epoch = resume_run(run) if resume else 0
+        if first_epoch == 0 and rank == 0:
+            note_earlier_run(config.checkpoint_dir)
         for epoch in range(first_epoch, config.epochs):
             train_epoch(run, epoch, *loaders, show=show_progress)
-            if rank == 0 and epoch == 0:  # afresh: the old run is kept
-                note_cleared(config.checkpoint_dir)  # until now, then goes
             if rank == 0:
+                if epoch == 0:  # only a run started afresh saves epoch 0
+                    clear_earlier_run(config.checkpoint_dir)
                 save_epoch(run, epoch, vocab_src, vocab_tgt)
         in_sync = params_in_sync(run.module) if is_distributed else True
         if rank == 0:
@@ -2030,37 +2032,11 @@ def compute_bleu(hypotheses, references):
     return sacrebleu.corpus_bleu(hypotheses, [references])
 
 
-def own_epoch_files(checkpoint, count):
-    """(the `count` epoch files of `checkpoint`'s run that end at its
-    epoch, oldest first; the checkpoint's history of losses)."""
-    ckpt = load_checkpoint(checkpoint)
-    last, history = ckpt.get("epoch"), ckpt.get("history")
-    if type(last) is not int or last < 0 or not isinstance(history, list):
-        raise ValueError(
-            f"{checkpoint} does not record its epoch and losses as training"
-            " does, so --average cannot tell its own epoch files; average"
-            " chosen files with average_checkpoints"
-        )
-    if count > last + 1:
-        raise ValueError(
-            f"--average {count} needs {count} epochs; {checkpoint} was "
-            f"trained for {last + 1}"
-        )
-    folder = Path(checkpoint).parent
-    epochs = range(last - count + 1, last + 1)
-    paths = [folder / f"epoch_{epoch:03d}.pt" for epoch in epochs]
-    missing = [path.name for path in paths if not path.is_file()]
-    if missing:
-        raise ValueError(
-            f"--average {count} needs {', '.join(missing)} next to "
-            f"{checkpoint}, and it is not there (training keeps only the "
-            "newest --keep-last epoch files)"
-        )
-    return paths, history
+DEFAULT_ALPHA = 0.6  # beam search's length penalty: the paper's
 
 
 def load_translator(
-    checkpoint, device="cpu", beam=1, average_last=0, alpha=0.6
+    checkpoint, device="cpu", beam=1, average_last=0, alpha=DEFAULT_ALPHA
 ):
     """(model, vocab_src, vocab_tgt, decode_fn) for greedy or beam search."""
     if average_last:
@@ -2074,6 +2050,34 @@ def load_translator(
     if beam > 1:
         decode_fn = functools.partial(beam_search, beam_size=beam, alpha=alpha)
     return model, vocab_src, vocab_tgt, decode_fn
+
+
+def own_epoch_files(checkpoint, count):
+    """Returns (paths, history): the `count` epoch files of `checkpoint`'s
+    run that end at its epoch, oldest first, and its history of losses."""
+    ckpt = load_checkpoint(checkpoint)
+    last, history = ckpt.get("epoch"), ckpt.get("history")
+    if type(last) is not int or last < 0 or not isinstance(history, list):
+        raise ValueError(
+            f"{checkpoint} does not record its epoch and losses as training"
+            " does, so --average cannot tell which epoch files are its own"
+        )
+    if count > last + 1:
+        raise ValueError(
+            f"--average {count} needs {count} epochs; {checkpoint} was "
+            f"trained for {last + 1}"
+        )
+    folder = Path(checkpoint).parent
+    epochs = range(last - count + 1, last + 1)
+    paths = [folder / f"epoch_{epoch:03d}.pt" for epoch in epochs]
+    missing = [path.name for path in paths if not path.is_file()]
+    if missing:
+        raise ValueError(
+            f"--average {count} needs these files next to {checkpoint},"
+            f" which are not there: {', '.join(missing)} (training keeps"
+            " only the newest --keep-last epoch files)"
+        )
+    return paths, history
 
 
 TRAINED_MODELS = ("checkpoints/cpu/final.pt", "checkpoints/quick/final.pt")
@@ -2094,7 +2098,7 @@ def translate(
     average=0,
     replace_unk=True,
     device="auto",
-    alpha=0.6,
+    alpha=DEFAULT_ALPHA,
 ):
     """English translations of German sentences, with a trained model."""
     checkpoint = checkpoint or default_checkpoint()
@@ -2503,7 +2507,8 @@ def add_decoding_options(parser):
         "--average",
         type=count(most=10_000),
         metavar="K",
-        help="average the last K epoch checkpoints next to the checkpoint",
+        help="average the checkpoint's last K epochs: the epoch files of"
+        " its run next to it, ending at its epoch",
     )
     parser.add_argument(
         "--no-replace-unk",
@@ -2580,10 +2585,10 @@ def torchrun_ranks():
 
 def train_on_folder(folder, config):
     """(`--data`'s folder, absolute; `config` with the folder's pairs_digest
-    as `data`), once its validation and test files are Multi30k's and the
-    vocabularies of the original training split are cached (a student
-    keeps them). The digest in the checkpoints refuses a --resume on other
-    pairs."""
+    as `data`), once its validation and test files are Multi30k's, its
+    training files can be trained on, and the vocabularies of the original
+    training split are cached (a student keeps them). The digest in the
+    checkpoints refuses a --resume on other pairs."""
     folder = Path(folder).absolute()
     if not folder.is_dir():
         raise UserError(f"--data {folder}: no such folder")
@@ -2600,12 +2605,13 @@ def train_on_folder(folder, config):
     ]
     if problems:
         raise UserError(f"--data {folder}: " + "; ".join(problems))
-    try:  # whole, UTF-8, line by line and not empty, before any training
-        pairs = zip(
-            *read_parallel(folder / "train.de.gz", folder / "train.en.gz")
+    try:  # readable, UTF-8, as many lines on each side, not empty
+        sources, targets = read_parallel(
+            folder / "train.de.gz", folder / "train.en.gz"
         )
     except TextFileError as err:
         raise UserError(f"--data {folder}: {err}") from None
+    pairs = zip(sources, targets)
     if not any(de.strip() and en.strip() for de, en in pairs):
         raise UserError(
             f"--data {folder}: no training pair has text on both sides"
@@ -2646,7 +2652,7 @@ def multi30k_from(folder):
 def training_writes(path, folder):
     """Is `path` a file that training into `folder` writes?"""
     path = Path(path).absolute()
-    if path.parent.resolve() != Path(folder).absolute().resolve():
+    if path.parent.resolve() != Path(folder).resolve():
         return False
     names = ("final.pt", "last.pt", ".lock")
     return path.name in names or bool(EPOCH_FILE.fullmatch(path.name))
@@ -2841,7 +2847,7 @@ def load_for_decoding(args):
             f"--alpha {args.alpha:g} is beam search's length penalty, and"
             " greedy decoding (--beam 1) has none; add --beam 4, say"
         )
-    alpha = 0.6 if args.alpha is None else args.alpha
+    alpha = DEFAULT_ALPHA if args.alpha is None else args.alpha
     try:
         model, vocab_src, vocab_tgt, decode_fn = load_translator(
             args.checkpoint, args.device, args.beam, args.average, alpha
@@ -3054,9 +3060,10 @@ def main(argv=None):
             "evaluate": command_evaluate,
             "translate": command_translate,
         }
-        with warnings.catch_warnings():  # torch's note on an old pickle
+        with warnings.catch_warnings():  # both restored on leaving
+            # torch's note on an old pickle, and warnings on one line
             warnings.filterwarnings("ignore", "Detected pickle protocol")
-            warnings.showwarning = warning_line  # restored on leaving
+            warnings.showwarning = warning_line
             status = commands[args.command](args)
         sys.stdout.flush()  # a full disk shows here, not at exit
         return status
@@ -3166,8 +3173,9 @@ __all__ = [
     "train_epoch",
     "save_run",
     "save_epoch",
+    "earlier_run_files",
+    "note_earlier_run",
     "clear_earlier_run",
-    "note_cleared",
     "resume_point",
     "resume_run",
     "RESUMABLE_CHANGES",
@@ -3190,8 +3198,9 @@ __all__ = [
     "finish_text",
     "translate_batch",
     "compute_bleu",
-    "own_epoch_files",
+    "DEFAULT_ALPHA",
     "load_translator",
+    "own_epoch_files",
     "TRAINED_MODELS",
     "default_checkpoint",
     "translate",

@@ -748,7 +748,8 @@ MULTI30K_SPLITS = {"train": "train", "val": "val", "test": "test_2016_flickr"}
 
 
 class DatasetError(RuntimeError):
-    """Multi30k could not be found, downloaded or verified."""
+    """Multi30k could not be found, downloaded or verified, or a split of
+    it (or of other pairs) could not be used."""
 
 
 def module_folder():
@@ -989,8 +990,11 @@ def create_dataloaders(
             shuffle=train,
             seed=seed,
         )
-        if not sampler.kept:  # e.g. other pairs, all of them too long
-            raise DatasetError(f"{split}: no pair fits in {max_tokens} tokens")
+        if not sampler.kept:  # e.g. a --data folder (appendix) of long pairs
+            too_long = f"longer than {sampler.max_len} tokens"
+            raise DatasetError(
+                f"{split}: all {len(lengths)} pairs are {too_long}"
+            )
         if sampler.dropped:
             n_dropped = len(sampler.dropped)
             too_long = f"pairs longer than {sampler.max_len} tokens"

@@ -1348,7 +1348,9 @@ def save_checkpoint(path, **fields):
 # message. `checkpoint_head` answers the first questions from the file's
 # first two bytes, before torch reads it, and `check_zip` checks the
 # CRC-32 that the archive records for each entry: `torch.load` does not,
-# so a byte changed inside the weights would load as other weights.
+# so a byte changed inside the weights would load as other weights (a
+# failed check is "damaged" too). A pickle that `torch.save` did not
+# write, or its old format damaged, gets a message of its own.
 
 
 # %%
@@ -1375,23 +1377,24 @@ def checkpoint_head(path):
     return head
 
 
-def check_zip(path, damaged):
+def check_zip(path, message):
     """Refuse a zip checkpoint cut short, or with a byte changed: torch
-    reads one without checking the CRC-32 that each entry records."""
+    reads one without checking the CRC-32 that each entry records.
+    `message` starts the error's text."""
     if not zipfile.is_zipfile(path):
-        raise CheckpointError(f"{damaged}: not a whole zip archive")
+        raise CheckpointError(f"{message}: not a whole zip archive")
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()  # reads every entry, checks its CRC
     except Exception as err:  # a damaged directory: many kinds of error
-        why = " ".join(str(err).split())[:200] or type(err).__name__
-        raise CheckpointError(f"{damaged}: {why}") from err
+        raise CheckpointError(f"{message}: {one_line(err)[:200]}") from err
     if bad is not None:
-        raise CheckpointError(f"{damaged}: {bad} fails its checksum")
+        raise CheckpointError(f"{message}: {bad} fails its checksum")
 
 
 def load_checkpoint(path, device="cpu"):
-    """Read a checkpoint safely (weights_only) onto `device`."""
+    """Read a checkpoint safely (weights_only) onto `device`, checking a
+    zip checkpoint's CRCs first."""
     head = checkpoint_head(path)  # b"PK": torch's zip, b"\x80": a pickle
     damaged = f"{path} is not a readable checkpoint (damaged or cut short)"
     if head == b"PK":
@@ -1404,10 +1407,11 @@ def load_checkpoint(path, device="cpu"):
             raise CheckpointError(f"{path} {why}") from err
         if head == b"PK":
             raise CheckpointError(f"{damaged}: its pickle is broken") from err
-        raise CheckpointError(  # a pickle, but not one torch.save wrote
-            f"{path} is not a checkpoint that torch.save wrote"
+        raise CheckpointError(  # torch.save's old format, damaged, or
+            f"{path} is not a readable checkpoint (damaged, or not"
+            " written by torch.save)"  # a pickle that torch did not write
         ) from err
-    except (RuntimeError, EOFError, ValueError, OSError) as err:
+    except Exception as err:  # cut short, damaged: many kinds of error
         first = str(err).strip().splitlines()[0][:200] if str(err) else ""
         raise CheckpointError(
             f"{damaged}: {first or type(err).__name__}"
@@ -1648,7 +1652,10 @@ def trained_model_from(ckpt, path, device="auto"):
 # %% [markdown]
 # Part 5's checkpoint averaging, from files: `average_checkpoints` reads
 # one checkpoint at a time and sums in float64 on the CPU (Apple's GPU has
-# no float64), then moves the model to the device asked for.
+# no float64), then moves the model to the device asked for. Given a
+# run's `history` of losses, it also checks that each file is that run's
+# epoch file (`check_run_file`): the command line's `--average`, further
+# on, says why.
 
 
 # %%
@@ -1689,6 +1696,8 @@ def average_checkpoints(paths, device="cpu", history=None):
 def check_run_file(path, ckpt, history):
     """Refuse an epoch file that is not its run's file of the epoch its
     name says: a copied or renamed file, or another run's."""
+    if not EPOCH_FILE.fullmatch(Path(path).name):
+        raise ValueError(f"{path} is not named as an epoch file, epoch_NNN.pt")
     named = epoch_of(path)
     if ckpt.get("epoch") != named:
         raise ValueError(
@@ -2411,12 +2420,13 @@ def train_epoch(run, epoch, train_loader, valid_loader, show=True):
 # GPU's when the run uses CUDA. A crash between the two writes only
 # repeats the epoch.
 #
-# A run that starts afresh in a folder that holds an earlier run removes
-# that run's epoch files and `last.pt` (`clear_earlier_run`) just before
-# it saves its own first epoch, and says so on stderr. Otherwise the
-# earlier run's higher-numbered epoch files would count as the newest:
-# `keep_last` would keep them and delete the new run's own. Stopped
-# during its first epoch, the new run leaves the earlier one whole.
+# A run that starts afresh in a folder that holds an earlier run says so
+# on stderr as it starts (`note_earlier_run`), then removes that run's
+# epoch files and `last.pt` (`clear_earlier_run`) just before it saves its
+# own first epoch. Otherwise the earlier run's higher-numbered epoch files
+# would count as the newest: `keep_last` would keep them and delete the
+# new run's own. Stopped during its first epoch, the new run leaves the
+# earlier one whole.
 #
 # `resume_point` names the file to resume from: `last.pt`, or, for a run
 # made by an older version of this code, its newest epoch file, which
@@ -2462,38 +2472,34 @@ def save_epoch(run, epoch, vocab_src, vocab_tgt):
             old.unlink()
 
 
+def earlier_run_files(folder):
+    """The epoch files and last.pt that an earlier run left in `folder`."""
+    last = Path(folder, "last.pt")
+    return [*epoch_checkpoints(folder), *([last] if last.is_file() else [])]
+
+
+def note_earlier_run(folder):
+    """Say on stderr, as a run starts afresh, what it will replace."""
+    files = earlier_run_files(folder)
+    if files or Path(folder, "final.pt").is_file():
+        print(
+            f"note: {folder} holds an earlier run; training afresh replaces"
+            " it (its epoch files and last.pt are removed when the first"
+            " epoch is saved, its final.pt at the end); to continue it"
+            " instead, stop now and add --resume",
+            file=sys.stderr,
+        )
+
+
 def clear_earlier_run(folder):
-    """Remove an earlier run's epoch files and last.pt from `folder`, so
-    that a run started afresh there neither prunes its own epoch files in
-    their place nor leaves them to be averaged with its own. Returns the
-    names removed; final.pt stays until the new run replaces it."""
-    stale = [*epoch_checkpoints(folder), Path(folder, "last.pt")]
-    removed = [path.name for path in stale if path.is_file()]
-    for path in stale:
-        path.unlink(missing_ok=True)
-    return removed
-
-
-def note_cleared(folder):
-    """clear_earlier_run, saying on stderr what it did, if anything."""
-    removed = clear_earlier_run(folder)
-    final = Path(folder, "final.pt").is_file()
-    if not (removed or final):
-        return
-    what = []
-    if removed:
-        names = removed[0] if len(removed) == 1 else ", ".join(removed)
-        if len(removed) > 3:
-            names = f"{removed[0]} to {removed[-1]}"
-        what.append(f"removed {len(removed)} of its files ({names})")
-    if final:
-        what.append("its final.pt is replaced at the end")
-    print(
-        f"note: {folder} held an earlier run; training afresh, so "
-        + " and ".join(what)
-        + " (--resume continues a run instead)",
-        file=sys.stderr,
-    )
+    """Remove an earlier run's epoch files and last.pt from `folder`;
+    return their names. Left there, the earlier run's higher-numbered
+    files would count as the newest: keep_last would delete the new run's
+    files instead, and --average could mix the two runs."""
+    files = earlier_run_files(folder)
+    for path in files:
+        path.unlink()
+    return [path.name for path in files]
 
 
 def resume_point(folder):
@@ -2523,9 +2529,10 @@ def resume_run(run):
 
 # %% [markdown]
 # Before a run starts, `check_resume` makes sure that `--resume` means
-# what it says. It refuses a folder that holds epoch files but no
-# training state to resume from, since starting afresh would overwrite
-# them, and a checkpoint of another model, naming the first size that
+# what it says. It refuses a folder that holds epoch files or a
+# `final.pt` but no training state to resume from (`--resume` must not
+# quietly start afresh), fewer epochs than the run has already trained,
+# and a checkpoint of another model, naming the first size that
 # differs; it builds the run's model on the `meta` device, which has
 # shapes but no memory. It also refuses other training settings: a
 # resumed run with another dropout, schedule or batch size would be
@@ -2564,9 +2571,9 @@ def check_resume(config, vocab_src, vocab_tgt):
     if path is None and (epoch_checkpoints(folder) or final.is_file()):
         raise CheckpointError(
             f"nothing to resume in {folder}: its checkpoints lack the "
-            "training state (no last.pt), and starting afresh would "
-            "replace them; move them away or choose another "
-            "--checkpoint-dir"
+            "training state (no last.pt); train without --resume to start"
+            " afresh, which replaces them, or choose another"
+            " --checkpoint-dir"
         )
     if path is not None:
         with torch.device("meta"):  # shapes only, no memory
@@ -2745,11 +2752,13 @@ def train_worker(
         if show_progress and rank == 0:
             print(describe_device(run.device, run.precision))
         first_epoch = resume_run(run) if resume else 0
+        if first_epoch == 0 and rank == 0:
+            note_earlier_run(config.checkpoint_dir)
         for epoch in range(first_epoch, config.epochs):
             train_epoch(run, epoch, *loaders, show=show_progress)
-            if rank == 0 and epoch == 0:  # afresh: the old run is kept
-                note_cleared(config.checkpoint_dir)  # until now, then goes
             if rank == 0:
+                if epoch == 0:  # only a run started afresh saves epoch 0
+                    clear_earlier_run(config.checkpoint_dir)
                 save_epoch(run, epoch, vocab_src, vocab_tgt)
         in_sync = params_in_sync(run.module) if is_distributed else True
         if rank == 0:
@@ -3070,51 +3079,13 @@ def compute_bleu(hypotheses, references):
 # 1.0 scored best on the validation split here).
 
 
-# %% [markdown]
-# `--average K` averages the checkpoint's own last K epochs: the epoch
-# files next to it that end at its epoch, each of which must come from
-# the same run. A file of that run recorded the losses of every epoch up
-# to its own, so its history is the start of the checkpoint's; an epoch
-# file left by another run in the same folder is refused, not averaged in,
-# and so is a copied or renamed one, whose recorded epoch is not the one
-# in its name.
-
-
 # %%
 #| export
-def own_epoch_files(checkpoint, count):
-    """(the `count` epoch files of `checkpoint`'s run that end at its
-    epoch, oldest first; the checkpoint's history of losses)."""
-    ckpt = load_checkpoint(checkpoint)
-    last, history = ckpt.get("epoch"), ckpt.get("history")
-    if type(last) is not int or last < 0 or not isinstance(history, list):
-        raise ValueError(
-            f"{checkpoint} does not record its epoch and losses as training"
-            " does, so --average cannot tell its own epoch files; average"
-            " chosen files with average_checkpoints"
-        )
-    if count > last + 1:
-        raise ValueError(
-            f"--average {count} needs {count} epochs; {checkpoint} was "
-            f"trained for {last + 1}"
-        )
-    folder = Path(checkpoint).parent
-    epochs = range(last - count + 1, last + 1)
-    paths = [folder / f"epoch_{epoch:03d}.pt" for epoch in epochs]
-    missing = [path.name for path in paths if not path.is_file()]
-    if missing:
-        raise ValueError(
-            f"--average {count} needs {', '.join(missing)} next to "
-            f"{checkpoint}, and it is not there (training keeps only the "
-            "newest --keep-last epoch files)"
-        )
-    return paths, history
+DEFAULT_ALPHA = 0.6  # beam search's length penalty: the paper's
 
 
-# %%
-#| export
 def load_translator(
-    checkpoint, device="cpu", beam=1, average_last=0, alpha=0.6
+    checkpoint, device="cpu", beam=1, average_last=0, alpha=DEFAULT_ALPHA
 ):
     """(model, vocab_src, vocab_tgt, decode_fn) for greedy or beam search."""
     if average_last:
@@ -3128,6 +3099,53 @@ def load_translator(
     if beam > 1:
         decode_fn = functools.partial(beam_search, beam_size=beam, alpha=alpha)
     return model, vocab_src, vocab_tgt, decode_fn
+
+
+# %% [markdown]
+# `--average K` averages the checkpoint's own last K epochs: the epoch
+# files next to it that end at its epoch. For a `final.pt` after 18
+# epochs (numbered 0 to 17) and K = 5, those are `epoch_013.pt` to
+# `epoch_017.pt`; the checkpoint itself gives only its epoch and its
+# history of losses, and is not one of the files averaged.
+#
+# Each file must be its run's file of the epoch its name says. A file of
+# that run recorded the losses of every epoch up to its own, so its
+# history is the start of the checkpoint's, and its recorded epoch is the
+# one in its name. That refuses a copied or renamed file, and another
+# run's: a run started afresh removes an earlier run's epoch files when
+# it saves its first epoch, but stopped after that, it leaves its own
+# epoch files beside the earlier run's `final.pt`. (A second run with the
+# same seed and settings would pass, harmlessly: it has the same losses.)
+
+
+# %%
+#| export
+def own_epoch_files(checkpoint, count):
+    """Returns (paths, history): the `count` epoch files of `checkpoint`'s
+    run that end at its epoch, oldest first, and its history of losses."""
+    ckpt = load_checkpoint(checkpoint)
+    last, history = ckpt.get("epoch"), ckpt.get("history")
+    if type(last) is not int or last < 0 or not isinstance(history, list):
+        raise ValueError(
+            f"{checkpoint} does not record its epoch and losses as training"
+            " does, so --average cannot tell which epoch files are its own"
+        )
+    if count > last + 1:
+        raise ValueError(
+            f"--average {count} needs {count} epochs; {checkpoint} was "
+            f"trained for {last + 1}"
+        )
+    folder = Path(checkpoint).parent
+    epochs = range(last - count + 1, last + 1)
+    paths = [folder / f"epoch_{epoch:03d}.pt" for epoch in epochs]
+    missing = [path.name for path in paths if not path.is_file()]
+    if missing:
+        raise ValueError(
+            f"--average {count} needs these files next to {checkpoint},"
+            f" which are not there: {', '.join(missing)} (training keeps"
+            " only the newest --keep-last epoch files)"
+        )
+    return paths, history
 
 
 # %% [markdown]
@@ -3158,7 +3176,7 @@ def translate(
     average=0,
     replace_unk=True,
     device="auto",
-    alpha=0.6,
+    alpha=DEFAULT_ALPHA,
 ):
     """English translations of German sentences, with a trained model."""
     checkpoint = checkpoint or default_checkpoint()
@@ -3686,7 +3704,8 @@ def add_decoding_options(parser):
         "--average",
         type=count(most=10_000),
         metavar="K",
-        help="average the last K epoch checkpoints next to the checkpoint",
+        help="average the checkpoint's last K epochs: the epoch files of"
+        " its run next to it, ending at its epoch",
     )
     parser.add_argument(
         "--no-replace-unk",
@@ -3769,7 +3788,10 @@ def build_parser():
 # wrote, training reads its pairs from that folder instead.
 # `train_on_folder` first checks that the folder's validation and test
 # files are Multi30k's own, so the run is still judged on the human
-# references, and caches the vocabularies of the original training split,
+# references, and that its training files can be trained on (readable
+# UTF-8, as many lines on each side, at least one pair with text on both
+# sides), so that a bad file is one line now, not a failure mid-run. It
+# caches the vocabularies of the original training split,
 # so that a student keeps its teachers' vocabularies. It records the
 # SHA-256 of the folder's training pairs in the config, so that
 # `--resume` on other pairs is refused. `multi30k_from` then points
@@ -3790,10 +3812,10 @@ def torchrun_ranks():
 
 def train_on_folder(folder, config):
     """(`--data`'s folder, absolute; `config` with the folder's pairs_digest
-    as `data`), once its validation and test files are Multi30k's and the
-    vocabularies of the original training split are cached (a student
-    keeps them). The digest in the checkpoints refuses a --resume on other
-    pairs."""
+    as `data`), once its validation and test files are Multi30k's, its
+    training files can be trained on, and the vocabularies of the original
+    training split are cached (a student keeps them). The digest in the
+    checkpoints refuses a --resume on other pairs."""
     folder = Path(folder).absolute()
     if not folder.is_dir():
         raise UserError(f"--data {folder}: no such folder")
@@ -3810,12 +3832,13 @@ def train_on_folder(folder, config):
     ]
     if problems:
         raise UserError(f"--data {folder}: " + "; ".join(problems))
-    try:  # whole, UTF-8, line by line and not empty, before any training
-        pairs = zip(
-            *read_parallel(folder / "train.de.gz", folder / "train.en.gz")
+    try:  # readable, UTF-8, as many lines on each side, not empty
+        sources, targets = read_parallel(
+            folder / "train.de.gz", folder / "train.en.gz"
         )
     except TextFileError as err:
         raise UserError(f"--data {folder}: {err}") from None
+    pairs = zip(sources, targets)
     if not any(de.strip() and en.strip() for de, en in pairs):
         raise UserError(
             f"--data {folder}: no training pair has text on both sides"
@@ -3856,7 +3879,7 @@ def multi30k_from(folder):
 def training_writes(path, folder):
     """Is `path` a file that training into `folder` writes?"""
     path = Path(path).absolute()
-    if path.parent.resolve() != Path(folder).absolute().resolve():
+    if path.parent.resolve() != Path(folder).resolve():
         return False
     names = ("final.pt", "last.pt", ".lock")
     return path.name in names or bool(EPOCH_FILE.fullmatch(path.name))
@@ -4032,12 +4055,14 @@ def write_results(path, checkpoint, wall_time):
 #
 # `evaluate` and `translate` read and check their input before they load
 # anything, so that a mistake there costs no waiting; `evaluate` also
-# checks `--out` first: it must not name an input, which it would
+# checks `--out` first: it must not name an input (with `--average`, the
+# epoch files next to the checkpoint count as inputs), which it would
 # overwrite, and its folder must exist and be writable. Then
-# `load_for_decoding` loads the model through `load_translator` (cached
-# greedy decoding, or beam search with `--beam`), turns the library's
-# complaints about the checkpoint into `UserError`s, and refuses a beam
-# wider than the target vocabulary, which could never fill it.
+# `load_for_decoding` refuses `--alpha` without a beam (greedy decoding
+# has no length penalty), loads the model through `load_translator`
+# (cached greedy decoding, or beam search with `--beam`), turns the
+# library's complaints about the checkpoint into `UserError`s, and refuses
+# a beam wider than the target vocabulary, which could never fill it.
 
 
 # %%
@@ -4076,7 +4101,7 @@ def load_for_decoding(args):
             f"--alpha {args.alpha:g} is beam search's length penalty, and"
             " greedy decoding (--beam 1) has none; add --beam 4, say"
         )
-    alpha = 0.6 if args.alpha is None else args.alpha
+    alpha = DEFAULT_ALPHA if args.alpha is None else args.alpha
     try:
         model, vocab_src, vocab_tgt, decode_fn = load_translator(
             args.checkpoint, args.device, args.beam, args.average, alpha
@@ -4348,9 +4373,10 @@ def main(argv=None):
             "evaluate": command_evaluate,
             "translate": command_translate,
         }
-        with warnings.catch_warnings():  # torch's note on an old pickle
+        with warnings.catch_warnings():  # both restored on leaving
+            # torch's note on an old pickle, and warnings on one line
             warnings.filterwarnings("ignore", "Detected pickle protocol")
-            warnings.showwarning = warning_line  # restored on leaving
+            warnings.showwarning = warning_line
             status = commands[args.command](args)
         sys.stdout.flush()  # a full disk shows here, not at exit
         return status

@@ -348,7 +348,7 @@ BAD_INPUTS = {  # name: (argv, a part of the message, extra environment)
     ),
     "plain pickle with code": (  # pickle.dump's, not torch.save's
         ["translate", "--checkpoint", "code.pkl", "Ja"],
-        "code.pkl is not a checkpoint that torch.save wrote",
+        "code.pkl is not a readable checkpoint (damaged, or not written by",
     ),
     "another vocabulary": (  # one short line, not a state-dict diff
         ["translate", "--checkpoint", "other.pt", "Ja"],
@@ -670,6 +670,25 @@ def test_a_damaged_zip_directory_is_one_line(tiny, tmp_path, capsys):
     )
     assert status == 2 and out == "" and len(err.splitlines()) == 1
     assert "compression method" in err
+
+
+@pytest.mark.parametrize("keep", [30, 200])
+def test_an_old_format_checkpoint_cut_short_is_one_line(tmp_path, keep):
+    """torch.save's format before torch 1.6, a pickle: cut at 30 bytes,
+    torch.load raised struct.error, which no clause caught."""
+    old = tmp_path / "old.pt"
+    torch.save(
+        {"w": torch.ones(50)}, old, _use_new_zipfile_serialization=False
+    )
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(old.read_bytes()[:keep])
+    with pytest.raises(tools.CheckpointError, match="not a readable"):
+        tools.load_checkpoint(cut)
+
+
+def test_averaging_with_a_run_needs_epoch_file_names(tiny):
+    with pytest.raises(ValueError, match="not named as an epoch file"):
+        tools.average_checkpoints([tiny[0]], history=[])
 
 
 def test_epoch_files_are_named_as_training_names_them(tmp_path):

@@ -483,7 +483,9 @@ def test_a_split_with_no_pair_that_fits_is_an_error(multi30k_dir, monkeypatch):
     monkeypatch.setenv("MULTI30K_DIR", str(multi30k_dir))
     spacy_de, spacy_en = tat.load_tokenizers()
     vocab = tat.Vocab(tat.SPECIALS)
-    with pytest.raises(tat.DatasetError, match="train: no pair fits in 4"):
+    with pytest.raises(
+        tat.DatasetError, match="train: all 20 pairs are longer than 4 tokens"
+    ):
         tat.create_dataloaders(
             vocab,
             vocab,
