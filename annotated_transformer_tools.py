@@ -996,15 +996,13 @@ def load_checkpoint(path, device="cpu"):
             raise CheckpointError(f"{path} {why}") from err
         if head == b"PK":
             raise CheckpointError(f"{damaged}: its pickle is broken") from err
-        raise CheckpointError(  # torch.save's old format, damaged, or
+        # torch.save's old pickle format, damaged, or another pickle
+        raise CheckpointError(
             f"{path} is not a readable checkpoint (damaged, or not"
-            " written by torch.save)"  # a pickle that torch did not write
+            " written by torch.save)"
         ) from err
     except Exception as err:  # cut short, damaged: many kinds of error
-        first = str(err).strip().splitlines()[0][:200] if str(err) else ""
-        raise CheckpointError(
-            f"{damaged}: {first or type(err).__name__}"
-        ) from err
+        raise CheckpointError(f"{damaged}: {one_line(err)[:200]}") from err
     if not isinstance(ckpt, dict):
         raise CheckpointError(
             f"{path} holds a {type(ckpt).__name__}, not a checkpoint"
@@ -1190,12 +1188,12 @@ def check_run_file(path, ckpt, history):
     if ckpt.get("epoch") != named:
         raise ValueError(
             f"{path} holds epoch {ckpt.get('epoch')!r}, not {named}: a"
-            " copied or renamed file; average the epochs of one run"
+            " copied or renamed file"
         )
     if not same_run(ckpt.get("history"), history):
         raise ValueError(
             f"{path} is from another training run (its losses differ "
-            "from the checkpoint's); average the epochs of one run"
+            "from the checkpoint's): the folder holds two runs' files"
         )
 
 
@@ -1605,15 +1603,28 @@ def earlier_run_files(folder):
 
 def note_earlier_run(folder):
     """Say on stderr, as a run starts afresh, what it will replace."""
-    files = earlier_run_files(folder)
-    if files or Path(folder, "final.pt").is_file():
-        print(
-            f"note: {folder} holds an earlier run; training afresh replaces"
-            " it (its epoch files and last.pt are removed when the first"
-            " epoch is saved, its final.pt at the end); to continue it"
-            " instead, stop now and add --resume",
-            file=sys.stderr,
+    replaced = []
+    if earlier_run_files(folder):
+        replaced.append(
+            "its epoch files and last.pt are removed when the first epoch"
+            " is saved"
         )
+    if Path(folder, "final.pt").is_file():
+        replaced.append("its final.pt is replaced at the end")
+    if not replaced:
+        return
+    resumable = Path(folder, "last.pt").is_file()  # its training state
+    print(
+        f"note: {folder} holds an earlier run, which training afresh"
+        f" replaces: {'; '.join(replaced)}"
+        + (
+            "; to train that run further instead, stop now and train with"
+            " --resume (and a larger --epochs if it finished)"
+            if resumable
+            else ""
+        ),
+        file=sys.stderr,
+    )
 
 
 def clear_earlier_run(folder):
@@ -1702,8 +1713,8 @@ def check_resume(config, vocab_src, vocab_tgt):
         if config.epochs < done:
             raise CheckpointError(
                 f"cannot resume from {path} for {config.epochs} epochs in"
-                f" all: it has trained {done} already; ask for {done} or"
-                " more (--epochs)"
+                f" all: it has trained {done} epochs already; ask for {done}"
+                " or more (--epochs)"
             )
     return path
 
@@ -2065,7 +2076,7 @@ def own_epoch_files(checkpoint, count):
     if count > last + 1:
         raise ValueError(
             f"--average {count} needs {count} epochs; {checkpoint} was "
-            f"trained for {last + 1}"
+            f"trained for {last + 1} epochs"
         )
     folder = Path(checkpoint).parent
     epochs = range(last - count + 1, last + 1)
@@ -2075,7 +2086,8 @@ def own_epoch_files(checkpoint, count):
         raise ValueError(
             f"--average {count} needs these files next to {checkpoint},"
             f" which are not there: {', '.join(missing)} (training keeps"
-            " only the newest --keep-last epoch files)"
+            " only the newest --keep-last epoch files, and a run started"
+            " afresh in the folder removes an earlier run's)"
         )
     return paths, history
 
@@ -2501,7 +2513,7 @@ def add_decoding_options(parser):
         "--alpha",
         type=number_from(0.0, 10.0),
         help="beam search's length penalty, with --beam 2 or more (default"
-        " 0.6, the paper's; 1.0 scored best on validation here)",
+        f" {DEFAULT_ALPHA}, the paper's; 1.0 scored best on validation here)",
     )
     parser.add_argument(
         "--average",
@@ -2584,11 +2596,12 @@ def torchrun_ranks():
 
 
 def train_on_folder(folder, config):
-    """(`--data`'s folder, absolute; `config` with the folder's pairs_digest
-    as `data`), once its validation and test files are Multi30k's, its
-    training files can be trained on, and the vocabularies of the original
-    training split are cached (a student keeps them). The digest in the
-    checkpoints refuses a --resume on other pairs."""
+    """Check `--data`'s folder and return (the folder, absolute; `config`
+    with `data` set to its pairs_digest). Checks: its validation and test
+    files are Multi30k's, its training files are well formed; then the
+    vocabularies of the original training split are cached (a student
+    keeps them). The digest in the checkpoints refuses a --resume on other
+    pairs."""
     folder = Path(folder).absolute()
     if not folder.is_dir():
         raise UserError(f"--data {folder}: no such folder")

@@ -748,8 +748,8 @@ MULTI30K_SPLITS = {"train": "train", "val": "val", "test": "test_2016_flickr"}
 
 
 class DatasetError(RuntimeError):
-    """Multi30k could not be found, downloaded or verified, or a split of
-    it (or of other pairs) could not be used."""
+    """Multi30k could not be found, downloaded or verified, or a split
+    (Multi30k's, or a `--data` folder's) has no pair left to use."""
 
 
 def module_folder():
@@ -991,9 +991,9 @@ def create_dataloaders(
             seed=seed,
         )
         if not sampler.kept:  # e.g. a --data folder (appendix) of long pairs
-            too_long = f"longer than {sampler.max_len} tokens"
             raise DatasetError(
-                f"{split}: all {len(lengths)} pairs are {too_long}"
+                f"the {split} split has no pair of at most {sampler.max_len}"
+                f" tokens (of {len(lengths)} pairs); nothing is left to use"
             )
         if sampler.dropped:
             n_dropped = len(sampler.dropped)

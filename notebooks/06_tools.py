@@ -1348,9 +1348,11 @@ def save_checkpoint(path, **fields):
 # message. `checkpoint_head` answers the first questions from the file's
 # first two bytes, before torch reads it, and `check_zip` checks the
 # CRC-32 that the archive records for each entry: `torch.load` does not,
-# so a byte changed inside the weights would load as other weights (a
-# failed check is "damaged" too). A pickle that `torch.save` did not
-# write, or its old format damaged, gets a message of its own.
+# so a byte changed inside the weights would load as other weights. A
+# failed check gets the same "damaged or cut short" message. A file in
+# `torch.save`'s older pickle format that no longer unpickles, and a
+# pickle that `torch.save` did not write, cannot be told apart; both are
+# "damaged, or not written by torch.save".
 
 
 # %%
@@ -1407,15 +1409,13 @@ def load_checkpoint(path, device="cpu"):
             raise CheckpointError(f"{path} {why}") from err
         if head == b"PK":
             raise CheckpointError(f"{damaged}: its pickle is broken") from err
-        raise CheckpointError(  # torch.save's old format, damaged, or
+        # torch.save's old pickle format, damaged, or another pickle
+        raise CheckpointError(
             f"{path} is not a readable checkpoint (damaged, or not"
-            " written by torch.save)"  # a pickle that torch did not write
+            " written by torch.save)"
         ) from err
     except Exception as err:  # cut short, damaged: many kinds of error
-        first = str(err).strip().splitlines()[0][:200] if str(err) else ""
-        raise CheckpointError(
-            f"{damaged}: {first or type(err).__name__}"
-        ) from err
+        raise CheckpointError(f"{damaged}: {one_line(err)[:200]}") from err
     if not isinstance(ckpt, dict):
         raise CheckpointError(
             f"{path} holds a {type(ckpt).__name__}, not a checkpoint"
@@ -1654,8 +1654,8 @@ def trained_model_from(ckpt, path, device="auto"):
 # one checkpoint at a time and sums in float64 on the CPU (Apple's GPU has
 # no float64), then moves the model to the device asked for. Given a
 # run's `history` of losses, it also checks that each file is that run's
-# epoch file (`check_run_file`): the command line's `--average`, further
-# on, says why.
+# epoch file (`check_run_file`): the paragraph on `--average`, after
+# `load_translator`, says why.
 
 
 # %%
@@ -1702,12 +1702,12 @@ def check_run_file(path, ckpt, history):
     if ckpt.get("epoch") != named:
         raise ValueError(
             f"{path} holds epoch {ckpt.get('epoch')!r}, not {named}: a"
-            " copied or renamed file; average the epochs of one run"
+            " copied or renamed file"
         )
     if not same_run(ckpt.get("history"), history):
         raise ValueError(
             f"{path} is from another training run (its losses differ "
-            "from the checkpoint's); average the epochs of one run"
+            "from the checkpoint's): the folder holds two runs' files"
         )
 
 
@@ -2480,15 +2480,28 @@ def earlier_run_files(folder):
 
 def note_earlier_run(folder):
     """Say on stderr, as a run starts afresh, what it will replace."""
-    files = earlier_run_files(folder)
-    if files or Path(folder, "final.pt").is_file():
-        print(
-            f"note: {folder} holds an earlier run; training afresh replaces"
-            " it (its epoch files and last.pt are removed when the first"
-            " epoch is saved, its final.pt at the end); to continue it"
-            " instead, stop now and add --resume",
-            file=sys.stderr,
+    replaced = []
+    if earlier_run_files(folder):
+        replaced.append(
+            "its epoch files and last.pt are removed when the first epoch"
+            " is saved"
         )
+    if Path(folder, "final.pt").is_file():
+        replaced.append("its final.pt is replaced at the end")
+    if not replaced:
+        return
+    resumable = Path(folder, "last.pt").is_file()  # its training state
+    print(
+        f"note: {folder} holds an earlier run, which training afresh"
+        f" replaces: {'; '.join(replaced)}"
+        + (
+            "; to train that run further instead, stop now and train with"
+            " --resume (and a larger --epochs if it finished)"
+            if resumable
+            else ""
+        ),
+        file=sys.stderr,
+    )
 
 
 def clear_earlier_run(folder):
@@ -2531,12 +2544,12 @@ def resume_run(run):
 # Before a run starts, `check_resume` makes sure that `--resume` means
 # what it says. It refuses a folder that holds epoch files or a
 # `final.pt` but no training state to resume from (`--resume` must not
-# quietly start afresh), fewer epochs than the run has already trained,
-# and a checkpoint of another model, naming the first size that
-# differs; it builds the run's model on the `meta` device, which has
-# shapes but no memory. It also refuses other training settings: a
+# quietly start afresh); a checkpoint of another model, naming the first
+# size that differs (it builds the run's model on the `meta` device,
+# which has shapes but no memory); other training settings, since a
 # resumed run with another dropout, schedule or batch size would be
-# neither the old run nor a new one. Only the number of epochs, the
+# neither the old run nor a new one; and an `--epochs` smaller than the
+# number of epochs already trained. Only the number of epochs, the
 # folder, the epoch files kept, the data workers and the preset's name
 # may change. It returns the file to resume from, or None for a folder
 # with no checkpoints, where the run starts afresh; `check_resume_and_say`
@@ -2595,8 +2608,8 @@ def check_resume(config, vocab_src, vocab_tgt):
         if config.epochs < done:
             raise CheckpointError(
                 f"cannot resume from {path} for {config.epochs} epochs in"
-                f" all: it has trained {done} already; ask for {done} or"
-                " more (--epochs)"
+                f" all: it has trained {done} epochs already; ask for {done}"
+                " or more (--epochs)"
             )
     return path
 
@@ -3105,17 +3118,22 @@ def load_translator(
 # `--average K` averages the checkpoint's own last K epochs: the epoch
 # files next to it that end at its epoch. For a `final.pt` after 18
 # epochs (numbered 0 to 17) and K = 5, those are `epoch_013.pt` to
-# `epoch_017.pt`; the checkpoint itself gives only its epoch and its
-# history of losses, and is not one of the files averaged.
+# `epoch_017.pt`. The checkpoint is read for its epoch and its losses;
+# the weights averaged are the epoch files'. A `final.pt` is not among
+# them (its weights are the last epoch file's anyway); an epoch file named
+# as the checkpoint is one of the K.
 #
 # Each file must be its run's file of the epoch its name says. A file of
 # that run recorded the losses of every epoch up to its own, so its
 # history is the start of the checkpoint's, and its recorded epoch is the
 # one in its name. That refuses a copied or renamed file, and another
-# run's: a run started afresh removes an earlier run's epoch files when
-# it saves its first epoch, but stopped after that, it leaves its own
-# epoch files beside the earlier run's `final.pt`. (A second run with the
-# same seed and settings would pass, harmlessly: it has the same losses.)
+# run's. A run started afresh removes an earlier run's epoch files when
+# it saves its first epoch; stopped after that, it leaves its own epoch
+# files beside the earlier run's `final.pt`. `--average` from that
+# `final.pt` then finds its own epoch files missing, or, where the new run
+# has reached the same numbers, finds another run's and refuses them. (A
+# second run with the same seed and settings may pass, if it reproduces
+# the losses exactly; it is then in effect the same run.)
 
 
 # %%
@@ -3133,7 +3151,7 @@ def own_epoch_files(checkpoint, count):
     if count > last + 1:
         raise ValueError(
             f"--average {count} needs {count} epochs; {checkpoint} was "
-            f"trained for {last + 1}"
+            f"trained for {last + 1} epochs"
         )
     folder = Path(checkpoint).parent
     epochs = range(last - count + 1, last + 1)
@@ -3143,7 +3161,8 @@ def own_epoch_files(checkpoint, count):
         raise ValueError(
             f"--average {count} needs these files next to {checkpoint},"
             f" which are not there: {', '.join(missing)} (training keeps"
-            " only the newest --keep-last epoch files)"
+            " only the newest --keep-last epoch files, and a run started"
+            " afresh in the folder removes an earlier run's)"
         )
     return paths, history
 
@@ -3698,7 +3717,7 @@ def add_decoding_options(parser):
         "--alpha",
         type=number_from(0.0, 10.0),
         help="beam search's length penalty, with --beam 2 or more (default"
-        " 0.6, the paper's; 1.0 scored best on validation here)",
+        f" {DEFAULT_ALPHA}, the paper's; 1.0 scored best on validation here)",
     )
     parser.add_argument(
         "--average",
@@ -3788,9 +3807,10 @@ def build_parser():
 # wrote, training reads its pairs from that folder instead.
 # `train_on_folder` first checks that the folder's validation and test
 # files are Multi30k's own, so the run is still judged on the human
-# references, and that its training files can be trained on (readable
-# UTF-8, as many lines on each side, at least one pair with text on both
-# sides), so that a bad file is one line now, not a failure mid-run. It
+# references, and that its training files are well formed (gzip, UTF-8,
+# the same number of lines in both, at least one pair with text on both
+# sides), so that a bad file is refused in one line before the checkpoint
+# folder is made. It
 # caches the vocabularies of the original training split,
 # so that a student keeps its teachers' vocabularies. It records the
 # SHA-256 of the folder's training pairs in the config, so that
@@ -3811,11 +3831,12 @@ def torchrun_ranks():
 
 
 def train_on_folder(folder, config):
-    """(`--data`'s folder, absolute; `config` with the folder's pairs_digest
-    as `data`), once its validation and test files are Multi30k's, its
-    training files can be trained on, and the vocabularies of the original
-    training split are cached (a student keeps them). The digest in the
-    checkpoints refuses a --resume on other pairs."""
+    """Check `--data`'s folder and return (the folder, absolute; `config`
+    with `data` set to its pairs_digest). Checks: its validation and test
+    files are Multi30k's, its training files are well formed; then the
+    vocabularies of the original training split are cached (a student
+    keeps them). The digest in the checkpoints refuses a --resume on other
+    pairs."""
     folder = Path(folder).absolute()
     if not folder.is_dir():
         raise UserError(f"--data {folder}: no such folder")

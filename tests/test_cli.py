@@ -707,6 +707,23 @@ def test_epoch_files_are_named_as_training_names_them(tmp_path):
     assert left == ["epoch_001_backup.pt", "epoch_01.pt", "epoch_best.pt"]
 
 
+def test_the_note_on_an_earlier_run_says_what_is_there(tmp_path, capsys):
+    tools.note_earlier_run(tmp_path)  # an empty folder: nothing to say
+    assert capsys.readouterr().err == ""
+    (tmp_path / "final.pt").touch()  # no training state: no --resume hint
+    tools.note_earlier_run(tmp_path)
+    err = capsys.readouterr().err
+    assert err == (
+        f"note: {tmp_path} holds an earlier run, which training afresh"
+        " replaces: its final.pt is replaced at the end\n"
+    )
+    (tmp_path / "epoch_000.pt").touch()
+    tools.note_earlier_run(tmp_path)
+    err = capsys.readouterr().err
+    assert "its epoch files and last.pt are removed when the first" in err
+    assert "--resume" not in err
+
+
 def test_a_diverged_runs_losses_match_themselves():
     history = [{"epoch": 0, "val_loss": float("nan")}]
     assert tools.same_run([dict(history[0])], history)

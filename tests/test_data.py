@@ -484,7 +484,8 @@ def test_a_split_with_no_pair_that_fits_is_an_error(multi30k_dir, monkeypatch):
     spacy_de, spacy_en = tat.load_tokenizers()
     vocab = tat.Vocab(tat.SPECIALS)
     with pytest.raises(
-        tat.DatasetError, match="train: all 20 pairs are longer than 4 tokens"
+        tat.DatasetError,
+        match="the train split has no pair of at most 4 tokens .of 20 pairs.",
     ):
         tat.create_dataloaders(
             vocab,

@@ -220,9 +220,10 @@ def test_training_afresh_clears_an_earlier_runs_epoch_files(
     train(again, vocabs, tokenizers)
     names = sorted(p.name for p in folder.glob("*.pt"))
     assert names == ["epoch_000.pt", "final.pt", "last.pt"]
-    note = f"note: {folder} holds an earlier run; training afresh replaces"
+    note = f"note: {folder} holds an earlier run, which training afresh"
     err = capsys.readouterr().err
-    assert err.count(note) == 1 and "stop now and add --resume" in err
+    assert err.count(note) == 1 and "stop now and train with --resume" in err
+    assert "its final.pt is replaced at the end" in err
     model, *_ = tools.load_translator(folder / "final.pt", average_last=1)
     assert_same_weights(model.state_dict(), final_weights(again))
     empty = tmp_path / "empty"
