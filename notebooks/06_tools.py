@@ -3153,7 +3153,7 @@ def own_epoch_files(checkpoint, count):
             f"--average {count} needs {count} epochs; {checkpoint} was "
             f"trained for {last + 1} epochs"
         )
-    folder = Path(checkpoint).parent
+    folder = Path(checkpoint).resolve().parent  # a link: its run's folder
     epochs = range(last - count + 1, last + 1)
     paths = [folder / f"epoch_{epoch:03d}.pt" for epoch in epochs]
     missing = [path.name for path in paths if not path.is_file()]
@@ -3839,7 +3839,8 @@ def train_on_folder(folder, config):
     pairs."""
     folder = Path(folder).absolute()
     if not folder.is_dir():
-        raise UserError(f"--data {folder}: no such folder")
+        what = "a file, not a folder" if folder.exists() else "no such folder"
+        raise UserError(f"--data {folder}: {what}")
     held_out = {
         name: digest
         for name, digest in MULTI30K_SHA256.items()
@@ -3897,13 +3898,18 @@ def multi30k_from(folder):
             os.environ[MULTI30K_ENV] = old
 
 
+def in_folder(path, folder):
+    """Is `path` in the folder `folder`?"""
+    return Path(path).absolute().parent.resolve() == Path(folder).resolve()
+
+
 def training_writes(path, folder):
     """Is `path` a file that training into `folder` writes?"""
-    path = Path(path).absolute()
-    if path.parent.resolve() != Path(folder).resolve():
+    if not in_folder(path, folder):
         return False
     names = ("final.pt", "last.pt", ".lock")
-    return path.name in names or bool(EPOCH_FILE.fullmatch(path.name))
+    name = Path(path).name
+    return name in names or bool(EPOCH_FILE.fullmatch(name))
 
 
 def command_train(args):
@@ -3951,7 +3957,9 @@ def command_train(args):
                 f"--results {args.results} is a file that training writes"
                 f" into {folder}; name another file"
             )
-        check_out(args.results, option="--results")
+        made_later = not folder.exists()  # by the lock, before training
+        if not (made_later and in_folder(args.results, folder)):
+            check_out(args.results, option="--results")
     download_multi30k()  # before the lock makes the checkpoint folder
     data = None  # Multi30k's own pairs
     if args.data:
@@ -4182,7 +4190,7 @@ def command_evaluate(args):
     if args.out:
         inputs = [args.checkpoint, *filter(None, [args.src, args.ref])]
         if args.average:  # the epoch files averaged are inputs too
-            inputs += epoch_checkpoints(Path(args.checkpoint).parent)
+            inputs += epoch_checkpoints(Path(args.checkpoint).resolve().parent)
         check_out(args.out, *inputs)
     if args.src is None:
         folder = download_multi30k()

@@ -766,6 +766,41 @@ def test_train_results_may_not_name_a_file_training_writes(
     assert tools.training_writes(folder / ".." / "ck" / name, folder)
 
 
+def test_train_results_may_go_into_the_checkpoint_folder_it_makes(
+    tmp_path, capsys, monkeypatch
+):
+    """The lock makes the folder before training; the results file
+    there is written after it: no 'there is no folder'."""
+    reached = []
+    monkeypatch.setattr(tools, "download_multi30k", lambda: None)
+    monkeypatch.setattr(
+        tools, "train_locked", lambda args, config, ranks: reached.append(1)
+    )
+    folder = tmp_path / "new"
+    status, out, err = run_cli(
+        capsys,
+        "train",
+        "--preset",
+        "ci",
+        "--checkpoint-dir",
+        folder,
+        "--results",
+        folder / "summary.json",
+    )
+    assert err == "" and reached == [1] and folder.is_dir()
+    status, out, err = run_cli(  # elsewhere, a missing folder is refused
+        capsys,
+        "train",
+        "--preset",
+        "ci",
+        "--checkpoint-dir",
+        folder,
+        "--results",
+        tmp_path / "other" / "summary.json",
+    )
+    assert status == 2 and "there is no folder" in err
+
+
 def test_a_warning_on_the_command_line_is_one_line(capsys):
     tools.warning_line(
         UserWarning("train: left out 3\npairs"), UserWarning, "x.py", 1

@@ -331,6 +331,15 @@ def test_train_data_refuses_training_files_it_cannot_train_on(
     assert len(err.splitlines()) == 1 and not ck.exists()
 
 
+def test_train_data_naming_a_file_says_so(tmp_path, capsys):
+    a_file = tmp_path / "pairs.gz"
+    a_file.write_bytes(b"")
+    argv = ["train", "--preset", "ci", "--checkpoint-dir", str(tmp_path)]
+    status = tools.main([*argv + ["--data", str(a_file)]])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and err.endswith("pairs.gz: a file, not a folder")
+
+
 def test_time_to_bleu_data_trains_on_the_folder_and_records_it(
     local_multi30k, tmp_path, monkeypatch, reads
 ):

@@ -251,6 +251,18 @@ def test_a_retrain_stopped_in_its_first_epoch_leaves_the_earlier_run(
     assert tools.resume_point(folder) == folder / "last.pt"
 
 
+def test_average_through_a_link_reads_the_runs_folder(ci_run, tmp_path):
+    cfg, _ = ci_run
+    link = tmp_path / "best.pt"
+    link.symlink_to(Path(cfg.checkpoint_dir, "final.pt"))
+    model, *_ = tools.load_translator(link, average_last=2)
+    by_link = model.state_dict()
+    model, *_ = tools.load_translator(
+        Path(cfg.checkpoint_dir, "final.pt"), average_last=2
+    )
+    assert_same_weights(by_link, model.state_dict())
+
+
 def test_average_refuses_a_copied_or_renamed_epoch_file(ci_run, tmp_path):
     """A file's own epoch must be the one its name says."""
     cfg, _ = ci_run
