@@ -745,21 +745,18 @@ def test_evaluate_out_may_not_name_an_epoch_file_it_averages(
     assert (run / "epoch_000.pt").read_bytes() == before
 
 
+def train_with_results(capsys, folder, results):
+    """`train --preset ci` into `folder`, with `--results results`."""
+    argv = ["train", "--preset", "ci", "--checkpoint-dir", folder]
+    return run_cli(capsys, *argv, "--results", results)
+
+
 @pytest.mark.parametrize("name", ["final.pt", "last.pt", "epoch_003.pt"])
 def test_train_results_may_not_name_a_file_training_writes(
     tmp_path, capsys, name
 ):
     folder = tmp_path / "ck"
-    status, out, err = run_cli(
-        capsys,
-        "train",
-        "--preset",
-        "ci",
-        "--checkpoint-dir",
-        folder,
-        "--results",
-        folder / name,
-    )
+    status, out, err = train_with_results(capsys, folder, folder / name)
     assert status == 2 and len(err.splitlines()) == 1
     assert "is a file that training writes" in err and not folder.exists()
     assert not tools.training_writes(tmp_path / "results.json", folder)
@@ -777,27 +774,12 @@ def test_train_results_may_go_into_the_checkpoint_folder_it_makes(
         tools, "train_locked", lambda args, config, ranks: reached.append(1)
     )
     folder = tmp_path / "new"
-    status, out, err = run_cli(
-        capsys,
-        "train",
-        "--preset",
-        "ci",
-        "--checkpoint-dir",
-        folder,
-        "--results",
-        folder / "summary.json",
+    status, out, err = train_with_results(
+        capsys, folder, folder / "summary.json"
     )
     assert err == "" and reached == [1] and folder.is_dir()
-    status, out, err = run_cli(  # elsewhere, a missing folder is refused
-        capsys,
-        "train",
-        "--preset",
-        "ci",
-        "--checkpoint-dir",
-        folder,
-        "--results",
-        tmp_path / "other" / "summary.json",
-    )
+    elsewhere = tmp_path / "other" / "summary.json"  # a missing folder
+    status, out, err = train_with_results(capsys, folder, elsewhere)
     assert status == 2 and "there is no folder" in err
 
 
