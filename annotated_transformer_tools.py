@@ -1895,7 +1895,25 @@ def train_distributed_model(
     vocabs = [plain(vocab_src), plain(vocab_tgt)]
     data = (vocabs, (spacy_de, spacy_en), asdict(config), free_port())
     args = (world_size, *data, resume, device)
-    mp.spawn(_spawned_worker, args, nprocs=world_size)
+    try:
+        mp.spawn(_spawned_worker, args, nprocs=world_size)
+    except mp.ProcessRaisedException as err:
+        user_error = user_error_of_worker(err)
+        if user_error is None:  # a fault, not a mistake: its traceback
+            raise
+        raise user_error from None
+
+
+def user_error_of_worker(err):
+    """A UserError with the message of a worker's error that would be a
+    user's mistake in one process (a DatasetError, say), else None. The
+    worker's traceback reaches us as text, ending "Class: message"."""
+    last = str(err).strip().splitlines()[-1]
+    name, _, message = last.partition(": ")
+    user_errors = {cls.__name__ for cls in USER_ERRORS}
+    if name.rsplit(".", 1)[-1] in user_errors and message:
+        return UserError(f"a training process stopped: {message}")
+    return None
 
 
 def train_model(
@@ -3210,6 +3228,7 @@ __all__ = [
     "train_worker",
     "free_port",
     "train_distributed_model",
+    "user_error_of_worker",
     "train_model",
     "detokenize",
     "decode_text",

@@ -2797,7 +2797,11 @@ def train_worker(
 # A spawned process imports the module, not the notebook that started it.
 # So the vocabularies travel as plain data (token lists, or BPE JSON text)
 # and the config as a dict; `_spawned_worker` rebuilds them before it
-# calls `train_worker`. The spaCy tokenizers travel pickled.
+# calls `train_worker`. The spaCy tokenizers travel pickled. A worker's
+# error reaches the parent as text; one that would be the user's mistake
+# in one process (a `DatasetError`, say) becomes a `UserError` with its
+# message (`user_error_of_worker`), so the command line says it in one
+# line; any other keeps its traceback.
 # Under `torchrun`, PyTorch's launcher for several processes, none of this is
 # needed: it starts the processes and sets the rendezvous address itself.
 
@@ -2860,7 +2864,25 @@ def train_distributed_model(
     vocabs = [plain(vocab_src), plain(vocab_tgt)]
     data = (vocabs, (spacy_de, spacy_en), asdict(config), free_port())
     args = (world_size, *data, resume, device)
-    mp.spawn(_spawned_worker, args, nprocs=world_size)
+    try:
+        mp.spawn(_spawned_worker, args, nprocs=world_size)
+    except mp.ProcessRaisedException as err:
+        user_error = user_error_of_worker(err)
+        if user_error is None:  # a fault, not a mistake: its traceback
+            raise
+        raise user_error from None
+
+
+def user_error_of_worker(err):
+    """A UserError with the message of a worker's error that would be a
+    user's mistake in one process (a DatasetError, say), else None. The
+    worker's traceback reaches us as text, ending "Class: message"."""
+    last = str(err).strip().splitlines()[-1]
+    name, _, message = last.partition(": ")
+    user_errors = {cls.__name__ for cls in USER_ERRORS}
+    if name.rsplit(".", 1)[-1] in user_errors and message:
+        return UserError(f"a training process stopped: {message}")
+    return None
 
 
 # %% [markdown]

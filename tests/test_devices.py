@@ -211,6 +211,40 @@ def test_two_processes_on_one_gpu_never_reach_nccl(machine, monkeypatch):
     assert nprocs == 2 and args[-1] == "cpu"  # device for every rank
 
 
+def test_a_workers_user_error_is_one_line_and_a_fault_its_traceback(
+    monkeypatch,
+):
+    """What mp.spawn raises when a worker fails: its traceback as text."""
+    message = "the train split has no pair of at most 128 tokens"
+    worker_says = {
+        "user": "Traceback ...\nthe_annotated_transformer.DatasetError: "
+        + message,
+        "fault": "Traceback ...\nRuntimeError: a bug",
+    }
+
+    def failing_spawn(kind):
+        def spawn(fn, args, nprocs):
+            raise torch.multiprocessing.ProcessRaisedException(
+                worker_says[kind], 0, 123
+            )
+
+        return spawn
+
+    vocab = tat.Vocab(tat.SPECIALS)
+    config = tools.get_config("ci")
+    monkeypatch.setattr(torch.multiprocessing, "spawn", failing_spawn("user"))
+    with pytest.raises(tools.UserError) as raised:
+        tools.train_distributed_model(
+            vocab, vocab, None, None, config, 2, cpu_fallback=True
+        )
+    assert str(raised.value) == f"a training process stopped: {message}"
+    monkeypatch.setattr(torch.multiprocessing, "spawn", failing_spawn("fault"))
+    with pytest.raises(torch.multiprocessing.ProcessRaisedException):
+        tools.train_distributed_model(
+            vocab, vocab, None, None, config, 2, cpu_fallback=True
+        )
+
+
 @with_machine("one T4")
 def test_train_world_size_2_on_one_gpu_is_one_line(machine, capsys):
     status = tools.main(["train", "--preset", "ci", "--world-size", "2"])
