@@ -3164,7 +3164,8 @@ def own_epoch_files(checkpoint, count):
     """Returns (paths, history): the `count` epoch files of `checkpoint`'s
     run that end at its epoch, oldest first, and its history of losses."""
     ckpt = load_checkpoint(checkpoint)
-    last, history = ckpt.get("epoch"), ckpt.get("history")
+    last = ckpt.get("epoch")
+    history = ckpt.get("history")
     if type(last) is not int or last < 0 or not isinstance(history, list):
         raise ValueError(
             f"{checkpoint} does not record its epoch and losses as training"

@@ -637,6 +637,16 @@ def test_cli_rejects_a_foreign_checkpoint(tmp_path, capsys):
     assert len(err.splitlines()) == 1
 
 
+def refused_translation(capsys, checkpoint):
+    """stderr of `translate` with a checkpoint it must refuse: one line,
+    status 2, nothing on stdout."""
+    status, out, err = run_cli(
+        capsys, "translate", "--checkpoint", checkpoint, "Hallo"
+    )
+    assert status == 2 and out == "" and len(err.splitlines()) == 1
+    return err
+
+
 def test_a_checkpoint_with_a_changed_byte_is_refused(tiny, tmp_path, capsys):
     """torch.load reads a tensor's bytes without checking them: one byte
     flipped inside the weights loaded silently, as other weights."""
@@ -647,10 +657,7 @@ def test_a_checkpoint_with_a_changed_byte_is_refused(tiny, tmp_path, capsys):
     torch.load(damaged, weights_only=True)  # what torch alone does
     with pytest.raises(tools.CheckpointError, match="fails its checksum"):
         tools.load_checkpoint(damaged)
-    status, out, err = run_cli(
-        capsys, "translate", "--checkpoint", damaged, "Hallo"
-    )
-    assert status == 2 and out == "" and len(err.splitlines()) == 1
+    err = refused_translation(capsys, damaged)
     assert "not a readable checkpoint (damaged or cut short)" in err
     tools.load_checkpoint(tiny[0])  # the intact file still loads
 
@@ -665,10 +672,7 @@ def test_a_damaged_zip_directory_is_one_line(tiny, tmp_path, capsys):
     damaged.write_bytes(data)
     with pytest.raises(tools.CheckpointError, match="not a readable"):
         tools.load_checkpoint(damaged)
-    status, out, err = run_cli(
-        capsys, "translate", "--checkpoint", damaged, "Hallo"
-    )
-    assert status == 2 and out == "" and len(err.splitlines()) == 1
+    err = refused_translation(capsys, damaged)
     assert "compression method" in err
 
 
