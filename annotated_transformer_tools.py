@@ -638,13 +638,21 @@ def _fetch(url, path, expected, timeout):
         ) from error
 
 
+def _not_a_file(path):
+    """Why `path` is not a file to read: missing, or something else (a
+    folder, a pipe); None if it is a file."""
+    if path.is_file():
+        return None
+    return "is not a file" if path.exists() else "is missing"
+
+
 def _folder_problems(folder, sums):
     """What is wrong with `folder`'s files, by name; [] if nothing."""
     problems = []
     for name, expected in sorted(sums.items()):
         path = folder / name
-        if not path.is_file():
-            problems.append(f"{name} is missing")
+        if _not_a_file(path):
+            problems.append(f"{name} {_not_a_file(path)}")
         elif sha256_of(path) != expected:
             problems.append(f"{name} has the wrong SHA-256")
     return problems
@@ -2632,9 +2640,9 @@ def train_on_folder(folder, config):
     }
     problems = _folder_problems(folder, held_out)
     problems += [
-        f"no {name}"
+        f"{name} {_not_a_file(folder / name)}"
         for name in ("train.de.gz", "train.en.gz")
-        if not (folder / name).is_file()
+        if _not_a_file(folder / name)
     ]
     if problems:
         raise UserError(f"--data {folder}: " + "; ".join(problems))

@@ -262,21 +262,32 @@ def test_multi30k_from_puts_the_folder_back_even_after_an_error(
     assert tat.MULTI30K_ENV not in os.environ
 
 
-@pytest.mark.parametrize("damage", ["val.en.gz", "train.de.gz"])
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        ("val.en.gz", "val.en.gz has the wrong SHA-256"),  # another set
+        ("train.de.gz", "train.de.gz is missing"),
+        ("train.en.gz", "train.en.gz is not a file"),  # a folder
+        ("test_2016_flickr.de.gz", "test_2016_flickr.de.gz is not a file"),
+    ],
+)
 def test_train_data_refuses_a_folder_without_multi30k_references(
-    local_multi30k, tmp_path, monkeypatch, damage, capsys
+    local_multi30k, tmp_path, monkeypatch, damage, words, capsys
 ):
     monkeypatch.setenv(tat.MULTI30K_ENV, local_multi30k)
     student = student_folder(Path(local_multi30k), tmp_path / "student", 10)
-    if damage == "val.en.gz":  # another validation set
+    if damage == "val.en.gz":
         distill.write_lines(student / damage, ["A dog."])
-    else:
+    elif damage == "train.de.gz":
         (student / damage).unlink()
+    else:  # a folder where the file should be
+        (student / damage).unlink()
+        (student / damage).mkdir()
     ck = tmp_path / "ck"
     argv = ["train", "--preset", "ci", "--checkpoint-dir", str(ck)]
     status = tools.main([*argv, "--data", str(student)])
     err = capsys.readouterr().err.strip()
-    assert status == 2 and "--data" in err and damage in err, err
+    assert status == 2 and "--data" in err and words in err, err
     assert len(err.splitlines()) == 1 and not ck.exists()
 
 
