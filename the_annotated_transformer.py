@@ -522,7 +522,88 @@ class SimpleLossCompute:
 
 
 # -----------------------------------------------------------------------------
-# The training loop
+# Optimizer and learning-rate schedule
+# Explained in notebooks/02_training.py, same heading.
+# -----------------------------------------------------------------------------
+def rate(step, model_size, factor, warmup):
+    """Warm-up then inverse-square-root learning rate (paper eq. 3)."""
+    step = max(step, 1)
+    return factor * model_size**-0.5 * min(step**-0.5, step * warmup**-1.5)
+
+
+def make_optimizer(
+    model,
+    d_model,
+    factor=1.0,
+    warmup=4000,
+    betas=(0.9, 0.98),
+    schedule=None,
+    weight_decay=0.0,
+):
+    """Adam (AdamW with a weight_decay) and a LambdaLR running `rate`, or
+    `schedule` when given.
+
+    With a `schedule`, `d_model`, `factor` and `warmup` are unused.
+    AdamW multiplies every parameter (biases and norms included) by
+    1 - lr * weight_decay at each step, besides Adam's update. The decay
+    is not added to the gradient, so Adam's running averages never see
+    it.
+    """
+    # Fused Adam: the same update in one pass over the parameters. Asked
+    # for only when every parameter is on the CPU or a CUDA GPU; elsewhere
+    # (Apple's MPS, for one) Adam runs its default way.
+    fused = all(p.device.type in ("cpu", "cuda") for p in model.parameters())
+    adam = torch.optim.AdamW if weight_decay else torch.optim.Adam
+    optimizer = adam(
+        model.parameters(),
+        lr=1.0,
+        betas=betas,
+        eps=1e-9,
+        weight_decay=weight_decay,
+        fused=fused,
+    )
+    if schedule is None:
+        schedule = lambda step: rate(step, d_model, factor, warmup)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    return optimizer, scheduler
+
+
+# -----------------------------------------------------------------------------
+# A first example: the copy task
+# Explained in notebooks/02_training.py, same heading.
+# -----------------------------------------------------------------------------
+def greedy_decode(model, src, src_mask, max_len, start_symbol):
+    """Most-probable-token decoding: (B, S) source to (B, max_len) ids."""
+    memory = model.encode(src, src_mask)  # (B, S, d_model)
+    ys = src.new_full((src.size(0), 1), start_symbol)  # (B, 1)
+    for _ in range(max_len - 1):
+        mask = subsequent_mask(ys.size(1)).to(src.device)  # (1, t, t)
+        out = model.decode(memory, src_mask, ys, mask)  # (B, t, d_model)
+        next_word = model.generator(out[:, -1]).argmax(dim=-1)  # (B,)
+        ys = torch.cat([ys, next_word.unsqueeze(1)], dim=1)
+    return ys
+
+
+def copy_accuracy(model, n, V=11, seq_len=10, generator=None):
+    """Fraction of n fresh random sequences greedy decoding copies exactly."""
+    was_training = model.training
+    model.eval()
+    b = next(data_gen(V, n, 1, seq_len, generator=generator))
+    with torch.no_grad():
+        out = greedy_decode(model, b.src, b.src_mask, seq_len, COPY_START)
+    model.train(was_training)
+    return (out == b.src).all(dim=1).float().mean().item()
+
+
+def warmup_linear_decay(step, peak, warmup, total, floor=0.02):
+    """Linear warm-up to `peak`, then linear decay to `floor * peak`."""
+    ramp = (step + 1) / warmup
+    decay = max(floor, 1 - step / total)
+    return peak * min(ramp, decay)
+
+
+# -----------------------------------------------------------------------------
+# Under the hood: `run_epoch`
 # Explained in notebooks/02_training.py, same heading.
 # -----------------------------------------------------------------------------
 @dataclass
@@ -639,87 +720,6 @@ def run_epoch(
                 speed = (state.tokens - tokens_before) / (time.time() - start)
                 print_progress(i, state, loss_mean, speed, optimizer)
     return float(total_loss) / max(total_tokens, 1), state  # one sync
-
-
-# -----------------------------------------------------------------------------
-# Optimizer and learning-rate schedule
-# Explained in notebooks/02_training.py, same heading.
-# -----------------------------------------------------------------------------
-def rate(step, model_size, factor, warmup):
-    """Warm-up then inverse-square-root learning rate (paper eq. 3)."""
-    step = max(step, 1)
-    return factor * model_size**-0.5 * min(step**-0.5, step * warmup**-1.5)
-
-
-def make_optimizer(
-    model,
-    d_model,
-    factor=1.0,
-    warmup=4000,
-    betas=(0.9, 0.98),
-    schedule=None,
-    weight_decay=0.0,
-):
-    """Adam (AdamW with a weight_decay) and a LambdaLR running `rate`, or
-    `schedule` when given.
-
-    With a `schedule`, `d_model`, `factor` and `warmup` are unused.
-    AdamW multiplies every parameter (biases and norms included) by
-    1 - lr * weight_decay at each step, besides Adam's update. The decay
-    is not added to the gradient, so Adam's running averages never see
-    it.
-    """
-    # Fused Adam: the same update in one pass over the parameters. Asked
-    # for only when every parameter is on the CPU or a CUDA GPU; elsewhere
-    # (Apple's MPS, for one) Adam runs its default way.
-    fused = all(p.device.type in ("cpu", "cuda") for p in model.parameters())
-    adam = torch.optim.AdamW if weight_decay else torch.optim.Adam
-    optimizer = adam(
-        model.parameters(),
-        lr=1.0,
-        betas=betas,
-        eps=1e-9,
-        weight_decay=weight_decay,
-        fused=fused,
-    )
-    if schedule is None:
-        schedule = lambda step: rate(step, d_model, factor, warmup)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    return optimizer, scheduler
-
-
-# -----------------------------------------------------------------------------
-# A first example: the copy task
-# Explained in notebooks/02_training.py, same heading.
-# -----------------------------------------------------------------------------
-def greedy_decode(model, src, src_mask, max_len, start_symbol):
-    """Most-probable-token decoding: (B, S) source to (B, max_len) ids."""
-    memory = model.encode(src, src_mask)  # (B, S, d_model)
-    ys = src.new_full((src.size(0), 1), start_symbol)  # (B, 1)
-    for _ in range(max_len - 1):
-        mask = subsequent_mask(ys.size(1)).to(src.device)  # (1, t, t)
-        out = model.decode(memory, src_mask, ys, mask)  # (B, t, d_model)
-        next_word = model.generator(out[:, -1]).argmax(dim=-1)  # (B,)
-        ys = torch.cat([ys, next_word.unsqueeze(1)], dim=1)
-    return ys
-
-
-def copy_accuracy(model, n, V=11, seq_len=10, generator=None):
-    """Fraction of n fresh random sequences greedy decoding copies exactly."""
-    was_training = model.training
-    model.eval()
-    b = next(data_gen(V, n, 1, seq_len, generator=generator))
-    with torch.no_grad():
-        out = greedy_decode(model, b.src, b.src_mask, seq_len, COPY_START)
-    model.train(was_training)
-    return (out == b.src).all(dim=1).float().mean().item()
-
-
-def warmup_linear_decay(step, peak, warmup, total, floor=0.02):
-    """Linear warm-up to `peak`, then linear decay to `floor * peak`."""
-    ramp = (step + 1) / warmup
-    decay = max(floor, 1 - step / total)
-    return peak * min(ramp, decay)
 
 
 # =============================================================================
@@ -1839,17 +1839,17 @@ __all__ = [
     "smoothed_kl",
     "label_smoothing_penalty_rows",
     "SimpleLossCompute",
+    "rate",
+    "make_optimizer",
+    "greedy_decode",
+    "copy_accuracy",
+    "warmup_linear_decay",
     "TrainState",
     "with_last_flag",
     "optimizer_step",
     "micro_step",
     "print_progress",
     "run_epoch",
-    "rate",
-    "make_optimizer",
-    "greedy_decode",
-    "copy_accuracy",
-    "warmup_linear_decay",
     "read_multi30k",
     "MULTI30K_ENV",
     "MULTI30K_SPLITS",
