@@ -18,41 +18,24 @@
 # probability distribution over the key positions it may see:
 # $\mathrm{softmax}(QK^\top / \sqrt{d_k})$. In a trained translator these
 # distributions are where the model has learned to look, and they can be
-# drawn. This notebook takes one validation sentence and draws all three
-# kinds of attention, in every layer and every head: the encoder's
-# self-attention over the German source, the decoder's masked
-# self-attention over the English written so far, and the decoder's
-# attention to the source. It says what the trained model's heads do, in
-# claims that a cell checks when a trained model is loaded. With the
-# *stand-in* (a tiny model trained here in seconds when no trained one is
-# found), such a cell prints that it did not check the claim. Next it
-# checks that the drawn weights are the ones the model uses. Then, over
-# many sentences, it describes each head with two numbers, how spread out
-# its attention is (entropy) and how far from the diagonal it looks
-# (distance), and with four shares that say where its weight goes (the
-# previous, same or next position, or `<s>`/`</s>`). Last, it puts the
-# decoder's attention to the source to work: the German word that an
-# `<unk>` read most is copied in its place.
+# drawn. This part:
 #
-# Three choices keep the pictures honest:
+# * records the weights of one validation sentence and draws the three
+#   kinds of attention, in every layer and every head: the encoder's
+#   self-attention over the German source, the decoder's masked
+#   self-attention over the English written so far, and the decoder's
+#   attention to the source;
+# * checks that the drawn weights are the ones the model uses;
+# * describes each head, over many sentences, with a few numbers: how
+#   spread out its attention is, how far from the diagonal it looks, and
+#   where its weight goes;
+# * puts the decoder's attention to the source to work: the German word
+#   that an `<unk>` read most is copied in its place.
 #
-# * The model is in `eval()` mode. With dropout active, a tenth of the
-#   attention weights (the probabilities, not the model's parameters) are
-#   zeroed and the rest scaled by $1/0.9$, so a drawn row no
-#   longer sums to 1, and a weight above 0.9 would be drawn above 1. A
-#   cell in "Can we trust these pictures?", after the charts, shows the
-#   rows that no longer sum to 1. (The trained model is loaded with
-#   dropout 0, so for it `eval()` is a safeguard; that cell uses a fresh
-#   model with dropout.)
-# * Recording is an explicit opt-in. Outside recording, a layer in
-#   `eval()` mode calls PyTorch's *fused* `scaled_dot_product_attention`:
-#   one optimized call that computes
-#   $\mathrm{softmax}(QK^\top / \sqrt{d_k})\,V$ and never hands back the
-#   weights. Recording switches every layer to the explicit computation,
-#   only for the length of a `with` block.
-# * The number of layers $N$ and of heads $h$ are read from the model.
-#   So the same code draws Part 3's 3-layer model and the 2-layer
-#   stand-in alike.
+# The model is read in `eval()` mode, with dropout off, and the number of
+# layers and heads is read from the model, so the same code draws Part
+# 3's model and the small stand-in that this page trains when it finds
+# no trained model.
 
 # %% [markdown]
 # [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/annotated-transformer/done-right/blob/main/notebooks/04_attention.ipynb)
@@ -119,12 +102,15 @@ FIGURES = os.path.join(ROOT, "figures")
 # ## Recording the weights
 #
 # Every `MultiHeadedAttention` of Part 1 has a `store_attention` flag, off
-# by default. When it is on, the layer computes the softmax explicitly and
-# keeps it in `self.attn`, shape `(B, h, T, S)`: one row per query
-# position, one column per key position. `record_attention` turns the flag
-# on for every attention layer of a model. When the block ends, normally or
-# through an exception, it puts each flag back as it was and drops the
-# stored tensors, so that no later forward pass keeps weights by accident.
+# by default. (Off, a layer in `eval()` mode calls PyTorch's fused
+# `scaled_dot_product_attention`, one optimized call that never hands
+# back the weights.) When it is on, the layer computes the softmax
+# explicitly and keeps it in `self.attn`, shape `(B, h, T, S)`: one row
+# per query position, one column per key position. `record_attention`
+# turns the flag on for every attention layer of a model. When the block
+# ends, normally or through an exception, it puts each flag back as it
+# was and drops the stored tensors, so that no later forward pass keeps
+# weights by accident.
 
 
 # %%
@@ -311,54 +297,26 @@ def attention_maps(
 #
 # Maps of an untrained model are noise, so we read a translator of Part
 # 3's shape: $N=3$ layers, $d_{model}=256$, $h=4$ heads and word
-# vocabularies. The page loads the first of these two that exists:
+# vocabularies. The page loads the `cpu` model that `make train` writes
+# (`checkpoints/cpu/final.pt`, hours of training), else the `quick` model
+# that Part 3 trains in minutes (`checkpoints/quick/final.pt`). If
+# neither exists, the appendix's `find_or_train` trains one here: the
+# `quick` model on a CUDA GPU (a few minutes), else a small stand-in, in
+# seconds. The stand-in shows the machinery, not language: what the prose
+# says about "brown", "black" and the two dogs will not match its charts.
+# (On Colab, pick a GPU runtime first to get the `quick` model; the
+# appendix's "A trained model, or a small one trained now" says what runs
+# where.)
 #
-# * `checkpoints/cpu/final.pt`, which `make train` writes. That takes
-#   hours. `make train` trains the `cpu` preset for 18 epochs, then a BPE
-#   model: about 3 hours in all on a CPU with native bf16, by the README's
-#   estimate, and longer in float32. The chart shown later on this page
-#   comes from a `cpu` model trained for 10 epochs (`train --preset cpu
-#   --epochs 10`).
-# * `checkpoints/quick/final.pt`, the `quick` model (5 epochs) that Part 3
-#   trains in minutes.
-#
-# If neither exists, the appendix's `find_or_train` trains a model here.
-# On a CUDA GPU it trains `quick`. On an H100, that
-# took 2.6 minutes from start to end (`docs/gpu.md`); no timing on a T4 is
-# recorded. Elsewhere it trains the stand-in, in seconds: two layers, four
-# heads, two short epochs on 1,000 sentence pairs. On an Apple-silicon
-# Mac the stand-in trains on MPS. If an operation is missing there, set
-# `PYTORCH_ENABLE_MPS_FALLBACK=1` before starting Jupyter: PyTorch then
-# runs that operation on the CPU.
-#
-# In Colab, pick a GPU runtime first (Runtime → Change runtime type).
-# Otherwise Colab gives you a CPU, and you get the stand-in. Colab's T4
-# trains in float16, and no real T4 has run this project: see the section
-# "If it fails on a T4 or a Mac" of
-# [docs/gpu.md](../docs/gpu.md#if-it-fails-on-a-t4-or-a-mac).
-#
-# The stand-in shows the machinery, not language: what the prose says
-# about "brown", "black" and the two dogs will not match its charts. CI,
-# the project's automated test run, sets `AT_SIZE=ci` to run everything
-# small, and then this page always uses the stand-in.
-#
-# Numbers in the prose come from recorded runs and are not recomputed
-# here. Each one names the run it comes from. "On record" means one
-# model: the `cpu` model trained for 10 epochs, in float32, and
-# recorded in `results/site_full.md`. The chart on record below is that
-# model's.
-#
-# Two kinds of checks run on this page:
-#
-# * Paragraphs marked **Check** state a claim about what a trained
-#   model's heads do. Their cell asserts it under `if trained:`, so only
-#   when a `cpu` or `quick` model is loaded. With the stand-in, the cell
-#   prints one line saying that the claim was not checked.
-# * Every other assert runs with any model, the stand-in included. Most
-#   of them test the code, in the section "Can we trust these pictures?"
-#   after the charts. The **Check** cells come first, right after the
-#   charts they are about. They assume that the drawn weights are the ones
-#   the model uses, which that section verifies afterwards.
+# Numbers in the prose come from one recorded model, "on record" below:
+# the `cpu` model trained for 10 epochs, in float32, recorded in
+# `results/site_full.md`. The charts on record are that model's.
+# Paragraphs marked **Check** state a claim about a trained model's heads;
+# their cell asserts it only when a `cpu` or `quick` model is loaded, and
+# with the stand-in prints that it did not check it. These cells assume
+# that the drawn weights are the ones the model uses; "Can we trust these
+# pictures?", after the charts, verifies that. Every other assert runs
+# with any model.
 
 
 # %%
@@ -527,12 +485,9 @@ else:
 # record, one head reads that German "." most, while two others park much
 # of that row's weight.
 #
-# The parking figures here come from another recorded run, not from the model
-# on record: the `quick` model of the fourth run in `results/make_notebook.md`,
-# trained in bf16 on a CPU. There the `</s>` row parked 0.17 of its weight and
-# the word rows 0.02. The fifth run's `quick` model, also bf16, gave the same.
-# No float32 figure is recorded, neither for a float32 `quick` model nor for
-# the `cpu` model on record.
+# The recorded figures are a `quick` model's, not the model on record's:
+# in the fourth and fifth runs of `results/make_notebook.md` (bf16, on a
+# CPU), the `</s>` row parked 0.17 of its weight and the word rows 0.02.
 
 # %%
 edges = [column_of("<s>"), column_of("</s>")]
@@ -747,6 +702,8 @@ assert not torch.allclose(dropped.sum(-1), clean.sum(-1))
 # %% [markdown]
 # ## What the heads do, measured
 #
+# ### Two numbers per head
+#
 # Heat maps of one sentence invite stories. Two numbers per head, averaged
 # over many sentences, keep the stories honest. For query row $i$ with
 # weights $p_{ij}$ over the $n_i$ keys it may see:
@@ -791,6 +748,8 @@ def _diagonal(v, kind):
 
 
 # %% [markdown]
+# ### Where the weight goes
+#
 # Besides the two headline numbers, `_head_statistics` records where the
 # weight of each row goes: one position before the diagonal, on it, one
 # position after it, and on the special tokens `<s>` and `</s>`. Each
@@ -996,9 +955,6 @@ else:
 #   the rows that end the sentence above illustrate: a softmax must put
 #   its weight somewhere, and such a token is a harmless place to leave it
 #   when the head has nothing to add for that query.
-#
-# The stand-in's heads, as said above, may be even or focused, and
-# either way mean little: the trained `cpu` model is the one to read.
 #
 # The cell below points at one head of each sort in the model loaded on
 # this page: for each kind, the head with the largest share in one of

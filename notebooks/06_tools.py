@@ -3334,6 +3334,18 @@ def describe_checkpoint(path):
 #
 # So every notebook runs on a fresh clone, and CI checks the training code
 # rather than a leftover file.
+#
+# Where each machine gets what:
+#
+# - **Colab**: pick a GPU runtime first (Runtime → Change runtime type),
+#   or Colab gives you a CPU and the page gets the stand-in. Colab's T4
+#   trains in float16, and no real T4 has run this project: see "If it
+#   fails on a T4 or a Mac" in
+#   [docs/gpu.md](../docs/gpu.md#if-it-fails-on-a-t4-or-a-mac).
+# - **An Apple-silicon Mac**: the stand-in trains on MPS. If an operation
+#   is missing there, set `PYTORCH_ENABLE_MPS_FALLBACK=1` before starting
+#   Jupyter: PyTorch then runs that operation on the CPU.
+# - **CI** (`AT_SIZE=ci`): always the stand-in.
 
 
 # %%
