@@ -743,70 +743,6 @@ def read_multi30k(split, root=None):
     return list(zip(*sides, strict=True))  # line i of .de, line i of .en
 
 
-MULTI30K_ENV = "MULTI30K_DIR"
-MULTI30K_SPLITS = {"train": "train", "val": "val", "test": "test_2016_flickr"}
-
-
-class DatasetError(RuntimeError):
-    """Multi30k could not be found, downloaded or verified, or a split
-    (Multi30k's, or a `--data` folder's) has no pair left to use."""
-
-
-def module_folder():
-    """The folder of the library's file, the_annotated_transformer.py.
-
-    In the module, that is the folder of its own file, __file__. A
-    notebook cell has no __file__, so there Python's import system is
-    asked where the library would be imported from. None if nowhere.
-    """
-    here = globals().get("__file__")
-    if here:
-        return Path(here).resolve().parent
-    try:
-        spec = importlib.util.find_spec("the_annotated_transformer")
-    except ValueError:  # a module of that name without a spec
-        return None
-    return Path(spec.origin).parent if spec and spec.origin else None
-
-
-MODULE_DIR = module_folder()  # None when the module cannot be found
-
-
-def data_dir():
-    """The `data/` folder of the repository, where downloads are kept.
-
-    The repository is the first folder, from the working directory up,
-    that holds the_annotated_transformer.py. Failing that, it is the
-    module's own folder when that is a checkout: it holds pyproject.toml,
-    as after `pip install -e` (the notebooks' setup on Colab). Failing
-    that too (an installed copy, not a checkout), it is the working
-    directory.
-    """
-    for folder in (Path.cwd(), *Path.cwd().parents):
-        if (folder / "the_annotated_transformer.py").exists():
-            return folder / "data"
-    if MODULE_DIR and (MODULE_DIR / "pyproject.toml").exists():
-        return MODULE_DIR / "data"
-    return Path.cwd() / "data"
-
-
-def multi30k_folder(root=None):
-    """`root`, else $MULTI30K_DIR, else data/multi30k in the repository."""
-    return root or os.environ.get(MULTI30K_ENV) or data_dir() / "multi30k"
-
-
-def split_file(folder, split, lang):
-    """The path of one split's file in one language; it must exist."""
-    path = Path(folder, f"{MULTI30K_SPLITS[split]}.{lang}.gz")
-    if not path.is_file():
-        hint = (
-            "run `python annotated_transformer_tools.py download` in the"
-            " repository (`annotated-transformer download` if installed)"
-        )
-        raise DatasetError(f"no {path}: {hint} or set {MULTI30K_ENV}")
-    return path
-
-
 # -----------------------------------------------------------------------------
 # Tokenizers
 # Explained in notebooks/03_multi30k.py, same heading.
@@ -936,13 +872,17 @@ class TokenBatchSampler(torch.utils.data.Sampler):
     def __init__(
         self, lengths, max_tokens, max_len=None, shuffle=True, seed=0
     ):
-        self.max_len = max_len = max_len or max_tokens
+        if max_len is None:
+            max_len = max_tokens
         if max_len > max_tokens:
             raise ValueError("max_len must not exceed max_tokens")
+        self.max_len = max_len
         self.sizes = [max(s, t) for s, t in lengths]  # padded width per pair
         self.kept = [i for i, n in enumerate(self.sizes) if n <= max_len]
         self.dropped = [i for i, n in enumerate(self.sizes) if n > max_len]
-        self.max_tokens, self.shuffle, self.seed = max_tokens, shuffle, seed
+        self.max_tokens = max_tokens
+        self.shuffle = shuffle
+        self.seed = seed
         self.epoch = 0
 
     def set_epoch(self, epoch):
@@ -951,7 +891,8 @@ class TokenBatchSampler(torch.utils.data.Sampler):
 
     def epoch_batches(self):
         """This epoch's batches, each a list of example indices."""
-        rng, kept = random.Random(f"{self.seed}/{self.epoch}"), self.kept
+        rng = random.Random(f"{self.seed}/{self.epoch}")
+        kept = self.kept
         order = rng.sample(kept, len(kept)) if self.shuffle else kept
         order = sorted(order, key=self.sizes.__getitem__)  # stable sort
         batches = bucket(order, self.sizes, self.max_tokens)
@@ -1189,6 +1130,74 @@ def strip_specials(ids, end_symbol=EOS):
     """Token ids after <s> and before the first </s>."""
     ids = list(ids)[1:]
     return ids[: ids.index(end_symbol)] if end_symbol in ids else ids
+
+
+# -----------------------------------------------------------------------------
+# Plumbing: where the files are
+# Explained in notebooks/03_multi30k.py, same heading.
+# -----------------------------------------------------------------------------
+MULTI30K_ENV = "MULTI30K_DIR"
+MULTI30K_SPLITS = {"train": "train", "val": "val", "test": "test_2016_flickr"}
+
+
+class DatasetError(RuntimeError):
+    """Multi30k could not be found, downloaded or verified, or a split
+    (Multi30k's, or a `--data` folder's) has no pair left to use."""
+
+
+def module_folder():
+    """The folder of the library's file, the_annotated_transformer.py.
+
+    In the module, that is the folder of its own file, __file__. A
+    notebook cell has no __file__, so there Python's import system is
+    asked where the library would be imported from. None if nowhere.
+    """
+    here = globals().get("__file__")
+    if here:
+        return Path(here).resolve().parent
+    try:
+        spec = importlib.util.find_spec("the_annotated_transformer")
+    except ValueError:  # a module of that name without a spec
+        return None
+    return Path(spec.origin).parent if spec and spec.origin else None
+
+
+MODULE_DIR = module_folder()  # None when the module cannot be found
+
+
+def data_dir():
+    """The `data/` folder of the repository, where downloads are kept.
+
+    The repository is the first folder, from the working directory up,
+    that holds the_annotated_transformer.py. Failing that, it is the
+    module's own folder when that is a checkout: it holds pyproject.toml,
+    as after `pip install -e` (the notebooks' setup on Colab). Failing
+    that too (an installed copy, not a checkout), it is the working
+    directory.
+    """
+    for folder in (Path.cwd(), *Path.cwd().parents):
+        if (folder / "the_annotated_transformer.py").exists():
+            return folder / "data"
+    if MODULE_DIR and (MODULE_DIR / "pyproject.toml").exists():
+        return MODULE_DIR / "data"
+    return Path.cwd() / "data"
+
+
+def multi30k_folder(root=None):
+    """`root`, else $MULTI30K_DIR, else data/multi30k in the repository."""
+    return root or os.environ.get(MULTI30K_ENV) or data_dir() / "multi30k"
+
+
+def split_file(folder, split, lang):
+    """The path of one split's file in one language; it must exist."""
+    path = Path(folder, f"{MULTI30K_SPLITS[split]}.{lang}.gz")
+    if not path.is_file():
+        hint = (
+            "run `python annotated_transformer_tools.py download` in the"
+            " repository (`annotated-transformer download` if installed)"
+        )
+        raise DatasetError(f"no {path}: {hint} or set {MULTI30K_ENV}")
+    return path
 
 
 # =============================================================================
@@ -1851,14 +1860,6 @@ __all__ = [
     "print_progress",
     "run_epoch",
     "read_multi30k",
-    "MULTI30K_ENV",
-    "MULTI30K_SPLITS",
-    "DatasetError",
-    "module_folder",
-    "MODULE_DIR",
-    "data_dir",
-    "multi30k_folder",
-    "split_file",
     "load_tokenizers",
     "tokenize",
     "SPECIALS",
@@ -1882,6 +1883,14 @@ __all__ = [
     "train_one_process",
     "batch_greedy_decode",
     "strip_specials",
+    "MULTI30K_ENV",
+    "MULTI30K_SPLITS",
+    "DatasetError",
+    "module_folder",
+    "MODULE_DIR",
+    "data_dir",
+    "multi30k_folder",
+    "split_file",
     "record_attention",
     "ATTENTION_KINDS",
     "AttentionView",

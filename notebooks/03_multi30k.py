@@ -97,10 +97,11 @@ from the_annotated_transformer import subsequent_mask
 #
 # Downloading and checking the files is plumbing from the appendix
 # (notebook 06); a cell below calls it as `tools.download_multi30k()`.
-# `read_multi30k` pairs the lines of a split.
-# The two helpers it calls, `multi30k_folder` (which folder) and
-# `split_file` (which file, or a one-line error if it is missing), are
-# plumbing too, in the cell after it: skim that one.
+# `read_multi30k` pairs the lines of a split. The two helpers it calls,
+# `multi30k_folder` (which folder) and `split_file` (which file, or a
+# one-line error if it is missing), are plumbing too: the last section of
+# this part, "Plumbing: where the files are", shows them, and until then
+# the library's copies serve.
 
 
 # %%
@@ -116,78 +117,11 @@ def read_multi30k(split, root=None):
     return list(zip(*sides, strict=True))  # line i of .de, line i of .en
 
 
-# %% [markdown]
-# The plumbing `read_multi30k` calls: where the files are, and the
-# one-line error when one is missing.
-
-
 # %%
-#| export
-MULTI30K_ENV = "MULTI30K_DIR"
-MULTI30K_SPLITS = {"train": "train", "val": "val", "test": "test_2016_flickr"}
+# read_multi30k's helpers, from the library (shown at the end of this part)
+from the_annotated_transformer import MULTI30K_SPLITS, DatasetError
+from the_annotated_transformer import multi30k_folder, split_file
 
-
-class DatasetError(RuntimeError):
-    """Multi30k could not be found, downloaded or verified, or a split
-    (Multi30k's, or a `--data` folder's) has no pair left to use."""
-
-
-def module_folder():
-    """The folder of the library's file, the_annotated_transformer.py.
-
-    In the module, that is the folder of its own file, __file__. A
-    notebook cell has no __file__, so there Python's import system is
-    asked where the library would be imported from. None if nowhere.
-    """
-    here = globals().get("__file__")
-    if here:
-        return Path(here).resolve().parent
-    try:
-        spec = importlib.util.find_spec("the_annotated_transformer")
-    except ValueError:  # a module of that name without a spec
-        return None
-    return Path(spec.origin).parent if spec and spec.origin else None
-
-
-MODULE_DIR = module_folder()  # None when the module cannot be found
-
-
-def data_dir():
-    """The `data/` folder of the repository, where downloads are kept.
-
-    The repository is the first folder, from the working directory up,
-    that holds the_annotated_transformer.py. Failing that, it is the
-    module's own folder when that is a checkout: it holds pyproject.toml,
-    as after `pip install -e` (the notebooks' setup on Colab). Failing
-    that too (an installed copy, not a checkout), it is the working
-    directory.
-    """
-    for folder in (Path.cwd(), *Path.cwd().parents):
-        if (folder / "the_annotated_transformer.py").exists():
-            return folder / "data"
-    if MODULE_DIR and (MODULE_DIR / "pyproject.toml").exists():
-        return MODULE_DIR / "data"
-    return Path.cwd() / "data"
-
-
-def multi30k_folder(root=None):
-    """`root`, else $MULTI30K_DIR, else data/multi30k in the repository."""
-    return root or os.environ.get(MULTI30K_ENV) or data_dir() / "multi30k"
-
-
-def split_file(folder, split, lang):
-    """The path of one split's file in one language; it must exist."""
-    path = Path(folder, f"{MULTI30K_SPLITS[split]}.{lang}.gz")
-    if not path.is_file():
-        hint = (
-            "run `python annotated_transformer_tools.py download` in the"
-            " repository (`annotated-transformer download` if installed)"
-        )
-        raise DatasetError(f"no {path}: {hint} or set {MULTI30K_ENV}")
-    return path
-
-
-# %%
 tools.download_multi30k()  # verifies the files, fetching them on first use
 splits = {split: read_multi30k(split) for split in MULTI30K_SPLITS}
 assert [len(pairs) for pairs in splits.values()] == [29000, 1014, 1000]
@@ -387,7 +321,8 @@ def collate_batch(batch, pad_id=PAD):
 
 
 # %%
-vocabs, tokenizers = (vocab_src, vocab_tgt), (spacy_de, spacy_en)
+vocabs = (vocab_src, vocab_tgt)
+tokenizers = (spacy_de, spacy_en)
 train_ids = encode_pairs(splits["train"], *vocabs, *tokenizers)
 src, tgt = collate_batch(train_ids[:3])
 print(src)  # each row: 0 (<s>), word ids, 1 (</s>), then 2s (<blank>)
@@ -468,13 +403,17 @@ class TokenBatchSampler(torch.utils.data.Sampler):
     def __init__(
         self, lengths, max_tokens, max_len=None, shuffle=True, seed=0
     ):
-        self.max_len = max_len = max_len or max_tokens
+        if max_len is None:
+            max_len = max_tokens
         if max_len > max_tokens:
             raise ValueError("max_len must not exceed max_tokens")
+        self.max_len = max_len
         self.sizes = [max(s, t) for s, t in lengths]  # padded width per pair
         self.kept = [i for i, n in enumerate(self.sizes) if n <= max_len]
         self.dropped = [i for i, n in enumerate(self.sizes) if n > max_len]
-        self.max_tokens, self.shuffle, self.seed = max_tokens, shuffle, seed
+        self.max_tokens = max_tokens
+        self.shuffle = shuffle
+        self.seed = seed
         self.epoch = 0
 
     def set_epoch(self, epoch):
@@ -483,7 +422,8 @@ class TokenBatchSampler(torch.utils.data.Sampler):
 
     def epoch_batches(self):
         """This epoch's batches, each a list of example indices."""
-        rng, kept = random.Random(f"{self.seed}/{self.epoch}"), self.kept
+        rng = random.Random(f"{self.seed}/{self.epoch}")
+        kept = self.kept
         order = rng.sample(kept, len(kept)) if self.shuffle else kept
         order = sorted(order, key=self.sizes.__getitem__)  # stable sort
         batches = bucket(order, self.sizes, self.max_tokens)
@@ -629,13 +569,8 @@ def create_dataloaders(
 # `paper`. Presets live in the appendix (notebook 06, "Presets"), where
 # `tools.get_config(name)` returns one.
 #
-# Skip the fields under the dataclass's last comment for now. The
-# lesson's own loop, `train_one_process` below, reads only three of them:
-# `tie_embeddings` and `tokenization` (through `model_from_config`, whose
-# last lines tie embedding matrices together, for Part 5) and
-# `weight_decay`, and at their defaults they change nothing. The
-# appendix's `train_worker`, which trains the reference run below, also
-# reads `precision`, `checkpoint_dir`, `keep_last` and `rdrop`.
+# The fields under the dataclass's last comment are for the appendix
+# and Part 5: at their defaults they change nothing here.
 
 
 # %%
@@ -761,24 +696,22 @@ steps_down = [a - b for a, b in zip(lrs[99:], lrs[100:])]
 assert max(steps_down) - min(steps_down) < 1e-12
 
 # %% [markdown]
-# The reference run below is the `quick` preset: the `cpu` model for 5
-# epochs of 153 batches, with `schedule="linear"`, `warmup=300` and
-# `factor=0.61`. Part 2's `rate` peaks at step `warmup`, at
-# $\text{factor} \cdot d_{\text{model}}^{-1/2} \cdot
-# \text{warmup}^{-1/2}$; for `cpu` (factor 1, warm-up 800) that is
+# The reference run below is the `quick` preset: the `cpu` model without
+# dropout, for 5 epochs of 153 batches (765 optimizer steps), with
+# `schedule="linear"`, `warmup=300` and `factor=0.61`. Part 2's `rate`
+# peaks at step `warmup`, at $\text{factor} \cdot d_{\text{model}}^{-1/2}
+# \cdot \text{warmup}^{-1/2}$; for `cpu` (factor 1, warm-up 800) that is
 # 2.2e-3. To reach the same peak after only 300 steps, `quick` sets the
 # factor to $\sqrt{300/800} \approx 0.61$, and the linear schedule uses
 # that peak.
 #
-# `make_run_optimizer` returns Adam and a `LambdaLR`: PyTorch's scheduler
-# that sets the learning rate, before each optimizer step, from a
-# function of the number of steps already taken. It counts from 0, so the
-# 765th and last step runs at the function's value for 764, the smallest
-# above zero. The value for 765 is zero, and no step uses it.
+# `make_run_optimizer` returns Adam and Part 2's `LambdaLR`, which counts
+# the steps already taken, from 0: the 765th and last step runs at the
+# schedule's value for 764.
 #
 # Check: the cell prints the learning rate of `quick` at a few steps. It
-# peaks at about 2.2e-3 at step 300, is still above zero at 764, and is
-# zero at 765.
+# peaks at about 2.2e-3 at step 300, is still above zero at 764, the last
+# step, and is zero at 765, which no step uses.
 
 # %%
 quick = tools.get_config("quick")
@@ -944,39 +877,22 @@ assert last < guess
 #   DistributedDataParallel (DDP). The cell below runs one process; the
 #   appendix's "Training runs: devices and processes" explains the rest.
 #
-# A test in `tests/test_devices.py` checks, on the CPU with the tiny `ci`
-# preset, that `train_worker` and `train_one_process` end with the same
-# weights. `ci` has no dropout, and that matters: `train_worker` draws its
-# dropout masks with the appendix's faster `FastDropout`, so with dropout
-# the same seed gives the two loops different masks.
-#
-# Our reference run is the `quick` preset (above): the small model of
-# preset `cpu` for 5 epochs (765 steps of 3,000 tokens), warmed up for
-# 300 steps to a peak learning rate of 2.2e-3, then decayed linearly to
-# zero, without dropout. On record, it took 13.9 minutes on 2 threads of
-# a 2-core AMD EPYC CPU without native bf16 (so in float32), from the
-# start of the process to its last checkpoint
-# (`results/recipe_quick.json`). Its score comes in the last section.
+# Our reference run is the `quick` preset (above). On record, it took
+# 13.9 minutes on 2 threads of a 2-core AMD EPYC CPU without native bf16
+# (so in float32), from the start of the process to its last checkpoint
+# (`results/recipe_quick.json`). Its score comes in the section "BLEU".
 
 # %% [markdown]
 # ### Training it
 #
 # The next cell trains the `quick` preset with the appendix's
-# `train_worker`, on the device that `pick_device` found, unless
-# `checkpoints/quick/final.pt` exists already. `train_worker` writes
-# `final.pt` when training ends: the weights, the vocabularies and the
-# config. Its first line names the device and the precision. It returns
-# the losses of every epoch, which the cell keeps as `history`. The
-# project's automated tests run every notebook in a tiny version
-# (`AT_SIZE=ci`, set in the environment), and there the cell trains the
-# tiny `ci` preset instead, every time.
-#
-# `train_worker` calls the library's copies of the cells above, in
-# `the_annotated_transformer.py`, which `make export` writes from this
-# lesson's source, `notebooks/03_multi30k.py`. So an edit to a cell above
-# reaches the lesson's own loop, `train_one_process`, at once, but
-# reaches `train_worker` only once it is exported and the notebook
-# restarted.
+# `train_model` (one process, `train_worker`), on the device that
+# `pick_device` found, unless `checkpoints/quick/final.pt` exists already.
+# It writes `final.pt` when training ends: the weights, the vocabularies
+# and the config. Its first line names the device and the precision. It
+# returns the losses of every epoch, which the cell keeps as `history`.
+# (The project's automated tests run every notebook in a tiny version,
+# `AT_SIZE=ci`, and there the cell trains the tiny `ci` preset instead.)
 #
 # On a GPU, and on a CPU with native bf16, the same recipe computes in
 # 16-bit floats; on a Mac it stays in float32. So your loss and BLEU will
@@ -1000,16 +916,7 @@ config = tools.get_config(
 final_checkpoint = Path(config.checkpoint_dir, "final.pt")
 history = None  # stays None when a trained model is found
 if preset == "ci" or not final_checkpoint.exists():
-    history = tools.train_worker(
-        rank=0,  # this process's number: the first and only one
-        world_size=1,  # one process, no DDP
-        vocab_src=vocab_src,
-        vocab_tgt=vocab_tgt,
-        spacy_de=spacy_de,
-        spacy_en=spacy_en,
-        config=config,
-        device=device,
-    )
+    history = tools.train_model(*vocabs, *tokenizers, config, device=device)
 else:
     print(f"found {final_checkpoint}: not training again")
 
@@ -1255,3 +1162,78 @@ recorded_bleu = recorded["test2016_bleu_greedy_without_unk_replacement"]
 print(f"the recorded run: {recorded_bleu:.2f}")
 if preset == "quick":
     assert bleu.score > 33
+
+
+# %% [markdown]
+# ## Plumbing: where the files are
+#
+# The helpers `read_multi30k` calls: which folder holds Multi30k, which
+# file holds a split, and the one-line error when one is missing. The
+# folder is the one `MULTI30K_DIR` names, else `data/multi30k` in the
+# repository, which `data_dir` finds from where the notebook runs.
+
+
+# %%
+#| export
+MULTI30K_ENV = "MULTI30K_DIR"
+MULTI30K_SPLITS = {"train": "train", "val": "val", "test": "test_2016_flickr"}
+
+
+class DatasetError(RuntimeError):
+    """Multi30k could not be found, downloaded or verified, or a split
+    (Multi30k's, or a `--data` folder's) has no pair left to use."""
+
+
+def module_folder():
+    """The folder of the library's file, the_annotated_transformer.py.
+
+    In the module, that is the folder of its own file, __file__. A
+    notebook cell has no __file__, so there Python's import system is
+    asked where the library would be imported from. None if nowhere.
+    """
+    here = globals().get("__file__")
+    if here:
+        return Path(here).resolve().parent
+    try:
+        spec = importlib.util.find_spec("the_annotated_transformer")
+    except ValueError:  # a module of that name without a spec
+        return None
+    return Path(spec.origin).parent if spec and spec.origin else None
+
+
+MODULE_DIR = module_folder()  # None when the module cannot be found
+
+
+def data_dir():
+    """The `data/` folder of the repository, where downloads are kept.
+
+    The repository is the first folder, from the working directory up,
+    that holds the_annotated_transformer.py. Failing that, it is the
+    module's own folder when that is a checkout: it holds pyproject.toml,
+    as after `pip install -e` (the notebooks' setup on Colab). Failing
+    that too (an installed copy, not a checkout), it is the working
+    directory.
+    """
+    for folder in (Path.cwd(), *Path.cwd().parents):
+        if (folder / "the_annotated_transformer.py").exists():
+            return folder / "data"
+    if MODULE_DIR and (MODULE_DIR / "pyproject.toml").exists():
+        return MODULE_DIR / "data"
+    return Path.cwd() / "data"
+
+
+def multi30k_folder(root=None):
+    """`root`, else $MULTI30K_DIR, else data/multi30k in the repository."""
+    return root or os.environ.get(MULTI30K_ENV) or data_dir() / "multi30k"
+
+
+def split_file(folder, split, lang):
+    """The path of one split's file in one language; it must exist."""
+    path = Path(folder, f"{MULTI30K_SPLITS[split]}.{lang}.gz")
+    if not path.is_file():
+        hint = (
+            "run `python annotated_transformer_tools.py download` in the"
+            " repository (`annotated-transformer download` if installed)"
+        )
+        raise DatasetError(f"no {path}: {hint} or set {MULTI30K_ENV}")
+    return path

@@ -1753,7 +1753,14 @@ def same_run(epoch_history, history):
 #
 # `tests/test_devices.py` checks that `train_worker` and
 # `train_one_process` end with the same weights and losses, to rounding,
-# on the dropout-free `ci` preset.
+# on the dropout-free `ci` preset. (With dropout the two differ: the same
+# seed gives `FastDropout` and `nn.Dropout` different masks.)
+#
+# `train_worker` calls the library's copies of Part 3's cells, in
+# `the_annotated_transformer.py`, which `make export` writes from
+# `notebooks/03_multi30k.py`. So an edit to a cell of Part 3 reaches its
+# own loop, `train_one_process`, at once, but reaches `train_worker` only
+# once it is exported and the notebook restarted.
 #
 # ### Batches for several processes
 #
