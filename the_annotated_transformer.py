@@ -976,7 +976,7 @@ class TrainConfig:
     max_train_pairs: int = 0  # 0 means all 29,000
     seed: int = 0
     num_workers: int = 0  # processes that prepare batches (0: this one)
-    # Read by the appendix's train_worker and Part 5 (see above):
+    # For the appendix and Part 5; at their defaults, no change here:
     preset: str = "cpu"
     precision: str = "bf16"  # "bf16": autocast where native; or "fp32"
     checkpoint_dir: str = "checkpoints/cpu"
@@ -1016,18 +1016,15 @@ def warmup_then_linear(step, peak, warmup, total):
     return peak * max(0, total - step) / max(1, total - warmup)
 
 
-def make_run_optimizer(model, config, batches_per_epoch, total=None):
-    """Adam and the schedule `config` names, for the run's step budget.
+def run_schedule(config, batches_per_epoch, total=None):
+    """The learning rate at each optimizer step, as `config` names it.
 
     `total` replaces the budget of `epochs` whole epochs, for a run that
     stops part of the way through an epoch.
     """
     c = config
-    decay = c.weight_decay
     if c.schedule == "noam":  # Part 2's
-        return make_optimizer(
-            model, c.d_model, c.factor, c.warmup, weight_decay=decay
-        )
+        return lambda step: rate(step, c.d_model, c.factor, c.warmup)
     if c.schedule != "linear":
         raise ValueError(f"unknown schedule {c.schedule!r}: noam or linear")
     if total is None and batches_per_epoch is None:
@@ -1035,9 +1032,17 @@ def make_run_optimizer(model, config, batches_per_epoch, total=None):
     if total is None:  # a last, short accumulation window also steps
         total = math.ceil(batches_per_epoch / c.accum_iter) * c.epochs
     peak = rate(c.warmup, c.d_model, c.factor, c.warmup)
-    linear = lambda step: warmup_then_linear(step, peak, c.warmup, total)
+    return lambda step: warmup_then_linear(step, peak, c.warmup, total)
+
+
+def make_run_optimizer(model, config, batches_per_epoch, total=None):
+    """Adam and the run's schedule (`run_schedule`), as Part 2 pairs them."""
+    schedule = run_schedule(config, batches_per_epoch, total)
     return make_optimizer(
-        model, c.d_model, schedule=linear, weight_decay=decay
+        model,
+        config.d_model,
+        schedule=schedule,
+        weight_decay=config.weight_decay,
     )
 
 
@@ -1878,6 +1883,7 @@ __all__ = [
     "TrainConfig",
     "model_from_config",
     "warmup_then_linear",
+    "run_schedule",
     "make_run_optimizer",
     "pick_device",
     "train_one_process",

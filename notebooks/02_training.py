@@ -745,9 +745,10 @@ assert at_floor == list(range(294, 400))  # from step 294 to the end
 # Everything the run needs is now defined: the model (Part 1's
 # `make_model`), the loss (`LabelSmoothing` with a smoothing of 0), Adam
 # with the short schedule, and the data (`data_gen`). Adam and its
-# `LambdaLR` are built by hand, as in the optimizer section. Because the
-# optimizer's `lr` is 1.0, the learning rate at each step is exactly
-# `copy_schedule(step)`.
+# `LambdaLR` are built by hand: the pair that `make_optimizer` would build
+# with `betas=(0.9, 0.999)` and `schedule=copy_schedule`, less its fused
+# Adam. Because the optimizer's `lr` is 1.0, the learning rate at each
+# step is exactly `copy_schedule(step)`.
 
 # %%
 V = 11  # 0 is padding, 1 the start symbol, 2 to 10 the data
@@ -822,7 +823,7 @@ for epoch in range(EPOCHS):
 
 # %%
 print(f"{steps} optimizer steps in {seconds:.1f} s")
-print(f"it fell by a factor of {losses[0] / losses[-1]:.0f}")
+print(f"the loss fell by a factor of {losses[0] / losses[-1]:.0f}")
 assert steps == EPOCHS * STEPS_PER_EPOCH
 assert losses[-1] < losses[0] / 100
 

@@ -24,7 +24,8 @@
 # From text to translator takes five steps, one section each: read the
 # sentence pairs, cut them into tokens, number the tokens, group sentences
 # of similar length into batches, and train. Then we decode, and score
-# the translations with BLEU.
+# the translations with BLEU. A last section shows where the files are
+# found.
 
 # %% [markdown]
 # [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/annotated-transformer/done-right/blob/main/notebooks/03_multi30k.ipynb)
@@ -95,7 +96,7 @@ from the_annotated_transformer import subsequent_mask
 # repository is the clone, so the files go to
 # `/content/done-right/data/multi30k`, whichever folder you work in.
 #
-# Downloading and checking the files is plumbing from the appendix
+# Downloading and checking the files is machinery from the appendix
 # (notebook 06); a cell below calls it as `tools.download_multi30k()`.
 # `read_multi30k` pairs the lines of a split. The two helpers it calls,
 # `multi30k_folder` (which folder) and `split_file` (which file, or a
@@ -595,7 +596,7 @@ class TrainConfig:
     max_train_pairs: int = 0  # 0 means all 29,000
     seed: int = 0
     num_workers: int = 0  # processes that prepare batches (0: this one)
-    # Read by the appendix's train_worker and Part 5 (see above):
+    # For the appendix and Part 5; at their defaults, no change here:
     preset: str = "cpu"
     precision: str = "bf16"  # "bf16": autocast where native; or "fp32"
     checkpoint_dir: str = "checkpoints/cpu"
@@ -640,8 +641,8 @@ def model_from_config(c, n_src, n_tgt, dropout=None):
 # both schedules. (The
 # copy task's `warmup_linear_decay`, in Part 2, is a cousin that stops at
 # 2% of its peak and stays there.) The loader says how many batches an
-# epoch has, so `make_run_optimizer` builds Adam and the schedule once the
-# batches are counted.
+# epoch has, so `run_schedule` picks the config's schedule once the
+# batches are counted, and `make_run_optimizer` builds Adam with it.
 
 
 # %%
@@ -654,18 +655,15 @@ def warmup_then_linear(step, peak, warmup, total):
     return peak * max(0, total - step) / max(1, total - warmup)
 
 
-def make_run_optimizer(model, config, batches_per_epoch, total=None):
-    """Adam and the schedule `config` names, for the run's step budget.
+def run_schedule(config, batches_per_epoch, total=None):
+    """The learning rate at each optimizer step, as `config` names it.
 
     `total` replaces the budget of `epochs` whole epochs, for a run that
     stops part of the way through an epoch.
     """
     c = config
-    decay = c.weight_decay
     if c.schedule == "noam":  # Part 2's
-        return make_optimizer(
-            model, c.d_model, c.factor, c.warmup, weight_decay=decay
-        )
+        return lambda step: rate(step, c.d_model, c.factor, c.warmup)
     if c.schedule != "linear":
         raise ValueError(f"unknown schedule {c.schedule!r}: noam or linear")
     if total is None and batches_per_epoch is None:
@@ -673,9 +671,17 @@ def make_run_optimizer(model, config, batches_per_epoch, total=None):
     if total is None:  # a last, short accumulation window also steps
         total = math.ceil(batches_per_epoch / c.accum_iter) * c.epochs
     peak = rate(c.warmup, c.d_model, c.factor, c.warmup)
-    linear = lambda step: warmup_then_linear(step, peak, c.warmup, total)
+    return lambda step: warmup_then_linear(step, peak, c.warmup, total)
+
+
+def make_run_optimizer(model, config, batches_per_epoch, total=None):
+    """Adam and the run's schedule (`run_schedule`), as Part 2 pairs them."""
+    schedule = run_schedule(config, batches_per_epoch, total)
     return make_optimizer(
-        model, c.d_model, schedule=linear, weight_decay=decay
+        model,
+        config.d_model,
+        schedule=schedule,
+        weight_decay=config.weight_decay,
     )
 
 
@@ -705,9 +711,8 @@ assert max(steps_down) - min(steps_down) < 1e-12
 # factor to $\sqrt{300/800} \approx 0.61$, and the linear schedule uses
 # that peak.
 #
-# `make_run_optimizer` returns Adam and Part 2's `LambdaLR`, which counts
-# the steps already taken, from 0: the 765th and last step runs at the
-# schedule's value for 764.
+# Part 2's `LambdaLR` counts the steps already taken, from 0: the 765th
+# and last step runs at the schedule's value for 764.
 #
 # Check: the cell prints the learning rate of `quick` at a few steps. It
 # peaks at about 2.2e-3 at step 300, is still above zero at 764, the last
@@ -715,13 +720,7 @@ assert max(steps_down) - min(steps_down) < 1e-12
 
 # %%
 quick = tools.get_config("quick")
-# make_run_optimizer needs parameters to optimize: a model with tiny
-# vocabularies will do, since only the schedule is checked.
-quick_model = model_from_config(quick, 10, 10)
-_, quick_schedule = make_run_optimizer(quick_model, quick, 153)
-# LambdaLR keeps our schedule function in its list lr_lambdas. Part 2
-# set Adam's lr to 1, so the function returns the learning rate itself.
-quick_rate = quick_schedule.lr_lambdas[0]
+quick_rate = run_schedule(quick, batches_per_epoch=153)
 for step in (1, 150, 300, 500, 764, 765):
     print(f"step {step:3d}: learning rate {quick_rate(step):.2e}")
 assert round(quick_rate(300), 4) == 2.2e-3  # the peak, after warm-up
@@ -738,7 +737,7 @@ assert quick_rate(765) == 0  # the end of the budget: no step uses it
 # `device`, which the rest of the lesson uses.
 #
 # On a Mac, if a later cell raises an error that names `mps`, there are
-# two ways out. Change the next cell's first line to
+# two ways out. Change the first line of the cell after `pick_device` to
 # `device = torch.device("cpu")`, run it, then rerun every cell after it.
 # Or, if the error says an operation is missing on MPS, set
 # `PYTORCH_ENABLE_MPS_FALLBACK=1` in the environment before starting
@@ -766,7 +765,8 @@ print("device:", device)
 # `train_one_process` is all of training. It seeds, builds the model from
 # the config on the device, takes Part 2's label-smoothed loss, makes the
 # loaders, then Adam and the config's schedule. Then, each epoch, it
-# reshuffles the batches, trains through Part 2's `run_epoch`, and
+# reshuffles the batches, trains through Part 2's `run_epoch` (its last
+# section, "Under the hood: `run_epoch`"), and
 # measures the loss on the validation set, without gradients and with
 # dropout off (`model.eval()`). `Batch(...).to(device)` moves each batch
 # where the model is. It returns the model and one line of history per
@@ -886,8 +886,11 @@ assert last < guess
 # ### Training it
 #
 # The next cell trains the `quick` preset with the appendix's
-# `train_model` (one process, `train_worker`), on the device that
-# `pick_device` found, unless `checkpoints/quick/final.pt` exists already.
+# `train_model`, which in one process calls `train_worker`, on the device
+# that `pick_device` found, unless `checkpoints/quick/final.pt` exists
+# already. Like every function of the library, they run the library's
+# copies of this lesson's cells: an edit to a cell above reaches them
+# once `make export` has run and the notebook is restarted.
 # It writes `final.pt` when training ends: the weights, the vocabularies
 # and the config. Its first line names the device and the precision. It
 # returns the losses of every epoch, which the cell keeps as `history`.
@@ -922,8 +925,8 @@ else:
 
 # %% [markdown]
 # The recorded reference run's curve (from `results/recipe_quick.json`,
-# not from a run this notebook trained). BLEU, defined in the last
-# section, scores translations from 0 to 100 by the runs of one to four
+# not from a run this notebook trained). BLEU, defined in the section
+# "BLEU", scores translations from 0 to 100 by the runs of one to four
 # words they share with a human translation; higher is better, and a
 # point or two is a clear difference. The curve shows, after each epoch,
 # the greedy BLEU of the checkpoint on the validation split (with `<unk>`
@@ -976,7 +979,8 @@ if history is not None and preset == "quick":
 #   that ran side by side, the one without dropout had validation loss
 #   1.53 after 612 steps, against 1.65 with dropout 0.1. Each of its steps
 #   also took 13% less time, with no random masks to draw
-#   (`docs/results.md`, "The quick recipe").
+#   (`docs/results.md`, "The quick recipe: a translator in a quarter of
+#   an hour").
 # - **Batches of 3,000 tokens, not fewer.** Both trials here had dropout
 #   0.1. q3000-d01 took 660 steps of 3,000-token batches and reached 32.46
 #   validation BLEU. q1600-d01 took 1,600 steps of 1,500-token batches

@@ -845,6 +845,8 @@ print(
 )
 
 # %% [markdown]
+# ### Over many sentences
+#
 # `attention_summary` averages those numbers over many validation
 # sentences, each teacher-forced with its reference translation.
 

@@ -575,7 +575,8 @@ class CopyTaskConfig:
 # %% [markdown]
 # `copy_task_setup` builds what Part 2 builds: the model, the loss (here
 # counting exact sequences) and the optimizer with its schedule.
-# `train_copy_task` is Part 2's loop with the stopping rule: after each
+# `train_copy_task` is Part 2's copy-task run, through `run_epoch` (Part
+# 2, "Under the hood: `run_epoch`"), with the stopping rule: after each
 # epoch it records the share of training sequences predicted exactly,
 # runs the greedy check when the streak allows, and stops once that check
 # passes. `epoch_summary` formats an epoch's log line.
@@ -3345,7 +3346,7 @@ def describe_checkpoint(path):
 # Where each machine gets what:
 #
 # - **Colab**: pick a GPU runtime first (Runtime → Change runtime type),
-#   or Colab gives you a CPU and the page gets the stand-in. Colab's T4
+#   or Colab gives you a CPU and Parts 4 and 5 get the stand-in. Colab's T4
 #   trains in float16, and no real T4 has run this project: see "If it
 #   fails on a T4 or a Mac" in
 #   [docs/gpu.md](../docs/gpu.md#if-it-fails-on-a-t4-or-a-mac).

@@ -318,3 +318,15 @@ def test_set_data_is_refused_for_data():
     """A folder named by --set would skip --data's checks."""
     with pytest.raises(ValueError, match="--data FOLDER"):
         time_to_bleu.overrides_from(["data=elsewhere"])
+
+
+@pytest.mark.parametrize("preset", ["cpu", "quick"])  # noam, linear
+def test_run_schedule_is_the_rate_the_optimizer_follows(preset):
+    config = tools.get_config(preset)
+    schedule = tat.run_schedule(config, batches_per_epoch=153)
+    lrs = learning_rates(config, steps_per_epoch=153, steps=30)
+    assert lrs == pytest.approx([schedule(step) for step in range(30)])
+    peak = tat.rate(
+        config.warmup, config.d_model, config.factor, config.warmup
+    )
+    assert schedule(config.warmup) == pytest.approx(peak)
