@@ -87,7 +87,8 @@ from torch import nn
 # letters throughout the project: `B` sentences in a batch, `S` source
 # positions, `T` target positions (in attention: `T` queries, `S` keys),
 # `d_model` the width of each position's vector (512 in the paper), `h`
-# attention heads, and `d_k = d_model / h` features per head.
+# attention heads, and `d_k = d_model / h` features per head. A mask's
+# shape, such as `(B, 1, S)`, is explained in the section "Masks".
 #
 # ![The Transformer, as this notebook builds it](attachment:transformer.svg)
 #
@@ -99,8 +100,8 @@ from torch import nn
 # start token, so that each position predicts the next word (Part 2).
 #
 # The picture draws the `Generator` on top of the decoder, under
-# `EncoderDecoder.decode`. In the code, neither `decode` nor `forward`
-# calls it: the loss and the decoding loops do.
+# `EncoderDecoder.decode`; in the code, as said above, the loss and the
+# decoding loops call it.
 
 
 # %%
@@ -639,16 +640,10 @@ assert weights[0, 2] == 0
 # routine is a plain function, so `.eval()` cannot switch its dropout off:
 # `forward` passes `dropout_p=0` when the module is not training.
 #
-# On a first read, take `use_fused(q)` as `not self.store_attention`. Its
-# one other case is plumbing for the appendix (06_tools, "A cheaper
-# dropout mask"). PyTorch's fused CPU attention kernel takes no dropout.
-# So when training with dropout on the CPU, `scaled_dot_product_attention`
-# falls back to its unfused formula anyway. There we call `attention`
-# instead, so that the appendix's `FastDropout` can replace its dropout.
-# Without that swap (Part 2's own loop keeps `nn.Dropout`), both
-# branches compute the same formula; that pair was not timed. With the
-# swap, a bf16 training step was 1.03 times as fast, and an fp32 step no
-# faster (`bench/RESULTS_efficiency.md`).
+# On a first read, take `use_fused(q)` as `not self.store_attention`.
+# Its one other case, training with dropout on the CPU, serves a faster
+# dropout mask of the appendix (06_tools, "A cheaper dropout mask"),
+# which explains it. Either branch computes the same formula.
 
 
 # %%
