@@ -1509,11 +1509,16 @@ def attend_step(attn, x, k, v, mask=None):
 
     kv_rows is B (one per sentence) in source attention, R in self-attention.
     """
-    R, kv_rows = x.size(0), k.size(0)  # R = kv_rows * group
+    R = x.size(0)
+    kv_rows = k.size(0)
+    group = R // kv_rows  # rows per set of keys and values
     # (R, 1, d) -> (kv_rows, group, d): the group rows of a sentence become
     # its queries, so one copy of the source's keys and values serves all.
-    q = attn.split_heads(x.reshape(kv_rows, -1, x.size(-1)), attn.w_q)
+    # With group == 1 (greedy decoding) the reshape changes nothing.
+    queries = x.reshape(kv_rows, group, x.size(-1))
+    q = attn.split_heads(queries, attn.w_q)  # (kv_rows, h, group, d_k)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    # Merge the heads, as in Part 1: (kv_rows, h, group, d_k) -> (R, 1, d)
     out = out.transpose(1, 2).reshape(R, 1, attn.h * attn.d_k)
     return attn.w_o(out)  # (R, 1, d_model)
 
@@ -1694,9 +1699,18 @@ def beam_search_steps(
         keep = ~beams.finished.all(dim=1)  # (A,) sentences with beams running
         if t == max_len - 1 or not keep.any():
             break
-        rows = torch.arange(A, device=device).unsqueeze(1) * k + parent
-        select(rows[keep].view(-1))  # (A' * k,) parents of the survivors
-        beams = Beams(*(x[keep] for x in beams))
+        # Sentence b's hypotheses are rows b * k ... b * k + k - 1, so
+        # hypothesis j's parent sits in row b * k + parent[b, j].
+        first_row = torch.arange(A, device=device).unsqueeze(1) * k  # (A, 1)
+        parent_rows = first_row + parent  # (A, k)
+        select(parent_rows[keep].view(-1))  # (A' * k,) rows to keep
+        beams = Beams(  # only the sentences still searching
+            sent=beams.sent[keep],
+            tokens=beams.tokens[keep],
+            logp_sum=beams.logp_sum[keep],
+            lengths=beams.lengths[keep],
+            finished=beams.finished[keep],
+        )
     # At the end, running hypotheses compete too; finished ones were
     # recorded when they ended.
     running = beams.logp_sum / length_penalty(beams.lengths, alpha)

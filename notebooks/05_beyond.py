@@ -198,14 +198,12 @@ src_mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
 # applies `linear` to `x` of shape `(B, T, d_model)` and splits the result
 # into the heads, `(B, h, T, d_k)`.
 #
-# `group` is the beam size $k$ of section 2: how many rows (partial
-# translations) each sentence has. It is 1 for greedy decoding, this
-# section's decoder, which keeps one row per sentence. In the shapes
-# below, $R$ is the number of rows (partial translations) in the batch,
-# $B \cdot \text{group}$. `select(index)` keeps the $R'$ rows that
-# `index` lists: greedy decoding uses it to drop the sentences that have
-# finished. Section 2 works through an example of `select` with
-# `group=3` (the paragraph that starts "A small example of `select`").
+# In the shapes below, $R$ is the number of rows (partial translations)
+# in the batch. `select(index)` keeps the $R'$ rows that `index` lists:
+# greedy decoding uses it to drop the sentences that have finished.
+# `group`, the number of rows per sentence, is 1 for greedy decoding, so
+# here $R = B$; it matters only for beam search (section 2, which works
+# through an example of `select` with `group=3`).
 
 
 # %%
@@ -273,11 +271,16 @@ def attend_step(attn, x, k, v, mask=None):
 
     kv_rows is B (one per sentence) in source attention, R in self-attention.
     """
-    R, kv_rows = x.size(0), k.size(0)  # R = kv_rows * group
+    R = x.size(0)
+    kv_rows = k.size(0)
+    group = R // kv_rows  # rows per set of keys and values
     # (R, 1, d) -> (kv_rows, group, d): the group rows of a sentence become
     # its queries, so one copy of the source's keys and values serves all.
-    q = attn.split_heads(x.reshape(kv_rows, -1, x.size(-1)), attn.w_q)
+    # With group == 1 (greedy decoding) the reshape changes nothing.
+    queries = x.reshape(kv_rows, group, x.size(-1))
+    q = attn.split_heads(queries, attn.w_q)  # (kv_rows, h, group, d_k)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    # Merge the heads, as in Part 1: (kv_rows, h, group, d_k) -> (R, 1, d)
     out = out.transpose(1, 2).reshape(R, 1, attn.h * attn.d_k)
     return attn.w_o(out)  # (R, 1, d_model)
 
@@ -635,9 +638,18 @@ def beam_search_steps(
         keep = ~beams.finished.all(dim=1)  # (A,) sentences with beams running
         if t == max_len - 1 or not keep.any():
             break
-        rows = torch.arange(A, device=device).unsqueeze(1) * k + parent
-        select(rows[keep].view(-1))  # (A' * k,) parents of the survivors
-        beams = Beams(*(x[keep] for x in beams))
+        # Sentence b's hypotheses are rows b * k ... b * k + k - 1, so
+        # hypothesis j's parent sits in row b * k + parent[b, j].
+        first_row = torch.arange(A, device=device).unsqueeze(1) * k  # (A, 1)
+        parent_rows = first_row + parent  # (A, k)
+        select(parent_rows[keep].view(-1))  # (A' * k,) rows to keep
+        beams = Beams(  # only the sentences still searching
+            sent=beams.sent[keep],
+            tokens=beams.tokens[keep],
+            logp_sum=beams.logp_sum[keep],
+            lengths=beams.lengths[keep],
+            finished=beams.finished[keep],
+        )
     # At the end, running hypotheses compete too; finished ones were
     # recorded when they ended.
     running = beams.logp_sum / length_penalty(beams.lengths, alpha)
@@ -1297,6 +1309,8 @@ for decoder_name, fn in DECODERS.items():
 # WMT. On Multi30k's validation split, $\alpha = 1.0$ scored 0.1 to 0.6
 # BLEU higher than 0.6 for every model we tried (`docs/results.md`),
 # hence `--alpha 1.0`.
+#
+# ### The results
 #
 # `bench/bleu_table.py` scores test2016 with each decoding. Two recorded
 # runs of it fill the first four rows of the table below:
