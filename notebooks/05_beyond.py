@@ -120,16 +120,11 @@ from annotated_transformer_tools import (
 #
 # It looks first for the `cpu` model that `make train` trains (over an
 # hour), then for the `quick` model that Part 3 trained in minutes. If
-# neither is there, it trains one here. On a CPU that is the tiny `ci`
-# preset, in seconds: its translations are poor, but every check works
-# the same. On a CUDA GPU, such as Colab's, it trains the `quick` model
-# instead, because each Colab notebook has its own runtime and Part 3's
-# model is not there. On an H100, training `quick` took 2.6 minutes from
-# the start of its process (`docs/gpu.md`); Colab's GPUs were not
-# measured. The tests run this notebook at CI size (`AT_SIZE=ci`), which
-# always trains the `ci` preset. The appendix
-# (notebook 06, "Presets" and "A trained model, or a small one trained
-# now") explains the presets and this choice.
+# neither is there, it trains one here: the `quick` model on a CUDA GPU
+# (a few minutes), else the tiny `ci` preset, in seconds, whose
+# translations are poor but whose checks work the same. The appendix
+# (notebook 06, "A trained model, or a small one trained now") says what
+# runs where, on Colab and on a Mac too.
 #
 # Decoding in this lesson runs on the CPU, whatever the machine. The
 # model is loaded onto the CPU because the cells below build their input
