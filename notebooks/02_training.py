@@ -408,13 +408,8 @@ def label_smoothing_penalty_rows(margins=range(0, 25), smoothing=0.1):
 # whole-number margin nearest the minimum at $\ln 36$. The rows are
 # computed in float32, which rounds the unsmoothed loss to exactly 0 from
 # about $m = 17$ on, so the first assert lets neighbouring values be
-# equal; the cell also prints the exact value at $m = 24$.
-#
-# The chart shows both curves. It does not take this notebook's `rows`:
-# it recomputes them with the library's copy of
-# `label_smoothing_penalty_rows`, in `the_annotated_transformer`. After
-# editing the class here, run `make export` and restart the notebook to
-# see the change in the chart.
+# equal; the cell also prints the exact value at $m = 24$. The chart
+# draws the same rows.
 
 # %%
 rows = label_smoothing_penalty_rows()
@@ -431,7 +426,7 @@ print(
 print(f"with smoothing: lowest, {min(smooth):.4f}, at m = {lowest}")
 print(f"ln 36 = {math.log(36):.2f}")
 assert lowest == 4
-ls_chart = label_smoothing_penalty_chart()
+ls_chart = label_smoothing_penalty_chart(rows)
 save_chart(ls_chart, "02_label_smoothing_penalty", FIGURES)
 
 # %% [markdown]

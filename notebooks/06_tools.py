@@ -207,9 +207,11 @@ def positional_chart(d_model=20, length=100, dims=(4, 5, 6, 7)):
 
 # %%
 #| export
-def label_smoothing_penalty_chart(smoothing=0.1):
-    """Line chart of label_smoothing_penalty_rows."""
-    rows = label_smoothing_penalty_rows(smoothing=smoothing)
+def label_smoothing_penalty_chart(rows=None, smoothing=0.1):
+    """Line chart of `rows` from label_smoothing_penalty_rows (computed
+    here, with `smoothing`, when not given)."""
+    if rows is None:
+        rows = label_smoothing_penalty_rows(smoothing=smoothing)
     title = "Loss against confidence"
     return line_chart(
         rows, "margin", "loss", color="smoothing", title=title, point=True

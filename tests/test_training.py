@@ -555,3 +555,11 @@ def test_copy_checks_decode_without_dropout_and_restore_the_mode(training):
         assert model.training is training
         assert all(m.training is training for m in model.modules())
     assert seen and not any(seen)  # every forward pass ran in eval mode
+
+
+def test_the_penalty_chart_draws_the_rows_it_is_given():
+    pytest.importorskip("altair")
+    rows = tat.label_smoothing_penalty_rows(margins=range(3), smoothing=0.2)
+    drawn = tools.label_smoothing_penalty_chart(rows).to_dict()
+    values = next(iter(drawn["datasets"].values()))
+    assert [v["loss"] for v in values] == [r["loss"] for r in rows]
