@@ -489,7 +489,7 @@ def plain_epoch(batches, model, loss_compute, optimizer, scheduler=None):
 
 
 # %% [markdown]
-# This is all the copy task at the end of this part needs. Longer runs
+# This is all the copy task below needs. Longer runs
 # need more: gradient accumulation (a batch larger than memory holds),
 # counters kept across epochs, and a log line now and then. The library's
 # `run_epoch` adds them to these five lines; Part 3 trains with it. The
@@ -788,7 +788,8 @@ assert before < 0.01
 # %% [markdown]
 # The loop is `plain_epoch` over 20 fresh batches per epoch, with one
 # line of log per epoch: the optimizer steps so far (`LambdaLR` counts
-# them, in `scheduler.last_epoch`), the epoch's mean loss per token, and
+# them in `scheduler.last_epoch`, which despite its name counts steps
+# here), the epoch's mean loss per token, and
 # the time so far. Each
 # batch's loss is computed before the optimizer learns from that batch, so
 # the printed loss is measured on data the model had not yet seen.
@@ -1015,8 +1016,8 @@ def optimizer_step(optimizer, scheduler, parameters, scale=1.0, scaler=None):
 # loss divided by `accum_iter`. Like `SimpleLossCompute`, it returns the
 # loss twice: `loss_sum`, for the epoch's total, and `loss_mean`, the mean
 # per token, for the log. With this part's arguments (`autocast` the
-# do-nothing `nullcontext`, `scaler` `None`, and a model without DDP's
-# `no_sync`, so that `hold_sync` does nothing) it is three lines:
+# do-nothing `nullcontext`, `scaler` `None`, one process: the extras
+# explained below then do nothing) it is three lines:
 #
 # ```python
 # out = model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
@@ -1053,8 +1054,9 @@ def micro_step(
 # %% [markdown]
 # ### `run_epoch`
 #
-# With these pieces the epoch stays short. `mode="eval"` runs under
-# `torch.no_grad()` and never steps; `mode="train+log"` prints progress
+# With these pieces the epoch stays short. `mode="eval"` turns autograd
+# off (`torch.set_grad_enabled(False)`, the same as `torch.no_grad()`)
+# and never steps; `mode="train+log"` prints progress
 # every `log_every` micro-batches, one line from `print_progress`: the
 # batch's index in this epoch, the optimizer steps so far, the batch's
 # loss per token, tokens per second and the learning rate.

@@ -102,7 +102,14 @@ from the_annotated_transformer import subsequent_mask
 # `multi30k_folder` (which folder) and `split_file` (which file, or a
 # one-line error if it is missing), are plumbing too: the last section of
 # this part, "Plumbing: where the files are", shows them, and until then
-# the library's copies serve.
+# the library's copies serve. The next cell imports them, with
+# `MULTI30K_SPLITS`, which maps the splits `train`, `val` and `test` to
+# their files' names (test's are `test_2016_flickr`), and `DatasetError`,
+# the one-line error about the data.
+
+# %%
+from the_annotated_transformer import MULTI30K_SPLITS, DatasetError
+from the_annotated_transformer import multi30k_folder, split_file
 
 
 # %%
@@ -119,10 +126,6 @@ def read_multi30k(split, root=None):
 
 
 # %%
-# read_multi30k's helpers, from the library (shown at the end of this part)
-from the_annotated_transformer import MULTI30K_SPLITS, DatasetError
-from the_annotated_transformer import multi30k_folder, split_file
-
 tools.download_multi30k()  # verifies the files, fetching them on first use
 splits = {split: read_multi30k(split) for split in MULTI30K_SPLITS}
 assert [len(pairs) for pairs in splits.values()] == [29000, 1014, 1000]
@@ -765,8 +768,9 @@ print("device:", device)
 # `train_one_process` is all of training. It seeds, builds the model from
 # the config on the device, takes Part 2's label-smoothed loss, makes the
 # loaders, then Adam and the config's schedule. Then, each epoch, it
-# reshuffles the batches, trains through Part 2's `run_epoch` (its last
-# section, "Under the hood: `run_epoch`"), and
+# reshuffles the batches, trains through Part 2's `run_epoch`, with its
+# counters in a `TrainState` (`accum_step` counts optimizer steps; both
+# are in Part 2's last section, "Under the hood: `run_epoch`"), and
 # measures the loss on the validation set, without gradients and with
 # dropout off (`model.eval()`). `Batch(...).to(device)` moves each batch
 # where the model is. It returns the model and one line of history per
@@ -1174,7 +1178,10 @@ if preset == "quick":
 # The helpers `read_multi30k` calls: which folder holds Multi30k, which
 # file holds a split, and the one-line error when one is missing. The
 # folder is the one `MULTI30K_DIR` names, else `data/multi30k` in the
-# repository, which `data_dir` finds from where the notebook runs.
+# repository, which `data_dir` finds from where the notebook runs. When
+# no folder above it holds the library, `data_dir` asks `module_folder`
+# where Python imports the library from: a checkout installed with
+# `pip install -e`, as on Colab.
 
 
 # %%
@@ -1241,3 +1248,16 @@ def split_file(folder, split, lang):
         )
         raise DatasetError(f"no {path}: {hint} or set {MULTI30K_ENV}")
     return path
+
+
+# %% [markdown]
+# Check: these copies find the same file as the library's, which the
+# lesson used until now.
+
+# %%
+import the_annotated_transformer as library
+
+mine = split_file(multi30k_folder(), "test", "en")
+theirs = library.split_file(library.multi30k_folder(), "test", "en")
+print(mine)
+assert mine == theirs and mine.name == "test_2016_flickr.en.gz"
