@@ -353,7 +353,8 @@ def make_model(
     src_embed = nn.Sequential(Embeddings(d_model, src_vocab), src_pe)
     tgt_embed = nn.Sequential(Embeddings(d_model, tgt_vocab), tgt_pe)
     generator = Generator(d_model, tgt_vocab)
-    encoder, decoder = Encoder(enc_layer, N), Decoder(dec_layer, N)
+    encoder = Encoder(enc_layer, N)
+    decoder = Decoder(dec_layer, N)
     model = EncoderDecoder(encoder, decoder, src_embed, tgt_embed, generator)
 
     for weight in [p for p in model.parameters() if p.dim() > 1]:
@@ -1300,8 +1301,8 @@ def _recorded_weights(model, src, src_mask, tgt_in, pad):
         # attn[0]: the batch of one, so each is (h, R, C)
         enc = [layer.self_attn.attn[0] for layer in model.encoder.layers]
         dec = [layer.self_attn.attn[0] for layer in model.decoder.layers]
-        crs = [layer.src_attn.attn[0] for layer in model.decoder.layers]
-    return [torch.stack(w).float().cpu() for w in (enc, dec, crs)]
+        cross = [layer.src_attn.attn[0] for layer in model.decoder.layers]
+    return [torch.stack(w).float().cpu() for w in (enc, dec, cross)]
 
 
 def _labels(ids, vocab):
@@ -1548,7 +1549,8 @@ def decoder_layer_step(layer, x, cache, i):
 
 def decode_step(model, ys_last, cache):
     """Log-probs (R, V) of the next token, given the newest ids (R, 1)."""
-    embed, position = model.tgt_embed[0], model.tgt_embed[1]
+    embed = model.tgt_embed[0]  # Part 1's Embeddings
+    position = model.tgt_embed[1]  # and PositionalEncoding
     t = cache.length
     # PositionalEncoding.forward for position t alone; its dropout does
     # nothing here, since decoding runs in eval mode.
@@ -1835,7 +1837,8 @@ def average(model, models):
     """Set model's parameters to the mean of those of `models`."""
     params = [dict(m.named_parameters()) for m in models]
     for name, p in model.named_parameters():
-        p.copy_(torch.stack([ps[name] for ps in params]).mean(dim=0))
+        stacked = torch.stack([ps[name] for ps in params])  # (n, *p.shape)
+        p.copy_(stacked.mean(dim=0))
     return model
 
 

@@ -1045,7 +1045,8 @@ def make_model(
     src_embed = nn.Sequential(Embeddings(d_model, src_vocab), src_pe)
     tgt_embed = nn.Sequential(Embeddings(d_model, tgt_vocab), tgt_pe)
     generator = Generator(d_model, tgt_vocab)
-    encoder, decoder = Encoder(enc_layer, N), Decoder(dec_layer, N)
+    encoder = Encoder(enc_layer, N)
+    decoder = Decoder(dec_layer, N)
     model = EncoderDecoder(encoder, decoder, src_embed, tgt_embed, generator)
 
     for weight in [p for p in model.parameters() if p.dim() > 1]:

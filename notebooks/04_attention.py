@@ -247,8 +247,8 @@ def _recorded_weights(model, src, src_mask, tgt_in, pad):
         # attn[0]: the batch of one, so each is (h, R, C)
         enc = [layer.self_attn.attn[0] for layer in model.encoder.layers]
         dec = [layer.self_attn.attn[0] for layer in model.decoder.layers]
-        crs = [layer.src_attn.attn[0] for layer in model.decoder.layers]
-    return [torch.stack(w).float().cpu() for w in (enc, dec, crs)]
+        cross = [layer.src_attn.attn[0] for layer in model.decoder.layers]
+    return [torch.stack(w).float().cpu() for w in (enc, dec, cross)]
 
 
 def _labels(ids, vocab):

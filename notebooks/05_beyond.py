@@ -317,7 +317,8 @@ def decoder_layer_step(layer, x, cache, i):
 
 def decode_step(model, ys_last, cache):
     """Log-probs (R, V) of the next token, given the newest ids (R, 1)."""
-    embed, position = model.tgt_embed[0], model.tgt_embed[1]
+    embed = model.tgt_embed[0]  # Part 1's Embeddings
+    position = model.tgt_embed[1]  # and PositionalEncoding
     t = cache.length
     # PositionalEncoding.forward for position t alone; its dropout does
     # nothing here, since decoding runs in eval mode.
@@ -763,7 +764,9 @@ for k, (want_tokens, want_p) in want.items():
         beam_size=k,
     )
     ids = strip_specials(out[0].tolist()) + [EOS]
-    p = math.prod(toy[a, b].item() for a, b in zip([BOS, *ids], ids))
+    p = 1.0  # the probability of the whole output, token by token
+    for previous, token in zip([BOS, *ids], ids):
+        p *= toy[previous, token].item()
     print(f"beam {k}: {' '.join(toy_names[i] for i in ids):8s} P = {p:.2f}")
     assert [toy_names[i] for i in ids] == want_tokens
     assert abs(p - want_p) < 1e-6
@@ -833,7 +836,8 @@ def translation_scores(model, src, src_mask, out, alpha=0.6):
     logp = model.generator(hidden)  # (B, T, V)
     logp = logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # (B, T)
     ended = (target == EOS).long()  # (B, T)
-    kept = (ended.cumsum(1) - ended) == 0  # up to and including </s>
+    eos_before = ended.cumsum(1) - ended  # </s> tokens before each position
+    kept = eos_before == 0  # up to and including the first </s>
     lengths = kept.sum(1)  # (B,) |Y|
     return (logp * kept).sum(1) / length_penalty(lengths, alpha)
 
@@ -1213,7 +1217,8 @@ def average(model, models):
     """Set model's parameters to the mean of those of `models`."""
     params = [dict(m.named_parameters()) for m in models]
     for name, p in model.named_parameters():
-        p.copy_(torch.stack([ps[name] for ps in params]).mean(dim=0))
+        stacked = torch.stack([ps[name] for ps in params])  # (n, *p.shape)
+        p.copy_(stacked.mean(dim=0))
     return model
 
 
@@ -1235,10 +1240,9 @@ averaged_weights = averaged.state_dict()
 assert torch.allclose(averaged_weights[weight_name], mean_by_hand, atol=1e-6)
 pe = "tgt_embed.1.pe"
 assert all(torch.equal(averaged_weights[pe], s[pe]) for s in states)
-in_memory = average(
-    load_trained_model(epochs[0], "cpu")[0],  # any model of this shape
-    [load_trained_model(p, "cpu")[0] for p in epochs],
-)
+models = [load_trained_model(p, "cpu")[0] for p in epochs]
+fresh, _, _, _ = load_trained_model(epochs[0], "cpu")  # this shape
+in_memory = average(fresh, models)
 for key, value in in_memory.state_dict().items():
     assert torch.allclose(value, averaged_weights[key], atol=1e-6), key
 print(f"averaged {len(epochs)} checkpoints: {[p.name for p in epochs]}")
