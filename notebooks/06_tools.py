@@ -2834,9 +2834,21 @@ def free_port():
 
 
 def _spawned_worker(
-    rank, world_size, vocabs, tokenizers, config, port, resume, device
+    rank,
+    world_size,
+    vocabs,
+    tokenizers,
+    config,
+    port,
+    resume,
+    device,
+    one_line_warnings=False,
 ):
-    """train_worker in a new process, from plain data."""
+    """train_worker in a new process, from plain data. A new process
+    prints warnings Python's way; `one_line_warnings` (the command line's
+    choice, in the parent) makes them one line here too."""
+    if one_line_warnings:
+        warnings.showwarning = warning_line
     vocabs = [
         BpeVocab.from_str(v) if isinstance(v, str) else Vocab(v)
         for v in vocabs
@@ -2881,7 +2893,8 @@ def train_distributed_model(
     plain = lambda v: v.to_str() if is_subword(v) else v.get_itos()
     vocabs = [plain(vocab_src), plain(vocab_tgt)]
     data = (vocabs, (spacy_de, spacy_en), asdict(config), free_port())
-    args = (world_size, *data, resume, device)
+    one_line = warnings.showwarning is warning_line  # as main set it
+    args = (world_size, *data, resume, device, one_line)
     try:
         mp.spawn(_spawned_worker, args, nprocs=world_size)
     except mp.ProcessRaisedException as err:

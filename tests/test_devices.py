@@ -8,6 +8,9 @@ check each decision for five machines: no GPU, one T4, one A100, two A100s
 under torchrun, and a Mac. The last tests train for real, on this CPU.
 """
 
+import sys
+import warnings
+
 import pytest
 import torch
 
@@ -208,7 +211,7 @@ def test_two_processes_on_one_gpu_never_reach_nccl(machine, monkeypatch):
         vocab, vocab, None, None, config, 2, cpu_fallback=True
     )
     ((args, nprocs),) = spawned
-    assert nprocs == 2 and args[-1] == "cpu"  # device for every rank
+    assert nprocs == 2 and args[-2] == "cpu"  # device for every rank
 
 
 def test_a_workers_user_error_is_one_line_and_a_fault_its_traceback(
@@ -243,6 +246,41 @@ def test_a_workers_user_error_is_one_line_and_a_fault_its_traceback(
         tools.train_distributed_model(
             vocab, vocab, None, None, config, 2, cpu_fallback=True
         )
+
+
+def test_a_training_process_warns_in_one_line_when_main_does(
+    monkeypatch, capsys
+):
+    """A spawned process starts with Python's two-line warnings; it gets
+    the command line's one-line form when main has set it."""
+
+    def warn_in_worker(*args, **kwargs):
+        warnings.warn("a warning\nover two lines", UserWarning, stacklevel=1)
+
+    def python_default(message, category, filename, lineno, *rest):
+        """What a fresh process prints: Python's two-line form."""
+        text = warnings.formatwarning(message, category, filename, lineno)
+        sys.stderr.write(text)
+
+    def spawn_here(fn, args, nprocs):  # rank 0, as a fresh process would
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = python_default
+            fn(0, *args)
+
+    monkeypatch.setattr(tools, "train_worker", warn_in_worker)
+    monkeypatch.setattr(torch.multiprocessing, "spawn", spawn_here)
+    vocab = tat.Vocab(tat.SPECIALS)
+    config = tools.get_config("ci")
+    train = tools.train_distributed_model
+    with warnings.catch_warnings():
+        warnings.showwarning = tools.warning_line  # what main sets
+        train(vocab, vocab, None, None, config, 2, cpu_fallback=True)
+    err = capsys.readouterr().err
+    assert err == "warning: a warning over two lines\n", err
+    train(vocab, vocab, None, None, config, 2, cpu_fallback=True)
+    err = capsys.readouterr().err
+    assert "UserWarning" in err and len(err.splitlines()) > 1, err
 
 
 @with_machine("one T4")
