@@ -2088,9 +2088,18 @@ DEFAULT_ALPHA = 0.6  # beam search's length penalty: the paper's
 
 
 def load_translator(
-    checkpoint, device="cpu", beam=1, average_last=0, alpha=DEFAULT_ALPHA
+    checkpoint, device="cpu", beam=1, average_last=0, alpha=None
 ):
-    """(model, vocab_src, vocab_tgt, decode_fn) for greedy or beam search."""
+    """(model, vocab_src, vocab_tgt, decode_fn) for greedy or beam search;
+    `alpha`, the length penalty, only with a beam (DEFAULT_ALPHA if None).
+    """
+    if alpha is not None and beam == 1:
+        raise ValueError(
+            f"alpha {alpha:g} is beam search's length penalty, and greedy"
+            " decoding (beam 1) has none; use a beam of 2 or more"
+        )
+    if alpha is None:
+        alpha = DEFAULT_ALPHA
     if average_last:
         paths, history = own_epoch_files(checkpoint, average_last)
         model, vocab_src, vocab_tgt, _ = average_checkpoints(
@@ -2152,9 +2161,10 @@ def translate(
     average=0,
     replace_unk=True,
     device="auto",
-    alpha=DEFAULT_ALPHA,
+    alpha=None,
 ):
-    """English translations of German sentences, with a trained model."""
+    """English translations of German sentences, with a trained model;
+    `alpha`, beam search's length penalty, only with `beam` above 1."""
     checkpoint = checkpoint or default_checkpoint()
     if device in (None, "auto"):
         device = pick_device()
@@ -2903,17 +2913,11 @@ def check_out(out, *inputs, option="--out"):
 
 
 def load_for_decoding(args):
-    """`load_translator` for the command line, refusing a too-wide beam,
-    and a length penalty without a beam to apply it to."""
-    if args.alpha is not None and args.beam == 1:
-        raise UserError(
-            f"--alpha {args.alpha:g} is beam search's length penalty, and"
-            " greedy decoding (--beam 1) has none; add --beam 4, say"
-        )
-    alpha = DEFAULT_ALPHA if args.alpha is None else args.alpha
+    """`load_translator` for the command line, refusing a too-wide beam
+    (and, in load_translator, a length penalty without a beam)."""
     try:
         model, vocab_src, vocab_tgt, decode_fn = load_translator(
-            args.checkpoint, args.device, args.beam, args.average, alpha
+            args.checkpoint, args.device, args.beam, args.average, args.alpha
         )
     except (FileNotFoundError, ValueError) as err:  # CheckpointError, ...
         raise UserError(str(err)) from err

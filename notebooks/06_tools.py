@@ -3142,7 +3142,9 @@ def compute_bleu(hypotheses, references):
 # `evaluate` and `translate`: a checkpoint, a beam size (1 means greedy,
 # with the cache), a number of epoch checkpoints to average, and beam
 # search's length penalty $\alpha$ (Part 5: the paper's 0.6 by default;
-# 1.0 scored best on the validation split here).
+# 1.0 scored best on the validation split here). An $\alpha$ given with
+# greedy decoding would be ignored, so it is refused, before the
+# checkpoint is read.
 
 
 # %%
@@ -3151,9 +3153,18 @@ DEFAULT_ALPHA = 0.6  # beam search's length penalty: the paper's
 
 
 def load_translator(
-    checkpoint, device="cpu", beam=1, average_last=0, alpha=DEFAULT_ALPHA
+    checkpoint, device="cpu", beam=1, average_last=0, alpha=None
 ):
-    """(model, vocab_src, vocab_tgt, decode_fn) for greedy or beam search."""
+    """(model, vocab_src, vocab_tgt, decode_fn) for greedy or beam search;
+    `alpha`, the length penalty, only with a beam (DEFAULT_ALPHA if None).
+    """
+    if alpha is not None and beam == 1:
+        raise ValueError(
+            f"alpha {alpha:g} is beam search's length penalty, and greedy"
+            " decoding (beam 1) has none; use a beam of 2 or more"
+        )
+    if alpha is None:
+        alpha = DEFAULT_ALPHA
     if average_last:
         paths, history = own_epoch_files(checkpoint, average_last)
         model, vocab_src, vocab_tgt, _ = average_checkpoints(
@@ -3249,9 +3260,10 @@ def translate(
     average=0,
     replace_unk=True,
     device="auto",
-    alpha=DEFAULT_ALPHA,
+    alpha=None,
 ):
-    """English translations of German sentences, with a trained model."""
+    """English translations of German sentences, with a trained model;
+    `alpha`, beam search's length penalty, only with `beam` above 1."""
     checkpoint = checkpoint or default_checkpoint()
     if device in (None, "auto"):
         device = pick_device()
@@ -4153,10 +4165,10 @@ def write_results(path, checkpoint, wall_time):
 # checks `--out` first: it must not name an input (with `--average`, the
 # epoch files next to the checkpoint count as inputs), which it would
 # overwrite, and its folder must exist and be writable. Then
-# `load_for_decoding` refuses `--alpha` without a beam (greedy decoding
-# has no length penalty), loads the model through `load_translator`
-# (cached greedy decoding, or beam search with `--beam`), turns the
-# library's complaints about the checkpoint into `UserError`s, and refuses
+# `load_for_decoding` loads the model through `load_translator` (cached
+# greedy decoding, or beam search with `--beam`; `--alpha` without a beam
+# is refused there, since greedy decoding has no length penalty), turns
+# the library's complaints into `UserError`s, and refuses
 # a beam wider than the target vocabulary, which could never fill it.
 
 
@@ -4189,17 +4201,11 @@ def check_out(out, *inputs, option="--out"):
 
 
 def load_for_decoding(args):
-    """`load_translator` for the command line, refusing a too-wide beam,
-    and a length penalty without a beam to apply it to."""
-    if args.alpha is not None and args.beam == 1:
-        raise UserError(
-            f"--alpha {args.alpha:g} is beam search's length penalty, and"
-            " greedy decoding (--beam 1) has none; add --beam 4, say"
-        )
-    alpha = DEFAULT_ALPHA if args.alpha is None else args.alpha
+    """`load_translator` for the command line, refusing a too-wide beam
+    (and, in load_translator, a length penalty without a beam)."""
     try:
         model, vocab_src, vocab_tgt, decode_fn = load_translator(
-            args.checkpoint, args.device, args.beam, args.average, alpha
+            args.checkpoint, args.device, args.beam, args.average, args.alpha
         )
     except (FileNotFoundError, ValueError) as err:  # CheckpointError, ...
         raise UserError(str(err)) from err

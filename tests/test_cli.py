@@ -581,8 +581,19 @@ def test_alpha_without_a_beam_is_one_line(tiny, capsys):
         capsys, "translate", "--checkpoint", tiny[0], "--alpha", "1", "x"
     )
     assert status == 2 and out == "" and len(err.splitlines()) == 1
-    assert "--alpha 1 is beam search's length penalty" in err
-    assert "greedy decoding (--beam 1) has none" in err
+    assert "alpha 1 is beam search's length penalty" in err
+    assert "greedy decoding (beam 1) has none" in err
+
+
+def test_the_library_refuses_alpha_without_a_beam_before_reading(tmp_path):
+    """translate() and load_translator() ignored alpha with beam 1."""
+    missing = tmp_path / "no such checkpoint.pt"
+    with pytest.raises(ValueError, match="greedy decoding"):
+        tools.translate(["Hallo"], str(missing), alpha=1.0, device="cpu")
+    with pytest.raises(FileNotFoundError):  # alpha None: read, then fail
+        tools.load_translator(missing, beam=1)
+    with pytest.raises(FileNotFoundError):  # a beam takes an alpha
+        tools.load_translator(missing, beam=4, alpha=1.0)
 
 
 def test_whole_number_and_existing_device():
