@@ -653,8 +653,9 @@ def _folder_problems(folder, sums):
     problems = []
     for name, expected in sorted(sums.items()):
         path = folder / name
-        if _not_a_file(path):
-            problems.append(f"{name} {_not_a_file(path)}")
+        why = _not_a_file(path)
+        if why:
+            problems.append(f"{name} {why}")
         elif sha256_of(path) != expected:
             problems.append(f"{name} has the wrong SHA-256")
     return problems
@@ -2664,11 +2665,10 @@ def train_on_folder(folder, config):
         if not name.startswith("train.")
     }
     problems = _folder_problems(folder, held_out)
-    problems += [
-        f"{name} {_not_a_file(folder / name)}"
-        for name in ("train.de.gz", "train.en.gz")
-        if _not_a_file(folder / name)
-    ]
+    for name in ("train.de.gz", "train.en.gz"):
+        why = _not_a_file(folder / name)
+        if why:
+            problems.append(f"{name} {why}")
     if problems:
         raise UserError(f"--data {folder}: " + "; ".join(problems))
     try:  # readable, UTF-8, as many lines on each side, not empty
