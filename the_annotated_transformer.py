@@ -932,17 +932,7 @@ def create_dataloaders(
             shuffle=train,
             seed=seed,
         )
-        if not sampler.kept:  # e.g. a --data folder (appendix) of long pairs
-            raise DatasetError(
-                f"the {split} split has no pair of at most {sampler.max_len}"
-                f" tokens (of {len(lengths)} pairs); nothing is left to use"
-            )
-        if sampler.dropped:
-            n_dropped = len(sampler.dropped)
-            too_long = f"pairs longer than {sampler.max_len} tokens"
-            warnings.warn(
-                f"{split}: left out {n_dropped} {too_long}", stacklevel=2
-            )
+        report_left_out(sampler, split)  # an error if none is left
         loader = torch.utils.data.DataLoader(
             data,
             batch_sampler=sampler,
@@ -951,6 +941,22 @@ def create_dataloaders(
         )
         loaders.append(loader)
     return tuple(loaders)
+
+
+def report_left_out(sampler, split):
+    """Warn about the pairs too long to use; an error if none is left
+    (a `--data` folder of long pairs, say: the appendix)."""
+    n_pairs = len(sampler.kept) + len(sampler.dropped)
+    if not sampler.kept:
+        raise DatasetError(
+            f"the {split} split has no pair of at most {sampler.max_len}"
+            f" tokens (of {n_pairs} pairs); nothing is left to use"
+        )
+    if sampler.dropped:
+        n_dropped = len(sampler.dropped)
+        too_long = f"pairs longer than {sampler.max_len} tokens"
+        message = f"{split}: left out {n_dropped} {too_long}"
+        warnings.warn(message, stacklevel=3)  # the caller of the loaders
 
 
 # -----------------------------------------------------------------------------
@@ -1897,6 +1903,7 @@ __all__ = [
     "bucket",
     "TokenBatchSampler",
     "create_dataloaders",
+    "report_left_out",
     "TrainConfig",
     "model_from_config",
     "warmup_then_linear",

@@ -492,8 +492,9 @@ assert len(buckets) == 153
 # `create_dataloaders` puts the pieces together: training batches
 # shuffled and without pairs longer than `max_len`; validation batches
 # sorted by length and not shuffled, keeping every pair that fits in one
-# batch of `max_tokens`. A split with no pair left is an error, not an
-# epoch of nothing.
+# batch of `max_tokens`. `report_left_out` warns about the pairs left
+# out, and makes a split with no pair left an error, not an epoch of
+# nothing.
 # `max_train_pairs=n` (0 means all) keeps the first $n$ training pairs
 # and the first $n/4$ validation pairs; the tiny `ci` preset uses it.
 # `num_workers` prepares batches in that many background processes (0: in
@@ -528,17 +529,7 @@ def create_dataloaders(
             shuffle=train,
             seed=seed,
         )
-        if not sampler.kept:  # e.g. a --data folder (appendix) of long pairs
-            raise DatasetError(
-                f"the {split} split has no pair of at most {sampler.max_len}"
-                f" tokens (of {len(lengths)} pairs); nothing is left to use"
-            )
-        if sampler.dropped:
-            n_dropped = len(sampler.dropped)
-            too_long = f"pairs longer than {sampler.max_len} tokens"
-            warnings.warn(
-                f"{split}: left out {n_dropped} {too_long}", stacklevel=2
-            )
+        report_left_out(sampler, split)  # an error if none is left
         loader = torch.utils.data.DataLoader(
             data,
             batch_sampler=sampler,
@@ -547,6 +538,22 @@ def create_dataloaders(
         )
         loaders.append(loader)
     return tuple(loaders)
+
+
+def report_left_out(sampler, split):
+    """Warn about the pairs too long to use; an error if none is left
+    (a `--data` folder of long pairs, say: the appendix)."""
+    n_pairs = len(sampler.kept) + len(sampler.dropped)
+    if not sampler.kept:
+        raise DatasetError(
+            f"the {split} split has no pair of at most {sampler.max_len}"
+            f" tokens (of {n_pairs} pairs); nothing is left to use"
+        )
+    if sampler.dropped:
+        n_dropped = len(sampler.dropped)
+        too_long = f"pairs longer than {sampler.max_len} tokens"
+        message = f"{split}: left out {n_dropped} {too_long}"
+        warnings.warn(message, stacklevel=3)  # the caller of the loaders
 
 
 # %% [markdown]

@@ -498,6 +498,21 @@ def test_a_split_with_no_pair_that_fits_is_an_error(multi30k_dir, monkeypatch):
         )
 
 
+def test_pairs_left_out_are_a_warning_at_the_callers_line(
+    multi30k_dir, monkeypatch
+):
+    monkeypatch.setenv("MULTI30K_DIR", str(multi30k_dir))
+    spacy_de, spacy_en = tat.load_tokenizers()
+    vocab = tat.Vocab(tat.SPECIALS)
+    with pytest.warns(UserWarning, match=r"train: left out \d+ pairs") as w:
+        loader, _ = tat.create_dataloaders(
+            vocab, vocab, spacy_de, spacy_en, max_tokens=100, max_len=12
+        )
+    dropped = len(loader.batch_sampler.dropped)
+    assert dropped > 0 and f"left out {dropped} pairs" in str(w[0].message)
+    assert w[0].filename == __file__  # this test's line, not the library's
+
+
 # ------------------------------------------------- bench/batching.py sides
 def test_batching_benchmark_feeds_both_sides_the_same_sentences():
     import importlib.util
