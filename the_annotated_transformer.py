@@ -45,8 +45,10 @@ class EncoderDecoder(nn.Module):
 
     def __init__(self, encoder, decoder, src_embed, tgt_embed, generator):
         super().__init__()
-        self.encoder, self.decoder = encoder, decoder
-        self.src_embed, self.tgt_embed = src_embed, tgt_embed
+        self.encoder = encoder
+        self.decoder = decoder
+        self.src_embed = src_embed
+        self.tgt_embed = tgt_embed
         self.generator = generator
 
     def forward(self, src, tgt, src_mask, tgt_mask):
@@ -873,7 +875,7 @@ class TokenBatchSampler(torch.utils.data.Sampler):
     def __init__(
         self, lengths, max_tokens, max_len=None, shuffle=True, seed=0
     ):
-        if max_len is None:
+        if not max_len:  # None or 0: no limit but the batch's budget
             max_len = max_tokens
         if max_len > max_tokens:
             raise ValueError("max_len must not exceed max_tokens")
@@ -956,7 +958,7 @@ def report_left_out(sampler, split):
         n_dropped = len(sampler.dropped)
         too_long = f"pairs longer than {sampler.max_len} tokens"
         message = f"{split}: left out {n_dropped} {too_long}"
-        warnings.warn(message, stacklevel=3)  # the caller of the loaders
+        warnings.warn(message, stacklevel=3)  # create_dataloaders' caller
 
 
 # -----------------------------------------------------------------------------
@@ -1231,11 +1233,13 @@ def record_attention(model):
     flags = [m.store_attention for m in layers]
     try:
         for m in layers:
-            m.store_attention, m.attn = True, None
+            m.store_attention = True
+            m.attn = None
         yield layers
     finally:
         for m, flag in zip(layers, flags, strict=True):
-            m.store_attention, m.attn = flag, None
+            m.store_attention = flag
+            m.attn = None  # no stored weights outlive the block
 
 
 # -----------------------------------------------------------------------------
@@ -1521,7 +1525,8 @@ def attend_step(attn, x, k, v, mask=None):
     group = R // kv_rows  # rows per set of keys and values
     # (R, 1, d) -> (kv_rows, group, d): the group rows of a sentence become
     # its queries, so one copy of the source's keys and values serves all.
-    # With group == 1 (greedy decoding) the reshape changes nothing.
+    # With group == 1 (greedy decoding, or self-attention) the reshape
+    # changes nothing.
     queries = x.reshape(kv_rows, group, x.size(-1))
     q = attn.split_heads(queries, attn.w_q)  # (kv_rows, h, group, d_k)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -1691,7 +1696,8 @@ def beam_search_steps(
     device="cpu",
 ):
     """Beam search over step(ids (R, 1)) -> log-probs (R, V); (B, L) ids."""
-    B, k = batch_size, beam_size
+    B = batch_size
+    k = beam_size
     out = torch.full((B, max_len), PAD, dtype=torch.long, device=device)
     out[:, 0] = start_symbol  # (B, max_len): the answers
     best = torch.full((B,), -math.inf, device=device)  # their scores

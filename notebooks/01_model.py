@@ -87,8 +87,7 @@ from torch import nn
 # letters throughout the project: `B` sentences in a batch, `S` source
 # positions, `T` target positions (in attention: `T` queries, `S` keys),
 # `d_model` the width of each position's vector (512 in the paper), `h`
-# attention heads, and `d_k = d_model / h` features per head. A mask's
-# shape, such as `(B, 1, S)`, is explained in the section "Masks".
+# attention heads, and `d_k = d_model / h` features per head.
 #
 # ![The Transformer, as this notebook builds it](attachment:transformer.svg)
 #
@@ -111,8 +110,10 @@ class EncoderDecoder(nn.Module):
 
     def __init__(self, encoder, decoder, src_embed, tgt_embed, generator):
         super().__init__()
-        self.encoder, self.decoder = encoder, decoder
-        self.src_embed, self.tgt_embed = src_embed, tgt_embed
+        self.encoder = encoder
+        self.decoder = decoder
+        self.src_embed = src_embed
+        self.tgt_embed = tgt_embed
         self.generator = generator
 
     def forward(self, src, tgt, src_mask, tgt_mask):

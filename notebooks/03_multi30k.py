@@ -407,7 +407,7 @@ class TokenBatchSampler(torch.utils.data.Sampler):
     def __init__(
         self, lengths, max_tokens, max_len=None, shuffle=True, seed=0
     ):
-        if max_len is None:
+        if not max_len:  # None or 0: no limit but the batch's budget
             max_len = max_tokens
         if max_len > max_tokens:
             raise ValueError("max_len must not exceed max_tokens")
@@ -553,7 +553,7 @@ def report_left_out(sampler, split):
         n_dropped = len(sampler.dropped)
         too_long = f"pairs longer than {sampler.max_len} tokens"
         message = f"{split}: left out {n_dropped} {too_long}"
-        warnings.warn(message, stacklevel=3)  # the caller of the loaders
+        warnings.warn(message, stacklevel=3)  # create_dataloaders' caller
 
 
 # %% [markdown]
@@ -1186,9 +1186,9 @@ if preset == "quick":
 # file holds a split, and the one-line error when one is missing. The
 # folder is the one `MULTI30K_DIR` names, else `data/multi30k` in the
 # repository, which `data_dir` finds from where the notebook runs. When
-# no folder above it holds the library, `data_dir` asks `module_folder`
-# where Python imports the library from: a checkout installed with
-# `pip install -e`, as on Colab.
+# no folder above it holds the library, `data_dir` uses `MODULE_DIR`,
+# where `module_folder` found that Python imports the library from when
+# the cell ran: a checkout installed with `pip install -e`, as on Colab.
 
 
 # %%

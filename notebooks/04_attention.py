@@ -124,11 +124,13 @@ def record_attention(model):
     flags = [m.store_attention for m in layers]
     try:
         for m in layers:
-            m.store_attention, m.attn = True, None
+            m.store_attention = True
+            m.attn = None
         yield layers
     finally:
         for m, flag in zip(layers, flags, strict=True):
-            m.store_attention, m.attn = flag, None
+            m.store_attention = flag
+            m.attn = None  # no stored weights outlive the block
 
 
 # %% [markdown]
@@ -645,7 +647,8 @@ with torch.no_grad():
     enc_layer = model.encoder.layers[0]
     embedded = model.src_embed(src_in)[0]  # (S, d_model): drop the batch
     x = enc_layer.self_attn_block.norm(embedded)  # (S, d_model)
-    W_q, W_k = enc_layer.self_attn.w_q, enc_layer.self_attn.w_k
+    W_q = enc_layer.self_attn.w_q
+    W_k = enc_layer.self_attn.w_k
     d_k = enc_layer.self_attn.d_k
     q = W_q(x).view(len(src), h, d_k).transpose(0, 1)  # (h, S, d_k)
     k = W_k(x).view(len(src), h, d_k).transpose(0, 1)  # (h, S, d_k)

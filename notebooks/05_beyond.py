@@ -197,8 +197,8 @@ src_mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
 # in the batch. `select(index)` keeps the $R'$ rows that `index` lists:
 # greedy decoding uses it to drop the sentences that have finished.
 # `group`, the number of rows per sentence, is 1 for greedy decoding, so
-# here $R = B$; it matters only for beam search (section 2, which works
-# through an example of `select` with `group=3`).
+# here a row is a sentence; it matters only for beam search (section 2,
+# which works through an example of `select` with `group=3`).
 
 
 # %%
@@ -271,7 +271,8 @@ def attend_step(attn, x, k, v, mask=None):
     group = R // kv_rows  # rows per set of keys and values
     # (R, 1, d) -> (kv_rows, group, d): the group rows of a sentence become
     # its queries, so one copy of the source's keys and values serves all.
-    # With group == 1 (greedy decoding) the reshape changes nothing.
+    # With group == 1 (greedy decoding, or self-attention) the reshape
+    # changes nothing.
     queries = x.reshape(kv_rows, group, x.size(-1))
     q = attn.split_heads(queries, attn.w_q)  # (kv_rows, h, group, d_k)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -618,7 +619,8 @@ def beam_search_steps(
     device="cpu",
 ):
     """Beam search over step(ids (R, 1)) -> log-probs (R, V); (B, L) ids."""
-    B, k = batch_size, beam_size
+    B = batch_size
+    k = beam_size
     out = torch.full((B, max_len), PAD, dtype=torch.long, device=device)
     out[:, 0] = start_symbol  # (B, max_len): the answers
     best = torch.full((B,), -math.inf, device=device)  # their scores
@@ -1240,9 +1242,8 @@ averaged_weights = averaged.state_dict()
 assert torch.allclose(averaged_weights[weight_name], mean_by_hand, atol=1e-6)
 pe = "tgt_embed.1.pe"
 assert all(torch.equal(averaged_weights[pe], s[pe]) for s in states)
-models = [load_trained_model(p, "cpu")[0] for p in epochs]
-fresh, _, _, _ = load_trained_model(epochs[0], "cpu")  # this shape
-in_memory = average(fresh, models)
+target, *_ = load_trained_model(epochs[0], "cpu")  # overwritten below
+in_memory = average(target, [load_trained_model(p, "cpu")[0] for p in epochs])
 for key, value in in_memory.state_dict().items():
     assert torch.allclose(value, averaged_weights[key], atol=1e-6), key
 print(f"averaged {len(epochs)} checkpoints: {[p.name for p in epochs]}")
@@ -1306,9 +1307,9 @@ for decoder_name, fn in DECODERS.items():
 # preset with dropout 0.2 (cpu-d02-e18 in `docs/results.md`); runs with
 # a linear decay chose the last 3 instead. The paper tuned $\alpha$ on
 # WMT. On Multi30k's validation split, $\alpha = 1.0$ scored 0.08 to
-# 0.57 BLEU higher than 0.6 in all 18 comparisons of beam 4 that the
-# five models of `docs/results.md`, "Toward a best recipe", were scored
-# in (their tables `results/recipe_*_val.md`), hence `--alpha 1.0`.
+# 0.57 BLEU higher than 0.6 in all 18 beam-4 comparisons of the tables
+# `results/recipe_*_val.md` that score both (five models of
+# `docs/results.md`), hence `--alpha 1.0`.
 #
 # ### The results
 #

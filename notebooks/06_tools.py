@@ -891,7 +891,7 @@ def _fetch(url, path, expected, timeout):
 
 # %%
 #| export
-def _not_a_file(path):
+def _why_not_a_file(path):
     """Why `path` is not a file to read: missing, or something else (a
     folder, a pipe); None if it is a file."""
     if path.is_file():
@@ -904,7 +904,7 @@ def _folder_problems(folder, sums):
     problems = []
     for name, expected in sorted(sums.items()):
         path = folder / name
-        why = _not_a_file(path)
+        why = _why_not_a_file(path)
         if why:
             problems.append(f"{name} {why}")
         elif sha256_of(path) != expected:
@@ -1757,8 +1757,7 @@ def same_run(epoch_history, history):
 #
 # `tests/test_devices.py` checks that `train_worker` and
 # `train_one_process` end with the same weights and losses, to rounding,
-# on the dropout-free `ci` preset. (With dropout the two differ: the same
-# seed gives `FastDropout` and `nn.Dropout` different masks.)
+# on the dropout-free `ci` preset.
 #
 # `train_worker` calls the library's copies of Part 3's cells, in
 # `the_annotated_transformer.py`, which `make export` writes from
@@ -2847,9 +2846,9 @@ def _spawned_worker(
 ):
     """train_worker in a new process, from plain data. A new process
     prints warnings Python's way; `one_line_warnings` (the command line's
-    choice, in the parent) makes them one line here too."""
+    choice, in the parent) gives it the command line's warnings."""
     if one_line_warnings:
-        warnings.showwarning = warning_line
+        command_line_warnings()
     vocabs = [
         BpeVocab.from_str(v) if isinstance(v, str) else Vocab(v)
         for v in vocabs
@@ -3157,9 +3156,10 @@ def load_translator(
     checkpoint, device="cpu", beam=1, average_last=0, alpha=None
 ):
     """(model, vocab_src, vocab_tgt, decode_fn) for greedy or beam search;
-    `alpha`, the length penalty, only with a beam (DEFAULT_ALPHA if None).
+    `alpha`, the length penalty, only with a beam of 2 or more
+    (DEFAULT_ALPHA if None).
     """
-    if alpha is not None and beam == 1:
+    if alpha is not None and beam < 2:
         raise ValueError(
             f"alpha {alpha:g} is beam search's length penalty, and greedy"
             " decoding (beam 1) has none; use a beam of 2 or more"
@@ -3927,7 +3927,7 @@ def train_on_folder(folder, config):
     }
     problems = _folder_problems(folder, held_out)
     for name in ("train.de.gz", "train.en.gz"):
-        why = _not_a_file(folder / name)
+        why = _why_not_a_file(folder / name)
         if why:
             problems.append(f"{name} {why}")
     if problems:
@@ -4457,6 +4457,13 @@ def warning_line(message, *args, **kwargs):
     print("warning: " + one_line(message), file=sys.stderr)
 
 
+def command_line_warnings():
+    """The command line's warnings, until the caller's catch_warnings
+    ends: one line each, and none for torch's note on an old pickle."""
+    warnings.filterwarnings("ignore", "Detected pickle protocol")
+    warnings.showwarning = warning_line
+
+
 def main(argv=None):
     """Command-line entry point; returns the exit status."""
     if threading.current_thread() is threading.main_thread():
@@ -4475,9 +4482,7 @@ def main(argv=None):
             "translate": command_translate,
         }
         with warnings.catch_warnings():  # both restored on leaving
-            # torch's note on an old pickle, and warnings on one line
-            warnings.filterwarnings("ignore", "Detected pickle protocol")
-            warnings.showwarning = warning_line
+            command_line_warnings()
             status = commands[args.command](args)
         sys.stdout.flush()  # a full disk shows here, not at exit
         return status

@@ -263,7 +263,7 @@ def test_statistics_match_closed_forms():
     S, T = 5, 4
     maps = handmade_maps(S, T)
     stats = {r["kind"]: r for r in tat.attention_statistics(maps)}
-    enc, dec, crs = (stats[k] for k in tat.ATTENTION_KINDS)
+    enc, dec, cross = (stats[k] for k in tat.ATTENTION_KINDS)
     assert enc["entropy"] == pytest.approx(1.0)
     # E|i - j| for i, j independent and uniform on 0 .. S-1.
     assert enc["distance"] == pytest.approx((S * S - 1) / (3 * S))
@@ -273,7 +273,7 @@ def test_statistics_match_closed_forms():
     assert dec["same"] == pytest.approx(1 / T)
     assert dec["next"] == 0.0
     assert dec["distance"] == pytest.approx((T - 1) / T)
-    assert crs["entropy"] == pytest.approx(1.0)
+    assert cross["entropy"] == pytest.approx(1.0)
     assert all(r["layer"] == r["head"] == 1 for r in stats.values())
 
 

@@ -588,8 +588,11 @@ def test_alpha_without_a_beam_is_one_line(tiny, capsys):
 def test_the_library_refuses_alpha_without_a_beam_before_reading(tmp_path):
     """translate() and load_translator() ignored alpha with beam 1."""
     missing = tmp_path / "no such checkpoint.pt"
-    with pytest.raises(ValueError, match="greedy decoding"):
-        tools.translate(["Hallo"], str(missing), alpha=1.0, device="cpu")
+    for beam in (1, 0):  # not a beam of 2 or more
+        with pytest.raises(ValueError, match="greedy decoding"):
+            tools.translate(
+                ["Hallo"], str(missing), beam=beam, alpha=1.0, device="cpu"
+            )
     with pytest.raises(FileNotFoundError):  # alpha None: read, then fail
         tools.load_translator(missing, beam=1)
     with pytest.raises(FileNotFoundError):  # a beam takes an alpha

@@ -441,6 +441,13 @@ def test_sampler_rejects_impossible_settings():
         tools.ShardedBatchSampler(tat.TokenBatchSampler([(3, 3)], 10), 2, 2)
 
 
+@pytest.mark.parametrize("max_len", [None, 0])
+def test_sampler_without_max_len_limits_by_the_budget(max_len):
+    sampler = tat.TokenBatchSampler([(3, 3), (12, 4)], 10, max_len=max_len)
+    assert sampler.max_len == 10 and sampler.kept == [0]
+    assert sampler.dropped == [1]
+
+
 def test_shard_loader_splits_a_loader_among_ranks():
     data = [
         ([tat.BOS] + [7] * n + [tat.EOS], [tat.BOS] + [8] * n)
