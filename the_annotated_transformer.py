@@ -696,8 +696,11 @@ def run_epoch(
     """One pass over data_iter; returns (loss per token, train_state)."""
     train = mode.startswith("train")
     state = TrainState() if train_state is None else train_state
-    total_loss, total_tokens, window = 0.0, 0, 0
-    start, tokens_before = time.time(), state.tokens
+    total_loss = 0.0
+    total_tokens = 0
+    window = 0  # micro-batches since the last optimizer step
+    start = time.time()
+    tokens_before = state.tokens
     with torch.set_grad_enabled(train):
         for i, (batch, is_last) in enumerate(with_last_flag(data_iter)):
             steps_now = train and (window + 1 == accum_iter or is_last)
@@ -718,7 +721,8 @@ def run_epoch(
                 optimizer_step(
                     optimizer, scheduler, model.parameters(), scale, scaler
                 )
-                state.accum_step, window = state.accum_step + 1, 0
+                state.accum_step += 1
+                window = 0
             if mode == "train+log" and i % log_every == 1:
                 speed = (state.tokens - tokens_before) / (time.time() - start)
                 print_progress(i, state, loss_mean, speed, optimizer)

@@ -474,7 +474,8 @@ def plain_epoch(batches, model, loss_compute, optimizer, scheduler=None):
     """The bare training loop: forward, loss, backward, step.
     Returns the epoch's mean loss per target token."""
     model.train()
-    total_loss, total_tokens = 0.0, 0
+    total_loss = 0.0
+    total_tokens = 0
     for b in batches:
         out = model(b.src, b.tgt, b.src_mask, b.tgt_mask)  # (B, T, d_model)
         loss_sum, loss_mean = loss_compute(out, b.tgt_y, b.ntokens)
@@ -750,7 +751,8 @@ V = 11  # 0 is padding, 1 the start symbol, 2 to 10 the data
 sizes = dict(N=2, d_model=512, d_ff=2048, h=8)
 peak_lr = 3e-4
 if AT_SIZE == "ci":  # CI's small model, which needs a 10x higher peak
-    sizes, peak_lr = dict(N=1, d_model=64, d_ff=256, h=4), 3e-3
+    sizes = dict(N=1, d_model=64, d_ff=256, h=4)
+    peak_lr = 3e-3
 
 
 def copy_schedule(step):
@@ -1104,8 +1106,11 @@ def run_epoch(
     """One pass over data_iter; returns (loss per token, train_state)."""
     train = mode.startswith("train")
     state = TrainState() if train_state is None else train_state
-    total_loss, total_tokens, window = 0.0, 0, 0
-    start, tokens_before = time.time(), state.tokens
+    total_loss = 0.0
+    total_tokens = 0
+    window = 0  # micro-batches since the last optimizer step
+    start = time.time()
+    tokens_before = state.tokens
     with torch.set_grad_enabled(train):
         for i, (batch, is_last) in enumerate(with_last_flag(data_iter)):
             steps_now = train and (window + 1 == accum_iter or is_last)
@@ -1126,7 +1131,8 @@ def run_epoch(
                 optimizer_step(
                     optimizer, scheduler, model.parameters(), scale, scaler
                 )
-                state.accum_step, window = state.accum_step + 1, 0
+                state.accum_step += 1
+                window = 0
             if mode == "train+log" and i % log_every == 1:
                 speed = (state.tokens - tokens_before) / (time.time() - start)
                 print_progress(i, state, loss_mean, speed, optimizer)
