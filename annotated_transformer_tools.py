@@ -1649,21 +1649,29 @@ def clear_earlier_run(folder):
     return [path.name for path in files]
 
 
-def resume_point(folder):
-    """The file a run in `folder` resumes from, or None."""
+def resume_checkpoint(folder):
+    """The checkpoint a run in `folder` resumes from, read once (onto the
+    CPU, where random states must be): (path, contents), or (None, None)."""
     paths = [Path(folder, "last.pt"), *epoch_checkpoints(folder)[-1:]]
     for path in paths:
-        if path.is_file() and "optimizer" in load_checkpoint(path):
-            return path
-    return None
+        if path.is_file():
+            ckpt = load_checkpoint(path, "cpu")
+            if "optimizer" in ckpt:
+                return path, ckpt
+    return None, None
+
+
+def resume_point(folder):
+    """The file a run in `folder` resumes from, or None."""
+    path, _ = resume_checkpoint(folder)
+    return path
 
 
 def resume_run(run):
     """Restore the newest training state; returns the next epoch."""
-    path = resume_point(run.config.checkpoint_dir)
+    path, ckpt = resume_checkpoint(run.config.checkpoint_dir)
     if path is None:  # nothing to resume from: start afresh
         return 0
-    ckpt = load_checkpoint(path, "cpu")  # random states must be on the CPU
     load_weights(run.module, ckpt, path)
     run.optimizer.load_state_dict(ckpt["optimizer"])
     run.scheduler.load_state_dict(ckpt["scheduler"])
@@ -1695,7 +1703,7 @@ def changed_settings(saved, config):
 def check_resume(config, vocab_src, vocab_tgt):
     """The checkpoint a run would resume from (None: none), checked."""
     folder = config.checkpoint_dir
-    path = resume_point(folder)
+    path, ckpt = resume_checkpoint(folder)
     final = Path(folder, "final.pt")
     if path is None and (epoch_checkpoints(folder) or final.is_file()):
         raise CheckpointError(
@@ -1707,7 +1715,6 @@ def check_resume(config, vocab_src, vocab_tgt):
     if path is not None:
         with torch.device("meta"):  # shapes only, no memory
             model = model_from_config(config, len(vocab_src), len(vocab_tgt))
-        ckpt = load_checkpoint(path)
         problem = size_mismatch(model.state_dict(), ckpt["model"])
         if problem:
             raise CheckpointError(
@@ -3249,6 +3256,7 @@ __all__ = [
     "earlier_run_files",
     "note_earlier_run",
     "clear_earlier_run",
+    "resume_checkpoint",
     "resume_point",
     "resume_run",
     "RESUMABLE_CHANGES",

@@ -2446,13 +2446,13 @@ def train_epoch(run, epoch, train_loader, valid_loader, show=True):
 # new run's own. Stopped during its first epoch, the new run leaves the
 # earlier one whole.
 #
-# `resume_point` names the file to resume from: `last.pt`, or, for a run
-# made by an older version of this code, its newest epoch file, which
-# then held the optimizer too. `resume_run` restores it exactly as an
-# uninterrupted run would continue. It reads the file onto the CPU
-# whatever the run's device: `torch.set_rng_state` takes only a CPU
-# tensor, and `load_state_dict` moves weights and optimizer state to where
-# the model lives.
+# `resume_checkpoint` reads the file to resume from, once: `last.pt`, or,
+# for a run made by an older version of this code, its newest epoch file,
+# which then held the optimizer too (`resume_point` names it). It reads
+# the file onto the CPU whatever the run's device: `torch.set_rng_state`
+# takes only a CPU tensor, and `load_state_dict` moves weights and
+# optimizer state to where the model lives. `resume_run` restores it
+# exactly as an uninterrupted run would continue.
 
 
 # %%
@@ -2533,21 +2533,29 @@ def clear_earlier_run(folder):
     return [path.name for path in files]
 
 
-def resume_point(folder):
-    """The file a run in `folder` resumes from, or None."""
+def resume_checkpoint(folder):
+    """The checkpoint a run in `folder` resumes from, read once (onto the
+    CPU, where random states must be): (path, contents), or (None, None)."""
     paths = [Path(folder, "last.pt"), *epoch_checkpoints(folder)[-1:]]
     for path in paths:
-        if path.is_file() and "optimizer" in load_checkpoint(path):
-            return path
-    return None
+        if path.is_file():
+            ckpt = load_checkpoint(path, "cpu")
+            if "optimizer" in ckpt:
+                return path, ckpt
+    return None, None
+
+
+def resume_point(folder):
+    """The file a run in `folder` resumes from, or None."""
+    path, _ = resume_checkpoint(folder)
+    return path
 
 
 def resume_run(run):
     """Restore the newest training state; returns the next epoch."""
-    path = resume_point(run.config.checkpoint_dir)
+    path, ckpt = resume_checkpoint(run.config.checkpoint_dir)
     if path is None:  # nothing to resume from: start afresh
         return 0
-    ckpt = load_checkpoint(path, "cpu")  # random states must be on the CPU
     load_weights(run.module, ckpt, path)
     run.optimizer.load_state_dict(ckpt["optimizer"])
     run.scheduler.load_state_dict(ckpt["scheduler"])
@@ -2597,7 +2605,7 @@ def changed_settings(saved, config):
 def check_resume(config, vocab_src, vocab_tgt):
     """The checkpoint a run would resume from (None: none), checked."""
     folder = config.checkpoint_dir
-    path = resume_point(folder)
+    path, ckpt = resume_checkpoint(folder)
     final = Path(folder, "final.pt")
     if path is None and (epoch_checkpoints(folder) or final.is_file()):
         raise CheckpointError(
@@ -2609,7 +2617,6 @@ def check_resume(config, vocab_src, vocab_tgt):
     if path is not None:
         with torch.device("meta"):  # shapes only, no memory
             model = model_from_config(config, len(vocab_src), len(vocab_tgt))
-        ckpt = load_checkpoint(path)
         problem = size_mismatch(model.state_dict(), ckpt["model"])
         if problem:
             raise CheckpointError(

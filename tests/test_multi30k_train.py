@@ -674,3 +674,28 @@ def test_find_or_train_trains_quick_only_on_a_cuda_gpu(
     else:
         assert config is stand_in and not shown
         assert found == str(tmp_path / "stand-in" / "final.pt")
+
+
+def test_resuming_reads_the_checkpoint_once_per_step(
+    ci_run, vocabs, monkeypatch
+):
+    """The check before a run and the restore in it each read last.pt
+    once (a checkpoint with Adam's state is three times the weights)."""
+    cfg, _ = ci_run
+    reads = []
+    real_load = tools.load_checkpoint
+
+    def counting_load(path, *args, **kwargs):
+        reads.append(Path(path).name)
+        return real_load(path, *args, **kwargs)
+
+    monkeypatch.setattr(tools, "load_checkpoint", counting_load)
+    assert tools.check_resume(cfg, *vocabs) == Path(
+        cfg.checkpoint_dir, "last.pt"
+    )
+    assert reads == ["last.pt"]
+    reads.clear()
+    sizes = (len(vocabs[0]), len(vocabs[1]))
+    run = tools.TrainingRun(0, 1, sizes, cfg, False, device="cpu")
+    assert tools.resume_run(run) == cfg.epochs
+    assert reads == ["last.pt"]
