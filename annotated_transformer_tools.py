@@ -876,6 +876,11 @@ def cpu_has_native_bf16(cpuinfo="/proc/cpuinfo"):
 
 def choose_precision(device, precision="bf16"):
     """The Precision for training on `device` ("fp32": no autocast)."""
+    if precision not in ("bf16", "fp32"):  # "fp16" would get bf16 here
+        raise ValueError(
+            f'precision is "bf16" (the fastest this machine does well) or'
+            f' "fp32", not {precision!r}'
+        )
     device = torch.device(device)
     if precision == "fp32":
         return Precision(None, False)
@@ -1413,6 +1418,14 @@ class RDropLossCompute(SimpleLossCompute):
         return smoothed.detach() / 2, loss_mean
 
 
+def usable_cores():
+    """The CPU cores this process may run on: in a container or under
+    `taskset`, fewer than the machine has (os.cpu_count())."""
+    if hasattr(os, "sched_getaffinity"):  # Linux
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def place_process(rank, world_size, distributed, device=None):
     """This process's device, made the current GPU on CUDA."""
     if device is None:
@@ -1423,7 +1436,7 @@ def place_process(rank, world_size, distributed, device=None):
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)  # needs the GPU's number
     elif world_size > 1:  # processes share the CPU cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(max(1, usable_cores() // world_size))
     return device
 
 
@@ -1487,8 +1500,9 @@ def params_in_sync(module):
 def device_batch(src, tgt, device, pad=PAD):
     """Batch(src, tgt, pad) on `device`, its masks made there."""
     ntokens = int(tgt[:, 1:].ne(pad).sum())  # on the CPU: no GPU sync
-    src = src.to(device, non_blocking=True)  # (B, S)
-    tgt = tgt.to(device, non_blocking=True)  # (B, T + 1)
+    asynchronous = torch.device(device).type == "cuda"  # as Batch.to
+    src = src.to(device, non_blocking=asynchronous)  # (B, S)
+    tgt = tgt.to(device, non_blocking=asynchronous)  # (B, T + 1)
     batch = Batch(src, None, pad)  # the source mask, made on `device`
     batch.tgt, batch.tgt_y = tgt[:, :-1], tgt[:, 1:]  # (B, T) each
     batch.tgt_mask = Batch.make_std_mask(batch.tgt, pad)  # (B, T, T)
@@ -1587,6 +1601,36 @@ def save_run(run, name, vocab_src, vocab_tgt, **extra):
     save_checkpoint(Path(run.config.checkpoint_dir, name), **fields, **extra)
 
 
+def device_states(run):
+    """What a resumed run needs besides the CPU's random state: the random
+    state of the run's GPU, which dropout draws from there, and the
+    GradScaler's scale, where the precision has one."""
+    states = {}
+    if run.device.type == "cuda":  # this process's GPU only
+        states["cuda_rng_state"] = torch.cuda.get_rng_state(run.device)
+    if run.device.type == "mps":
+        states["mps_rng_state"] = torch.mps.get_rng_state()
+    if run.scaler is not None:
+        states["scaler"] = run.scaler.state_dict()
+    return states
+
+
+def restore_device_states(run, ckpt):
+    """Put back what device_states saved, where this run can use it."""
+    device = run.device
+    if device.type == "cuda":
+        state = ckpt.get("cuda_rng_state")
+        every = ckpt.get("cuda_rng_states", [])  # older runs: every GPU's
+        if state is None and (device.index or 0) < len(every):
+            state = every[device.index or 0]
+        if state is not None:
+            torch.cuda.set_rng_state(state, device)
+    if device.type == "mps" and "mps_rng_state" in ckpt:
+        torch.mps.set_rng_state(ckpt["mps_rng_state"])
+    if run.scaler is not None and "scaler" in ckpt:
+        run.scaler.load_state_dict(ckpt["scaler"])
+
+
 def save_epoch(run, epoch, vocab_src, vocab_tgt):
     """Write a lean epoch_NNN.pt, then last.pt; keep `keep_last` epochs."""
     save_run(run, f"epoch_{epoch:03d}.pt", vocab_src, vocab_tgt, epoch=epoch)
@@ -1596,9 +1640,8 @@ def save_epoch(run, epoch, vocab_src, vocab_tgt):
         "optimizer": run.optimizer.state_dict(),
         "scheduler": run.scheduler.state_dict(),
         "rng_state": torch.get_rng_state(),
+        **device_states(run),
     }
-    if run.device.type == "cuda":  # dropout on the GPU draws from these
-        resume["cuda_rng_states"] = torch.cuda.get_rng_state_all()
     save_run(run, "last.pt", vocab_src, vocab_tgt, **resume)
     keep = run.config.keep_last
     if keep > 0:  # 0 keeps every epoch file
@@ -1677,8 +1720,7 @@ def resume_run(run):
     run.scheduler.load_state_dict(ckpt["scheduler"])
     run.state, run.history = TrainState(**ckpt["train_state"]), ckpt["history"]
     torch.set_rng_state(ckpt["rng_state"])
-    if "cuda_rng_states" in ckpt and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(ckpt["cuda_rng_states"])
+    restore_device_states(run, ckpt)
     return ckpt["epoch"] + 1
 
 
@@ -2656,6 +2698,16 @@ def torchrun_ranks():
     return rank, world, local_rank, local_world
 
 
+def torchrun_device(world, local_rank, local_world):
+    """The device of a process that torchrun started: its own GPU, or,
+    with several processes, the CPU (even one per Mac: gloo cannot send
+    MPS tensors)."""
+    device = process_device(local_rank, local_world)
+    if world > 1 and device.type == "mps":
+        return torch.device("cpu")
+    return device
+
+
 def train_on_folder(folder, config):
     """Check `--data`'s folder and return (the folder, absolute; `config`
     with `data` set to its pairs_digest). Checks: its validation and test
@@ -2808,7 +2860,7 @@ def train_locked(args, config, ranks=None):
             check_resume_and_say(config, *vocabs)
         rank, world, local_rank, local_world = ranks
         try:
-            device = process_device(local_rank, local_world)
+            device = torchrun_device(world, local_rank, local_world)
         except ValueError as err:
             raise UserError(f"torchrun: {err}") from None
         train_worker(
@@ -3241,6 +3293,7 @@ __all__ = [
     "doubled",
     "symmetric_kl",
     "RDropLossCompute",
+    "usable_cores",
     "place_process",
     "join_group",
     "TrainingRun",
@@ -3252,6 +3305,8 @@ __all__ = [
     "validate",
     "train_epoch",
     "save_run",
+    "device_states",
+    "restore_device_states",
     "save_epoch",
     "earlier_run_files",
     "note_earlier_run",
@@ -3310,6 +3365,7 @@ __all__ = [
     "add_translate_parser",
     "build_parser",
     "torchrun_ranks",
+    "torchrun_device",
     "train_on_folder",
     "short_digest",
     "pairs_digest",

@@ -404,9 +404,13 @@ class Batch:
 
     def to(self, device):
         """Move every tensor of the batch to a device, in place."""
+        # Copy asynchronously to a CUDA GPU only: on Apple's MPS such a
+        # copy can read its source after it is freed (PyTorch issue 139550).
+        asynchronous = torch.device(device).type == "cuda"
         for name, value in vars(self).items():
             if torch.is_tensor(value):
-                setattr(self, name, value.to(device, non_blocking=True))
+                moved = value.to(device, non_blocking=asynchronous)
+                setattr(self, name, moved)
         return self
 
 

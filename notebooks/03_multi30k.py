@@ -41,13 +41,17 @@ import sys
 
 REPO = "https://github.com/annotated-transformer/done-right"
 CLONE = REPO.rsplit("/", 1)[-1]  # the folder `git clone` makes
-if "COLAB_RELEASE_TAG" in os.environ and not os.path.isdir(CLONE):
-    no_prompt = {**os.environ, "GIT_TERMINAL_PROMPT": "0"}  # no password
-    git = ["git", "clone", "-q", "--depth=1", REPO, CLONE]
-    if subprocess.run(git, env=no_prompt).returncode != 0:
-        raise SystemExit(f"could not clone {REPO}; nothing else will run")
-    pip = ["pip", "install", "-q", "-e", f"./{CLONE}[notebooks]"]
-    subprocess.run([sys.executable, "-m", *pip], check=True)
+if "COLAB_RELEASE_TAG" in os.environ:
+    if not os.path.isdir(CLONE):
+        no_prompt = {**os.environ, "GIT_TERMINAL_PROMPT": "0"}  # no password
+        git = ["git", "clone", "-q", "--depth=1", REPO, CLONE]
+        if subprocess.run(git, env=no_prompt).returncode != 0:
+            raise SystemExit(f"could not clone {REPO}; nothing else will run")
+    installed = os.path.join(CLONE, ".installed")  # pip finished, once
+    if not os.path.isfile(installed):  # again after a failed install
+        pip = ["pip", "install", "-q", "-e", f"./{CLONE}[notebooks]"]
+        subprocess.run([sys.executable, "-m", *pip], check=True)
+        open(installed, "w").close()
 # The repository: the clone on Colab; else this notebook's parent folder,
 # or the working directory when it is the repository itself.
 HERE = "." if os.path.isfile("the_annotated_transformer.py") else ".."

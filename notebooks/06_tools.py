@@ -42,13 +42,17 @@ import sys
 
 REPO = "https://github.com/annotated-transformer/done-right"
 CLONE = REPO.rsplit("/", 1)[-1]  # the folder `git clone` makes
-if "COLAB_RELEASE_TAG" in os.environ and not os.path.isdir(CLONE):
-    no_prompt = {**os.environ, "GIT_TERMINAL_PROMPT": "0"}  # no password
-    git = ["git", "clone", "-q", "--depth=1", REPO, CLONE]
-    if subprocess.run(git, env=no_prompt).returncode != 0:
-        raise SystemExit(f"could not clone {REPO}; nothing else will run")
-    pip = ["pip", "install", "-q", "-e", f"./{CLONE}[notebooks]"]
-    subprocess.run([sys.executable, "-m", *pip], check=True)
+if "COLAB_RELEASE_TAG" in os.environ:
+    if not os.path.isdir(CLONE):
+        no_prompt = {**os.environ, "GIT_TERMINAL_PROMPT": "0"}  # no password
+        git = ["git", "clone", "-q", "--depth=1", REPO, CLONE]
+        if subprocess.run(git, env=no_prompt).returncode != 0:
+            raise SystemExit(f"could not clone {REPO}; nothing else will run")
+    installed = os.path.join(CLONE, ".installed")  # pip finished, once
+    if not os.path.isfile(installed):  # again after a failed install
+        pip = ["pip", "install", "-q", "-e", f"./{CLONE}[notebooks]"]
+        subprocess.run([sys.executable, "-m", *pip], check=True)
+        open(installed, "w").close()
 # The repository: the clone on Colab; else this notebook's parent folder,
 # or the working directory when it is the repository itself.
 HERE = "." if os.path.isfile("the_annotated_transformer.py") else ".."
@@ -1248,6 +1252,11 @@ def cpu_has_native_bf16(cpuinfo="/proc/cpuinfo"):
 
 def choose_precision(device, precision="bf16"):
     """The Precision for training on `device` ("fp32": no autocast)."""
+    if precision not in ("bf16", "fp32"):  # "fp16" would get bf16 here
+        raise ValueError(
+            f'precision is "bf16" (the fastest this machine does well) or'
+            f' "fp32", not {precision!r}'
+        )
     device = torch.device(device)
     if precision == "fp32":
         return Precision(None, False)
@@ -2211,24 +2220,32 @@ assert symmetric_kl(logp, logp, keep) == 0
 # pieces. `place_process` settles the process's device: it makes a GPU
 # the current one (`torch.cuda.set_device`, so that NCCL and new tensors
 # use this process's GPU), and gives processes that share the CPU an
-# equal part of its cores. `join_group` connects the processes of a
+# equal part of the cores it may use (`usable_cores`: in a container,
+# often fewer than the machine has). `join_group` connects the processes of a
 # distributed run.
 #
 # `TrainingRun` then sets up one process's run. It joins the group when
 # there are several processes, seeds, and builds the model with
 # `FastDropout` (above), wrapped in DDP when there are several processes.
 # It then makes the criterion, `FastLabelSmoothing` (above; `train_epoch`,
-# below, computes the loss),
-# and Part 3's optimizer and schedule for the step budget
-# (`batches_per_epoch`, or `total` steps). Last, it picks the precision,
-# with a `GradScaler` where the precision needs one. `module` is the bare
-# model, whose weights checkpoints store, and `model` is what we call,
-# DDP-wrapped when distributed. `params_in_sync` checks at the end that
-# all copies agree.
+# below, computes the loss), and Part 3's optimizer and schedule for the
+# step budget (`batches_per_epoch`, or `total` steps). Last, it picks the
+# precision, with a `GradScaler` where the precision needs one. `module`
+# is the bare model, whose weights checkpoints store, and `model` is what
+# we call, DDP-wrapped when distributed. `params_in_sync` checks at the
+# end that all copies agree.
 
 
 # %%
 #| export
+def usable_cores():
+    """The CPU cores this process may run on: in a container or under
+    `taskset`, fewer than the machine has (os.cpu_count())."""
+    if hasattr(os, "sched_getaffinity"):  # Linux
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def place_process(rank, world_size, distributed, device=None):
     """This process's device, made the current GPU on CUDA."""
     if device is None:
@@ -2239,7 +2256,7 @@ def place_process(rank, world_size, distributed, device=None):
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)  # needs the GPU's number
     elif world_size > 1:  # processes share the CPU cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(max(1, usable_cores() // world_size))
     return device
 
 
@@ -2330,8 +2347,9 @@ def params_in_sync(module):
 def device_batch(src, tgt, device, pad=PAD):
     """Batch(src, tgt, pad) on `device`, its masks made there."""
     ntokens = int(tgt[:, 1:].ne(pad).sum())  # on the CPU: no GPU sync
-    src = src.to(device, non_blocking=True)  # (B, S)
-    tgt = tgt.to(device, non_blocking=True)  # (B, T + 1)
+    asynchronous = torch.device(device).type == "cuda"  # as Batch.to
+    src = src.to(device, non_blocking=asynchronous)  # (B, S)
+    tgt = tgt.to(device, non_blocking=asynchronous)  # (B, T + 1)
     batch = Batch(src, None, pad)  # the source mask, made on `device`
     batch.tgt, batch.tgt_y = tgt[:, :-1], tgt[:, 1:]  # (B, T) each
     batch.tgt_mask = Batch.make_std_mask(batch.tgt, pad)  # (B, T, T)
@@ -2446,6 +2464,12 @@ def train_epoch(run, epoch, train_loader, valid_loader, show=True):
 # new run's own. Stopped during its first epoch, the new run leaves the
 # earlier one whole.
 #
+# Besides the CPU's random state, `last.pt` keeps what the run's device
+# needs to go on as if never stopped (`device_states`): the random state
+# of this process's GPU, which dropout draws from there (of this GPU
+# alone, so that a run saved on two GPUs resumes on one), and the
+# `GradScaler`'s scale on a GPU that trains in float16.
+#
 # `resume_checkpoint` reads the file to resume from, once: `last.pt`, or,
 # for a run made by an older version of this code, its newest epoch file,
 # which then held the optimizer too (`resume_point` names it). It reads
@@ -2471,6 +2495,36 @@ def save_run(run, name, vocab_src, vocab_tgt, **extra):
     save_checkpoint(Path(run.config.checkpoint_dir, name), **fields, **extra)
 
 
+def device_states(run):
+    """What a resumed run needs besides the CPU's random state: the random
+    state of the run's GPU, which dropout draws from there, and the
+    GradScaler's scale, where the precision has one."""
+    states = {}
+    if run.device.type == "cuda":  # this process's GPU only
+        states["cuda_rng_state"] = torch.cuda.get_rng_state(run.device)
+    if run.device.type == "mps":
+        states["mps_rng_state"] = torch.mps.get_rng_state()
+    if run.scaler is not None:
+        states["scaler"] = run.scaler.state_dict()
+    return states
+
+
+def restore_device_states(run, ckpt):
+    """Put back what device_states saved, where this run can use it."""
+    device = run.device
+    if device.type == "cuda":
+        state = ckpt.get("cuda_rng_state")
+        every = ckpt.get("cuda_rng_states", [])  # older runs: every GPU's
+        if state is None and (device.index or 0) < len(every):
+            state = every[device.index or 0]
+        if state is not None:
+            torch.cuda.set_rng_state(state, device)
+    if device.type == "mps" and "mps_rng_state" in ckpt:
+        torch.mps.set_rng_state(ckpt["mps_rng_state"])
+    if run.scaler is not None and "scaler" in ckpt:
+        run.scaler.load_state_dict(ckpt["scaler"])
+
+
 def save_epoch(run, epoch, vocab_src, vocab_tgt):
     """Write a lean epoch_NNN.pt, then last.pt; keep `keep_last` epochs."""
     save_run(run, f"epoch_{epoch:03d}.pt", vocab_src, vocab_tgt, epoch=epoch)
@@ -2480,9 +2534,8 @@ def save_epoch(run, epoch, vocab_src, vocab_tgt):
         "optimizer": run.optimizer.state_dict(),
         "scheduler": run.scheduler.state_dict(),
         "rng_state": torch.get_rng_state(),
+        **device_states(run),
     }
-    if run.device.type == "cuda":  # dropout on the GPU draws from these
-        resume["cuda_rng_states"] = torch.cuda.get_rng_state_all()
     save_run(run, "last.pt", vocab_src, vocab_tgt, **resume)
     keep = run.config.keep_last
     if keep > 0:  # 0 keeps every epoch file
@@ -2561,8 +2614,7 @@ def resume_run(run):
     run.scheduler.load_state_dict(ckpt["scheduler"])
     run.state, run.history = TrainState(**ckpt["train_state"]), ckpt["history"]
     torch.set_rng_state(ckpt["rng_state"])
-    if "cuda_rng_states" in ckpt and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(ckpt["cuda_rng_states"])
+    restore_device_states(run, ckpt)
     return ckpt["epoch"] + 1
 
 
@@ -3887,7 +3939,9 @@ def build_parser():
 # trains in this process, in `--world-size` spawned ones, or as one of the
 # processes that `torchrun` started. `torchrun_ranks` recognizes these by
 # the `LOCAL_RANK` that torchrun sets, beside `RANK` and `WORLD_SIZE`, and
-# rank 0 takes the lock for all of them.
+# rank 0 takes the lock for all of them. `torchrun_device` gives each its
+# device: its own GPU, else the CPU, even on Macs started one per machine
+# (gloo, the backend without GPUs, cannot send Apple's MPS tensors).
 #
 # With `--data FOLDER`, for instance a folder that `bench/distill.py`
 # wrote, training reads its pairs from that folder instead.
@@ -3896,9 +3950,8 @@ def build_parser():
 # references, and that its training files are well formed (gzip, UTF-8,
 # the same number of lines in both, at least one pair with text on both
 # sides), so that a bad file is refused in one line before the checkpoint
-# folder is made. It
-# caches the vocabularies of the original training split,
-# so that a student keeps its teachers' vocabularies. It records the
+# folder is made. It caches the vocabularies of the original training
+# split, so that a student keeps its teachers' vocabularies. It records the
 # SHA-256 of the folder's training pairs in the config, so that
 # `--resume` on other pairs is refused. `multi30k_from` then points
 # `MULTI30K_DIR` at the folder for the length of the run only.
@@ -3914,6 +3967,16 @@ def torchrun_ranks():
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     return rank, world, local_rank, local_world
+
+
+def torchrun_device(world, local_rank, local_world):
+    """The device of a process that torchrun started: its own GPU, or,
+    with several processes, the CPU (even one per Mac: gloo cannot send
+    MPS tensors)."""
+    device = process_device(local_rank, local_world)
+    if world > 1 and device.type == "mps":
+        return torch.device("cpu")
+    return device
 
 
 def train_on_folder(folder, config):
@@ -4068,7 +4131,7 @@ def train_locked(args, config, ranks=None):
             check_resume_and_say(config, *vocabs)
         rank, world, local_rank, local_world = ranks
         try:
-            device = process_device(local_rank, local_world)
+            device = torchrun_device(world, local_rank, local_world)
         except ValueError as err:
             raise UserError(f"torchrun: {err}") from None
         train_worker(

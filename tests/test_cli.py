@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 from dataclasses import asdict, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -1169,23 +1170,83 @@ def test_resume_restores_random_states_from_cpu_tensors(tmp_path, vocabs):
     assert torch.equal(torch.get_rng_state(), saved)
 
 
-def test_the_cuda_random_states_are_saved_and_restored(
+def test_the_gpus_random_state_is_saved_and_restored(
     tmp_path, vocabs, monkeypatch
 ):
+    """Saved for the run's own GPU, restored onto the resuming run's,
+    so that a run saved on cuda:1 of two GPUs resumes on a one-GPU
+    machine (set_rng_state_all raised IndexError there)."""
     config = tools.get_config("ci", checkpoint_dir=str(tmp_path), N=1)
     sizes = (len(vocabs[0]), len(vocabs[1]))
     run = tools.TrainingRun(0, 1, sizes, config, False)
-    run.device = torch.device("cuda", 0)  # only its name: no GPU here
-    states = [torch.arange(16, dtype=torch.uint8), torch.ones(16).byte()]
-    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: states)
+    run.device = torch.device("cuda", 1)  # only its name: no GPU here
+    states = {0: torch.arange(16).byte(), 1: torch.ones(16).byte()}
+    asked = []
+
+    def get_rng_state(device):
+        asked.append(torch.device(device))
+        return states[torch.device(device).index]
+
+    monkeypatch.setattr(torch.cuda, "get_rng_state", get_rng_state)
     tools.save_epoch(run, 0, *vocabs)
+    assert asked == [torch.device("cuda", 1)]
     resumed = tools.TrainingRun(0, 1, sizes, config, False)
+    resumed.device = torch.device("cuda", 0)  # the one GPU of another machine
     restored = []
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "set_rng_state_all", restored.extend)
+    monkeypatch.setattr(
+        torch.cuda, "set_rng_state", lambda s, d: restored.append((s, d))
+    )
     tools.resume_run(resumed)
-    assert len(restored) == 2
-    assert all(torch.equal(a, b) for a, b in zip(restored, states))
+    ((state, device),) = restored
+    assert torch.equal(state, states[1]) and device == resumed.device
+
+
+@pytest.mark.parametrize("index, expected", [(0, 0), (1, 1), (2, None)])
+def test_an_older_checkpoint_restores_this_gpus_state(index, expected):
+    """Older last.pt files held every GPU's state (get_rng_state_all)."""
+    states = [torch.arange(16).byte(), torch.ones(16).byte()]
+    run = SimpleNamespace(device=torch.device("cuda", index), scaler=None)
+    restored = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            torch.cuda, "set_rng_state", lambda s, d: restored.append(s)
+        )
+        tools.restore_device_states(run, {"cuda_rng_states": states})
+    if expected is None:  # a GPU the saving run did not have: left alone
+        assert restored == []
+    else:
+        assert len(restored) == 1
+        assert torch.equal(restored[0], states[expected])
+
+
+def test_apples_random_state_is_saved_and_restored(monkeypatch):
+    state = torch.arange(8).byte()
+    restored = []
+    monkeypatch.setattr(torch.mps, "get_rng_state", lambda: state)
+    monkeypatch.setattr(torch.mps, "set_rng_state", restored.append)
+    run = SimpleNamespace(device=torch.device("mps"), scaler=None)
+    saved = tools.device_states(run)
+    assert list(saved) == ["mps_rng_state"]
+    tools.restore_device_states(run, saved)
+    assert restored == [state]
+    cpu_run = SimpleNamespace(device=torch.device("cpu"), scaler=None)
+    assert tools.device_states(cpu_run) == {}
+
+
+def test_the_grad_scalers_scale_is_saved_and_restored():
+    """A T4 trains in float16 with a GradScaler: a resumed run must go on
+    at the scale it had reached, not start again at 65,536."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    scaler._lazy_init_scale_growth_tracker(torch.device("cpu"))
+    scaler.update(new_scale=512.0)
+    saved = tools.device_states(
+        SimpleNamespace(device=torch.device("cpu"), scaler=scaler)
+    )
+    fresh = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    tools.restore_device_states(
+        SimpleNamespace(device=torch.device("cpu"), scaler=fresh), saved
+    )
+    assert fresh.get_scale() == 512.0
 
 
 def test_a_damaged_cached_file_is_named_offline(tmp_path, monkeypatch):

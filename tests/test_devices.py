@@ -8,6 +8,7 @@ check each decision for five machines: no GPU, one T4, one A100, two A100s
 under torchrun, and a Mac. The last tests train for real, on this CPU.
 """
 
+import argparse
 import sys
 import warnings
 
@@ -145,6 +146,13 @@ BF16, FP16 = torch.bfloat16, torch.float16
 )
 def test_precision_table(machine, device, precision, dtype, scaler):
     assert tools.choose_precision(device, precision) == (dtype, scaler)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "auto", "bfloat16", ""])
+def test_an_unknown_precision_is_refused(precision):
+    """ "fp16" was read as "bf16": an A100 would have trained in bf16."""
+    with pytest.raises(ValueError, match='"bf16".*"fp32", not'):
+        tools.choose_precision("cpu", precision)
 
 
 def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
@@ -414,6 +422,39 @@ def test_two_a100s_under_torchrun(machine, cpu_model, monkeypatch):
     assert run.precision == (BF16, False)
 
 
+@pytest.mark.parametrize(
+    "machine, world, local_world, expected",
+    [
+        ("a Mac", 2, 1, "cpu"),  # two Macs, one process each: gloo
+        ("a Mac", 1, 1, "mps"),  # torchrun with one process: the GPU
+        ("no GPU", 2, 1, "cpu"),
+        ("two A100s", 4, 2, "cuda:1"),
+    ],
+    indirect=["machine"],
+)
+def test_torchrun_device(machine, world, local_world, expected):
+    """One process per Mac got MPS, which gloo cannot send."""
+    local_rank = local_world - 1
+    got = tools.torchrun_device(world, local_rank, local_world)
+    assert got == torch.device(expected)
+
+
+@pytest.mark.parametrize(
+    "cores, world, threads", [({0, 1, 2, 3}, 2, 2), ({5}, 2, 1)]
+)
+def test_processes_share_the_cores_they_may_use(
+    cores, world, threads, monkeypatch
+):
+    """os.cpu_count() (16 here) counts cores a container may not use."""
+    monkeypatch.setattr(tools.os, "sched_getaffinity", lambda pid: cores)
+    monkeypatch.setattr(tools.os, "cpu_count", lambda: 16)
+    asked = []
+    monkeypatch.setattr(torch, "set_num_threads", asked.append)
+    assert tools.usable_cores() == len(cores)
+    device = tools.place_process(0, world, False, device="cpu")
+    assert device == torch.device("cpu") and asked == [threads]
+
+
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize(
     "machine, device, pinned",
@@ -567,6 +608,58 @@ def test_device_batch_equals_batch():
     assert made.ntokens == reference.ntokens == int((tgt[:, 1:] != 2).sum())
     for name in ("src", "src_mask", "tgt", "tgt_y", "tgt_mask"):
         assert torch.equal(getattr(made, name), getattr(reference, name))
+
+
+@pytest.mark.parametrize(
+    "device, asynchronous",
+    [("cuda", True), ("cuda:1", True), ("mps", False), ("cpu", False)],
+)
+def test_batches_copy_asynchronously_only_to_a_cuda_gpu(
+    device, asynchronous, monkeypatch
+):
+    """To MPS, such a copy can read its source after it is freed and
+    silently give other token ids (PyTorch issues 139550 and 189690)."""
+    copies = []
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        target = args[0] if args else kwargs.get("device")
+        if isinstance(target, (str, torch.device)):
+            if torch.device(target) == torch.device(device):
+                copies.append(kwargs.get("non_blocking", False))
+            return self  # no GPU here: only the call is recorded
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    src = torch.randint(4, 30, (3, 7))
+    tgt = torch.randint(4, 30, (3, 9))
+    tat.Batch(src, tgt).to(device)
+    tools.device_batch(src, tgt, device)
+    monkeypatch.undo()
+    assert len(copies) >= 7  # five tensors of the Batch, two of device_batch
+    assert copies == [asynchronous] * len(copies)
+
+
+def test_a_models_weights_are_all_float32():
+    """MPS has no float64: every floating tensor a model holds (weights
+    and buffers such as the positional encodings) must be float32."""
+    config = tools.get_config("quick")
+    with torch.device("meta"):  # shapes and dtypes only
+        model = tools.model_from_config(config, 100, 120)
+    dtypes = {t.dtype for t in model.state_dict().values()}
+    assert dtypes == {torch.float32}
+
+
+@with_machine("a Mac")
+def test_mps_is_a_device_on_a_mac(machine):
+    assert tools.existing_device("mps") == "mps"
+    assert tools.existing_device("auto") == "mps"
+
+
+@with_machine("no GPU")
+def test_mps_is_refused_elsewhere(machine):
+    with pytest.raises(argparse.ArgumentTypeError, match="no mps"):
+        tools.existing_device("mps")
 
 
 def test_shard_loader_pins_memory_when_asked(

@@ -126,3 +126,31 @@ def test_root_is_the_repository_from_its_notebooks_folder_or_itself(where):
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(ROOT)
+
+
+def run_colab_cell(cwd):
+    """The first notebook's setup cell, as on Colab, in `cwd`."""
+    env = {**os.environ, "COLAB_RELEASE_TAG": "test"}
+    return subprocess.run(
+        [sys.executable, "-c", setup_cell(NOTEBOOKS[0])],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_a_failed_install_is_tried_again_when_the_cell_reruns(tmp_path):
+    """The clone was made but pip failed (a dropped connection): the cell,
+    run again, installs again instead of skipping to the lesson."""
+    clone = tmp_path / "done-right"
+    clone.mkdir()  # a clone with nothing pip can install
+    for attempt in range(2):
+        proc = run_colab_cell(tmp_path)
+        assert proc.returncode != 0, attempt  # pip tried, and failed
+        assert "CalledProcessError" in proc.stderr
+        assert not (clone / ".installed").exists()
+    (clone / ".installed").touch()  # as after an install that finished
+    proc = run_colab_cell(tmp_path)
+    assert proc.returncode == 0, proc.stderr
