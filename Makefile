@@ -34,13 +34,18 @@ setup: .venv/.installed  ## create .venv with every dependency
 	touch $@
 
 # The .ipynb twins carry the diagrams; they run in notebooks/, as in Jupyter.
+# Jupyter's own messages (a kernel's warnings, what processes that a
+# notebook starts print) go to runs/notebooks/NAME.log, shown on failure.
 notebook: setup  ## execute every notebook into runs/notebooks/ (AT_SIZE=ci: quick)
-	mkdir -p runs/notebooks
-	for nb in $(NOTEBOOKS:.py=.ipynb); do \
+	@mkdir -p runs/notebooks
+	@echo "running the notebooks into runs/notebooks/ (AT_SIZE=$(AT_SIZE))"
+	@for nb in $(NOTEBOOKS:.py=.ipynb); do \
 	  start=$$(date +%s); \
-	  AT_SIZE=$(AT_SIZE) $(PY) -m jupytext --to ipynb --execute \
+	  log=runs/notebooks/$$(basename $$nb .ipynb).log; \
+	  AT_SIZE=$(AT_SIZE) $(PY) -m jupytext -q --to ipynb --execute \
 	    --run-path notebooks --output runs/notebooks/$$(basename $$nb) \
-	    $$nb || exit 1; \
+	    $$nb 2> $$log || { cat $$log; echo "$$nb failed (log: $$log)"; \
+	    exit 1; }; \
 	  echo "$$nb: $$(( $$(date +%s) - start )) s"; \
 	done
 
@@ -50,7 +55,7 @@ export: setup  ## regenerate both modules and the .ipynb pairs
 check-sync: setup  ## fail when a module or an .ipynb drifted from its .py
 	$(PY) tools/export.py --check
 
-test: setup  ## unit tests, including the sync check
+test: setup  ## the unit tests alone (the sync check among them)
 	$(PY) -m pytest -q tests --ignore=tests/test_site.py
 
 notebook-test: setup  ## run every notebook with nbmake, CI-sized
@@ -104,5 +109,5 @@ site: setup  ## full-size site in site-full/, from the checkpoints of `make trai
 # `notebook-test` runs the same notebooks under nbmake, for use on its own.
 check: test html site-test  ## everything CI runs
 
-clean:
+clean:  ## remove what the notebooks and tests wrote (not .venv, data or checkpoints)
 	rm -rf runs site site-full test-output .pytest_cache

@@ -960,6 +960,13 @@ def save_checkpoint(path, **fields):
             raise wrapped.error from None  # e.g. no space left on device
 
 
+def shortened(text, limit=200):
+    """`text`, cut at a word before `limit` characters when longer."""
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0] + " ..."
+
+
 def checkpoint_head(path):
     """The first two bytes of a file that could be a checkpoint, checked."""
     path = Path(path)
@@ -968,10 +975,15 @@ def checkpoint_head(path):
             f"{path} is a folder; give a checkpoint file such as"
             f" {path / 'final.pt'}"
         )
+    if path.exists() and not path.is_file():  # a pipe, a device
+        raise CheckpointError(f"{path} is not a file, so not a checkpoint")
+    if path.is_symlink() and not path.exists():
+        raise FileNotFoundError(f"{path} is a link to nothing")
     if not path.is_file():
         where = "" if path.is_absolute() else f" (under {Path.cwd()})"
         raise FileNotFoundError(
-            f"no checkpoint at {path}{where}; train one first"
+            f"no checkpoint at {path}{where}; train one first (`make"
+            " notebook`, or `train`), or name one with --checkpoint"
         )
     with open(path, "rb") as f:
         head = f.read(2)
@@ -992,7 +1004,9 @@ def check_zip(path, message):
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()  # reads every entry, checks its CRC
     except Exception as err:  # a damaged directory: many kinds of error
-        raise CheckpointError(f"{message}: {one_line(err)[:200]}") from err
+        raise CheckpointError(
+            f"{message}: {shortened(one_line(err))}"
+        ) from err
     if bad is not None:
         raise CheckpointError(f"{message}: {bad} fails its checksum")
 
@@ -1018,7 +1032,9 @@ def load_checkpoint(path, device="cpu"):
             " written by torch.save)"
         ) from err
     except Exception as err:  # cut short, damaged: many kinds of error
-        raise CheckpointError(f"{damaged}: {one_line(err)[:200]}") from err
+        raise CheckpointError(
+            f"{damaged}: {shortened(one_line(err))}"
+        ) from err
     if not isinstance(ckpt, dict):
         raise CheckpointError(
             f"{path} holds a {type(ckpt).__name__}, not a checkpoint"
@@ -1050,16 +1066,41 @@ LEGACY_CONFIG_NAMES = {"num_epochs": "epochs", "amp": "precision"}
 def checkpoint_config(ckpt, path="checkpoint"):
     """The TrainConfig a checkpoint was trained with."""
     try:
-        saved = ckpt["config"].items()
-        fields = {LEGACY_CONFIG_NAMES.get(k, k): v for k, v in saved}
+        saved = ckpt["config"]
+        if not isinstance(saved, dict):
+            raise TypeError(f"its config is a {type(saved).__name__}")
+        fields = {LEGACY_CONFIG_NAMES.get(k, k): v for k, v in saved.items()}
         if fields.get("precision") == "none":  # the old amp="none"
             fields["precision"] = "fp32"
-        return TrainConfig(**fields)
+        config = TrainConfig(**fields)
     except (KeyError, TypeError, AttributeError) as err:
         why = f"no {err}" if isinstance(err, KeyError) else err
         raise CheckpointError(
             f"{path} does not match this code's Multi30k model: {why}"
         ) from err
+    problems = model_size_problems(config)
+    if problems:
+        raise CheckpointError(
+            f"{path} does not match this code's Multi30k model: "
+            + "; ".join(problems)
+        )
+    return config
+
+
+def model_size_problems(config):
+    """What in a config no model can be built from (a damaged file)."""
+    sizes = {k: getattr(config, k) for k in ("N", "d_model", "d_ff", "h")}
+    problems = [
+        f"{name}={value!r} is not a whole number above 0"
+        for name, value in sizes.items()
+        if type(value) is not int or value < 1
+    ]
+    if not problems and config.d_model % config.h:
+        problems.append(f"d_model={config.d_model} is not divisible by h")
+    dropout = config.dropout
+    if type(dropout) not in (int, float) or not 0 <= dropout < 1:
+        problems.append(f"dropout={dropout!r} is not in [0, 1)")
+    return problems
 
 
 def checkpoint_vocabularies(ckpt, path="checkpoint"):
@@ -1570,11 +1611,16 @@ def train_epoch(run, epoch, train_loader, valid_loader, show=True):
         alpha = run.config.rdrop
         train_compute = RDropLossCompute(loss.generator, run.criterion, alpha)
     train_loader.batch_sampler.set_epoch(epoch)
+    bar = None
     if show and run.rank == 0:  # a bar, once an epoch takes over 3 s
         from tqdm.auto import tqdm  # here: the module needs only torch
 
-        train_loader = tqdm(train_loader, f"epoch {epoch}", delay=3)
-    train_loss = train_pass(run, train_loader, train_compute)
+        bar = train_loader = tqdm(train_loader, f"epoch {epoch}", delay=3)
+    try:
+        train_loss = train_pass(run, train_loader, train_compute)
+    finally:  # also on Ctrl-C: what follows starts on a line of its own
+        if bar is not None:
+            bar.close()
     val_loss = validate(run, valid_loader, loss)
     entry = {"epoch": epoch, "train_loss": train_loss, "val_loss": val_loss}
     run.history.append(entry | {"steps": run.state.accum_step})
@@ -1650,27 +1696,27 @@ def save_epoch(run, epoch, vocab_src, vocab_tgt):
 
 
 def earlier_run_files(folder):
-    """The epoch files and last.pt that an earlier run left in `folder`."""
-    last = Path(folder, "last.pt")
-    return [*epoch_checkpoints(folder), *([last] if last.is_file() else [])]
+    """The epoch files, last.pt and final.pt of an earlier run in
+    `folder`."""
+    ends = [Path(folder, name) for name in ("last.pt", "final.pt")]
+    return [*epoch_checkpoints(folder), *(p for p in ends if p.is_file())]
 
 
 def note_earlier_run(folder):
     """Say on stderr, as a run starts afresh, what it will replace."""
-    replaced = []
-    if earlier_run_files(folder):
-        replaced.append(
-            "its epoch files and last.pt are removed when the first epoch"
-            " is saved"
-        )
-    if Path(folder, "final.pt").is_file():
-        replaced.append("its final.pt is replaced at the end")
-    if not replaced:
+    kinds = ["epoch files"] if epoch_checkpoints(folder) else []
+    kinds += [n for n in ("last.pt", "final.pt") if Path(folder, n).is_file()]
+    if not kinds:
         return
+    listed = kinds[-1]
+    if len(kinds) > 1:
+        listed = ", ".join(kinds[:-1]) + " and " + listed
+    are = "are" if len(kinds) > 1 or kinds == ["epoch files"] else "is"
     resumable = Path(folder, "last.pt").is_file()  # its training state
     print(
         f"note: {folder} holds an earlier run, which training afresh"
-        f" replaces: {'; '.join(replaced)}"
+        f" replaces: its {listed} {are} removed when the first epoch is"
+        " saved"
         + (
             "; to train that run further instead, stop now and train with"
             " --resume (and a larger --epochs if it finished)"
@@ -1682,10 +1728,12 @@ def note_earlier_run(folder):
 
 
 def clear_earlier_run(folder):
-    """Remove an earlier run's epoch files and last.pt from `folder`;
-    return their names. Left there, the earlier run's higher-numbered
-    files would count as the newest: keep_last would delete the new run's
-    files instead, and --average could mix the two runs."""
+    """Remove an earlier run's epoch files, last.pt and final.pt from
+    `folder`; return their names. Left there, the earlier run's
+    higher-numbered files would count as the newest (keep_last would
+    delete the new run's files instead, and --average could mix the two
+    runs), and its final.pt would be the model of a folder that trains
+    another."""
     files = earlier_run_files(folder)
     for path in files:
         path.unlink()
@@ -1744,6 +1792,12 @@ def changed_settings(saved, config):
 
 def check_resume(config, vocab_src, vocab_tgt):
     """The checkpoint a run would resume from (None: none), checked."""
+    path, _ = checked_resume(config, vocab_src, vocab_tgt)
+    return path
+
+
+def checked_resume(config, vocab_src, vocab_tgt):
+    """check_resume's checkpoint, and the epochs it has trained."""
     folder = config.checkpoint_dir
     path, ckpt = resume_checkpoint(folder)
     final = Path(folder, "final.pt")
@@ -1776,15 +1830,24 @@ def check_resume(config, vocab_src, vocab_tgt):
                 f" all: it has trained {done} epochs already; ask for {done}"
                 " or more (--epochs)"
             )
-    return path
+        return path, done
+    return None, 0
 
 
 def check_resume_and_say(config, vocab_src, vocab_tgt):
-    """check_resume, with a note on stderr when the run starts afresh."""
-    if check_resume(config, vocab_src, vocab_tgt) is None:
+    """check_resume, with a note on stderr when the run starts afresh or
+    has nothing left to train."""
+    path, done = checked_resume(config, vocab_src, vocab_tgt)
+    if path is None:
         print(
             f"note: nothing to resume in {config.checkpoint_dir} (no "
             "checkpoints there); training from the first epoch",
+            file=sys.stderr,
+        )
+    elif done == config.epochs:
+        print(
+            f"note: {path} has trained all {done} epochs; nothing left to"
+            " train (ask for more with --epochs)",
             file=sys.stderr,
         )
 
@@ -1881,6 +1944,9 @@ def train_worker(
         if show_progress and rank == 0:
             print(describe_device(run.device, run.precision))
         first_epoch = resume_run(run) if resume else 0
+        final = Path(config.checkpoint_dir, "final.pt")
+        if first_epoch == config.epochs and final.is_file():
+            return run.history  # a finished run: nothing to train or save
         if first_epoch == 0 and rank == 0:
             note_earlier_run(config.checkpoint_dir)
         for epoch in range(first_epoch, config.epochs):
@@ -2068,12 +2134,25 @@ def encode_sources(sentences, spacy_de, vocab_src, keep_words=False):
 
 
 def decode_by_length(
-    model, encoded, decode_fn, device, batch_size, max_extra, align
+    model,
+    encoded,
+    decode_fn,
+    device,
+    batch_size,
+    max_extra,
+    align,
+    progress=False,
 ):
-    """(output ids, alignment or None) per sentence, in input order."""
+    """(output ids, alignment or None) per sentence, in input order;
+    `progress`: a bar on stderr, once decoding takes over 3 s."""
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     results = [None] * len(encoded)
-    for k in range(0, len(order), batch_size):
+    starts = range(0, len(order), batch_size)
+    if progress:
+        from tqdm.auto import tqdm  # here: the module needs only torch
+
+        starts = tqdm(starts, "decoding", unit="batch", delay=3)
+    for k in starts:
         idx = order[k : k + batch_size]
         src, _ = collate_batch([(encoded[i], []) for i in idx])
         src = src.to(device)  # (B, S)
@@ -2106,6 +2185,7 @@ def translate_batch(
     max_extra=MAX_EXTRA,
     decode_fn=cached_greedy_decode,
     replace_unk=True,
+    progress=False,
 ):
     """German sentences to detokenized English, in input order."""
     decode_fn = decode_fn or cached_greedy_decode  # None also means greedy
@@ -2118,7 +2198,14 @@ def translate_batch(
         sentences, spacy_de, vocab_src, replace_unk
     )
     decoded = decode_by_length(
-        model, encoded, decode_fn, device, batch_size, max_extra, replace_unk
+        model,
+        encoded,
+        decode_fn,
+        device,
+        batch_size,
+        max_extra,
+        replace_unk,
+        progress,
     )
     words = words or [None] * len(encoded)
     return [
@@ -2307,6 +2394,8 @@ def find_or_train(
     show = config is not stand_in  # minutes, not seconds: show progress
     if show:
         print(f"no trained model found: training {config.preset} here")
+    else:  # a scratch model, retrained each time: no note that it is
+        clear_earlier_run(config.checkpoint_dir)
     train_worker(0, 1, *vocabs, *tokenizers, config, show_progress=show)
     return str(Path(config.checkpoint_dir, "final.pt"))
 
@@ -2492,10 +2581,14 @@ def add_train_parser(sub):
         " ci: see the appendix's presets",
     )
     train.add_argument(
-        "--epochs", type=count(most=10_000), help="epochs to train"
+        "--epochs",
+        type=count(most=10_000),
+        help="epochs to train (default: the preset's)",
     )
     train.add_argument(
-        "--max-tokens", type=count(most=10**7), help="tokens in a batch"
+        "--max-tokens",
+        type=count(most=10**7),
+        help="tokens in a batch (default: the preset's)",
     )
     train.add_argument(
         "--dropout",
@@ -2544,7 +2637,9 @@ def add_train_parser(sub):
         " CUDA, else mps, else cpu)",
     )
     train.add_argument(
-        "--checkpoint-dir", type=path_text, help="where checkpoints go"
+        "--checkpoint-dir",
+        type=path_text,
+        help="where checkpoints go (default: checkpoints/PRESET)",
     )
     train.add_argument(
         "--resume",
@@ -2562,7 +2657,7 @@ def add_train_parser(sub):
         "--world-size",
         type=count(most=1024),
         default=1,
-        help="processes to spawn (torchrun sets its own)",
+        help="processes to spawn (default 1; torchrun sets its own)",
     )
     train.add_argument(
         "--results",
@@ -2597,7 +2692,7 @@ def add_decoding_options(parser):
         "--batch-size",
         type=count(most=100_000),
         default=128,
-        help="sentences decoded together",
+        help="sentences decoded together (default 128)",
     )
     parser.add_argument(
         "--device",
@@ -2610,7 +2705,7 @@ def add_decoding_options(parser):
         type=count(most=1000),
         default=1,
         metavar="K",
-        help="beam size (1: greedy)",
+        help="beam size (default 1: greedy)",
     )
     parser.add_argument(
         "--alpha",
@@ -2636,16 +2731,21 @@ def add_decoding_options(parser):
 
 def add_evaluate_parser(sub):
     """`evaluate`: its options."""
-    evaluate = sub.add_parser("evaluate", help="BLEU on a pair of files")
+    evaluate = sub.add_parser(
+        "evaluate", help="BLEU on Multi30k test2016 (or a pair of files)"
+    )
     add_decoding_options(evaluate)
     evaluate.add_argument(
         "--src",
         type=path_text,
-        help="German sources, one per line "
-        "(.gz is fine; default: Multi30k test2016)",
+        help="German sources, one per line (.gz is fine; -: standard"
+        " input; default: Multi30k test2016)",
     )
     evaluate.add_argument(
-        "--ref", type=path_text, help="English references, one per line"
+        "--ref",
+        type=path_text,
+        help="English references, one per line (.gz is fine; -: standard"
+        " input)",
     )
     evaluate.add_argument(
         "--out", type=path_text, help="also write the translations here"
@@ -2681,7 +2781,13 @@ def build_parser():
         "Multi30k German→English.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("download", help="download and verify Multi30k")
+    sub.add_parser(
+        "download",
+        help="download and verify Multi30k",
+        description="Download Multi30k's six files into data/multi30k/,"
+        f" or check those in the folder that ${MULTI30K_ENV} names, and"
+        " print the folder. Train and evaluate do this themselves.",
+    )
     add_train_parser(sub)
     add_evaluate_parser(sub)
     add_translate_parser(sub)
@@ -2789,6 +2895,19 @@ def training_writes(path, folder):
     return name in names or bool(EPOCH_FILE.fullmatch(name))
 
 
+def check_results_file(path, data=None):
+    """Refuse a --results file that is one of the files training reads
+    (Multi30k's, or --data's) or a checkpoint, of this run or another."""
+    folders = [multi30k_folder(), *([data] if data else [])]
+    reads = [p for f in folders for p in Path(f).iterdir() if p.is_file()]
+    check_not_input(path, *reads, option="--results")
+    if Path(path).suffix == ".pt" and Path(path).exists():
+        raise UserError(
+            f"--results {path} is a checkpoint, which it would overwrite;"
+            " name another file"
+        )
+
+
 def command_train(args):
     """`train`: run training, then optionally score and summarize."""
     overrides = {
@@ -2819,6 +2938,11 @@ def command_train(args):
             "--device chooses the device of a one-process run; with several"
             " processes each takes a GPU of its own, or the CPU"
         )
+    if args.threads and (args.world_size > 1 or ranks):
+        raise UserError(
+            "--threads sets the threads of a one-process run; several"
+            " processes on the CPU share its cores evenly"
+        )
     if args.world_size > 1 and ranks is None:  # fail now, not in NCCL
         try:
             process_device(0, args.world_size)
@@ -2841,10 +2965,23 @@ def command_train(args):
     data = None  # Multi30k's own pairs
     if args.data:
         data, config = train_on_folder(args.data, config)
+    if args.results:
+        check_results_file(args.results, data)
     rank = ranks[0] if ranks else 0
     lock = folder_lock(config.checkpoint_dir) if rank == 0 else None
-    with lock or nullcontext(), multi30k_from(data):  # rank 0 locks
-        return train_locked(args, config, ranks)
+    try:
+        with lock or nullcontext(), multi30k_from(data):  # rank 0 locks
+            return train_locked(args, config, ranks)
+    except KeyboardInterrupt:
+        if rank != 0:
+            raise
+        message = "interrupted"
+        last = Path(config.checkpoint_dir, "last.pt")
+        if last.is_file():  # this run's last epoch, or an earlier run's
+            message += f"; {last} holds the last epoch saved: train with"
+            message += " --resume to go on from it"
+        print(message, file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 def train_locked(args, config, ranks=None):
@@ -2889,12 +3026,25 @@ def train_locked(args, config, ranks=None):
 
 
 def greedy_with_and_without_unk(
-    model, sentences, spacy_de, vocab_src, vocab_tgt, batch_size=128
+    model,
+    sentences,
+    spacy_de,
+    vocab_src,
+    vocab_tgt,
+    batch_size=128,
+    progress=False,
 ):
     """translate_batch's greedy output with `<unk>` replaced, and kept."""
     if is_subword(vocab_src) or is_subword(vocab_tgt):  # no <unk> to replace
         hyps = translate_batch(
-            model, sentences, spacy_de, vocab_src, vocab_tgt, None, batch_size
+            model,
+            sentences,
+            spacy_de,
+            vocab_src,
+            vocab_tgt,
+            None,
+            batch_size,
+            progress=progress,
         )
         return hyps, hyps
     model.eval()
@@ -2908,6 +3058,7 @@ def greedy_with_and_without_unk(
         batch_size,
         MAX_EXTRA,
         True,
+        progress,
     )
     replaced = [
         finish_text(ids, at, w, vocab_tgt)
@@ -2924,7 +3075,7 @@ def write_results(path, checkpoint, wall_time):
     model, vocab_src, vocab_tgt, _ = trained_model_from(ckpt, checkpoint)
     spacy_de, _ = load_tokenizers()
     replaced, kept = greedy_with_and_without_unk(
-        model, sources, spacy_de, vocab_src, vocab_tgt
+        model, sources, spacy_de, vocab_src, vocab_tgt, progress=True
     )
     bleu = compute_bleu(replaced, references)
     kept_bleu = compute_bleu(kept, references)  # <unk> left in the output
@@ -2946,9 +3097,8 @@ def write_results(path, checkpoint, wall_time):
     print(f"test2016 BLEU (greedy): {bleu.score:.2f}; summary in {path}")
 
 
-def check_out(out, *inputs, option="--out"):
-    """Refuse an output file that is an input or cannot be written;
-    `option` names it in the message."""
+def check_not_input(out, *inputs, option="--out"):
+    """Refuse an output file that is one of the inputs."""
     out = Path(out).absolute()
     for given in inputs:
         given = Path(given).absolute()
@@ -2957,6 +3107,13 @@ def check_out(out, *inputs, option="--out"):
             raise UserError(
                 f"{option} {out} is also an input, which it would overwrite"
             )
+
+
+def check_out(out, *inputs, option="--out"):
+    """Refuse an output file that is an input or cannot be written;
+    `option` names it in the message."""
+    check_not_input(out, *inputs, option=option)
+    out = Path(out).absolute()
     if out.is_dir():
         raise UserError(f"{option} {out} is a folder")
     if out.is_symlink() or (out.exists() and not out.is_file()):
@@ -3017,6 +3174,10 @@ def command_evaluate(args):
     """`evaluate`: BLEU of a checkpoint on a pair of files."""
     if (args.src is None) != (args.ref is None):
         raise UserError("give both --src and --ref, or neither")
+    if args.src == args.ref == "-":
+        raise UserError("--src and --ref cannot both read standard input")
+    if args.out == "-":  # standard output holds the BLEU line
+        raise UserError("--out - : name a file; the score goes to stdout")
     if args.out:
         inputs = [args.checkpoint, *filter(None, [args.src, args.ref])]
         if args.average:  # the epoch files averaged are inputs too
@@ -3044,6 +3205,7 @@ def command_evaluate(args):
         batch_size=args.batch_size,
         decode_fn=decode_fn,
         replace_unk=args.replace_unk,
+        progress=True,
     )
     if args.out:
         with atomic_write(args.out, "w") as f:
@@ -3259,6 +3421,7 @@ __all__ = [
     "describe_device",
     "CheckpointError",
     "save_checkpoint",
+    "shortened",
     "checkpoint_head",
     "check_zip",
     "load_checkpoint",
@@ -3267,6 +3430,7 @@ __all__ = [
     "epoch_checkpoints",
     "LEGACY_CONFIG_NAMES",
     "checkpoint_config",
+    "model_size_problems",
     "checkpoint_vocabularies",
     "size_mismatch",
     "load_weights",
@@ -3318,6 +3482,7 @@ __all__ = [
     "OLDER_DEFAULTS",
     "changed_settings",
     "check_resume",
+    "checked_resume",
     "check_resume_and_say",
     "FolderInUseError",
     "folder_lock",
@@ -3372,10 +3537,12 @@ __all__ = [
     "multi30k_from",
     "in_folder",
     "training_writes",
+    "check_results_file",
     "command_train",
     "train_locked",
     "greedy_with_and_without_unk",
     "write_results",
+    "check_not_input",
     "check_out",
     "load_for_decoding",
     "position_limit",

@@ -142,7 +142,7 @@ tokenizers = (spacy_de, spacy_en)
 word_vocabs = load_vocab(spacy_de, spacy_en)  # (German, English) vocabs
 checkpoint = find_or_train(
     presets=["cpu", "quick"],  # a model trained already, if there is one
-    stand_in=get_config("ci", checkpoint_dir=f"{ROOT}/checkpoints/ci"),
+    stand_in=get_config("ci", checkpoint_dir=f"{ROOT}/checkpoints/ci-beyond"),
     vocabs=word_vocabs,
     tokenizers=tokenizers,
     root=ROOT,

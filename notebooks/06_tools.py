@@ -1378,6 +1378,13 @@ def save_checkpoint(path, **fields):
 
 # %%
 #| export
+def shortened(text, limit=200):
+    """`text`, cut at a word before `limit` characters when longer."""
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0] + " ..."
+
+
 def checkpoint_head(path):
     """The first two bytes of a file that could be a checkpoint, checked."""
     path = Path(path)
@@ -1386,10 +1393,15 @@ def checkpoint_head(path):
             f"{path} is a folder; give a checkpoint file such as"
             f" {path / 'final.pt'}"
         )
+    if path.exists() and not path.is_file():  # a pipe, a device
+        raise CheckpointError(f"{path} is not a file, so not a checkpoint")
+    if path.is_symlink() and not path.exists():
+        raise FileNotFoundError(f"{path} is a link to nothing")
     if not path.is_file():
         where = "" if path.is_absolute() else f" (under {Path.cwd()})"
         raise FileNotFoundError(
-            f"no checkpoint at {path}{where}; train one first"
+            f"no checkpoint at {path}{where}; train one first (`make"
+            " notebook`, or `train`), or name one with --checkpoint"
         )
     with open(path, "rb") as f:
         head = f.read(2)
@@ -1410,7 +1422,9 @@ def check_zip(path, message):
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()  # reads every entry, checks its CRC
     except Exception as err:  # a damaged directory: many kinds of error
-        raise CheckpointError(f"{message}: {one_line(err)[:200]}") from err
+        raise CheckpointError(
+            f"{message}: {shortened(one_line(err))}"
+        ) from err
     if bad is not None:
         raise CheckpointError(f"{message}: {bad} fails its checksum")
 
@@ -1436,7 +1450,9 @@ def load_checkpoint(path, device="cpu"):
             " written by torch.save)"
         ) from err
     except Exception as err:  # cut short, damaged: many kinds of error
-        raise CheckpointError(f"{damaged}: {one_line(err)[:200]}") from err
+        raise CheckpointError(
+            f"{damaged}: {shortened(one_line(err))}"
+        ) from err
     if not isinstance(ckpt, dict):
         raise CheckpointError(
             f"{path} holds a {type(ckpt).__name__}, not a checkpoint"
@@ -1480,16 +1496,41 @@ LEGACY_CONFIG_NAMES = {"num_epochs": "epochs", "amp": "precision"}
 def checkpoint_config(ckpt, path="checkpoint"):
     """The TrainConfig a checkpoint was trained with."""
     try:
-        saved = ckpt["config"].items()
-        fields = {LEGACY_CONFIG_NAMES.get(k, k): v for k, v in saved}
+        saved = ckpt["config"]
+        if not isinstance(saved, dict):
+            raise TypeError(f"its config is a {type(saved).__name__}")
+        fields = {LEGACY_CONFIG_NAMES.get(k, k): v for k, v in saved.items()}
         if fields.get("precision") == "none":  # the old amp="none"
             fields["precision"] = "fp32"
-        return TrainConfig(**fields)
+        config = TrainConfig(**fields)
     except (KeyError, TypeError, AttributeError) as err:
         why = f"no {err}" if isinstance(err, KeyError) else err
         raise CheckpointError(
             f"{path} does not match this code's Multi30k model: {why}"
         ) from err
+    problems = model_size_problems(config)
+    if problems:
+        raise CheckpointError(
+            f"{path} does not match this code's Multi30k model: "
+            + "; ".join(problems)
+        )
+    return config
+
+
+def model_size_problems(config):
+    """What in a config no model can be built from (a damaged file)."""
+    sizes = {k: getattr(config, k) for k in ("N", "d_model", "d_ff", "h")}
+    problems = [
+        f"{name}={value!r} is not a whole number above 0"
+        for name, value in sizes.items()
+        if type(value) is not int or value < 1
+    ]
+    if not problems and config.d_model % config.h:
+        problems.append(f"d_model={config.d_model} is not divisible by h")
+    dropout = config.dropout
+    if type(dropout) not in (int, float) or not 0 <= dropout < 1:
+        problems.append(f"dropout={dropout!r} is not in [0, 1)")
+    return problems
 
 
 def checkpoint_vocabularies(ckpt, path="checkpoint"):
@@ -2427,11 +2468,16 @@ def train_epoch(run, epoch, train_loader, valid_loader, show=True):
         alpha = run.config.rdrop
         train_compute = RDropLossCompute(loss.generator, run.criterion, alpha)
     train_loader.batch_sampler.set_epoch(epoch)
+    bar = None
     if show and run.rank == 0:  # a bar, once an epoch takes over 3 s
         from tqdm.auto import tqdm  # here: the module needs only torch
 
-        train_loader = tqdm(train_loader, f"epoch {epoch}", delay=3)
-    train_loss = train_pass(run, train_loader, train_compute)
+        bar = train_loader = tqdm(train_loader, f"epoch {epoch}", delay=3)
+    try:
+        train_loss = train_pass(run, train_loader, train_compute)
+    finally:  # also on Ctrl-C: what follows starts on a line of its own
+        if bar is not None:
+            bar.close()
     val_loss = validate(run, valid_loader, loss)
     entry = {"epoch": epoch, "train_loss": train_loss, "val_loss": val_loss}
     run.history.append(entry | {"steps": run.state.accum_step})
@@ -2458,11 +2504,13 @@ def train_epoch(run, epoch, train_loader, valid_loader, show=True):
 #
 # A run that starts afresh in a folder that holds an earlier run says so
 # on stderr as it starts (`note_earlier_run`), then removes that run's
-# epoch files and `last.pt` (`clear_earlier_run`) just before it saves its
-# own first epoch. Otherwise the earlier run's higher-numbered epoch files
-# would count as the newest: `keep_last` would keep them and delete the
-# new run's own. Stopped during its first epoch, the new run leaves the
-# earlier one whole.
+# epoch files, `last.pt` and `final.pt` (`clear_earlier_run`) just before
+# it saves its own first epoch. Otherwise the earlier run's
+# higher-numbered epoch files would count as the newest: `keep_last`
+# would keep them and delete the new run's own; and a run stopped later
+# would leave the earlier run's `final.pt`, which `translate` reads,
+# beside its own epochs. Stopped during its first epoch, the new run
+# leaves the earlier one whole.
 #
 # Besides the CPU's random state, `last.pt` keeps what the run's device
 # needs to go on as if never stopped (`device_states`): the random state
@@ -2544,27 +2592,27 @@ def save_epoch(run, epoch, vocab_src, vocab_tgt):
 
 
 def earlier_run_files(folder):
-    """The epoch files and last.pt that an earlier run left in `folder`."""
-    last = Path(folder, "last.pt")
-    return [*epoch_checkpoints(folder), *([last] if last.is_file() else [])]
+    """The epoch files, last.pt and final.pt of an earlier run in
+    `folder`."""
+    ends = [Path(folder, name) for name in ("last.pt", "final.pt")]
+    return [*epoch_checkpoints(folder), *(p for p in ends if p.is_file())]
 
 
 def note_earlier_run(folder):
     """Say on stderr, as a run starts afresh, what it will replace."""
-    replaced = []
-    if earlier_run_files(folder):
-        replaced.append(
-            "its epoch files and last.pt are removed when the first epoch"
-            " is saved"
-        )
-    if Path(folder, "final.pt").is_file():
-        replaced.append("its final.pt is replaced at the end")
-    if not replaced:
+    kinds = ["epoch files"] if epoch_checkpoints(folder) else []
+    kinds += [n for n in ("last.pt", "final.pt") if Path(folder, n).is_file()]
+    if not kinds:
         return
+    listed = kinds[-1]
+    if len(kinds) > 1:
+        listed = ", ".join(kinds[:-1]) + " and " + listed
+    are = "are" if len(kinds) > 1 or kinds == ["epoch files"] else "is"
     resumable = Path(folder, "last.pt").is_file()  # its training state
     print(
         f"note: {folder} holds an earlier run, which training afresh"
-        f" replaces: {'; '.join(replaced)}"
+        f" replaces: its {listed} {are} removed when the first epoch is"
+        " saved"
         + (
             "; to train that run further instead, stop now and train with"
             " --resume (and a larger --epochs if it finished)"
@@ -2576,10 +2624,12 @@ def note_earlier_run(folder):
 
 
 def clear_earlier_run(folder):
-    """Remove an earlier run's epoch files and last.pt from `folder`;
-    return their names. Left there, the earlier run's higher-numbered
-    files would count as the newest: keep_last would delete the new run's
-    files instead, and --average could mix the two runs."""
+    """Remove an earlier run's epoch files, last.pt and final.pt from
+    `folder`; return their names. Left there, the earlier run's
+    higher-numbered files would count as the newest (keep_last would
+    delete the new run's files instead, and --average could mix the two
+    runs), and its final.pt would be the model of a folder that trains
+    another."""
     files = earlier_run_files(folder)
     for path in files:
         path.unlink()
@@ -2656,6 +2706,12 @@ def changed_settings(saved, config):
 
 def check_resume(config, vocab_src, vocab_tgt):
     """The checkpoint a run would resume from (None: none), checked."""
+    path, _ = checked_resume(config, vocab_src, vocab_tgt)
+    return path
+
+
+def checked_resume(config, vocab_src, vocab_tgt):
+    """check_resume's checkpoint, and the epochs it has trained."""
     folder = config.checkpoint_dir
     path, ckpt = resume_checkpoint(folder)
     final = Path(folder, "final.pt")
@@ -2688,15 +2744,24 @@ def check_resume(config, vocab_src, vocab_tgt):
                 f" all: it has trained {done} epochs already; ask for {done}"
                 " or more (--epochs)"
             )
-    return path
+        return path, done
+    return None, 0
 
 
 def check_resume_and_say(config, vocab_src, vocab_tgt):
-    """check_resume, with a note on stderr when the run starts afresh."""
-    if check_resume(config, vocab_src, vocab_tgt) is None:
+    """check_resume, with a note on stderr when the run starts afresh or
+    has nothing left to train."""
+    path, done = checked_resume(config, vocab_src, vocab_tgt)
+    if path is None:
         print(
             f"note: nothing to resume in {config.checkpoint_dir} (no "
             "checkpoints there); training from the first epoch",
+            file=sys.stderr,
+        )
+    elif done == config.epochs:
+        print(
+            f"note: {path} has trained all {done} epochs; nothing left to"
+            " train (ask for more with --epochs)",
             file=sys.stderr,
         )
 
@@ -2842,6 +2907,9 @@ def train_worker(
         if show_progress and rank == 0:
             print(describe_device(run.device, run.precision))
         first_epoch = resume_run(run) if resume else 0
+        final = Path(config.checkpoint_dir, "final.pt")
+        if first_epoch == config.epochs and final.is_file():
+            return run.history  # a finished run: nothing to train or save
         if first_epoch == 0 and rank == 0:
             note_earlier_run(config.checkpoint_dir)
         for epoch in range(first_epoch, config.epochs):
@@ -3122,12 +3190,25 @@ def encode_sources(sentences, spacy_de, vocab_src, keep_words=False):
 
 
 def decode_by_length(
-    model, encoded, decode_fn, device, batch_size, max_extra, align
+    model,
+    encoded,
+    decode_fn,
+    device,
+    batch_size,
+    max_extra,
+    align,
+    progress=False,
 ):
-    """(output ids, alignment or None) per sentence, in input order."""
+    """(output ids, alignment or None) per sentence, in input order;
+    `progress`: a bar on stderr, once decoding takes over 3 s."""
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     results = [None] * len(encoded)
-    for k in range(0, len(order), batch_size):
+    starts = range(0, len(order), batch_size)
+    if progress:
+        from tqdm.auto import tqdm  # here: the module needs only torch
+
+        starts = tqdm(starts, "decoding", unit="batch", delay=3)
+    for k in starts:
         idx = order[k : k + batch_size]
         src, _ = collate_batch([(encoded[i], []) for i in idx])
         src = src.to(device)  # (B, S)
@@ -3160,6 +3241,7 @@ def translate_batch(
     max_extra=MAX_EXTRA,
     decode_fn=cached_greedy_decode,
     replace_unk=True,
+    progress=False,
 ):
     """German sentences to detokenized English, in input order."""
     decode_fn = decode_fn or cached_greedy_decode  # None also means greedy
@@ -3172,7 +3254,14 @@ def translate_batch(
         sentences, spacy_de, vocab_src, replace_unk
     )
     decoded = decode_by_length(
-        model, encoded, decode_fn, device, batch_size, max_extra, replace_unk
+        model,
+        encoded,
+        decode_fn,
+        device,
+        batch_size,
+        max_extra,
+        replace_unk,
+        progress,
     )
     words = words or [None] * len(encoded)
     return [
@@ -3424,8 +3513,10 @@ def describe_checkpoint(path):
 #   its own and never sees the model that Part 3 trained in another;
 # - everywhere else, and always in a CI-sized run, the small `stand_in`,
 #   in seconds, into the stand-in's own `checkpoint_dir` (which is why
-#   the notebooks give it an absolute one). On a CPU, `quick` would take
-#   a quarter of an hour: run Part 3 first (or `make notebook`).
+#   the notebooks give it an absolute one, and each notebook its own),
+#   replacing the stand-in trained there before without a note. On a
+#   CPU, `quick` would take a quarter of an hour: run Part 3 first (or
+#   `make notebook`).
 #
 # So every notebook runs on a fresh clone, and CI checks the training code
 # rather than a leftover file.
@@ -3467,6 +3558,8 @@ def find_or_train(
     show = config is not stand_in  # minutes, not seconds: show progress
     if show:
         print(f"no trained model found: training {config.preset} here")
+    else:  # a scratch model, retrained each time: no note that it is
+        clear_earlier_run(config.checkpoint_dir)
     train_worker(0, 1, *vocabs, *tokenizers, config, show_progress=show)
     return str(Path(config.checkpoint_dir, "final.pt"))
 
@@ -3729,10 +3822,14 @@ def add_train_parser(sub):
         " ci: see the appendix's presets",
     )
     train.add_argument(
-        "--epochs", type=count(most=10_000), help="epochs to train"
+        "--epochs",
+        type=count(most=10_000),
+        help="epochs to train (default: the preset's)",
     )
     train.add_argument(
-        "--max-tokens", type=count(most=10**7), help="tokens in a batch"
+        "--max-tokens",
+        type=count(most=10**7),
+        help="tokens in a batch (default: the preset's)",
     )
     train.add_argument(
         "--dropout",
@@ -3781,7 +3878,9 @@ def add_train_parser(sub):
         " CUDA, else mps, else cpu)",
     )
     train.add_argument(
-        "--checkpoint-dir", type=path_text, help="where checkpoints go"
+        "--checkpoint-dir",
+        type=path_text,
+        help="where checkpoints go (default: checkpoints/PRESET)",
     )
     train.add_argument(
         "--resume",
@@ -3799,7 +3898,7 @@ def add_train_parser(sub):
         "--world-size",
         type=count(most=1024),
         default=1,
-        help="processes to spawn (torchrun sets its own)",
+        help="processes to spawn (default 1; torchrun sets its own)",
     )
     train.add_argument(
         "--results",
@@ -3836,7 +3935,7 @@ def add_decoding_options(parser):
         "--batch-size",
         type=count(most=100_000),
         default=128,
-        help="sentences decoded together",
+        help="sentences decoded together (default 128)",
     )
     parser.add_argument(
         "--device",
@@ -3849,7 +3948,7 @@ def add_decoding_options(parser):
         type=count(most=1000),
         default=1,
         metavar="K",
-        help="beam size (1: greedy)",
+        help="beam size (default 1: greedy)",
     )
     parser.add_argument(
         "--alpha",
@@ -3877,16 +3976,21 @@ def add_decoding_options(parser):
 #| export
 def add_evaluate_parser(sub):
     """`evaluate`: its options."""
-    evaluate = sub.add_parser("evaluate", help="BLEU on a pair of files")
+    evaluate = sub.add_parser(
+        "evaluate", help="BLEU on Multi30k test2016 (or a pair of files)"
+    )
     add_decoding_options(evaluate)
     evaluate.add_argument(
         "--src",
         type=path_text,
-        help="German sources, one per line "
-        "(.gz is fine; default: Multi30k test2016)",
+        help="German sources, one per line (.gz is fine; -: standard"
+        " input; default: Multi30k test2016)",
     )
     evaluate.add_argument(
-        "--ref", type=path_text, help="English references, one per line"
+        "--ref",
+        type=path_text,
+        help="English references, one per line (.gz is fine; -: standard"
+        " input)",
     )
     evaluate.add_argument(
         "--out", type=path_text, help="also write the translations here"
@@ -3922,7 +4026,13 @@ def build_parser():
         "Multi30k German→English.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("download", help="download and verify Multi30k")
+    sub.add_parser(
+        "download",
+        help="download and verify Multi30k",
+        description="Download Multi30k's six files into data/multi30k/,"
+        f" or check those in the folder that ${MULTI30K_ENV} names, and"
+        " print the folder. Train and evaluate do this themselves.",
+    )
     add_train_parser(sub)
     add_evaluate_parser(sub)
     add_translate_parser(sub)
@@ -3933,7 +4043,8 @@ def build_parser():
 # ### `train`
 #
 # `train` builds the config from the preset and the flags, checks
-# `--results`, downloads Multi30k if needed, takes the lock on the
+# `--results` (a file it may write: not one it reads, nor a checkpoint),
+# downloads Multi30k if needed, takes the lock on the
 # checkpoint folder (so that a second run into it stops at once), makes
 # the vocabularies, checks what `--resume` would resume, and trains. It
 # trains in this process, in `--world-size` spawned ones, or as one of the
@@ -4060,6 +4171,19 @@ def training_writes(path, folder):
     return name in names or bool(EPOCH_FILE.fullmatch(name))
 
 
+def check_results_file(path, data=None):
+    """Refuse a --results file that is one of the files training reads
+    (Multi30k's, or --data's) or a checkpoint, of this run or another."""
+    folders = [multi30k_folder(), *([data] if data else [])]
+    reads = [p for f in folders for p in Path(f).iterdir() if p.is_file()]
+    check_not_input(path, *reads, option="--results")
+    if Path(path).suffix == ".pt" and Path(path).exists():
+        raise UserError(
+            f"--results {path} is a checkpoint, which it would overwrite;"
+            " name another file"
+        )
+
+
 def command_train(args):
     """`train`: run training, then optionally score and summarize."""
     overrides = {
@@ -4090,6 +4214,11 @@ def command_train(args):
             "--device chooses the device of a one-process run; with several"
             " processes each takes a GPU of its own, or the CPU"
         )
+    if args.threads and (args.world_size > 1 or ranks):
+        raise UserError(
+            "--threads sets the threads of a one-process run; several"
+            " processes on the CPU share its cores evenly"
+        )
     if args.world_size > 1 and ranks is None:  # fail now, not in NCCL
         try:
             process_device(0, args.world_size)
@@ -4112,10 +4241,23 @@ def command_train(args):
     data = None  # Multi30k's own pairs
     if args.data:
         data, config = train_on_folder(args.data, config)
+    if args.results:
+        check_results_file(args.results, data)
     rank = ranks[0] if ranks else 0
     lock = folder_lock(config.checkpoint_dir) if rank == 0 else None
-    with lock or nullcontext(), multi30k_from(data):  # rank 0 locks
-        return train_locked(args, config, ranks)
+    try:
+        with lock or nullcontext(), multi30k_from(data):  # rank 0 locks
+            return train_locked(args, config, ranks)
+    except KeyboardInterrupt:
+        if rank != 0:
+            raise
+        message = "interrupted"
+        last = Path(config.checkpoint_dir, "last.pt")
+        if last.is_file():  # this run's last epoch, or an earlier run's
+            message += f"; {last} holds the last epoch saved: train with"
+            message += " --resume to go on from it"
+        print(message, file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 def train_locked(args, config, ranks=None):
@@ -4170,12 +4312,25 @@ def train_locked(args, config, ranks=None):
 # %%
 #| export
 def greedy_with_and_without_unk(
-    model, sentences, spacy_de, vocab_src, vocab_tgt, batch_size=128
+    model,
+    sentences,
+    spacy_de,
+    vocab_src,
+    vocab_tgt,
+    batch_size=128,
+    progress=False,
 ):
     """translate_batch's greedy output with `<unk>` replaced, and kept."""
     if is_subword(vocab_src) or is_subword(vocab_tgt):  # no <unk> to replace
         hyps = translate_batch(
-            model, sentences, spacy_de, vocab_src, vocab_tgt, None, batch_size
+            model,
+            sentences,
+            spacy_de,
+            vocab_src,
+            vocab_tgt,
+            None,
+            batch_size,
+            progress=progress,
         )
         return hyps, hyps
     model.eval()
@@ -4189,6 +4344,7 @@ def greedy_with_and_without_unk(
         batch_size,
         MAX_EXTRA,
         True,
+        progress,
     )
     replaced = [
         finish_text(ids, at, w, vocab_tgt)
@@ -4205,7 +4361,7 @@ def write_results(path, checkpoint, wall_time):
     model, vocab_src, vocab_tgt, _ = trained_model_from(ckpt, checkpoint)
     spacy_de, _ = load_tokenizers()
     replaced, kept = greedy_with_and_without_unk(
-        model, sources, spacy_de, vocab_src, vocab_tgt
+        model, sources, spacy_de, vocab_src, vocab_tgt, progress=True
     )
     bleu = compute_bleu(replaced, references)
     kept_bleu = compute_bleu(kept, references)  # <unk> left in the output
@@ -4244,9 +4400,8 @@ def write_results(path, checkpoint, wall_time):
 
 # %%
 #| export
-def check_out(out, *inputs, option="--out"):
-    """Refuse an output file that is an input or cannot be written;
-    `option` names it in the message."""
+def check_not_input(out, *inputs, option="--out"):
+    """Refuse an output file that is one of the inputs."""
     out = Path(out).absolute()
     for given in inputs:
         given = Path(given).absolute()
@@ -4255,6 +4410,13 @@ def check_out(out, *inputs, option="--out"):
             raise UserError(
                 f"{option} {out} is also an input, which it would overwrite"
             )
+
+
+def check_out(out, *inputs, option="--out"):
+    """Refuse an output file that is an input or cannot be written;
+    `option` names it in the message."""
+    check_not_input(out, *inputs, option=option)
+    out = Path(out).absolute()
     if out.is_dir():
         raise UserError(f"{option} {out} is a folder")
     if out.is_symlink() or (out.exists() and not out.is_file()):
@@ -4329,6 +4491,10 @@ def command_evaluate(args):
     """`evaluate`: BLEU of a checkpoint on a pair of files."""
     if (args.src is None) != (args.ref is None):
         raise UserError("give both --src and --ref, or neither")
+    if args.src == args.ref == "-":
+        raise UserError("--src and --ref cannot both read standard input")
+    if args.out == "-":  # standard output holds the BLEU line
+        raise UserError("--out - : name a file; the score goes to stdout")
     if args.out:
         inputs = [args.checkpoint, *filter(None, [args.src, args.ref])]
         if args.average:  # the epoch files averaged are inputs too
@@ -4356,6 +4522,7 @@ def command_evaluate(args):
         batch_size=args.batch_size,
         decode_fn=decode_fn,
         replace_unk=args.replace_unk,
+        progress=True,
     )
     if args.out:
         with atomic_write(args.out, "w") as f:

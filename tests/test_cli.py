@@ -39,6 +39,15 @@ PAIRS = [
 GERMAN = [de for de, _ in PAIRS]
 
 
+class Bar(list):
+    """What a recording tqdm returns: the items, and whether closed."""
+
+    closed = False
+
+    def close(self):
+        self.closed = True
+
+
 def save_tiny(path, model, config, vocab_src, vocab_tgt, **changes):
     """A checkpoint in the layout train_worker writes, with `changes`."""
     fields = {"model": model.state_dict(), "config": asdict(config)}
@@ -219,6 +228,135 @@ def test_cli_evaluate_files(tiny, tmp_path, capsys):
     assert status == 2 and "5 lines" in err and "has 2" in err
 
 
+def test_evaluate_shows_a_bar_that_changes_nothing(
+    tiny, tmp_path, capsys, monkeypatch
+):
+    """A quick-sized model took 42 s on test2016 with nothing printed."""
+    import tqdm.auto
+
+    ckpt = tiny[0]
+    src, ref = tmp_path / "src.de", tmp_path / "ref.en"
+    src.write_text("".join(de + "\n" for de, _ in PAIRS))
+    ref.write_text("".join(en + "\n" for _, en in PAIRS))
+    bars = []
+
+    def recording_tqdm(iterable, desc, **options):
+        bars.append((desc, options, len(iterable)))
+        return Bar(iterable)
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", recording_tqdm)
+    outs = []
+    for batch_size in (2, 128):
+        out = tmp_path / f"hyp{batch_size}.en"
+        status, _, _ = run_cli(
+            capsys, "evaluate", "--checkpoint", ckpt, "--src", src,
+            "--ref", ref, "--out", out, "--batch-size", batch_size,
+        )  # fmt: skip
+        assert status == 0
+        outs.append(out.read_text())
+    assert [(d, n) for d, _, n in bars] == [("decoding", 3), ("decoding", 1)]
+    assert all(options["delay"] > 0 for _, options, _ in bars)
+    assert outs[0] == outs[1]  # batched as before
+
+
+def test_long_messages_are_cut_at_a_word():
+    """A damaged zip's message was cut mid-word ("... Thi")."""
+    text = "This is an internal miniz error. " * 10
+    cut = tools.shortened(text)
+    assert len(cut) <= 204 and cut.endswith(" ...")
+    assert text.startswith(cut.removesuffix(" ..."))
+    assert cut.removesuffix(" ...").split()[-1] in text.split()
+    assert tools.shortened("short") == "short"
+
+
+@pytest.mark.parametrize(
+    "change, problem",
+    [
+        ({"h": 0}, "h=0 is not a whole number above 0"),
+        ({"d_model": -4}, "d_model=-4 is not a whole number above 0"),
+        ({"N": "two"}, "N='two' is not a whole number above 0"),
+        ({"h": 3}, "d_model=32 is not divisible by h"),
+        ({"dropout": 1.5}, "dropout=1.5 is not in [0, 1)"),
+    ],
+)
+def test_a_checkpoint_with_damaged_sizes_is_one_line(
+    change, problem, tiny, tmp_path, capsys
+):
+    """h=0 ended in a ZeroDivisionError's traceback, d_model=-4 in a
+    RuntimeError's."""
+    path, model, vocab_src, vocab_tgt = tiny
+    config = replace(tools.checkpoint_config(torch.load(path)), **change)
+    damaged = save_tiny(
+        tmp_path / "damaged.pt", model, config, vocab_src, vocab_tgt
+    )
+    status, out, err = run_cli(
+        capsys, "translate", "--checkpoint", damaged, GERMAN[0]
+    )
+    assert status == 2 and out == ""
+    assert err == (
+        f"error: {damaged} does not match this code's Multi30k model: "
+        f"{problem}\n"
+    )
+
+
+def test_train_results_may_not_replace_what_training_reads(
+    tiny, tmp_path, capsys, multi30k_dir, monkeypatch
+):
+    """--results over a Multi30k file trained, then wrote JSON over the
+    test references; over a checkpoint, it would replace a model."""
+    copy = tmp_path / "multi30k"
+    shutil.copytree(multi30k_dir, copy)
+    monkeypatch.setenv("MULTI30K_DIR", str(copy))
+    before = {p.name: p.read_bytes() for p in copy.iterdir()}
+    model = tmp_path / "model.pt"
+    shutil.copy(tiny[0], model)
+    ck = str(tmp_path / "ck")
+    for results, message in (
+        (copy / "test_2016_flickr.en.gz", "is also an input"),
+        (model, "is a checkpoint, which it would overwrite"),
+    ):
+        status, _, err = run_cli(
+            capsys, "train", "--preset", "ci", "--checkpoint-dir", ck,
+            "--results", results,
+        )  # fmt: skip
+        assert status == 2 and message in err and len(err.splitlines()) == 1
+    assert {p.name: p.read_bytes() for p in copy.iterdir()} == before
+    assert model.read_bytes() == Path(tiny[0]).read_bytes()
+    assert not Path(ck).exists()
+
+
+def test_train_interrupted_says_how_to_go_on(
+    tmp_path, capsys, multi30k_dir, monkeypatch
+):
+    """Ctrl-C after a saved epoch: one line, after the bar, that says
+    where the run stands; the bar is closed first."""
+    import tqdm.auto
+
+    monkeypatch.setenv("MULTI30K_DIR", str(multi30k_dir))
+    bars = []
+    monkeypatch.setattr(
+        tqdm.auto, "tqdm", lambda it, *a, **k: bars.append(Bar(it)) or bars[-1]
+    )
+    real_pass = tools.train_pass
+
+    def stopped_in_the_second(run, *args, **kwargs):
+        if len(bars) == 2:
+            raise KeyboardInterrupt
+        return real_pass(run, *args, **kwargs)
+
+    monkeypatch.setattr(tools, "train_pass", stopped_in_the_second)
+    ck = tmp_path / "ck"
+    status, _, err = run_cli(
+        capsys, "train", "--preset", "ci", "--checkpoint-dir", ck
+    )
+    assert status == 130
+    assert err.splitlines()[-1] == (
+        f"interrupted; {ck / 'last.pt'} holds the last epoch saved: train"
+        " with --resume to go on from it"
+    )
+    assert len(bars) == 2 and all(bar.closed for bar in bars)
+
+
 @pytest.mark.parametrize("command", ["train", "evaluate", "translate"])
 def test_cli_help(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -304,6 +442,8 @@ def bad_files(tmp_path_factory, tiny, vocabs):
     same_shape = tat.model_from_config(ci, *map(len, vocabs))
     settings = (same_shape, replace(ci, dropout=0.3), *vocabs)
     save_tiny(folder / "resume_settings/last.pt", *settings, **resume)
+    os.mkfifo(folder / "pipe.pt")  # reading it would wait for a writer
+    (folder / "dangling.pt").symlink_to(folder / "gone.pt")
     return folder
 
 
@@ -457,6 +597,28 @@ BAD_INPUTS = {  # name: (argv, a part of the message, extra environment)
         + ["--results", "no/such/results.json"],
         "--results {folder}/no/such/results.json: there is no folder",
         {"MULTI30K_DIR": "{multi30k}"},
+    ),
+    "--out -": (
+        ["evaluate", "--checkpoint", "{ckpt}", "--src", "three.de"]
+        + ["--ref", "three.en", "--out", "-"],
+        "--out - : name a file; the score goes to stdout",
+    ),
+    "--src - and --ref -": (
+        ["evaluate", "--checkpoint", "{ckpt}", "--src", "-", "--ref", "-"],
+        "--src and --ref cannot both read standard input",
+    ),
+    "a pipe as --checkpoint": (
+        ["translate", "--checkpoint", "pipe.pt", "Hallo"],
+        "pipe.pt is not a file, so not a checkpoint",
+    ),
+    "a link to nothing as --checkpoint": (
+        ["translate", "--checkpoint", "dangling.pt", "Hallo"],
+        "dangling.pt is a link to nothing",
+    ),
+    "--threads with --world-size": (
+        ["train", "--world-size", "2", "--threads", "1"],
+        "--threads sets the threads of a one-process run",
+        {"MULTI30K_DIR": "nowhere"},
     ),
     "relative MULTI30K_DIR": (
         ["download"],
@@ -720,8 +882,9 @@ def test_epoch_files_are_named_as_training_names_them(tmp_path):
     found = [p.name for p in tools.epoch_checkpoints(tmp_path)]
     assert found == ["epoch_001.pt", "epoch_999.pt", "epoch_1000.pt"]
     (tmp_path / "last.pt").touch()
+    (tmp_path / "final.pt").touch()
     removed = tools.clear_earlier_run(tmp_path)
-    assert removed == [*found, "last.pt"]
+    assert removed == [*found, "last.pt", "final.pt"]
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == ["epoch_001_backup.pt", "epoch_01.pt", "epoch_best.pt"]
 
@@ -734,13 +897,18 @@ def test_the_note_on_an_earlier_run_says_what_is_there(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err == (
         f"note: {tmp_path} holds an earlier run, which training afresh"
-        " replaces: its final.pt is replaced at the end\n"
+        " replaces: its final.pt is removed when the first epoch is saved\n"
     )
     (tmp_path / "epoch_000.pt").touch()
     tools.note_earlier_run(tmp_path)
     err = capsys.readouterr().err
-    assert "its epoch files and last.pt are removed when the first" in err
+    assert "its epoch files and final.pt are removed when the first" in err
     assert "--resume" not in err
+    (tmp_path / "last.pt").touch()
+    tools.note_earlier_run(tmp_path)
+    err = capsys.readouterr().err
+    assert "its epoch files, last.pt and final.pt are removed" in err
+    assert "stop now and train with --resume" in err
 
 
 def test_a_diverged_runs_losses_match_themselves():

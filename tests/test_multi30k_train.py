@@ -44,6 +44,15 @@ def assert_same_weights(a, b, atol=0.0, skip=()):
         assert gap <= atol, f"{key}: weights differ by {gap:.2e}"
 
 
+class Bar(list):
+    """What a recording tqdm returns: the items, and whether closed."""
+
+    closed = False
+
+    def close(self):
+        self.closed = True
+
+
 @pytest.fixture(scope="module")
 def ci_run(tmp_path_factory, vocabs, tokenizers):
     """One trained ci model, shared by several tests; keeps 2 epoch files."""
@@ -223,7 +232,7 @@ def test_training_afresh_clears_an_earlier_runs_epoch_files(
     note = f"note: {folder} holds an earlier run, which training afresh"
     err = capsys.readouterr().err
     assert err.count(note) == 1 and "stop now and train with --resume" in err
-    assert "its final.pt is replaced at the end" in err
+    assert "its epoch files, last.pt and final.pt are removed" in err
     model, *_ = tools.load_translator(folder / "final.pt", average_last=1)
     assert_same_weights(model.state_dict(), final_weights(again))
     empty = tmp_path / "empty"
@@ -248,6 +257,30 @@ def test_a_retrain_stopped_in_its_first_epoch_leaves_the_earlier_run(
         train(replace(cfg, checkpoint_dir=str(folder)), vocabs, tokenizers)
     after = {p.name: p.read_bytes() for p in folder.glob("*.pt")}
     assert after == before
+    assert tools.resume_point(folder) == folder / "last.pt"
+
+
+def test_a_retrain_stopped_later_leaves_no_earlier_final_pt(
+    ci_run, tmp_path, vocabs, tokenizers, monkeypatch
+):
+    """Stopped after its first epoch, a retrain left the earlier run's
+    final.pt, which translate reads by default, beside its own epochs."""
+    cfg, _ = ci_run
+    folder = tmp_path / "copy"
+    shutil.copytree(cfg.checkpoint_dir, folder)
+    real_epoch = tools.train_epoch
+
+    def stopped_in_the_second(run, epoch, *args, **kwargs):
+        if epoch == 1:
+            raise KeyboardInterrupt
+        return real_epoch(run, epoch, *args, **kwargs)
+
+    monkeypatch.setattr(tools, "train_epoch", stopped_in_the_second)
+    again = replace(cfg, checkpoint_dir=str(folder), seed=7)
+    with pytest.raises(KeyboardInterrupt):
+        train(again, vocabs, tokenizers)
+    names = sorted(p.name for p in folder.glob("*.pt"))
+    assert names == ["epoch_000.pt", "last.pt"]  # the new run's alone
     assert tools.resume_point(folder) == folder / "last.pt"
 
 
@@ -363,8 +396,26 @@ def test_resume_in_an_empty_folder_says_it_starts_afresh(
         f"note: nothing to resume in {empty.checkpoint_dir} (no checkpoints"
         " there); training from the first epoch\n"
     )
-    tools.check_resume_and_say(cfg, *vocabs)  # a run to resume
+    more = replace(cfg, epochs=cfg.epochs + 1)  # a run to resume
+    tools.check_resume_and_say(more, *vocabs)
     assert capsys.readouterr().err == ""
+
+
+def test_resuming_a_finished_run_says_so_and_rewrites_nothing(
+    ci_run, tmp_path, vocabs, tokenizers, capsys
+):
+    """It printed "trained in 2 s" and wrote final.pt again."""
+    cfg, _ = ci_run
+    folder = tmp_path / "copy"
+    shutil.copytree(cfg.checkpoint_dir, folder)
+    same = replace(cfg, checkpoint_dir=str(folder))
+    before = {p.name: p.stat().st_mtime_ns for p in folder.glob("*.pt")}
+    tools.check_resume_and_say(same, *vocabs)
+    err = capsys.readouterr().err
+    assert f"has trained all {cfg.epochs} epochs; nothing left" in err
+    train(same, vocabs, tokenizers, resume=True)
+    after = {p.name: p.stat().st_mtime_ns for p in folder.glob("*.pt")}
+    assert after == before
 
 
 def test_resume_reads_an_older_full_epoch_file(ci_run, tmp_path, vocabs):
@@ -589,7 +640,7 @@ def test_find_or_train_finds_a_trained_preset(
 
 
 def test_find_or_train_trains_the_stand_in(
-    tmp_path, vocabs, tokenizers, monkeypatch
+    tmp_path, vocabs, tokenizers, monkeypatch, capsys
 ):
     trained = ci_config(tmp_path / "trained", epochs=1, max_train_pairs=100)
     train(trained, vocabs, tokenizers)
@@ -600,12 +651,16 @@ def test_find_or_train_trains_the_stand_in(
     stand_in = ci_config(tmp_path / "stand-in", epochs=1, max_train_pairs=100)
     # a CI-sized run ignores what is there; a full one finds nothing
     for presets, size in ((["trained"], "ci"), (["untrained"], "full")):
-        shutil.rmtree(tmp_path / "stand-in", ignore_errors=True)
         found = tools.find_or_train(
             presets, stand_in, vocabs, tokenizers, tmp_path, size
         )
         assert found == str(tmp_path / "stand-in" / "final.pt")
         assert Path(found).is_file()
+    # the second replaced the first's scratch model without a note that
+    # it would ("stop now and train with --resume")
+    assert "holds an earlier run" not in capsys.readouterr().err
+    names = sorted(p.name for p in (tmp_path / "stand-in").glob("*.pt"))
+    assert names == ["epoch_000.pt", "final.pt", "last.pt"]
 
 
 def test_progress_bar_wraps_the_batches_and_changes_nothing(
@@ -617,7 +672,7 @@ def test_progress_bar_wraps_the_batches_and_changes_nothing(
 
     def recording_tqdm(iterable, desc, **options):
         bars.append((desc, options))
-        return iter(list(iterable))
+        return Bar(iterable)
 
     monkeypatch.setattr(tqdm.auto, "tqdm", recording_tqdm)
     weights = []
