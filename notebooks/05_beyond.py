@@ -1145,7 +1145,9 @@ del tied
 # %%
 bpe_checkpoint = find_or_train(
     presets=["cpu-bpe"],
-    stand_in=get_config("ci-bpe", checkpoint_dir=f"{ROOT}/checkpoints/ci-bpe"),
+    stand_in=get_config(
+        "ci-bpe", checkpoint_dir=f"{ROOT}/checkpoints/ci-bpe-beyond"
+    ),
     vocabs=(bpe, bpe),  # one vocabulary for both languages
     tokenizers=tokenizers,
     root=ROOT,

@@ -1401,7 +1401,7 @@ def checkpoint_head(path):
         where = "" if path.is_absolute() else f" (under {Path.cwd()})"
         raise FileNotFoundError(
             f"no checkpoint at {path}{where}; train one first (`make"
-            " notebook`, or `train`), or name one with --checkpoint"
+            " notebook`, or `train`)"
         )
     with open(path, "rb") as f:
         head = f.read(2)
@@ -1526,7 +1526,9 @@ def model_size_problems(config):
         if type(value) is not int or value < 1
     ]
     if not problems and config.d_model % config.h:
-        problems.append(f"d_model={config.d_model} is not divisible by h")
+        problems.append(
+            f"d_model={config.d_model} is not divisible by h={config.h}"
+        )
     dropout = config.dropout
     if type(dropout) not in (int, float) or not 0 <= dropout < 1:
         problems.append(f"dropout={dropout!r} is not in [0, 1)")
@@ -2296,8 +2298,9 @@ def place_process(rank, world_size, distributed, device=None):
         if device.index is None:  # plain "cuda": the current GPU
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)  # needs the GPU's number
-    elif world_size > 1:  # processes share the CPU cores
-        torch.set_num_threads(max(1, usable_cores() // world_size))
+    elif world_size > 1:  # this machine's processes share its cores
+        here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        torch.set_num_threads(max(1, usable_cores() // here))
     return device
 
 
@@ -2759,9 +2762,10 @@ def check_resume_and_say(config, vocab_src, vocab_tgt):
             file=sys.stderr,
         )
     elif done == config.epochs:
+        epochs = "its 1 epoch" if done == 1 else f"all {done} epochs"
         print(
-            f"note: {path} has trained all {done} epochs; nothing left to"
-            " train (ask for more with --epochs)",
+            f"note: {path} has trained {epochs}; nothing left to train"
+            " (ask for more with --epochs)",
             file=sys.stderr,
         )
 
@@ -2862,6 +2866,16 @@ def check_training_pairs(config):
         )
 
 
+def has_final(run):
+    """Does the run's folder hold this run's final.pt (its losses, all
+    of them)?"""
+    final = Path(run.config.checkpoint_dir, "final.pt")
+    if not final.is_file():
+        return False
+    history = load_checkpoint(final).get("history")
+    return repr(history) == repr(run.history)  # NaN matches itself
+
+
 def train_worker(
     rank,
     world_size,
@@ -2907,8 +2921,7 @@ def train_worker(
         if show_progress and rank == 0:
             print(describe_device(run.device, run.precision))
         first_epoch = resume_run(run) if resume else 0
-        final = Path(config.checkpoint_dir, "final.pt")
-        if first_epoch == config.epochs and final.is_file():
+        if first_epoch == config.epochs and has_final(run):
             return run.history  # a finished run: nothing to train or save
         if first_epoch == 0 and rank == 0:
             note_earlier_run(config.checkpoint_dir)
@@ -3167,9 +3180,10 @@ def decode_text(ids, vocab):
 # each. `encode_sources` turns each sentence into ids, keeping its German words
 # when unknown words are to be replaced (an `<unk>` id has lost its word).
 # `decode_by_length` sorts the sentences by length, so that a batch wastes
-# little on padding, decodes each batch up to the source length + `MAX_EXTRA`
-# (50) tokens, the paper's limit, and, where an output holds `<unk>`, finds the
-# source position each output token attended to most (Part 4). `finish_text`
+# little on padding, and hands each batch to `decode_together`, which
+# decodes it up to the source length + `MAX_EXTRA` (50) tokens, the paper's
+# limit, and, where an output holds `<unk>`, finds the source position each
+# output token attended to most (Part 4). `finish_text`
 # puts the German word in place of each `<unk>` and joins the tokens into a
 # sentence. `decode_fn` can be any decoder with the signature of the greedy
 # ones; `replace_unk=False` leaves every `<unk>` as it is.
@@ -3189,6 +3203,24 @@ def encode_sources(sentences, spacy_de, vocab_src, keep_words=False):
     return [[BOS, *vocab_src(w), EOS] for w in words], words
 
 
+def decode_together(model, sentences, decode_fn, device, max_extra, align):
+    """(output ids, alignment or None) of each encoded sentence, decoded
+    together as one padded batch."""
+    src, _ = collate_batch([(ids, []) for ids in sentences])
+    src = src.to(device)  # (B, S)
+    mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
+    out = decode_fn(model, src, mask, src.size(1) + max_extra)  # (B, L)
+    aligned = [None] * len(sentences)
+    if align and (out == UNK).any():  # one more decoder pass
+        aligned = source_alignment(model, src, mask, out).tolist()
+    rows = zip(sentences, out.tolist(), aligned, strict=True)
+    # Each stops at its own limit, whatever its batch-mates.
+    return [
+        (strip_specials(row[: len(ids) + max_extra]), at)
+        for ids, row, at in rows
+    ]
+
+
 def decode_by_length(
     model,
     encoded,
@@ -3204,22 +3236,23 @@ def decode_by_length(
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     results = [None] * len(encoded)
     starts = range(0, len(order), batch_size)
+    bar = None
     if progress:
         from tqdm.auto import tqdm  # here: the module needs only torch
 
-        starts = tqdm(starts, "decoding", unit="batch", delay=3)
-    for k in starts:
-        idx = order[k : k + batch_size]
-        src, _ = collate_batch([(encoded[i], []) for i in idx])
-        src = src.to(device)  # (B, S)
-        mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
-        out = decode_fn(model, src, mask, src.size(1) + max_extra)  # (B, L)
-        aligned = [None] * len(idx)
-        if align and (out == UNK).any():  # one more decoder pass
-            aligned = source_alignment(model, src, mask, out).tolist()
-        for i, row, at in zip(idx, out.tolist(), aligned, strict=True):
-            # Stop at this sentence's own limit, whatever its batch-mates.
-            results[i] = strip_specials(row[: len(encoded[i]) + max_extra]), at
+        bar = starts = tqdm(starts, "decoding", unit="batch", delay=3)
+    try:
+        for k in starts:
+            idx = order[k : k + batch_size]
+            batch = [encoded[i] for i in idx]
+            decoded = decode_together(
+                model, batch, decode_fn, device, max_extra, align
+            )
+            for i, result in zip(idx, decoded, strict=True):
+                results[i] = result
+    finally:  # also on Ctrl-C: what follows starts on a line of its own
+        if bar is not None:
+            bar.close()
     return results
 
 
@@ -3340,13 +3373,10 @@ def load_translator(
 # that run recorded the losses of every epoch up to its own, so its
 # history is the start of the checkpoint's, and its recorded epoch is the
 # one in its name. That refuses a copied or renamed file, and another
-# run's. A run started afresh removes an earlier run's epoch files when
-# it saves its first epoch; stopped after that, it leaves its own epoch
-# files beside the earlier run's `final.pt`. `--average` from that
-# `final.pt` then finds its own epoch files missing, or, where the new run
-# has reached the same numbers, finds another run's and refuses them. (A
-# second run with the same seed and settings may pass, if it reproduces
-# the losses exactly; it is then in effect the same run.)
+# run's: a `final.pt` copied from another folder, say, beside epoch
+# files of a run of its own. (A second run with the same seed and
+# settings may pass, if it reproduces the losses exactly; it is then in
+# effect the same run.)
 
 
 # %%
@@ -4173,15 +4203,37 @@ def training_writes(path, folder):
 
 def check_results_file(path, data=None):
     """Refuse a --results file that is one of the files training reads
-    (Multi30k's, or --data's) or a checkpoint, of this run or another."""
+    (Multi30k's, --data's, the vocabulary caches) or a checkpoint, of
+    this run or another."""
+    if path == "-":  # standard output holds the progress
+        raise UserError("--results - : name a file")
     folders = [multi30k_folder(), *([data] if data else [])]
     reads = [p for f in folders for p in Path(f).iterdir() if p.is_file()]
-    check_not_input(path, *reads, option="--results")
+    caches = [data_dir() / "vocab.json", data_dir() / "bpe.json"]
+    check_not_input(path, *reads, *caches, option="--results")
     if Path(path).suffix == ".pt" and Path(path).exists():
         raise UserError(
             f"--results {path} is a checkpoint, which it would overwrite;"
             " name another file"
         )
+
+
+def interrupted_training(folder):
+    """What Ctrl-C in `train` leaves in `folder`, in one line."""
+    last, final = Path(folder, "last.pt"), Path(folder, "final.pt")
+    newest = max(
+        (p for p in (last, final) if p.is_file()),
+        key=lambda p: p.stat().st_mtime,
+        default=None,
+    )
+    if newest == final:  # training had ended (while --results scored)
+        return f"interrupted; {final} holds the trained model"
+    if newest == last:  # this run's last epoch, or an earlier run's
+        return (
+            f"interrupted; {last} holds the last epoch saved: train with"
+            " --resume to go on from it"
+        )
+    return "interrupted"
 
 
 def command_train(args):
@@ -4214,7 +4266,7 @@ def command_train(args):
             "--device chooses the device of a one-process run; with several"
             " processes each takes a GPU of its own, or the CPU"
         )
-    if args.threads and (args.world_size > 1 or ranks):
+    if args.threads and (args.world_size > 1 or (ranks and ranks[1] > 1)):
         raise UserError(
             "--threads sets the threads of a one-process run; several"
             " processes on the CPU share its cores evenly"
@@ -4251,12 +4303,7 @@ def command_train(args):
     except KeyboardInterrupt:
         if rank != 0:
             raise
-        message = "interrupted"
-        last = Path(config.checkpoint_dir, "last.pt")
-        if last.is_file():  # this run's last epoch, or an earlier run's
-            message += f"; {last} holds the last epoch saved: train with"
-            message += " --resume to go on from it"
-        print(message, file=sys.stderr)
+        print(interrupted_training(config.checkpoint_dir), file=sys.stderr)
         return EXIT_INTERRUPTED
 
 
@@ -4295,7 +4342,10 @@ def train_locked(args, config, ranks=None):
             device=args.device,
         )
     final = Path(config.checkpoint_dir) / "final.pt"
-    say(f"trained in {time.time() - start:.0f} s; model in {final}")
+    if final.is_file() and final.stat().st_mtime < start:  # one resumed
+        say(f"nothing trained; model in {final}")
+    else:
+        say(f"trained in {time.time() - start:.0f} s; model in {final}")
     if args.results:
         write_results(args.results, final, time.time() - start)
     return 0

@@ -259,6 +259,19 @@ def test_evaluate_shows_a_bar_that_changes_nothing(
     assert outs[0] == outs[1]  # batched as before
 
 
+def test_what_ctrl_c_in_train_says_it_left(tmp_path):
+    assert tools.interrupted_training(tmp_path) == "interrupted"
+    (tmp_path / "last.pt").touch()
+    assert "last.pt holds the last epoch saved: train with --resume" in (
+        tools.interrupted_training(tmp_path)
+    )
+    (tmp_path / "final.pt").touch()  # written after: training had ended
+    os.utime(tmp_path / "last.pt", (1, 1))
+    assert tools.interrupted_training(tmp_path) == (
+        f"interrupted; {tmp_path / 'final.pt'} holds the trained model"
+    )
+
+
 def test_long_messages_are_cut_at_a_word():
     """A damaged zip's message was cut mid-word ("... Thi")."""
     text = "This is an internal miniz error. " * 10
@@ -275,7 +288,7 @@ def test_long_messages_are_cut_at_a_word():
         ({"h": 0}, "h=0 is not a whole number above 0"),
         ({"d_model": -4}, "d_model=-4 is not a whole number above 0"),
         ({"N": "two"}, "N='two' is not a whole number above 0"),
-        ({"h": 3}, "d_model=32 is not divisible by h"),
+        ({"h": 3}, "d_model=32 is not divisible by h=3"),
         ({"dropout": 1.5}, "dropout=1.5 is not in [0, 1)"),
     ],
 )

@@ -440,12 +440,22 @@ def test_torchrun_device(machine, world, local_world, expected):
 
 
 @pytest.mark.parametrize(
-    "cores, world, threads", [({0, 1, 2, 3}, 2, 2), ({5}, 2, 1)]
+    "cores, world, local, threads",
+    [
+        ({0, 1, 2, 3}, 2, None, 2),
+        ({5}, 2, None, 1),
+        ({0, 1, 2, 3}, 2, "1", 4),  # torchrun: one process on each machine
+    ],
 )
 def test_processes_share_the_cores_they_may_use(
-    cores, world, threads, monkeypatch
+    cores, world, local, threads, monkeypatch
 ):
-    """os.cpu_count() (16 here) counts cores a container may not use."""
+    """os.cpu_count() (16 here) counts cores a container may not use;
+    only this machine's processes share them."""
+    if local is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
     monkeypatch.setattr(tools.os, "sched_getaffinity", lambda pid: cores)
     monkeypatch.setattr(tools.os, "cpu_count", lambda: 16)
     asked = []

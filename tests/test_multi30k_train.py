@@ -402,7 +402,7 @@ def test_resume_in_an_empty_folder_says_it_starts_afresh(
 
 
 def test_resuming_a_finished_run_says_so_and_rewrites_nothing(
-    ci_run, tmp_path, vocabs, tokenizers, capsys
+    ci_run, tmp_path, vocabs, tokenizers, capsys, local_multi30k
 ):
     """It printed "trained in 2 s" and wrote final.pt again."""
     cfg, _ = ci_run
@@ -416,6 +416,33 @@ def test_resuming_a_finished_run_says_so_and_rewrites_nothing(
     train(same, vocabs, tokenizers, resume=True)
     after = {p.name: p.stat().st_mtime_ns for p in folder.glob("*.pt")}
     assert after == before
+    argv = ["train", "--preset", "ci", "--checkpoint-dir", str(folder)]
+    argv += ["--epochs", str(cfg.epochs), "--keep-last", "2", "--resume"]
+    assert tools.main(argv) == 0
+    out = capsys.readouterr().out
+    last_line = out.splitlines()[-1]  # after the device's line
+    assert last_line == f"nothing trained; model in {folder / 'final.pt'}"
+    assert "trained in" not in out
+    after = {p.name: p.stat().st_mtime_ns for p in folder.glob("*.pt")}
+    assert after == before
+
+
+def test_resuming_beside_another_runs_final_pt_writes_this_ones(
+    ci_run, tmp_path, vocabs, tokenizers
+):
+    """A final.pt that is not this run's (older code left one beside a
+    stopped retrain) is not taken for this run's end."""
+    cfg, history = ci_run
+    folder = tmp_path / "copy"
+    shutil.copytree(cfg.checkpoint_dir, folder)
+    final = folder / "final.pt"
+    other = torch.load(final, weights_only=True)
+    other["history"] = [dict(h, val_loss=9.0) for h in other["history"]]
+    torch.save(other, final)
+    train(replace(cfg, checkpoint_dir=str(folder)), vocabs, tokenizers,
+          resume=True)  # fmt: skip
+    saved = torch.load(final, weights_only=True)["history"]
+    assert repr(saved) == repr(history)
 
 
 def test_resume_reads_an_older_full_epoch_file(ci_run, tmp_path, vocabs):

@@ -154,3 +154,36 @@ def test_a_failed_install_is_tried_again_when_the_cell_reruns(tmp_path):
     (clone / ".installed").touch()  # as after an install that finished
     proc = run_colab_cell(tmp_path)
     assert proc.returncode == 0, proc.stderr
+
+
+def device_cell():
+    """Notebook 03's cell that picks the training device."""
+    nb = jupytext.read(ROOT / "notebooks" / "03_multi30k.py")
+    (cell,) = [
+        c.source
+        for c in nb.cells
+        if c.cell_type == "code" and c.source.startswith("device = ")
+    ]
+    return cell
+
+
+@pytest.mark.parametrize(
+    "colab, device, warned",
+    [(True, "cpu", True), (True, "cuda", False), (False, "cpu", False)],
+)
+def test_notebook_03_says_when_colab_gave_no_gpu(
+    colab, device, warned, monkeypatch, capsys
+):
+    """Colab's runtime is a CPU unless one asks for a GPU: training there
+    would take a quarter of an hour or more without a word."""
+    import torch
+
+    if colab:
+        monkeypatch.setenv("COLAB_RELEASE_TAG", "test")
+    else:
+        monkeypatch.delenv("COLAB_RELEASE_TAG", raising=False)
+    names = {"os": os, "pick_device": lambda: torch.device(device)}
+    exec(device_cell(), names)
+    out = capsys.readouterr().out
+    assert out.startswith(f"device: {device}\n")
+    assert ("Runtime → Change runtime type" in out) is warned
