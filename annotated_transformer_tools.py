@@ -1866,6 +1866,7 @@ def folder_lock(folder):
     import fcntl  # Unix only
 
     folder = Path(folder)
+    made = not folder.exists()  # removed again if nothing else lands
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".lock", "a+", encoding="utf-8") as f:
         try:
@@ -1885,7 +1886,16 @@ def folder_lock(folder):
             yield folder
         finally:
             f.truncate(0)
+            if made and [p.name for p in folder.iterdir()] == [".lock"]:
+                remove_lock_and_folder(folder)  # stopped before epoch 0
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def remove_lock_and_folder(folder):
+    """Remove a folder that holds only the lock file, still held."""
+    with contextlib.suppress(OSError):  # a second run's file came in
+        (folder / ".lock").unlink()
+        folder.rmdir()
 
 
 def check_training_pairs(config):
@@ -2933,8 +2943,8 @@ def check_results_file(path, data=None):
     this run or another."""
     if path == "-":  # standard output holds the progress
         raise UserError("--results - : name a file")
-    folders = [multi30k_folder(), *([data] if data else [])]
-    reads = [p for f in folders for p in Path(f).iterdir() if p.is_file()]
+    folders = [Path(multi30k_folder()), *([Path(data)] if data else [])]
+    reads = [p for f in folders if f.is_dir() for p in f.iterdir()]
     caches = [data_dir() / "vocab.json", data_dir() / "bpe.json"]
     check_not_input(path, *reads, *caches, option="--results")
     if Path(path).suffix == ".pt" and Path(path).exists():
@@ -2996,6 +3006,14 @@ def command_train(args):
         raise UserError(
             "--threads sets the threads of a one-process run; several"
             " processes on the CPU share its cores evenly"
+        )
+    cores = usable_cores()
+    if args.world_size > cores and not cuda_count():
+        print(
+            f"warning: --world-size {args.world_size} on {cores} CPU"
+            " cores: the processes take turns on them, which is slower than"
+            " fewer processes",
+            file=sys.stderr,
         )
     if args.world_size > 1 and ranks is None:  # fail now, not in NCCL
         try:
@@ -3194,6 +3212,12 @@ def load_for_decoding(args):
         raise UserError(
             f"--beam {args.beam} is wider than the {len(vocab_tgt)} tokens "
             f"of the target vocabulary of {args.checkpoint}"
+        )
+    if not args.replace_unk and is_subword(vocab_tgt):
+        print(
+            "warning: --no-replace-unk changes nothing here: a subword"
+            " (BPE) model writes no <unk>",
+            file=sys.stderr,
         )
     return model, vocab_src, vocab_tgt, decode_fn
 
@@ -3538,6 +3562,7 @@ __all__ = [
     "check_resume_and_say",
     "FolderInUseError",
     "folder_lock",
+    "remove_lock_and_folder",
     "check_training_pairs",
     "has_final",
     "train_worker",

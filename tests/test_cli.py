@@ -970,10 +970,13 @@ def test_train_results_may_go_into_the_checkpoint_folder_it_makes(
     there is written after it: no 'there is no folder'."""
     reached = []
     monkeypatch.setattr(tools, "download_multi30k", lambda: None)
-    monkeypatch.setattr(
-        tools, "train_locked", lambda args, config, ranks: reached.append(1)
-    )
     folder = tmp_path / "new"
+
+    def train_locked(args, config, ranks):
+        reached.append(1)
+        (folder / "epoch_000.pt").touch()  # else the lock removes it again
+
+    monkeypatch.setattr(tools, "train_locked", train_locked)
     status, out, err = train_with_results(
         capsys, folder, folder / "summary.json"
     )
@@ -1170,6 +1173,56 @@ def test_two_runs_into_one_folder(tmp_path):
         assert text == f"{os.getpid()}\n"
 
 
+def test_a_folder_the_lock_made_goes_when_nothing_else_landed(tmp_path):
+    """Ctrl-C before the first epoch left a folder holding only .lock."""
+    made = tmp_path / "new" / "ck"
+    with pytest.raises(KeyboardInterrupt):
+        with tools.folder_lock(made):
+            raise KeyboardInterrupt
+    assert not made.exists() and (tmp_path / "new").is_dir()
+    with tools.folder_lock(made):  # a run that saved something stays
+        (made / "epoch_000.pt").touch()
+    assert sorted(p.name for p in made.iterdir()) == [".lock", "epoch_000.pt"]
+    (made / "epoch_000.pt").unlink()
+    with tools.folder_lock(made):  # a folder that was there stays
+        pass
+    assert made.is_dir()
+
+
+@pytest.mark.parametrize("world, cores, warned", [(3, 2, True), (2, 2, False)])
+def test_more_processes_than_cores_is_a_warning(
+    world, cores, warned, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setattr(tools, "usable_cores", lambda: cores)
+    monkeypatch.setattr(tools, "cuda_count", lambda: 0)
+    monkeypatch.setenv("MULTI30K_DIR", str(tmp_path / "nowhere"))
+    status, _, err = run_cli(
+        capsys, "train", "--world-size", world, "--checkpoint-dir",
+        tmp_path / "ck",
+    )  # fmt: skip
+    assert status == 2  # no data here: it stops after the checks
+    warning = f"warning: --world-size {world} on {cores} CPU cores"
+    assert (warning in err) is warned
+
+
+@pytest.mark.parametrize("subword, warned", [(True, True), (False, False)])
+def test_no_replace_unk_with_a_bpe_model_is_a_warning(
+    subword, warned, capsys, monkeypatch
+):
+    vocab = type("V", (), {"__len__": lambda self: 100})()
+    if subword:
+        vocab.encode = lambda text: []  # what is_subword looks for
+    monkeypatch.setattr(
+        tools, "load_translator", lambda *a: (None, vocab, vocab, None)
+    )
+    args = tools.build_parser().parse_args(
+        ["translate", "--no-replace-unk", "Hallo"]
+    )
+    tools.load_for_decoding(args)
+    err = capsys.readouterr().err
+    assert ("--no-replace-unk changes nothing here" in err) is warned
+
+
 HOLD_LOCK = """
 import sys, time
 import annotated_transformer_tools as tools
@@ -1264,7 +1317,7 @@ def test_a_full_disk_while_training(tmp_path, multi30k_dir):
         "from the first epoch"
     )
     assert lines[1:] == ["error: ck/epoch_000.pt: File too large"]
-    assert os.listdir(tmp_path / "ck") == [".lock"]
+    assert not (tmp_path / "ck").exists()  # made by the run, left empty
 
 
 def test_standard_output_full_closed_or_gone(tiny, tmp_path):
