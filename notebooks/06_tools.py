@@ -2716,7 +2716,14 @@ def check_resume(config, vocab_src, vocab_tgt):
 def checked_resume(config, vocab_src, vocab_tgt):
     """check_resume's checkpoint, and the epochs it has trained."""
     folder = config.checkpoint_dir
-    path, ckpt = resume_checkpoint(folder)
+    try:
+        path, ckpt = resume_checkpoint(folder)
+    except CheckpointError as err:  # a damaged last.pt: say what is left
+        raise CheckpointError(
+            f"{err}; it cannot be resumed: train without --resume to start"
+            " afresh (which replaces the run), or choose another"
+            " --checkpoint-dir"
+        ) from err
     final = Path(folder, "final.pt")
     if path is None and (epoch_checkpoints(folder) or final.is_file()):
         raise CheckpointError(

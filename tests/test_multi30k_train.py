@@ -445,6 +445,20 @@ def test_resuming_beside_another_runs_final_pt_writes_this_ones(
     assert repr(saved) == repr(history)
 
 
+def test_a_damaged_last_pt_says_what_can_be_done(ci_run, tmp_path, vocabs):
+    cfg, _ = ci_run
+    folder = tmp_path / "copy"
+    shutil.copytree(cfg.checkpoint_dir, folder)
+    last = folder / "last.pt"
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
+    damaged = replace(cfg, checkpoint_dir=str(folder))
+    with pytest.raises(tools.CheckpointError) as info:
+        tools.check_resume(damaged, *vocabs)
+    message = str(info.value)
+    assert message.startswith(f"{last} is not a readable checkpoint")
+    assert "cannot be resumed: train without --resume to start" in message
+
+
 def test_resume_reads_an_older_full_epoch_file(ci_run, tmp_path, vocabs):
     """Runs from before last.pt kept the whole state in each epoch file."""
     cfg, _ = ci_run
