@@ -747,9 +747,9 @@ assert quick_rate(765) == 0  # the end of the budget: no step uses it
 #
 # Training runs on the device that `pick_device` returns: a CUDA GPU if
 # there is one, else Apple's GPU (`mps`), else the CPU. That is an order
-# of preference; it does not time the devices. The cell after it sets
-# `device`, which the rest of the lesson uses, and warns when a Colab
-# runtime has no GPU.
+# of preference; it does not time the devices. The cell after
+# `pick_device` sets `device`, which the rest of the lesson uses, and
+# warns when a Colab runtime has no GPU.
 #
 # On a Mac, if a later cell raises an error that names `mps`, there are
 # two ways out. Change the first line of the cell after `pick_device` to
@@ -778,7 +778,7 @@ if device.type == "cpu" and "COLAB_RELEASE_TAG" in os.environ:
     print(
         "This is a Colab runtime without a GPU: training below takes a"
         " quarter of an hour or more. For a GPU: Runtime → Change runtime"
-        " type, then run the notebook again."
+        " type → T4 GPU → Save, then Runtime → Run all."
     )
 
 

@@ -2463,6 +2463,23 @@ def validate(run, valid_loader, loss):
     return all_reduce_loss(val_loss, tokens[0], run.device)
 
 
+@contextlib.contextmanager
+def progress_bar(iterable, desc, show=True, **options):
+    """`iterable`, behind a bar on stderr once it has run for 3 s (when
+    `show`); the bar is closed on the way out, Ctrl-C included, so that
+    what is printed next starts on a line of its own."""
+    if not show:
+        yield iterable
+        return
+    from tqdm.auto import tqdm  # here: the module needs only torch
+
+    bar = tqdm(iterable, desc, delay=3, **options)
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
 def train_epoch(run, epoch, train_loader, valid_loader, show=True):
     """Train for one epoch, then validate; returns the history entry."""
     loss = SimpleLossCompute(run.module.generator, run.criterion)
@@ -2471,16 +2488,9 @@ def train_epoch(run, epoch, train_loader, valid_loader, show=True):
         alpha = run.config.rdrop
         train_compute = RDropLossCompute(loss.generator, run.criterion, alpha)
     train_loader.batch_sampler.set_epoch(epoch)
-    bar = None
-    if show and run.rank == 0:  # a bar, once an epoch takes over 3 s
-        from tqdm.auto import tqdm  # here: the module needs only torch
-
-        bar = train_loader = tqdm(train_loader, f"epoch {epoch}", delay=3)
-    try:
-        train_loss = train_pass(run, train_loader, train_compute)
-    finally:  # also on Ctrl-C: what follows starts on a line of its own
-        if bar is not None:
-            bar.close()
+    show_bar = show and run.rank == 0
+    with progress_bar(train_loader, f"epoch {epoch}", show_bar) as batches:
+        train_loss = train_pass(run, batches, train_compute)
     val_loss = validate(run, valid_loader, loss)
     entry = {"epoch": epoch, "train_loss": train_loss, "val_loss": val_loss}
     run.history.append(entry | {"steps": run.state.accum_step})
@@ -2501,9 +2511,9 @@ def train_epoch(run, epoch, train_loader, valid_loader, show=True):
 # writes two: a lean `epoch_NNN.pt` with the weights that Part 5 averages
 # (keeping the newest `keep_last`), then `last.pt`, which adds the
 # optimizer (Adam keeps two averages per weight, so it triples the size),
-# the schedule, the counters and the random states: the CPU's, and every
-# GPU's when the run uses CUDA. A crash between the two writes only
-# repeats the epoch.
+# the schedule, the counters and the random states: the CPU's, and the
+# run's own GPU's (below). A crash between the two writes only repeats
+# the epoch.
 #
 # A run that starts afresh in a folder that holds an earlier run says so
 # on stderr as it starts (`note_earlier_run`), then removes that run's
@@ -2521,13 +2531,14 @@ def train_epoch(run, epoch, train_loader, valid_loader, show=True):
 # alone, so that a run saved on two GPUs resumes on one), and the
 # `GradScaler`'s scale on a GPU that trains in float16.
 #
-# `resume_checkpoint` reads the file to resume from, once: `last.pt`, or,
-# for a run made by an older version of this code, its newest epoch file,
-# which then held the optimizer too (`resume_point` names it). It reads
-# the file onto the CPU whatever the run's device: `torch.set_rng_state`
-# takes only a CPU tensor, and `load_state_dict` moves weights and
-# optimizer state to where the model lives. `resume_run` restores it
-# exactly as an uninterrupted run would continue.
+# `resume_checkpoint` returns the file to resume from and its contents:
+# `last.pt`, or, for a run made by an older version of this code, its
+# newest epoch file, which then held the optimizer too (`resume_point`
+# gives the file alone). It loads the file onto the CPU whatever the
+# run's device: `torch.set_rng_state` takes only a CPU tensor, and
+# `load_state_dict` moves weights and optimizer state to where the model
+# lives. `resume_run` restores from it exactly as an uninterrupted run
+# would continue.
 
 
 # %%
@@ -2603,19 +2614,18 @@ def earlier_run_files(folder):
 
 def note_earlier_run(folder):
     """Say on stderr, as a run starts afresh, what it will replace."""
-    kinds = ["epoch files"] if epoch_checkpoints(folder) else []
-    kinds += [n for n in ("last.pt", "final.pt") if Path(folder, n).is_file()]
-    if not kinds:
+    files = earlier_run_files(folder)
+    if not files:
         return
-    listed = kinds[-1]
-    if len(kinds) > 1:
-        listed = ", ".join(kinds[:-1]) + " and " + listed
-    are = "are" if len(kinds) > 1 or kinds == ["epoch files"] else "is"
+    names = [
+        "epoch files" if EPOCH_FILE.fullmatch(p.name) else p.name
+        for p in files
+    ]
+    names = list(dict.fromkeys(names))  # "epoch files" once, in order
     resumable = Path(folder, "last.pt").is_file()  # its training state
     print(
         f"note: {folder} holds an earlier run, which training afresh"
-        f" replaces: its {listed} {are} removed when the first epoch is"
-        " saved"
+        f" replaces: saving the first epoch removes its {', '.join(names)}"
         + (
             "; to train that run further instead, stop now and train with"
             " --resume (and a larger --epochs if it finished)"
@@ -2640,8 +2650,8 @@ def clear_earlier_run(folder):
 
 
 def resume_checkpoint(folder):
-    """The checkpoint a run in `folder` resumes from, read once (onto the
-    CPU, where random states must be): (path, contents), or (None, None)."""
+    """The checkpoint a run in `folder` resumes from, loaded onto the CPU
+    (where random states must be): (path, contents), or (None, None)."""
     paths = [Path(folder, "last.pt"), *epoch_checkpoints(folder)[-1:]]
     for path in paths:
         if path.is_file():
@@ -2683,8 +2693,9 @@ def resume_run(run):
 # number of epochs already trained. Only the number of epochs, the
 # folder, the epoch files kept, the data workers and the preset's name
 # may change. It returns the file to resume from, or None for a folder
-# with no checkpoints, where the run starts afresh; `check_resume_and_say`
-# then says so.
+# with no checkpoints, where the run starts afresh (`checked_resume`
+# returns the number of epochs trained too); `check_resume_and_say` then
+# says so, and says when every epoch asked for is trained already.
 
 
 # %%
@@ -2804,7 +2815,7 @@ def folder_lock(folder):
     import fcntl  # Unix only
 
     folder = Path(folder)
-    made = not folder.exists()  # removed again if nothing else lands
+    made = not folder.exists()  # removed at the end if nothing was saved
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".lock", "a+", encoding="utf-8") as f:
         try:
@@ -2825,13 +2836,14 @@ def folder_lock(folder):
         finally:
             f.truncate(0)
             if made and [p.name for p in folder.iterdir()] == [".lock"]:
-                remove_lock_and_folder(folder)  # stopped before epoch 0
+                remove_lock_and_folder(folder)  # before saving epoch 0
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def remove_lock_and_folder(folder):
-    """Remove a folder that holds only the lock file, still held."""
-    with contextlib.suppress(OSError):  # a second run's file came in
+    """Remove the lock file and its folder while this process still
+    holds the lock, so that no other run slips in between."""
+    with contextlib.suppress(OSError):  # another run wrote a file: keep
         (folder / ".lock").unlink()
         folder.rmdir()
 
@@ -2857,8 +2869,10 @@ with tempfile.TemporaryDirectory() as tmp:
 # says in one line where it trains, writes the files after every epoch,
 # and writes `final.pt` after the last; with several processes, it
 # records there whether all ranks ended with the same weights
-# (`ranks_in_sync`). Whatever happens, a process leaves its process group
-# on the way out (`finally`).
+# (`ranks_in_sync`). A resumed run with every epoch trained returns at
+# once when its `final.pt` is there (stopped before writing it, it writes
+# it). Whatever happens, a process leaves its process group on the way
+# out (`finally`).
 #
 # One more check comes first. `train --data FOLDER` (the command line,
 # below) trains on other pairs, such as a teacher's translations, and
@@ -2885,14 +2899,14 @@ def check_training_pairs(config):
         )
 
 
-def has_final(run):
-    """Does the run's folder hold this run's final.pt (its losses, all
-    of them)?"""
+def final_is_this_runs(run):
+    """Does the run's folder hold a final.pt written at the end of this
+    run (the same losses, every epoch)?"""
     final = Path(run.config.checkpoint_dir, "final.pt")
     if not final.is_file():
         return False
     history = load_checkpoint(final).get("history")
-    return repr(history) == repr(run.history)  # NaN matches itself
+    return repr(history) == repr(run.history)  # repr: a NaN != itself
 
 
 def train_worker(
@@ -2940,7 +2954,7 @@ def train_worker(
         if show_progress and rank == 0:
             print(describe_device(run.device, run.precision))
         first_epoch = resume_run(run) if resume else 0
-        if first_epoch == config.epochs and has_final(run):
+        if first_epoch == config.epochs and final_is_this_runs(run):
             return run.history  # a finished run: nothing to train or save
         if first_epoch == 0 and rank == 0:
             note_earlier_run(config.checkpoint_dir)
@@ -3195,8 +3209,8 @@ def decode_text(ids, vocab):
 
 
 # %% [markdown]
-# `translate_batch` translates a list of sentences in three steps, one function
-# each. `encode_sources` turns each sentence into ids, keeping its German words
+# `translate_batch` translates a list of sentences in three steps.
+# `encode_sources` turns each sentence into ids, keeping its German words
 # when unknown words are to be replaced (an `<unk>` id has lost its word).
 # `decode_by_length` sorts the sentences by length, so that a batch wastes
 # little on padding, and hands each batch to `decode_together`, which
@@ -3222,17 +3236,17 @@ def encode_sources(sentences, spacy_de, vocab_src, keep_words=False):
     return [[BOS, *vocab_src(w), EOS] for w in words], words
 
 
-def decode_together(model, sentences, decode_fn, device, max_extra, align):
-    """(output ids, alignment or None) of each encoded sentence, decoded
-    together as one padded batch."""
-    src, _ = collate_batch([(ids, []) for ids in sentences])
+def decode_together(model, encoded, decode_fn, device, max_extra, align):
+    """(output ids, alignment or None) of each encoded sentence (a list of
+    ids), decoded together as one padded batch."""
+    src, _ = collate_batch([(ids, []) for ids in encoded])
     src = src.to(device)  # (B, S)
     mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
     out = decode_fn(model, src, mask, src.size(1) + max_extra)  # (B, L)
-    aligned = [None] * len(sentences)
+    aligned = [None] * len(encoded)
     if align and (out == UNK).any():  # one more decoder pass
         aligned = source_alignment(model, src, mask, out).tolist()
-    rows = zip(sentences, out.tolist(), aligned, strict=True)
+    rows = zip(encoded, out.tolist(), aligned, strict=True)
     # Each stops at its own limit, whatever its batch-mates.
     return [
         (strip_specials(row[: len(ids) + max_extra]), at)
@@ -3255,12 +3269,7 @@ def decode_by_length(
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     results = [None] * len(encoded)
     starts = range(0, len(order), batch_size)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm  # here: the module needs only torch
-
-        bar = starts = tqdm(starts, "decoding", unit="batch", delay=3)
-    try:
+    with progress_bar(starts, "decoding", progress, unit="batch") as starts:
         for k in starts:
             idx = order[k : k + batch_size]
             batch = [encoded[i] for i in idx]
@@ -3269,9 +3278,6 @@ def decode_by_length(
             )
             for i, result in zip(idx, decoded, strict=True):
                 results[i] = result
-    finally:  # also on Ctrl-C: what follows starts on a line of its own
-        if bar is not None:
-            bar.close()
     return results
 
 
@@ -3604,12 +3610,14 @@ def find_or_train(
             if final.is_file():
                 return str(final)
     config = model_to_train_here(presets, stand_in, root, size)
-    show = config is not stand_in  # minutes, not seconds: show progress
-    if show:
-        print(f"no trained model found: training {config.preset} here")
-    else:  # a scratch model, retrained each time: no note that it is
+    is_stand_in = config is stand_in  # seconds, not minutes: no progress
+    if is_stand_in:  # retrained every call: cleared first, without a note
         clear_earlier_run(config.checkpoint_dir)
-    train_worker(0, 1, *vocabs, *tokenizers, config, show_progress=show)
+    else:
+        print(f"no trained model found: training {config.preset} here")
+    train_worker(
+        0, 1, *vocabs, *tokenizers, config, show_progress=not is_stand_in
+    )
     return str(Path(config.checkpoint_dir, "final.pt"))
 
 
@@ -4091,9 +4099,10 @@ def build_parser():
 # %% [markdown]
 # ### `train`
 #
-# `train` builds the config from the preset and the flags, checks
-# `--results` (a file it may write: not one it reads, nor a checkpoint),
-# downloads Multi30k if needed, takes the lock on the
+# `train` builds the config from the preset and the flags, checks that
+# `--results` can be written and is not a file that training writes,
+# downloads Multi30k if needed, checks that `--results` is not a file it
+# reads either (nor a checkpoint), takes the lock on the
 # checkpoint folder (so that a second run into it stops at once), makes
 # the vocabularies, checks what `--resume` would resume, and trains. It
 # trains in this process, in `--world-size` spawned ones, or as one of the
@@ -4222,8 +4231,8 @@ def training_writes(path, folder):
 
 def check_results_file(path, data=None):
     """Refuse a --results file that is one of the files training reads
-    (Multi30k's, --data's, the vocabulary caches) or a checkpoint, of
-    this run or another."""
+    (Multi30k's, --data's, the vocabulary caches) or a checkpoint that
+    exists (`training_writes` refuses those this run will write)."""
     if path == "-":  # standard output holds the progress
         raise UserError("--results - : name a file")
     folders = [Path(multi30k_folder()), *([Path(data)] if data else [])]
@@ -4237,9 +4246,10 @@ def check_results_file(path, data=None):
         )
 
 
-def interrupted_training(folder):
+def interrupted_message(folder):
     """What Ctrl-C in `train` leaves in `folder`, in one line."""
-    last, final = Path(folder, "last.pt"), Path(folder, "final.pt")
+    last = Path(folder, "last.pt")
+    final = Path(folder, "final.pt")
     newest = max(
         (p for p in (last, final) if p.is_file()),
         key=lambda p: p.stat().st_mtime,
@@ -4247,7 +4257,8 @@ def interrupted_training(folder):
     )
     if newest == final:  # training had ended (while --results scored)
         return f"interrupted; {final} holds the trained model"
-    if newest == last:  # this run's last epoch, or an earlier run's
+    if newest == last:  # this run's last epoch (or, if it saved none, the
+        # last of the run before)
         return (
             f"interrupted; {last} holds the last epoch saved: train with"
             " --resume to go on from it"
@@ -4328,9 +4339,9 @@ def command_train(args):
         with lock or nullcontext(), multi30k_from(data):  # rank 0 locks
             return train_locked(args, config, ranks)
     except KeyboardInterrupt:
-        if rank != 0:
+        if rank != 0:  # rank 0 reports for all
             raise
-        print(interrupted_training(config.checkpoint_dir), file=sys.stderr)
+        print(interrupted_message(config.checkpoint_dir), file=sys.stderr)
         return EXIT_INTERRUPTED
 
 
@@ -4369,7 +4380,7 @@ def train_locked(args, config, ranks=None):
             device=args.device,
         )
     final = Path(config.checkpoint_dir) / "final.pt"
-    if final.is_file() and final.stat().st_mtime < start:  # one resumed
+    if final.is_file() and final.stat().st_mtime < start:  # resumed done
         say(f"nothing trained; model in {final}")
     else:
         say(f"trained in {time.time() - start:.0f} s; model in {final}")

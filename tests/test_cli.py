@@ -260,14 +260,14 @@ def test_evaluate_shows_a_bar_that_changes_nothing(
 
 
 def test_what_ctrl_c_in_train_says_it_left(tmp_path):
-    assert tools.interrupted_training(tmp_path) == "interrupted"
+    assert tools.interrupted_message(tmp_path) == "interrupted"
     (tmp_path / "last.pt").touch()
     assert "last.pt holds the last epoch saved: train with --resume" in (
-        tools.interrupted_training(tmp_path)
+        tools.interrupted_message(tmp_path)
     )
     (tmp_path / "final.pt").touch()  # written after: training had ended
     os.utime(tmp_path / "last.pt", (1, 1))
-    assert tools.interrupted_training(tmp_path) == (
+    assert tools.interrupted_message(tmp_path) == (
         f"interrupted; {tmp_path / 'final.pt'} holds the trained model"
     )
 
@@ -910,17 +910,17 @@ def test_the_note_on_an_earlier_run_says_what_is_there(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err == (
         f"note: {tmp_path} holds an earlier run, which training afresh"
-        " replaces: its final.pt is removed when the first epoch is saved\n"
+        " replaces: saving the first epoch removes its final.pt\n"
     )
     (tmp_path / "epoch_000.pt").touch()
     tools.note_earlier_run(tmp_path)
     err = capsys.readouterr().err
-    assert "its epoch files and final.pt are removed when the first" in err
+    assert "removes its epoch files, final.pt" in err
     assert "--resume" not in err
     (tmp_path / "last.pt").touch()
     tools.note_earlier_run(tmp_path)
     err = capsys.readouterr().err
-    assert "its epoch files, last.pt and final.pt are removed" in err
+    assert "removes its epoch files, last.pt, final.pt" in err
     assert "stop now and train with --resume" in err
 
 

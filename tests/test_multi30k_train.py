@@ -232,7 +232,7 @@ def test_training_afresh_clears_an_earlier_runs_epoch_files(
     note = f"note: {folder} holds an earlier run, which training afresh"
     err = capsys.readouterr().err
     assert err.count(note) == 1 and "stop now and train with --resume" in err
-    assert "its epoch files, last.pt and final.pt are removed" in err
+    assert "removes its epoch files, last.pt, final.pt" in err
     model, *_ = tools.load_translator(folder / "final.pt", average_last=1)
     assert_same_weights(model.state_dict(), final_weights(again))
     empty = tmp_path / "empty"
