@@ -4354,9 +4354,11 @@ def train_locked(args, config, ranks=None):
     data = (*vocabs, *tokenizers, config)
     start = time.time()
     if ranks:  # started by torchrun
-        if args.resume:  # train_model checks this in the other branch
-            check_resume_and_say(config, *vocabs)
         rank, world, local_rank, local_world = ranks
+        if args.resume and rank == 0:  # the notes once, not once a rank
+            check_resume_and_say(config, *vocabs)
+        elif args.resume:  # train_model checks this in the other branch
+            check_resume(config, *vocabs)
         try:
             device = torchrun_device(world, local_rank, local_world)
         except ValueError as err:

@@ -422,6 +422,33 @@ def test_two_a100s_under_torchrun(machine, cpu_model, monkeypatch):
     assert run.precision == (BF16, False)
 
 
+@pytest.mark.parametrize("rank, said", [("0", True), ("3", False)])
+@with_machine("two A100s")
+def test_under_torchrun_only_rank_0_says_what_it_resumes(
+    machine, rank, said, tmp_path, monkeypatch
+):
+    """Every rank checks the resume (a refusal must stop each); the notes
+    were printed once per rank."""
+    env = {"RANK": rank, "WORLD_SIZE": "4", "LOCAL_RANK": "1"}
+    env["LOCAL_WORLD_SIZE"] = "2"
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    calls = []
+    monkeypatch.setattr(tools, "download_multi30k", lambda: None)
+    monkeypatch.setattr(tools, "load_tokenizers", lambda: (None, None))
+    monkeypatch.setattr(tools, "load_vocabularies", lambda c, *t: (1, 2))
+    monkeypatch.setattr(tools, "train_worker", lambda *a, **k: None)
+    monkeypatch.setattr(
+        tools, "check_resume_and_say", lambda *a: calls.append("say")
+    )
+    monkeypatch.setattr(
+        tools, "check_resume", lambda *a: calls.append("check")
+    )
+    folder = ["--checkpoint-dir", str(tmp_path / "ck")]
+    assert tools.main(["train", "--preset", "ci", "--resume", *folder]) == 0
+    assert calls == (["say"] if said else ["check"])
+
+
 @pytest.mark.parametrize(
     "machine, world, local_world, expected",
     [
