@@ -88,28 +88,19 @@ def clones(module, N):
     return nn.ModuleList([copy.deepcopy(module) for _ in range(N)])
 
 
-class LayerStack(nn.Module):
-    """N copies of one layer, applied in turn, then a final layer norm."""
+class Encoder(nn.Module):
+    """The encoder: N EncoderLayers, then a final layer norm."""
 
     def __init__(self, layer, N):
         super().__init__()
         self.layers = clones(layer, N)
-        self.norm = LayerNorm(layer.size)  # d_model: each layer stores .size
-
-    # Subclasses define forward() with named arguments and call run().
-    def run(self, x, *context):
-        """Pass (B, T, d_model) through every layer, then normalize."""
-        for layer in self.layers:
-            x = layer(x, *context)
-        return self.norm(x)
-
-
-class Encoder(LayerStack):
-    """The encoder: N EncoderLayers and a final layer norm."""
+        self.norm = LayerNorm(layer.size)
 
     def forward(self, x, mask):
         """(B, S, d_model) source vectors with a (B, 1, S) padding mask."""
-        return self.run(x, mask)
+        for layer in self.layers:
+            x = layer(x, mask)
+        return self.norm(x)
 
 
 class LayerNorm(nn.Module):
@@ -146,7 +137,7 @@ class EncoderLayer(nn.Module):
 
     def __init__(self, size, self_attn, feed_forward, dropout):
         super().__init__()
-        self.size = size  # d_model, read by LayerStack
+        self.size = size  # d_model, read by Encoder
         self.self_attn = self_attn
         self.feed_forward = feed_forward
         self.self_attn_block = SublayerConnection(size, dropout)
@@ -162,12 +153,19 @@ class EncoderLayer(nn.Module):
 # Decoder
 # Explained in notebooks/01_model.py, same heading.
 # -----------------------------------------------------------------------------
-class Decoder(LayerStack):
-    """The decoder: N DecoderLayers and a final layer norm."""
+class Decoder(nn.Module):
+    """The decoder: N DecoderLayers, then a final layer norm."""
+
+    def __init__(self, layer, N):
+        super().__init__()
+        self.layers = clones(layer, N)
+        self.norm = LayerNorm(layer.size)
 
     def forward(self, x, memory, src_mask, tgt_mask):
         """Run (B, T, d_model) through every layer against the memory."""
-        return self.run(x, memory, src_mask, tgt_mask)
+        for layer in self.layers:
+            x = layer(x, memory, src_mask, tgt_mask)
+        return self.norm(x)
 
 
 class DecoderLayer(nn.Module):
@@ -175,7 +173,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, size, self_attn, src_attn, feed_forward, dropout):
         super().__init__()
-        self.size = size
+        self.size = size  # d_model, read by Decoder
         self.self_attn = self_attn
         self.src_attn = src_attn
         self.feed_forward = feed_forward
@@ -196,8 +194,7 @@ class DecoderLayer(nn.Module):
 
 def subsequent_mask(size):
     """(1, size, size) bool mask, True where key position <= query."""
-    upper = torch.triu(torch.ones(1, size, size, dtype=torch.bool), 1)
-    return ~upper
+    return torch.ones(1, size, size, dtype=torch.bool).tril()
 
 
 # -----------------------------------------------------------------------------
@@ -242,10 +239,8 @@ class MultiHeadedAttention(nn.Module):
         return x.transpose(1, 2)  # (B, h, T, d_k)
 
     def use_fused(self, q):
-        """Use scaled_dot_product_attention? Not to store the weights.
-        Nor when training with dropout on the CPU: there PyTorch falls
-        back to its unfused formula anyway, and `attention` lets the
-        appendix swap self.dropout for FastDropout."""
+        """Fused, unless the weights must be kept (Part 4) or the CPU
+        trains with dropout (the appendix's "A cheaper dropout mask")."""
         cpu_dropout = self.training and self.dropout.p > 0 and q.is_cpu
         return not (self.store_attention or cpu_dropout)
 
@@ -259,6 +254,8 @@ class MultiHeadedAttention(nn.Module):
         k = self.split_heads(key, self.w_k)  # (B, h, S, d_k)
         v = self.split_heads(value, self.w_v)  # (B, h, S, d_k)
         if self.use_fused(q):
+            # A function, not a module: .eval() cannot turn its dropout
+            # off, so we pass 0 ourselves when not training.
             p = self.dropout.p if self.training else 0.0
             x = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=p
@@ -404,8 +401,7 @@ class Batch:
 
     def to(self, device):
         """Move every tensor of the batch to a device, in place."""
-        # Copy asynchronously to a CUDA GPU only: on Apple's MPS such a
-        # copy can read its source after it is freed (PyTorch issue 139550).
+        # Asynchronous copies on CUDA only: on Apple's MPS they can be wrong.
         asynchronous = torch.device(device).type == "cuda"
         for name, value in vars(self).items():
             if torch.is_tensor(value):
@@ -441,12 +437,17 @@ class LabelSmoothing(nn.Module):
         self.smoothing = smoothing  # mass moved off the correct token
         self.confidence = 1.0 - smoothing  # mass the correct token keeps
         self.criterion = nn.KLDivLoss(reduction="sum")
-        self.keep_targets = keep_targets  # build (N, size) targets, slower
-        # `true_dist` (below) rebuilds the latest call's smoothed targets
-        # from these two; `forward` reads it when keep_targets is set, as
-        # the 2022 tutorial's code did.
-        self.last_target = None  # (N,) targets of the latest call
-        self.last_dtype = torch.float32  # and their dtype
+        self.keep_targets = keep_targets  # the direct way, for checks
+        self.last_call = None  # (targets, dtype), for `true_dist` below
+
+    def forward(self, x, target):
+        """Summed KL loss of (N, size) log-probs against (N,) targets."""
+        assert x.size(1) == self.size
+        self.last_call = (target.detach(), x.dtype)
+        if self.keep_targets:  # the direct way: build every row p
+            p = self.smoothed_targets(target, x.dtype)
+            return self.criterion(x, p)
+        return self.closed_form(x, target)  # the same number, see below
 
     def smoothed_targets(self, target, dtype=torch.float32):
         """(N,) target ids to the (N, size) smoothed distribution."""
@@ -457,29 +458,18 @@ class LabelSmoothing(nn.Module):
         dist[target == self.padding_idx] = 0
         return dist
 
-    @property
-    def true_dist(self):
-        """The (N, size) smoothed targets of the latest call, or None.
-
-        Kept for code written against the 2022 Harvard Annotated
-        Transformer (the tutorial this project rewrites), which stored this
-        matrix; here it is built only when read, from `last_target`.
-        """
-        if self.last_target is None:
-            return None
-        return self.smoothed_targets(self.last_target, self.last_dtype)
-
-    def forward(self, x, target):
-        """Summed KL loss of (N, size) log-probs against (N,) targets."""
-        assert x.size(1) == self.size
-        self.last_target, self.last_dtype = target.detach(), x.dtype
-        if self.keep_targets:
-            return self.criterion(x, self.true_dist)
-        return self.closed_form(x, target)
-
     def closed_form(self, x, target):
         """The same loss without the (N, size) targets: see below."""
         return smoothed_kl(x, target, self.padding_idx, self.smoothing)
+
+    # For code written against the 2022 Harvard Annotated Transformer,
+    # which stored the latest call's smoothed targets as `true_dist`.
+    @property
+    def true_dist(self):
+        """The (N, size) smoothed targets of the latest call, or None."""
+        if self.last_call is None:
+            return None
+        return self.smoothed_targets(*self.last_call)
 
 
 def smoothed_kl(x, target, padding_idx, smoothing):
@@ -490,7 +480,8 @@ def smoothed_kl(x, target, padding_idx, smoothing):
     # whose sums keep only 3 digits).
     acc = torch.promote_types(x.dtype, torch.float32)
     picked = x.gather(1, target.unsqueeze(1)).squeeze(1).to(acc)  # (N,)
-    rest = x.sum(1, dtype=acc) - picked - x[:, padding_idx].to(acc)  # (N,)
+    # The formula's last sum, over every j but y and padding: (N,)
+    rest = x.sum(1, dtype=acc) - picked - x[:, padding_idx].to(acc)
     # The sum of p log p over a row's targets: c at the target, f at each
     # of the V - 2 others (together `smoothing`). 0 log 0 counts as 0.
     plogp = c * math.log(c) if c > 0 else 0.0
@@ -617,7 +608,7 @@ def warmup_linear_decay(step, peak, warmup, total, floor=0.02):
 class TrainState:
     """Counters that persist across epochs."""
 
-    step: int = 0  # micro-batches trained on
+    step: int = 0  # micro-batches trained on (not optimizer steps)
     accum_step: int = 0  # optimizer steps taken
     samples: int = 0  # sentences seen
     tokens: int = 0  # target tokens seen
@@ -817,16 +808,10 @@ class Vocab:
         return list(self._itos)
 
     def __eq__(self, other):
-        """Equal to any word vocabulary with the same token list.
-
-        Judged by behaviour, not by class: the notebook's `Vocab` and the
-        module's are two classes. A vocabulary with `encode` (Part 5's
-        subwords) cuts raw text its own way, so it is never equal to this
-        one, even with the same list.
-        """
+        """Equal to a word vocabulary of any class with the same tokens."""
         if not hasattr(other, "get_itos"):
             return NotImplemented  # not a vocabulary: Python says unequal
-        if hasattr(other, "encode"):
+        if hasattr(other, "encode"):  # Part 5's subwords: never equal
             return False
         return self._itos == other.get_itos()
 
@@ -1461,8 +1446,9 @@ def source_alignment(model, src, src_mask, out, layers=None):
         weights = [decoder[i].src_attn.attn for i in chosen]  # (B, h, T, S)
     # (layers, B, h, T, S) -> (B, T, S): the mean over layers and heads
     attn = torch.stack(weights).mean(dim=(0, 2))
-    words = src_mask & ((src != BOS) & (src != EOS)).unsqueeze(1)  # (B, 1, S)
-    return attn.masked_fill(~words, -1.0).argmax(dim=-1)
+    not_special = ((src != BOS) & (src != EOS)).unsqueeze(1)  # (B, 1, S)
+    word_cols = src_mask & not_special  # (B, 1, S): the source's words
+    return attn.masked_fill(~word_cols, -1.0).argmax(dim=-1)
 
 
 def replace_unknowns(ids, aligned, src_words, vocab_tgt):
@@ -1570,10 +1556,10 @@ def decode_step(model, ys_last, cache):
     """Log-probs (R, V) of the next token, given the newest ids (R, 1)."""
     embed = model.tgt_embed[0]  # Part 1's Embeddings
     position = model.tgt_embed[1]  # and PositionalEncoding
-    t = cache.length
-    # PositionalEncoding.forward for position t alone; its dropout does
+    pos = cache.length  # the position of the token fed
+    # PositionalEncoding.forward for that position alone; its dropout does
     # nothing here, since decoding runs in eval mode.
-    x = position.dropout(embed(ys_last) + position.pe[:, t : t + 1])
+    x = position.dropout(embed(ys_last) + position.pe[:, pos : pos + 1])
     for i, layer in enumerate(model.decoder.layers):
         x = decoder_layer_step(layer, x, cache, i)  # (R, 1, d_model)
     cache.length += 1
@@ -1867,7 +1853,6 @@ __all__ = [
     "EncoderDecoder",
     "Generator",
     "clones",
-    "LayerStack",
     "Encoder",
     "LayerNorm",
     "SublayerConnection",

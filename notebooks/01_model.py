@@ -159,10 +159,11 @@ class Generator(nn.Module):
 # ## Encoder
 #
 # The encoder is a stack of $N = 6$ layers, identical in shape but each
-# with its own weights. `LayerStack`, the base class of both stacks, runs
-# them in turn and ends with a `LayerNorm` (next section). The `mask`
-# hides the source's padding tokens (filler that makes the sentences of a
-# batch equally long).
+# with its own weights. It runs them in turn and ends with a `LayerNorm`
+# (the next section defines it, and "Residual connections, pre-norm" says
+# why the stack needs one at its end). The `mask` hides the source's
+# padding tokens (filler that makes the sentences of a batch equally
+# long).
 #
 # The copies come from `clones`, which deep-copies one module $N$ times:
 # every copy gets its own tensors, holding the same values at first.
@@ -186,37 +187,26 @@ assert torch.equal(pair[0].weight, pair[1].weight)  # equal values
 assert pair[0].weight.data_ptr() != pair[1].weight.data_ptr()  # own memory
 
 # %% [markdown]
-# `LayerStack` applies its $N$ clones in turn and normalizes the result.
-# The encoder's layers take a mask besides $x$; the decoder's take three
-# arguments besides $x$ (the memory, the source mask and the target mask).
-# So `run` passes on whatever follows $x$; each subclass
-# defines `forward()` with named arguments and calls `run()`.
+# `Encoder` applies its $N$ clones in turn and normalizes the result.
+# `layer.size` is $d_{\text{model}}$, which each layer stores (see
+# `EncoderLayer`, below).
 
 
 # %%
 #| export
-class LayerStack(nn.Module):
-    """N copies of one layer, applied in turn, then a final layer norm."""
+class Encoder(nn.Module):
+    """The encoder: N EncoderLayers, then a final layer norm."""
 
     def __init__(self, layer, N):
         super().__init__()
         self.layers = clones(layer, N)
-        self.norm = LayerNorm(layer.size)  # d_model: each layer stores .size
-
-    # Subclasses define forward() with named arguments and call run().
-    def run(self, x, *context):
-        """Pass (B, T, d_model) through every layer, then normalize."""
-        for layer in self.layers:
-            x = layer(x, *context)
-        return self.norm(x)
-
-
-class Encoder(LayerStack):
-    """The encoder: N EncoderLayers and a final layer norm."""
+        self.norm = LayerNorm(layer.size)
 
     def forward(self, x, mask):
         """(B, S, d_model) source vectors with a (B, 1, S) padding mask."""
-        return self.run(x, mask)
+        for layer in self.layers:
+            x = layer(x, mask)
+        return self.norm(x)
 
 
 # %% [markdown]
@@ -233,11 +223,12 @@ class Encoder(LayerStack):
 # deviation (the one that divides by $d - 1$ instead of $d$) plus
 # $\epsilon$. We use the standard form above, which is what
 # `torch.nn.LayerNorm` computes, so the two can be compared directly. We
-# still write our own small class rather than use `nn.LayerNorm`, only to
+# still write our own small class rather than use `nn.LayerNorm`, to
 # keep the 2022 tutorial's parameter names: the gain $a$ is `a_2` and the
-# bias $b$ is `b_2`. (Only these names match: the 2022 tutorial's
-# checkpoint files cannot be loaded here, as the appendix's "Checkpoints
-# from older versions" explains.)
+# bias $b$ is `b_2`. Weights saved under the 2022 names then load here,
+# once the appendix's `rename_old_keys` has renamed the other layers
+# ("Checkpoints from older versions"; the 2022 checkpoint *files* cannot
+# be read, since they also hold torchtext objects).
 
 
 # %%
@@ -289,11 +280,13 @@ assert torch.allclose(norm(x), by_hand, atol=1e-5)
 # stacked. Xiong et al. (2020) show that with pre-norm the gradients are
 # well scaled from the first step, so training needs little or no warm-up
 # (the slow start of the learning rate, Part 2). We keep a warm-up anyway
-# (Part 2), though a shorter one than the paper's.
+# (Part 2), though a shorter one than the paper's: Adam's running
+# averages start from a few gradients, and a warm-up keeps those first,
+# noisiest steps small.
 #
 # Because pre-norm never normalizes the residual stream itself, the last
 # block's output can have any scale; so each stack ends with one extra
-# `LayerNorm`, in `LayerStack`.
+# `LayerNorm`, in `Encoder` and `Decoder`.
 #
 # ![Pre-norm and post-norm residual blocks](attachment:residual.svg)
 
@@ -350,7 +343,7 @@ class EncoderLayer(nn.Module):
 
     def __init__(self, size, self_attn, feed_forward, dropout):
         super().__init__()
-        self.size = size  # d_model, read by LayerStack
+        self.size = size  # d_model, read by Encoder
         self.self_attn = self_attn
         self.feed_forward = feed_forward
         self.self_attn_block = SublayerConnection(size, dropout)
@@ -376,12 +369,19 @@ class EncoderLayer(nn.Module):
 
 # %%
 #| export
-class Decoder(LayerStack):
-    """The decoder: N DecoderLayers and a final layer norm."""
+class Decoder(nn.Module):
+    """The decoder: N DecoderLayers, then a final layer norm."""
+
+    def __init__(self, layer, N):
+        super().__init__()
+        self.layers = clones(layer, N)
+        self.norm = LayerNorm(layer.size)
 
     def forward(self, x, memory, src_mask, tgt_mask):
         """Run (B, T, d_model) through every layer against the memory."""
-        return self.run(x, memory, src_mask, tgt_mask)
+        for layer in self.layers:
+            x = layer(x, memory, src_mask, tgt_mask)
+        return self.norm(x)
 
 
 class DecoderLayer(nn.Module):
@@ -389,7 +389,7 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, size, self_attn, src_attn, feed_forward, dropout):
         super().__init__()
-        self.size = size
+        self.size = size  # d_model, read by Decoder
         self.self_attn = self_attn
         self.src_attn = src_attn
         self.feed_forward = feed_forward
@@ -436,8 +436,7 @@ class DecoderLayer(nn.Module):
 #| export
 def subsequent_mask(size):
     """(1, size, size) bool mask, True where key position <= query."""
-    upper = torch.triu(torch.ones(1, size, size, dtype=torch.bool), 1)
-    return ~upper
+    return torch.ones(1, size, size, dtype=torch.bool).tril()
 
 
 # %% [markdown]
@@ -448,10 +447,13 @@ def subsequent_mask(size):
 print(subsequent_mask(5)[0].int())
 
 # %% [markdown]
-# It matches the lower triangle built another way, with `tril`:
+# It matches the rule written out, key position $u \le$ query position
+# $t$:
 
 # %%
-assert torch.equal(subsequent_mask(20)[0], torch.ones(20, 20).tril().bool())
+position = torch.arange(20)
+query_t, key_u = position[:, None], position[None, :]  # (20, 1), (1, 20)
+assert torch.equal(subsequent_mask(20)[0], key_u <= query_t)
 
 # %% [markdown]
 # The appendix (notebook 06_tools, imported as
@@ -489,16 +491,14 @@ save_chart(mask_chart(20), "01_subsequent_mask", Path(ROOT, "figures"))
 #
 # In code it is a few lines. `mask` is the boolean mask above. A masked
 # score is replaced by the most negative number its dtype holds, so its
-# weight after the softmax is zero. We do not use a fixed $-10^9$, as the
-# 2022 tutorial did, because it overflows in float16; the end of this
-# section shows it. (The fused path of `MultiHeadedAttention`, below,
-# needs no fill value: it hands the boolean mask to PyTorch as is.)
+# weight after the softmax is zero (the end of this section says why not
+# a fixed $-10^9$).
 #
 # A departure from the paper: `attention` can apply dropout to the
-# weights themselves. It is inherited from the 2022 tutorial and not
-# measured here; the paper (section 5.4) mentions dropout only on each
-# sub-layer's output and on the sums of embeddings and positional
-# encodings.
+# weights themselves. It is inherited from the 2022 tutorial; the paper
+# (section 5.4) mentions dropout only on each sub-layer's output and on
+# the sums of embeddings and positional encodings, and this project has
+# not tested what the weights' dropout changes.
 
 
 # %%
@@ -558,9 +558,12 @@ def softmax_gradient_size(weights):
 # Now 1,000 random queries, each against 10 random keys. For raw and
 # scaled scores the cell prints the scores' standard deviation, the
 # largest weight (averaged over the queries) and the gradient size; the
-# asserts check what the paragraph above says. The last one asks for a
-# clear gap, not just any decrease: the raw scores' gradient must be under
-# 0.6 times the scaled scores' one (the printed ratio).
+# asserts check what the paragraph above says. Expect a standard
+# deviation near 8 for the raw scores and near 1 for the scaled ones; the
+# raw scores' largest weight near 0.9 (almost all on one key), the scaled
+# ones' near 0.3; and the raw scores' gradient about half the size of the
+# scaled ones'. The last assert asks for that clear gap, not just any
+# decrease: under 0.6 times.
 
 # %%
 torch.manual_seed(0)
@@ -615,10 +618,12 @@ assert weights[0, 2] == 0
 # %% [markdown]
 # ### Multi-head attention
 #
-# One attention function would average everything a position wants to look
-# at into a single weighted sum. Multi-head attention runs $h$ of them in
-# parallel, each on its own learned projection to $d_k = d_{\text{model}}
-# / h$ dimensions, and concatenates the results:
+# One attention function gives each query a single set of weights, so a
+# position must compromise between what it wants to read: say, the
+# previous word and the sentence's subject. Multi-head attention runs $h$
+# of them in parallel, each on its own learned projection to $d_k =
+# d_{\text{model}} / h$ dimensions, so that each head can weigh the
+# positions its own way, and concatenates the results:
 #
 # $$\mathrm{MultiHead}(Q, K, V) = \mathrm{Concat}(\mathrm{head}_1, \dots,
 # \mathrm{head}_h) W^O, \quad \mathrm{head}_i = \mathrm{Attention}(QW_i^Q,
@@ -645,10 +650,11 @@ assert weights[0, 2] == 0
 # routine is a plain function, so `.eval()` cannot switch its dropout off:
 # `forward` passes `dropout_p=0` when the module is not training.
 #
-# On a first read, take `use_fused(q)` as `not self.store_attention`.
-# Its one other case, training with dropout on the CPU, serves a faster
-# dropout mask of the appendix (06_tools, "A cheaper dropout mask"),
-# which explains it. Either branch computes the same formula.
+# `use_fused(q)` is `not self.store_attention`, with one more case:
+# training with dropout on the CPU, where PyTorch's fused routine falls
+# back to its unfused formula anyway, and where the appendix's faster
+# dropout mask (06_tools, "A cheaper dropout mask") needs `attention`.
+# Either branch computes the same formula.
 
 
 # %%
@@ -678,10 +684,8 @@ class MultiHeadedAttention(nn.Module):
         return x.transpose(1, 2)  # (B, h, T, d_k)
 
     def use_fused(self, q):
-        """Use scaled_dot_product_attention? Not to store the weights.
-        Nor when training with dropout on the CPU: there PyTorch falls
-        back to its unfused formula anyway, and `attention` lets the
-        appendix swap self.dropout for FastDropout."""
+        """Fused, unless the weights must be kept (Part 4) or the CPU
+        trains with dropout (the appendix's "A cheaper dropout mask")."""
         cpu_dropout = self.training and self.dropout.p > 0 and q.is_cpu
         return not (self.store_attention or cpu_dropout)
 
@@ -695,6 +699,8 @@ class MultiHeadedAttention(nn.Module):
         k = self.split_heads(key, self.w_k)  # (B, h, S, d_k)
         v = self.split_heads(value, self.w_v)  # (B, h, S, d_k)
         if self.use_fused(q):
+            # A function, not a module: .eval() cannot turn its dropout
+            # off, so we pass 0 ourselves when not training.
             p = self.dropout.p if self.training else 0.0
             x = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=p
@@ -709,11 +715,11 @@ class MultiHeadedAttention(nn.Module):
 
 
 # %% [markdown]
-# A check of the cost argument above: the scores $QK^\top$ take
+# The cost argument above, in numbers: the scores $QK^\top$ take
 # $h \cdot T \cdot S \cdot d_k = T \cdot S \cdot d_{\text{model}}$
 # multiply-adds whatever $h$ is, and the parameters are the same four
-# $d_{\text{model}} \times d_{\text{model}}$ maps, so eight heads and one
-# have equal counts:
+# $d_{\text{model}} \times d_{\text{model}}$ maps. The cell checks the
+# parameter half: eight heads and one have equal counts.
 
 # %%
 heads_8 = sum(p.numel() for p in MultiHeadedAttention(8, 512).parameters())
@@ -943,10 +949,12 @@ class PositionalEncoding(nn.Module):
 
 
 # %% [markdown]
-# The float64 detour matters. Take the second sine column (pair $i = 1$)
-# at positions 4,000 to 4,999: sines computed from float32 angles are off
-# by more than $10^{-4}$, while the stored buffer is off by less than
-# $10^{-7}$.
+# The float64 detour matters for long inputs only: the error grows with
+# the position, and at the lengths of our sentences (under 128 tokens)
+# it stays below $10^{-5}$, so you may skip the next cell. Take the
+# second sine column (pair $i = 1$) at positions 4,000 to 4,999: sines
+# computed from float32 angles are off by more than $10^{-4}$, while the
+# stored buffer is off by less than $10^{-7}$.
 
 # %%
 table_512 = PositionalEncoding(512, dropout=0.0).pe[0]  # (L, 512)
@@ -1019,7 +1027,7 @@ save_chart(chart, "01_positional_encoding", Path(ROOT, "figures"))
 #    anyway, as in the 2022 tutorial, so that the source and target sides
 #    each own theirs.
 # 2. One encoder layer and one decoder layer are built from those copies;
-#    `LayerStack` clones each $N$ times.
+#    `Encoder` and `Decoder` clone each $N$ times.
 # 3. Each language gets an embedding and a positional encoding; the
 #    generator maps back to the target vocabulary.
 # 4. Every weight matrix, the embedding tables included, is reset with

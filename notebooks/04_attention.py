@@ -153,7 +153,10 @@ def record_attention(model):
 # A kind is one of these three strings everywhere below, and
 # `ATTENTION_KINDS` maps it to its field. `view(kind)` returns the weights
 # of one kind with the labels and masks that the charts and the
-# statistics need.
+# statistics need: it pairs each kind's weights with the mask of the keys
+# its queries may see. On a first read you can skim `AttentionView` and
+# `view`; the first charts use the labels, and the statistics, much
+# later, use `row_keep`, `col_keep` and `col_ids`.
 
 
 # %%
@@ -229,8 +232,9 @@ class AttentionMaps:
 # The decoder runs with teacher forcing on a given target
 # `<s> y_1 ... </s>`: its inputs are every token but the last, and row $t$
 # is the position that predicts token $t+1$, kept in `next_tokens` for the
-# tooltips. Without a target, the model first translates the sentence
-# greedily and the maps are those of its own translation. The decoder is
+# tooltips. Without a target (not used on this page), the model first
+# translates the sentence greedily, with room for 50 tokens more than the
+# source, and the maps are those of its own translation. The decoder is
 # *causal*: each position sees only itself and the positions before it.
 # So one pass over the finished translation gives the same weights, up to
 # rounding, as it used while writing it one token at a time.
@@ -319,7 +323,9 @@ def attention_maps(
 # `results/site_full.md`. The charts on record are that model's.
 # Paragraphs marked **Check** state a claim about a trained model's heads;
 # their cell asserts it only when a `cpu` or `quick` model is loaded, and
-# with the stand-in prints that it did not check it. These cells assume
+# with the stand-in prints that it did not check it. Paragraphs marked
+# **See, ...** check the code itself, and their asserts run with any
+# model. These cells assume
 # that the drawn weights are the ones the model uses; "Can we trust these
 # pictures?", after the charts, verifies that. Every other assert runs
 # with any model.
@@ -491,20 +497,21 @@ else:
 # record, one head reads that German "." most, while two others park much
 # of that row's weight.
 #
-# The recorded figures are a `quick` model's, not the model on record's:
-# in the fourth and fifth runs of `results/make_notebook.md` (bf16, on a
-# CPU), the `</s>` row parked 0.17 of its weight and the word rows 0.02.
+# For the figures, no run of the model on record printed them; a
+# `quick` model's `</s>` row parked 0.17 of its weight, and its word rows
+# 0.02 (`results/make_notebook.md`).
 
 # %%
 edges = [column_of("<s>"), column_of("</s>")]
 on_edges = last.mean(0)[:, edges].sum(-1)  # (T,) weight on <s> and </s>
-words = torch.tensor([t not in (".", "</s>") for t in maps.next_tokens])
+word_rows = [t not in (".", "</s>") for t in maps.next_tokens]
+word_rows = torch.tensor(word_rows)  # (T,) rows that predict a word
 print("weight on <s> and </s>, mean over the heads:")
 print(f"  the row that predicts </s>: {on_edges[row_of('</s>')]:.2f}")
-print(f"  the rows that predict words: {on_edges[words].mean():.2f}")
+print(f"  the rows that predict words: {on_edges[word_rows].mean():.2f}")
 if trained:
     hint = "the </s> row parks no more than the word rows; see docs/gpu.md"
-    assert on_edges[row_of("</s>")] > on_edges[words].mean(), hint
+    assert on_edges[row_of("</s>")] > on_edges[word_rows].mean(), hint
 else:
     print(SKIPPED)
 
@@ -665,17 +672,19 @@ assert torch.allclose(by_hand, maps.encoder_self[0], atol=1e-5)
 # %% [markdown]
 # ### Why `eval()` matters
 #
-# The same recording twice, on a fresh model with Part 1's default dropout of
-# 0.1: once in `eval()` mode, and once with the dropout of the first encoder
-# layer's attention switched on, and only that one. Every other dropout stays
-# off, especially the one after the embeddings: it would change what reaches
-# the layer, and the two recordings should differ in the dropout on the weights
-# alone. (A fresh model, because `load_trained_model` rebuilds the trained one
-# with dropout 0: switching it to `train()` would change nothing.) With
-# dropout, every weight is either zeroed or the `eval()` weight scaled by
-# $1/0.9$, so the rows no longer sum to 1, and a weight above 0.9 would be
-# drawn above 1 (this small untrained model has no weight that large; a trained
-# one can).
+# Record the weights in `train()` mode and you draw them after dropout:
+# every weight is either zeroed or the `eval()` weight scaled by $1/0.9$,
+# so the rows no longer sum to 1, and a weight above 0.9 would be drawn
+# above 1. `attention_maps` therefore records in `eval()` mode. The cell
+# shows the difference: the same recording twice, on a fresh model with
+# Part 1's default dropout of 0.1, once in `eval()` mode, and once with
+# the dropout of the first encoder layer's attention switched on, and only
+# that one. Every other dropout stays off, especially the one after the
+# embeddings: it would change what reaches the layer, and the two
+# recordings should differ in the dropout on the weights alone. (A fresh
+# model, because `load_trained_model` rebuilds the trained one with
+# dropout 0: switching it to `train()` would change nothing. This small
+# untrained model has no weight above 0.9; a trained one can.)
 
 # %%
 torch.manual_seed(0)
@@ -724,7 +733,9 @@ assert not torch.allclose(dropped.sum(-1), clean.sum(-1))
 #
 # For decoder–source attention "the diagonal" needs a definition, since
 # the two sentences can have different lengths: $T$ rows and $S$ columns.
-# We use the proportional one: row $i$ meets column $j = i\,(S-1)/(T-1)$.
+# We use the proportional one: row $i$ meets column $j = i\,(S-1)/(T-1)$,
+# so that the first row (`<s>`) meets the German `<s>` and the last row
+# meets the German `</s>`.
 # It is the *word alignment* (which source word each target word
 # translates) of a translation that keeps the word order and stretches it
 # evenly. `_diagonal` rescales each row position $i$ into column units,
@@ -882,6 +893,27 @@ def attention_summary(model, pairs, spacy_de, spacy_en, vocab_src, vocab_tgt):
 # each kind and each of the two numbers, a dot per head above its layer
 # and a line through the mean of the heads. Entropy is on top, distance
 # from the diagonal below, one column per kind.
+#
+# How to read the chart and the table below, with the heat maps above:
+#
+# * A head whose entropy is far below 1 commits to a few keys per query.
+#   In decoder–source attention such a head is an *aligner*: for each
+#   English word it reads the German word being translated. A small
+#   distance from the diagonal means that it follows the word order of
+#   the source.
+# * In the two self-attentions, a head with a large share in the
+#   `previous`, `same` or `next` column is *positional*: it reads a fixed
+#   neighbour, or the token itself, whatever the sentence says. Its mean
+#   distance can still exceed one token when the rest of its weight lands
+#   far away. In decoder–source attention the same shares say something
+#   else: `next` and `same` are where an aligner of a translation that
+#   keeps the word order looks, so there a large share means that the
+#   head follows the source in order, not that it ignores the sentence.
+# * A head with a large share in `specials` parks its weight on `<s>` and
+#   `</s>`, tokens that every sentence has. One plausible reading, which
+#   the rows that end the sentence above illustrate: a softmax must put
+#   its weight somewhere, and such a token is a harmless place to leave it
+#   when the head has nothing to add for that query.
 
 # %%
 # All 1,014 validation pairs (Part 3), twice (here and for the untrained
@@ -944,27 +976,6 @@ else:
     print(SKIPPED)
 
 # %% [markdown]
-# Read the chart and the table with the heat maps above:
-#
-# * A head whose entropy is far below 1 commits to a few keys per query.
-#   In decoder–source attention such a head is an *aligner*: for each
-#   English word it reads the German word being translated. A small
-#   distance from the diagonal means that it follows the word order of
-#   the source.
-# * In the two self-attentions, a head with a large share in the
-#   `previous`, `same` or `next` column is *positional*: it reads a fixed
-#   neighbour, or the token itself, whatever the sentence says. Its mean
-#   distance can still exceed one token when the rest of its weight lands
-#   far away. In decoder–source attention the same shares say something
-#   else: `next` and `same` are where an aligner of a translation that
-#   keeps the word order looks, so there a large share means that the
-#   head follows the source in order, not that it ignores the sentence.
-# * A head with a large share in `specials` parks its weight on `<s>` and
-#   `</s>`, tokens that every sentence has. One plausible reading, which
-#   the rows that end the sentence above illustrate: a softmax must put
-#   its weight somewhere, and such a token is a harmless place to leave it
-#   when the head has nothing to add for that query.
-#
 # The cell below points at one head of each sort in the model loaded on
 # this page: for each kind, the head with the largest share in one of
 # `previous`, `same` and `next` (positional in the self-attentions, in
@@ -1050,8 +1061,9 @@ def source_alignment(model, src, src_mask, out, layers=None):
         weights = [decoder[i].src_attn.attn for i in chosen]  # (B, h, T, S)
     # (layers, B, h, T, S) -> (B, T, S): the mean over layers and heads
     attn = torch.stack(weights).mean(dim=(0, 2))
-    words = src_mask & ((src != BOS) & (src != EOS)).unsqueeze(1)  # (B, 1, S)
-    return attn.masked_fill(~words, -1.0).argmax(dim=-1)
+    not_special = ((src != BOS) & (src != EOS)).unsqueeze(1)  # (B, 1, S)
+    word_cols = src_mask & not_special  # (B, 1, S): the source's words
+    return attn.masked_fill(~word_cols, -1.0).argmax(dim=-1)
 
 
 # %% [markdown]
@@ -1077,8 +1089,10 @@ def replace_unknowns(ids, aligned, src_words, vocab_tgt):
 
 # %% [markdown]
 # **See, two code paths pick the same German word.** `source_alignment`
-# (batched, with the causal mask) and `attention_maps` (one sentence, with
-# training's masks) must pick the same German word for each `<unk>`.
+# is the batched version that `translate_batch` uses, for many sentences
+# at once, with the causal mask; `attention_maps`, behind the charts,
+# reads one sentence with training's masks. They must pick the same
+# German word for each `<unk>`.
 #
 # We run `source_alignment` on the validation references, teacher-forced.
 # Their words outside the English vocabulary are `<unk>` too, and there we
@@ -1086,30 +1100,31 @@ def replace_unknowns(ids, aligned, src_words, vocab_tgt):
 # sentences, each copied German word beside the English word it stands
 # for, to judge by eye.
 #
-# It asserts that each copied word is also the top German word in the
-# maps of `attention_maps`, averaged over every layer and head. Those maps
+# `replace_and_check` asserts that each copied word is also the top
+# German word in the maps of `attention_maps`, averaged over every layer
+# and head. Those maps
 # come from a separate forward pass, so the check catches a row or a
 # position read one place off. It says nothing about whether the model
 # aligns well.
 
 
 # %%
-def replace_and_check(words, english):
+def replace_and_check(german_words, english):
     """A reference's ids and its tokens with German words for each <unk>."""
     ids = vocab_tgt(english)
-    german = torch.tensor([[BOS, *vocab_src(words), EOS]])  # (1, S)
+    german = torch.tensor([[BOS, *vocab_src(german_words), EOS]])  # (1, S)
     german_mask = (german != PAD).unsqueeze(-2)  # (1, 1, S)
     out = torch.tensor([[BOS, *ids, EOS]])  # (1, L): the English tokens
     aligned = source_alignment(model, german, german_mask, out)[0].tolist()
-    tokens = replace_unknowns(ids, aligned, words, vocab_tgt)
+    tokens = replace_unknowns(ids, aligned, german_words, vocab_tgt)
     maps_here = attention_maps(model, german, out)  # its own forward pass
     mean = maps_here.decoder_src.mean((0, 1))  # (T, S): layers, heads
     for k, token_id in enumerate(ids):
         if token_id == UNK:
             # words only: with column 0 (<s>) cut, position `most` is
-            # words[most]
+            # german_words[most]
             most = int(mean[k, 1:-1].argmax())
-            assert tokens[k] == words[most], (tokens[k], words[most])
+            assert tokens[k] == german_words[most], (k, most)
     return ids, tokens
 
 
@@ -1120,10 +1135,11 @@ def replace_and_check(words, english):
 # %%
 examples = 0
 for de, en in val:
-    words, english = tokenize(de, spacy_de), tokenize(en, spacy_en)
+    german_words = tokenize(de, spacy_de)
+    english = tokenize(en, spacy_en)
     if UNK not in vocab_tgt(english):
         continue
-    ids, tokens = replace_and_check(words, english)
+    ids, tokens = replace_and_check(german_words, english)
     copied = [
         f"{english[k]} -> {tokens[k]}" for k, i in enumerate(ids) if i == UNK
     ]
@@ -1149,5 +1165,7 @@ assert examples == 3
 # `<unk>`, which sacreBLEU splits into three tokens (`<`, `unk`, `>`) that
 # never match, not from the copied words (`results/unk_replacement.md`,
 # not recomputed here). `translate_batch` and the command line (appendix)
-# replace unknown words by default, and Part 5 shows another way out: a subword
+# still replace unknown words by default: a reader gets the German word,
+# now and then a name that is right as it is, rather than a gap, for 0.08
+# BLEU less than deleting. Part 5 shows another way out: a subword
 # vocabulary, which has no `<unk>` at all.

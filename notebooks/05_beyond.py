@@ -248,19 +248,13 @@ class DecoderCache:
 # attention calls change. `attend_step` attends from new positions, one
 # per row, to keys and values already projected.
 #
-# In source attention there are $R = B \cdot \text{group}$ rows but only
-# $B$ sentences' keys and values. So `attend_step` reshapes the queries
-# from $(R, 1, d)$ to $(B, \text{group}, d)$: a sentence's `group` rows
-# become its queries, side by side, as if they were `group` target
-# positions. This changes no result, because each query's output depends
-# only on that query and the keys and values, and source attention has no
-# causal mask.
+# For now `group` is 1: a row is a sentence, and the reshape in
+# `attend_step` (like the lines of `select` that divide by `group`)
+# changes nothing. Section 2, beam search, explains them.
 #
 # `cached_self_attention` appends the newest position's key and value to
 # the layer's cache and attends over all of it, with no mask, since every
-# cached position lies in the past. It calls `attend_step` too. There each
-# row has its own keys and values, so `k` has $R$ rows and the reshape
-# changes nothing.
+# cached position lies in the past. It calls `attend_step` too.
 
 
 # %%
@@ -302,8 +296,9 @@ def cached_self_attention(attn, x, cache, i):
 # the final norm and the generator. The new token is the only one we
 # embed, so its positional encoding is read from the `pe` buffer at its
 # own position. At step $t$ the loop below feeds token $t - 1$ and asks
-# for token $t$. The token fed sits at position $t - 1$, which equals
-# `cache.length`, the number of tokens fed before it.
+# for token $t$. In `decode_step`, `pos` is the position of the token
+# fed, $t - 1$, which equals `cache.length`, the number of tokens fed
+# before it.
 
 
 # %%
@@ -324,10 +319,10 @@ def decode_step(model, ys_last, cache):
     """Log-probs (R, V) of the next token, given the newest ids (R, 1)."""
     embed = model.tgt_embed[0]  # Part 1's Embeddings
     position = model.tgt_embed[1]  # and PositionalEncoding
-    t = cache.length
-    # PositionalEncoding.forward for position t alone; its dropout does
+    pos = cache.length  # the position of the token fed
+    # PositionalEncoding.forward for that position alone; its dropout does
     # nothing here, since decoding runs in eval mode.
-    x = position.dropout(embed(ys_last) + position.pe[:, t : t + 1])
+    x = position.dropout(embed(ys_last) + position.pe[:, pos : pos + 1])
     for i, layer in enumerate(model.decoder.layers):
         x = decoder_layer_step(layer, x, cache, i)  # (R, 1, d_model)
     cache.length += 1
@@ -387,13 +382,14 @@ def cached_greedy_decode(
 # one unpadded sentence at a time, up to its first `</s>` (it never stops
 # there).
 #
-# All decoders here get one output limit, the paper's: input length + 50
-# tokens, where the input length of a padded batch is that of its longest
-# sentence. Here the input length counts the source's `<s>` and `</s>`,
-# and the limit counts the output's own `<s>`. (`translate_batch` then
-# cuts each sentence at its own length + 50.)
+# All decoders here get one output limit, the paper's (section 6.1):
+# the input's length + 50 tokens, with the longest sentence of the
+# padded batch as the input's length.
 
 # %%
+# src.size(1) counts the source's <s> and </s>; the limit counts the
+# output's own <s>. (translate_batch, for its part, stops each sentence's
+# output at that sentence's own length + 50.)
 max_len = src.size(1) + 50  # one limit for every decoder below
 with torch.no_grad():
     reference = batch_greedy_decode(model, src, src_mask, max_len)  # (B, L)
@@ -426,7 +422,10 @@ with torch.no_grad():
 # three runs. A wall-clock time depends on what else the machine is
 # doing, so the cell prints the times and checks nothing about them.
 # `bench/decoding.py` measures all the decoders on the whole test set,
-# with medians, in `bench/RESULTS_decoding.md`.
+# with medians, in `bench/RESULTS_decoding.md`: there, with the `cpu`
+# model, the cache decoded the 1,000 test sentences 6.7 times as fast
+# (3.9 s against 26.4 s on one thread). On 16 sentences, and in the tests'
+# tiny model, expect a smaller gain.
 
 
 # %%
@@ -483,7 +482,9 @@ for fn in (batch_greedy_decode, cached_greedy_decode):
 # `beam_candidates` keeps those, $c = \min(k, V)$ tokens per hypothesis,
 # and scores $k \cdot c$ candidates per sentence. (All extensions of one
 # hypothesis share its length penalty, which therefore does not change
-# their order.)
+# their order.) In the code, $A$ is the number of sentences still
+# searching: a sentence leaves the batch once all its hypotheses have
+# ended.
 
 
 # %%
@@ -672,6 +673,19 @@ def beam_search_steps(
 # source keys and values; rows `b * group` to `b * group + group - 1`
 # belong to sentence `b`. `select` keeps rows in any order, as long as
 # each run of `group` rows comes from one sentence.
+#
+# In source attention, then, there are $R$ rows of queries but only $B$
+# sentences' keys and values. So `attend_step` reshapes the queries from
+# $(R, 1, d)$ to $(B, \text{group}, d)$: a sentence's `group` rows become
+# its queries, side by side, as if they were `group` target positions.
+# This changes no result, because each query's output depends only on
+# that query and the keys and values, and source attention has no causal
+# mask. (In self-attention each row has its own keys and values, so `k`
+# has $R$ rows and the reshape changes nothing.)
+#
+# Why does a survivor's cache row come from its *parent*? The cache holds
+# the keys and values of the tokens fed so far, and those are the
+# parent's: the survivor's own new token is fed at the next step.
 #
 # A small example of `select`: with $B = 2$ sentences and `group=3`, rows
 # 0–2 belong to sentence 0 and rows 3–5 to sentence 1. After a step,
@@ -886,8 +900,9 @@ print(f"mean s(Y): greedy {scores['greedy'].mean():.3f}, ", end="")
 print(f"beam 4 {scores['beam 4'].mean():.3f}")
 print(f"beam 4 scores higher on {wins}, equal on {ties}, lower on {losses}")
 # Every model: on average, the beam does no worse than greedy decoding.
-# Beam search does not promise even this (see above), but the stand-in
-# is trained from a fixed seed, so it gives the same result every run.
+# Beam search does not promise even this (see above): for the stand-in,
+# trained from a fixed seed, this is a check that nothing changed, not a
+# property of beam search.
 # A trained model: the beam does better on average, and wins at least
 # once.
 assert scores["beam 4"].mean() >= scores["greedy"].mean() - 1e-4
@@ -997,8 +1012,9 @@ class BpeVocab:
 # space into `▁` and attaches it to the following word, so decoding is
 # just joining the pieces and turning `▁` back into spaces: no
 # detokenizer is needed. It splits only at spaces, so a full stop can
-# share a unit with its word. The appendix's `load_bpe` trains it once on
-# the training split and caches it as `bpe.json` in the data folder.
+# share a unit with its word. The appendix's `load_bpe` calls `train_bpe`
+# (below) once on the training split and caches the result as `bpe.json`
+# in the data folder.
 
 
 # %%
@@ -1121,12 +1137,9 @@ del tied
 # index English words. A word-level config with `tie_embeddings=True`
 # ties just those two in `model_from_config`, and `train
 # --tie-embeddings` sets it. On the word-level `cpu` model this cuts the
-# parameters from 10.76M to 9.17M. It was measured with the best recipe
-# of `docs/results.md` ("The generator tied to the target embedding"),
-# not with this lesson's presets: the `cpu` model with a linear decay,
-# dropout 0.2 and weight decay 0.2. There, over two seeds, the
-# validation loss fell from about 1.414 to 1.375. The BLEU gain was
-# within what a change of seed moves.
+# parameters from 10.76M to 9.17M, and with the best recipe of
+# `docs/results.md` it lowered the validation loss a little ("The
+# generator tied to the target embedding" there).
 
 # %% [markdown]
 # ### Training with BPE
@@ -1194,7 +1207,7 @@ else:
 # at training time.
 #
 # Our checkpoints are further apart: one per epoch, and a `cpu` run has
-# 18 epochs (run C in section 5 had 10), so the last 5 span
+# 18 epochs (one run in section 5 stopped at 10), so the last 5 span
 # roughly the last quarter to half of training,
 # where the paper's last 5 span under an hour of a 12-hour run. Whether
 # their mean helps depends on whether the model had stopped improving by
@@ -1204,7 +1217,8 @@ else:
 # 38.40 for the model as trained (`results/make_notebook.md`).
 #
 # `average(model, models)` sets `model`'s parameters to the mean of those
-# of `models`. A tied matrix is one tensor, so it is averaged once.
+# of `models`. A tied matrix is one tensor, so it is averaged once
+# (`named_parameters()` lists a shared tensor once).
 #
 # Buffers (tensors registered with `register_buffer`: saved with the
 # weights, never trained) are not averaged. Ours are the positional
@@ -1285,15 +1299,17 @@ for decoder_name, fn in DECODERS.items():
 #   together).
 #
 # ```bash
-# python annotated_transformer_tools.py evaluate --beam 4 --alpha 1.0
+# python annotated_transformer_tools.py evaluate --beam 4
 # ```
 #
 # This scores `checkpoints/cpu/final.pt` if `make train` has written it,
-# else the `quick` model, with beam 4 and $\alpha = 1.0$. Run it from the
+# else the `quick` model, with beam 4 and the paper's $\alpha = 0.6$, as
+# the table below does. Add `--alpha 1.0` for the length penalty that
+# validation preferred (below). Run it from the
 # repository's root folder: the default checkpoints' paths start there.
 # A notebook runs in `notebooks/` (on Colab, in `/content`, above the
 # clone), so in a notebook cell write `!cd {ROOT} && python
-# annotated_transformer_tools.py evaluate --beam 4 --alpha 1.0`. `ROOT`
+# annotated_transformer_tools.py evaluate --beam 4`. `ROOT`
 # is the repository folder that this notebook's first cell found.
 #
 # Only after `make train`, add `--average 5`:
@@ -1328,6 +1344,22 @@ for decoder_name, fn in DECODERS.items():
 # (`results/make_notebook.md`). Every row is scored on the 1000 test
 # sentences, with beam search at the lesson's $\alpha = 0.6$.
 #
+# BLEU; "+ avg": the average of the last 5 epoch checkpoints; "—": not
+# measured.
+#
+# | run | model | epochs | greedy | beam 4 | beam 4 + avg |
+# |---|---|---:|---:|---:|---:|
+# | A | words, `cpu` | 18 | 37.51 | 38.14 | 40.19 |
+# | B | BPE, `cpu-bpe` | 14 | 36.89 | — | 38.99 |
+# | C | words, `cpu` | 10 | 37.97 | 39.29 | 38.09 |
+# | D | BPE, `cpu-bpe` | 8 | 33.59 | — | 33.76 |
+# | `make notebook`, float32 | words, `quick` | 5 | 37.03 | 38.40 | 33.64 |
+# | `make notebook`, bf16 | words, `quick` | 5 | 36.95 | 37.46 | 33.59 |
+#
+# A and B: [results/beyond.md](../results/beyond.md); C and D:
+# [results/beyond_site_full.md](../results/beyond_site_full.md);
+# `make notebook`: [results/make_notebook.md](../results/make_notebook.md).
+#
 # Match your run to a row by the preset and the number of epochs in the
 # `model:` lines printed above. A full run of this notebook on one of
 # those models should print scores near its row. The rows differ in
@@ -1344,22 +1376,6 @@ for decoder_name, fn in DECODERS.items():
 #   in `results/multi30k_cpu_fp32_10ep.json` says so);
 # - `make notebook`: with `<unk>` replaced. Its first three runs trained
 #   `quick` in float32; its later runs, on CPUs with native bf16, in bf16.
-#
-# BLEU; "+ avg": the average of the last 5 epoch checkpoints; "—": not
-# measured.
-#
-# | run | model | epochs | greedy | beam 4 | beam 4 + avg |
-# |---|---|---:|---:|---:|---:|
-# | A | words, `cpu` | 18 | 37.51 | 38.14 | 40.19 |
-# | B | BPE, `cpu-bpe` | 14 | 36.89 | — | 38.99 |
-# | C | words, `cpu` | 10 | 37.97 | 39.29 | 38.09 |
-# | D | BPE, `cpu-bpe` | 8 | 33.59 | — | 33.76 |
-# | `make notebook`, float32 | words, `quick` | 5 | 37.03 | 38.40 | 33.64 |
-# | `make notebook`, bf16 | words, `quick` | 5 | 36.95 | 37.46 | 33.59 |
-#
-# A and B: [results/beyond.md](../results/beyond.md); C and D:
-# [results/beyond_site_full.md](../results/beyond_site_full.md);
-# `make notebook`: [results/make_notebook.md](../results/make_notebook.md).
 #
 # The training precision moves these scores by up to about 1 BLEU: the
 # two `make notebook` rows are the same recipe, in float32 and in bf16.
