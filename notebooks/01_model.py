@@ -225,10 +225,11 @@ class Encoder(nn.Module):
 # `torch.nn.LayerNorm` computes, so the two can be compared directly. We
 # still write our own small class rather than use `nn.LayerNorm`, to
 # keep the 2022 tutorial's parameter names: the gain $a$ is `a_2` and the
-# bias $b$ is `b_2`. Weights saved under the 2022 names then load here,
-# once the appendix's `rename_old_keys` has renamed the other layers
-# ("Checkpoints from older versions"; the 2022 checkpoint *files* cannot
-# be read, since they also hold torchtext objects).
+# bias $b$ is `b_2`. Checkpoints that this project's earlier versions
+# wrote under the 2022 names still load, once the appendix's
+# `rename_old_keys` has renamed the other layers ("Checkpoints from older
+# versions"). The 2022 tutorial's own files cannot be used: their
+# vocabularies are pickled torchtext objects.
 
 
 # %%

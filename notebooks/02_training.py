@@ -220,7 +220,8 @@ def data_gen(V, batch_size, nbatches, seq_len=10, generator=None):
 # the class takes a shortcut, `closed_form`, that gives the same number
 # without building the rows. The shortcut comes after an example of
 # smoothed rows. (`true_dist`, at the end of the class, serves code
-# written for the 2022 tutorial; nothing here needs it.)
+# written for the 2022 tutorial; this part does not use it, the
+# appendix's gradient check does.)
 
 
 # %%
@@ -326,7 +327,8 @@ assert torch.allclose(dist, expected)
 # \mathrm{pad}} \log q_j .$$
 #
 # `forward` uses this closed form: the class's method `closed_form` calls the
-# function `smoothed_kl` below, which computes the formula row by row.
+# function `smoothed_kl` below, which computes the formula's one number
+# per row.
 # (The appendix's faster loss replaces `closed_form` alone.) With
 # `keep_targets=True`, `forward` takes the direct way instead, so that the
 # check below can compare the two.
@@ -374,7 +376,9 @@ for eps in (0.1, 0.4):  # closed form = definition
     assert torch.allclose(fast, slow)
 
 # %% [markdown]
-# Why smoothing discourages over-confidence. A *logit* is a raw score
+# ### Why smoothing discourages over-confidence
+#
+# A *logit* is a raw score
 # before the softmax; a score $m$ higher makes a token $e^m$ times more
 # probable. Take a vocabulary of six tokens: padding, the correct token
 # and four rivals. Padding gets probability 0, each rival a logit of 0,
@@ -536,10 +540,10 @@ def plain_epoch(batches, model, loss_compute, optimizer, scheduler=None):
 # step 1.
 #
 # `make_optimizer` builds the pair: Adam and a `LambdaLR` running `rate`.
-# Two options serve later parts. `schedule` replaces `rate` with another
-# function of the step: the copy task below uses a shorter one, and so do
-# Part 3's recipes. `weight_decay` turns Adam into AdamW, as its docstring
-# explains.
+# Two options serve the copy task and later parts. `schedule` replaces
+# `rate` with another function of the step: the copy task below uses a
+# shorter one, and so do Part 3's recipes. `weight_decay` turns Adam into
+# AdamW, as its docstring explains.
 
 
 # %%
@@ -683,7 +687,8 @@ def copy_accuracy(model, n, V=11, seq_len=10, generator=None):
 #   of 2% of the peak. (The rising line uses `step + 1`: at step 0,
 #   the first optimizer step as `LambdaLR` counts, a plain `step` would
 #   give a learning rate of 0, a wasted step.) In our sweeps this
-#   schedule learned to copy in well under half the steps of the paper's.
+#   schedule learned to copy in well under half the steps of the paper's
+#   formula (with a factor of 0.1 and a 10-step warm-up).
 #   Its decay ends at step 300, before the 400-step budget: the last
 #   steps, at the floor, are a margin.
 # * **Small batches** of 16 sequences: copying is learned per optimizer

@@ -102,11 +102,12 @@ from the_annotated_transformer import subsequent_mask
 #
 # Downloading and checking the files is machinery from the appendix
 # (notebook 06); a cell below calls it as `tools.download_multi30k()`.
-# `read_multi30k` pairs the lines of a split. Four small helpers find the
-# files; the next cell imports them from the library, and the last
-# section of this part, "Plumbing: where the files are", shows them.
-# One of them, `MULTI30K_SPLITS`, maps the three splits, `train`, `val`
-# and `test`, to their files' names.
+# `read_multi30k` pairs the lines of a split. Two helpers find the files
+# (`multi30k_folder`, `split_file`), with a table of the files' names
+# (`MULTI30K_SPLITS`, for the splits `train`, `val` and `test`) and a
+# one-line error when one is missing (`DatasetError`). The next cell
+# imports them from the library; the last section of this part,
+# "Plumbing: where the files are", shows them.
 
 # %%
 from the_annotated_transformer import MULTI30K_SPLITS, DatasetError
@@ -439,10 +440,9 @@ class TokenBatchSampler(torch.utils.data.Sampler):
 # %% [markdown]
 # How much does it save? We measure the share of computed positions that
 # are padding, source and target, in three layouts of the training set:
-# every sentence padded to 72 positions, as the 2022 Harvard tutorial
-# that this one rewrites did; random batches of 32, each padded to its
-# own longest
-# sentence; and buckets of 3,000 tokens, the budget of our training runs.
+# every sentence padded to 72 positions, as the 2022 tutorial did;
+# random batches of 32, each padded to its own longest sentence; and
+# buckets of 3,000 tokens, the budget of our training runs.
 
 
 # %%
@@ -481,8 +481,11 @@ assert len(buckets) == 153
 # training pairs, with 2 threads of a 2-core AMD EPYC CPU. Buckets within
 # a budget of 2,304 tokens (32 × 72, the size of one padded batch)
 # trained about 5 times as many real target tokens per second as batches
-# of 32 pairs padded to 72: when four positions in five are padding, a
-# batch holds a fifth of the real tokens it could, $1 / (1 - 0.8)$.
+# of 32 pairs padded to 72. Most of that is the padding: padded to 72,
+# only about a fifth of the positions hold real tokens, so the buckets
+# compute about 4.4 times fewer positions for the same sentences
+# (the benchmark prints 4.35); attention's cost, which grows with the
+# square of the length, adds the rest.
 #
 # With these settings an epoch is 153 batches (the last assert), which is
 # 153 optimizer steps: the runs below take one step per batch.
@@ -912,8 +915,8 @@ assert last < guess
 # ### Training it
 #
 # The next cell does not call `train_one_process` from above. It calls
-# the appendix's `train_model`, which in one process runs `train_worker`:
-# the same loop, plus checkpoints, 16-bit arithmetic and DDP. It trains
+# the appendix's `train_model`, which runs `train_worker` (above) in one
+# process. It trains
 # the `quick` preset on the device that `pick_device` found, unless
 # `checkpoints/quick/final.pt` exists already. Like every function of
 # the library, they run the library's copies of this lesson's cells: an
@@ -1187,7 +1190,7 @@ print(*[f"{de}\n  → {hyp}" for de, hyp in zip(sources[:3], hyps)], sep="\n")
 # | score | split | `<unk>` in the output | where |
 # |---:|---|---|---|
 # | 34.52 | validation | kept | the curve above, after the last epoch |
-# | 35.46 | test | kept | this cell's check |
+# | 35.46 | test | kept | printed by this cell as the recorded run |
 # | 37.03 | test | replaced by a German word (Part 4) | the README |
 
 # %%

@@ -323,12 +323,11 @@ def attention_maps(
 # `results/site_full.md`. The charts on record are that model's.
 # Paragraphs marked **Check** state a claim about a trained model's heads;
 # their cell asserts it only when a `cpu` or `quick` model is loaded, and
-# with the stand-in prints that it did not check it. Paragraphs marked
-# **See, ...** check the code itself, and their asserts run with any
-# model. These cells assume
-# that the drawn weights are the ones the model uses; "Can we trust these
-# pictures?", after the charts, verifies that. Every other assert runs
-# with any model.
+# with the stand-in prints that it did not check it. The **Check** cells
+# assume that the drawn weights are the ones the model uses; "Can we
+# trust these pictures?", after the charts, verifies that. Every other
+# assert runs with any model; paragraphs marked **See, ...** introduce
+# such checks of the code itself.
 
 
 # %%
@@ -497,9 +496,9 @@ else:
 # record, one head reads that German "." most, while two others park much
 # of that row's weight.
 #
-# For the figures, no run of the model on record printed them; a
-# `quick` model's `</s>` row parked 0.17 of its weight, and its word rows
-# 0.02 (`results/make_notebook.md`).
+# The model on record never printed these figures; a `quick` model
+# trained in bf16 printed 0.17 for the `</s>` row and 0.02 for the word
+# rows (`results/make_notebook.md`).
 
 # %%
 edges = [column_of("<s>"), column_of("</s>")]

@@ -201,8 +201,10 @@ src_mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
 # in the batch. `select(index)` keeps the $R'$ rows that `index` lists:
 # greedy decoding uses it to drop the sentences that have finished.
 # `group`, the number of rows per sentence, is 1 for greedy decoding, so
-# here a row is a sentence; it matters only for beam search (section 2,
-# which works through an example of `select` with `group=3`).
+# here a row is a sentence, and the lines of `select` that divide by
+# `group` (like the reshape in `attend_step`, below) change nothing. They
+# matter only for beam search: section 2 explains them, with an example
+# of `select` with `group=3`.
 
 
 # %%
@@ -247,10 +249,6 @@ class DecoderCache:
 # One decoding step reuses the trained modules as they are; only the
 # attention calls change. `attend_step` attends from new positions, one
 # per row, to keys and values already projected.
-#
-# For now `group` is 1: a row is a sentence, and the reshape in
-# `attend_step` (like the lines of `select` that divide by `group`)
-# changes nothing. Section 2, beam search, explains them.
 #
 # `cached_self_attention` appends the newest position's key and value to
 # the layer's cache and attends over all of it, with no mask, since every
@@ -388,8 +386,8 @@ def cached_greedy_decode(
 
 # %%
 # src.size(1) counts the source's <s> and </s>; the limit counts the
-# output's own <s>. (translate_batch, for its part, stops each sentence's
-# output at that sentence's own length + 50.)
+# output's own <s>. (translate_batch, for its part, then cuts each
+# sentence's output at that sentence's own length + 50.)
 max_len = src.size(1) + 50  # one limit for every decoder below
 with torch.no_grad():
     reference = batch_greedy_decode(model, src, src_mask, max_len)  # (B, L)
