@@ -60,6 +60,7 @@ from the_annotated_transformer import (
     BPE_VOCAB_SIZE,
     COPY_PAD,
     EOS,
+    MODULE_DIR,
     MULTI30K_ENV,
     PAD,
     UNK,
@@ -243,6 +244,16 @@ def _token_axis(labels, title, angle=0):
     )
 
 
+def _row_axis(maps, kind):
+    """The query axis; a decoder's rows read "A -> brown": what the
+    position reads, then the token it predicts."""
+    rows = maps.view(kind).rows
+    if kind == "encoder self":
+        return _token_axis(rows, "query")
+    labels = [f"{q} → {n}" for q, n in zip(rows, maps.next_tokens)]
+    return _token_axis(labels, "query → the token it predicts")
+
+
 def _token_lookups(maps, v, frame):
     """Vega expressions that turn a cell's row or column into its token."""
     fields = {"query": (v.rows, "row"), "key": (v.cols, "col")}
@@ -254,7 +265,7 @@ def _token_lookups(maps, v, frame):
     }
 
 
-def _heat_map(frame, v, lookups, pick, cell):
+def _heat_map(frame, v, lookups, pick, cell, row_axis):
     """One head's weights as coloured squares, filtered to the picked layer."""
     import altair as alt
 
@@ -271,7 +282,7 @@ def _heat_map(frame, v, lookups, pick, cell):
         .mark_rect()
         .encode(
             x=alt.X("col:O", axis=_token_axis(v.cols, "key", -60)),
-            y=alt.Y("row:O", axis=_token_axis(v.rows, "query")),
+            y=alt.Y("row:O", axis=row_axis),
             color=alt.Color("weight:Q", scale=scale),
             tooltip=tooltip,
         )
@@ -290,7 +301,8 @@ def attention_chart(maps, kind, layer=None, columns=4, cell=18):
     v = maps.view(kind)
     N, h = v.weights.shape[:2]
     pick = _layer_picker(kind, N, layer)
-    heat = _heat_map(frame, v, _token_lookups(maps, v, frame), pick, cell)
+    lookups = _token_lookups(maps, v, frame)
+    heat = _heat_map(frame, v, lookups, pick, cell, _row_axis(maps, kind))
     title = f"'{kind} attention, layer ' + pick_layer + ' of {N} ({h} heads)'"
     return heat.add_params(pick).facet(
         facet=alt.Facet(
@@ -2823,6 +2835,25 @@ def add_translate_parser(sub):
     )
 
 
+def package_version():
+    """The installed package's version, else its checkout's pyproject's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("the-annotated-transformer")
+    except PackageNotFoundError:  # a checkout, run without installing it
+        pass
+    pyproject = Path(MODULE_DIR or ".", "pyproject.toml")
+    text = pyproject.read_text() if pyproject.is_file() else ""
+    found = re.search(r'^version = "([^"]+)"', text, re.MULTILINE)
+    return found.group(1) if found else "(version unknown)"
+
+
+def version_line():
+    """What --version prints: this package's version and torch's."""
+    return f"%(prog)s {package_version()}, torch {torch.__version__}"
+
+
 def build_parser():
     """The argparse parser of the command line."""
     prog = os.path.basename(sys.argv[0] or "")
@@ -2833,6 +2864,7 @@ def build_parser():
         description="Train, evaluate and use the Annotated Transformer on "
         "Multi30k German→English.",
     )
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser(
         "download",
@@ -3623,6 +3655,8 @@ __all__ = [
     "add_decoding_options",
     "add_evaluate_parser",
     "add_translate_parser",
+    "package_version",
+    "version_line",
     "build_parser",
     "torchrun_ranks",
     "torchrun_device",

@@ -401,9 +401,9 @@ save_chart(attention_chart(maps, "encoder self"), "04_encoder_self", FIGURES)
 # ### Decoder self-attention
 #
 # **Here and in the next chart, each row is labelled with what the
-# decoder reads; the word it predicts is the next label down.** (The last
-# row predicts `</s>`, which labels no row.) The hover tooltip shows the
-# predicted word as `next`.
+# decoder reads, then the word it predicts:** "A → brown" is the position
+# that reads "A" and must predict "brown". The hover tooltip shows the
+# predicted word as `next` too.
 #
 # The upper triangle is empty: the subsequent mask keeps every position
 # from seeing the words after it. The first row (`<s>`, row 0) can only
@@ -415,11 +415,10 @@ save_chart(attention_chart(maps, "decoder self"), "04_decoder_self", FIGURES)
 # %% [markdown]
 # ### Decoder–source attention
 #
-# This is where the translation reads the German. As above, read each
-# row with the next label down, the word it predicts. So the row that
-# predicts "brown" is the one labelled "A". The row that predicts `</s>`
-# is the one labelled ".". The row that predicts "." is the second one
-# labelled "dog".
+# This is where the translation reads the German. As above, each row is
+# labelled with what it reads and what it predicts: the row that
+# predicts "brown" is "A → brown", the row that predicts `</s>` is ". →
+# </s>", and the row that predicts "." is "dog → .", the second "dog".
 #
 # The chart on record below shows each head of the trained `cpu` model's
 # last layer. In the row that predicts "brown" every head looks most at
@@ -491,7 +490,7 @@ else:
 # `</s>` row, with no German word left to translate, parks more of its
 # weight than the word rows do on average.
 #
-# The row that predicts "." (labelled "dog") is left out. It still has a
+# The row that predicts "." ("dog → .") is left out. It still has a
 # German "." to read, so it is not like the `</s>` row. In the chart on
 # record, one head reads that German "." most, while two others park much
 # of that row's weight.
@@ -790,8 +789,8 @@ def _diagonal(v, kind):
 # Our sentence shows it. Both sides have 11 positions (`<s> A brown dog is
 # running after the black dog .` against `<s> Ein brauner Hund rennt dem
 # schwarzen Hund hinterher . </s>`), so the diagonal is simply $j = i$. The
-# row labelled "A" ($i = 1$) predicts "brown", which aligns with "brauner"
-# ($j = 2$): offset +1, counted in `next`. The row labelled "." ($i = 10$)
+# row "A → brown" ($i = 1$) predicts "brown", which aligns with "brauner"
+# ($j = 2$): offset +1, counted in `next`. The row ". → </s>" ($i = 10$)
 # predicts `</s>` and reads German `</s>` ($j = 10$): offset 0, counted in
 # `same`, because the diagonal pins the last row to German `</s>`. So in
 # this kind the word a row predicts sits one column after the diagonal

@@ -99,7 +99,7 @@ import torch
 from the_annotated_transformer import ATTENTION_KINDS, BOS, EOS, PAD, UNK
 from the_annotated_transformer import COPY_PAD, copy_accuracy, data_gen
 from the_annotated_transformer import warmup_linear_decay
-from the_annotated_transformer import MULTI30K_ENV, DatasetError
+from the_annotated_transformer import MODULE_DIR, MULTI30K_ENV, DatasetError
 from the_annotated_transformer import multi30k_folder
 from the_annotated_transformer import Batch, BpeVocab, LabelSmoothing
 from the_annotated_transformer import smoothed_kl
@@ -304,7 +304,9 @@ def _layer_picker(kind, N, layer=None):
 # (layer, head, row, column, weight); the tokens travel once, as a list,
 # and an expression looks them up by position, for the axes and for the
 # tooltips. This keeps the saved page small: a 6-layer, 8-head model has
-# tens of thousands of cells per kind.
+# tens of thousands of cells per kind. A decoder's rows are labelled
+# "A → brown": what the position reads, then the token it predicts, so
+# that Part 4's reader need not shift each row by one in their head.
 
 
 # %%
@@ -318,6 +320,16 @@ def _token_axis(labels, title, angle=0):
         labelAngle=angle,
         labelExpr=f"{json.dumps(labels)}[datum.value]",
     )
+
+
+def _row_axis(maps, kind):
+    """The query axis; a decoder's rows read "A -> brown": what the
+    position reads, then the token it predicts."""
+    rows = maps.view(kind).rows
+    if kind == "encoder self":
+        return _token_axis(rows, "query")
+    labels = [f"{q} → {n}" for q, n in zip(rows, maps.next_tokens)]
+    return _token_axis(labels, "query → the token it predicts")
 
 
 def _token_lookups(maps, v, frame):
@@ -341,7 +353,7 @@ def _token_lookups(maps, v, frame):
 
 # %%
 #| export
-def _heat_map(frame, v, lookups, pick, cell):
+def _heat_map(frame, v, lookups, pick, cell, row_axis):
     """One head's weights as coloured squares, filtered to the picked layer."""
     import altair as alt
 
@@ -358,7 +370,7 @@ def _heat_map(frame, v, lookups, pick, cell):
         .mark_rect()
         .encode(
             x=alt.X("col:O", axis=_token_axis(v.cols, "key", -60)),
-            y=alt.Y("row:O", axis=_token_axis(v.rows, "query")),
+            y=alt.Y("row:O", axis=row_axis),
             color=alt.Color("weight:Q", scale=scale),
             tooltip=tooltip,
         )
@@ -385,7 +397,8 @@ def attention_chart(maps, kind, layer=None, columns=4, cell=18):
     v = maps.view(kind)
     N, h = v.weights.shape[:2]
     pick = _layer_picker(kind, N, layer)
-    heat = _heat_map(frame, v, _token_lookups(maps, v, frame), pick, cell)
+    lookups = _token_lookups(maps, v, frame)
+    heat = _heat_map(frame, v, lookups, pick, cell, _row_axis(maps, kind))
     title = f"'{kind} attention, layer ' + pick_layer + ' of {N} ({h} heads)'"
     return heat.add_params(pick).facet(
         facet=alt.Facet(
@@ -4072,6 +4085,25 @@ def add_translate_parser(sub):
     )
 
 
+def package_version():
+    """The installed package's version, else its checkout's pyproject's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("the-annotated-transformer")
+    except PackageNotFoundError:  # a checkout, run without installing it
+        pass
+    pyproject = Path(MODULE_DIR or ".", "pyproject.toml")
+    text = pyproject.read_text() if pyproject.is_file() else ""
+    found = re.search(r'^version = "([^"]+)"', text, re.MULTILINE)
+    return found.group(1) if found else "(version unknown)"
+
+
+def version_line():
+    """What --version prints: this package's version and torch's."""
+    return f"%(prog)s {package_version()}, torch {torch.__version__}"
+
+
 def build_parser():
     """The argparse parser of the command line."""
     prog = os.path.basename(sys.argv[0] or "")
@@ -4082,6 +4114,7 @@ def build_parser():
         description="Train, evaluate and use the Annotated Transformer on "
         "Multi30k German→English.",
     )
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser(
         "download",

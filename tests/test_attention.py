@@ -2,6 +2,7 @@
 PyTorch's own multi-head attention, hand-written softmaxes and closed
 forms."""
 
+import json
 import math
 
 import pytest
@@ -357,3 +358,17 @@ def test_chart_title_names_the_layer_shown(maps):
         chart = tools.attention_chart(maps, "encoder self", layer=layer)
         svg = vlc.vegalite_to_svg(chart.to_dict())
         assert f"encoder self attention, layer {layer} of {N}" in svg
+
+
+@pytest.mark.parametrize("kind", list(tat.ATTENTION_KINDS))
+def test_decoder_rows_are_labelled_with_the_token_they_predict(maps, kind):
+    """A decoder row reads one token and predicts the next: "A → brown"."""
+    spec = tools.attention_chart(maps, kind).to_dict()
+    axis = spec["spec"]["encoding"]["y"]["axis"]
+    labels = json.loads(axis["labelExpr"].removesuffix("[datum.value]"))
+    if kind == "encoder self":
+        assert labels == maps.src_tokens and axis["title"] == "query"
+    else:  # the decoder's inputs, each with the next target token
+        target = [*maps.tgt_tokens, maps.next_tokens[-1]]  # <s> ... </s>
+        expected = [f"{a} → {b}" for a, b in zip(target, target[1:])]
+        assert labels == expected

@@ -378,6 +378,39 @@ def test_cli_help(command, capsys):
     assert capsys.readouterr().out.startswith("usage:")
 
 
+def pyproject_version():
+    """pyproject.toml's version, read with a TOML parser."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11 and later
+    pyproject = Path(__file__).parents[1] / "pyproject.toml"
+    return tomllib.loads(pyproject.read_text())["project"]["version"]
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_cli_version_names_the_package_and_torch(
+    installed, capsys, monkeypatch
+):
+    """--version: the installed version, else the checkout's pyproject's."""
+    import importlib.metadata
+
+    # An installed package's metadata wins over the checkout's file.
+    expected = "9.9.9" if installed else pyproject_version()
+    real = importlib.metadata.version
+
+    def version(name):
+        if name != "the-annotated-transformer":
+            return real(name)
+        if installed:
+            return "9.9.9"
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    with pytest.raises(SystemExit) as exit_info:
+        tools.main(["--version"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out.strip()
+    assert out.endswith(f" {expected}, torch {torch.__version__}"), out
+
+
 def test_cli_defaults_fit_together(tmp_path, monkeypatch):
     # With no options, evaluate and translate read the checkpoint that
     # train writes with no options; once `make train` has written the
