@@ -888,7 +888,8 @@ def cpu_has_native_bf16(cpuinfo="/proc/cpuinfo"):
 
 def choose_precision(device, precision="bf16"):
     """The Precision for training on `device` ("fp32": no autocast)."""
-    if precision not in ("bf16", "fp32"):  # "fp16" would get bf16 here
+    # Anything else is refused: "fp16" would otherwise quietly mean bf16.
+    if precision not in ("bf16", "fp32"):
         raise ValueError(
             f'precision is "bf16" (the fastest this machine does well) or'
             f' "fp32", not {precision!r}'

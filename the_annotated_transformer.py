@@ -980,7 +980,7 @@ class TrainConfig:
     num_workers: int = 0  # processes that prepare batches (0: this one)
     # For the appendix and Part 5; at their defaults, no change here:
     preset: str = "cpu"
-    precision: str = "bf16"  # "bf16": autocast where native; or "fp32"
+    precision: str = "bf16"  # or "fp32"; train_worker reads it
     checkpoint_dir: str = "checkpoints/cpu"
     tokenization: str = "word"  # or "bpe": one subword vocabulary
     tie_embeddings: bool = False  # the generator reuses an embedding
@@ -1012,7 +1012,7 @@ def model_from_config(c, n_src, n_tgt, dropout=None):
 
 def warmup_then_linear(step, peak, warmup, total):
     """Linear warm-up to `peak`, then a straight line to zero at `total`."""
-    step = max(step, 1)
+    step = max(step, 1)  # LambdaLR's step 0, the first step, as in `rate`
     if step < warmup:
         return peak * step / warmup
     return peak * max(0, total - step) / max(1, total - warmup)

@@ -477,15 +477,11 @@ assert len(buckets) == 153
 # goes into real tokens.
 #
 # Less padding trains faster. In a recorded benchmark
-# (`bench/RESULTS_batching.md`), the paper-size model trained on 1,024
-# training pairs, with 2 threads of a 2-core AMD EPYC CPU. Buckets within
-# a budget of 2,304 tokens (32 × 72, the size of one padded batch)
-# trained about 5 times as many real target tokens per second as batches
-# of 32 pairs padded to 72. Most of that is the padding: padded to 72,
-# only about a fifth of the positions hold real tokens, so the buckets
-# compute about 4.4 times fewer positions for the same sentences
-# (the benchmark prints 4.35); attention's cost, which grows with the
-# square of the length, adds the rest.
+# (`bench/RESULTS_batching.md`, with the paper-size model), buckets
+# trained about 5 times as many real tokens per second as batches padded
+# to 72. Most of that is the padding measured above: the buckets compute
+# about 4.4 times fewer positions for the same sentences, and attention's
+# cost, which grows with the square of the length, adds the rest.
 #
 # With these settings an epoch is 153 batches (the last assert), which is
 # 153 optimizer steps: the runs below take one step per batch.
@@ -610,7 +606,7 @@ class TrainConfig:
     num_workers: int = 0  # processes that prepare batches (0: this one)
     # For the appendix and Part 5; at their defaults, no change here:
     preset: str = "cpu"
-    precision: str = "bf16"  # "bf16": autocast where native; or "fp32"
+    precision: str = "bf16"  # or "fp32"; train_worker reads it
     checkpoint_dir: str = "checkpoints/cpu"
     tokenization: str = "word"  # or "bpe": one subword vocabulary
     tie_embeddings: bool = False  # the generator reuses an embedding
@@ -661,7 +657,7 @@ def model_from_config(c, n_src, n_tgt, dropout=None):
 #| export
 def warmup_then_linear(step, peak, warmup, total):
     """Linear warm-up to `peak`, then a straight line to zero at `total`."""
-    step = max(step, 1)
+    step = max(step, 1)  # LambdaLR's step 0, the first step, as in `rate`
     if step < warmup:
         return peak * step / warmup
     return peak * max(0, total - step) / max(1, total - warmup)
@@ -716,7 +712,8 @@ assert max(steps_down) - min(steps_down) < 1e-12
 # %% [markdown]
 # The reference run below is the `quick` preset: the `cpu` model without
 # dropout, for 5 epochs of 153 batches (765 optimizer steps), with
-# `schedule="linear"`, `warmup=300` and `factor=0.61`. Part 2's `rate`
+# `schedule="linear"`, `warmup=300` and `factor=0.61` (why these
+# choices: "Why the quick recipe is fast", below). Part 2's `rate`
 # peaks at step `warmup`, at $\text{factor} \cdot d_{\text{model}}^{-1/2}
 # \cdot \text{warmup}^{-1/2}$; for `cpu` (factor 1, warm-up 800) that is
 # 2.2e-3. `cpu`'s warm-up of 800 steps would outlast a whole 765-step
@@ -787,8 +784,9 @@ if device.type == "cpu" and "COLAB_RELEASE_TAG" in os.environ:
 # the config on the device, takes Part 2's label-smoothed loss, makes the
 # loaders, then Adam and the config's schedule. Then, each epoch, it
 # reshuffles the batches, trains through Part 2's `run_epoch`, with its
-# counters in a `TrainState` (`accum_step` counts optimizer steps; both
-# are in Part 2's last section, "Under the hood: `run_epoch`"), and
+# counters in a `TrainState` (`accum_step` counts optimizer steps;
+# `run_epoch` and `TrainState` are in Part 2's last section, "Under the
+# hood: `run_epoch`"), and
 # measures the loss on the validation set, without gradients and with
 # dropout off (`model.eval()`). `Batch(...).to(device)` moves each batch
 # where the model is. It returns the model and one line of history per
@@ -871,7 +869,8 @@ assert small_history[-1]["val_loss"] < small_history[0]["val_loss"]
 # cross-entropy less the *entropy* $H$ of the targets, $-\sum_j p_j \log
 # p_j$, the spread that smoothing puts into them. So a model that
 # predicts the smoothed targets exactly scores 0, and the uniform guess
-# scores $\ln V - H$; with a smoothing of 0.1, $H$ is about 1.2. The cell
+# scores $\ln V - H$. With a smoothing of 0.1, $H = -0.9 \ln 0.9 - 0.1
+# \ln \frac{0.1}{V - 2} \approx 0.09 + 1.10 \approx 1.2$. The cell
 # computes the three numbers. A validation loss of 1.5, as the recipes
 # below reach, is thus a cross-entropy of about 2.7. Check: after two
 # epochs the tiny model is already below the uniform guess.
@@ -914,18 +913,16 @@ assert last < guess
 # %% [markdown]
 # ### Training it
 #
-# The next cell does not call `train_one_process` from above. It calls
-# the appendix's `train_model`, which runs `train_worker` (above) in one
-# process. It trains
-# the `quick` preset on the device that `pick_device` found, unless
-# `checkpoints/quick/final.pt` exists already. Like every function of
-# the library, they run the library's copies of this lesson's cells: an
-# edit to a cell above reaches them once `make export` has run and the
-# notebook is restarted.
-# It writes `final.pt` when training ends: the weights, the vocabularies
-# and the config. Its first line names the device and the precision. It
-# returns the losses of every epoch, which the cell keeps as `history`.
-# (The project's automated tests run every notebook in a tiny version,
+# The next cell trains the `quick` preset with the same loop as
+# `train_one_process`, plus checkpoints and 16-bit arithmetic: the
+# appendix's `train_model`, which runs `train_worker` (above) in one
+# process, on the device that `pick_device` found. It prints the device
+# and the precision, then a progress bar and a line of losses per epoch,
+# like the tiny run above. It writes `final.pt` when training ends (the
+# weights, the vocabularies and the config) and returns the losses of
+# every epoch, which the cell keeps as `history`. If
+# `checkpoints/quick/final.pt` exists already, it trains nothing. (The
+# project's automated tests run every notebook in a tiny version,
 # `AT_SIZE=ci`, and there the cell trains the tiny `ci` preset instead.)
 #
 # On a GPU, and on a CPU with native bf16, the same recipe computes in
@@ -935,8 +932,11 @@ assert last < guess
 # start of its process (`results/gpu_explore.md`); Colab's free T4 and
 # Apple's GPUs were not measured.
 #
-# Stopping the cell part of the way and running it again starts from the
-# first epoch (the command line's `train --resume` continues instead).
+# If you rerun it: `train_model` runs the library's copies of this
+# lesson's cells, so an edit to a cell above reaches it once `make
+# export` has run and the notebook is restarted. Stopping the cell part
+# of the way and running it again starts from the first epoch (the
+# command line's `train --resume` continues instead).
 # Once `final.pt` exists, the cell uses it, whatever settings trained it:
 # delete the repository's `checkpoints/quick/` (on Colab
 # `/content/done-right/checkpoints/quick/`) to train afresh. On Colab
@@ -1025,6 +1025,9 @@ if history is not None and preset == "quick":
 #
 # Two last notes. The appendix's training runs use faster versions of
 # dropout and of the loss's gradient, which these recorded runs predate.
+# The loss and its gradient are the same up to rounding (tested), and
+# `quick` has no dropout; a recipe with dropout draws other masks, so a
+# rerun's numbers differ a little from its record.
 # The `cpu` preset (18 epochs, dropout 0.1, Part 2's schedule), which
 # `make train` trains and Parts 4 and 5 load when it exists, took about
 # 83 minutes on one thread of a CPU with native bf16, shared with other
@@ -1092,7 +1095,9 @@ assert trained_tgt == vocab_tgt
 # If the padding mask were wrong, the short sentences would attend to
 # their `<blank>` padding and their translations would change. The mask is
 # Part 2's source mask (`Batch` builds the same one), and `max_len = 20`
-# caps each output row at 20 tokens, `<s>` included. `strip_specials`
+# caps each output row at 20 tokens, `<s>` included: short, to keep the
+# check quick, and the same cap for both decoders, so a translation cut
+# short is cut alike on both sides. `strip_specials`
 # keeps what lies between `<s>` and the first `</s>`.
 #
 # On the CPU all twelve must be identical. On a GPU, Apple's included,

@@ -988,6 +988,12 @@ print(f"{len(MULTI30K_SHA256)} files verified in {folder}")
 # default of `train` and of Part 3, on GPUs too. `cpu` and `ci` have a
 # BPE twin (Part 5), with one subword vocabulary and tied embeddings.
 #
+# The times in the table are measured runs, not all in the same
+# conditions: `quick` and `long` with 2 threads in float32
+# (`results/recipe_quick.json`, `results/recipe_long.json`), `cpu` with 1
+# thread in bf16 on a machine shared with other jobs
+# (`results/multi30k_cpu.json`).
+#
 # | preset | model and recipe | time on a 2-core CPU |
 # |---|---|---|
 # | `quick` | `cpu` model, 5 epochs, linear to zero, no dropout | 14 min |
@@ -996,20 +1002,16 @@ print(f"{len(MULTI30K_SHA256)} files verified in {folder}")
 # | `paper` | the paper's base model, for a GPU | never trained to the end |
 # | `ci` | tiny: 1,000 sentence pairs, two epochs | seconds |
 #
-# The times are measured runs: `quick` and `long` with 2 threads in
-# float32 (`results/recipe_quick.json`, `results/recipe_long.json`), `cpu`
-# with 1 thread in bf16 on a machine shared with other jobs
-# (`results/multi30k_cpu.json`).
-#
 # `cpu` is the dataclass's defaults. Every preset but `ci` asks for
 # `precision="bf16"`, which means "the fastest precision this machine does
 # well" ("Which precision", below): bfloat16 or float16 autocast where the
 # hardware has it, float32 elsewhere. `ci` asks for float32 everywhere, so
 # that its tests give the same numbers on every machine. `paper` has no
-# BLEU score here: its model is the paper's base model, trained here with
-# 8,000-token batches for 40 epochs, but with `cpu`'s schedule (warm-up
-# 800, not 4,000). `ci`
-# serves tests and the CI-sized notebooks.
+# BLEU score here: it is configured with the paper's base model, but with
+# 8,000-token batches (the paper's held about 25,000), 40 epochs and
+# `cpu`'s warm-up of 800 steps (not 4,000), since Multi30k is small and
+# an epoch is short; it has never been run to the end. `ci` serves tests
+# and the CI-sized notebooks.
 
 # %%
 #| export
@@ -1265,7 +1267,8 @@ def cpu_has_native_bf16(cpuinfo="/proc/cpuinfo"):
 
 def choose_precision(device, precision="bf16"):
     """The Precision for training on `device` ("fp32": no autocast)."""
-    if precision not in ("bf16", "fp32"):  # "fp16" would get bf16 here
+    # Anything else is refused: "fp16" would otherwise quietly mean bf16.
+    if precision not in ("bf16", "fp32"):
         raise ValueError(
             f'precision is "bf16" (the fastest this machine does well) or'
             f' "fp32", not {precision!r}'
@@ -1808,15 +1811,16 @@ def same_run(epoch_history, history):
 # * **Checkpoint files**, written after every epoch (see "Checkpoint
 #   files"), and resuming from them.
 # * **Lower precision** where the hardware computes it natively, as
-#   `choose_precision` (see "Hardware") decides.
+#   `choose_precision` (see "Which precision") decides.
 # * **Several processes.** With $n$ processes, `DistributedDataParallel`
 #   (DDP) keeps a copy of the model in each. Every process computes
 #   gradients on its own share of the batches, and DDP averages them
 #   across processes before each optimizer step, so the copies stay equal.
 #   The processes talk through `torch.distributed`: the NCCL backend
 #   between GPUs, gloo between CPU processes.
-# * **No waiting on the GPU.** Batches are copied from pinned memory, so
-#   the copy overlaps the computation, and their masks are made on the
+# * **No waiting on the GPU.** Batches are copied from pinned memory
+#   (page-locked host memory, which the GPU can read while it computes),
+#   so the copy overlaps the computation, and their masks are made on the
 #   GPU. The loss stays on the GPU until the end of the epoch (Part 2's
 #   `run_epoch`).
 #
@@ -1997,8 +2001,9 @@ def backend_for(device):
 # but its dropout is an ordinary module, `self.dropout`, that the swap
 # replaces.
 #
-# Timings (`bench/RESULTS_efficiency.md`, one 2-core EPYC, the `cpu`
-# model): the new mask made a bf16 training step 1.15 times as fast, and
+# Timings (`bench/RESULTS_efficiency.md`, a 2-core EPYC with native bf16,
+# `avx512_bf16`, not the one of Part 3's recorded run; the `cpu` model):
+# the new mask made a bf16 training step 1.15 times as fast, and
 # an fp32 step 1.10 times. Sending attention's dropout through it too gave
 # another 1.03 times in bf16 (3880.8 against 3752.7 tok/s), and nothing
 # in fp32.
@@ -2094,9 +2099,10 @@ assert FastDropout(0.2).eval()(ones) is ones
 # its `closed_form` (`keep_targets=True` still builds the matrix). It
 # gives the same loss and gradient, to rounding (`tests/test_fast_loss.py`
 # compares both with autograd's, and with finite differences).
-# `TrainingRun` uses it; the lessons keep `LabelSmoothing`. On one 2-core
-# EPYC it made a whole bf16 training step of the `cpu` model 1.08 times as
-# fast, and a float32 step 1.04 times (`bench/RESULTS_efficiency.md`).
+# `TrainingRun` uses it; the lessons keep `LabelSmoothing`. On the 2-core
+# EPYC with native bf16 it made a whole bf16 training step of the `cpu`
+# model 1.08 times as fast, and a float32 step 1.04 times
+# (`bench/RESULTS_efficiency.md`).
 
 
 # %%
@@ -2202,8 +2208,9 @@ assert torch.allclose(grads[1], -3 * fast.true_dist, atol=1e-7)
 # `doubled` batches. Validation is unchanged: one pass, dropout off, the
 # plain loss. A step costs about twice the time and the activation
 # memory. No preset turns R-Drop on; `bench/recipe_sweep.py` tried it on
-# the distilled student, and [results](../docs/results.md) says what it
-# gave.
+# a distilled student (a model trained on a trained "teacher" model's
+# translations of the training sentences, `bench/distill.py`), and
+# [results](../docs/results.md) says what it gave.
 
 
 # %%
@@ -2277,8 +2284,11 @@ assert symmetric_kl(logp, logp, keep) == 0
 # the current one (`torch.cuda.set_device`, so that NCCL and new tensors
 # use this process's GPU), and gives processes that share the CPU an
 # equal part of the cores it may use (`usable_cores`: in a container,
-# often fewer than the machine has). `join_group` connects the processes of a
-# distributed run.
+# often fewer than the machine has). `join_group` connects the processes
+# of a distributed run. Processes that `train_model` spawns share one
+# machine, so their rank is also their local rank, the index of their
+# GPU; under `torchrun` the command line passes each process its device
+# instead (`torchrun_device`).
 #
 # `TrainingRun` then sets up one process's run. It joins the group when
 # there are several processes, seeds, and builds the model with
@@ -2888,7 +2898,9 @@ with tempfile.TemporaryDirectory() as tmp:
 # out (`finally`).
 #
 # One more check comes first. `train --data FOLDER` (the command line,
-# below) trains on other pairs, such as a teacher's translations, and
+# below) trains on other pairs, such as a trained model's translations
+# of the training sentences (sequence-level distillation: that model is
+# the "teacher", the one trained on them the "student"), and
 # stores their digest, a SHA-256, in `config.data`. A config whose `data`
 # is set is refused unless the folder being read (`$MULTI30K_DIR`, which
 # `multi30k_from(FOLDER)` sets while training, as `train --data` does)
@@ -3572,7 +3584,9 @@ def describe_checkpoint(path):
 # is given, in order, and returns the first it finds: Parts 4 and 5 ask
 # for `cpu`, which `make train` writes, then `quick`, which Part 3 writes.
 # When there is none, or in a CI-sized run, it trains a model there and
-# then; `model_to_train_here` says which:
+# then; `model_to_train_here` says which. The caller passes `stand_in`, a
+# small config to train when nothing else will do (Part 4's: `ci` with
+# two layers and four heads, in `checkpoints/ci-attention`):
 #
 # - on a CUDA GPU, when `quick` is among the presets asked for, the
 #   `quick` recipe itself, into `root`'s `checkpoints/quick/`: a few
@@ -3580,9 +3594,10 @@ def describe_checkpoint(path):
 #   Colab, where each notebook opened from its badge gets a runtime of
 #   its own and never sees the model that Part 3 trained in another;
 # - everywhere else, and always in a CI-sized run, the small `stand_in`,
-#   in seconds, into the stand-in's own `checkpoint_dir` (which is why
-#   the notebooks give it an absolute one, and each notebook its own),
-#   replacing the stand-in trained there before without a note. On a
+#   in seconds, into the stand-in's own `checkpoint_dir`, replacing the
+#   stand-in trained there before without a note. So the notebooks give
+#   it an absolute folder (the working directory need not be `root`),
+#   and each notebook its own (one would clear the other's). On a
 #   CPU, `quick` would take a quarter of an hour: run Part 3 first (or
 #   `make notebook`).
 #
@@ -3637,7 +3652,9 @@ def find_or_train(
 # %% [markdown]
 # Check: the first call trains (there is nothing to find), the second
 # finds that model and leaves it untouched, and a CI-sized call trains
-# again.
+# again. Here the stand-in is written where the preset `ci` is looked
+# for, so the second call finds it; a stand-in in a folder of its own
+# would be retrained.
 
 # %%
 with tempfile.TemporaryDirectory() as tmp:
@@ -4135,7 +4152,8 @@ def build_parser():
 # `train` builds the config from the preset and the flags, checks that
 # `--results` can be written and is not a file that training writes,
 # downloads Multi30k if needed, checks that `--results` is not a file it
-# reads either (nor a checkpoint), takes the lock on the
+# reads either (nor a checkpoint; which files it reads is known only after
+# the download), takes the lock on the
 # checkpoint folder (so that a second run into it stops at once), makes
 # the vocabularies, checks what `--resume` would resume, and trains. It
 # trains in this process, in `--world-size` spawned ones, or as one of the
