@@ -446,6 +446,7 @@ class LabelSmoothing(nn.Module):
         self.last_call = (target.detach(), x.dtype)
         if self.keep_targets:  # the direct way: build every row p
             p = self.smoothed_targets(target, x.dtype)
+            # KLDivLoss(input=log q, target=p): sum of p (log p - log q)
             return self.criterion(x, p)
         return self.closed_form(x, target)  # the same number, see below
 

@@ -245,6 +245,7 @@ class LabelSmoothing(nn.Module):
         self.last_call = (target.detach(), x.dtype)
         if self.keep_targets:  # the direct way: build every row p
             p = self.smoothed_targets(target, x.dtype)
+            # KLDivLoss(input=log q, target=p): sum of p (log p - log q)
             return self.criterion(x, p)
         return self.closed_form(x, target)  # the same number, see below
 
@@ -682,15 +683,17 @@ def copy_accuracy(model, n, V=11, seq_len=10, generator=None):
 # * **A short schedule.** The paper's schedule is built for 100,000 steps;
 #   this task needs a few hundred. At each step, `warmup_linear_decay`
 #   takes the lower of two straight lines. The first rises by 1/20 of a
-#   nominal peak of $3 \cdot 10^{-4}$ per step. The second starts at that
-#   peak at step 0 and would reach zero at step 300, but stops at a floor
-#   of 2% of the peak. (The rising line uses `step + 1`: at step 0,
-#   the first optimizer step as `LambdaLR` counts, a plain `step` would
-#   give a learning rate of 0, a wasted step.) In our sweeps this
-#   schedule learned to copy in well under half the steps of the paper's
-#   formula (with a factor of 0.1 and a 10-step warm-up).
-#   Its decay ends at step 300, before the 400-step budget: the last
-#   steps, at the floor, are a margin.
+#   nominal peak of $3 \cdot 10^{-4}$ per step (the rate it aims for; the
+#   schedule's highest rate is a little lower, as the next cell shows).
+#   The second starts at that peak at step 0 and would reach zero at step
+#   300, but stops at a floor of 2% of the peak. (The rising line uses
+#   `step + 1`: at step 0, the first optimizer step as `LambdaLR` counts,
+#   a plain `step` would give a learning rate of 0, a wasted step.) In our
+#   sweeps this schedule learned to copy in well under half the steps of
+#   `rate`, the paper's formula, at the settings this lesson used before
+#   (a factor of 0.1 and a 10-step warm-up). Its decay ends at step 300,
+#   before the 400-step budget: the last steps, at the floor, are a
+#   margin.
 # * **Small batches** of 16 sequences: copying is learned per optimizer
 #   step, so small batches buy more steps for the same sequences. Batches
 #   of 16 learned in fewer seconds than 8 (which needed more steps) or 32
@@ -936,8 +939,10 @@ assert not overlap
 #
 # When the number of batches is not a multiple of $k$, the last group has
 # fewer micro-batches. `run_epoch` still steps on it, with its gradients
-# rescaled to a mean over the group. Otherwise they would stay in `.grad`
-# and be added to the next epoch's first step.
+# rescaled to a mean over the group. If it did not step, those gradients
+# would stay in `.grad` and be added to the next epoch's first step.
+#
+# ### Counters
 #
 # `TrainState` keeps four counters across epochs, under the names they had
 # in the 2022 Harvard Annotated Transformer, the tutorial this project
@@ -993,8 +998,9 @@ def with_last_flag(iterable):
 # `optimizer_step` ends a group: it multiplies the gradients by `scale`
 # (more than 1 after a short group, as `run_epoch` below explains), steps
 # the optimizer, clears the gradients and steps the schedule. `scaler`, a
-# float16 run's `GradScaler`, steps the optimizer in its stead; in this
-# part it is `None`.
+# float16 GPU run's `GradScaler`, steps the optimizer in its stead (the
+# appendix explains it); in this part it is `None`, so only the first
+# branch of the `if scaler` runs.
 
 
 # %%
@@ -1060,7 +1066,9 @@ def micro_step(
 # %% [markdown]
 # ### `run_epoch`
 #
-# With these pieces the epoch stays short. `mode="eval"` turns autograd
+# With these pieces the epoch stays short. It has three modes:
+# `"train"` (the default), `"train+log"` (train and print) and `"eval"`
+# (no gradients, no steps). `mode="eval"` turns autograd
 # off (`torch.set_grad_enabled(False)`, the same as `torch.no_grad()`)
 # and never steps; `mode="train+log"` prints progress
 # every `log_every` micro-batches, one line from `print_progress`: the

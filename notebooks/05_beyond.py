@@ -385,9 +385,9 @@ def cached_greedy_decode(
 # padded batch as the input's length.
 
 # %%
-# src.size(1) counts the source's <s> and </s>; the limit counts the
-# output's own <s>. (translate_batch, for its part, then cuts each
-# sentence's output at that sentence's own length + 50.)
+# At most S + 50 ids, <s> included, where S is the longest source of
+# the batch (its <s> and </s> counted). translate_batch applies the same
+# rule to each sentence, cutting its output at its own length + 50.
 max_len = src.size(1) + 50  # one limit for every decoder below
 with torch.no_grad():
     reference = batch_greedy_decode(model, src, src_mask, max_len)  # (B, L)
@@ -544,7 +544,9 @@ class Beams(NamedTuple):
 # %% [markdown]
 # One step: score the candidates, keep the $k$ best of each sentence, and
 # copy the tokens of each survivor's *parent*, the hypothesis it extends.
-# `advance_beams` also returns the parents, which the cache needs, and
+# `advance_beams` also returns the parents, which the cache needs (the
+# cache holds the keys and values of the tokens fed so far, and those are
+# the parent's), and
 # the scores of the hypotheses that ended at this step. A running
 # hypothesis's score usually falls as it grows, since each token adds a
 # negative log-probability. So a running hypothesis can outscore a
@@ -868,8 +870,7 @@ def translation_scores(model, src, src_mask, out, alpha=0.6):
 # can drop the prefix of greedy's translation, so it is not bound to win on
 # every sentence; the cell prints how often it wins, ties and loses. (The
 # CI-sized stand-in, trained for seconds, is too weak for the beam to
-# matter: it often gives the greedy translation. For it, the check asks
-# only that the beam does no worse on average.)
+# matter: it often gives the greedy translation, and it is not checked.)
 
 # %%
 sample = encode_pairs(
@@ -897,16 +898,11 @@ ties = len(gain) - wins - losses
 print(f"mean s(Y): greedy {scores['greedy'].mean():.3f}, ", end="")
 print(f"beam 4 {scores['beam 4'].mean():.3f}")
 print(f"beam 4 scores higher on {wins}, equal on {ties}, lower on {losses}")
-# Every model: on average, the beam does no worse than greedy decoding.
-# Beam search does not promise even this (see above): for the stand-in,
-# trained from a fixed seed, this is a check that nothing changed, not a
-# property of beam search.
-# A trained model: the beam does better on average, and wins at least
-# once.
-assert scores["beam 4"].mean() >= scores["greedy"].mean() - 1e-4
-if trained:
+if trained:  # better on average, and at least one win
     assert scores["beam 4"].mean() > scores["greedy"].mean()
     assert wins > 0
+else:
+    print("(a stand-in: not checked)")
 
 # %% [markdown]
 # **See, it matches.** The beam's translation of the first sentence,
@@ -1002,8 +998,9 @@ class BpeVocab:
 # Multi30k has 29,000 training pairs against WMT 2014's 4.5 million (Part
 # 3), about 150 times fewer, and far fewer distinct words: Part 3's word
 # vocabularies (words seen at least twice) hold 8,012 German and 6,190
-# English entries. The paper's 37,000 units would fit nearly every word
-# whole and split almost none.
+# English entries, about 14,000 together. The paper's 37,000 units would
+# fit nearly every word whole and split almost none; 10,000 forces the
+# rarer words into pieces.
 #
 # A pre-tokenizer cuts the text into chunks before BPE runs, and merges
 # never cross a chunk's edge. The `Metaspace` pre-tokenizer turns each
@@ -1205,7 +1202,7 @@ else:
 # at training time.
 #
 # Our checkpoints are further apart: one per epoch, and a `cpu` run has
-# 18 epochs (one run in section 5 stopped at 10), so the last 5 span
+# 18 epochs, so the last 5 span
 # roughly the last quarter to half of training,
 # where the paper's last 5 span under an hour of a 12-hour run. Whether
 # their mean helps depends on whether the model had stopped improving by
@@ -1313,8 +1310,7 @@ for decoder_name, fn in DECODERS.items():
 # Only after `make train`, add `--average 5`:
 #
 # ```bash
-# python annotated_transformer_tools.py evaluate \
-#     --beam 4 --alpha 1.0 --average 5
+# python annotated_transformer_tools.py evaluate --beam 4 --average 5
 # ```
 #
 # This averages the last 5 epochs of the `cpu` model that `make train`
@@ -1322,14 +1318,13 @@ for decoder_name, fn in DECODERS.items():
 # back on the `quick` model. Its 5 epochs are all of its training, and
 # averaging them cost it 3.9 to 4.8 BLEU with beam 4 (the table below).
 #
-# These settings were not tuned for `make train`'s model. Validation
-# chose beam 4, $\alpha = 1.0$ and the last 5 averaged for the same
-# preset with dropout 0.2 (cpu-d02-e18 in `docs/results.md`); runs with
-# a linear decay chose the last 3 instead. The paper tuned $\alpha$ on
-# WMT. On Multi30k's validation split, $\alpha = 1.0$ scored 0.08 to
-# 0.57 BLEU higher than 0.6 in all 18 beam-4 comparisons of the tables
-# `results/recipe_*_val.md` that score both (five models of
-# `docs/results.md`), hence `--alpha 1.0`.
+# On Multi30k's validation split, $\alpha = 1.0$ scored 0.1 to 0.6 BLEU
+# higher than the paper's 0.6 (which the paper tuned on WMT) in every
+# beam-4 comparison on record, so add `--alpha 1.0` to either command
+# for your own translations; the table below keeps 0.6. (The 18
+# comparisons, over five models, are in the tables
+# `results/recipe_*_val.md` that score both; `docs/results.md` says which
+# beam, $\alpha$ and averaging validation chose for each recipe.)
 #
 # ### The results
 #
@@ -1343,7 +1338,8 @@ for decoder_name, fn in DECODERS.items():
 # sentences, with beam search at the lesson's $\alpha = 0.6$.
 #
 # BLEU; "+ avg": the average of the last 5 epoch checkpoints; "—": not
-# measured.
+# measured (those records scored the BPE models greedily and with beam 4
+# plus averaging only).
 #
 # | run | model | epochs | greedy | beam 4 | beam 4 + avg |
 # |---|---|---:|---:|---:|---:|
