@@ -235,6 +235,8 @@ class MultiHeadedAttention(nn.Module):
         """Project (B, T, d_model) with `linear`, split to (B, h, T, d_k)."""
         B = x.size(0)
         x = linear(x)  # (B, T, d_model): one of W^Q, W^K, W^V
+        # The heads are blocks of the feature axis, so split that axis;
+        # a view straight to (B, h, T, d_k) would mix positions and heads.
         x = x.view(B, -1, self.h, self.d_k)  # (B, T, h, d_k)
         return x.transpose(1, 2)  # (B, h, T, d_k)
 
@@ -265,6 +267,7 @@ class MultiHeadedAttention(nn.Module):
             if self.store_attention:
                 self.attn = weights  # (B, h, T, S), after any dropout
         x = x.transpose(1, 2)  # (B, T, h, d_k)
+        # reshape, not view: after the transpose x is not contiguous.
         x = x.reshape(query.size(0), -1, self.h * self.d_k)  # (B, T, d_model)
         return self.w_o(x)  # (B, T, d_model)
 

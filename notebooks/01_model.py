@@ -222,7 +222,8 @@ class Encoder(nn.Module):
 # **Our choice.** The 2022 tutorial divided by the *unbiased* standard
 # deviation (the one that divides by $d - 1$ instead of $d$) plus
 # $\epsilon$. We use the standard form above, which is what
-# `torch.nn.LayerNorm` computes, so the two can be compared directly. We
+# `torch.nn.LayerNorm` computes (the check against PyTorch's encoder
+# layer, at the end of this part, relies on it). We
 # still write our own small class rather than use `nn.LayerNorm`, to
 # keep the 2022 tutorial's parameter names: the gain $a$ is `a_2` and the
 # bias $b$ is `b_2`. Checkpoints that this project's earlier versions
@@ -280,10 +281,8 @@ assert torch.allclose(norm(x), by_hand, atol=1e-5)
 # so the gradient flows straight down the stack, however many blocks are
 # stacked. Xiong et al. (2020) show that with pre-norm the gradients are
 # well scaled from the first step, so training needs little or no warm-up
-# (the slow start of the learning rate, Part 2). We keep a warm-up anyway
-# (Part 2), though a shorter one than the paper's: Adam's running
-# averages start from a few gradients, and a warm-up keeps those first,
-# noisiest steps small.
+# (the slow start of the learning rate, Part 2). We keep a warm-up anyway,
+# though a shorter one than the paper's; Part 2 says why.
 #
 # Because pre-norm never normalizes the residual stream itself, the last
 # block's output can have any scale; so each stack ends with one extra
@@ -309,8 +308,10 @@ class SublayerConnection(nn.Module):
 
 # %% [markdown]
 # The untouched path is easy to see: a sub-layer that outputs zeros leaves
-# its input unchanged. Post-norm has no such path: the same zero sub-layer
-# returns $\mathrm{LayerNorm}(x)$, which moves this $x$ (mean 1, standard
+# its input unchanged. (The same identity path carries the gradient back
+# unchanged, a derivative of 1, whatever the sub-layer does.) Post-norm
+# has no such path: the same zero sub-layer returns
+# $\mathrm{LayerNorm}(x)$, which moves this $x$ (mean 1, standard
 # deviation 3) to mean 0 and standard deviation 1.
 
 # %%
@@ -651,10 +652,8 @@ assert weights[0, 2] == 0
 # routine is a plain function, so `.eval()` cannot switch its dropout off:
 # `forward` passes `dropout_p=0` when the module is not training.
 #
-# `use_fused(q)` is `not self.store_attention`, with one more case:
-# training with dropout on the CPU, where PyTorch's fused routine falls
-# back to its unfused formula anyway, and where the appendix's faster
-# dropout mask (06_tools, "A cheaper dropout mask") needs `attention`.
+# In short: fused by default, `attention` when `store_attention` is set
+# (`use_fused` has one more case, for the appendix, in its docstring).
 # Either branch computes the same formula.
 
 
@@ -681,6 +680,8 @@ class MultiHeadedAttention(nn.Module):
         """Project (B, T, d_model) with `linear`, split to (B, h, T, d_k)."""
         B = x.size(0)
         x = linear(x)  # (B, T, d_model): one of W^Q, W^K, W^V
+        # The heads are blocks of the feature axis, so split that axis;
+        # a view straight to (B, h, T, d_k) would mix positions and heads.
         x = x.view(B, -1, self.h, self.d_k)  # (B, T, h, d_k)
         return x.transpose(1, 2)  # (B, h, T, d_k)
 
@@ -711,6 +712,7 @@ class MultiHeadedAttention(nn.Module):
             if self.store_attention:
                 self.attn = weights  # (B, h, T, S), after any dropout
         x = x.transpose(1, 2)  # (B, T, h, d_k)
+        # reshape, not view: after the transpose x is not contiguous.
         x = x.reshape(query.size(0), -1, self.h * self.d_k)  # (B, T, d_model)
         return self.w_o(x)  # (B, T, d_model)
 
@@ -1094,7 +1096,9 @@ assert abs(table_std - math.sqrt(2 / 8512)) < 1e-3
 # Without the factor, the embeddings would be about 45 times smaller than
 # the encoding, and their sum would be almost all position. With it, they
 # are about half the encoding's scale (0.347 against 0.695): of the same
-# order, though not equal. Xavier's scale depends on the vocabulary size,
+# order, though not equal. (That is the whole table's spread, over 5,000
+# positions; over the first 128, where our sentences lie, it is 0.62, so
+# the ratio is much the same.) Xavier's scale depends on the vocabulary size,
 # so this ratio does too.
 
 

@@ -531,6 +531,11 @@ def plain_epoch(batches, model, loss_compute, optimizer, scheduler=None):
 # `factor` multiplies the whole curve; it is 1 in the paper, and Part 3's
 # recipes set their own.
 #
+# Why warm up at all? Adam's running averages start from a few
+# gradients, so its first steps are its noisiest, and a warm-up keeps
+# them small. Part 1's pre-norm blocks need less of it, so our recipes'
+# warm-ups are shorter than the paper's.
+#
 # In code, a schedule is a function of the optimizer step, handed to
 # PyTorch's `torch.optim.lr_scheduler.LambdaLR`. `LambdaLR` sets the
 # learning rate to the optimizer's `lr` times the function's value, so an

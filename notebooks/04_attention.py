@@ -736,8 +736,12 @@ assert not torch.allclose(dropped.sum(-1), clean.sum(-1))
 # meets the German `</s>`.
 # It is the *word alignment* (which source word each target word
 # translates) of a translation that keeps the word order and stretches it
-# evenly. `_diagonal` rescales each row position $i$ into column units,
-# so that the diagonal is where $j$ equals it.
+# evenly, for the English word a row *reads*; the word it predicts sits
+# up to one column later (see below). For scale: a head that always
+# reads its neighbour scores a distance of 1, and one that spreads its
+# weight evenly over $S$ keys about $S/3$. `_diagonal` rescales each row
+# position $i$ into column units, so that the diagonal is where $j$
+# equals it.
 
 
 # %%
@@ -895,7 +899,8 @@ def attention_summary(model, pairs, spacy_de, spacy_en, vocab_src, vocab_tgt):
 # How to read the chart and the table below, with the heat maps above:
 #
 # * A head whose entropy is far below 1 commits to a few keys per query.
-#   In decoder–source attention such a head is an *aligner*: for each
+#   In decoder–source attention such a head, if its `specials` share is
+#   small (see the last bullet), is an *aligner*: for each
 #   English word it reads the German word being translated. A small
 #   distance from the diagonal means that it follows the word order of
 #   the source.
@@ -939,10 +944,11 @@ table.round(2)
 # heads pick: the cell below prints both models' mean entropy for each
 # kind, on the same sentences. **Check**, with the trained model: its
 # decoder–source heads have a lower mean entropy than the untrained
-# model's (in the chart on record, most rows of the last layer put most
-# of their weight on one German word). The stand-in is not checked: after
-# two short epochs on 1,000 sentence pairs, its heads may still be as even
-# as an untrained model's, or focused without meaning much.
+# model's (in the decoder–source heat map on record, above, most rows of
+# the last layer put most of their weight on one German word). The
+# stand-in is not checked: after two short epochs on 1,000 sentence pairs,
+# its heads may still be as even as an untrained model's, or focused
+# without meaning much.
 
 # %%
 torch.manual_seed(0)
@@ -1034,8 +1040,10 @@ for kind in ATTENTION_KINDS:
 #
 # Greedy decoding does not record attention, so `source_alignment` runs
 # the decoder once more over the finished output, inside
-# `record_attention`. The section "Can we trust these pictures?" showed
-# that this gives the weights greedy decoding used. Row $t$ reads decoder
+# `record_attention`. The section "Can we trust these pictures?" showed,
+# for `attention_maps`, that such a pass gives the weights greedy
+# decoding used; the check below ties `source_alignment` to
+# `attention_maps`. Row $t$ reads decoder
 # input $t$ and wrote output token $t+1$. The argmax runs over the
 # source's words only, never over `<s>`, `</s>` or padding.
 
