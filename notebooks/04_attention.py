@@ -940,15 +940,16 @@ table.round(2)
 # scores of a row are small and close to each other, and the softmax of
 # nearly equal numbers is nearly flat. (The cell asserts that its mean
 # entropy is above 0.9 of uniform for every kind; 0.9 is a margin we
-# chose, not a derived value.) Training is what makes
-# heads pick: the cell below prints both models' mean entropy for each
-# kind, on the same sentences. **Check**, with the trained model: its
+# chose, not a derived value.) Training is what makes heads pick: the
+# cell below prints both models' mean entropy for each kind, on the same
+# sentences, and, as a scale for the chart's lower row, their mean
+# distance from the diagonal. **Check**, with the trained model: its
 # decoder–source heads have a lower mean entropy than the untrained
 # model's (in the decoder–source heat map on record, above, most rows of
 # the last layer put most of their weight on one German word). The
-# stand-in is not checked: after two short epochs on 1,000 sentence pairs,
-# its heads may still be as even as an untrained model's, or focused
-# without meaning much.
+# stand-in is not checked: after two short epochs on 1,000 sentence
+# pairs, its heads may still be as even as an untrained model's, or
+# focused without meaning much.
 
 # %%
 torch.manual_seed(0)
@@ -970,7 +971,14 @@ entropies = pd.DataFrame(
         "untrained": random_table["entropy"].groupby(level="kind").mean(),
     }
 )
-print(entropies.round(2))
+print("mean entropy:", entropies.round(2), sep="\n")
+distances = pd.DataFrame(  # a scale for the chart's lower row
+    {
+        "this model": table["distance"].groupby(level="kind").mean(),
+        "untrained": random_table["distance"].groupby(level="kind").mean(),
+    }
+)
+print("mean distance from the diagonal:", distances.round(2), sep="\n")
 assert (entropies["untrained"] > 0.9).all()
 if trained:
     source = entropies.loc["decoder source"]
