@@ -318,16 +318,20 @@ def attention_maps(
 # appendix's "A trained model, or a small one trained now" says what runs
 # where.)
 #
-# Numbers in the prose come from one recorded model, "on record" below:
-# the `cpu` model trained for 10 epochs, in float32, recorded in
-# `results/site_full.md`. The charts on record are that model's.
-# Paragraphs marked **Check** state a claim about a trained model's heads;
-# their cell asserts it only when a `cpu` or `quick` model is loaded, and
-# with the stand-in prints that it did not check it. The **Check** cells
-# assume that the drawn weights are the ones the model uses; "Can we
-# trust these pictures?", after the charts, verifies that. Every other
-# assert runs with any model; paragraphs marked **See, ...** introduce
-# such checks of the code itself.
+# Words this page uses throughout:
+#
+# - **on record**: the model the prose's numbers and the charts on
+#   record come from, the `cpu` model trained for 10 epochs in float32
+#   (`results/site_full.md`);
+# - **stand-in**: the small model trained here in seconds when no
+#   trained one is found;
+# - **Check**: a paragraph stating a claim about a trained model's heads;
+#   its cell asserts it only when a `cpu` or `quick` model is loaded, and
+#   with the stand-in prints that it did not check it. These claims assume
+#   that the drawn weights are the ones the model uses; "Can we trust
+#   these pictures?", after the charts, verifies that;
+# - **See, ...**: a paragraph whose cell checks the code itself; its
+#   asserts run with any model.
 
 
 # %%
