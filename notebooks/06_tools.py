@@ -2554,10 +2554,11 @@ def train_epoch(run, epoch, train_loader, valid_loader, show=True):
 # alone, so that a run saved on two GPUs resumes on one), and the
 # `GradScaler`'s scale on a GPU that trains in float16.
 #
-# `resume_checkpoint` returns the file to resume from and its contents:
-# `last.pt`, or, for a run made by an older version of this code, its
-# newest epoch file, which then held the optimizer too (`resume_point`
-# gives the file alone). It loads the file onto the CPU whatever the
+# `resume_checkpoint` returns the file to resume from, `last.pt`, and its
+# contents (`resume_point` gives the file alone). (For a run made by an
+# older version of this code, without `last.pt`, it takes the newest
+# epoch file, which then held the optimizer too.) It loads the file
+# onto the CPU whatever the
 # run's device: `torch.set_rng_state` takes only a CPU tensor, and
 # `load_state_dict` moves weights and optimizer state to where the model
 # lives. `resume_run` restores from it exactly as an uninterrupted run
