@@ -3,6 +3,13 @@
 #   make check     - set up, then run every test (what .ci/run runs)
 SHELL := /bin/bash
 PY := .venv/bin/python
+# The Python that makes .venv: python3 when it is 3.10 or later, else the
+# first such python3.X on the PATH (a Mac's python3 is often Apple's 3.9,
+# for which there is no torch 2.13). Override with `make PYTHON=...`.
+NEW_ENOUGH := -c 'import sys; sys.exit(sys.version_info < (3, 10))'
+PYTHON ?= $(shell for p in python3 python3.12 python3.11 python3.13 \
+  python3.10; do $$p $(NEW_ENOUGH) 2>/dev/null && { echo $$p; break; }; \
+  done)
 PIP := .venv/bin/python -m pip
 # torch is installed first and pinned, so that a CPU-only machine with a local
 # wheel installs in seconds and a GPU machine gets the matching CUDA build.
@@ -27,7 +34,14 @@ help:  ## list the targets
 setup: .venv/.installed  ## create .venv with every dependency
 
 .venv/.installed: requirements.txt
-	test -x $(PY) || python3 -m venv .venv
+	@test -n "$(PYTHON)" || { echo "make: no Python 3.10 or later on the" \
+	  "PATH (python3 is $$(python3 --version 2>&1)): install one, from" \
+	  "python.org or Homebrew (python@3.12), then run make again" >&2; \
+	  exit 2; }
+	@test ! -x $(PY) || $(PY) $(NEW_ENOUGH) || { echo "make: .venv has" \
+	  "$$($(PY) --version 2>&1), older than 3.10: remove it (rm -rf" \
+	  ".venv) and run make again" >&2; exit 2; }
+	test -x $(PY) || $(PYTHON) -m venv .venv
 	$(PIP) install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) \
 	  "$(TORCH_SPEC)"
 	$(PIP) install --quiet -r requirements.txt

@@ -745,16 +745,16 @@ assert quick_rate(765) == 0  # the end of the budget: no step uses it
 # Training runs on the device that `pick_device` returns: a CUDA GPU if
 # there is one, else Apple's GPU (`mps`), else the CPU. That is an order
 # of preference; it does not time the devices. The cell after
-# `pick_device` sets `device`, which the rest of the lesson uses, and
+# `pick_device` sets `device`, which the rest of the lesson uses, unless
+# the environment variable `AT_DEVICE` names another (`cpu`, say), and
 # warns when a Colab runtime has no GPU.
 #
 # On a Mac, if a later cell raises an error that names `mps`, there are
-# two ways out. Change the first line of the cell after `pick_device` to
-# `device = torch.device("cpu")`, run it, then rerun every cell after it.
-# Or, if the error says an operation is missing on MPS, set
-# `PYTORCH_ENABLE_MPS_FALLBACK=1` in the environment before starting
-# Jupyter: PyTorch then runs that operation on the CPU. No timings on
-# Apple's GPU are on record.
+# two ways out. Train on the CPU: set `AT_DEVICE=cpu` in the environment
+# (`AT_DEVICE=cpu make notebook`, or before starting Jupyter) and run the
+# notebook again. Or, if the error says an operation is missing on MPS,
+# set `PYTORCH_ENABLE_MPS_FALLBACK=1` the same way: PyTorch then runs
+# that operation on the CPU. No timings on Apple's GPU are on record.
 
 
 # %%
@@ -769,7 +769,7 @@ def pick_device():
 
 
 # %%
-device = pick_device()  # on a Mac, if a cell fails: torch.device("cpu")
+device = torch.device(os.environ.get("AT_DEVICE") or pick_device())
 print("device:", device)
 if device.type == "cpu" and "COLAB_RELEASE_TAG" in os.environ:
     print(
@@ -930,7 +930,11 @@ assert last < guess
 # differ a little from the recorded run (a cell below prints both
 # losses). On an H100 the recipe took 2.6 minutes from the
 # start of its process (`results/gpu_explore.md`); Colab's free T4 and
-# Apple's GPUs were not measured.
+# Apple's GPUs were not measured. On a T4, which trains in float16, a
+# loss that reads `nan` means float16 failed: add `precision="fp32"` to
+# the cell's `get_config(...)`, run `!rm -rf
+# /content/done-right/checkpoints/quick`, and run the cell again
+# (`docs/gpu.md`, "If it fails on a T4 or a Mac").
 #
 # If you rerun it: `train_model` runs the library's copies of this
 # lesson's cells, so an edit to a cell above reaches it once `make

@@ -1,8 +1,10 @@
 """`make notebook`, the README's first command, run on a probe notebook."""
 
 import json
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,3 +73,67 @@ def test_setup_installs_torch_from_the_index_asked_for(extra, expected):
     (torch_line,) = [c for c in commands if "torch==" in c]
     words = [w.strip('"') for w in torch_line.split()]
     assert words[words.index("install") :] == expected
+
+
+OLD_PYTHON = """\
+#!/bin/sh
+# A Python 3.9, as a Mac's python3 often is: too old for this project.
+case "$*" in
+  *version_info*) exit 1 ;;
+esac
+echo "Python 3.9.6"
+"""
+NAMES = ["python3", "python3.10", "python3.11", "python3.12", "python3.13"]
+
+
+def fake_pythons(folder, real=()):
+    """A folder that puts a 3.9 first on the PATH under every name the
+    Makefile tries, except `real`, which run this interpreter."""
+    folder.mkdir()
+    for name in NAMES:
+        path = folder / name
+        if name in real:
+            path.symlink_to(sys.executable)
+        else:
+            path.write_text(OLD_PYTHON)
+            path.chmod(0o755)
+    return {**os.environ, "PATH": f"{folder}:{os.environ['PATH']}"}
+
+
+def make_in(folder, env, *args):
+    """make, with this repository's Makefile, run in `folder`."""
+    shutil.copy(ROOT / "requirements.txt", folder)
+    return subprocess.run(
+        ["make", "-s", "-f", str(ROOT / "Makefile"), *args],
+        cwd=folder, env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_setup_takes_a_new_enough_python_when_python3_is_old(tmp_path):
+    env = fake_pythons(tmp_path / "bin", real={"python3.12"})
+    done = make_in(tmp_path, env, "--eval", "show: ; @echo $(PYTHON)", "show")
+    assert done.stdout.strip() == "python3.12"
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_setup_without_a_new_enough_python_says_so(tmp_path):
+    env = fake_pythons(tmp_path / "bin")
+    done = make_in(tmp_path, env, "setup")
+    assert done.returncode == 2
+    assert "no Python 3.10 or later on the PATH" in done.stderr
+    assert "python3 is Python 3.9.6" in done.stderr
+    assert not (tmp_path / ".venv").exists()  # nothing half made
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_setup_refuses_a_venv_made_by_an_old_python(tmp_path):
+    env = fake_pythons(tmp_path / "bin", real={"python3"})
+    venv_python = tmp_path / ".venv" / "bin" / "python"
+    venv_python.parent.mkdir(parents=True)
+    venv_python.write_text(OLD_PYTHON)
+    venv_python.chmod(0o755)
+    done = make_in(tmp_path, env, "setup")
+    assert done.returncode == 2
+    assert "make: .venv has Python 3.9.6, older than 3.10" in done.stderr
+    assert "rm -rf .venv" in done.stderr
