@@ -34,10 +34,11 @@ help:  ## list the targets
 setup: .venv/.installed  ## create .venv with every dependency
 
 .venv/.installed: requirements.txt
-	@test -n "$(PYTHON)" || { echo "make: no Python 3.10 or later on the" \
-	  "PATH (python3 is $$(python3 --version 2>&1)): install one, from" \
-	  "python.org or Homebrew (python@3.12), then run make again" >&2; \
-	  exit 2; }
+	@{ test -n "$(PYTHON)" && $(PYTHON) $(NEW_ENOUGH); } 2>/dev/null || { \
+	  echo "make: no Python 3.10 or later on the PATH (python3 is" \
+	  "$$(python3 --version 2>&1)): install one, from python.org or" \
+	  "Homebrew (python@3.12), or name one with PYTHON=, then run make" \
+	  "again" >&2; exit 2; }
 	@test ! -x $(PY) || $(PY) $(NEW_ENOUGH) || { echo "make: .venv has" \
 	  "$$($(PY) --version 2>&1), older than 3.10: remove it (rm -rf" \
 	  ".venv) and run make again" >&2; exit 2; }

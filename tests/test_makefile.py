@@ -137,3 +137,13 @@ def test_setup_refuses_a_venv_made_by_an_old_python(tmp_path):
     assert done.returncode == 2
     assert "make: .venv has Python 3.9.6, older than 3.10" in done.stderr
     assert "rm -rf .venv" in done.stderr
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_setup_refuses_an_old_python_named_in_python(tmp_path):
+    """PYTHON= (from the command line or the environment) is checked too."""
+    env = fake_pythons(tmp_path / "bin", real={"python3"})
+    done = make_in(tmp_path, env, "setup", f"PYTHON={tmp_path}/bin/python3.10")
+    assert done.returncode == 2
+    assert "no Python 3.10 or later" in done.stderr
+    assert not (tmp_path / ".venv").exists()
