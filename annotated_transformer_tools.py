@@ -244,13 +244,12 @@ def _token_axis(labels, title, angle=0):
     )
 
 
-def _row_axis(maps, kind):
+def _row_axis(kind, rows, next_tokens):
     """The query axis; a decoder's rows read "A -> brown": what the
     position reads, then the token it predicts."""
-    rows = maps.view(kind).rows
     if kind == "encoder self":
         return _token_axis(rows, "query")
-    labels = [f"{q} → {n}" for q, n in zip(rows, maps.next_tokens)]
+    labels = [f"{q} → {n}" for q, n in zip(rows, next_tokens)]
     return _token_axis(labels, "query → the token it predicts")
 
 
@@ -302,7 +301,8 @@ def attention_chart(maps, kind, layer=None, columns=4, cell=18):
     N, h = v.weights.shape[:2]
     pick = _layer_picker(kind, N, layer)
     lookups = _token_lookups(maps, v, frame)
-    heat = _heat_map(frame, v, lookups, pick, cell, _row_axis(maps, kind))
+    row_axis = _row_axis(kind, v.rows, maps.next_tokens)
+    heat = _heat_map(frame, v, lookups, pick, cell, row_axis)
     title = f"'{kind} attention, layer ' + pick_layer + ' of {N} ({h} heads)'"
     return heat.add_params(pick).facet(
         facet=alt.Facet(

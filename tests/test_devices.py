@@ -393,18 +393,24 @@ def test_a_plain_cuda_device_becomes_the_current_gpu(machine, cpu_model):
     assert cpu_model == [run.device]
 
 
-@with_machine("two A100s")
-def test_two_a100s_under_torchrun(machine, cpu_model, monkeypatch):
-    """Rank 3 of 4 on the second machine: its GPU is LOCAL_RANK 1."""
-    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}
+def as_torchrun_rank(rank, monkeypatch):
+    """This process as rank `rank` of 4 under torchrun, 2 to a machine (its
+    GPU is LOCAL_RANK 1), with Multi30k's download and vocabularies stubbed."""
+    env = {"RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": "1"}
     env["LOCAL_WORLD_SIZE"] = "2"
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    calls = []
     monkeypatch.setattr(tools, "download_multi30k", lambda: None)
-    monkeypatch.setattr(tat, "load_tokenizers", lambda: (None, None))
     monkeypatch.setattr(tools, "load_tokenizers", lambda: (None, None))
     monkeypatch.setattr(tools, "load_vocabularies", lambda c, *t: (1, 2))
+
+
+@with_machine("two A100s")
+def test_two_a100s_under_torchrun(machine, cpu_model, monkeypatch):
+    """Rank 3 of 4 on the second machine: its GPU is LOCAL_RANK 1."""
+    as_torchrun_rank(3, monkeypatch)
+    monkeypatch.setattr(tat, "load_tokenizers", lambda: (None, None))
+    calls = []
     monkeypatch.setattr(
         tools, "train_worker", lambda *a, **k: calls.append((a, k))
     )
@@ -429,14 +435,8 @@ def test_under_torchrun_only_rank_0_says_what_it_resumes(
 ):
     """Every rank checks the resume (a refusal must stop each); the notes
     were printed once per rank."""
-    env = {"RANK": rank, "WORLD_SIZE": "4", "LOCAL_RANK": "1"}
-    env["LOCAL_WORLD_SIZE"] = "2"
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    as_torchrun_rank(rank, monkeypatch)
     calls = []
-    monkeypatch.setattr(tools, "download_multi30k", lambda: None)
-    monkeypatch.setattr(tools, "load_tokenizers", lambda: (None, None))
-    monkeypatch.setattr(tools, "load_vocabularies", lambda c, *t: (1, 2))
     monkeypatch.setattr(tools, "train_worker", lambda *a, **k: None)
     monkeypatch.setattr(
         tools, "check_resume_and_say", lambda *a: calls.append("say")
