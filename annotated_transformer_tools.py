@@ -31,6 +31,7 @@ import copy
 import functools
 import hashlib
 import http.client
+import io
 import itertools
 import json
 import math
@@ -699,21 +700,49 @@ def download_multi30k(
             raise DatasetError(f"{MULTI30K_ENV}={given}: no folder {folder}")
         return _check_folder(folder, sums)
     folder = Path(root) if root is not None else data_dir() / "multi30k"
-    for name, expected in sums.items():
-        path = folder / name
-        if path.is_file() and sha256_of(path) == expected:
-            continue
-        damaged = path.is_file()  # in the cache, but not the right bytes
-        try:
-            _fetch(base_url.rstrip("/") + "/" + name, path, expected, timeout)
-        except DatasetError as error:
-            if not damaged:
-                raise
-            raise DatasetError(
-                f"{path} in the data cache is damaged (wrong SHA-256), and "
-                f"a fresh copy could not be fetched: {error}"
-            ) from error
+    new_folders = missing_folders(folder)
+    try:
+        for name, expected in sums.items():
+            _fetch_unless_cached(folder / name, expected, base_url, timeout)
+    except DatasetError:
+        remove_if_empty(new_folders)  # a failed first try leaves nothing
+        raise
     return folder
+
+
+def _fetch_unless_cached(path, expected, base_url, timeout):
+    """Download `path`'s file unless the cache holds the right bytes."""
+    if path.is_file() and sha256_of(path) == expected:
+        return
+    damaged = path.is_file()  # in the cache, but not the right bytes
+    try:
+        _fetch(base_url.rstrip("/") + "/" + path.name, path, expected, timeout)
+    except DatasetError as error:
+        if not damaged:
+            raise
+        raise DatasetError(
+            f"{path} in the data cache is damaged (wrong SHA-256), and "
+            f"a fresh copy could not be fetched: {error}"
+        ) from error
+
+
+def missing_folders(folder):
+    """`folder` and those above it that do not exist yet, deepest first."""
+    missing = []
+    for f in (folder, *folder.absolute().parents):
+        if f.exists():
+            break
+        missing.append(f)
+    return missing
+
+
+def remove_if_empty(folders):
+    """Remove `folders`, deepest first, as long as they are empty."""
+    for f in folders:
+        try:
+            f.rmdir()
+        except OSError:  # not empty, or already gone
+            return
 
 
 # -----------------------------------------------------------------------------
@@ -1619,6 +1648,9 @@ def validate(run, valid_loader, loss):
     return all_reduce_loss(val_loss, tokens[0], run.device)
 
 
+LOG_REDRAW_SECONDS = 60  # a bar drawn into a file: once a minute
+
+
 @contextlib.contextmanager
 def progress_bar(iterable, desc, show=True, **options):
     """`iterable`, behind a bar on stderr once it has run for 3 s (when
@@ -1629,11 +1661,23 @@ def progress_bar(iterable, desc, show=True, **options):
         return
     from tqdm.auto import tqdm  # here: the module needs only torch
 
-    bar = tqdm(iterable, desc, delay=3, **options)
+    if drawn_into_a_file():  # a log, e.g. `nohup ... > log 2>&1`
+        options.setdefault("mininterval", LOG_REDRAW_SECONDS)
+        options.setdefault("maxinterval", LOG_REDRAW_SECONDS)
+    bar = tqdm(iterable, desc, **{"delay": 3} | options)
     try:
         yield bar
     finally:
         bar.close()
+
+
+def drawn_into_a_file():
+    """Whether a bar drawn on stderr lands in something other than a
+    terminal or a notebook. Those redraw the bar in place; a file keeps
+    every redraw, one per batch (some 80 KB for a quick run), unless the
+    bar is told to draw less often."""
+    in_jupyter = "ipykernel" in sys.modules
+    return not in_jupyter and not sys.stderr.isatty()
 
 
 def train_epoch(run, epoch, train_loader, valid_loader, show=True):
@@ -2991,9 +3035,14 @@ def check_results_file(path, data=None):
     reads = [p for f in folders if f.is_dir() for p in f.iterdir()]
     caches = [data_dir() / "vocab.json", data_dir() / "bpe.json"]
     check_not_input(path, *reads, *caches, option="--results")
+    refuse_a_checkpoint(path, "--results")
+
+
+def refuse_a_checkpoint(path, option):
+    """Refuse an output file that is a checkpoint, of any run."""
     if Path(path).suffix == ".pt" and Path(path).exists():
         raise UserError(
-            f"--results {path} is a checkpoint, which it would overwrite;"
+            f"{option} {path} is a checkpoint, which it would overwrite;"
             " name another file"
         )
 
@@ -3294,6 +3343,17 @@ def fit_to_model(line, number, spacy_de, vocab_src, limit, what="line"):
     return line[: starts[limit]]
 
 
+def evaluate_reads(args):
+    """The files `evaluate` reads, which --out must not replace: the
+    checkpoint (and, with --average, the epoch files beside it), --src
+    and --ref, and Multi30k's files, whose test set is the default."""
+    reads = [args.checkpoint, *filter(None, [args.src, args.ref])]
+    if args.average:
+        reads += epoch_checkpoints(Path(args.checkpoint).resolve().parent)
+    multi30k = Path(multi30k_folder())
+    return reads + [multi30k / name for name in MULTI30K_SHA256]
+
+
 def command_evaluate(args):
     """`evaluate`: BLEU of a checkpoint on a pair of files."""
     if (args.src is None) != (args.ref is None):
@@ -3303,10 +3363,8 @@ def command_evaluate(args):
     if args.out == "-":  # standard output holds the BLEU line
         raise UserError("--out - : name a file; the score goes to stdout")
     if args.out:
-        inputs = [args.checkpoint, *filter(None, [args.src, args.ref])]
-        if args.average:  # the epoch files averaged are inputs too
-            inputs += epoch_checkpoints(Path(args.checkpoint).resolve().parent)
-        check_out(args.out, *inputs)
+        check_out(args.out, *evaluate_reads(args))
+        refuse_a_checkpoint(args.out, "--out")
     if args.src is None:
         folder = download_multi30k()
         args.src = folder / "test_2016_flickr.de.gz"
@@ -3463,6 +3521,25 @@ def command_line_warnings():
     warnings.showwarning = warning_line
 
 
+def parse_arguments(argv):
+    """(the parsed arguments, None), or (None, the exit status) when
+    argparse has already answered: `--help`, `--version`, a mistake."""
+    said = io.StringIO()  # what argparse prints on stdout: help, version
+    try:
+        with contextlib.redirect_stdout(said):
+            args, status = build_parser().parse_args(argv), None
+    except SystemExit as answered:
+        args, status = None, answered.code
+    # Written here, not by argparse, which ignores a failed write: then
+    # `--help > /dev/full` is an error, as for every other command.
+    try:
+        sys.stdout.write(said.getvalue())
+        sys.stdout.flush()
+    except OSError as err:  # named, for main's one line
+        raise OSError(err.errno, err.strerror, "standard output") from err
+    return args, status
+
+
 def main(argv=None):
     """Command-line entry point; returns the exit status."""
     if threading.current_thread() is threading.main_thread():
@@ -3471,7 +3548,9 @@ def main(argv=None):
         print("error: standard output is closed", file=sys.stderr)
         return EXIT_IO
     try:
-        args = build_parser().parse_args(argv)
+        args, status = parse_arguments(argv)
+        if args is None:  # --help, --version or a mistake: already said
+            return status
         if getattr(args, "checkpoint", "") is None:  # evaluate, translate
             args.checkpoint = default_checkpoint()
         commands = {
@@ -3531,6 +3610,8 @@ __all__ = [
     "MULTI30K_SHA256",
     "sha256_of",
     "download_multi30k",
+    "missing_folders",
+    "remove_if_empty",
     "PRESETS",
     "get_config",
     "is_subword",
@@ -3591,7 +3672,9 @@ __all__ = [
     "all_reduce_loss",
     "train_pass",
     "validate",
+    "LOG_REDRAW_SECONDS",
     "progress_bar",
+    "drawn_into_a_file",
     "train_epoch",
     "save_run",
     "device_states",
@@ -3668,6 +3751,7 @@ __all__ = [
     "in_folder",
     "training_writes",
     "check_results_file",
+    "refuse_a_checkpoint",
     "interrupted_message",
     "command_train",
     "train_locked",
@@ -3678,6 +3762,7 @@ __all__ = [
     "load_for_decoding",
     "position_limit",
     "fit_to_model",
+    "evaluate_reads",
     "command_evaluate",
     "translate_lines",
     "sentences_to_translate",
@@ -3693,6 +3778,7 @@ __all__ = [
     "one_line",
     "warning_line",
     "command_line_warnings",
+    "parse_arguments",
 ]
 
 

@@ -338,6 +338,32 @@ def test_train_results_may_not_replace_what_training_reads(
     assert not Path(ck).exists()
 
 
+def test_evaluate_out_may_not_replace_multi30k_or_a_checkpoint(
+    tiny, tmp_path, capsys, multi30k_dir, monkeypatch
+):
+    """--out over the default references (test2016's English, read when
+    no --ref is given), another Multi30k file, or another run's model:
+    each is refused before any work, and nothing changes."""
+    copy = tmp_path / "multi30k"
+    shutil.copytree(multi30k_dir, copy)
+    monkeypatch.setenv("MULTI30K_DIR", str(copy))
+    before = {p.name: p.read_bytes() for p in copy.iterdir()}
+    other_model = tmp_path / "other.pt"
+    shutil.copy(tiny[0], other_model)
+    for out, message in (
+        (copy / "test_2016_flickr.en.gz", "is also an input"),
+        (copy / "train.de.gz", "is also an input"),
+        (other_model, "is a checkpoint, which it would overwrite"),
+    ):
+        status, stdout, err = run_cli(
+            capsys, "evaluate", "--checkpoint", tiny[0], "--out", out
+        )
+        assert status == 2 and stdout == ""
+        assert message in err and len(err.splitlines()) == 1
+    assert {p.name: p.read_bytes() for p in copy.iterdir()} == before
+    assert other_model.read_bytes() == Path(tiny[0]).read_bytes()
+
+
 def test_train_interrupted_says_how_to_go_on(
     tmp_path, capsys, multi30k_dir, monkeypatch
 ):
@@ -372,9 +398,8 @@ def test_train_interrupted_says_how_to_go_on(
 
 @pytest.mark.parametrize("command", ["train", "evaluate", "translate"])
 def test_cli_help(command, capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        tools.main([command, "--help"])
-    assert exit_info.value.code == 0
+    status = tools.main([command, "--help"])
+    assert status == 0
     assert capsys.readouterr().out.startswith("usage:")
 
 
@@ -404,9 +429,8 @@ def test_cli_version_names_the_package_and_torch(
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(importlib.metadata, "version", version)
-    with pytest.raises(SystemExit) as exit_info:
-        tools.main(["--version"])
-    assert exit_info.value.code == 0
+    status = tools.main(["--version"])
+    assert status == 0
     out = capsys.readouterr().out.strip()
     assert out.endswith(f" {expected}, torch {torch.__version__}"), out
 
@@ -720,10 +744,9 @@ def test_the_hostile_pickles_do_run_code_when_loaded_unsafely(tmp_path):
 )
 @pytest.mark.parametrize("value", ["0", "-3", "2.5", "many"])
 def test_decoding_options_refuse_bad_values(option, value, capsys):
-    with pytest.raises(SystemExit) as stop:
-        tools.main(["translate", option, value, "Hallo"])
+    status = tools.main(["translate", option, value, "Hallo"])
     err = capsys.readouterr().err
-    assert stop.value.code == 2 and len(err.splitlines()) == 1
+    assert status == 2 and len(err.splitlines()) == 1
     assert option in err and "(see --help)" in err
 
 
@@ -732,10 +755,9 @@ def test_decoding_options_refuse_bad_values(option, value, capsys):
 )
 @pytest.mark.parametrize("value", ["0", "-1", "x"])
 def test_train_options_refuse_bad_values(option, value, capsys):
-    with pytest.raises(SystemExit) as stop:
-        tools.main(["train", option, value])
+    status = tools.main(["train", option, value])
     err = capsys.readouterr().err
-    assert stop.value.code == 2 and len(err.splitlines()) == 1
+    assert status == 2 and len(err.splitlines()) == 1
     assert option in err
 
 
@@ -752,10 +774,9 @@ def test_train_options_refuse_bad_values(option, value, capsys):
     + [["train", "--device", value] for value in ("tpu", "cuda:99")],
 )
 def test_number_choice_and_device_options_refuse_bad_values(argv, capsys):
-    with pytest.raises(SystemExit) as stop:
-        tools.main(argv)
+    status = tools.main(argv)
     err = capsys.readouterr().err
-    assert stop.value.code == 2 and len(err.splitlines()) == 1
+    assert status == 2 and len(err.splitlines()) == 1
     assert argv[1] in err and "(see --help)" in err
 
 
@@ -1353,6 +1374,20 @@ def test_a_full_disk_while_training(tmp_path, multi30k_dir):
     assert not (tmp_path / "ck").exists()  # made by the run, left empty
 
 
+@pytest.mark.parametrize("answer", ["--help", "--version"])
+def test_help_into_a_full_disk_is_an_error(answer):
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, SCRIPT, answer],
+            stdout=full,
+            stderr=subprocess.PIPE,
+        )
+    assert done.returncode == 74
+    assert done.stderr.decode() == (
+        "error: standard output: No space left on device\n"
+    )
+
+
 def test_standard_output_full_closed_or_gone(tiny, tmp_path):
     argv = [sys.executable, SCRIPT, "translate", "--checkpoint", tiny[0]]
     with open("/dev/full", "w") as full:
@@ -1564,10 +1599,9 @@ def test_a_checkpoint_cut_anywhere_is_one_line(tiny, tmp_path, capsys):
 )
 def test_an_empty_path_is_refused_in_one_line(argv, capsys):
     # An empty path would mean the working directory, or be skipped.
-    with pytest.raises(SystemExit) as stop:
-        tools.main(argv)
+    status = tools.main(argv)
     err = capsys.readouterr().err
-    assert stop.value.code == 2
+    assert status == 2
     assert len(err.splitlines()) == 1
     assert argv[1] in err
 

@@ -96,7 +96,7 @@ def test_missing_file_on_server_raises(server, tmp_path, monkeypatch):
         tools.download_multi30k(
             cache, base_url=url, sha256={"val.de.gz": "0" * 64}
         )
-    assert list(cache.iterdir()) == []
+    assert not cache.exists()
 
 
 def test_unreachable_server_raises_a_readable_error(tmp_path, monkeypatch):
@@ -115,7 +115,22 @@ def test_unreachable_server_raises_a_readable_error(tmp_path, monkeypatch):
     assert f"Could not download {url}val.de.gz" in message
     assert str(cache) in message and "MULTI30K_DIR" in message
     assert "Traceback" not in message
-    assert list(cache.iterdir()) == []
+    assert not cache.exists()  # made for the download, removed with it
+
+
+def test_a_failed_download_keeps_what_was_there(tmp_path, monkeypatch):
+    monkeypatch.delenv("MULTI30K_DIR", raising=False)
+    data = tmp_path / "data"
+    (data / "kept").mkdir(parents=True)
+    url = "http://127.0.0.1:9/"  # the discard port: nothing answers there
+    for cache in (data / "multi30k", data / "a" / "b"):
+        with pytest.raises(tat.DatasetError):
+            tools.download_multi30k(cache, base_url=url, timeout=5)
+    assert sorted(p.name for p in data.iterdir()) == ["kept"]
+    cache.mkdir(parents=True)
+    with pytest.raises(tat.DatasetError):
+        tools.download_multi30k(cache, base_url=url, timeout=5)
+    assert cache.is_dir()  # it was there before the call
 
 
 def test_multi30k_dir_is_verified_and_used(multi30k_dir, monkeypatch):

@@ -1,8 +1,11 @@
 """Tests of Part 3's training, checkpoints, DDP and decoding."""
 
+import io
 import json
 import os
 import shutil
+import sys
+import time
 from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -724,6 +727,33 @@ def test_progress_bar_wraps_the_batches_and_changes_nothing(
     assert [desc for desc, _ in bars] == ["epoch 0", "epoch 1"]
     assert bars[0][1]["delay"] > 0  # quick runs print no bar
     assert_same_weights(*weights)
+
+
+class Terminal(io.StringIO):
+    """A stderr that says it is a terminal."""
+
+    def isatty(self):
+        return True
+
+
+def bar_draws(monkeypatch, stderr):
+    """How many times a bar over 40 batches of 20 ms is drawn on `stderr`
+    (tqdm's default, at most every 0.1 s, draws it about 8 times)."""
+    monkeypatch.setattr(sys, "stderr", stderr)
+    with tools.progress_bar(range(40), "epoch 0", delay=0) as batches:
+        for _ in batches:
+            time.sleep(0.02)
+    return stderr.getvalue().count("epoch 0")
+
+
+def test_a_bar_drawn_into_a_file_is_drawn_seldom(monkeypatch):
+    """A log keeps every redraw of a bar, one per batch; into a file the
+    bar is drawn once a minute (and when it closes), on a terminal as
+    often as tqdm likes."""
+    monkeypatch.delitem(sys.modules, "ipykernel", raising=False)
+    into_a_file = bar_draws(monkeypatch, io.StringIO())
+    on_a_terminal = bar_draws(monkeypatch, Terminal())
+    assert 1 <= into_a_file <= 2 < on_a_terminal
 
 
 def test_an_older_config_is_read_with_todays_names():
