@@ -14,11 +14,16 @@ PIP := .venv/bin/python -m pip
 # torch is installed first and pinned, so that a CPU-only machine with a local
 # wheel installs in seconds and a GPU machine gets the matching CUDA build.
 # Override with `make setup TORCH_SPEC="torch>=2.4"`. On Linux, PyPI's torch
-# is the CUDA build (several GB): a machine without an NVIDIA GPU can take
-# the CPU build instead with
-# `make setup TORCH_INDEX=https://download.pytorch.org/whl/cpu`.
+# is the CUDA build (several GB): without an NVIDIA GPU, and unless pip has
+# package sources of its own configured, tools/torch_index.py picks the CPU
+# build's index instead. `make setup TORCH_INDEX=URL` names an index, and
+# `TORCH_INDEX=` (empty) keeps pip's own.
 TORCH_SPEC ?= torch==2.13.0
-TORCH_INDEX ?=
+ifeq ($(origin TORCH_INDEX),undefined)
+TORCH_INDEX_CHOICE = $$($(PY) tools/torch_index.py)
+else
+TORCH_INDEX_CHOICE = $(TORCH_INDEX)
+endif
 # Notebook size: "ci" runs every notebook in minutes, "full" does real runs.
 AT_SIZE ?= full
 NOTEBOOKS := $(sort $(wildcard notebooks/[0-9][0-9]_*.py))
@@ -43,8 +48,8 @@ setup: .venv/.installed  ## create .venv with every dependency
 	  "$$($(PY) --version 2>&1), older than 3.10: remove it (rm -rf" \
 	  ".venv) and run make again" >&2; exit 2; }
 	test -x $(PY) || $(PYTHON) -m venv .venv
-	$(PIP) install --quiet $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) \
-	  "$(TORCH_SPEC)"
+	index="$(TORCH_INDEX_CHOICE)"; \
+	  $(PIP) install --quiet $${index:+--index-url "$$index"} "$(TORCH_SPEC)"
 	$(PIP) install --quiet -r requirements.txt
 	touch $@
 

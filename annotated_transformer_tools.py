@@ -1195,7 +1195,20 @@ def load_weights(model, ckpt, path="checkpoint"):
         raise CheckpointError(
             f"{path} does not match this code's Multi30k model: {problem}"
         )
+    refuse_non_finite(state, path)
     model.load_state_dict(state)
+
+
+def refuse_non_finite(state, path):
+    """Refuse weights that hold nan or inf: a model whose training blew up
+    (in float16 on a T4, say) would otherwise translate into nonsense."""
+    for name, weight in state.items():
+        if weight.is_floating_point() and not weight.isfinite().all():
+            raise CheckpointError(
+                f"{path}: its weight {name} holds nan or inf, so its training"
+                " went wrong; train it again (in float32, if it trained in"
+                " float16: docs/gpu.md)"
+            )
 
 
 OLD_PROJECTIONS = {"0": "w_q", "1": "w_k", "2": "w_v", "3": "w_o"}
@@ -1939,7 +1952,7 @@ def folder_lock(folder):
     import fcntl  # Unix only
 
     folder = Path(folder)
-    made = not folder.exists()  # removed at the end if nothing was saved
+    made = missing_folders(folder)  # removed at the end if nothing was saved
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / ".lock", "a+", encoding="utf-8") as f:
         try:
@@ -1951,25 +1964,34 @@ def folder_lock(folder):
                 f"{folder} is in use by another training run (process "
                 f"{holder}); wait for it, or choose another --checkpoint-dir"
             ) from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"{os.getpid()}\n")
-        f.flush()
         try:
+            write_holder(f)
             yield folder
         finally:
             f.truncate(0)
             if made and [p.name for p in folder.iterdir()] == [".lock"]:
-                remove_lock_and_folder(folder)  # before saving epoch 0
+                remove_lock_and_folders(made)  # before saving epoch 0
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def remove_lock_and_folder(folder):
-    """Remove the lock file and its folder while this process still
-    holds the lock, so that no other run slips in between."""
+def write_holder(f):
+    """Write this process's id into the lock file `f`, for the message of
+    a second run. Unbuffered, so that a full disk fails here, named."""
+    f.seek(0)
+    f.truncate()
+    try:
+        os.write(f.fileno(), f"{os.getpid()}\n".encode())
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, f.name) from err
+
+
+def remove_lock_and_folders(made):
+    """Remove the lock file and the folders made for it (`made`, deepest
+    first) while this process still holds the lock, so that no other run
+    slips in between."""
     with contextlib.suppress(OSError):  # another run wrote a file: keep
-        (folder / ".lock").unlink()
-        folder.rmdir()
+        (made[0] / ".lock").unlink()
+        remove_if_empty(made)
 
 
 def check_training_pairs(config):
@@ -3119,6 +3141,11 @@ def command_train(args):
     folder = Path(config.checkpoint_dir)
     if folder.exists() and not folder.is_dir():
         raise UserError(f"--checkpoint-dir {folder} is a file, not a folder")
+    blocker = file_in_the_way(folder)
+    if blocker:
+        raise UserError(
+            f"--checkpoint-dir {folder}: {blocker} is a file, not a folder"
+        )
     if args.results:  # fail now, not after hours of training
         if training_writes(args.results, folder):
             raise UserError(
@@ -3276,10 +3303,21 @@ def check_not_input(out, *inputs, option="--out"):
             )
 
 
+def file_in_the_way(path):
+    """The nearest folder above `path` that exists, when it is not a
+    folder but a file; None otherwise."""
+    for above in Path(path).absolute().parents:
+        if above.exists():
+            return None if above.is_dir() else above
+    return None
+
+
 def check_out(out, *inputs, option="--out"):
     """Refuse an output file that is an input or cannot be written;
     `option` names it in the message."""
     check_not_input(out, *inputs, option=option)
+    if str(out).endswith(("/", os.sep)):  # Path() would drop the slash
+        raise UserError(f"{option} {out} names a folder; name a file")
     out = Path(out).absolute()
     if out.is_dir():
         raise UserError(f"{option} {out} is a folder")
@@ -3290,6 +3328,9 @@ def check_out(out, *inputs, option="--out"):
             f"{option} {out} is a link, device or pipe; name a new or"
             " ordinary file"
         )
+    blocker = file_in_the_way(out)
+    if blocker:
+        raise UserError(f"{option} {out}: {blocker} is a file, not a folder")
     if not out.parent.is_dir():
         raise UserError(f"{option} {out}: there is no folder {out.parent}")
     if not os.access(out.parent, os.W_OK | os.X_OK):
@@ -3377,9 +3418,10 @@ def command_evaluate(args):
         fit_to_model(s, n, spacy_de, vocab_src, limit)
         for n, s in enumerate(sources, 1)
     ]
-    hyps = translate_batch(
+    blank = [not s.strip() for s in sources]  # as `translate`: "" back
+    translated = translate_batch(
         model,
-        sources,
+        [s for s, empty in zip(sources, blank) if not empty],
         spacy_de,
         vocab_src,
         vocab_tgt,
@@ -3389,6 +3431,8 @@ def command_evaluate(args):
         replace_unk=args.replace_unk,
         progress=True,
     )
+    translated = iter(translated)
+    hyps = ["" if empty else next(translated) for empty in blank]
     if args.out:
         with atomic_write(args.out, "w") as f:
             f.write("\n".join(hyps) + "\n")
@@ -3639,6 +3683,7 @@ __all__ = [
     "checkpoint_vocabularies",
     "size_mismatch",
     "load_weights",
+    "refuse_non_finite",
     "OLD_PROJECTIONS",
     "OLD_BLOCKS",
     "rename_old_key",
@@ -3694,7 +3739,8 @@ __all__ = [
     "check_resume_and_say",
     "FolderInUseError",
     "folder_lock",
-    "remove_lock_and_folder",
+    "write_holder",
+    "remove_lock_and_folders",
     "check_training_pairs",
     "final_is_this_runs",
     "train_worker",
@@ -3758,6 +3804,7 @@ __all__ = [
     "greedy_with_and_without_unk",
     "write_results",
     "check_not_input",
+    "file_in_the_way",
     "check_out",
     "load_for_decoding",
     "position_limit",

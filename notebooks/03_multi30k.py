@@ -267,9 +267,9 @@ assert toy(["b", "c", "<s>"]) == [6, UNK, BOS]  # 4 specials, z, a, b
 # word-level vocabulary of WMT would need hundreds of thousands, which is
 # one reason the paper cut words into subword units instead.
 #
-# A check: a smaller share of the German tokens in running text is
-# `<unk>` in train (words seen once there) than in test, where some words
-# never occur in train at all.
+# A check: in train, only the words seen once there read as `<unk>`; in
+# test, so do the words train never has. So test's share of `<unk>`
+# tokens is the higher of the two, and both are under 5%.
 
 # %%
 vocab_src, vocab_tgt = build_vocabulary(spacy_de, spacy_en)
@@ -344,7 +344,8 @@ assert [row[row != PAD][-1] for row in tgt] == [EOS] * 3
 # English, with `<s>`, `</s>` and padding included. So `max_tokens=3000`
 # means at most 3,000 positions on the wider side, not 3,000 source plus
 # 3,000 target tokens. On Multi30k's short captions the two sides have
-# similar lengths, so little is lost.
+# similar lengths, so counting only the wider side wastes little of the
+# budget.
 #
 # `bucket` does this. `order` lists the pair indices sorted by size,
 # shortest first, and `sizes[i]` is the length of pair $i$'s longer
@@ -569,8 +570,9 @@ def report_left_out(sampler, split):
 # `model_from_config` calls Part 1's `make_model` with the config's sizes.
 #
 # The run settings come from Part 2 and from the loaders above. `factor`
-# and `warmup` are the arguments of Part 2's schedule `rate`
-# (`schedule="noam"`; `"linear"` comes below). `accum_iter` is the number
+# and `warmup` are the arguments of Part 2's schedule `rate`, which the
+# config calls `schedule="noam"`, after Noam Shazeer, one of the paper's
+# authors (`"linear"` comes below). `accum_iter` is the number
 # of batches whose gradients are added up before one optimizer step.
 # `max_tokens`, `max_len`, `max_train_pairs` and `num_workers` are the
 # arguments of `create_dataloaders`. An epoch is 153 batches of at most
@@ -606,7 +608,8 @@ class TrainConfig:
     num_workers: int = 0  # processes that prepare batches (0: this one)
     # For the appendix and Part 5; at their defaults, no change here:
     preset: str = "cpu"
-    precision: str = "bf16"  # or "fp32"; train_worker reads it
+    precision: str = "bf16"  # 16-bit where fast (bf16, or float16 on a
+    # T4), else float32; "fp32": always float32. train_worker reads it
     checkpoint_dir: str = "checkpoints/cpu"
     tokenization: str = "word"  # or "bpe": one subword vocabulary
     tie_embeddings: bool = False  # the generator reuses an embedding
@@ -640,8 +643,7 @@ def model_from_config(c, n_src, n_tgt, dropout=None):
 # ### A schedule that ends
 #
 # Part 2's `rate`, the paper's schedule, decays as $1/\sqrt{\text{step}}$
-# and never reaches zero, which suits a run of unknown length (configs
-# call it `"noam"`, after Noam Shazeer, as the 2018 tutorial did). A run that
+# and never reaches zero, which suits a run of unknown length. A run that
 # knows how many steps it will take can instead warm up, then lower the
 # rate in a straight line to zero at the end of its step budget:
 # `schedule="linear"`. It climbs to the same peak that `rate` reaches at
@@ -721,13 +723,15 @@ assert max(steps_down) - min(steps_down) < 1e-12
 # the factor to $\sqrt{300/800} \approx 0.61$, and the linear schedule
 # uses that peak.
 #
-# Part 2's `LambdaLR` counts the steps already taken, from 0: the 765th
-# and last step runs at the schedule's value for 764. That value must be
-# above zero, or the last step would be wasted.
+# Part 2's `LambdaLR` asks the schedule for its value at the number of
+# steps already taken, 0 for the first step. So the 765th and last
+# optimizer step uses the schedule's value at 764, which must be above
+# zero, or that step would be wasted.
 #
-# Check: the cell prints the learning rate of `quick` at a few steps. It
-# peaks at about 2.2e-3 at step 300, is still above zero at 764, the last
-# step, and is zero at 765, which no step uses.
+# Check: the cell prints the schedule's value (the learning rate) at a
+# few of its arguments. It peaks at about 2.2e-3 at 300, is still above
+# zero at 764, the value the last step uses, and is zero at 765, which
+# no step uses.
 
 # %%
 quick = tools.get_config("quick")
@@ -913,17 +917,25 @@ assert last < guess
 # %% [markdown]
 # ### Training it
 #
-# The next cell trains the `quick` preset with the same loop as
-# `train_one_process`, plus checkpoints and 16-bit arithmetic: the
-# appendix's `train_model`, which runs `train_worker` (above) in one
-# process, on the device that `pick_device` found. It prints the device
-# and the precision, then a progress bar and a line of losses per epoch,
-# like the tiny run above. It writes `final.pt` when training ends (the
-# weights, the vocabularies and the config) and returns the losses of
-# every epoch, which the cell keeps as `history`. If
-# `checkpoints/quick/final.pt` exists already, it trains nothing. (The
-# project's automated tests run every notebook in a tiny version,
+# The next cell trains the `quick` preset with the appendix's
+# `train_model`: the loop of `train_one_process`, plus checkpoints and
+# 16-bit arithmetic, in one process on the device that `pick_device`
+# found. It runs the library's copies of this lesson's cells (the
+# `#| export` ones), not the cells in this notebook. It writes `final.pt`
+# when training ends (the weights, the vocabularies and the config) and
+# returns the losses of every epoch, which the cell keeps as `history`.
+# If `checkpoints/quick/final.pt` exists already, it trains nothing.
+# (The project's automated tests run every notebook in a tiny version,
 # `AT_SIZE=ci`, and there the cell trains the tiny `ci` preset instead.)
+#
+# What you will see while it runs, for five epochs: a progress bar,
+# `epoch 0` to `epoch 4`, over the 153 batches of each; then a pause with
+# no bar, while the validation split is scored; then a line such as
+# `epoch 0: train 4.716, val 3.126`. The recorded run's validation losses
+# were 3.13, 2.12, 1.70, 1.52 and 1.46, and each epoch took about 2.8
+# minutes on 2 cores in float32 (14 in all; on a CPU with native bf16,
+# 10 to 11 minutes for the whole notebook). The next section, "Why the
+# quick recipe is fast", is good reading while you wait.
 #
 # On a GPU, and on a CPU with native bf16, the same recipe computes in
 # 16-bit floats; on a Mac it stays in float32. So your loss and BLEU will
@@ -936,9 +948,9 @@ assert last < guess
 # /content/done-right/checkpoints/quick`, and run the cell again
 # (`docs/gpu.md`, "If it fails on a T4 or a Mac").
 #
-# If you rerun it: `train_model` runs the library's copies of this
-# lesson's cells, so an edit to a cell above reaches it once `make
-# export` has run and the notebook is restarted. Stopping the cell part
+# If you rerun it: an edit to a cell above reaches `train_model` once
+# `make export` has copied it into the library and the notebook is
+# restarted. Stopping the cell part
 # of the way and running it again starts from the first epoch (the
 # command line's `train --resume` continues instead).
 # Once `final.pt` exists, the cell uses it, whatever settings trained it:
@@ -1011,7 +1023,8 @@ if history is not None and preset == "quick":
 #   rates, where the loss settles.
 # - **No dropout.** Dropout fights overfitting, and five epochs are too
 #   few for this model to overfit 29,000 sentence pairs. In two trials
-#   that ran side by side, the one without dropout had validation loss
+#   of the recipe search (not the reference run above) that ran side by
+#   side, the one without dropout had validation loss
 #   1.53 after 612 steps (four epochs), against 1.65 with dropout 0.1.
 #   Each of its steps also took 13% less time, with no random masks to
 #   draw (`docs/results.md`, "The quick recipe: a translator in a quarter
@@ -1025,17 +1038,7 @@ if history is not None and preset == "quick":
 #
 # The trials, with their commands, machines and times, are in
 # `results/recipe_sweep.md`. Its scores replace `<unk>` by a German word
-# (Part 4), so they run above the curve above, which keeps it.
-#
-# Two last notes. The appendix's training runs use faster versions of
-# dropout and of the loss's gradient, which these recorded runs predate.
-# The loss and its gradient are the same up to rounding (tested), and
-# `quick` has no dropout; a recipe with dropout draws other masks, so a
-# rerun's numbers differ a little from its record.
-# The `cpu` preset (18 epochs, dropout 0.1, Part 2's schedule), which
-# `make train` trains and Parts 4 and 5 load when it exists, took about
-# 83 minutes on one thread of a CPU with native bf16, shared with other
-# jobs (`results/multi30k_cpu.json`); expect longer in float32.
+# (Part 4), so they are higher than the curve's, which keep `<unk>`.
 
 # %% [markdown]
 # ## Decoding
@@ -1153,7 +1156,7 @@ assert identical >= len(batch) - allowed
 # `batch_greedy_decode`, in length-sorted batches, and keeps every
 # `<unk>` as it is (`replace_unk=False`; Part 4 puts the German word in
 # its place), so the score is that of plain greedy decoding. First the
-# translations, and three of them to read.
+# translations, and three of them to read beside their human references.
 
 # %%
 # CI: the first 100 sentences, with the tiny `ci` model, whose output is
@@ -1169,7 +1172,8 @@ hyps = tools.translate_batch(
     decode_fn=batch_greedy_decode,
     replace_unk=False,
 )
-print(*[f"{de}\n  → {hyp}" for de, hyp in zip(sources[:3], hyps)], sep="\n")
+for de, en, hyp in zip(sources[:3], references, hyps):
+    print(f"{de}\n  reference: {en}\n  model:     {hyp}")
 
 # %% [markdown]
 # Then the score. `print(bleu)` shows sacreBLEU's one-line summary, in

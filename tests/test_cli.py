@@ -1,6 +1,7 @@
 """Tests of the command line: translate, evaluate, and every bad input."""
 
 import argparse
+import copy
 import gzip
 import hashlib
 import io
@@ -228,6 +229,23 @@ def test_cli_evaluate_files(tiny, tmp_path, capsys):
     assert status == 2 and "5 lines" in err and "has 2" in err
 
 
+def test_evaluate_answers_an_empty_line_with_an_empty_line(
+    tiny, tokenizers, tmp_path, capsys
+):
+    """As `translate` does: a blank source line is not sent to the model,
+    which would make up a sentence for it."""
+    sources = [GERMAN[0], "", GERMAN[1], "   "]
+    src, ref = tmp_path / "src.de", tmp_path / "ref.en"
+    src.write_text("".join(s + "\n" for s in sources))
+    ref.write_text("a\n\nb\n\n")
+    out = tmp_path / "hyp.en"
+    args = ["evaluate", "--checkpoint", tiny[0], "--src", src, "--ref", ref]
+    status, _, _ = run_cli(capsys, *args, "--out", out)
+    words = reference(tiny, tokenizers, [GERMAN[0], GERMAN[1]])
+    assert status == 0
+    assert out.read_text().split("\n") == [words[0], "", words[1], "", ""]
+
+
 def test_evaluate_shows_a_bar_that_changes_nothing(
     tiny, tmp_path, capsys, monkeypatch
 ):
@@ -310,6 +328,30 @@ def test_a_checkpoint_with_damaged_sizes_is_one_line(
         f"error: {damaged} does not match this code's Multi30k model: "
         f"{problem}\n"
     )
+
+
+def test_a_checkpoint_whose_training_blew_up_is_refused(
+    tiny, tmp_path, capsys
+):
+    """Weights holding nan (a float16 run gone wrong, say) translated into
+    a line of `<s>` without a word; now one line says why."""
+    path, model, vocab_src, vocab_tgt = tiny
+    config = tools.checkpoint_config(torch.load(path))
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        broken.generator.proj.weight[3, 5] = float("nan")
+    blown = save_tiny(
+        tmp_path / "nan.pt", broken, config, vocab_src, vocab_tgt
+    )
+    status, out, err = run_cli(
+        capsys, "translate", "--checkpoint", blown, GERMAN[0]
+    )
+    assert status == 2 and out == ""
+    assert err.splitlines() == [
+        f"error: {blown}: its weight generator.proj.weight holds nan or inf,"
+        " so its training went wrong; train it again (in float32, if it"
+        " trained in float16: docs/gpu.md)"
+    ]
 
 
 def test_train_results_may_not_replace_what_training_reads(
@@ -1233,7 +1275,7 @@ def test_a_folder_the_lock_made_goes_when_nothing_else_landed(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         with tools.folder_lock(made):
             raise KeyboardInterrupt
-    assert not made.exists() and (tmp_path / "new").is_dir()
+    assert not (tmp_path / "new").exists()  # made for the run, like ck
     with tools.folder_lock(made):  # a run that saved something stays
         (made / "epoch_000.pt").touch()
     assert sorted(p.name for p in made.iterdir()) == [".lock", "epoch_000.pt"]
@@ -1372,6 +1414,24 @@ def test_a_full_disk_while_training(tmp_path, multi30k_dir):
     )
     assert lines[1:] == ["error: ck/epoch_000.pt: File too large"]
     assert not (tmp_path / "ck").exists()  # made by the run, left empty
+
+
+def test_a_disk_too_full_for_the_lock_is_named_and_leaves_no_folder(
+    tmp_path, multi30k_dir
+):
+    done = subprocess.run(
+        [sys.executable, SCRIPT, "train", "--preset", "ci"]
+        + ["--checkpoint-dir", "new/ck"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "MULTI30K_DIR": str(multi30k_dir)},
+        preexec_fn=limit_file_size(0),  # not even the lock's process id
+        timeout=300,
+    )
+    assert done.returncode == 74, done.stderr
+    assert done.stderr.splitlines() == ["error: new/ck/.lock: File too large"]
+    assert not (tmp_path / "new").exists()  # both folders made, both gone
 
 
 @pytest.mark.parametrize("answer", ["--help", "--version"])
@@ -1650,3 +1710,35 @@ def test_a_checkpoint_dir_that_is_a_file_is_one_line(tmp_path, capsys):
         f"error: --checkpoint-dir {file} is a file, not a folder"
     ]
     assert file.read_text() == "mine\n"  # left as it was
+    # A file where a folder above it should be: a mistake (2), not an
+    # operating-system fault (74), and the file is named.
+    status, out, err = run_cli(capsys, *argv[:-1], file / "run")
+    assert status == 2
+    assert err.splitlines() == [
+        f"error: --checkpoint-dir {file / 'run'}: {file} is a file, not a"
+        " folder"
+    ]
+
+
+@pytest.mark.parametrize("option", ["--out", "--results"])
+def test_an_output_under_a_file_or_ending_in_a_slash_is_refused(
+    option, tmp_path, capsys
+):
+    """Path() drops a last slash, so `--out o.txt/` would have replaced
+    o.txt; and under a file there is no folder to write in."""
+    file = tmp_path / "o.txt"
+    file.write_text("mine\n")
+    for value, message in (
+        (f"{file}/", "names a folder; name a file"),
+        (f"{file}/x.txt", f"{file} is a file, not a folder"),
+    ):
+        if option == "--out":
+            argv = ["evaluate", "--checkpoint", "unused.pt", "--src"]
+            argv += ["s.de", "--ref", "r.en", "--out", value]
+        else:
+            argv = ["train", "--preset", "ci", "--results", value]
+            argv += ["--checkpoint-dir", tmp_path / "ck"]
+        status, _, err = run_cli(capsys, *argv)
+        assert status == 2 and message in err, err
+        assert len(err.splitlines()) == 1
+    assert file.read_text() == "mine\n"

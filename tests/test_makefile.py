@@ -46,33 +46,49 @@ def test_make_notebook_runs_each_notebook_from_the_notebooks_folder(tmp_path):
     assert "".join(printed).strip() == "ran in notebooks with AT_SIZE ci"
 
 
+VENV_PYTHON = """\
+#!/bin/sh
+# .venv's python, faked: new enough; tools/torch_index.py prints
+# $CHOSEN_INDEX; pip records what it was asked to install.
+case "$*" in
+  *version_info*) exit 0 ;;
+  tools/torch_index.py) echo "$CHOSEN_INDEX"; echo chose >> asked ;;
+  "-m pip install"*) echo "$*" >> asked ;;
+esac
+"""
+
+
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 @pytest.mark.parametrize(
-    "extra, expected",
+    "extra, chosen, expected",
     [
-        ([], ["install", "--quiet", "torch==2.13.0"]),
+        ([], "https://cpu.example", "--index-url https://cpu.example "),
+        ([], "", ""),  # tools/torch_index.py keeps pip's own
+        (["TORCH_INDEX="], "https://cpu.example", ""),  # not asked
         (
-            ["TORCH_INDEX=https://download.pytorch.org/whl/cpu"],
-            [
-                "install",
-                "--quiet",
-                "--index-url",
-                "https://download.pytorch.org/whl/cpu",
-                "torch==2.13.0",
-            ],
-        ),  # fmt: skip
+            ["TORCH_INDEX=https://x.example"],
+            "",
+            "--index-url https://x.example ",
+        ),
     ],
 )
-def test_setup_installs_torch_from_the_index_asked_for(extra, expected):
-    """A dry run (-n) of setup's recipe: the torch line it would run."""
-    done = subprocess.run(
-        ["make", "-n", "-B", ".venv/.installed", *extra],
-        cwd=ROOT, check=True, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    commands = done.stdout.replace("\\\n", " ").splitlines()
-    (torch_line,) = [c for c in commands if "torch==" in c]
-    words = [w.strip('"') for w in torch_line.split()]
-    assert words[words.index("install") :] == expected
+def test_setup_installs_torch_from_the_index_chosen(
+    tmp_path, extra, chosen, expected
+):
+    """setup's recipe with a fake .venv: the torch line it runs."""
+    venv_python = tmp_path / ".venv" / "bin" / "python"
+    venv_python.parent.mkdir(parents=True)
+    venv_python.write_text(VENV_PYTHON)
+    venv_python.chmod(0o755)
+    env = {**os.environ, "CHOSEN_INDEX": chosen}
+    done = make_in(tmp_path, env, "setup", f"PYTHON={sys.executable}", *extra)
+    assert done.returncode == 0, done.stderr
+    asked = (tmp_path / "asked").read_text().splitlines()
+    asks_the_script = "TORCH_INDEX" not in " ".join(extra)
+    assert asked == ["chose"] * asks_the_script + [
+        f"-m pip install --quiet {expected}torch==2.13.0",
+        "-m pip install --quiet -r requirements.txt",
+    ]
 
 
 OLD_PYTHON = """\
