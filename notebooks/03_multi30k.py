@@ -102,12 +102,9 @@ from the_annotated_transformer import subsequent_mask
 #
 # Downloading and checking the files is machinery from the appendix
 # (notebook 06); a cell below calls it as `tools.download_multi30k()`.
-# `read_multi30k` pairs the lines of a split. Two helpers find the files
-# (`multi30k_folder`, `split_file`), with a table of the files' names
-# (`MULTI30K_SPLITS`, for the splits `train`, `val` and `test`) and a
-# one-line error when one is missing (`DatasetError`). The next cell
-# imports them from the library; the last section of this part,
-# "Plumbing: where the files are", shows them.
+# `read_multi30k` pairs the lines of a split. The helpers that find the
+# files, imported by the next cell, are plumbing: the last section of
+# this part, "Plumbing: where the files are", shows them.
 
 # %%
 from the_annotated_transformer import MULTI30K_SPLITS, DatasetError
@@ -470,7 +467,6 @@ shares = {
 print("padding:", {name: f"{share:.1%}" for name, share in shares.items()})
 assert 0.75 < shares["fixed 72"] < 0.85  # about four positions in five
 assert shares["buckets"] < 0.10 < shares["random 32"]
-assert len(buckets) == 153
 
 # %% [markdown]
 # Padding to 72 wastes about four positions in five, and buckets bring the
@@ -484,9 +480,13 @@ assert len(buckets) == 153
 # about 4.4 times fewer positions for the same sentences, and attention's
 # cost, which grows with the square of the length, adds the rest.
 #
-# With these settings an epoch is 153 batches (the last assert), which is
-# 153 optimizer steps: the runs below take one step per batch.
-#
+# With these settings an epoch is 153 batches, which is 153 optimizer
+# steps: the runs below take one step per batch. Check:
+
+# %%
+assert len(buckets) == 153
+
+# %% [markdown]
 # `create_dataloaders` puts the pieces together: training batches
 # shuffled and without pairs longer than `max_len`; validation batches
 # sorted by length and not shuffled, keeping every pair that fits in one
@@ -744,21 +744,17 @@ assert quick_rate(765) == 0  # the end of the budget: no step uses it
 
 
 # %% [markdown]
-# ### The training loop
+# ### The device
 #
 # Training runs on the device that `pick_device` returns: a CUDA GPU if
 # there is one, else Apple's GPU (`mps`), else the CPU. That is an order
 # of preference; it does not time the devices. The cell after
 # `pick_device` sets `device`, which the rest of the lesson uses, unless
 # the environment variable `AT_DEVICE` names another (`cpu`, say), and
-# warns when a Colab runtime has no GPU.
-#
-# On a Mac, if a later cell raises an error that names `mps`, there are
-# two ways out. Train on the CPU: set `AT_DEVICE=cpu` in the environment
-# (`AT_DEVICE=cpu make notebook`, or before starting Jupyter) and run the
-# notebook again. Or, if the error says an operation is missing on MPS,
-# set `PYTORCH_ENABLE_MPS_FALLBACK=1` the same way: PyTorch then runs
-# that operation on the CPU. No timings on Apple's GPU are on record.
+# warns when a Colab runtime has no GPU. (On a Mac, if a later cell
+# raises an error that names `mps`, start Jupyter with `AT_DEVICE=cpu`
+# to train on the CPU instead: `docs/gpu.md`, "If it fails on a T4 or a
+# Mac", says more.)
 
 
 # %%
@@ -784,6 +780,8 @@ if device.type == "cpu" and "COLAB_RELEASE_TAG" in os.environ:
 
 
 # %% [markdown]
+# ### The training loop
+#
 # `train_one_process` is all of training. It seeds, builds the model from
 # the config on the device, takes Part 2's label-smoothed loss, makes the
 # loaders, then Adam and the config's schedule. Then, each epoch, it
