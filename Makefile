@@ -48,7 +48,7 @@ setup: .venv/.installed  ## create .venv with every dependency
 	  "$$($(PY) --version 2>&1), older than 3.10: remove it (rm -rf" \
 	  ".venv) and run make again" >&2; exit 2; }
 	test -x $(PY) || $(PYTHON) -m venv .venv
-	index="$(TORCH_INDEX_CHOICE)"; \
+	index="$(TORCH_INDEX_CHOICE)" && \
 	  $(PIP) install --quiet $${index:+--index-url "$$index"} "$(TORCH_SPEC)"
 	$(PIP) install --quiet -r requirements.txt
 	touch $@

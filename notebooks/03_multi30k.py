@@ -102,9 +102,11 @@ from the_annotated_transformer import subsequent_mask
 #
 # Downloading and checking the files is machinery from the appendix
 # (notebook 06); a cell below calls it as `tools.download_multi30k()`.
-# `read_multi30k` pairs the lines of a split. The helpers that find the
-# files, imported by the next cell, are plumbing: the last section of
-# this part, "Plumbing: where the files are", shows them.
+# `read_multi30k` pairs the lines of a split. The next cell imports its
+# plumbing: `multi30k_folder` and `split_file` find the files,
+# `MULTI30K_SPLITS` names the three splits (`train`, `val`, `test`), and
+# `DatasetError` is the one-line error when a file is missing. The last
+# section of this part, "Plumbing: where the files are", shows them.
 
 # %%
 from the_annotated_transformer import MULTI30K_SPLITS, DatasetError
@@ -264,9 +266,10 @@ assert toy(["b", "c", "<s>"]) == [6, UNK, BOS]  # 4 specials, z, a, b
 # word-level vocabulary of WMT would need hundreds of thousands, which is
 # one reason the paper cut words into subword units instead.
 #
-# A check: in train, only the words seen once there read as `<unk>`; in
-# test, so do the words train never has. So test's share of `<unk>`
-# tokens is the higher of the two, and both are under 5%.
+# A check: in train, a German word reads as `<unk>` only if it occurs
+# there once; in test, also when train never has it. So test's share of
+# `<unk>` tokens should be the higher one; the cell checks that, and that
+# both shares are under 5%.
 
 # %%
 vocab_src, vocab_tgt = build_vocabulary(spacy_de, spacy_en)
@@ -572,7 +575,7 @@ def report_left_out(sampler, split):
 # The run settings come from Part 2 and from the loaders above. `factor`
 # and `warmup` are the arguments of Part 2's schedule `rate`, which the
 # config calls `schedule="noam"`, after Noam Shazeer, one of the paper's
-# authors (`"linear"` comes below). `accum_iter` is the number
+# authors. The other value, `"linear"`, comes below. `accum_iter` is the number
 # of batches whose gradients are added up before one optimizer step.
 # `max_tokens`, `max_len`, `max_train_pairs` and `num_workers` are the
 # arguments of `create_dataloaders`. An epoch is 153 batches of at most
@@ -737,7 +740,7 @@ assert max(steps_down) - min(steps_down) < 1e-12
 quick = tools.get_config("quick")
 quick_rate = run_schedule(quick, batches_per_epoch=153)
 for step in (1, 150, 300, 500, 764, 765):
-    print(f"step {step:3d}: learning rate {quick_rate(step):.2e}")
+    print(f"schedule at {step:3d}: learning rate {quick_rate(step):.2e}")
 assert round(quick_rate(300), 4) == 2.2e-3  # the peak, after warm-up
 assert quick_rate(764) > 0  # the rate of the last step, the 765th
 assert quick_rate(765) == 0  # the end of the budget: no step uses it
@@ -751,10 +754,11 @@ assert quick_rate(765) == 0  # the end of the budget: no step uses it
 # of preference; it does not time the devices. The cell after
 # `pick_device` sets `device`, which the rest of the lesson uses, unless
 # the environment variable `AT_DEVICE` names another (`cpu`, say), and
-# warns when a Colab runtime has no GPU. (On a Mac, if a later cell
-# raises an error that names `mps`, start Jupyter with `AT_DEVICE=cpu`
-# to train on the CPU instead: `docs/gpu.md`, "If it fails on a T4 or a
-# Mac", says more.)
+# warns when a Colab runtime has no GPU. On a Mac, if a later cell
+# raises an error that names `mps`, train on the CPU instead: run
+# `AT_DEVICE=cpu make notebook`, or start Jupyter with
+# `AT_DEVICE=cpu .venv/bin/jupyter lab notebooks/`. `docs/gpu.md`, "If
+# it fails on a T4 or a Mac", says more.
 
 
 # %%
@@ -926,14 +930,16 @@ assert last < guess
 # (The project's automated tests run every notebook in a tiny version,
 # `AT_SIZE=ci`, and there the cell trains the tiny `ci` preset instead.)
 #
-# What you will see while it runs, for five epochs: a progress bar,
-# `epoch 0` to `epoch 4`, over the 153 batches of each; then a pause with
-# no bar, while the validation split is scored; then a line such as
-# `epoch 0: train 4.716, val 3.126`. The recorded run's validation losses
-# were 3.13, 2.12, 1.70, 1.52 and 1.46, and each epoch took about 2.8
-# minutes on 2 cores in float32 (14 in all; on a CPU with native bf16,
-# 10 to 11 minutes for the whole notebook). The next section, "Why the
-# quick recipe is fast", is good reading while you wait.
+# What you will see while it runs: first the device and the precision
+# (`device: cpu (CPU), float32` on a CPU without native bf16); then, for
+# each of five epochs, a progress bar, `epoch 0` to `epoch 4`, over its
+# 153 batches, a pause with no bar while the validation split is scored,
+# and a line such as `epoch 0: train 4.716, val 3.126`. The recorded
+# run's validation losses were 3.13, 2.12, 1.70, 1.52 and 1.46. An epoch
+# took 2.8 to 3.5 minutes on the 2-core CPUs measured here in float32,
+# so training takes 14 to 18 minutes there (about 10 with native bf16).
+# The next section, "Why the quick recipe is fast", is good reading
+# while you wait.
 #
 # On a GPU, and on a CPU with native bf16, the same recipe computes in
 # 16-bit floats; on a Mac it stays in float32. So your loss and BLEU will

@@ -354,56 +354,37 @@ def test_a_checkpoint_whose_training_blew_up_is_refused(
     ]
 
 
-def test_train_results_may_not_replace_what_training_reads(
-    tiny, tmp_path, capsys, multi30k_dir, monkeypatch
+@pytest.mark.parametrize("command", ["train", "evaluate"])
+def test_an_output_may_not_replace_multi30k_or_a_checkpoint(
+    command, tiny, tmp_path, capsys, multi30k_dir, monkeypatch
 ):
-    """--results over a Multi30k file trained, then wrote JSON over the
-    test references; over a checkpoint, it would replace a model."""
+    """train's --results or evaluate's --out over a Multi30k file (the
+    test references, read by default, or the training data) or over
+    another run's model: refused before any work, and nothing changes.
+    (--results over the references once trained, then wrote JSON there.)"""
     copy = tmp_path / "multi30k"
     shutil.copytree(multi30k_dir, copy)
     monkeypatch.setenv("MULTI30K_DIR", str(copy))
     before = {p.name: p.read_bytes() for p in copy.iterdir()}
     model = tmp_path / "model.pt"
     shutil.copy(tiny[0], model)
-    ck = str(tmp_path / "ck")
-    for results, message in (
-        (copy / "test_2016_flickr.en.gz", "is also an input"),
-        (model, "is a checkpoint, which it would overwrite"),
-    ):
-        status, _, err = run_cli(
-            capsys, "train", "--preset", "ci", "--checkpoint-dir", ck,
-            "--results", results,
-        )  # fmt: skip
-        assert status == 2 and message in err and len(err.splitlines()) == 1
-    assert {p.name: p.read_bytes() for p in copy.iterdir()} == before
-    assert model.read_bytes() == Path(tiny[0]).read_bytes()
-    assert not Path(ck).exists()
-
-
-def test_evaluate_out_may_not_replace_multi30k_or_a_checkpoint(
-    tiny, tmp_path, capsys, multi30k_dir, monkeypatch
-):
-    """--out over the default references (test2016's English, read when
-    no --ref is given), another Multi30k file, or another run's model:
-    each is refused before any work, and nothing changes."""
-    copy = tmp_path / "multi30k"
-    shutil.copytree(multi30k_dir, copy)
-    monkeypatch.setenv("MULTI30K_DIR", str(copy))
-    before = {p.name: p.read_bytes() for p in copy.iterdir()}
-    other_model = tmp_path / "other.pt"
-    shutil.copy(tiny[0], other_model)
-    for out, message in (
+    ck = tmp_path / "ck"
+    for output, message in (
         (copy / "test_2016_flickr.en.gz", "is also an input"),
         (copy / "train.de.gz", "is also an input"),
-        (other_model, "is a checkpoint, which it would overwrite"),
+        (model, "is a checkpoint, which it would overwrite"),
     ):
-        status, stdout, err = run_cli(
-            capsys, "evaluate", "--checkpoint", tiny[0], "--out", out
-        )
+        if command == "train":
+            argv = ["train", "--preset", "ci", "--checkpoint-dir", ck]
+            argv += ["--results", output]
+        else:
+            argv = ["evaluate", "--checkpoint", tiny[0], "--out", output]
+        status, stdout, err = run_cli(capsys, *argv)
         assert status == 2 and stdout == ""
         assert message in err and len(err.splitlines()) == 1
     assert {p.name: p.read_bytes() for p in copy.iterdir()} == before
-    assert other_model.read_bytes() == Path(tiny[0]).read_bytes()
+    assert model.read_bytes() == Path(tiny[0]).read_bytes()
+    assert not ck.exists()
 
 
 def test_train_interrupted_says_how_to_go_on(

@@ -46,7 +46,8 @@ def torch_index(system, has_nvidia_smi, pip_configured):
         )
     return CPU_INDEX, (
         "make: no NVIDIA GPU found (no nvidia-smi): installing torch's CPU"
-        f" build from {CPU_INDEX} (`make setup TORCH_INDEX=` for PyPI's)"
+        f" build from {CPU_INDEX} (for PyPI's: rm -rf .venv, then"
+        " `make setup TORCH_INDEX=`)"
     )
 
 
