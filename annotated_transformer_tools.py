@@ -3418,21 +3418,23 @@ def command_evaluate(args):
         fit_to_model(s, n, spacy_de, vocab_src, limit)
         for n, s in enumerate(sources, 1)
     ]
-    blank = [not s.strip() for s in sources]  # as `translate`: "" back
-    translated = translate_batch(
-        model,
-        [s for s, empty in zip(sources, blank) if not empty],
-        spacy_de,
-        vocab_src,
-        vocab_tgt,
-        device=args.device,
-        batch_size=args.batch_size,
-        decode_fn=decode_fn,
-        replace_unk=args.replace_unk,
-        progress=True,
-    )
-    translated = iter(translated)
-    hyps = ["" if empty else next(translated) for empty in blank]
+
+    def translate_fn(batch):
+        return translate_batch(
+            model,
+            batch,
+            spacy_de,
+            vocab_src,
+            vocab_tgt,
+            device=args.device,
+            batch_size=args.batch_size,
+            decode_fn=decode_fn,
+            replace_unk=args.replace_unk,
+            progress=True,
+        )
+
+    # One chunk of all lines; as in `translate`, a blank line gets "".
+    (hyps,) = translate_lines(sources, translate_fn, chunk=len(sources))
     if args.out:
         with atomic_write(args.out, "w") as f:
             f.write("\n".join(hyps) + "\n")
