@@ -114,8 +114,6 @@ class LayerNorm(nn.Module):
 
     def forward(self, x):
         """Normalize (..., features) with the biased variance."""
-        # One fused kernel (all steps in one routine); the cell below
-        # checks it against the formula.
         return F.layer_norm(x, self.a_2.shape, self.a_2, self.b_2, self.eps)
 
 
@@ -241,8 +239,8 @@ class MultiHeadedAttention(nn.Module):
         return x.transpose(1, 2)  # (B, h, T, d_k)
 
     def use_fused(self, q):
-        """Fused, unless the weights must be kept (Part 4) or the CPU
-        trains with dropout (the appendix's "A cheaper dropout mask")."""
+        """Fused, unless the weights must be kept (Part 4) or a CPU
+        trains with dropout (speed: the appendix's cheaper mask)."""
         cpu_dropout = self.training and self.dropout.p > 0 and q.is_cpu
         return not (self.store_attention or cpu_dropout)
 
@@ -320,11 +318,11 @@ class PositionalEncoding(nn.Module):
         # (d_model/2,): the even dimensions 0, 2, 4, ...
         two_i = torch.arange(0, d_model, 2, dtype=torch.float64)
         angles = pos / 10000 ** (two_i / d_model)  # (L, d_model/2)
-        # (L, d_model/2, 2): each angle's sine next to its cosine
-        waves = torch.stack([angles.sin(), angles.cos()], -1)
-        # Interleave to sin, cos, sin, ...; an odd d_model gives one
-        # column too many, which [:, :d_model] drops.
-        pe = waves.flatten(1)[:, :d_model].float()  # (L, d_model)
+        pe = torch.zeros(max_len, d_model, dtype=torch.float64)
+        pe[:, 0::2] = angles.sin()  # even columns
+        # The odd columns; one fewer than the even ones if d_model is odd.
+        pe[:, 1::2] = angles.cos()[:, : d_model // 2]
+        pe = pe.float()  # (L, d_model), rounded after the sine and cosine
         self.dropout = nn.Dropout(p=dropout)
         self.register_buffer("pe", pe.unsqueeze(0))  # (1, max_len, d_model)
 
@@ -457,6 +455,7 @@ class LabelSmoothing(nn.Module):
         """(N,) target ids to the (N, size) smoothed distribution."""
         fill = self.smoothing / (self.size - 2)  # for every other token
         dist = target.new_full((len(target), self.size), fill, dtype=dtype)
+        # Each row's target column gets the confidence:
         dist.scatter_(1, target.unsqueeze(1), self.confidence)
         dist[:, self.padding_idx] = 0
         dist[target == self.padding_idx] = 0
@@ -535,7 +534,7 @@ def rate(step, model_size, factor, warmup):
 
 def make_optimizer(
     model,
-    d_model,
+    d_model=None,
     factor=1.0,
     warmup=4000,
     betas=(0.9, 0.98),
@@ -545,7 +544,8 @@ def make_optimizer(
     """Adam (AdamW with a weight_decay) and a LambdaLR running `rate`, or
     `schedule` when given.
 
-    With a `schedule`, `d_model`, `factor` and `warmup` are unused.
+    With a `schedule`, `d_model`, `factor` and `warmup` are unused;
+    without one, `d_model` must be given.
     AdamW multiplies every parameter (biases and norms included) by
     1 - lr * weight_decay at each step, besides Adam's update. The decay
     is not added to the gradient, so Adam's running averages never see
@@ -565,6 +565,8 @@ def make_optimizer(
         fused=fused,
     )
     if schedule is None:
+        if d_model is None:
+            raise ValueError("give d_model for the paper's schedule")
         schedule = lambda step: rate(step, d_model, factor, warmup)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     return optimizer, scheduler
@@ -722,7 +724,7 @@ def run_epoch(
                 )
                 state.accum_step += 1
                 window = 0
-            if mode == "train+log" and i % log_every == 1:
+            if mode == "train+log" and (i - 1) % log_every == 0:
                 speed = (state.tokens - tokens_before) / (time.time() - start)
                 print_progress(i, state, loss_mean, speed, optimizer)
     return float(total_loss) / max(total_tokens, 1), state  # one sync

@@ -98,9 +98,10 @@ from torch import nn
 # Read it bottom up: each box names the code that implements it, and some
 # also give their output shape. Dashed frames repeat $N$ times. Each (+)
 # is a residual connection, which adds a block's input to its output:
-# $x + f(x)$. "Shifted right": the decoder reads the target sentence
-# (English, in Part 3's German→English task) one position late, after a
-# start token, so that each position predicts the next word (Part 2).
+# $x + f(x)$. "Shifted right": the decoder's input is the target
+# sentence with a start token in front, so the input at position $t$ is
+# word $t - 1$, and the model must predict word $t$ (Part 2 builds
+# this).
 #
 # The picture draws the `Generator` on top of the decoder, under
 # `EncoderDecoder.decode`; in the code, as said above, the loss and the
@@ -219,18 +220,15 @@ class Encoder(nn.Module):
 # $$\mathrm{LayerNorm}(x) = a \odot \frac{x - \mu}{\sqrt{\sigma^2 +
 # \epsilon}} + b, \qquad \sigma^2 = \frac{1}{d}\sum_i (x_i - \mu)^2 .$$
 #
-# **Our choice.** The 2022 tutorial divided by the *unbiased* standard
-# deviation (the one that divides by $d - 1$ instead of $d$) plus
-# $\epsilon$. We use the standard form above, which is what
-# `torch.nn.LayerNorm` computes (the check against PyTorch's encoder
-# layer, at the end of this part, relies on it). We
-# still write our own small class rather than use `nn.LayerNorm`, to
-# keep the 2022 tutorial's parameter names: the gain $a$ is `a_2` and the
-# bias $b$ is `b_2`. Checkpoints that this project's earlier versions
-# wrote under the 2022 names still load, once the appendix's
-# `rename_old_keys` has renamed the other layers ("Checkpoints from older
-# versions"). The 2022 tutorial's own files cannot be used: their
-# vocabularies are pickled torchtext objects.
+# We use this standard form, as `torch.nn.LayerNorm` does. (The 2022
+# tutorial divided by a slightly different standard deviation, one that
+# divides by $d - 1$ instead of $d$.) We write our own small class only
+# to keep the 2022 tutorial's parameter names: the gain $a$ is `a_2` and
+# the bias $b$ is `b_2`.
+#
+# `forward` hands the whole formula to PyTorch's `F.layer_norm`, which
+# computes it in one pass; the cell after the class writes the formula out
+# and checks that the two agree.
 
 
 # %%
@@ -246,8 +244,6 @@ class LayerNorm(nn.Module):
 
     def forward(self, x):
         """Normalize (..., features) with the biased variance."""
-        # One fused kernel (all steps in one routine); the cell below
-        # checks it against the formula.
         return F.layer_norm(x, self.a_2.shape, self.a_2, self.b_2, self.eps)
 
 
@@ -308,8 +304,9 @@ class SublayerConnection(nn.Module):
 
 # %% [markdown]
 # The untouched path is easy to see: a sub-layer that outputs zeros leaves
-# its input unchanged. (The same identity path carries the gradient back
-# unchanged, a derivative of 1, whatever the sub-layer does.) Post-norm
+# its input unchanged. (In the backward pass, the same path passes the
+# gradient down unchanged, and whatever flows back through the sub-layer
+# is added to it.) Post-norm
 # has no such path: the same zero sub-layer returns
 # $\mathrm{LayerNorm}(x)$, which moves this $x$ (mean 1, standard
 # deviation 3) to mean 0 and standard deviation 1.
@@ -480,16 +477,22 @@ save_chart(mask_chart(20), "01_subsequent_mask", Path(ROOT, "figures"))
 # %% [markdown]
 # ## Attention
 #
-# Attention lets each position read from other positions. The reader
-# brings a *query* vector, each position it may read offers a *key* to be
-# compared with that query and a *value* to hand over, and the result is
-# an average of the values weighted by the query's agreement with each
-# key. The Transformer measures agreement with a scaled dot product:
+# Attention lets each position read from other positions. The position
+# that reads brings a *query* vector; each position it may read offers a
+# *key*, to be compared with that query, and a *value*, to hand over. The
+# result is an average of the values, weighted by how well the query
+# agrees with each key. The Transformer measures agreement with a scaled
+# dot product:
 #
 # $$\mathrm{Attention}(Q, K, V) = \mathrm{softmax}\!\left(
 # \frac{QK^\top}{\sqrt{d_k}}\right) V .$$
 #
 # ![Scaled dot-product attention, step by step](attachment:attention.svg)
+#
+# Where do $Q$, $K$ and $V$ come from? Each position's vector is turned
+# into a query, a key and a value by three learned linear maps (the
+# Multi-head attention section below). For now take them as given: one row
+# per position.
 #
 # In code it is a few lines. `mask` is the boolean mask above. A masked
 # score is replaced by the most negative number its dtype holds, so its
@@ -534,7 +537,8 @@ assert torch.allclose(out, reference, atol=1e-6)
 assert (weights.triu(1) == 0).all()  # no weight on future keys
 
 # %% [markdown]
-# Why divide by $\sqrt{d_k}$? With unit-variance entries, $q \cdot k$ has
+# Why divide by $\sqrt{d_k}$? If the entries of $q$ and $k$ are
+# independent, with mean 0 and variance 1, then $q \cdot k$ has
 # variance $d_k$: at the paper's $d_k = 64$ ($= 512 / 8$: eight heads, each
 # 64 wide; see Multi-head attention) the raw scores have a standard
 # deviation of 8, the softmax tends to put most of the weight on one key, and
@@ -652,9 +656,11 @@ assert weights[0, 2] == 0
 # routine is a plain function, so `.eval()` cannot switch its dropout off:
 # `forward` passes `dropout_p=0` when the module is not training.
 #
-# In short: fused by default, `attention` when `store_attention` is set
-# (`use_fused` has one more case, for the appendix, in its docstring).
-# Either branch computes the same formula.
+# In short: fused by default, `attention` when `store_attention` is set.
+# There is one more case, a matter of speed only: on a CPU, training with
+# dropout also takes `attention`, because there the appendix gives the
+# weights' dropout a cheaper random mask than the fused routine's ("A
+# cheaper dropout mask"). Either branch computes the same formula.
 
 
 # %%
@@ -686,8 +692,8 @@ class MultiHeadedAttention(nn.Module):
         return x.transpose(1, 2)  # (B, h, T, d_k)
 
     def use_fused(self, q):
-        """Fused, unless the weights must be kept (Part 4) or the CPU
-        trains with dropout (the appendix's "A cheaper dropout mask")."""
+        """Fused, unless the weights must be kept (Part 4) or a CPU
+        trains with dropout (speed: the appendix's cheaper mask)."""
         cpu_dropout = self.training and self.dropout.p > 0 and q.is_cpu
         return not (self.store_attention or cpu_dropout)
 
@@ -898,7 +904,8 @@ assert torch.allclose(out[:, shuffle], out_of_shuffled, atol=1e-5)
 
 # %% [markdown]
 # Word order must therefore come from outside: a fixed signal added to each
-# embedding, a sine and a cosine per pair of dimensions $i$:
+# embedding. Dimensions $2i$ and $2i + 1$ hold the sine and the cosine of
+# the same angle, which grows with the position $pos$:
 #
 # $$PE_{(pos, 2i)} = \sin\!\left(pos / 10000^{2i/d_{\text{model}}}\right),
 # \qquad PE_{(pos, 2i+1)} = \cos\!\left(pos / 10000^{2i/d_{\text{model}}}
@@ -938,11 +945,11 @@ class PositionalEncoding(nn.Module):
         # (d_model/2,): the even dimensions 0, 2, 4, ...
         two_i = torch.arange(0, d_model, 2, dtype=torch.float64)
         angles = pos / 10000 ** (two_i / d_model)  # (L, d_model/2)
-        # (L, d_model/2, 2): each angle's sine next to its cosine
-        waves = torch.stack([angles.sin(), angles.cos()], -1)
-        # Interleave to sin, cos, sin, ...; an odd d_model gives one
-        # column too many, which [:, :d_model] drops.
-        pe = waves.flatten(1)[:, :d_model].float()  # (L, d_model)
+        pe = torch.zeros(max_len, d_model, dtype=torch.float64)
+        pe[:, 0::2] = angles.sin()  # even columns
+        # The odd columns; one fewer than the even ones if d_model is odd.
+        pe[:, 1::2] = angles.cos()[:, : d_model // 2]
+        pe = pe.float()  # (L, d_model), rounded after the sine and cosine
         self.dropout = nn.Dropout(p=dropout)
         self.register_buffer("pe", pe.unsqueeze(0))  # (1, max_len, d_model)
 
@@ -1012,8 +1019,9 @@ save_chart(chart, "01_positional_encoding", Path(ROOT, "figures"))
 
 # %% [markdown]
 # Dimensions 4 and 5 are a sine and a cosine of the same frequency, a
-# quarter period apart; dimensions 6 and 7 oscillate more slowly. Each
-# position is thus marked by a unique mix of phases.
+# quarter period apart; dimensions 6 and 7 oscillate more slowly. With
+# every pair turning at its own speed, each position gets its own pattern
+# of values.
 
 # %% [markdown]
 # ## The full model
@@ -1082,10 +1090,13 @@ torch.manual_seed(0)
 base = make_model(8000, 6000)  # d_model = 512
 table_std = base.src_embed[0].lut.weight.std().item()
 scaled_std = table_std * math.sqrt(512)
-pe_std = PositionalEncoding(512, dropout=0.0).pe.std().item()
+pe_table = PositionalEncoding(512, dropout=0.0).pe[0]  # (5000, 512)
+pe_std = pe_table.std().item()
+pe_std_128 = pe_table[:128].std().item()  # where our sentences lie
 print(f"embedding table:           std {table_std:.3f}")
 print(f"times sqrt(512):           std {scaled_std:.3f}")
 print(f"positional encoding table: std {pe_std:.3f}")
+print(f"  its first 128 positions: std {pe_std_128:.3f}")
 print(f"encoding / table: {pe_std / table_std:.0f}")
 print(f"encoding / scaled table: {pe_std / scaled_std:.1f}")
 # Xavier's uniform range for a (8000, 512) table has std
@@ -1096,9 +1107,9 @@ assert abs(table_std - math.sqrt(2 / 8512)) < 1e-3
 # Without the factor, the embeddings would be about 45 times smaller than
 # the encoding, and their sum would be almost all position. With it, they
 # are about half the encoding's scale (0.347 against 0.695): of the same
-# order, though not equal. (That is the whole table's spread, over 5,000
-# positions; over the first 128, where our sentences lie, it is 0.62, so
-# the ratio is much the same.) Xavier's scale depends on the vocabulary size,
+# order, though not equal. Over the first 128 positions, where our
+# sentences lie, the encoding's spread is a little smaller (0.62), so the
+# ratio is much the same. Xavier's scale depends on the vocabulary size,
 # so this ratio does too.
 
 

@@ -163,7 +163,9 @@ tgt = torch.tensor([[1, 7, 8, 0, 0]])
 b = Batch(src, tgt, pad=0)
 print(b.tgt_mask[0].int())  # row t: what position t may see (1 = yes)
 causal = torch.ones(4, 4).tril().bool()  # position t sees 0 to t
-not_padding = torch.tensor([True, True, True, False])  # (T,)
+# (T,): a column of its own for each key; it broadcasts over the rows,
+# so no row may look at the padding column.
+not_padding = torch.tensor([True, True, True, False])
 assert torch.equal(b.tgt_mask[0], causal & not_padding)
 assert b.ntokens == 2
 assert torch.equal(b.tgt, torch.tensor([[1, 7, 8, 0]]))  # it reads
@@ -197,8 +199,9 @@ def data_gen(V, batch_size, nbatches, seq_len=10, generator=None):
 # ## The loss: label smoothing
 #
 # Instead of training towards a one-hot target (all probability on the
-# correct token), the paper moves a small mass $\epsilon_{ls} = 0.1$ off
-# the correct token and spreads it evenly over the others. We spread it
+# correct token), the paper uses "label smoothing of value $\epsilon_{ls}
+# = 0.1$": a small mass moves off the correct token. The paper does not
+# say where the mass goes. Like the 2022 tutorial, we spread it evenly
 # over every token except the correct one and padding, which should never
 # be predicted. Each target token thus gets a smoothed distribution $p$:
 # one row of a matrix with a row per target token. A row whose target is
@@ -253,6 +256,7 @@ class LabelSmoothing(nn.Module):
         """(N,) target ids to the (N, size) smoothed distribution."""
         fill = self.smoothing / (self.size - 2)  # for every other token
         dist = target.new_full((len(target), self.size), fill, dtype=dtype)
+        # Each row's target column gets the confidence:
         dist.scatter_(1, target.unsqueeze(1), self.confidence)
         dist[:, self.padding_idx] = 0
         dist[target == self.padding_idx] = 0
@@ -304,9 +308,10 @@ assert torch.allclose(dist, expected)
 # you can skip to the check that the two ways agree, below.
 #
 # The smoothed targets form a matrix as large as the model's output: with
-# the 6,190 English words of Multi30k (the data set of Part 3) and a batch
-# of up to 3,000 tokens, 74 MB of float32 (3,000 × 6,190 × 4 bytes),
-# written, read by the KL divergence, and read again in the backward pass.
+# the 6,190 English tokens of Multi30k's vocabulary (the data set of Part
+# 3) and a batch of up to 3,000 tokens, 74 MB of float32 (3,000 × 6,190 ×
+# 4 bytes), written, read by the KL divergence, and read again in the
+# backward pass.
 # Each of its rows holds only three distinct values, so a formula gives
 # the same loss without building it: a *closed form*, which reads the
 # log-probabilities once and writes one number per token.
@@ -327,12 +332,12 @@ assert torch.allclose(dist, expected)
 # $$c \log c + \epsilon \log f - c \log q_y - f \sum_{j \ne y,\,
 # \mathrm{pad}} \log q_j .$$
 #
-# `forward` uses this closed form: the class's method `closed_form` calls the
+# `forward` uses this closed form: its method `closed_form` calls the
 # function `smoothed_kl` below, which computes the formula's one number
-# per row.
-# (The appendix's faster loss replaces `closed_form` alone.) With
-# `keep_targets=True`, `forward` takes the direct way instead, so that the
-# check below can compare the two.
+# per row. (`closed_form` is a method of its own only so that the
+# appendix can swap in a faster version.) With `keep_targets=True`,
+# `forward` takes the direct way instead, so that the check below can
+# compare the two.
 
 
 # %%
@@ -505,7 +510,8 @@ def plain_epoch(batches, model, loss_compute, optimizer, scheduler=None):
 
 # %% [markdown]
 # This is all the copy task below needs. Longer runs
-# need more: gradient accumulation (a batch larger than memory holds),
+# need more: gradient accumulation (adding up the gradients of several
+# batches before one step, to train on batches too large for memory),
 # counters kept across epochs, and a log line now and then. The library's
 # `run_epoch` adds them to these five lines; Part 3 trains with it. The
 # last section of this part, "Under the hood: `run_epoch`", builds it one
@@ -562,7 +568,7 @@ def rate(step, model_size, factor, warmup):
 
 def make_optimizer(
     model,
-    d_model,
+    d_model=None,
     factor=1.0,
     warmup=4000,
     betas=(0.9, 0.98),
@@ -572,7 +578,8 @@ def make_optimizer(
     """Adam (AdamW with a weight_decay) and a LambdaLR running `rate`, or
     `schedule` when given.
 
-    With a `schedule`, `d_model`, `factor` and `warmup` are unused.
+    With a `schedule`, `d_model`, `factor` and `warmup` are unused;
+    without one, `d_model` must be given.
     AdamW multiplies every parameter (biases and norms included) by
     1 - lr * weight_decay at each step, besides Adam's update. The decay
     is not added to the gradient, so Adam's running averages never see
@@ -592,6 +599,8 @@ def make_optimizer(
         fused=fused,
     )
     if schedule is None:
+        if d_model is None:
+            raise ValueError("give d_model for the paper's schedule")
         schedule = lambda step: rate(step, d_model, factor, warmup)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     return optimizer, scheduler
@@ -686,27 +695,29 @@ def copy_accuracy(model, n, V=11, seq_len=10, generator=None):
 # and every batch is new random data:
 #
 # * **A short schedule.** The paper's schedule is built for 100,000 steps;
-#   this task needs a few hundred. At each step, `warmup_linear_decay`
-#   takes the lower of two straight lines. The first rises by 1/20 of a
-#   nominal peak of $3 \cdot 10^{-4}$ per step (the rate it aims for; the
-#   schedule's highest rate is a little lower, as the next cell shows).
-#   The second starts at that peak at step 0 and would reach zero at step
-#   300, but stops at a floor of 2% of the peak. (The rising line uses
-#   `step + 1`: at step 0, the first optimizer step as `LambdaLR` counts,
-#   a plain `step` would give a learning rate of 0, a wasted step.) In our
-#   sweeps this schedule learned to copy in well under half the steps of
-#   `rate`, the paper's formula, at the settings this lesson used before
-#   (a factor of 0.1 and a 10-step warm-up). Its decay ends at step 300,
-#   before the 400-step budget: the last steps, at the floor, are a
+#   this task needs a few hundred. `warmup_linear_decay` takes the lower
+#   of two straight lines: one rising to a peak of $3 \cdot 10^{-4}$ over
+#   `warmup` = 20 steps, one falling from that peak at step 0 towards 0
+#   at `total` = 300 steps. The rate never goes below a floor of 2% of
+#   the peak, which it reaches at step 294 (the next cell shows where).
+#   The last hundred steps of the 400-step budget, at the floor, are a
 #   margin.
-# * **Small batches** of 16 sequences: copying is learned per optimizer
-#   step, so small batches buy more steps for the same sequences. Batches
-#   of 16 learned in fewer seconds than 8 (which needed more steps) or 32
-#   (whose steps took twice as long).
+#
+#   The rising line uses `step + 1`: `LambdaLR` calls the first optimizer
+#   step step 0, and a plain `step` would give it a learning rate of 0,
+#   a wasted step. In our sweeps this schedule learned to copy in well
+#   under half the steps of `rate`, the paper's formula (with a factor of
+#   0.1 and a 10-step warm-up).
+# * **Small batches** of 16 sequences: what this task needs is many
+#   optimizer steps more than many sequences, so small batches buy more
+#   steps for the same sequences. Batches of 16 learned in fewer seconds
+#   than 8 (which needed more steps) or 32 (whose steps took twice as
+#   long), on our 2-core CPU.
 # * **No dropout**: with fresh data in every batch, the model cannot
 #   memorize its training set.
 # * **No label smoothing**: the right next token is certain.
-# * **Adam's $\beta_2$ is 0.999**, not the paper's 0.98: it averages
+# * **Adam's $\beta_2$ is 0.999** (PyTorch's default), not the paper's
+#   0.98: it averages
 #   the squared gradients over more steps, and in a sweep (of a smaller
 #   model, on the paper's schedule) it cut the steps to an exact copy by
 #   about 40%.
@@ -761,9 +772,8 @@ assert at_floor == list(range(294, 400))  # from step 294 to the end
 # `make_model`), the loss (`LabelSmoothing` with a smoothing of 0), Adam
 # with the short schedule, and the data (`data_gen`). Adam and its
 # `LambdaLR` come from `make_optimizer`, with Adam's $\beta_2$ at 0.999 and
-# the short schedule, `copy_schedule`, in place of the paper's (so its
-# `d_model` argument is unused: `None`). The learning rate at each step is
-# exactly `copy_schedule(step)`.
+# the short schedule, `copy_schedule`, in place of the paper's. The
+# learning rate at each step is exactly `copy_schedule(step)`.
 
 # %%
 V = 11  # 0 is padding, 1 the start symbol, 2 to 10 the data
@@ -785,7 +795,7 @@ copy_model = make_model(V, V, dropout=0.0, **sizes)
 criterion = LabelSmoothing(V, padding_idx=COPY_PAD, smoothing=0.0)
 loss_compute = SimpleLossCompute(copy_model.generator, criterion)
 optimizer, scheduler = make_optimizer(
-    copy_model, None, betas=(0.9, 0.999), schedule=copy_schedule
+    copy_model, betas=(0.9, 0.999), schedule=copy_schedule
 )
 
 # %% [markdown]
@@ -927,8 +937,9 @@ assert not overlap
 #
 # ### Gradient accumulation
 #
-# Gradient accumulation (`accum_iter = k`) emulates a batch $k$ times
-# larger than memory allows: each micro-batch's loss is divided by $k$,
+# Gradient accumulation (`accum_iter = k`) emulates one batch $k$ times
+# the size of a micro-batch, too large to fit in memory at once: each
+# micro-batch's loss is divided by $k$,
 # gradients add up over $k$ backward passes, and the optimizer (and the
 # schedule) steps once.
 #
@@ -1032,9 +1043,8 @@ def optimizer_step(optimizer, scheduler, parameters, scale=1.0, scaler=None):
 # `micro_step` is the plain loop's forward, loss and backward, with the
 # loss divided by `accum_iter`. Like `SimpleLossCompute`, it returns the
 # loss twice: `loss_sum`, for the epoch's total, and `loss_mean`, the mean
-# per token, for the log. With this part's arguments (`autocast` the
-# do-nothing `nullcontext`, `scaler` `None`, one process: the extras
-# explained below then do nothing) it is three lines:
+# per token, for the log. In this part `autocast` does nothing, `scaler`
+# is `None` and there is one process, so it comes down to three lines:
 #
 # ```python
 # out = model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
@@ -1100,9 +1110,9 @@ def print_progress(i, state, loss_node, speed, optimizer):
 # multiplying by $k / w$ restores it. The loss total stays a tensor until
 # the end of the epoch (no sync).
 #
-# It logs when `i % log_every == 1`, as the 2022 tutorial did, so that
-# logs compare line for line with it: the first line comes after two
-# batches.
+# It logs after batch 1 and then every `log_every` batches (1, 41, 81,
+# ... with the default 40), as the 2022 tutorial did, so that logs
+# compare line for line with it.
 
 
 # %%
@@ -1150,17 +1160,17 @@ def run_epoch(
                 )
                 state.accum_step += 1
                 window = 0
-            if mode == "train+log" and i % log_every == 1:
+            if mode == "train+log" and (i - 1) % log_every == 0:
                 speed = (state.tokens - tokens_before) / (time.time() - start)
                 print_progress(i, state, loss_mean, speed, optimizer)
     return float(total_loss) / max(total_tokens, 1), state  # one sync
 
 
 # %% [markdown]
-# Three checks against the plain loop follow, on tiny float64 models so
-# that the comparison is exact up to rounding. The equivalence is exact
-# here because every copy-task batch has the same number of real tokens
-# (no padding).
+# Three checks against the plain loop follow, on tiny float64 models,
+# whose rounding errors are tiny. The loops should agree to within that
+# rounding, since every copy-task batch has the same number of real
+# tokens (no padding).
 #
 # `trained_weights` trains a fresh tiny model for one epoch with a given
 # loop and returns its weights, flattened, so that two loops can be
@@ -1201,6 +1211,7 @@ def largest_difference(a, b):
 # %%
 rng = torch.Generator().manual_seed(0)
 micro = list(data_gen(V=11, batch_size=4, nbatches=4, generator=rng))
+# Micro-batches 0 and 1 make the first pair, 2 and 3 the second.
 pairs = [torch.cat([a.src, b.src]) for a, b in zip(micro[::2], micro[1::2])]
 # pad=COPY_PAD, as in data_gen: Batch's default, 2, is a data token here.
 doubled = [Batch(src, src.clone(), pad=COPY_PAD) for src in pairs]

@@ -45,6 +45,42 @@ def test_make_optimizer_follows_the_schedule():
     assert opt.param_groups[0]["betas"] == (0.9, 0.999)
 
 
+def test_make_optimizer_needs_d_model_or_a_schedule():
+    model = torch.nn.Linear(4, 3)
+    with pytest.raises(ValueError, match="d_model"):
+        tat.make_optimizer(model)
+    opt, sched = tat.make_optimizer(model, schedule=lambda step: 0.5)
+    assert opt.param_groups[0]["lr"] == 0.5
+
+
+@pytest.mark.parametrize(
+    "log_every, batches, logged",
+    [(40, 50, [1, 41]), (1, 3, [0, 1, 2]), (2, 6, [1, 3, 5])],
+)
+def test_train_and_log_prints_batch_1_then_every_log_every(
+    log_every, batches, logged, capsys
+):
+    """The 2022 tutorial's rhythm (batch 1, 41, 81, ... for 40), and a
+    line for every batch when log_every is 1."""
+    torch.manual_seed(0)
+    model = tat.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
+    criterion = tat.LabelSmoothing(11, padding_idx=0)
+    loss = tat.SimpleLossCompute(model.generator, criterion)
+    optimizer, scheduler = tat.make_optimizer(model, 16, warmup=5)
+    data = tat.data_gen(11, 2, batches, generator=torch.Generator())
+    tat.run_epoch(
+        data,
+        model,
+        loss,
+        optimizer,
+        scheduler,
+        "train+log",
+        log_every=log_every,
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert [int(line.split()[1]) for line in lines] == logged
+
+
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 def test_adam_is_fused_on_the_cpu_and_plain_elsewhere(weight_decay):
     """make_optimizer asks for fused Adam on CPU and CUDA tensors only;
