@@ -1459,7 +1459,10 @@ def source_alignment(model, src, src_mask, out, layers=None):
 
 
 def replace_unknowns(ids, aligned, src_words, vocab_tgt):
-    """Output tokens, each <unk> replaced by the source word it read most."""
+    """Output tokens, each <unk> replaced by the source word it read most.
+
+    ids: the output's token ids after <s>; aligned: for each of them, the
+    source position its row read most."""
     tokens = vocab_tgt.lookup_tokens(ids)
     for k, token_id in enumerate(ids):  # ids[k] is out[k + 1]: row k wrote it
         if token_id != UNK:
@@ -1590,9 +1593,9 @@ def cached_greedy_decode(
         word = logp.argmax(dim=-1)  # (R,)
         out[rows, t] = word
         running = word != end_symbol  # (R,) one flag per cache row
-        if not running.all():
-            if not running.any():
-                break
+        if not running.any():
+            break  # every sentence has ended
+        if not running.all():  # some ended: drop their rows
             rows = rows[running]  # still indices into out's B rows
             # The cache counts only its own R rows, 0 to R - 1:
             cache.select(running.nonzero().squeeze(1))  # cache rows
@@ -1609,7 +1612,10 @@ def length_penalty(length, alpha=0.6):
 
 
 def beam_candidates(logp, logp_sum, lengths, finished, alpha):
-    """The best extensions of each hypothesis: score, log P, token, length."""
+    """The best extensions of each hypothesis.
+
+    Returns the candidates' scores, log P and tokens, each (A, k * c),
+    and the hypotheses' lengths after this step, (A, k)."""
     A, k, V = logp.shape  # (sentences, beams, vocabulary)
     c = min(k, V)  # candidates kept per hypothesis: all that can win
     logp, word = logp.topk(c, dim=-1)  # (A, k, c)

@@ -142,7 +142,9 @@ def record_attention(model):
 #
 # `attention_maps` runs one forward pass over a sentence pair and collects
 # the weights of every layer into an `AttentionMaps`: three tensors of
-# shape `(N, h, rows, cols)`, one per kind of attention.
+# shape `(N, h, rows, cols)`, one per kind of attention. Here `N` is the
+# number of layers (not the batch: there is one sentence), `h` the heads
+# of each layer.
 #
 # | kind | queries (rows) | keys (columns) | shape |
 # |---|---|---|---|
@@ -436,7 +438,10 @@ save_chart(attention_chart(maps, "decoder self"), "04_decoder_self", FIGURES)
 #
 # Here is that chart of the model on record (the `cpu` model stopped
 # after 10 epochs), as `make site` saved it. On Colab, where this picture
-# does not load, open it [on GitHub][github].
+# does not load, open it [on GitHub][github]. It was saved before the
+# charts labelled each row with the word it predicts, so its rows show
+# only the word read: the row that predicts "brown" is the one labelled
+# "A", and the row that predicts "." is the second "dog".
 #
 # ![The trained cpu model's decoder-source attention, last layer][chart]
 #
@@ -518,12 +523,11 @@ else:
     print(SKIPPED)
 
 # %% [markdown]
-# Back to the two dogs. For each English position whose next token is
-# "dog", the weight that decoder–source attention puts on each "Hund",
-# averaged over the heads of a layer, next to the $1/S$ of a uniform
-# spread. A layer that tells the copies apart weights the first "Hund"
-# more for the first "dog", and the second for the second, and prints
-# `apart: True`.
+# Back to the two dogs. For each layer, the cell prints the weight that
+# each row predicting "dog" puts on each "Hund", averaged over the heads,
+# with $1/S$ (the weight of a uniform spread) for scale. A layer that
+# tells the copies apart weights the first "Hund" more for the first
+# "dog", and the second for the second, and prints `apart: True`.
 #
 # **Check.** In the chart on record, the last layer tells the two dogs
 # apart. The cell asserts it when a trained model is loaded.
@@ -738,14 +742,17 @@ assert not torch.allclose(dropped.sum(-1), clean.sum(-1))
 # We use the proportional one: row $i$ meets column $j = i\,(S-1)/(T-1)$,
 # so that the first row (`<s>`) meets the German `<s>` and the last row
 # meets the German `</s>`.
-# It is the *word alignment* (which source word each target word
+# Think of it as the word alignment (which German word each English word
 # translates) of a translation that keeps the word order and stretches it
-# evenly, for the English word a row *reads*; the word it predicts sits
-# up to one column later (see below). For scale: a head that always
-# reads its neighbour scores a distance of 1, and one that spreads its
-# weight evenly over $S$ keys about $S/3$. `_diagonal` rescales each row
-# position $i$ into column units, so that the diagonal is where $j$
-# equals it.
+# evenly. The German word a row is about to translate then lies 0 to 1
+# columns to the right of the diagonal: 1 at the start of the sentence,
+# 0 at the end (the example below works it out).
+#
+# For scale: a head that always reads its neighbour scores a distance of
+# 1, and one that spreads its weight evenly over $S$ keys about $S/3$.
+# `_diagonal` turns each row number $i$ into the column the diagonal
+# meets, $i\,(S-1)/(T-1)$, so that the diagonal is where $j$ equals that
+# number.
 
 
 # %%
@@ -788,9 +795,9 @@ def _diagonal(v, kind):
 # row 1, and it is also a special token. Weight more than one position
 # from the diagonal, on a word, is in no share at all.
 #
-# In decoder–source attention, `distance` uses the proportional diagonal
-# defined above as it is; only the three shares round it to the nearest
-# position. Row $i$ predicts English token $i+1$, so a head that reads
+# In decoder–source attention, `distance` uses the diagonal's exact,
+# fractional column; the three shares round it to the nearest column
+# first. Row $i$ predicts English token $i+1$, so a head that reads
 # the German word being translated, in a translation that keeps the word
 # order, looks up to one place *after* the diagonal.
 #
@@ -1050,7 +1057,8 @@ for kind in ATTENTION_KINDS:
 # 47% of the time with the last layer, and 66% with the weights averaged
 # over every head of every layer. We use the average.
 #
-# Greedy decoding does not record attention, so `source_alignment` runs
+# `batch_greedy_decode` keeps no weights (it takes the fused attention
+# path), so `source_alignment` runs
 # the decoder once more over the finished output, inside
 # `record_attention`. The section "Can we trust these pictures?" showed,
 # for `attention_maps`, that such a pass gives the weights greedy
@@ -1094,7 +1102,10 @@ def source_alignment(model, src, src_mask, out, layers=None):
 # %%
 #| export
 def replace_unknowns(ids, aligned, src_words, vocab_tgt):
-    """Output tokens, each <unk> replaced by the source word it read most."""
+    """Output tokens, each <unk> replaced by the source word it read most.
+
+    ids: the output's token ids after <s>; aligned: for each of them, the
+    source position its row read most."""
     tokens = vocab_tgt.lookup_tokens(ids)
     for k, token_id in enumerate(ids):  # ids[k] is out[k + 1]: row k wrote it
         if token_id != UNK:

@@ -18,7 +18,8 @@
 # a sentence or two each, pieces that a minimal implementation of the
 # model leaves out; we add them, and one piece of our own:
 #
-# 1. **Fast decoding** (ours). The paper does not say how a decoding step
+# 1. **Fast decoding** (not in the paper; a standard technique, not our
+#    invention). The paper does not say how a decoding step
 #    is computed, but real implementations keep the keys and values of
 #    past positions instead of recomputing them. We add such a cache.
 # 2. **Beam search** with beam size 4 and a length penalty $\alpha = 0.6$
@@ -294,9 +295,8 @@ def cached_self_attention(attn, x, cache, i):
 # the final norm and the generator. The new token is the only one we
 # embed, so its positional encoding is read from the `pe` buffer at its
 # own position. At step $t$ the loop below feeds token $t - 1$ and asks
-# for token $t$. In `decode_step`, `pos` is the position of the token
-# fed, $t - 1$, which equals `cache.length`, the number of tokens fed
-# before it.
+# for token $t$. `cache.length` counts the tokens fed so far, so it is
+# also the position of the token fed now; `decode_step` calls it `pos`.
 
 
 # %%
@@ -361,9 +361,9 @@ def cached_greedy_decode(
         word = logp.argmax(dim=-1)  # (R,)
         out[rows, t] = word
         running = word != end_symbol  # (R,) one flag per cache row
-        if not running.all():
-            if not running.any():
-                break
+        if not running.any():
+            break  # every sentence has ended
+        if not running.all():  # some ended: drop their rows
             rows = rows[running]  # still indices into out's B rows
             # The cache counts only its own R rows, 0 to R - 1:
             cache.select(running.nonzero().squeeze(1))  # cache rows
@@ -374,7 +374,8 @@ def cached_greedy_decode(
 # **See, it matches.** We teacher-force the tokens that greedy decoding
 # chose and compare, at every step, the log-probabilities of the cached
 # step with those of the full decoder run over the whole prefix. They
-# agree to within 1e-4: float32 rounding, summed in another order. Then the
+# agree to within 1e-4: the two paths add the same numbers in a different
+# order, and float32 rounds each order a little differently. Then the
 # contract: `cached_greedy_decode` returns exactly what `batch_greedy_decode`
 # does, `<blank>`s included. And the tokens agree with `greedy_decode` run on
 # one unpadded sentence at a time, up to its first `</s>` (it never stops
@@ -493,7 +494,10 @@ def length_penalty(length, alpha=0.6):
 
 
 def beam_candidates(logp, logp_sum, lengths, finished, alpha):
-    """The best extensions of each hypothesis: score, log P, token, length."""
+    """The best extensions of each hypothesis.
+
+    Returns the candidates' scores, log P and tokens, each (A, k * c),
+    and the hypotheses' lengths after this step, (A, k)."""
     A, k, V = logp.shape  # (sentences, beams, vocabulary)
     c = min(k, V)  # candidates kept per hypothesis: all that can win
     logp, word = logp.topk(c, dim=-1)  # (A, k, c)
@@ -544,10 +548,11 @@ class Beams(NamedTuple):
 # %% [markdown]
 # One step: score the candidates, keep the $k$ best of each sentence, and
 # copy the tokens of each survivor's *parent*, the hypothesis it extends.
-# `advance_beams` also returns the parents, which the cache needs (the
-# cache holds the keys and values of the tokens fed so far, and those are
-# the parent's), and
-# the scores of the hypotheses that ended at this step. A running
+# `advance_beams` returns the new beams, each survivor's parent (the cache
+# must keep the parent's keys and values), and the scores of the
+# hypotheses that ended at this step.
+#
+# Why keep those scores? A running
 # hypothesis's score usually falls as it grows, since each token adds a
 # negative log-probability. So a running hypothesis can outscore a
 # finished one now, push it out of the beam, and still end below it.
@@ -773,7 +778,7 @@ toy = torch.tensor(
         [0.00, 0.40, 0.00, 0.30, 0.30],  # after a
         [0.00, 0.90, 0.00, 0.05, 0.05],  # after b
     ]
-).clamp_min(1e-9)
+).clamp_min(1e-9)  # no exact 0, whose log would be -inf
 want = {1: (["a", "</s>"], 0.20), 2: (["b", "</s>"], 0.36)}
 for k, (want_tokens, want_p) in want.items():
     out = beam_search_steps(
@@ -942,10 +947,9 @@ assert math.isclose(score_by_hand, in_batch, abs_tol=1e-3)
 # characters can be written, so `<unk>` all but disappears.
 #
 # `BpeVocab` wraps a trained HuggingFace `tokenizers` model with the parts
-# of `Vocab`'s interface that training and translation use. Part 3's
-# `encode_text` sends raw text to any vocabulary that has an `encode`
-# method, instead of spaCy tokens: the spaCy tokenizer that callers still
-# pass along is then ignored. Checkpoints store the vocabulary's JSON, so
+# of `Vocab`'s interface that training and translation use. If a
+# vocabulary has an `encode` method, Part 3's `encode_text` gives it the
+# raw sentence and skips spaCy. Checkpoints store the vocabulary's JSON, so
 # loading, translating and the command line work on BPE models unchanged.
 # The four specials keep ids 0–3.
 
@@ -1202,9 +1206,8 @@ else:
 # at training time.
 #
 # Our checkpoints are further apart: one per epoch, and a `cpu` run has
-# 18 epochs, so the last 5 span
-# roughly the last quarter to half of training,
-# where the paper's last 5 span under an hour of a 12-hour run. Whether
+# 18 epochs, so the last 5 span more than a quarter of training, where
+# the paper's last 5 span under an hour of a 12-hour run. Whether
 # their mean helps depends on whether the model had stopped improving by
 # then. A `quick` run has only 5 epochs, so its last 5 are all of its
 # training, from the first epoch on: in a full run of this notebook, with
@@ -1337,44 +1340,40 @@ for decoder_name, fn in DECODERS.items():
 # (`results/make_notebook.md`). Every row is scored on the 1000 test
 # sentences, with beam search at the lesson's $\alpha = 0.6$.
 #
-# BLEU; "+ avg": the average of the last 5 epoch checkpoints; "—": not
-# measured (those records scored the BPE models greedily and with beam 4
-# plus averaging only).
+# BLEU; "+ avg": beam 4 on the average of the last 5 epoch checkpoints;
+# "—": not measured (those records scored the BPE models greedily and
+# with beam 4 plus averaging only). "Precision" is the one training ran
+# in (fp32: float32). `<unk>` says whether the word models' `<unk>`
+# tokens were replaced by copied German words (Part 4) or kept; BPE
+# models have almost none.
 #
-# | run | model | epochs | greedy | beam 4 | beam 4 + avg |
-# |---|---|---:|---:|---:|---:|
-# | A | words, `cpu` | 18 | 37.51 | 38.14 | 40.19 |
-# | B | BPE, `cpu-bpe` | 14 | 36.89 | — | 38.99 |
-# | C | words, `cpu` | 10 | 37.97 | 39.29 | 38.09 |
-# | D | BPE, `cpu-bpe` | 8 | 33.59 | — | 33.76 |
-# | `make notebook`, float32 | words, `quick` | 5 | 37.03 | 38.40 | 33.64 |
-# | `make notebook`, bf16 | words, `quick` | 5 | 36.95 | 37.46 | 33.59 |
+# | run | model | epochs | precision | `<unk>` | greedy | beam 4 | + avg |
+# |---|---|---:|---|---|---:|---:|---:|
+# | A | words, `cpu` | 18 | bf16 | kept | 37.51 | 38.14 | 40.19 |
+# | B | BPE, `cpu-bpe` | 14 | bf16 | — | 36.89 | — | 38.99 |
+# | C | words, `cpu` | 10 | fp32 | replaced | 37.97 | 39.29 | 38.09 |
+# | D | BPE, `cpu-bpe` | 8 | fp32 | — | 33.59 | — | 33.76 |
+# | `make notebook` | `quick` | 5 | fp32 | replaced | 37.03 | 38.40 | 33.64 |
+# | `make notebook` | `quick` | 5 | bf16 | replaced | 36.95 | 37.46 | 33.59 |
 #
 # A and B: [results/beyond.md](../results/beyond.md); C and D:
 # [results/beyond_site_full.md](../results/beyond_site_full.md);
 # `make notebook`: [results/make_notebook.md](../results/make_notebook.md).
 #
 # Match your run to a row by the preset and the number of epochs in the
-# `model:` lines printed above. A full run of this notebook on one of
-# those models should print scores near its row. The rows differ in
-# epochs and in precision. A config's `"precision": "bf16"` asks for
-# bf16 only where the CPU has it natively, and float32 elsewhere:
+# `model:` lines printed above, and by the precision that the first line
+# of notebook 03's training cell printed. A full run of this notebook on
+# one of those models should print scores near its row. Run C is a
+# second, shorter `cpu` run (`docs/results.md` describes each run).
+# Run A's record was made before `<unk>` replacement existed; measured on
+# run C's model, keeping `<unk>` cost 0.87 greedy BLEU and 0.17 with beam
+# 4 and averaging (`results/unk_replacement.md`).
 #
-# - runs A and B: their configs ask for bf16, and run A's CPU had it
-#   natively (`results/multi30k_cpu.json`). Their record was made before
-#   `<unk>` replacement existed, so run A's word model keeps `<unk>`.
-#   Measured on run C's model, keeping `<unk>` cost 0.87 greedy BLEU and
-#   0.17 with beam 4 and averaging (`results/unk_replacement.md`);
-# - runs C and D: float32, with `<unk>` replaced. Their configs say
-#   `"precision": "bf16"`, but their CPU had no native bf16 (the `note`
-#   in `results/multi30k_cpu_fp32_10ep.json` says so);
-# - `make notebook`: with `<unk>` replaced. Its first three runs trained
-#   `quick` in float32; its later runs, on CPUs with native bf16, in bf16.
-#
-# The training precision moves these scores by up to about 1 BLEU: the
-# two `make notebook` rows are the same recipe, in float32 and in bf16.
-# The first line that notebook 03's training cell prints names the
-# device and the precision of your run. A run on a GPU will differ too.
+# The two `make notebook` rows are the same recipe, trained in float32
+# and in bf16 (the bf16 runs also came after a change that sums the loss
+# in float32). They differ by 0.08 greedy BLEU and 0.94 with beam 4: one
+# pair of runs, which cannot say how much of that is the precision and
+# how much is chance. A run on a GPU will differ too.
 #
 # Beam search scored above greedy decoding for every word model in the
 # table.
