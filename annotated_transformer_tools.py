@@ -892,6 +892,8 @@ def hardware_summary():
             torch.cuda.get_device_name(i)
             for i in range(torch.cuda.device_count())
         ]
+    elif torch.backends.mps.is_available():  # a Mac's GPU
+        info["mps"] = True
     return info
 
 

@@ -190,9 +190,10 @@ class DecoderLayer(nn.Module):
         return self.ff_block(x, self.feed_forward)
 
 
-def subsequent_mask(size):
+def subsequent_mask(size, device=None):
     """(1, size, size) bool mask, True where key position <= query."""
-    return torch.ones(1, size, size, dtype=torch.bool).tril()
+    # Made on `device` itself: a copy from the CPU would stall a GPU.
+    return torch.ones(1, size, size, dtype=torch.bool, device=device).tril()
 
 
 # -----------------------------------------------------------------------------
@@ -398,7 +399,7 @@ class Batch:
     def make_std_mask(tgt, pad):
         """Hide padding and future positions: (B, T) to (B, T, T)."""
         real = (tgt != pad).unsqueeze(-2)  # (B, 1, T)
-        return real & subsequent_mask(tgt.size(-1)).to(tgt.device)
+        return real & subsequent_mask(tgt.size(-1), tgt.device)
 
     def to(self, device):
         """Move every tensor of the batch to a device, in place."""
@@ -581,7 +582,7 @@ def greedy_decode(model, src, src_mask, max_len, start_symbol):
     memory = model.encode(src, src_mask)  # (B, S, d_model)
     ys = src.new_full((src.size(0), 1), start_symbol)  # (B, 1)
     for _ in range(max_len - 1):
-        mask = subsequent_mask(ys.size(1)).to(src.device)  # (1, t, t)
+        mask = subsequent_mask(ys.size(1), src.device)  # (1, t, t)
         out = model.decode(memory, src_mask, ys, mask)  # (B, t, d_model)
         next_word = model.generator(out[:, -1]).argmax(dim=-1)  # (B,)
         ys = torch.cat([ys, next_word.unsqueeze(1)], dim=1)
@@ -1129,7 +1130,7 @@ def batch_greedy_decode(
     ys = torch.full_like(src[:, :1], start_symbol)  # (B, 1)
     done = torch.zeros_like(ys[:, 0], dtype=torch.bool)  # (B,)
     for _ in range(max_len - 1):
-        tgt_mask = subsequent_mask(ys.size(1)).to(src.device)  # (1, t, t)
+        tgt_mask = subsequent_mask(ys.size(1), src.device)  # (1, t, t)
         out = model.decode(memory, src_mask, ys, tgt_mask)  # (B, t, d_model)
         next_word = model.generator(out[:, -1]).argmax(dim=-1)  # (B,)
         next_word = next_word.masked_fill(done, PAD)
@@ -1445,7 +1446,7 @@ def source_alignment(model, src, src_mask, out, layers=None):
     ys = out[:, :-1]  # (B, T): decoder inputs; row t wrote out[:, t + 1]
     # The causal mask alone, not training's make_std_mask: padding in `out`
     # only follows </s>, so no real row sees it, and padded rows are unread.
-    tgt_mask = subsequent_mask(ys.size(1)).to(src.device)  # (1, T, T)
+    tgt_mask = subsequent_mask(ys.size(1), src.device)  # (1, T, T)
     decoder = model.decoder.layers
     chosen = range(len(decoder)) if layers is None else layers
     with record_attention(model):

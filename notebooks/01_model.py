@@ -433,9 +433,10 @@ class DecoderLayer(nn.Module):
 
 # %%
 #| export
-def subsequent_mask(size):
+def subsequent_mask(size, device=None):
     """(1, size, size) bool mask, True where key position <= query."""
-    return torch.ones(1, size, size, dtype=torch.bool).tril()
+    # Made on `device` itself: a copy from the CPU would stall a GPU.
+    return torch.ones(1, size, size, dtype=torch.bool, device=device).tril()
 
 
 # %% [markdown]

@@ -136,7 +136,7 @@ class Batch:
     def make_std_mask(tgt, pad):
         """Hide padding and future positions: (B, T) to (B, T, T)."""
         real = (tgt != pad).unsqueeze(-2)  # (B, 1, T)
-        return real & subsequent_mask(tgt.size(-1)).to(tgt.device)
+        return real & subsequent_mask(tgt.size(-1), tgt.device)
 
     def to(self, device):
         """Move every tensor of the batch to a device, in place."""
@@ -655,7 +655,7 @@ def greedy_decode(model, src, src_mask, max_len, start_symbol):
     memory = model.encode(src, src_mask)  # (B, S, d_model)
     ys = src.new_full((src.size(0), 1), start_symbol)  # (B, 1)
     for _ in range(max_len - 1):
-        mask = subsequent_mask(ys.size(1)).to(src.device)  # (1, t, t)
+        mask = subsequent_mask(ys.size(1), src.device)  # (1, t, t)
         out = model.decode(memory, src_mask, ys, mask)  # (B, t, d_model)
         next_word = model.generator(out[:, -1]).argmax(dim=-1)  # (B,)
         ys = torch.cat([ys, next_word.unsqueeze(1)], dim=1)

@@ -1067,7 +1067,7 @@ def batch_greedy_decode(
     ys = torch.full_like(src[:, :1], start_symbol)  # (B, 1)
     done = torch.zeros_like(ys[:, 0], dtype=torch.bool)  # (B,)
     for _ in range(max_len - 1):
-        tgt_mask = subsequent_mask(ys.size(1)).to(src.device)  # (1, t, t)
+        tgt_mask = subsequent_mask(ys.size(1), src.device)  # (1, t, t)
         out = model.decode(memory, src_mask, ys, tgt_mask)  # (B, t, d_model)
         next_word = model.generator(out[:, -1]).argmax(dim=-1)  # (B,)
         next_word = next_word.masked_fill(done, PAD)

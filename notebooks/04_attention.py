@@ -1079,7 +1079,7 @@ def source_alignment(model, src, src_mask, out, layers=None):
     ys = out[:, :-1]  # (B, T): decoder inputs; row t wrote out[:, t + 1]
     # The causal mask alone, not training's make_std_mask: padding in `out`
     # only follows </s>, so no real row sees it, and padded rows are unread.
-    tgt_mask = subsequent_mask(ys.size(1)).to(src.device)  # (1, T, T)
+    tgt_mask = subsequent_mask(ys.size(1), src.device)  # (1, T, T)
     decoder = model.decoder.layers
     chosen = range(len(decoder)) if layers is None else layers
     with record_attention(model):

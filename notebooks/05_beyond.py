@@ -744,7 +744,7 @@ with torch.no_grad():
     pair_cache = DecoderCache(model, pair_memory, src_mask[:2], group=3)
 keys = pair_cache.cross[0][0]  # layer 0's source keys, (2, h, S, d_k)
 pair_cache.select(torch.tensor([1, 1, 0, 3, 5, 5]))  # both sentences
-assert pair_cache.cross[0][0] is keys  # the source side is unchanged
+assert torch.equal(pair_cache.cross[0][0], keys)  # source side unchanged
 pair_cache.select(torch.tensor([3, 5, 5]))  # sentence 0 has ended
 assert torch.equal(pair_cache.cross[0][0], keys[1:2])  # (1, h, S, d_k)
 assert torch.equal(pair_cache.src_mask, src_mask[1:2].unsqueeze(1))
@@ -856,7 +856,7 @@ def translation_scores(model, src, src_mask, out, alpha=0.6):
     """s(Y) = log P(Y | X) / lp(Y) of each output row of out (B, L)."""
     memory = model.encode(src, src_mask)  # (B, S, d_model)
     ys, target = out[:, :-1], out[:, 1:]  # (B, T) inputs and next tokens
-    tgt_mask = subsequent_mask(ys.size(1)).to(src.device)  # (1, T, T)
+    tgt_mask = subsequent_mask(ys.size(1), src.device)  # (1, T, T)
     hidden = model.decode(memory, src_mask, ys, tgt_mask)  # (B, T, d_model)
     logp = model.generator(hidden)  # (B, T, V)
     logp = logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # (B, T)

@@ -492,10 +492,58 @@ def test_processes_share_the_cores_they_may_use(
     assert device == torch.device("cpu") and asked == [threads]
 
 
+def test_without_sched_getaffinity_every_core_is_usable(monkeypatch):
+    """macOS and Windows have no os.sched_getaffinity."""
+    monkeypatch.delattr(tools.os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(tools.os, "cpu_count", lambda: 10)
+    assert tools.usable_cores() == 10
+    monkeypatch.setattr(tools.os, "cpu_count", lambda: None)
+    assert tools.usable_cores() == 1
+
+
+@pytest.mark.parametrize(
+    "device, rank, expected",
+    [("cuda", 1, "cuda:1"), ("cuda", 0, "cuda:0"), ("cpu", 1, "cpu")],
+)
+def test_a_spawned_process_takes_the_gpu_of_its_rank(
+    device, rank, expected, monkeypatch
+):
+    """mp.spawn's processes start afresh, so this runs the spawned
+    function in this process, with train_worker recording its device."""
+    got = {}
+
+    def worker(rank, world_size, *args, device=None, **kwargs):
+        got.update(rank=rank, device=device)
+
+    monkeypatch.setattr(tools, "train_worker", worker)
+    specials = list(tat.SPECIALS)
+    config = vars(tools.get_config("ci"))
+    tools._spawned_worker(
+        rank, 2, [specials] * 2, [None] * 2, config, 29500, False, device
+    )
+    assert got == {"rank": rank, "device": expected}
+
+
+@pytest.mark.parametrize(
+    "machine, keys",
+    [("no GPU", set()), ("one T4", {"gpus"}), ("a Mac", {"mps"})],
+    indirect=["machine"],
+)
+def test_the_hardware_summary_names_the_accelerator(machine, keys):
+    """A results file says where it trained: the GPUs, or a Mac's MPS."""
+    summary = tools.hardware_summary()
+    assert {"cpu", "cpu_threads", "torch"} <= summary.keys()
+    assert summary.keys() & {"gpus", "mps"} == keys
+
+
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize(
     "machine, device, pinned",
-    [("no GPU", "cpu", False), ("one T4", "cuda:0", True)],
+    [
+        ("no GPU", "cpu", False),
+        ("one T4", "cuda:0", True),
+        ("a Mac", "mps", False),
+    ],
     indirect=["machine"],
 )
 def test_worker_pins_memory_on_cuda_and_always_leaves_the_group(
@@ -636,6 +684,48 @@ def test_run_epoch_reads_the_loss_once(monkeypatch):
     assert isinstance(loss, float) and loss > 0
 
 
+def test_a_float16_run_steps_through_its_grad_scaler():
+    """A T4's path: float16 autocast with a GradScaler. A step whose
+    gradients overflowed is skipped and the scale halves; the others step.
+    The CPU's float16 autocast and GradScaler stand in for the GPU's."""
+    torch.manual_seed(0)
+    model = tat.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
+    gen = torch.Generator().manual_seed(0)
+    batches = list(tat.data_gen(11, 4, 2, generator=gen))
+    crit = tat.LabelSmoothing(11, 0, smoothing=0.1)
+    plain = tat.SimpleLossCompute(model.generator, crit)
+    calls = []
+
+    def overflow_second(out, y, norm):
+        loss_sum, loss_mean = plain(out, y, norm)
+        calls.append(len(calls))
+        if len(calls) == 2:  # the second batch's gradients are inf
+            return loss_sum, loss_mean * float("inf")
+        return loss_sum, loss_mean
+
+    opt, _ = tat.make_optimizer(model, 16, warmup=5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    fp16 = lambda: torch.autocast("cpu", dtype=torch.float16)
+    flat = lambda: torch.cat(
+        [p.detach().flatten() for p in model.parameters()]
+    )
+    weights = [flat()]
+
+    def one_batch(batch):
+        tat.run_epoch(
+            [batch], model, overflow_second, opt, scaler=scaler, autocast=fp16
+        )
+        weights.append(flat())
+
+    one_batch(batches[0])
+    assert not torch.equal(weights[1], weights[0])  # stepped
+    assert scaler.get_scale() == 2.0**16
+    one_batch(batches[1])
+    assert torch.equal(weights[2], weights[1])  # skipped: inf gradients
+    assert scaler.get_scale() == 2.0**15  # halved
+    assert torch.isfinite(weights[2]).all()
+
+
 def test_device_batch_equals_batch():
     gen = torch.Generator().manual_seed(0)
     src = torch.randint(4, 30, (5, 9), generator=gen)
@@ -675,6 +765,50 @@ def test_batches_copy_asynchronously_only_to_a_cuda_gpu(
     monkeypatch.undo()
     assert len(copies) >= 7  # five tensors of the Batch, two of device_batch
     assert copies == [asynchronous] * len(copies)
+
+
+def recorded_copies(monkeypatch):
+    """Record every Tensor.to that names a device, and still copy."""
+    copies = []
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        target = args[0] if args else kwargs.get("device")
+        if isinstance(target, (str, torch.device)):
+            copies.append((torch.device(target), tuple(self.shape)))
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    return copies
+
+
+def test_a_batchs_masks_are_made_on_its_device_not_copied(monkeypatch):
+    """On a GPU a copy from the CPU that is not asynchronous waits for the
+    GPU's queued work: the masks of every batch must be made where the
+    batch is. The meta device stands in for the GPU."""
+    src = torch.randint(4, 30, (3, 7))
+    tgt = torch.randint(4, 30, (3, 9))
+    copies = recorded_copies(monkeypatch)
+    batch = tools.device_batch(src, tgt, "meta")
+    monkeypatch.undo()
+    meta = torch.device("meta")
+    assert copies == [(meta, (3, 7)), (meta, (3, 9))]  # src and tgt only
+    assert batch.src_mask.device == batch.tgt_mask.device == meta
+    assert tat.subsequent_mask(4, meta).device == meta
+
+
+def test_decoding_makes_no_copies_per_step(monkeypatch):
+    """Each greedy step's causal mask is made on the source's device."""
+    torch.manual_seed(0)
+    model = tat.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2).eval()
+    src = torch.randint(3, 11, (2, 6))
+    src_mask = (src != tat.PAD).unsqueeze(-2)
+    copies = recorded_copies(monkeypatch)
+    with torch.no_grad():
+        tat.greedy_decode(model, src[:1], src_mask[:1], 8, tat.BOS)
+        tat.batch_greedy_decode(model, src, src_mask, 8)
+    monkeypatch.undo()
+    assert copies == []
 
 
 def test_a_models_weights_are_all_float32():
