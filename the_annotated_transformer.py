@@ -1487,8 +1487,7 @@ def replace_unknowns(ids, aligned, src_words, vocab_tgt):
 class DecoderCache:
     """Per-layer keys and values that incremental decoding reuses."""
 
-    def __init__(self, model, memory, src_mask, group=1):
-        self.group = group  # rows (hypotheses) per sentence
+    def __init__(self, model, memory, src_mask):
         self.src_mask = src_mask.unsqueeze(1)  # (B, 1, 1, S)
         self.cross = [
             [
@@ -1502,18 +1501,18 @@ class DecoderCache:
 
     def select(self, index):
         """Keep the rows `index` (R',) of every cached tensor, in order."""
+        self.keep_rows(index)
+        self.keep_sentences(index)  # here a row is a sentence
+
+    def keep_rows(self, index):
+        """Keep the rows `index` (R',) of the self-attention cache."""
         self.self_kv = [
             None if kv is None else [x.index_select(0, index) for x in kv]
             for kv in self.self_kv
         ]
-        # The kept rows come in runs of `group`, one run per sentence; the
-        # first row of a run, divided by `group`, is its sentence.
-        first_rows = index[:: self.group]  # (R' / group,)
-        sentences = first_rows // self.group  # (R' / group,)
-        everyone = torch.arange(self.src_mask.size(0), device=index.device)
-        if torch.equal(sentences, everyone):
-            return  # every sentence still decoding: source side unchanged
-        # Some sentences were dropped: keep the source side of the others.
+
+    def keep_sentences(self, sentences):
+        """Keep the source side of the sentences `sentences` (B',)."""
         self.src_mask = self.src_mask.index_select(0, sentences)
         self.cross = [
             [x.index_select(0, sentences) for x in kv] for kv in self.cross
@@ -1528,10 +1527,9 @@ def attend_step(attn, x, k, v, mask=None):
     R = x.size(0)
     kv_rows = k.size(0)
     group = R // kv_rows  # rows per set of keys and values
-    # (R, 1, d) -> (kv_rows, group, d): the group rows of a sentence become
-    # its queries, so one copy of the source's keys and values serves all.
-    # With group == 1 (greedy decoding, or self-attention) the reshape
-    # changes nothing.
+    # (R, 1, d) -> (kv_rows, group, d). In greedy decoding, and in any
+    # self-attention, group is 1 and the reshape changes nothing; beam
+    # search (section 2) needs it.
     queries = x.reshape(kv_rows, group, x.size(-1))
     q = attn.split_heads(queries, attn.w_q)  # (kv_rows, h, group, d_k)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -1740,6 +1738,24 @@ def beam_search_steps(
     return out[:, : t + 1]  # (B, <= max_len)
 
 
+class BeamCache(DecoderCache):
+    """A DecoderCache with `group` rows (hypotheses) per sentence."""
+
+    def __init__(self, model, memory, src_mask, group):
+        super().__init__(model, memory, src_mask)
+        self.group = group  # rows per sentence
+
+    def select(self, index):
+        """Keep the rows `index` (R',), given in runs of `group` rows per
+        sentence, and the source side of those sentences."""
+        self.keep_rows(index)
+        first_rows = index[:: self.group]  # (R' / group,)
+        sentences = first_rows // self.group  # (R' / group,)
+        everyone = torch.arange(self.src_mask.size(0), device=index.device)
+        if not torch.equal(sentences, everyone):  # some sentences ended
+            self.keep_sentences(sentences)
+
+
 @torch.no_grad()
 def beam_search(
     model,
@@ -1753,7 +1769,7 @@ def beam_search(
 ):
     """Batched beam search with a length penalty; (B, L) best ids."""
     memory = model.encode(src, src_mask)  # (B, S, d_model)
-    cache = DecoderCache(model, memory, src_mask, group=beam_size)
+    cache = BeamCache(model, memory, src_mask, group=beam_size)
     step = lambda ys: decode_step(model, ys, cache)  # (B*k, 1) -> (B*k, V)
     return beam_search_steps(
         step,
@@ -1955,6 +1971,7 @@ __all__ = [
     "advance_beams",
     "keep_best",
     "beam_search_steps",
+    "BeamCache",
     "beam_search",
     "BpeVocab",
     "BPE_VOCAB_SIZE",

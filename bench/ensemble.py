@@ -43,7 +43,7 @@ def ensemble_beam_search(
     """Part 5's beam search, stepping every model and averaging their
     probabilities; one model gives exactly `beam_search`."""
     caches = [
-        tat.DecoderCache(m, m.encode(src, src_mask), src_mask, group=beam_size)
+        tat.BeamCache(m, m.encode(src, src_mask), src_mask, group=beam_size)
         for m in models
     ]
 

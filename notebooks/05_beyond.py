@@ -199,13 +199,11 @@ src_mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
 # into the heads, `(B, h, T, d_k)`.
 #
 # In the shapes below, $R$ is the number of rows (partial translations)
-# in the batch. `select(index)` keeps the $R'$ rows that `index` lists:
-# greedy decoding uses it to drop the sentences that have finished.
-# `group`, the number of rows per sentence, is 1 for greedy decoding, so
-# here a row is a sentence, and the lines of `select` that divide by
-# `group` (like the reshape in `attend_step`, below) change nothing. They
-# matter only for beam search: section 2 explains them, with an example
-# of `select` with `group=3`.
+# in the batch; in greedy decoding a row is a sentence. `select(index)`
+# keeps the $R'$ rows that `index` lists, in the target-side cache and in
+# the source side: greedy decoding uses it to drop the sentences that
+# have finished. (Beam search, in section 2, gives each sentence several
+# rows; its own cache, `BeamCache`, extends this one.)
 
 
 # %%
@@ -213,8 +211,7 @@ src_mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
 class DecoderCache:
     """Per-layer keys and values that incremental decoding reuses."""
 
-    def __init__(self, model, memory, src_mask, group=1):
-        self.group = group  # rows (hypotheses) per sentence
+    def __init__(self, model, memory, src_mask):
         self.src_mask = src_mask.unsqueeze(1)  # (B, 1, 1, S)
         self.cross = [
             [
@@ -228,18 +225,18 @@ class DecoderCache:
 
     def select(self, index):
         """Keep the rows `index` (R',) of every cached tensor, in order."""
+        self.keep_rows(index)
+        self.keep_sentences(index)  # here a row is a sentence
+
+    def keep_rows(self, index):
+        """Keep the rows `index` (R',) of the self-attention cache."""
         self.self_kv = [
             None if kv is None else [x.index_select(0, index) for x in kv]
             for kv in self.self_kv
         ]
-        # The kept rows come in runs of `group`, one run per sentence; the
-        # first row of a run, divided by `group`, is its sentence.
-        first_rows = index[:: self.group]  # (R' / group,)
-        sentences = first_rows // self.group  # (R' / group,)
-        everyone = torch.arange(self.src_mask.size(0), device=index.device)
-        if torch.equal(sentences, everyone):
-            return  # every sentence still decoding: source side unchanged
-        # Some sentences were dropped: keep the source side of the others.
+
+    def keep_sentences(self, sentences):
+        """Keep the source side of the sentences `sentences` (B',)."""
         self.src_mask = self.src_mask.index_select(0, sentences)
         self.cross = [
             [x.index_select(0, sentences) for x in kv] for kv in self.cross
@@ -266,10 +263,9 @@ def attend_step(attn, x, k, v, mask=None):
     R = x.size(0)
     kv_rows = k.size(0)
     group = R // kv_rows  # rows per set of keys and values
-    # (R, 1, d) -> (kv_rows, group, d): the group rows of a sentence become
-    # its queries, so one copy of the source's keys and values serves all.
-    # With group == 1 (greedy decoding, or self-attention) the reshape
-    # changes nothing.
+    # (R, 1, d) -> (kv_rows, group, d). In greedy decoding, and in any
+    # self-attention, group is 1 and the reshape changes nothing; beam
+    # search (section 2) needs it.
     queries = x.reshape(kv_rows, group, x.size(-1))
     q = attn.split_heads(queries, attn.w_q)  # (kv_rows, h, group, d_k)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -666,11 +662,9 @@ def beam_search_steps(
 
 
 # %% [markdown]
-# `beam_search` connects it to the model through a `DecoderCache` with
-# `group=k`, whose `select` follows each surviving hypothesis back to its
-# parent's row. It has the signature of the greedy decoders, so
-# `translate_batch(..., decode_fn=functools.partial(beam_search,
-# beam_size=4))` translates with it.
+# `beam_search` connects it to the model through a `BeamCache`: section
+# 1's `DecoderCache`, with `group = k` rows per sentence, whose `select`
+# follows each surviving hypothesis back to its parent's row.
 #
 # Here a sentence has `group` rows, one per hypothesis, and they share
 # one copy of the sentence's source keys and values. So the cache has
@@ -692,6 +686,33 @@ def beam_search_steps(
 # the keys and values of the tokens fed so far, and those are the
 # parent's: the survivor's own new token is fed at the next step.
 #
+# So `BeamCache.select` keeps the rows it is given, as before, but the
+# source side by sentence: the first row of each run of `group`, divided
+# by `group`, is the run's sentence. While every sentence is still
+# searching, the source side stays as it is.
+
+
+# %%
+#| export
+class BeamCache(DecoderCache):
+    """A DecoderCache with `group` rows (hypotheses) per sentence."""
+
+    def __init__(self, model, memory, src_mask, group):
+        super().__init__(model, memory, src_mask)
+        self.group = group  # rows per sentence
+
+    def select(self, index):
+        """Keep the rows `index` (R',), given in runs of `group` rows per
+        sentence, and the source side of those sentences."""
+        self.keep_rows(index)
+        first_rows = index[:: self.group]  # (R' / group,)
+        sentences = first_rows // self.group  # (R' / group,)
+        everyone = torch.arange(self.src_mask.size(0), device=index.device)
+        if not torch.equal(sentences, everyone):  # some sentences ended
+            self.keep_sentences(sentences)
+
+
+# %% [markdown]
 # A small example of `select`: with $B = 2$ sentences and `group=3`, rows
 # 0–2 belong to sentence 0 and rows 3–5 to sentence 1. After a step,
 # `select([1, 1, 0, 3, 5, 5])` says that sentence 0's three new
@@ -701,7 +722,25 @@ def beam_search_steps(
 # both sentences are still there, so the source keys and values stay as
 # they are. Once all of sentence 0's hypotheses have ended,
 # `select([3, 5, 5])` keeps only sentence 1's rows, and only its source
-# side.
+# side. Here it is on a real cache for the first two sentences of our
+# batch; nothing has been decoded yet, so only the source side is there
+# to keep.
+
+# %%
+with torch.no_grad():
+    pair_memory = model.encode(src[:2], src_mask[:2])  # (2, S, d_model)
+    pair_cache = BeamCache(model, pair_memory, src_mask[:2], group=3)
+keys = pair_cache.cross[0][0]  # layer 0's source keys, (2, h, S, d_k)
+pair_cache.select(torch.tensor([1, 1, 0, 3, 5, 5]))  # both sentences
+assert torch.equal(pair_cache.cross[0][0], keys)  # source side unchanged
+pair_cache.select(torch.tensor([3, 5, 5]))  # sentence 0 has ended
+assert torch.equal(pair_cache.cross[0][0], keys[1:2])  # (1, h, S, d_k)
+assert torch.equal(pair_cache.src_mask, src_mask[1:2].unsqueeze(1))
+
+# %% [markdown]
+# `beam_search` has the signature of the greedy decoders, so
+# `translate_batch(..., decode_fn=functools.partial(beam_search,
+# beam_size=4))` translates with it.
 
 
 # %%
@@ -719,7 +758,7 @@ def beam_search(
 ):
     """Batched beam search with a length penalty; (B, L) best ids."""
     memory = model.encode(src, src_mask)  # (B, S, d_model)
-    cache = DecoderCache(model, memory, src_mask, group=beam_size)
+    cache = BeamCache(model, memory, src_mask, group=beam_size)
     step = lambda ys: decode_step(model, ys, cache)  # (B*k, 1) -> (B*k, V)
     return beam_search_steps(
         step,
@@ -733,21 +772,6 @@ def beam_search(
         device=src.device,
     )
 
-
-# %% [markdown]
-# The example, on a real cache for the first two sentences of our batch.
-# Nothing has been decoded yet, so only the source side is there to keep.
-
-# %%
-with torch.no_grad():
-    pair_memory = model.encode(src[:2], src_mask[:2])  # (2, S, d_model)
-    pair_cache = DecoderCache(model, pair_memory, src_mask[:2], group=3)
-keys = pair_cache.cross[0][0]  # layer 0's source keys, (2, h, S, d_k)
-pair_cache.select(torch.tensor([1, 1, 0, 3, 5, 5]))  # both sentences
-assert torch.equal(pair_cache.cross[0][0], keys)  # source side unchanged
-pair_cache.select(torch.tensor([3, 5, 5]))  # sentence 0 has ended
-assert torch.equal(pair_cache.cross[0][0], keys[1:2])  # (1, h, S, d_k)
-assert torch.equal(pair_cache.src_mask, src_mask[1:2].unsqueeze(1))
 
 # %% [markdown]
 # **See, it matches.** With a beam of one, beam search keeps the single
