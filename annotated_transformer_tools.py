@@ -919,7 +919,9 @@ def cpu_has_native_bf16(cpuinfo="/proc/cpuinfo"):
 
 def choose_precision(device, precision="bf16"):
     """The Precision for training on `device` ("fp32": no autocast)."""
-    # Anything else is refused: "fp16" would otherwise quietly mean bf16.
+    # "bf16": the best 16-bit format this device computes natively
+    # (bfloat16, or float16 on older GPUs). Other values are refused, so
+    # that a typo such as "fp16" cannot quietly pick that branch.
     if precision not in ("bf16", "fp32"):
         raise ValueError(
             f'precision is "bf16" (the fastest this machine does well) or'

@@ -222,7 +222,8 @@ class Encoder(nn.Module):
 #
 # We use this standard form, as `torch.nn.LayerNorm` does. (The 2022
 # tutorial divided by a slightly different standard deviation, one that
-# divides by $d - 1$ instead of $d$.) We write our own small class only
+# divides by $d - 1$ instead of $d$, and added $\epsilon$ to it rather
+# than under the square root.) We write our own small class only
 # to keep the 2022 tutorial's parameter names: the gain $a$ is `a_2` and
 # the bias $b$ is `b_2`.
 #

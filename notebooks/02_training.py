@@ -712,7 +712,7 @@ def copy_accuracy(model, n, V=11, seq_len=10, generator=None):
 #   optimizer steps more than many sequences, so small batches buy more
 #   steps for the same sequences. Batches of 16 learned in fewer seconds
 #   than 8 (which needed more steps) or 32 (whose steps took twice as
-#   long), on our 2-core CPU.
+#   long), on one thread of our 2-core CPU.
 # * **No dropout**: with fresh data in every batch, the model cannot
 #   memorize its training set.
 # * **No label smoothing**: the right next token is certain.
@@ -1110,9 +1110,10 @@ def print_progress(i, state, loss_node, speed, optimizer):
 # multiplying by $k / w$ restores it. The loss total stays a tensor until
 # the end of the epoch (no sync).
 #
-# It logs after batch 1 and then every `log_every` batches (1, 41, 81,
-# ... with the default 40), as the 2022 tutorial did, so that logs
-# compare line for line with it.
+# It logs when `(i - 1) % log_every == 0`, counting batches from 0:
+# batch 1 (the second), then 41, 81, ... with the default 40, as the
+# 2022 tutorial did, so that logs compare line for line with it; and
+# every batch when `log_every` is 1.
 
 
 # %%

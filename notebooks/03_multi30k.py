@@ -951,8 +951,9 @@ assert last < guess
 # read `device: cuda:0 (Tesla T4), float16 autocast with a GradScaler`;
 # if it does not name `cuda`, the runtime has no GPU. Epoch 0's progress
 # bar shows how long an epoch will take there. The T4's float16 path,
-# run on an H100 that reported itself as a T4, gave validation losses
-# within 0.03 of the recorded ones (`docs/gpu.md`). On a T4 a loss that
+# run on an H100 whose compute capability was made to read 7.5 (a T4's),
+# gave validation losses within 0.01 of the recorded ones
+# (`results/gpu_h100_2/fp16_quick.json`). On a T4 a loss that
 # reads `nan` means float16 failed: add `precision="fp32"` to the cell's
 # `get_config(...)`, run `!rm -rf /content/done-right/checkpoints/quick`,
 # and run the cell again (`docs/gpu.md`, "If it fails on a T4 or a
@@ -966,18 +967,22 @@ assert last < guess
 #   `get_config(preset, field=value, ...)` instead.
 # - Stopping the cell part of the way and running it again starts from
 #   the first epoch. To continue from the last finished epoch instead,
-#   run `tools.train_model(*vocabs, *tokenizers, config, device=device,
-#   resume=True)`.
+#   run `history = tools.train_model(*vocabs, *tokenizers, config,
+#   device=device, resume=True)`.
 # - Once `final.pt` exists, the cell uses it, whatever settings trained
 #   it: delete the repository's `checkpoints/quick/` (on Colab
 #   `/content/done-right/checkpoints/quick/`) to train afresh.
 # - On Colab, a disconnect or a reset runtime loses that folder and every
 #   variable: run the notebook again from its first cell. To keep the
-#   model, copy `final.pt` (about 43 MB) to Google Drive (`from
+#   model, copy `final.pt` (about 54 MB) to Google Drive (`from
 #   google.colab import drive; drive.mount("/content/drive")`, then
 #   `!cp /content/done-right/checkpoints/quick/final.pt
-#   /content/drive/MyDrive/`), and in a new runtime copy it back to the
-#   same path before the training cell, which then trains nothing.
+#   /content/drive/MyDrive/`). In a new runtime, after the first (setup)
+#   cell, mount the Drive again and copy it back with `!mkdir -p
+#   /content/done-right/checkpoints/quick && cp
+#   /content/drive/MyDrive/final.pt
+#   /content/done-right/checkpoints/quick/`; the training cell then
+#   trains nothing.
 
 # %%
 preset = "ci" if AT_SIZE == "ci" else "quick"

@@ -16,7 +16,8 @@
 #
 # The paper's results rest on more than the architecture. It mentions, in
 # a sentence or two each, pieces that a minimal implementation of the
-# model leaves out; we add them, and one piece of our own:
+# model leaves out; we add them, and one piece the paper does not
+# mention:
 #
 # 1. **Fast decoding** (not in the paper; a standard technique, not our
 #    invention). The paper does not say how a decoding step
@@ -732,7 +733,7 @@ with torch.no_grad():
     pair_cache = BeamCache(model, pair_memory, src_mask[:2], group=3)
 keys = pair_cache.cross[0][0]  # layer 0's source keys, (2, h, S, d_k)
 pair_cache.select(torch.tensor([1, 1, 0, 3, 5, 5]))  # both sentences
-assert torch.equal(pair_cache.cross[0][0], keys)  # source side unchanged
+assert pair_cache.cross[0][0] is keys  # the same tensor, not even copied
 pair_cache.select(torch.tensor([3, 5, 5]))  # sentence 0 has ended
 assert torch.equal(pair_cache.cross[0][0], keys[1:2])  # (1, h, S, d_k)
 assert torch.equal(pair_cache.src_mask, src_mask[1:2].unsqueeze(1))
@@ -1229,8 +1230,9 @@ else:
 # last batches, and their mean sits nearer its centre. It costs nothing
 # at training time.
 #
-# Our checkpoints are further apart: one per epoch, and a `cpu` run has
-# 18 epochs, so the last 5 span more than a quarter of training, where
+# Our checkpoints are further apart: one per epoch, and a full `cpu` run
+# has 18 epochs, so the last 5 span more than a quarter of training (half
+# of run C's 10, below), where
 # the paper's last 5 span under an hour of a 12-hour run. Whether
 # their mean helps depends on whether the model had stopped improving by
 # then. A `quick` run has only 5 epochs, so its last 5 are all of its

@@ -1259,14 +1259,18 @@ print(summary)
 #   of compute capability 8.0 or more (A100, L4, H100, RTX 30xx and later)
 #   and CPUs with AVX512-BF16 or AMX. bf16 has the range of float32, so no
 #   loss scaling is needed.
-# * **float16 autocast with a `GradScaler`** on older CUDA GPUs, such as
-#   Colab's T4. `torch.cuda.is_bf16_supported()` answers yes on a T4, but
-#   it counts emulation, which is slower than float32. float16 is native
-#   there, but its range is small: the scaler multiplies the loss before
-#   the backward pass so that small gradients do not round to zero, divides
+# * **float16 autocast with a `GradScaler`** on older CUDA GPUs (compute
+#   capability below 8.0), such as Colab's T4.
+#   `torch.cuda.is_bf16_supported()` answers yes on a T4, but it counts
+#   emulation, which is slower than float32. float16 is native on a T4,
+#   but its range is small: the scaler multiplies the loss before the
+#   backward pass so that small gradients do not round to zero, divides
 #   the gradients again before the step, and skips a step whose gradients
-#   overflowed.
-# * **float32** everywhere else: on MPS, and on CPUs without native bf16.
+#   overflowed. (Much older cards, such as the GTX 10xx series, compute
+#   float16 slowly; there `precision="fp32"` is the better choice.)
+# * **float32** everywhere else: on CPUs without native bf16, and on MPS,
+#   where this project never measured or tested 16-bit training (no Mac
+#   was at hand), so it takes the safe default.
 #
 # A config's `precision="fp32"` turns autocast off everywhere. The CPU's
 # flags come from `/proc/cpuinfo` (Linux): torch's public
@@ -1298,7 +1302,9 @@ def cpu_has_native_bf16(cpuinfo="/proc/cpuinfo"):
 
 def choose_precision(device, precision="bf16"):
     """The Precision for training on `device` ("fp32": no autocast)."""
-    # Anything else is refused: "fp16" would otherwise quietly mean bf16.
+    # "bf16": the best 16-bit format this device computes natively
+    # (bfloat16, or float16 on older GPUs). Other values are refused, so
+    # that a typo such as "fp16" cannot quietly pick that branch.
     if precision not in ("bf16", "fp32"):
         raise ValueError(
             f'precision is "bf16" (the fastest this machine does well) or'
@@ -1862,7 +1868,7 @@ def same_run(epoch_history, history):
 #   across processes before each optimizer step, so the copies stay equal.
 #   The processes talk through `torch.distributed`: the NCCL backend
 #   between GPUs, gloo between CPU processes.
-# * **No waiting on the GPU.** Batches are copied from pinned memory
+# * **The CPU never waits for the GPU.** Batches are copied from pinned memory
 #   (page-locked host memory, which the GPU can read while it computes),
 #   so the copy overlaps the computation, and their masks are made on the
 #   GPU. The loss stays on the GPU until the end of the epoch (Part 2's
@@ -1874,9 +1880,11 @@ def same_run(epoch_history, history):
 #
 # `train_worker` calls the library's copies of Part 3's cells, in
 # `the_annotated_transformer.py`, which `make export` writes from
-# `notebooks/03_multi30k.py`. So an edit to a cell of Part 3 reaches its
-# own loop, `train_one_process`, at once, but reaches `train_worker` only
-# once it is exported and the notebook restarted.
+# `notebooks/03_multi30k.py`.
+#
+# So an edit to a cell of Part 3 reaches its own loop,
+# `train_one_process`, at once, but reaches `train_worker` only once it
+# is exported and the notebook restarted.
 #
 # ### Batches for several processes
 #
@@ -2029,28 +2037,29 @@ def backend_for(device):
 #
 # `FastDropout` is an `nn.Dropout` with that mask. In `eval()` mode it
 # returns its input unchanged, as `nn.Dropout` does (the last assert
-# below). On other devices it calls `F.dropout`, as `nn.Dropout` does:
+# below). On devices other than the CPU it calls `F.dropout`, as
+# `nn.Dropout` does:
 # CUDA's dropout is one fused kernel already. `use_fast_dropout` swaps it
 # in for every `nn.Dropout` of a model, in place; dropout has no weights,
 # so checkpoints do not change. `TrainingRun`, below, makes the swap. The
-# lessons' loop, `train_one_process`, keeps `nn.Dropout`, so with dropout
-# on the two draw different masks from the same seed; the test that they
+# lessons' loop, `train_one_process`, keeps `nn.Dropout`, so, with dropout
+# on, the two draw different masks from the same seed; the test that they
 # end with the same weights uses the `ci` preset, which has no dropout.
 #
-# Attention's weights get the mask too, through Part 1's `use_fused`.
-# PyTorch's fused attention kernel for the CPU takes no dropout, so with
+# Attention's weights get the cheap mask too. PyTorch's fused attention
+# kernel for the CPU takes no dropout, so with
 # dropout `scaled_dot_product_attention` on the CPU falls back to its own
 # unfused formula, which draws its own mask. So on the CPU, training with
-# dropout, attention takes Part 1's `attention` instead: the same work,
-# but its dropout is an ordinary module, `self.dropout`, that the swap
-# replaces.
+# dropout, Part 1's `use_fused` sends attention through Part 1's
+# `attention` instead: the same work, but its dropout is an ordinary
+# module, `self.dropout`, that the swap replaces.
 #
-# Timings (`bench/RESULTS_efficiency.md`, a 2-core EPYC with native bf16,
-# `avx512_bf16`, not the one of Part 3's recorded run; the `cpu` model):
-# the new mask made a bf16 training step 1.15 times as fast, and
-# an fp32 step 1.10 times. Sending attention's dropout through it too gave
-# another 1.03 times in bf16 (3880.8 against 3752.7 tok/s), and nothing
-# in fp32.
+# Timings, from one run of `bench/efficiency.py` on a 2-core EPYC with
+# native bf16 (`avx512_bf16`; not the CPU of Part 3's recorded run), on
+# the `cpu` model (`bench/RESULTS_efficiency.md`): the cheap masks,
+# attention's included, made a bf16 training step 1.18 times as fast,
+# and an fp32 step 1.12 times. Of that, attention's dropout gave 1.03
+# times in bf16 (3880.8 against 3752.7 tok/s), and nothing in fp32.
 
 
 # %%
@@ -2335,11 +2344,13 @@ assert symmetric_kl(logp, logp, keep) == 0
 # instead (`torchrun_device`).
 #
 # `TrainingRun` then sets up one process's run. It joins the group when
-# there are several processes, seeds, and builds the model with
-# `FastDropout` (above), wrapped in DDP when there are several processes.
-# It then makes the criterion, `FastLabelSmoothing` (above; `train_epoch`,
-# below, computes the loss), and Part 3's optimizer and schedule for the
-# step budget (`batches_per_epoch`, or `total` steps). Last, it picks the
+# there are several processes, seeds the random number generators, and
+# builds the model with `FastDropout` (above), wrapped in DDP when there
+# are several processes. The criterion is `FastLabelSmoothing`, the
+# appendix's faster loss; `train_epoch`, below, wraps it in a loss
+# computation. The optimizer and schedule are Part 3's, the schedule
+# sized from the epoch's length (`batches_per_epoch`) or, if given, a
+# total number of steps. Last, it picks the
 # precision, with a `GradScaler` where the precision needs one. `module`
 # is the bare model, whose weights checkpoints store, and `model` is what
 # we call, DDP-wrapped when distributed. `params_in_sync` checks at the
@@ -2429,19 +2440,19 @@ def params_in_sync(module):
 
 
 # %% [markdown]
-# Two details of bigger runs wrap each micro-batch, which is why Part 2's
-# `run_epoch` runs it through `micro_step`; these are the meanings of its
-# arguments `hold_sync`, `autocast` and `scaler`:
+# Part 2's `micro_step` takes three arguments that only bigger runs use:
+# `hold_sync`, `autocast` and `scaler`.
 #
-# * **Gradient accumulation under DDP.** Every backward pass of a
-#   DDP-wrapped model averages gradients across processes; micro-batches
-#   that do not step (`hold_sync=True`) skip that inside `model.no_sync()`.
-# * **Autocast.** `autocast` is a function returning a context, entered
+# * **`hold_sync`: gradient accumulation under DDP.** Every backward pass
+#   of a DDP-wrapped model averages gradients across processes;
+#   micro-batches that do not end in an optimizer step (`hold_sync=True`)
+#   skip that inside `model.no_sync()`.
+# * **`autocast`** is a function returning a context, entered
 #   afresh around each micro-batch's forward pass and loss. One region
 #   around a whole epoch would be a silent bug: autocast caches its
 #   low-precision weight copies until the region ends, so later steps
-#   would compute with stale weights. With float16, `run_epoch` also takes
-#   the `GradScaler`.
+#   would compute with stale weights.
+# * **`scaler`**: with float16, the `GradScaler` ("Which precision").
 #
 # `device_batch` builds a `Batch` with its masks made on the device: it copies
 # the two id tensors (asynchronously, from pinned memory) and counts the target
@@ -3658,15 +3669,16 @@ def describe_checkpoint(path):
 # two layers and four heads, in `checkpoints/ci-attention`):
 #
 # - on a CUDA GPU, when `quick` is among the presets asked for, the
-#   `quick` recipe itself, into `root`'s `checkpoints/quick/`: a few
-#   minutes (2.6 on an H100, `results/gpu_explore.md`). This is for
-#   Colab, where each notebook opened from its badge gets a runtime of
-#   its own and never sees the model that Part 3 trained in another;
+#   `quick` recipe itself, into `root`'s `checkpoints/quick/`: 2.6
+#   minutes on an H100 (`results/gpu_explore.md`); on Colab's T4, not
+#   measured. This is for Colab, where each notebook opened from its
+#   badge gets a runtime of its own and never sees the model that Part 3
+#   trained in another;
 # - everywhere else, and always in a CI-sized run, the small `stand_in`,
-#   in seconds, into the stand-in's own `checkpoint_dir`, replacing the
-#   stand-in trained there before without a note. So the notebooks give
-#   it an absolute folder (the working directory need not be `root`),
-#   and each notebook its own (one would clear the other's). On a
+#   in seconds, into the stand-in's own `checkpoint_dir`, replacing any
+#   stand-in trained there before, without warning. So each notebook
+#   gives its stand-in a folder of its own (one would clear the other's),
+#   as an absolute path (the working directory need not be `root`). On a
 #   CPU, `quick` would take a quarter of an hour: run Part 3 first (or
 #   `make notebook`).
 #
