@@ -1586,7 +1586,7 @@ def cached_greedy_decode(
     out[:, 0] = start_symbol  # (B, max_len)
     # rows[r]: the row of `out` (0 to B - 1) that cache row r decodes.
     rows = torch.arange(B, device=src.device)  # (R,) indices into out
-    t = 0
+    t = 0  # the answer's last column, if max_len == 1 skips the loop
     for t in range(1, max_len):
         logp = decode_step(model, out[rows, t - 1 : t], cache)  # (R, V)
         word = logp.argmax(dim=-1)  # (R,)
@@ -1708,7 +1708,7 @@ def beam_search_steps(
     out[:, 0] = start_symbol  # (B, max_len): the answers
     best = torch.full((B,), -math.inf, device=device)  # their scores
     beams = Beams.start(B, k, max_len, start_symbol, device)
-    t = 0
+    t = 0  # the answer's last column, if max_len == 1 skips the loop
     for t in range(1, max_len):
         A = beams.sent.numel()
         logp = step(beams.tokens[:, :, t - 1].reshape(A * k, 1))  # (A*k, V)

@@ -352,7 +352,7 @@ def cached_greedy_decode(
     out[:, 0] = start_symbol  # (B, max_len)
     # rows[r]: the row of `out` (0 to B - 1) that cache row r decodes.
     rows = torch.arange(B, device=src.device)  # (R,) indices into out
-    t = 0
+    t = 0  # the answer's last column, if max_len == 1 skips the loop
     for t in range(1, max_len):
         logp = decode_step(model, out[rows, t - 1 : t], cache)  # (R, V)
         word = logp.argmax(dim=-1)  # (R,)
@@ -632,7 +632,7 @@ def beam_search_steps(
     out[:, 0] = start_symbol  # (B, max_len): the answers
     best = torch.full((B,), -math.inf, device=device)  # their scores
     beams = Beams.start(B, k, max_len, start_symbol, device)
-    t = 0
+    t = 0  # the answer's last column, if max_len == 1 skips the loop
     for t in range(1, max_len):
         A = beams.sent.numel()
         logp = step(beams.tokens[:, :, t - 1].reshape(A * k, 1))  # (A*k, V)
@@ -1328,9 +1328,8 @@ for decoder_name, fn in DECODERS.items():
 #
 # This scores `checkpoints/cpu/final.pt` if `make train` has written it,
 # else the `quick` model, with beam 4 and the paper's $\alpha = 0.6$, as
-# the table below does. Add `--alpha 1.0` for the length penalty that
-# validation preferred (below). Run it from the
-# repository's root folder: the default checkpoints' paths start there.
+# the table below does. Run it from the repository's root folder: the
+# default checkpoints' paths start there.
 # A notebook runs in `notebooks/` (on Colab, in `/content`, above the
 # clone), so in a notebook cell write `!cd {ROOT} && python
 # annotated_transformer_tools.py evaluate --beam 4`. `ROOT`
@@ -1344,8 +1343,8 @@ for decoder_name, fn in DECODERS.items():
 #
 # This averages the last 5 epochs of the `cpu` model that `make train`
 # trains (18 epochs, dropout 0.1). Without that model, the command falls
-# back on the `quick` model. Its 5 epochs are all of its training, and
-# averaging them cost it 3.9 to 4.8 BLEU with beam 4 (the table below).
+# back on the `quick` model, whose averaged epochs score far lower (the
+# averaging section above).
 #
 # On Multi30k's validation split, $\alpha = 1.0$ scored 0.1 to 0.6 BLEU
 # higher than the paper's 0.6 (which the paper tuned on WMT) in every

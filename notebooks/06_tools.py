@@ -2469,10 +2469,12 @@ def params_in_sync(module):
 def device_batch(src, tgt, device, pad=PAD):
     """Batch(src, tgt, pad) on `device`, its masks made there."""
     ntokens = int(tgt[:, 1:].ne(pad).sum())  # on the CPU: no GPU sync
-    asynchronous = torch.device(device).type == "cuda"  # as Batch.to
+    asynchronous = torch.device(device).type == "cuda"  # Batch.to's rule
     src = src.to(device, non_blocking=asynchronous)  # (B, S)
     tgt = tgt.to(device, non_blocking=asynchronous)  # (B, T + 1)
     batch = Batch(src, None, pad)  # the source mask, made on `device`
+    # The target side by hand: Batch(src, tgt) would count ntokens on the
+    # GPU, and reading that count back would make the CPU wait for it.
     batch.tgt, batch.tgt_y = tgt[:, :-1], tgt[:, 1:]  # (B, T) each
     batch.tgt_mask = Batch.make_std_mask(batch.tgt, pad)  # (B, T, T)
     batch.ntokens = ntokens
@@ -3217,6 +3219,7 @@ def train_model(
     args = (vocab_src, vocab_tgt, spacy_de, spacy_en, config)
     if distributed:
         return train_distributed_model(*args, world_size, resume)
+    # Rank 0 of a world of 1: this process alone.
     return train_worker(0, 1, *args, resume=resume, device=device)
 
 
