@@ -657,7 +657,13 @@ def optimizer_step(optimizer, scheduler, parameters, scale=1.0, scaler=None):
 
 
 def micro_step(
-    model, batch, loss_compute, accum_iter, hold_sync, autocast, scaler=None
+    model,
+    batch,
+    loss_compute,
+    accum_iter,
+    hold_sync=False,
+    autocast=nullcontext,
+    scaler=None,
 ):
     """One micro-batch's loss, and its gradient when autograd is on."""
     hold = hold_sync and hasattr(model, "no_sync")
@@ -1501,8 +1507,10 @@ class DecoderCache:
 
     def select(self, index):
         """Keep the rows `index` (R',) of every cached tensor, in order."""
+        # Two steps, because beam search's cache (section 2) gives them
+        # different indices; here a row is a sentence, so both get index.
         self.keep_rows(index)
-        self.keep_sentences(index)  # here a row is a sentence
+        self.keep_sentences(index)
 
     def keep_rows(self, index):
         """Keep the rows `index` (R',) of the self-attention cache."""
@@ -1562,7 +1570,9 @@ def decoder_layer_step(layer, x, cache, i):
 
 
 def decode_step(model, ys_last, cache):
-    """Log-probs (R, V) of the next token, given the newest ids (R, 1)."""
+    """Log-probs (R, V) of the next token, given the newest ids (R, 1).
+
+    Advances `cache` by one position: call it once per token."""
     embed = model.tgt_embed[0]  # Part 1's Embeddings
     position = model.tgt_embed[1]  # and PositionalEncoding
     pos = cache.length  # the position of the token fed
@@ -1586,7 +1596,7 @@ def cached_greedy_decode(
     out[:, 0] = start_symbol  # (B, max_len)
     # rows[r]: the row of `out` (0 to B - 1) that cache row r decodes.
     rows = torch.arange(B, device=src.device)  # (R,) indices into out
-    t = 0  # the answer's last column, if max_len == 1 skips the loop
+    t = 0  # for the return below when max_len == 1 and the loop never runs
     for t in range(1, max_len):
         logp = decode_step(model, out[rows, t - 1 : t], cache)  # (R, V)
         word = logp.argmax(dim=-1)  # (R,)
@@ -1708,7 +1718,7 @@ def beam_search_steps(
     out[:, 0] = start_symbol  # (B, max_len): the answers
     best = torch.full((B,), -math.inf, device=device)  # their scores
     beams = Beams.start(B, k, max_len, start_symbol, device)
-    t = 0  # the answer's last column, if max_len == 1 skips the loop
+    t = 0  # for the return below when max_len == 1 and the loop never runs
     for t in range(1, max_len):
         A = beams.sent.numel()
         logp = step(beams.tokens[:, :, t - 1].reshape(A * k, 1))  # (A*k, V)

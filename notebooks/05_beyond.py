@@ -227,8 +227,10 @@ class DecoderCache:
 
     def select(self, index):
         """Keep the rows `index` (R',) of every cached tensor, in order."""
+        # Two steps, because beam search's cache (section 2) gives them
+        # different indices; here a row is a sentence, so both get index.
         self.keep_rows(index)
-        self.keep_sentences(index)  # here a row is a sentence
+        self.keep_sentences(index)
 
     def keep_rows(self, index):
         """Keep the rows `index` (R',) of the self-attention cache."""
@@ -248,7 +250,11 @@ class DecoderCache:
 # %% [markdown]
 # One decoding step reuses the trained modules as they are; only the
 # attention calls change. `attend_step` attends from new positions, one
-# per row, to keys and values already projected.
+# per row, to keys and values already projected. `k` and `v` may have
+# fewer rows than the queries: in beam search, several rows (hypotheses)
+# share one sentence's source keys, and `attend_step` lines up each
+# sentence's rows as its queries. In greedy decoding there is one row
+# per sentence, and that reshape does nothing.
 #
 # `cached_self_attention` appends the newest position's key and value to
 # the layer's cache and attends over all of it, with no mask, since every
@@ -312,7 +318,9 @@ def decoder_layer_step(layer, x, cache, i):
 
 
 def decode_step(model, ys_last, cache):
-    """Log-probs (R, V) of the next token, given the newest ids (R, 1)."""
+    """Log-probs (R, V) of the next token, given the newest ids (R, 1).
+
+    Advances `cache` by one position: call it once per token."""
     embed = model.tgt_embed[0]  # Part 1's Embeddings
     position = model.tgt_embed[1]  # and PositionalEncoding
     pos = cache.length  # the position of the token fed
@@ -353,7 +361,7 @@ def cached_greedy_decode(
     out[:, 0] = start_symbol  # (B, max_len)
     # rows[r]: the row of `out` (0 to B - 1) that cache row r decodes.
     rows = torch.arange(B, device=src.device)  # (R,) indices into out
-    t = 0  # the answer's last column, if max_len == 1 skips the loop
+    t = 0  # for the return below when max_len == 1 and the loop never runs
     for t in range(1, max_len):
         logp = decode_step(model, out[rows, t - 1 : t], cache)  # (R, V)
         word = logp.argmax(dim=-1)  # (R,)
@@ -421,8 +429,8 @@ with torch.no_grad():
 # `bench/decoding.py` measures all the decoders on the whole test set,
 # with medians, in `bench/RESULTS_decoding.md`: there, with the `cpu`
 # model, the cache decoded the 1,000 test sentences 6.7 times as fast
-# (3.9 s against 26.4 s on one thread). On 16 sentences, and in the tests'
-# tiny model, expect a smaller gain.
+# (3.9 s against 26.4 s on one thread). On 16 sentences, and with the
+# CI-sized stand-in, expect a smaller gain.
 
 
 # %%
@@ -472,16 +480,18 @@ for fn in (batch_greedy_decode, cached_greedy_decode):
 # Hypotheses end at different times. Here, one that has produced `</s>`
 # stays in the beam with its score frozen: its only continuation is
 # `<blank>` at no cost, and its length no longer grows, so it keeps
-# competing for a place with the hypotheses still running.
+# competing for a place with the hypotheses still running. (It can lose
+# that place; `keep_best`, below, makes sure it is not forgotten.)
 #
 # Scoring all $k \cdot V$ extensions is wasteful: only the $k$ best tokens
 # of a hypothesis can be among the $k$ best candidates of its sentence, so
 # `beam_candidates` keeps those, $c = \min(k, V)$ tokens per hypothesis,
-# and scores $k \cdot c$ candidates per sentence. (All extensions of one
-# hypothesis share its length penalty, which therefore does not change
-# their order.) In the code, $A$ is the number of sentences still
-# searching: a sentence leaves the batch once all its hypotheses have
-# ended.
+# and scores $k \cdot c$ candidates per sentence. It can pick a
+# hypothesis's best `c` by log-probability alone, before dividing by the
+# length penalty, because all extensions of one hypothesis get the same
+# length, and so the same penalty. In the code, $A$ is the number of
+# sentences still searching: a sentence leaves the batch once all its
+# hypotheses have ended.
 
 
 # %%
@@ -633,7 +643,7 @@ def beam_search_steps(
     out[:, 0] = start_symbol  # (B, max_len): the answers
     best = torch.full((B,), -math.inf, device=device)  # their scores
     beams = Beams.start(B, k, max_len, start_symbol, device)
-    t = 0  # the answer's last column, if max_len == 1 skips the loop
+    t = 0  # for the return below when max_len == 1 and the loop never runs
     for t in range(1, max_len):
         A = beams.sent.numel()
         logp = step(beams.tokens[:, :, t - 1].reshape(A * k, 1))  # (A*k, V)
@@ -666,7 +676,7 @@ def beam_search_steps(
 # %% [markdown]
 # `beam_search` connects it to the model through a `BeamCache`: section
 # 1's `DecoderCache`, with `group = k` rows per sentence, whose `select`
-# follows each surviving hypothesis back to its parent's row.
+# is given each survivor's parent row.
 #
 # Here a sentence has `group` rows, one per hypothesis, and they share
 # one copy of the sentence's source keys and values. So the cache has
@@ -680,18 +690,20 @@ def beam_search_steps(
 # $(R, 1, d)$ to $(B, \text{group}, d)$: a sentence's `group` rows become
 # its queries, side by side, as if they were `group` target positions.
 # This changes no result, because each query's output depends only on
-# that query and the keys and values, and source attention has no causal
-# mask. (In self-attention each row has its own keys and values, so `k`
-# has $R$ rows and the reshape changes nothing.)
+# that query and the keys and values, and source attention's only mask,
+# the padding mask `(B, 1, 1, S)`, is one per sentence, which all of the
+# sentence's queries share. (In self-attention each row has its own keys
+# and values, so `k` has $R$ rows and the reshape changes nothing.)
 #
 # Why does a survivor's cache row come from its *parent*? The cache holds
 # the keys and values of the tokens fed so far, and those are the
 # parent's: the survivor's own new token is fed at the next step.
 #
-# So `BeamCache.select` keeps the rows it is given, as before, but the
-# source side by sentence: the first row of each run of `group`, divided
-# by `group`, is the run's sentence. While every sentence is still
-# searching, the source side stays as it is.
+# Like `DecoderCache.select`, `BeamCache.select` keeps the given rows of
+# the self-attention cache. It cannot use those indices for the source
+# side, which has one row per sentence: it takes each run's sentence as
+# its first row divided by `group`, and trims the source side only when
+# a sentence has left.
 
 
 # %%
