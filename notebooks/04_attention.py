@@ -32,10 +32,9 @@
 # * puts the decoder's attention to the source to work: the German word
 #   that an `<unk>` read most is copied in its place.
 #
-# The model is read in `eval()` mode, with dropout off, and the number of
-# layers and heads is read from the model, so the same code draws Part
-# 3's model and the small stand-in that this page trains when it finds
-# no trained model.
+# The same code draws Part 3's model and the small stand-in that this
+# page trains when it finds no trained model: it reads the number of
+# layers and heads from the model.
 
 # %% [markdown]
 # [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/annotated-transformer/done-right/blob/main/notebooks/04_attention.ipynb)
@@ -601,11 +600,11 @@ for kind in ("encoder self", "decoder source"):
 print("the two padding keys: weight 0 in every layer and head")
 
 # %% [markdown]
-# And recording changes nothing about what the model computes: with the
-# masks built as in training, the output of the explicit path matches
-# that of the fused path (the branch that calls PyTorch's
-# `scaled_dot_product_attention`, which `MultiHeadedAttention` takes when
-# it does not record).
+# And recording changes nothing about what the model computes: the
+# output of the explicit path matches that of the fused path (the branch
+# that calls PyTorch's `scaled_dot_product_attention`, which
+# `MultiHeadedAttention` takes when it does not record), on the same
+# inputs and masks.
 
 # %%
 src_in = src.unsqueeze(0)  # (1, S): a batch of one
@@ -678,6 +677,9 @@ assert torch.allclose(by_hand, maps.encoder_self[0], atol=1e-5)
 # %% [markdown]
 # ### Why `eval()` matters
 #
+# `load_trained_model` rebuilt the model above with dropout 0, so
+# switching it to `train()` would change nothing; a fresh model with
+# dropout shows the hazard.
 # Record the weights in `train()` mode and you draw them after dropout:
 # every weight is either zeroed or the `eval()` weight scaled by $1/0.9$,
 # so the rows no longer sum to 1, and a weight above 0.9 would be drawn
@@ -687,10 +689,8 @@ assert torch.allclose(by_hand, maps.encoder_self[0], atol=1e-5)
 # the dropout of the first encoder layer's attention switched on, and only
 # that one. Every other dropout stays off, especially the one after the
 # embeddings: it would change what reaches the layer, and the two
-# recordings should differ in the dropout on the weights alone. (A fresh
-# model, because `load_trained_model` rebuilds the trained one with
-# dropout 0: switching it to `train()` would change nothing. This small
-# untrained model has no weight above 0.9; a trained one can.)
+# recordings should differ in the dropout on the weights alone. (This
+# small untrained model has no weight above 0.9; a trained one can.)
 
 # %%
 torch.manual_seed(0)
@@ -954,7 +954,9 @@ table.round(2)
 # chose, not a derived value.) Training is what makes heads pick: the
 # cell below prints both models' mean entropy for each kind, on the same
 # sentences, and, as a scale for the chart's lower row, their mean
-# distance from the diagonal. **Check**, with the trained model: its
+# distance from the diagonal.
+#
+# **Check**, with the trained model: its
 # decoder–source heads have a lower mean entropy than the untrained
 # model's (in the decoder–source heat map on record, above, most rows of
 # the last layer put most of their weight on one German word). The
@@ -1045,7 +1047,8 @@ for kind in ATTENTION_KINDS:
 # used the attention weights, as we do.
 #
 # Which attention? The last layer alone, whose output becomes the word,
-# is the obvious choice but a worse aligner. Multi30k has no gold word
+# is the obvious choice, but a worse aligner than the mean over all
+# layers. Multi30k has no gold word
 # alignments (alignments drawn by people), so "worse" is measured with a
 # proxy. A model writes `<unk>` for a rare English word, and a rare
 # English word usually translates a rare German word, so a good aligner
