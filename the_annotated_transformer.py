@@ -203,14 +203,15 @@ def subsequent_mask(size, device=None):
 def attention(query, key, value, mask=None, dropout=None):
     """Scaled dot-product attention; returns (output, weights)."""
     d_k = query.size(-1)
-    scores = query @ key.transpose(-2, -1) / math.sqrt(d_k)  # (B, h, T, S)
+    # (..., T, S): in multi-head attention, below, (B, h, T, S)
+    scores = query @ key.transpose(-2, -1) / math.sqrt(d_k)
     if mask is not None:
         # The dtype's lowest value, not -1e9: -1e9 overflows in float16.
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     p_attn = scores.softmax(dim=-1)
     if dropout is not None:
         p_attn = dropout(p_attn)
-    return p_attn @ value, p_attn  # (B, h, T, d_k), (B, h, T, S)
+    return p_attn @ value, p_attn  # (..., T, d_k), (..., T, S)
 
 
 class MultiHeadedAttention(nn.Module):
@@ -241,7 +242,7 @@ class MultiHeadedAttention(nn.Module):
 
     def use_fused(self, q):
         """Fused, unless the weights must be kept (Part 4) or a CPU
-        trains with dropout (speed: the appendix's cheaper mask)."""
+        trains with dropout (where the fused routine is not fused)."""
         cpu_dropout = self.training and self.dropout.p > 0 and q.is_cpu
         return not (self.store_attention or cpu_dropout)
 

@@ -103,9 +103,9 @@ from torch import nn
 # word $t - 1$, and the model must predict word $t$ (Part 2 builds
 # this).
 #
-# The picture draws the `Generator` on top of the decoder, under
-# `EncoderDecoder.decode`; in the code, as said above, the loss and the
-# decoding loops call it.
+# The picture puts the `Generator` above the decoder, but `forward` stops
+# before it; in the code, as said above, the loss and the decoding loops
+# call it.
 
 
 # %%
@@ -223,9 +223,10 @@ class Encoder(nn.Module):
 # We use this standard form, as `torch.nn.LayerNorm` does. (The 2022
 # tutorial divided by a slightly different standard deviation, one that
 # divides by $d - 1$ instead of $d$, and added $\epsilon$ to it rather
-# than under the square root.) We write our own small class only
-# to keep the 2022 tutorial's parameter names: the gain $a$ is `a_2` and
-# the bias $b$ is `b_2`.
+# than under the square root.) We could use `nn.LayerNorm`; we keep a
+# small class so that the parameters keep the 2022 tutorial's names, and
+# code written for it still finds them: the gain $a$ is `a_2` and the
+# bias $b$ is `b_2`.
 #
 # `forward` hands the whole formula to PyTorch's `F.layer_norm`, which
 # computes it in one pass; the cell after the class writes the formula out
@@ -429,7 +430,8 @@ class DecoderLayer(nn.Module):
 # the whole target sentence at once, so position $t$ must be kept from
 # attending to positions after $t$; otherwise it could read the answer it
 # is asked to predict. It is lower-triangular: row $t$ (the query) may look
-# at columns $0 \dots t$.
+# at columns $0 \dots t$. It is named for what it hides, the later
+# positions; its `True` entries are the ones a query may read.
 
 
 # %%
@@ -496,10 +498,8 @@ save_chart(mask_chart(20), "01_subsequent_mask", Path(ROOT, "figures"))
 # Multi-head attention section below). For now take them as given: one row
 # per position.
 #
-# In code it is a few lines. `mask` is the boolean mask above. A masked
-# score is replaced by the most negative number its dtype holds, so its
-# weight after the softmax is zero (the end of this section says why not
-# a fixed $-10^9$).
+# In code it is a few lines. `mask` is the boolean mask above; a masked
+# score gets a weight of zero (the end of this section says how).
 #
 # A departure from the paper: `attention` can apply dropout to the
 # weights themselves. It is inherited from the 2022 tutorial; the paper
@@ -513,14 +513,15 @@ save_chart(mask_chart(20), "01_subsequent_mask", Path(ROOT, "figures"))
 def attention(query, key, value, mask=None, dropout=None):
     """Scaled dot-product attention; returns (output, weights)."""
     d_k = query.size(-1)
-    scores = query @ key.transpose(-2, -1) / math.sqrt(d_k)  # (B, h, T, S)
+    # (..., T, S): in multi-head attention, below, (B, h, T, S)
+    scores = query @ key.transpose(-2, -1) / math.sqrt(d_k)
     if mask is not None:
         # The dtype's lowest value, not -1e9: -1e9 overflows in float16.
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     p_attn = scores.softmax(dim=-1)
     if dropout is not None:
         p_attn = dropout(p_attn)
-    return p_attn @ value, p_attn  # (B, h, T, d_k), (B, h, T, S)
+    return p_attn @ value, p_attn  # (..., T, d_k), (..., T, S)
 
 
 # %% [markdown]
@@ -659,10 +660,12 @@ assert weights[0, 2] == 0
 # `forward` passes `dropout_p=0` when the module is not training.
 #
 # In short: fused by default, `attention` when `store_attention` is set.
-# There is one more case, a matter of speed only: on a CPU, training with
-# dropout also takes `attention`, because there the appendix gives the
-# weights' dropout a cheaper random mask than the fused routine's ("A
-# cheaper dropout mask"). Either branch computes the same formula.
+# One more case: on a CPU, training with dropout, `forward` calls
+# `attention` too. PyTorch's fused routine has no CPU kernel with dropout
+# and falls back there to the same unfused steps, so nothing is lost, and
+# the dropout is then the module's own `self.dropout`, which the
+# appendix can swap for a cheaper one ("A cheaper dropout mask"). Either
+# branch computes the same formula.
 
 
 # %%
@@ -695,7 +698,7 @@ class MultiHeadedAttention(nn.Module):
 
     def use_fused(self, q):
         """Fused, unless the weights must be kept (Part 4) or a CPU
-        trains with dropout (speed: the appendix's cheaper mask)."""
+        trains with dropout (where the fused routine is not fused)."""
         cpu_dropout = self.training and self.dropout.p > 0 and q.is_cpu
         return not (self.store_attention or cpu_dropout)
 
@@ -1261,8 +1264,9 @@ parameter_table()
 # The paper's setup instead has one shared vocabulary of 37,000 tokens and
 # one matrix shared by both embeddings and the generator (as Part 5
 # does). The stacks' 44.1M plus $37{,}000 \cdot 512$ for the matrix plus
-# the generator's 37,000 biases make about 63.1M, close to the 65M the
-# paper reports for its base model. Check, by counting:
+# the generator's 37,000 biases make about 63.1M. The paper reports 65M
+# for its base model; we cannot account for the other 1.9M from what
+# the paper says. Check our count:
 
 # %%
 with torch.device("meta"):  # shapes only
