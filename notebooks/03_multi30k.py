@@ -481,7 +481,8 @@ assert shares["buckets"] < 0.10 < shares["random 32"]
 # (`bench/RESULTS_batching.md`, with the paper-size model), buckets
 # trained about 5 times as many real tokens per second as batches padded
 # to 72. Most of that is the padding measured above: the buckets compute
-# about 4.4 times fewer positions for the same sentences, and attention's
+# about 4.4 times fewer positions for the same sentences (in the
+# benchmark's sample of 1,024 sentences), and attention's
 # cost, which grows with the square of the length, adds the rest.
 #
 # With these settings an epoch is 153 batches, which is 153 optimizer
@@ -879,7 +880,8 @@ assert small_history[-1]["val_loss"] < small_history[0]["val_loss"]
 # scores $\ln V - H$. With a smoothing of 0.1, $H = -0.9 \ln 0.9 - 0.1
 # \ln \frac{0.1}{V - 2} \approx 0.09 + 1.10 \approx 1.2$. The cell
 # computes the three numbers. A validation loss of 1.5, as the recipes
-# below reach, is thus a cross-entropy of about 2.7. Check: after two
+# below reach, is thus a cross-entropy of about 2.7 (against the
+# smoothed targets). Check: after two
 # epochs the tiny model is already below the uniform guess.
 
 # %%
@@ -923,8 +925,9 @@ assert last < guess
 # The next cell trains the `quick` preset with the appendix's
 # `train_model`: the loop of `train_one_process`, plus checkpoints and
 # 16-bit arithmetic, in one process on the device that `pick_device`
-# found. It runs the library's copies of this lesson's cells (the
-# `#| export` ones), not the cells in this notebook. It writes `final.pt`
+# found (inside, it calls `train_worker`, described above). It runs the
+# library's copies of this lesson's cells (the `#| export` ones), not the
+# cells in this notebook. It writes `final.pt`
 # when training ends (the weights, the vocabularies and the config) and
 # returns the losses of every epoch, which the cell keeps as `history`.
 # If `checkpoints/quick/final.pt` exists already, it trains nothing.
@@ -939,8 +942,37 @@ assert last < guess
 # run's validation losses were 3.13, 2.12, 1.70, 1.52 and 1.46. An epoch
 # took 2.8 to 3.5 minutes on the 2-core CPUs measured here in float32,
 # so training takes 14 to 18 minutes there (about 10 with native bf16).
+# On other CPUs, epoch 0's progress bar shows how long an epoch takes;
+# the cell takes about five of those.
 # The next section, "Why the quick recipe is fast", is good reading
 # while you wait.
+#
+# If you rerun it:
+#
+# - An edit to a cell above reaches `train_model` only once `make export`
+#   has copied it into the library and the notebook is restarted.
+# - Stopping the cell part of the way and running it again starts from
+#   the first epoch. To continue from the last finished epoch instead,
+#   run `history = tools.train_model(*vocabs, *tokenizers, config,
+#   device=device, resume=True)`.
+# - Once `final.pt` exists, the cell uses it, whatever settings trained
+#   it: delete the repository's `checkpoints/quick/` (on Colab
+#   `/content/done-right/checkpoints/quick/`) to train afresh.
+
+# %%
+preset = "ci" if AT_SIZE == "ci" else "quick"
+config = tools.get_config(
+    preset, checkpoint_dir=f"{ROOT}/checkpoints/{preset}"
+)
+final_checkpoint = Path(config.checkpoint_dir, "final.pt")
+history = None  # stays None when a trained model is found
+if preset == "ci" or not final_checkpoint.exists():
+    history = tools.train_model(*vocabs, *tokenizers, config, device=device)
+else:
+    print(f"found {final_checkpoint}: not training again")
+
+# %% [markdown]
+# ### On a GPU, and on Colab
 #
 # On a GPU, and on a CPU with native bf16, the same recipe computes in
 # 16-bit floats; on a Mac it stays in float32. So your loss and BLEU will
@@ -959,20 +991,11 @@ assert last < guess
 # and run the cell again (`docs/gpu.md`, "If it fails on a T4 or a
 # Mac").
 #
-# If you rerun it:
+# On Colab:
 #
-# - An edit to a cell above reaches `train_model` only once `make export`
-#   has copied it into the library and the notebook is restarted. On
-#   Colab there is no `make export`: change the settings through
-#   `get_config(preset, field=value, ...)` instead.
-# - Stopping the cell part of the way and running it again starts from
-#   the first epoch. To continue from the last finished epoch instead,
-#   run `history = tools.train_model(*vocabs, *tokenizers, config,
-#   device=device, resume=True)`.
-# - Once `final.pt` exists, the cell uses it, whatever settings trained
-#   it: delete the repository's `checkpoints/quick/` (on Colab
-#   `/content/done-right/checkpoints/quick/`) to train afresh.
-# - On Colab, a disconnect or a reset runtime loses that folder and every
+# - There is no `make export`: change the settings through
+#   `get_config(preset, field=value, ...)` in the training cell.
+# - A disconnect or a reset runtime loses the checkpoints and every
 #   variable: run the notebook again from its first cell. To keep the
 #   model, copy `final.pt` (about 54 MB) to Google Drive (`from
 #   google.colab import drive; drive.mount("/content/drive")`, then
@@ -984,18 +1007,6 @@ assert last < guess
 #   /content/done-right/checkpoints/quick/`; the training cell then
 #   trains nothing.
 
-# %%
-preset = "ci" if AT_SIZE == "ci" else "quick"
-config = tools.get_config(
-    preset, checkpoint_dir=f"{ROOT}/checkpoints/{preset}"
-)
-final_checkpoint = Path(config.checkpoint_dir, "final.pt")
-history = None  # stays None when a trained model is found
-if preset == "ci" or not final_checkpoint.exists():
-    history = tools.train_model(*vocabs, *tokenizers, config, device=device)
-else:
-    print(f"found {final_checkpoint}: not training again")
-
 # %% [markdown]
 # The recorded reference run's curve (from `results/recipe_quick.json`,
 # not from a run this notebook trained). BLEU, defined in the section
@@ -1004,7 +1015,8 @@ else:
 # point or two is a clear difference. The curve shows, after each epoch,
 # the greedy BLEU of the checkpoint on the validation split (with `<unk>`
 # kept, the unknown-word token) against the minutes since the process
-# started. Check: no epoch scored lower than the one before.
+# started. The assert checks the recorded file: no epoch scored lower
+# than the one before.
 
 # %%
 recorded = json.loads(Path(ROOT, "results/recipe_quick.json").read_text())

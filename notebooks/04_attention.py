@@ -105,10 +105,11 @@ FIGURES = os.path.join(ROOT, "figures")
 # ## Recording the weights
 #
 # Every `MultiHeadedAttention` of Part 1 has a `store_attention` flag, off
-# by default. (Off, a layer in `eval()` mode calls PyTorch's fused
+# by default. (Off, a layer calls PyTorch's fused
 # `scaled_dot_product_attention`, one optimized call that never hands
-# back the weights.) When it is on, the layer computes the softmax
-# explicitly and keeps it in `self.attn`, shape `(B, h, T, S)`: one row
+# back the weights, except when it trains with dropout on a CPU.) When
+# it is on, the layer computes the softmax explicitly and keeps it in
+# `self.attn`, shape `(B, h, T, S)`: one row
 # per query position, one column per key position. `record_attention`
 # turns the flag on for every attention layer of a model. When the block
 # ends, normally or through an exception, it puts each flag back as it
@@ -152,7 +153,8 @@ def record_attention(model):
 # | decoder source | decoder inputs | source tokens | `(N, h, T, S)` |
 #
 # A kind is one of these three strings everywhere below, and
-# `ATTENTION_KINDS` maps it to its field. `view(kind)` returns the weights
+# `ATTENTION_KINDS` maps each to the field of `AttentionMaps` (two cells
+# down) that holds its weights. `view(kind)` returns the weights
 # of one kind with the labels and masks that the charts and the
 # statistics need: it pairs each kind's weights with the mask of the keys
 # its queries may see. On a first read you can skim `AttentionView` and
@@ -321,9 +323,9 @@ def attention_maps(
 #
 # Words this page uses throughout:
 #
-# - **on record**: the model the prose's numbers and the charts on
-#   record come from, the `cpu` model trained for 10 epochs in float32
-#   (`results/site_full.md`);
+# - **on record**: the `cpu` model trained for 10 epochs in float32
+#   (`results/site_full.md`), behind `docs/trained_attention.png` and most
+#   numbers quoted here; a number from another run says so;
 # - **stand-in**: the small model trained here in seconds when no
 #   trained one is found;
 # - **Check**: a paragraph stating a claim about a trained model's heads;
@@ -744,9 +746,13 @@ assert not torch.allclose(dropped.sum(-1), clean.sum(-1))
 # meets the German `</s>`.
 # Think of it as the word alignment (which German word each English word
 # translates) of a translation that keeps the word order and stretches it
-# evenly. The German word a row is about to translate then lies 0 to 1
-# columns to the right of the diagonal: 1 at the start of the sentence,
-# 0 at the end (the example below works it out).
+# evenly. Row $i$ predicts English token $i + 1$, not token $i$, so a
+# head that reads the German word being translated sits about one column
+# right of this diagonal early in the sentence, and on it at the end,
+# where the last row predicts `</s>` and reads German `</s>`. (That holds
+# when the two sentences have about the same length; a German sentence
+# much longer than its English one pushes the early rows' words further
+# right.) "Where the weight goes", below, works it out on our sentence.
 #
 # For scale: a head that always reads its neighbour scores a distance of
 # 1, and one that spreads its weight evenly over $S$ keys about $S/3$.
@@ -797,12 +803,11 @@ def _diagonal(v, kind):
 #
 # In decoder–source attention, `distance` uses the diagonal's exact,
 # fractional column; the three shares round it to the nearest column
-# first. Row $i$ predicts English token $i+1$, so a head that reads
-# the German word being translated, in a translation that keeps the word
-# order, looks up to one place *after* the diagonal.
+# first.
 #
-# Our sentence shows it. Both sides have 11 positions (`<s> A brown dog is
-# running after the black dog .` against `<s> Ein brauner Hund rennt dem
+# Our sentence shows the offset described with the diagonal. Both sides
+# have 11 positions (`<s> A brown dog is running after the black dog .`
+# against `<s> Ein brauner Hund rennt dem
 # schwarzen Hund hinterher . </s>`), so the diagonal is simply $j = i$. The
 # row "A → brown" ($i = 1$) predicts "brown", which aligns with "brauner"
 # ($j = 2$): offset +1, counted in `next`. The row ". → </s>" ($i = 10$)
@@ -1048,7 +1053,7 @@ for kind in ATTENTION_KINDS:
 #
 # Which attention? The last layer alone, whose output becomes the word,
 # is the obvious choice, but a worse aligner than the mean over all
-# layers. Multi30k has no gold word
+# layers (or than layer 2 alone). Multi30k has no gold word
 # alignments (alignments drawn by people), so "worse" is measured with a
 # proxy. A model writes `<unk>` for a rare English word, and a rare
 # English word usually translates a rare German word, so a good aligner
