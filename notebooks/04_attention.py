@@ -106,15 +106,14 @@ FIGURES = os.path.join(ROOT, "figures")
 #
 # Every `MultiHeadedAttention` of Part 1 has a `store_attention` flag, off
 # by default. (Off, a layer calls PyTorch's fused
-# `scaled_dot_product_attention`, one optimized call that never hands
-# back the weights, except when it trains with dropout on a CPU.) When
-# it is on, the layer computes the softmax explicitly and keeps it in
-# `self.attn`, shape `(B, h, T, S)`: one row
-# per query position, one column per key position. `record_attention`
-# turns the flag on for every attention layer of a model. When the block
-# ends, normally or through an exception, it puts each flag back as it
-# was and drops the stored tensors, so that no later forward pass keeps
-# weights by accident.
+# `scaled_dot_product_attention`, one optimized call that never hands back
+# the weights, except when it trains with dropout on a CPU.) When it is
+# on, the layer computes the softmax explicitly and keeps it in
+# `self.attn`, shape `(B, h, T, S)`: one row per query position, one
+# column per key position. `record_attention` turns the flag on for every
+# attention layer of a model. When the block ends, normally or through an
+# exception, it puts each flag back as it was and drops the stored
+# tensors, so that no later forward pass keeps weights by accident.
 
 
 # %%
@@ -807,15 +806,15 @@ def _diagonal(v, kind):
 #
 # Our sentence shows the offset described with the diagonal. Both sides
 # have 11 positions (`<s> A brown dog is running after the black dog .`
-# against `<s> Ein brauner Hund rennt dem
-# schwarzen Hund hinterher . </s>`), so the diagonal is simply $j = i$. The
-# row "A → brown" ($i = 1$) predicts "brown", which aligns with "brauner"
-# ($j = 2$): offset +1, counted in `next`. The row ". → </s>" ($i = 10$)
-# predicts `</s>` and reads German `</s>` ($j = 10$): offset 0, counted in
-# `same`, because the diagonal pins the last row to German `</s>`. So in
-# this kind the word a row predicts sits one column after the diagonal
-# early in the sentence and on it at the end: `next` and `same` mean
-# "aligned with the word being predicted", not a fixed neighbour.
+# against `<s> Ein brauner Hund rennt dem schwarzen Hund hinterher .
+# </s>`), so the diagonal is simply $j = i$. The row "A → brown" ($i = 1$)
+# predicts "brown", which aligns with "brauner" ($j = 2$): offset +1,
+# counted in `next`. The row ". → </s>" ($i = 10$) predicts `</s>` and
+# reads German `</s>` ($j = 10$): offset 0, counted in `same`, because the
+# diagonal pins the last row to German `</s>`. So in this kind the word a
+# row predicts sits one column after the diagonal early in the sentence
+# and on it at the end: `next` and `same` mean "aligned with the word
+# being predicted", not a fixed neighbour.
 
 
 # %%
