@@ -660,14 +660,19 @@ def test_load_trained_model_follows_pick_device(tmp_path, monkeypatch):
 
 
 # ------------------------------------------ no host sync in the loop
-def test_run_epoch_reads_the_loss_once(monkeypatch):
-    """fbfada1 called .item() on every micro-batch (SimpleLossCompute)."""
+def tiny_copy_run(nbatches):
+    """A tiny copy-task model, `nbatches` batches of 4, and its loss."""
     torch.manual_seed(0)
     model = tat.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
     gen = torch.Generator().manual_seed(0)
-    batches = list(tat.data_gen(11, 4, 6, generator=gen))
+    batches = list(tat.data_gen(11, 4, nbatches, generator=gen))
     crit = tat.LabelSmoothing(11, 0, smoothing=0.1)
-    loss_compute = tat.SimpleLossCompute(model.generator, crit)
+    return model, batches, tat.SimpleLossCompute(model.generator, crit)
+
+
+def test_run_epoch_reads_the_loss_once(monkeypatch):
+    """fbfada1 called .item() on every micro-batch (SimpleLossCompute)."""
+    model, batches, loss_compute = tiny_copy_run(6)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     reads = []
     for name in ("item", "__float__", "__int__", "__bool__"):
@@ -688,12 +693,7 @@ def test_a_float16_run_steps_through_its_grad_scaler():
     """A T4's path: float16 autocast with a GradScaler. A step whose
     gradients overflowed is skipped and the scale halves; the others step.
     The CPU's float16 autocast and GradScaler stand in for the GPU's."""
-    torch.manual_seed(0)
-    model = tat.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
-    gen = torch.Generator().manual_seed(0)
-    batches = list(tat.data_gen(11, 4, 2, generator=gen))
-    crit = tat.LabelSmoothing(11, 0, smoothing=0.1)
-    plain = tat.SimpleLossCompute(model.generator, crit)
+    model, batches, plain = tiny_copy_run(2)
     calls = []
 
     def overflow_second(out, y, norm):
