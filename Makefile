@@ -56,7 +56,7 @@ setup: .venv/.installed  ## create .venv with every dependency
 # The .ipynb twins carry the diagrams; they run in notebooks/, as in Jupyter.
 # Jupyter's own messages (a kernel's warnings, what processes that a
 # notebook starts print) go to runs/notebooks/NAME.log, shown on failure.
-notebook: setup  ## execute every notebook into runs/notebooks/ (AT_SIZE=ci: quick)
+notebook: setup  ## execute every notebook into runs/notebooks/, full size (AT_SIZE=ci: minutes)
 	@mkdir -p runs/notebooks
 	@echo "running the notebooks into runs/notebooks/ (AT_SIZE=$(AT_SIZE))"
 	@for nb in $(NOTEBOOKS:.py=.ipynb); do \

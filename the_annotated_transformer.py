@@ -206,12 +206,24 @@ def attention(query, key, value, mask=None, dropout=None):
     # (..., T, S): in multi-head attention, below, (B, h, T, S)
     scores = query @ key.transpose(-2, -1) / math.sqrt(d_k)
     if mask is not None:
-        # The dtype's lowest value, not -1e9: -1e9 overflows in float16.
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        # Where the mask is 0 (False), the dtype's lowest value, not -1e9:
+        # -1e9 overflows in float16.
+        lowest = torch.finfo(scores.dtype).min
+        scores = scores.masked_fill(mask == 0, lowest)
     p_attn = scores.softmax(dim=-1)
     if dropout is not None:
         p_attn = dropout(p_attn)
     return p_attn @ value, p_attn  # (..., T, d_k), (..., T, S)
+
+
+def heads_mask(mask):
+    """A (B, 1, S) or (B, T, S) mask as bool (B, 1, 1 or T, S), the
+    same for every head. True, or any nonzero value, may be attended to."""
+    if mask.dim() != 3:
+        raise ValueError(
+            f"a mask is (B, 1, S) or (B, T, S), not {tuple(mask.shape)}"
+        )
+    return (mask != 0).unsqueeze(1)  # bool: the fused routine adds floats
 
 
 class MultiHeadedAttention(nn.Module):
@@ -249,9 +261,7 @@ class MultiHeadedAttention(nn.Module):
     def forward(self, query, key, value, mask=None):
         """Attend from query (B, T, d_model) to key/value (B, S, d_model)."""
         if mask is not None:
-            # One mask for every head: source (B, 1, 1, S), target
-            # (B, 1, T, T).
-            mask = mask.unsqueeze(1)
+            mask = heads_mask(mask)  # (B, 1, 1, S) or (B, 1, T, T)
         q = self.split_heads(query, self.w_q)  # (B, h, T, d_k)
         k = self.split_heads(key, self.w_k)  # (B, h, S, d_k)
         v = self.split_heads(value, self.w_v)  # (B, h, S, d_k)
@@ -384,7 +394,15 @@ def count_parameters(module):
 # Explained in notebooks/02_training.py, same heading.
 # -----------------------------------------------------------------------------
 class Batch:
-    """Source and target ids with their masks, for teacher forcing."""
+    """Source and target ids with their masks, for teacher forcing.
+
+    `src` (B, S) and `tgt` (B, T + 1) are token ids; `pad` is the padding
+    id (2 by default, as in the 2022 tutorial: the copy task passes its
+    own). It keeps `src`, `src_mask` (B, 1, S), `tgt` (B, T): the target
+    without its last token, which the decoder reads, `tgt_y` (B, T): the
+    target without its first, to predict, `tgt_mask` (B, T, T) and
+    `ntokens`, the number of real tokens in `tgt_y`.
+    """
 
     def __init__(self, src, tgt=None, pad=2):  # 2: <blank> in Part 3
         self.src = src  # (B, S)
@@ -517,7 +535,9 @@ class SimpleLossCompute:
         self.criterion = criterion
 
     def __call__(self, x, y, norm):
-        """Return (summed loss, detached; mean loss per token, with grad)."""
+        """Decoder output x (B, T, d_model), targets y (B, T), and norm, the
+        number of real target tokens (Batch.ntokens), to (summed loss,
+        detached; mean loss per token, with its gradient)."""
         logp = self.generator(x)  # (B, T, vocab)
         flat = logp.reshape(-1, logp.size(-1))  # (B * T, vocab)
         loss_mean = self.criterion(flat, y.reshape(-1)) / norm
@@ -546,8 +566,10 @@ def make_optimizer(
     """Adam (AdamW with a weight_decay) and a LambdaLR running `rate`, or
     `schedule` when given.
 
-    With a `schedule`, `d_model`, `factor` and `warmup` are unused;
-    without one, `d_model` must be given.
+    Returns (optimizer, scheduler). With a `schedule`, `d_model`,
+    `factor` and `warmup` are unused; without one, `d_model` must be
+    given. `schedule(step)` returns the learning rate itself: Adam's `lr`
+    is 1.0, and LambdaLR multiplies it by the schedule's value.
     AdamW multiplies every parameter (biases and norms included) by
     1 - lr * weight_decay at each step, besides Adam's update. The decay
     is not added to the gradient, so Adam's running averages never see
@@ -579,7 +601,11 @@ def make_optimizer(
 # Explained in notebooks/02_training.py, same heading.
 # -----------------------------------------------------------------------------
 def greedy_decode(model, src, src_mask, max_len, start_symbol):
-    """Most-probable-token decoding: (B, S) source to (B, max_len) ids."""
+    """Most-probable-token decoding: (B, S) source to (B, max_len) ids.
+
+    `src_mask` (B, 1, S) is True on real source tokens; the output starts
+    with `start_symbol` and always runs to `max_len` (it does not stop at
+    an end symbol). Call it in eval mode, under torch.no_grad()."""
     memory = model.encode(src, src_mask)  # (B, S, d_model)
     ys = src.new_full((src.size(0), 1), start_symbol)  # (B, 1)
     for _ in range(max_len - 1):
@@ -702,8 +728,16 @@ def run_epoch(
     autocast=nullcontext,
     scaler=None,
 ):
-    """One pass over data_iter; returns (loss per token, train_state)."""
-    train = mode.startswith("train")
+    """One pass over data_iter; returns (loss per token, train_state).
+
+    `data_iter` yields Batch objects; `loss_compute(out, tgt_y, ntokens)`
+    returns (summed loss, mean loss), as SimpleLossCompute does. `mode`
+    is "train", "train+log" or "eval"; training needs `optimizer`."""
+    if mode not in ("train", "train+log", "eval"):
+        raise ValueError(f"mode is train, train+log or eval, not {mode!r}")
+    train = mode != "eval"
+    if train and optimizer is None:
+        raise ValueError(f"mode={mode!r} needs an optimizer")
     state = TrainState() if train_state is None else train_state
     total_loss = 0.0
     total_tokens = 0
@@ -1495,7 +1529,7 @@ class DecoderCache:
     """Per-layer keys and values that incremental decoding reuses."""
 
     def __init__(self, model, memory, src_mask):
-        self.src_mask = src_mask.unsqueeze(1)  # (B, 1, 1, S)
+        self.src_mask = heads_mask(src_mask)  # (B, 1, 1, S)
         self.cross = [
             [
                 layer.src_attn.split_heads(memory, layer.src_attn.w_k),
@@ -1902,6 +1936,7 @@ __all__ = [
     "DecoderLayer",
     "subsequent_mask",
     "attention",
+    "heads_mask",
     "MultiHeadedAttention",
     "PositionwiseFeedForward",
     "Embeddings",

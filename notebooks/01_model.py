@@ -53,9 +53,13 @@ if "COLAB_RELEASE_TAG" in os.environ:
         pip = ["pip", "install", "-q", "-e", f"./{CLONE}[notebooks]"]
         subprocess.run([sys.executable, "-m", *pip], check=True)
         open(installed, "w").close()
-# The repository: the clone on Colab; else this notebook's parent folder,
-# or the working directory when it is the repository itself.
-HERE = "." if os.path.isfile("the_annotated_transformer.py") else ".."
+# The repository: the clone on Colab; else the nearest folder holding the
+# library: the working directory, or the one above it (from notebooks/),
+# or the one above that (from runs/notebooks/, where `make notebook`
+# writes the executed copies).
+UP = [".", "..", "../.."]
+MODULE = "the_annotated_transformer.py"
+HERE = next((d for d in UP if os.path.isfile(f"{d}/{MODULE}")), "..")
 ROOT = os.path.abspath(CLONE if os.path.isdir(CLONE) else HERE)
 sys.path.insert(0, ROOT)
 
@@ -516,8 +520,10 @@ def attention(query, key, value, mask=None, dropout=None):
     # (..., T, S): in multi-head attention, below, (B, h, T, S)
     scores = query @ key.transpose(-2, -1) / math.sqrt(d_k)
     if mask is not None:
-        # The dtype's lowest value, not -1e9: -1e9 overflows in float16.
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        # Where the mask is 0 (False), the dtype's lowest value, not -1e9:
+        # -1e9 overflows in float16.
+        lowest = torch.finfo(scores.dtype).min
+        scores = scores.masked_fill(mask == 0, lowest)
     p_attn = scores.softmax(dim=-1)
     if dropout is not None:
         p_attn = dropout(p_attn)
@@ -666,6 +672,31 @@ assert weights[0, 2] == 0
 # the dropout is then the module's own `self.dropout`, which the
 # appendix can swap for a cheaper one ("A cheaper dropout mask"). Either
 # branch computes the same formula.
+#
+# Every head uses the same mask: `(B, 1, S)` over a source, `(B, T, T)`
+# or `(1, T, T)` over a target. `heads_mask` adds the heads' axis. It
+# also catches two mistakes that would otherwise give wrong results
+# without an error:
+#
+# - **A mask without its middle axis**, `(B, S)`. Broadcasting would line
+#   its sentences up against the heads; `heads_mask` refuses it.
+# - **A mask of 0s and 1s in float.** The fused routine adds a float mask
+#   to the scores instead of hiding positions, so a 0 would hide nothing.
+#   The 2022 tutorial's examples pass such masks (`torch.ones(1, 1, 10)`),
+#   so `heads_mask` reads any mask as 2022 did: 0 hides, and anything
+#   else may be attended to.
+
+
+# %%
+#| export
+def heads_mask(mask):
+    """A (B, 1, S) or (B, T, S) mask as bool (B, 1, 1 or T, S), the
+    same for every head. True, or any nonzero value, may be attended to."""
+    if mask.dim() != 3:
+        raise ValueError(
+            f"a mask is (B, 1, S) or (B, T, S), not {tuple(mask.shape)}"
+        )
+    return (mask != 0).unsqueeze(1)  # bool: the fused routine adds floats
 
 
 # %%
@@ -705,9 +736,7 @@ class MultiHeadedAttention(nn.Module):
     def forward(self, query, key, value, mask=None):
         """Attend from query (B, T, d_model) to key/value (B, S, d_model)."""
         if mask is not None:
-            # One mask for every head: source (B, 1, 1, S), target
-            # (B, 1, T, T).
-            mask = mask.unsqueeze(1)
+            mask = heads_mask(mask)  # (B, 1, 1, S) or (B, 1, T, T)
         q = self.split_heads(query, self.w_q)  # (B, h, T, d_k)
         k = self.split_heads(key, self.w_k)  # (B, h, S, d_k)
         v = self.split_heads(value, self.w_v)  # (B, h, S, d_k)
@@ -793,6 +822,22 @@ assert final.shape == (B, T, d_model)
 # %%
 assert torch.allclose(mha(query, memory, memory, src_mask), final, atol=1e-5)
 assert (weights[1, :, :, 5:] == 0).all()
+
+# %% [markdown]
+# `heads_mask` at work: the same padding mask written in float 0s and 1s
+# gives the boolean mask's output, and a mask without its middle axis is
+# refused with a one-line message.
+
+# %%
+float_mask = src_mask.float()  # 1.0 where True, 0.0 at the two pads
+out_float = mha(query, memory, memory, float_mask)
+assert torch.allclose(out_float, final, atol=1e-5)
+try:
+    mha(query, memory, memory, src_mask[:, 0])  # (B, S): no middle axis
+except ValueError as error:
+    print("a (B, S) mask:", error)
+else:
+    raise AssertionError("a (B, S) mask was accepted")
 
 # %% [markdown]
 # ### Where attention is used

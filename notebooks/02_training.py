@@ -52,9 +52,13 @@ if "COLAB_RELEASE_TAG" in os.environ:
         pip = ["pip", "install", "-q", "-e", f"./{CLONE}[notebooks]"]
         subprocess.run([sys.executable, "-m", *pip], check=True)
         open(installed, "w").close()
-# The repository: the clone on Colab; else this notebook's parent folder,
-# or the working directory when it is the repository itself.
-HERE = "." if os.path.isfile("the_annotated_transformer.py") else ".."
+# The repository: the clone on Colab; else the nearest folder holding the
+# library: the working directory, or the one above it (from notebooks/),
+# or the one above that (from runs/notebooks/, where `make notebook`
+# writes the executed copies).
+UP = [".", "..", "../.."]
+MODULE = "the_annotated_transformer.py"
+HERE = next((d for d in UP if os.path.isfile(f"{d}/{MODULE}")), "..")
 ROOT = os.path.abspath(CLONE if os.path.isdir(CLONE) else HERE)
 sys.path.insert(0, ROOT)
 # AT_SIZE=ci: the project's automated tests (CI) train a smaller copy
@@ -120,7 +124,15 @@ FIGURES = Path(ROOT, "figures")
 # %%
 #| export
 class Batch:
-    """Source and target ids with their masks, for teacher forcing."""
+    """Source and target ids with their masks, for teacher forcing.
+
+    `src` (B, S) and `tgt` (B, T + 1) are token ids; `pad` is the padding
+    id (2 by default, as in the 2022 tutorial: the copy task passes its
+    own). It keeps `src`, `src_mask` (B, 1, S), `tgt` (B, T): the target
+    without its last token, which the decoder reads, `tgt_y` (B, T): the
+    target without its first, to predict, `tgt_mask` (B, T, T) and
+    `ntokens`, the number of real tokens in `tgt_y`.
+    """
 
     def __init__(self, src, tgt=None, pad=2):  # 2: <blank> in Part 3
         self.src = src  # (B, S)
@@ -471,7 +483,9 @@ class SimpleLossCompute:
         self.criterion = criterion
 
     def __call__(self, x, y, norm):
-        """Return (summed loss, detached; mean loss per token, with grad)."""
+        """Decoder output x (B, T, d_model), targets y (B, T), and norm, the
+        number of real target tokens (Batch.ntokens), to (summed loss,
+        detached; mean loss per token, with its gradient)."""
         logp = self.generator(x)  # (B, T, vocab)
         flat = logp.reshape(-1, logp.size(-1))  # (B * T, vocab)
         loss_mean = self.criterion(flat, y.reshape(-1)) / norm
@@ -583,8 +597,10 @@ def make_optimizer(
     """Adam (AdamW with a weight_decay) and a LambdaLR running `rate`, or
     `schedule` when given.
 
-    With a `schedule`, `d_model`, `factor` and `warmup` are unused;
-    without one, `d_model` must be given.
+    Returns (optimizer, scheduler). With a `schedule`, `d_model`,
+    `factor` and `warmup` are unused; without one, `d_model` must be
+    given. `schedule(step)` returns the learning rate itself: Adam's `lr`
+    is 1.0, and LambdaLR multiplies it by the schedule's value.
     AdamW multiplies every parameter (biases and norms included) by
     1 - lr * weight_decay at each step, besides Adam's update. The decay
     is not added to the gradient, so Adam's running averages never see
@@ -656,7 +672,11 @@ save_chart(learning_rate_chart(SETTINGS), "02_learning_rate", FIGURES)
 # %%
 #| export
 def greedy_decode(model, src, src_mask, max_len, start_symbol):
-    """Most-probable-token decoding: (B, S) source to (B, max_len) ids."""
+    """Most-probable-token decoding: (B, S) source to (B, max_len) ids.
+
+    `src_mask` (B, 1, S) is True on real source tokens; the output starts
+    with `start_symbol` and always runs to `max_len` (it does not stop at
+    an end symbol). Call it in eval mode, under torch.no_grad()."""
     memory = model.encode(src, src_mask)  # (B, S, d_model)
     ys = src.new_full((src.size(0), 1), start_symbol)  # (B, 1)
     for _ in range(max_len - 1):
@@ -1105,7 +1125,9 @@ def micro_step(
 # and never steps; `mode="train+log"` prints progress
 # every `log_every` micro-batches, one line from `print_progress`: the
 # batch's index in this epoch, the optimizer steps so far, the batch's
-# loss per token, tokens per second and the learning rate.
+# loss per token, tokens per second and the learning rate. Any other
+# mode, or training without an optimizer, is refused before the first
+# batch.
 
 
 # %%
@@ -1148,8 +1170,16 @@ def run_epoch(
     autocast=nullcontext,
     scaler=None,
 ):
-    """One pass over data_iter; returns (loss per token, train_state)."""
-    train = mode.startswith("train")
+    """One pass over data_iter; returns (loss per token, train_state).
+
+    `data_iter` yields Batch objects; `loss_compute(out, tgt_y, ntokens)`
+    returns (summed loss, mean loss), as SimpleLossCompute does. `mode`
+    is "train", "train+log" or "eval"; training needs `optimizer`."""
+    if mode not in ("train", "train+log", "eval"):
+        raise ValueError(f"mode is train, train+log or eval, not {mode!r}")
+    train = mode != "eval"
+    if train and optimizer is None:
+        raise ValueError(f"mode={mode!r} needs an optimizer")
     state = TrainState() if train_state is None else train_state
     total_loss = 0.0
     total_tokens = 0

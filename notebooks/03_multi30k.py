@@ -53,9 +53,13 @@ if "COLAB_RELEASE_TAG" in os.environ:
         pip = ["pip", "install", "-q", "-e", f"./{CLONE}[notebooks]"]
         subprocess.run([sys.executable, "-m", *pip], check=True)
         open(installed, "w").close()
-# The repository: the clone on Colab; else this notebook's parent folder,
-# or the working directory when it is the repository itself.
-HERE = "." if os.path.isfile("the_annotated_transformer.py") else ".."
+# The repository: the clone on Colab; else the nearest folder holding the
+# library: the working directory, or the one above it (from notebooks/),
+# or the one above that (from runs/notebooks/, where `make notebook`
+# writes the executed copies).
+UP = [".", "..", "../.."]
+MODULE = "the_annotated_transformer.py"
+HERE = next((d for d in UP if os.path.isfile(f"{d}/{MODULE}")), "..")
 ROOT = os.path.abspath(CLONE if os.path.isdir(CLONE) else HERE)
 sys.path.insert(0, ROOT)
 # "ci": tiny runs for the project's automated tests (CI, continuous

@@ -62,9 +62,13 @@ if "COLAB_RELEASE_TAG" in os.environ:
         pip = ["pip", "install", "-q", "-e", f"./{CLONE}[notebooks]"]
         subprocess.run([sys.executable, "-m", *pip], check=True)
         open(installed, "w").close()
-# The repository: the clone on Colab; else this notebook's parent folder,
-# or the working directory when it is the repository itself.
-HERE = "." if os.path.isfile("the_annotated_transformer.py") else ".."
+# The repository: the clone on Colab; else the nearest folder holding the
+# library: the working directory, or the one above it (from notebooks/),
+# or the one above that (from runs/notebooks/, where `make notebook`
+# writes the executed copies).
+UP = [".", "..", "../.."]
+MODULE = "the_annotated_transformer.py"
+HERE = next((d for d in UP if os.path.isfile(f"{d}/{MODULE}")), "..")
 ROOT = os.path.abspath(CLONE if os.path.isdir(CLONE) else HERE)
 sys.path.insert(0, ROOT)
 AT_SIZE = os.environ.get("AT_SIZE", "full")  # "ci": tiny models, CI-sized
@@ -93,6 +97,7 @@ from the_annotated_transformer import (
     count_parameters,
     encode_pairs,
     greedy_decode,
+    heads_mask,
     load_tokenizers,
     make_model,
     read_multi30k,
@@ -214,7 +219,7 @@ class DecoderCache:
     """Per-layer keys and values that incremental decoding reuses."""
 
     def __init__(self, model, memory, src_mask):
-        self.src_mask = src_mask.unsqueeze(1)  # (B, 1, 1, S)
+        self.src_mask = heads_mask(src_mask)  # (B, 1, 1, S)
         self.cross = [
             [
                 layer.src_attn.split_heads(memory, layer.src_attn.w_k),

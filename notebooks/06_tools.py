@@ -53,9 +53,13 @@ if "COLAB_RELEASE_TAG" in os.environ:
         pip = ["pip", "install", "-q", "-e", f"./{CLONE}[notebooks]"]
         subprocess.run([sys.executable, "-m", *pip], check=True)
         open(installed, "w").close()
-# The repository: the clone on Colab; else this notebook's parent folder,
-# or the working directory when it is the repository itself.
-HERE = "." if os.path.isfile("the_annotated_transformer.py") else ".."
+# The repository: the clone on Colab; else the nearest folder holding the
+# library: the working directory, or the one above it (from notebooks/),
+# or the one above that (from runs/notebooks/, where `make notebook`
+# writes the executed copies).
+UP = [".", "..", "../.."]
+MODULE = "the_annotated_transformer.py"
+HERE = next((d for d in UP if os.path.isfile(f"{d}/{MODULE}")), "..")
 ROOT = os.path.abspath(CLONE if os.path.isdir(CLONE) else HERE)
 sys.path.insert(0, ROOT)
 
@@ -3310,7 +3314,8 @@ def detokenize(tokens):
 
 
 def decode_text(ids, vocab):
-    """Plain text of output ids (without `<s>` and `</s>`)."""
+    """Plain text of output ids, given without `<s>` and `</s>`
+    (`strip_specials` removes them)."""
     if is_subword(vocab):  # it writes text itself
         return vocab.decode(ids)
     return detokenize(vocab.lookup_tokens(ids))
@@ -3409,7 +3414,9 @@ def translate_batch(
     replace_unk=True,
     progress=False,
 ):
-    """German sentences to detokenized English, in input order."""
+    """German sentences (a list) to detokenized English, in input order."""
+    if isinstance(sentences, str):  # would be read as one letter a line
+        raise TypeError("give a list of sentences, not one string")
     decode_fn = decode_fn or cached_greedy_decode  # None also means greedy
     if device is None:  # wherever the model is
         device = next(model.parameters()).device
@@ -3456,7 +3463,8 @@ def compute_bleu(hypotheses, references):
 # `evaluate` and `translate`: a checkpoint, a beam size (1 means greedy,
 # with the cache), a number of epoch checkpoints to average, and beam
 # search's length penalty $\alpha$ (Part 5: the paper's 0.6 by default;
-# 1.0 scored best on the validation split here). An $\alpha$ given with
+# the validation split chose 1.0 for a model trained alone, 2.5 for the
+# best recipe's student). An $\alpha$ given with
 # greedy decoding would be ignored, so it is refused, before the
 # checkpoint is read.
 
@@ -3575,7 +3583,15 @@ def translate(
     alpha=None,
 ):
     """English translations of German sentences, with a trained model;
-    `alpha`, beam search's length penalty, only with `beam` above 1."""
+    `alpha`, beam search's length penalty, only with `beam` above 1.
+
+    `sentences` is a list, translated into a list; one string gives one
+    translation. It loads the model at each call: to translate often,
+    load it once with `load_translator` and call `translate_batch`."""
+    if isinstance(sentences, str):
+        return translate(
+            [sentences], checkpoint, beam, average, replace_unk, device, alpha
+        )[0]
     checkpoint = checkpoint or default_checkpoint()
     if device in (None, "auto"):
         device = pick_device()
@@ -4125,7 +4141,8 @@ def add_decoding_options(parser):
         "--alpha",
         type=number_from(0.0, 10.0),
         help="beam search's length penalty, with --beam 2 or more (default"
-        f" {DEFAULT_ALPHA}, the paper's; 1.0 scored best on validation here)",
+        f" {DEFAULT_ALPHA}, the paper's; validation chose 1.0 for a model"
+        " trained alone, 2.5 for the best recipe's student)",
     )
     parser.add_argument(
         "--average",

@@ -852,6 +852,20 @@ def test_the_library_refuses_alpha_without_a_beam_before_reading(tmp_path):
         tools.load_translator(missing, beam=4, alpha=1.0)
 
 
+def test_one_string_gives_one_translation_not_one_per_letter(tiny):
+    """translate("Ein Hund.") once translated each letter as a sentence."""
+    ckpt, model, vocab_src, vocab_tgt = tiny
+    sentences = [de for de, _ in PAIRS]
+    together = tools.translate(sentences, ckpt, device="cpu")
+    alone = tools.translate(sentences[0], ckpt, device="cpu")
+    assert isinstance(alone, str) and alone == together[0]
+    spacy_de, _ = tat.load_tokenizers()
+    with pytest.raises(TypeError, match="list of sentences"):
+        tools.translate_batch(
+            model, sentences[0], spacy_de, vocab_src, vocab_tgt
+        )
+
+
 def test_whole_number_and_existing_device():
     assert tools.whole_number("3") == 3
     assert tools.whole_number("0", least=0) == 0  # --keep-last 0: keep all

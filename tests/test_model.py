@@ -86,6 +86,83 @@ def test_multi_head_sdpa_path_equals_explicit_path_in_eval():
         mha.attn = None
 
 
+@pytest.mark.parametrize("store", [False, True])  # fused, then explicit
+def test_a_float_mask_of_ones_and_zeros_hides_what_the_bool_mask_hides(
+    store,
+):
+    """The 2022 tutorial's masks may be float (its examples pass
+    torch.ones(1, 1, 10)); the fused routine would add them to the scores
+    and hide nothing. Reference: the same model with the bool mask, and
+    an output that does not move when the hidden keys change."""
+    torch.manual_seed(0)
+    mha = tat.MultiHeadedAttention(h=4, d_model=32, dropout=0.0).eval()
+    mha.store_attention = store
+    x = torch.randn(2, 6, 32)
+    mem = torch.randn(2, 5, 32)
+    src_mask = torch.tensor([[[1, 1, 1, 1, 1]], [[1, 1, 1, 0, 0]]]).bool()
+    tgt_mask = tat.subsequent_mask(6)
+    for kv, mask in [(mem, src_mask), (x, tgt_mask)]:
+        expected = mha(x, kv, kv, mask)
+        for dtype in (torch.float32, torch.long):
+            got = mha(x, kv, kv, mask.to(dtype))
+            torch.testing.assert_close(got, expected)
+    other = mem.clone()
+    other[1, 3:] = torch.randn(2, 32)  # the second sentence's two pads
+    torch.testing.assert_close(
+        mha(x, other, other, src_mask.float()),
+        mha(x, mem, mem, src_mask.float()),
+    )
+
+
+def test_attention_reads_a_float_mask_as_2022_did():
+    q, k, v = qkv()
+    mask = padding_mask([7, 4], 7)
+    out, p = tat.attention(q, k, v, mask=mask.float())
+    ref, p_ref = tat.attention(q, k, v, mask=mask)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(p, p_ref)
+
+
+@pytest.mark.parametrize("B", [2, 4])  # 4 = h: broadcasting would not fail
+def test_a_mask_without_its_middle_axis_is_refused(B):
+    mha = tat.MultiHeadedAttention(h=4, d_model=16, dropout=0.0).eval()
+    x = torch.randn(B, 3, 16)
+    flat = torch.ones(B, 3, dtype=torch.bool)  # (B, S), not (B, 1, S)
+    with pytest.raises(ValueError, match=r"\(B, 1, S\) or \(B, T, S\)"):
+        mha(x, x, x, flat)
+
+
+def test_decoding_with_a_float_source_mask_equals_the_bool_mask():
+    """Greedy decoding, plain and with the cache of Part 5, reads the
+    2022 tutorial's float mask of ones as it reads the bool one; a float
+    padding mask hides the padding there too."""
+    torch.manual_seed(0)
+    model = tat.make_model(9, 9, N=2, d_model=16, d_ff=32, h=2).eval()
+    src = torch.tensor([[3, 4, 5, 6, 2, 2], [5, 6, 7, 8, 3, 4]])
+    bool_mask = (src != 2).unsqueeze(-2)  # (B, 1, S); 2 pads row 0
+    with torch.no_grad():
+        for decode in (tat.batch_greedy_decode, tat.cached_greedy_decode):
+            expected = decode(model, src, bool_mask, 7)
+            got = decode(model, src, bool_mask.float(), 7)
+            assert torch.equal(got, expected), decode.__name__
+        ones = torch.ones(1, 1, 6)
+        assert torch.equal(
+            tat.greedy_decode(model, src[1:], ones, 7, 0),
+            tat.greedy_decode(model, src[1:], ones.bool(), 7, 0),
+        )
+        # Their continuous outputs: the encoder's, and the cached step's.
+        memory = model.encode(src, bool_mask)
+        torch.testing.assert_close(
+            model.encode(src, bool_mask.float()), memory
+        )
+        first = torch.full((2, 1), tat.BOS)
+        steps = [
+            tat.decode_step(model, first, tat.DecoderCache(model, memory, m))
+            for m in (bool_mask, bool_mask.float())
+        ]
+        torch.testing.assert_close(steps[1], steps[0])
+
+
 def sdpa_calls(monkeypatch):
     """A list that grows by one each time the fused kernel is called."""
     calls, fused = [], F.scaled_dot_product_attention

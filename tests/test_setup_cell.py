@@ -110,10 +110,12 @@ def test_a_lesson_downloads_multi30k_before_reading_it(path):
     )
 
 
-@pytest.mark.parametrize("where", ["notebooks", "."])
+@pytest.mark.parametrize("where", ["notebooks", ".", "runs/notebooks"])
 def test_root_is_the_repository_from_its_notebooks_folder_or_itself(where):
     """Jupyter starts in notebooks/; `python notebooks/01_model.py` in the
-    repository root starts there."""
+    repository root starts there; the copies that `make notebook` writes
+    to runs/notebooks/ start there when opened in Jupyter."""
+    (ROOT / where).mkdir(parents=True, exist_ok=True)  # runs/ is ignored
     cell = setup_cell(NOTEBOOKS[0])
     env = {k: v for k, v in os.environ.items() if k != "COLAB_RELEASE_TAG"}
     proc = subprocess.run(

@@ -428,6 +428,27 @@ def test_eval_runs_without_autograd_and_returns_floats():
     assert type(loss) is float
 
 
+@pytest.mark.parametrize("mode", ["Train", "evaluate", ""])
+def test_an_unknown_mode_is_refused_before_the_first_batch(mode):
+    """ "Train" once evaluated in silence (mode.startswith("train"))."""
+    model = tiny_model()
+    rec = RecordingLoss(loss_for(model))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="train, train\\+log or eval"):
+        tat.run_epoch(batches(2), model, rec, opt, mode=mode)
+    assert rec.grad_enabled == []  # no batch was run
+
+
+@pytest.mark.parametrize("mode", ["train", "train+log"])
+def test_training_without_an_optimizer_is_refused_at_once(mode):
+    model = tiny_model()
+    rec = RecordingLoss(loss_for(model))
+    with pytest.raises(ValueError, match="needs an optimizer"):
+        tat.run_epoch(batches(2), model, rec, mode=mode)
+    assert rec.grad_enabled == []
+    assert all(p.grad is None for p in model.parameters())
+
+
 # --------------------------------------------------------------- copy task
 def test_data_gen_starts_with_copy_start():
     g = torch.Generator().manual_seed(0)
