@@ -46,7 +46,7 @@ setup: .venv/.installed  ## create .venv with every dependency
 	  "again" >&2; exit 2; }
 	@test ! -x $(PY) || $(PY) $(NEW_ENOUGH) || { echo "make: .venv has" \
 	  "$$($(PY) --version 2>&1), older than 3.10: remove it (rm -rf" \
-	  ".venv) and run make again" >&2; exit 2; }
+	  ".venv) and run your make command again" >&2; exit 2; }
 	test -x $(PY) || $(PYTHON) -m venv .venv
 	index="$(TORCH_INDEX_CHOICE)" && \
 	  $(PIP) install --quiet $${index:+--index-url "$$index"} "$(TORCH_SPEC)"
@@ -129,5 +129,5 @@ site: setup  ## full-size site in site-full/, from the checkpoints of `make trai
 # `notebook-test` runs the same notebooks under nbmake, for use on its own.
 check: test html site-test  ## everything CI runs
 
-clean:  ## remove what the notebooks and tests wrote (not .venv, data or checkpoints)
+clean:  ## remove runs/ (make train's results too), the sites and test output; keeps .venv, data, checkpoints
 	rm -rf runs site site-full test-output .pytest_cache
