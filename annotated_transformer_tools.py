@@ -35,6 +35,7 @@ import io
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import pickle
 import re
@@ -1031,8 +1032,11 @@ def checkpoint_head(path):
             f"no checkpoint at {path}{where}; train one first (`make"
             " notebook`, or `train`)"
         )
-    with open(path, "rb") as f:
-        head = f.read(2)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(2)
+    except PermissionError:  # the user's to fix, not the machine's
+        raise CheckpointError(f"{path}: no permission to read it") from None
     if not head:
         raise CheckpointError(f"{path} is empty (0 bytes), not a checkpoint")
     if head != b"PK" and head[:1] != b"\x80":  # neither zip nor pickle
@@ -1067,7 +1071,9 @@ def load_checkpoint(path, device="cpu"):
     try:
         ckpt = torch.load(path, map_location=device, weights_only=True)
     except pickle.UnpicklingError as err:
-        if "Unsupported global" in str(err):  # it would build other objects
+        # It would build other objects, or call a function: torch says
+        # "Unsupported global" or "unsupported GLOBAL", by torch version.
+        if "unsupported global" in str(err).lower():
             why = "holds more than tensors, so it is not loaded, for safety"
             raise CheckpointError(f"{path} {why}") from err
         if head == b"PK":
@@ -2097,6 +2103,50 @@ def free_port():
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def workers_ignore_ctrl_c():
+    """Processes that multiprocessing starts inside ignore Ctrl-C for
+    life. A Ctrl-C or SIGTERM meanwhile is kept, and raised as
+    KeyboardInterrupt on leaving. Elsewhere than in the main thread of a
+    POSIX system, no change."""
+    from multiprocessing import util
+
+    start = getattr(util, "spawnv_passfds", None)  # POSIX's spawn
+    if start is None or threading.current_thread() != threading.main_thread():
+        yield
+        return
+    kept = []
+    keep = lambda signum, frame: kept.append(signum)
+
+    def start_ignoring(*args, **kwargs):  # the new process inherits it
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            return start(*args, **kwargs)
+        finally:
+            signal.signal(signal.SIGINT, keep)
+
+    stops = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, keep) for s in stops}
+    util.spawnv_passfds = start_ignoring
+    try:
+        yield
+    finally:
+        util.spawnv_passfds = start
+        for s in stops:
+            signal.signal(s, previous[s])
+    if kept:
+        raise KeyboardInterrupt
+
+
+def stop_processes(processes, wait=10.0):
+    """Terminate the processes still running, then wait for them."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(wait)
+
+
 def _spawned_worker(
     rank,
     world_size,
@@ -2160,12 +2210,20 @@ def train_distributed_model(
     one_line = warnings.showwarning is warning_line  # as main set it
     args = (world_size, *data, resume, device, one_line)
     try:
-        mp.spawn(_spawned_worker, args, nprocs=world_size)
+        with workers_ignore_ctrl_c():  # Ctrl-C is the parent's
+            workers = mp.spawn(
+                _spawned_worker, args, nprocs=world_size, join=False
+            )
+        while not workers.join():  # True once every worker has ended
+            pass
     except mp.ProcessRaisedException as err:
         user_error = user_error_of_worker(err)
         if user_error is None:  # a fault, not a mistake: its traceback
             raise
         raise user_error from None
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM on the command line
+        stop_processes(multiprocessing.active_children())
+        raise
 
 
 def user_error_of_worker(err):
@@ -2425,10 +2483,13 @@ TRAINED_MODELS = ("checkpoints/cpu/final.pt", "checkpoints/quick/final.pt")
 
 
 def default_checkpoint():
-    """The longer-trained model that exists, else the `quick` one's path."""
+    """The longer-trained model that exists, else the `quick` one's path;
+    each looked for in the working directory, then in the repository."""
+    repository = data_dir().parent
     for path in TRAINED_MODELS:
-        if Path(path).is_file():
-            return path
+        for found in (Path(path), repository / path):
+            if found.is_file():
+                return str(found)
     return TRAINED_MODELS[-1]
 
 
@@ -3605,10 +3666,17 @@ def parse_arguments(argv):
     return args, status
 
 
+def stop_as_for_ctrl_c(signum, frame):
+    """SIGTERM (`kill`, `timeout`, a job scheduler): the same clean-up and
+    the same report as Ctrl-C."""
+    raise KeyboardInterrupt
+
+
 def main(argv=None):
     """Command-line entry point; returns the exit status."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C
+        signal.signal(signal.SIGTERM, stop_as_for_ctrl_c)
     if sys.stdout is None:  # started with stdout closed: `>&-`
         print("error: standard output is closed", file=sys.stderr)
         return EXIT_IO
@@ -3766,6 +3834,8 @@ __all__ = [
     "final_is_this_runs",
     "train_worker",
     "free_port",
+    "workers_ignore_ctrl_c",
+    "stop_processes",
     "train_distributed_model",
     "user_error_of_worker",
     "train_model",
@@ -3847,6 +3917,7 @@ __all__ = [
     "warning_line",
     "command_line_warnings",
     "parse_arguments",
+    "stop_as_for_ctrl_c",
 ]
 
 

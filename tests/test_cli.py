@@ -1510,6 +1510,133 @@ def test_ctrl_c_while_the_installed_command_loads(tmp_path):
     assert program.returncode == 130 and err == b"interrupted\n"
 
 
+def train_until_an_epoch_is_saved(tmp_path, *extra):
+    """`train --preset ci` of many epochs, in a session of its own (as a
+    terminal's job), once it has saved an epoch: training runs."""
+    folder = tmp_path / "run"
+    argv = [sys.executable, SCRIPT, "train", "--preset", "ci"]
+    argv += ["--epochs", "200", "--checkpoint-dir", str(folder), *extra]
+    program = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.time() + 120
+    while not (folder / "last.pt").exists():  # written after an epoch
+        assert program.poll() is None, program.communicate()
+        assert time.time() < deadline, "no epoch saved in 120 s"
+        time.sleep(0.2)
+    return program
+
+
+def test_ctrl_c_stops_every_process_of_a_multi_process_train(
+    tmp_path, local_multi30k
+):
+    """Ctrl-C reaches the whole group: the parent once waited forever for
+    a worker, and the workers printed tracebacks."""
+    program = train_until_an_epoch_is_saved(tmp_path, "--world-size", "2")
+    os.killpg(program.pid, signal.SIGINT)  # as a terminal's Ctrl-C
+    try:
+        out, err = program.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(program.pid, signal.SIGKILL)
+        raise AssertionError("no stop 60 s after Ctrl-C") from None
+    assert program.returncode == 130, err
+    assert err.startswith("interrupted") and "Traceback" not in err, err
+
+
+def test_sigterm_stops_train_as_ctrl_c_does(tmp_path, local_multi30k):
+    """`kill` or `timeout`: the same report and status as Ctrl-C."""
+    program = train_until_an_epoch_is_saved(tmp_path)
+    program.send_signal(signal.SIGTERM)
+    out, err = program.communicate(timeout=60)
+    assert program.returncode == 130
+    assert err.startswith("interrupted") and "Traceback" not in err, err
+    assert "--resume" in err  # where to go on from, as after Ctrl-C
+
+
+def report_sigint_disposition(queue):
+    """In a new process: what it does with Ctrl-C."""
+    queue.put(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)
+
+
+def test_workers_ignore_ctrl_c_and_the_parent_gets_it_afterwards():
+    context = torch.multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    with pytest.raises(KeyboardInterrupt):
+        with tools.workers_ignore_ctrl_c():
+            worker = context.Process(
+                target=report_sigint_disposition, args=(queue,)
+            )
+            worker.start()
+            os.kill(os.getpid(), signal.SIGINT)  # kept, not raised here
+            time.sleep(0.1)
+    assert queue.get(timeout=60) is True  # the worker ignores Ctrl-C
+    worker.join(60)
+    # Outside, this process handles Ctrl-C as before.
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_an_unreadable_checkpoint_is_the_users_error(
+    tiny, capsys, monkeypatch
+):
+    """A file without read permission said so with the machine's status
+    74, as if the disk had failed."""
+    real_open = open
+
+    def no_permission(path, *args, **kwargs):
+        if str(path) == str(tiny[0]):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(tools, "open", no_permission, raising=False)
+    status, out, err = run_cli(
+        capsys, "translate", "--checkpoint", tiny[0], "x"
+    )
+    assert status == 2 and out == ""
+    assert err == f"error: {tiny[0]}: no permission to read it\n"
+
+
+def calls_a_function():
+    """What a hostile checkpoint's pickle would run (here, harmlessly)."""
+    return (os.getcwd, ())
+
+
+class Hostile:
+    __reduce__ = staticmethod(calls_a_function)
+
+
+def test_a_checkpoint_that_would_call_a_function_is_refused_for_safety(
+    tmp_path,
+):
+    """It was called "damaged", which it is not."""
+    path = tmp_path / "hostile.pt"
+    torch.save({"model": Hostile()}, path)
+    with pytest.raises(tools.CheckpointError, match="for safety"):
+        tools.load_checkpoint(path)
+
+
+def test_the_default_checkpoint_is_found_from_any_folder_of_the_checkout(
+    tmp_path, monkeypatch
+):
+    """From docs/, translate said there was no model, though `make
+    notebook` had trained one in the repository."""
+    (tmp_path / "the_annotated_transformer.py").write_text("")
+    quick = tmp_path / "checkpoints" / "quick" / "final.pt"
+    quick.parent.mkdir(parents=True)
+    quick.write_bytes(b"")
+    (tmp_path / "docs").mkdir()
+    monkeypatch.chdir(tmp_path / "docs")
+    assert tools.default_checkpoint() == str(quick)
+    # One in the working directory comes first, as before.
+    here = Path("checkpoints/quick/final.pt")
+    here.parent.mkdir(parents=True)
+    here.write_bytes(b"")
+    assert tools.default_checkpoint() == str(here)
+
+
 # --- resuming ----------------------------------------------------------------
 
 
