@@ -4073,7 +4073,14 @@ class OneLineParser(argparse.ArgumentParser):
 #| export
 def add_train_parser(sub):
     """`train`: its options."""
-    train = sub.add_parser("train", help="train a model on Multi30k")
+    train = sub.add_parser(
+        "train",
+        help="train a model on Multi30k",
+        description="Train a model on Multi30k German→English, saving each"
+        " epoch into --checkpoint-dir. Multi30k is read from data/multi30k/"
+        f" (downloaded on first use) or from the folder ${MULTI30K_ENV}"
+        " names.",
+    )
     train.add_argument(
         "--preset",
         choices=sorted(PRESETS),
@@ -4135,8 +4142,8 @@ def add_train_parser(sub):
     train.add_argument(
         "--device",
         type=existing_device,
-        help="the device of a one-process run: cpu, cuda:1, mps (default:"
-        " CUDA, else mps, else cpu)",
+        help="the device of a one-process run: auto (default: CUDA, else"
+        " mps, else cpu), cpu, cuda:1, mps",
     )
     train.add_argument(
         "--checkpoint-dir",
@@ -4177,8 +4184,8 @@ def add_train_parser(sub):
     train.add_argument(
         "--threads",
         type=count(most=4096),
-        help="CPU threads of a one-process run (several processes on the"
-        " CPU split its cores evenly instead)",
+        help="CPU threads of a one-process run (default: torch's, one per"
+        " core; several processes on the CPU split its cores evenly)",
     )
 
 
@@ -4190,7 +4197,8 @@ def add_decoding_options(parser):
         "--checkpoint",
         type=path_text,
         help="default: checkpoints/cpu/final.pt if it exists, else"
-        " checkpoints/quick/final.pt",
+        " checkpoints/quick/final.pt, in the working directory or else in"
+        " the repository",
     )
     parser.add_argument(
         "--batch-size",
@@ -4239,7 +4247,11 @@ def add_decoding_options(parser):
 def add_evaluate_parser(sub):
     """`evaluate`: its options."""
     evaluate = sub.add_parser(
-        "evaluate", help="BLEU on Multi30k test2016 (or a pair of files)"
+        "evaluate",
+        help="BLEU on Multi30k test2016 (or a pair of files)",
+        description="Translate Multi30k's test2016 (or --src) with a trained"
+        " model and print sacreBLEU's score against its references (or"
+        " --ref).",
     )
     add_decoding_options(evaluate)
     evaluate.add_argument(
@@ -4261,7 +4273,13 @@ def add_evaluate_parser(sub):
 
 def add_translate_parser(sub):
     """`translate`: its options."""
-    translate = sub.add_parser("translate", help="translate German text")
+    translate = sub.add_parser(
+        "translate",
+        help="translate German text",
+        description="Translate German sentences into English with a"
+        " trained model: from the arguments, or line by line from --input"
+        " or standard input, one English line each.",
+    )
     add_decoding_options(translate)
     translate.add_argument(
         "sentence",
@@ -5061,9 +5079,31 @@ def command_line_warnings():
     warnings.showwarning = warning_line
 
 
+COMMAND_NAMES = ("download", "train", "evaluate", "translate")
+
+
+def command_after_options(argv):
+    """The sub-command of `argv` when an option comes before it, as in
+    `--beam 4 translate ...`, which argparse would misread; else None."""
+    first = argv[0] if argv else ""
+    if not first.startswith("-") or first in ("-h", "--help", "--version"):
+        return None
+    return next((word for word in argv if word in COMMAND_NAMES), None)
+
+
 def parse_arguments(argv):
     """(the parsed arguments, None), or (None, the exit status) when
     argparse has already answered: `--help`, `--version`, a mistake."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    late = command_after_options(argv)
+    if late:
+        prog = build_parser().prog
+        print(
+            f"{prog}: error: options go after the sub-command, as in"
+            f" `{prog} {late} {argv[0]} ...` (see --help)",
+            file=sys.stderr,
+        )
+        return None, EXIT_USAGE
     said = io.StringIO()  # what argparse prints on stdout: help, version
     try:
         with contextlib.redirect_stdout(said):

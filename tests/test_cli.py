@@ -866,6 +866,25 @@ def test_one_string_gives_one_translation_not_one_per_letter(tiny):
         )
 
 
+@pytest.mark.parametrize(
+    "argv, command",
+    [
+        (["--beam", "4", "translate", "x"], "translate"),
+        (["--checkpoint", "some.pt", "evaluate"], "evaluate"),
+        (["--preset", "ci", "train"], "train"),
+    ],
+)
+def test_options_before_the_sub_command_are_named_as_the_mistake(
+    capsys, argv, command
+):
+    """argparse said "invalid choice: 'some.pt'", or that a command was
+    missing, for an option put before the sub-command."""
+    status, out, err = run_cli(capsys, *argv)
+    assert status == 2 and out == "" and len(err.splitlines()) == 1
+    assert "options go after the sub-command" in err
+    assert f" {command} {argv[0]} ..." in err
+
+
 def test_whole_number_and_existing_device():
     assert tools.whole_number("3") == 3
     assert tools.whole_number("0", least=0) == 0  # --keep-last 0: keep all
