@@ -11,8 +11,9 @@ lesson module never imports it. Run
 ``python annotated_transformer_tools.py --help`` for the command line.
 """
 
-# Ctrl-C while torch loads: one line, no traceback; when run as a script
-# or as the installed `annotated-transformer` command, never on import.
+# Ctrl-C or SIGTERM while torch loads: one line, no traceback; when run as
+# a script or as the installed `annotated-transformer` command, never on
+# import.
 if __name__ == "__main__" or __import__("sys").argv[0].endswith(
     "annotated-transformer"
 ):
@@ -24,6 +25,7 @@ if __name__ == "__main__" or __import__("sys").argv[0].endswith(
         os._exit(130)
 
     signal.signal(signal.SIGINT, _interrupted)
+    signal.signal(signal.SIGTERM, _interrupted)
 
 import argparse
 import contextlib
@@ -78,6 +80,7 @@ from the_annotated_transformer import (
     beam_search,
     build_vocabulary,
     cached_greedy_decode,
+    checkout_above,
     collate_batch,
     copy_accuracy,
     create_dataloaders,
@@ -2103,22 +2106,30 @@ def free_port():
         return s.getsockname()[1]
 
 
+def in_main_thread():
+    """Whether this is the main thread, the only one that sets handlers."""
+    return threading.current_thread() is threading.main_thread()
+
+
 @contextlib.contextmanager
 def workers_ignore_ctrl_c():
     """Processes that multiprocessing starts inside ignore Ctrl-C for
     life. A Ctrl-C or SIGTERM meanwhile is kept, and raised as
-    KeyboardInterrupt on leaving. Elsewhere than in the main thread of a
-    POSIX system, no change."""
+    KeyboardInterrupt on leaving; one in the instant of a start (the
+    system call, not the new process's loading) is lost. Elsewhere than
+    in the main thread of a POSIX system, no change."""
     from multiprocessing import util
 
     start = getattr(util, "spawnv_passfds", None)  # POSIX's spawn
-    if start is None or threading.current_thread() != threading.main_thread():
+    if start is None or not in_main_thread():
         yield
         return
     kept = []
     keep = lambda signum, frame: kept.append(signum)
 
     def start_ignoring(*args, **kwargs):  # the new process inherits it
+        if not in_main_thread():
+            return start(*args, **kwargs)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             return start(*args, **kwargs)
@@ -2132,8 +2143,8 @@ def workers_ignore_ctrl_c():
         yield
     finally:
         util.spawnv_passfds = start
-        for s in stops:
-            signal.signal(s, previous[s])
+        for s in stops:  # None: a handler set outside Python
+            signal.signal(s, previous[s] or signal.SIG_DFL)
     if kept:
         raise KeyboardInterrupt
 
@@ -2163,6 +2174,13 @@ def _spawned_worker(
     choice, in the parent) gives it the command line's warnings."""
     if one_line_warnings:
         command_line_warnings()
+    # torch asks Linux to send SIGINT to a worker whose parent dies; the
+    # workers ignore Ctrl-C (`workers_ignore_ctrl_c`), so SIGTERM it is.
+    import torch.multiprocessing as mp
+
+    set_death_signal = getattr(mp, "_prctl_pr_set_pdeathsig", None)
+    if set_death_signal is not None:
+        set_death_signal(signal.SIGTERM)
     vocabs = [
         BpeVocab.from_str(v) if isinstance(v, str) else Vocab(v)
         for v in vocabs
@@ -2221,7 +2239,7 @@ def train_distributed_model(
         if user_error is None:  # a fault, not a mistake: its traceback
             raise
         raise user_error from None
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM on the command line
+    except BaseException:  # Ctrl-C, SIGTERM, or a failed start
         stop_processes(multiprocessing.active_children())
         raise
 
@@ -2483,13 +2501,12 @@ TRAINED_MODELS = ("checkpoints/cpu/final.pt", "checkpoints/quick/final.pt")
 
 
 def default_checkpoint():
-    """The longer-trained model that exists, else the `quick` one's path;
-    each looked for in the working directory, then in the repository."""
-    repository = data_dir().parent
-    for path in TRAINED_MODELS:
-        for found in (Path(path), repository / path):
-            if found.is_file():
-                return str(found)
+    """The longer-trained model that exists, else the `quick` one's path:
+    looked for in the working directory, then in the checkout above it."""
+    for folder in (Path("."), checkout_above() or Path(".")):
+        for path in TRAINED_MODELS:
+            if (folder / path).is_file():
+                return str(folder / path)
     return TRAINED_MODELS[-1]
 
 
@@ -3713,10 +3730,24 @@ def stop_as_for_ctrl_c(signum, frame):
 
 
 def main(argv=None):
-    """Command-line entry point; returns the exit status."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C
+    """Command-line entry point; returns the exit status. Ctrl-C and
+    SIGTERM are handled as below while it runs, and as before after."""
+    if not in_main_thread():  # only the main thread sets handlers
+        return run_command_line(argv)
+    stops = (signal.SIGINT, signal.SIGTERM)
+    before = {s: signal.getsignal(s) for s in stops}
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # torchrun stops ranks
         signal.signal(signal.SIGTERM, stop_as_for_ctrl_c)
+    try:
+        return run_command_line(argv)
+    finally:
+        for s in stops:  # None: a handler set outside Python
+            signal.signal(s, before[s] or signal.SIG_DFL)
+
+
+def run_command_line(argv):
+    """`main`'s work: the sub-command, and one line for each failure."""
     if sys.stdout is None:  # started with stdout closed: `>&-`
         print("error: standard output is closed", file=sys.stderr)
         return EXIT_IO
@@ -3874,6 +3905,7 @@ __all__ = [
     "final_is_this_runs",
     "train_worker",
     "free_port",
+    "in_main_thread",
     "workers_ignore_ctrl_c",
     "stop_processes",
     "train_distributed_model",
@@ -3960,6 +3992,7 @@ __all__ = [
     "command_after_options",
     "parse_arguments",
     "stop_as_for_ctrl_c",
+    "run_command_line",
 ]
 
 

@@ -217,13 +217,17 @@ def attention(query, key, value, mask=None, dropout=None):
 
 
 def heads_mask(mask):
-    """A (B, 1, S) or (B, T, S) mask as bool (B, 1, 1 or T, S), the
-    same for every head. True, or any nonzero value, may be attended to."""
+    """A (B, 1, S) or (B, T, S) mask as bool (B, 1, 1 or T, S), the same
+    for every head. True, or 1 in a mask of 0s and 1s, may be attended to."""
     if mask.dim() != 3:
         raise ValueError(
             f"a mask is (B, 1, S) or (B, T, S), not {tuple(mask.shape)}"
         )
-    return (mask != 0).unsqueeze(1)  # bool: the fused routine adds floats
+    if mask.dtype != torch.bool:  # the fused routine would add it
+        if not ((mask == 0) | (mask == 1)).all():
+            raise ValueError("a mask that is not bool must hold 0s and 1s")
+        mask = mask != 0
+    return mask.unsqueeze(1)
 
 
 class MultiHeadedAttention(nn.Module):
@@ -1221,6 +1225,15 @@ def module_folder():
 MODULE_DIR = module_folder()  # None when the module cannot be found
 
 
+def checkout_above():
+    """The first folder, from the working directory up, that holds
+    the_annotated_transformer.py (a checkout of the repository), or None."""
+    for folder in (Path.cwd(), *Path.cwd().parents):
+        if (folder / "the_annotated_transformer.py").exists():
+            return folder
+    return None
+
+
 def data_dir():
     """The `data/` folder of the repository, where downloads are kept.
 
@@ -1231,9 +1244,9 @@ def data_dir():
     that too (an installed copy, not a checkout), it is the working
     directory.
     """
-    for folder in (Path.cwd(), *Path.cwd().parents):
-        if (folder / "the_annotated_transformer.py").exists():
-            return folder / "data"
+    checkout = checkout_above()
+    if checkout is not None:
+        return checkout / "data"
     if MODULE_DIR and (MODULE_DIR / "pyproject.toml").exists():
         return MODULE_DIR / "data"
     return Path.cwd() / "data"
@@ -1993,6 +2006,7 @@ __all__ = [
     "DatasetError",
     "module_folder",
     "MODULE_DIR",
+    "checkout_above",
     "data_dir",
     "multi30k_folder",
     "split_file",

@@ -418,7 +418,9 @@ class DecoderLayer(nn.Module):
 #
 # A mask says which keys each query may read. Throughout this project a
 # mask is boolean and **`True` means "may attend"**, the same convention as
-# `torch.nn.functional.scaled_dot_product_attention`. The model takes two:
+# `torch.nn.functional.scaled_dot_product_attention`. (The model also
+# reads a mask of 0s and 1s, as the 2022 tutorial wrote some: 1 may
+# attend; "Multi-head attention" below says how.) The model takes two:
 #
 # * the **source mask**, shape $(B, 1, S)$: `True` at the real source
 #   tokens, `False` at padding. The middle 1 broadcasts over the queries:
@@ -503,7 +505,9 @@ save_chart(mask_chart(20), "01_subsequent_mask", Path(ROOT, "figures"))
 # per position.
 #
 # In code it is a few lines. `mask` is the boolean mask above; a masked
-# score gets a weight of zero (the end of this section says how).
+# score gets a weight of zero (the end of this section says how). The
+# code tests `mask == 0` rather than `~mask`, as the 2022 tutorial did,
+# so that a mask of 0s and 1s works too (see `heads_mask` below).
 #
 # A departure from the paper: `attention` can apply dropout to the
 # weights themselves. It is inherited from the 2022 tutorial; the paper
@@ -675,28 +679,35 @@ assert weights[0, 2] == 0
 #
 # Every head uses the same mask: `(B, 1, S)` over a source, `(B, T, T)`
 # or `(1, T, T)` over a target. `heads_mask` adds the heads' axis. It
-# also catches two mistakes that would otherwise give wrong results
-# without an error:
+# also guards against two masks that the fused routine would take
+# without an error and get wrong:
 #
-# - **A mask without its middle axis**, `(B, S)`. Broadcasting would line
-#   its sentences up against the heads; `heads_mask` refuses it.
-# - **A mask of 0s and 1s in float.** The fused routine adds a float mask
-#   to the scores instead of hiding positions, so a 0 would hide nothing.
-#   The 2022 tutorial's examples pass such masks (`torch.ones(1, 1, 10)`),
-#   so `heads_mask` reads any mask as 2022 did: 0 hides, and anything
-#   else may be attended to.
+# - **A mask without its middle axis**, `(B, S)`. Broadcasting lines its
+#   sentences up against the heads: with as many sentences as heads it
+#   runs, wrongly; otherwise it fails with a message about sizes.
+#   `heads_mask` refuses it, saying which shapes a mask has.
+# - **A mask that is not boolean.** `scaled_dot_product_attention` adds a
+#   float mask to the scores instead of hiding positions, so a mask of 0s
+#   and 1s would hide nothing. The 2022 tutorial's examples pass such masks
+#   (`torch.ones(1, 1, 10)`), so `heads_mask` reads them as 2022 did: 0
+#   hides, 1 may be attended to. Any other value is refused, such as
+#   PyTorch's additive masks of 0 and $-\infty$, which mean the opposite.
 
 
 # %%
 #| export
 def heads_mask(mask):
-    """A (B, 1, S) or (B, T, S) mask as bool (B, 1, 1 or T, S), the
-    same for every head. True, or any nonzero value, may be attended to."""
+    """A (B, 1, S) or (B, T, S) mask as bool (B, 1, 1 or T, S), the same
+    for every head. True, or 1 in a mask of 0s and 1s, may be attended to."""
     if mask.dim() != 3:
         raise ValueError(
             f"a mask is (B, 1, S) or (B, T, S), not {tuple(mask.shape)}"
         )
-    return (mask != 0).unsqueeze(1)  # bool: the fused routine adds floats
+    if mask.dtype != torch.bool:  # the fused routine would add it
+        if not ((mask == 0) | (mask == 1)).all():
+            raise ValueError("a mask that is not bool must hold 0s and 1s")
+        mask = mask != 0
+    return mask.unsqueeze(1)
 
 
 # %%

@@ -1301,6 +1301,15 @@ def module_folder():
 MODULE_DIR = module_folder()  # None when the module cannot be found
 
 
+def checkout_above():
+    """The first folder, from the working directory up, that holds
+    the_annotated_transformer.py (a checkout of the repository), or None."""
+    for folder in (Path.cwd(), *Path.cwd().parents):
+        if (folder / "the_annotated_transformer.py").exists():
+            return folder
+    return None
+
+
 def data_dir():
     """The `data/` folder of the repository, where downloads are kept.
 
@@ -1311,9 +1320,9 @@ def data_dir():
     that too (an installed copy, not a checkout), it is the working
     directory.
     """
-    for folder in (Path.cwd(), *Path.cwd().parents):
-        if (folder / "the_annotated_transformer.py").exists():
-            return folder / "data"
+    checkout = checkout_above()
+    if checkout is not None:
+        return checkout / "data"
     if MODULE_DIR and (MODULE_DIR / "pyproject.toml").exists():
         return MODULE_DIR / "data"
     return Path.cwd() / "data"

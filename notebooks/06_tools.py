@@ -114,7 +114,7 @@ from the_annotated_transformer import TrainState, Vocab, beam_search
 from the_annotated_transformer import build_vocabulary, cached_greedy_decode
 from the_annotated_transformer import collate_batch, create_dataloaders
 from the_annotated_transformer import BPE_VOCAB_SIZE, train_bpe
-from the_annotated_transformer import data_dir, encode_text
+from the_annotated_transformer import checkout_above, data_dir, encode_text
 from the_annotated_transformer import label_smoothing_penalty_rows
 from the_annotated_transformer import load_tokenizers, make_model
 from the_annotated_transformer import make_optimizer, make_run_optimizer
@@ -3117,10 +3117,13 @@ def train_worker(
 # (`workers_ignore_ctrl_c`): no worker ever sees it, and none dies
 # halfway with a traceback of its own. While the workers start (a few
 # seconds: each loads torch), a Ctrl-C (or SIGTERM) waits until they
-# all have, so that none is left reading half of what it was sent. Then
-# the parent stops its workers (`stop_processes`) and reports once.
-# Without this, a worker waiting for a partner that had died kept the
-# parent from exiting.
+# all have, so that none is left reading half of what it was sent; one
+# in the instant of a start itself is lost. Then the parent stops its
+# workers (`stop_processes`) and reports once. Without this, a worker
+# waiting for a partner that had died kept the parent from exiting. A
+# worker whose parent is killed outright gets SIGTERM from Linux, which
+# `_spawned_worker` asks for (torch asked for SIGINT, which the workers
+# now ignore).
 # Under `torchrun`, PyTorch's launcher for several processes, none of this is
 # needed: it starts the processes and sets the rendezvous address itself.
 
@@ -3134,22 +3137,30 @@ def free_port():
         return s.getsockname()[1]
 
 
+def in_main_thread():
+    """Whether this is the main thread, the only one that sets handlers."""
+    return threading.current_thread() is threading.main_thread()
+
+
 @contextlib.contextmanager
 def workers_ignore_ctrl_c():
     """Processes that multiprocessing starts inside ignore Ctrl-C for
     life. A Ctrl-C or SIGTERM meanwhile is kept, and raised as
-    KeyboardInterrupt on leaving. Elsewhere than in the main thread of a
-    POSIX system, no change."""
+    KeyboardInterrupt on leaving; one in the instant of a start (the
+    system call, not the new process's loading) is lost. Elsewhere than
+    in the main thread of a POSIX system, no change."""
     from multiprocessing import util
 
     start = getattr(util, "spawnv_passfds", None)  # POSIX's spawn
-    if start is None or threading.current_thread() != threading.main_thread():
+    if start is None or not in_main_thread():
         yield
         return
     kept = []
     keep = lambda signum, frame: kept.append(signum)
 
     def start_ignoring(*args, **kwargs):  # the new process inherits it
+        if not in_main_thread():
+            return start(*args, **kwargs)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             return start(*args, **kwargs)
@@ -3163,8 +3174,8 @@ def workers_ignore_ctrl_c():
         yield
     finally:
         util.spawnv_passfds = start
-        for s in stops:
-            signal.signal(s, previous[s])
+        for s in stops:  # None: a handler set outside Python
+            signal.signal(s, previous[s] or signal.SIG_DFL)
     if kept:
         raise KeyboardInterrupt
 
@@ -3194,6 +3205,13 @@ def _spawned_worker(
     choice, in the parent) gives it the command line's warnings."""
     if one_line_warnings:
         command_line_warnings()
+    # torch asks Linux to send SIGINT to a worker whose parent dies; the
+    # workers ignore Ctrl-C (`workers_ignore_ctrl_c`), so SIGTERM it is.
+    import torch.multiprocessing as mp
+
+    set_death_signal = getattr(mp, "_prctl_pr_set_pdeathsig", None)
+    if set_death_signal is not None:
+        set_death_signal(signal.SIGTERM)
     vocabs = [
         BpeVocab.from_str(v) if isinstance(v, str) else Vocab(v)
         for v in vocabs
@@ -3252,7 +3270,7 @@ def train_distributed_model(
         if user_error is None:  # a fault, not a mistake: its traceback
             raise
         raise user_error from None
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM on the command line
+    except BaseException:  # Ctrl-C, SIGTERM, or a failed start
         stop_processes(multiprocessing.active_children())
         raise
 
@@ -3626,8 +3644,9 @@ def own_epoch_files(checkpoint, count):
 # checkpoint named, it uses the model that `default_checkpoint` finds:
 # the `cpu` run that `make train` writes, if there is one, else the
 # `quick` run of Part 3 (and of `make notebook`). It looks in the working
-# directory, then in the repository (the folder above it that `data_dir`
-# finds), so that it works from any folder of the checkout. With
+# directory, then in the checkout of the repository above it (the first
+# folder up that holds the library's file, as for `data_dir`), so that it
+# works from any folder of the checkout. With
 # neither, the error names the quick one, the one to train first.
 
 
@@ -3637,13 +3656,12 @@ TRAINED_MODELS = ("checkpoints/cpu/final.pt", "checkpoints/quick/final.pt")
 
 
 def default_checkpoint():
-    """The longer-trained model that exists, else the `quick` one's path;
-    each looked for in the working directory, then in the repository."""
-    repository = data_dir().parent
-    for path in TRAINED_MODELS:
-        for found in (Path(path), repository / path):
-            if found.is_file():
-                return str(found)
+    """The longer-trained model that exists, else the `quick` one's path:
+    looked for in the working directory, then in the checkout above it."""
+    for folder in (Path("."), checkout_above() or Path(".")):
+        for path in TRAINED_MODELS:
+            if (folder / path).is_file():
+                return str(folder / path)
     return TRAINED_MODELS[-1]
 
 
@@ -5127,10 +5145,24 @@ def stop_as_for_ctrl_c(signum, frame):
 
 
 def main(argv=None):
-    """Command-line entry point; returns the exit status."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C
+    """Command-line entry point; returns the exit status. Ctrl-C and
+    SIGTERM are handled as below while it runs, and as before after."""
+    if not in_main_thread():  # only the main thread sets handlers
+        return run_command_line(argv)
+    stops = (signal.SIGINT, signal.SIGTERM)
+    before = {s: signal.getsignal(s) for s in stops}
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C
+    if "TORCHELASTIC_RUN_ID" not in os.environ:  # torchrun stops ranks
         signal.signal(signal.SIGTERM, stop_as_for_ctrl_c)
+    try:
+        return run_command_line(argv)
+    finally:
+        for s in stops:  # None: a handler set outside Python
+            signal.signal(s, before[s] or signal.SIG_DFL)
+
+
+def run_command_line(argv):
+    """`main`'s work: the sub-command, and one line for each failure."""
     if sys.stdout is None:  # started with stdout closed: `>&-`
         print("error: standard output is closed", file=sys.stderr)
         return EXIT_IO

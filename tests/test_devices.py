@@ -201,15 +201,31 @@ def test_more_processes_than_gpus_is_a_value_error(machine):
         tools.process_device(0, 2)
 
 
+class Workers:
+    """What mp.spawn(..., join=False) returns: `join` is True once every
+    worker has ended, and raises what a failed worker raised."""
+
+    processes = []  # none to stop
+
+    def __init__(self, error=None):
+        self.error = error
+
+    def join(self):
+        if self.error is not None:
+            raise self.error
+        return True
+
+
 @with_machine("one T4")
 def test_two_processes_on_one_gpu_never_reach_nccl(machine, monkeypatch):
     """fbfada1 spawned two NCCL ranks on cuda:0, which NCCL refuses."""
     spawned = []
-    monkeypatch.setattr(
-        torch.multiprocessing,
-        "spawn",
-        lambda fn, args, nprocs: spawned.append((args, nprocs)),
-    )
+
+    def spawn(fn, args, nprocs, join=True):
+        spawned.append((args, nprocs))
+        return Workers()
+
+    monkeypatch.setattr(torch.multiprocessing, "spawn", spawn)
     vocab = tat.Vocab(tat.SPECIALS)
     config = tools.get_config("ci")
     with pytest.raises(ValueError):
@@ -234,9 +250,11 @@ def test_a_workers_user_error_is_one_line_and_a_fault_its_traceback(
     }
 
     def failing_spawn(kind):
-        def spawn(fn, args, nprocs):
-            raise torch.multiprocessing.ProcessRaisedException(
-                worker_says[kind], 0, 123
+        def spawn(fn, args, nprocs, join=True):
+            return Workers(
+                torch.multiprocessing.ProcessRaisedException(
+                    worker_says[kind], 0, 123
+                )
             )
 
         return spawn
@@ -270,11 +288,12 @@ def test_a_training_process_warns_in_one_line_when_main_does(
         text = warnings.formatwarning(message, category, filename, lineno)
         sys.stderr.write(text)
 
-    def spawn_here(fn, args, nprocs):  # rank 0, as a fresh process would
-        with warnings.catch_warnings():
+    def spawn_here(fn, args, nprocs, join=True):  # rank 0, here
+        with warnings.catch_warnings():  # as a fresh process would start
             warnings.simplefilter("always")
             warnings.showwarning = python_default
             fn(0, *args)
+        return Workers()
 
     monkeypatch.setattr(tools, "train_worker", warn_in_worker)
     monkeypatch.setattr(torch.multiprocessing, "spawn", spawn_here)

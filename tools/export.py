@@ -74,8 +74,9 @@ lesson module never imports it. Run
 ``python annotated_transformer_tools.py --help`` for the command line.
 """
 
-# Ctrl-C while torch loads: one line, no traceback; when run as a script
-# or as the installed `annotated-transformer` command, never on import.
+# Ctrl-C or SIGTERM while torch loads: one line, no traceback; when run as
+# a script or as the installed `annotated-transformer` command, never on
+# import.
 if __name__ == "__main__" or __import__("sys").argv[0].endswith(
     "annotated-transformer"
 ):
@@ -87,6 +88,7 @@ if __name__ == "__main__" or __import__("sys").argv[0].endswith(
         os._exit(130)
 
     signal.signal(signal.SIGINT, _interrupted)
+    signal.signal(signal.SIGTERM, _interrupted)
 '''
 
 FOOTER = """
