@@ -2115,7 +2115,7 @@ def in_main_thread():
 def workers_ignore_ctrl_c():
     """Processes that multiprocessing starts inside ignore Ctrl-C for
     life. A Ctrl-C or SIGTERM meanwhile is kept, and raised as
-    KeyboardInterrupt on leaving; one in the instant of a start (the
+    KeyboardInterrupt on leaving; a Ctrl-C in the instant of a start (the
     system call, not the new process's loading) is lost. Elsewhere than
     in the main thread of a POSIX system, no change."""
     from multiprocessing import util
@@ -2225,7 +2225,8 @@ def train_distributed_model(
     plain = lambda v: v.to_str() if is_subword(v) else v.get_itos()
     vocabs = [plain(vocab_src), plain(vocab_tgt)]
     data = (vocabs, (spacy_de, spacy_en), asdict(config), free_port())
-    one_line = warnings.showwarning is warning_line  # as main set it
+    # As command_line_warnings set it (main calls it).
+    one_line = warnings.showwarning is warning_line
     args = (world_size, *data, resume, device, one_line)
     try:
         with workers_ignore_ctrl_c():  # Ctrl-C is the parent's
@@ -2239,7 +2240,7 @@ def train_distributed_model(
         if user_error is None:  # a fault, not a mistake: its traceback
             raise
         raise user_error from None
-    except BaseException:  # Ctrl-C, SIGTERM, or a failed start
+    except BaseException:  # Ctrl-C, SIGTERM under main, a failed start
         stop_processes(multiprocessing.active_children())
         raise
 
@@ -3730,8 +3731,9 @@ def stop_as_for_ctrl_c(signum, frame):
 
 
 def main(argv=None):
-    """Command-line entry point; returns the exit status. Ctrl-C and
-    SIGTERM are handled as below while it runs, and as before after."""
+    """Command-line entry point; returns the exit status. While it runs,
+    Ctrl-C and SIGTERM raise KeyboardInterrupt (status 130); afterwards
+    the handlers from before return."""
     if not in_main_thread():  # only the main thread sets handlers
         return run_command_line(argv)
     stops = (signal.SIGINT, signal.SIGTERM)
@@ -3755,7 +3757,8 @@ def run_command_line(argv):
         args, status = parse_arguments(argv)
         if args is None:  # --help, --version or a mistake: already said
             return status
-        if getattr(args, "checkpoint", "") is None:  # evaluate, translate
+        decodes = args.command in ("evaluate", "translate")
+        if decodes and args.checkpoint is None:
             args.checkpoint = default_checkpoint()
         commands = {
             "download": command_download,

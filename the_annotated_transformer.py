@@ -217,8 +217,9 @@ def attention(query, key, value, mask=None, dropout=None):
 
 
 def heads_mask(mask):
-    """A (B, 1, S) or (B, T, S) mask as bool (B, 1, 1 or T, S), the same
-    for every head. True, or 1 in a mask of 0s and 1s, may be attended to."""
+    """A (B, 1, S) or (B, T, S) mask, as bool (B, 1, 1, S) or
+    (B, 1, T, S): one mask for every head. True, or 1 in a mask of 0s and
+    1s, may be attended to."""
     if mask.dim() != 3:
         raise ValueError(
             f"a mask is (B, 1, S) or (B, T, S), not {tuple(mask.shape)}"
@@ -539,9 +540,10 @@ class SimpleLossCompute:
         self.criterion = criterion
 
     def __call__(self, x, y, norm):
-        """Decoder output x (B, T, d_model), targets y (B, T), and norm, the
-        number of real target tokens (Batch.ntokens), to (summed loss,
-        detached; mean loss per token, with its gradient)."""
+        """Decoder output x (B, T, d_model), targets y (B, T), and norm,
+        the number of real target tokens (Batch.ntokens). Returns
+        (loss_sum, loss_mean): the sum, detached, for reporting, and the
+        mean per token, for backward()."""
         logp = self.generator(x)  # (B, T, vocab)
         flat = logp.reshape(-1, logp.size(-1))  # (B * T, vocab)
         loss_mean = self.criterion(flat, y.reshape(-1)) / norm

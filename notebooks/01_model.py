@@ -419,8 +419,9 @@ class DecoderLayer(nn.Module):
 # A mask says which keys each query may read. Throughout this project a
 # mask is boolean and **`True` means "may attend"**, the same convention as
 # `torch.nn.functional.scaled_dot_product_attention`. (The model also
-# reads a mask of 0s and 1s, as the 2022 tutorial wrote some: 1 may
-# attend; "Multi-head attention" below says how.) The model takes two:
+# reads a mask of 0s and 1s, as in some of the 2022 tutorial's examples:
+# 1 may attend; "Multi-head attention" below says how.) The model takes
+# two:
 #
 # * the **source mask**, shape $(B, 1, S)$: `True` at the real source
 #   tokens, `False` at padding. The middle 1 broadcasts over the queries:
@@ -505,9 +506,9 @@ save_chart(mask_chart(20), "01_subsequent_mask", Path(ROOT, "figures"))
 # per position.
 #
 # In code it is a few lines. `mask` is the boolean mask above; a masked
-# score gets a weight of zero (the end of this section says how). The
-# code tests `mask == 0` rather than `~mask`, as the 2022 tutorial did,
-# so that a mask of 0s and 1s works too (see `heads_mask` below).
+# score gets a weight of zero (the end of this section says how). Like
+# the 2022 tutorial, it tests `mask == 0`, so that a mask of 0s and 1s
+# works too when you call `attention` yourself.
 #
 # A departure from the paper: `attention` can apply dropout to the
 # weights themselves. It is inherited from the 2022 tutorial; the paper
@@ -682,10 +683,11 @@ assert weights[0, 2] == 0
 # also guards against two masks that the fused routine would take
 # without an error and get wrong:
 #
-# - **A mask without its middle axis**, `(B, S)`. Broadcasting lines its
-#   sentences up against the heads: with as many sentences as heads it
-#   runs, wrongly; otherwise it fails with a message about sizes.
-#   `heads_mask` refuses it, saying which shapes a mask has.
+# - **A mask without its middle axis**, `(B, S)`. Broadcasting would line
+#   its sentences up against another axis (the heads, once the heads' axis
+#   is added): where the sizes happen to match it runs, wrongly; elsewhere
+#   it fails with a message about sizes. `heads_mask` refuses it, saying
+#   which shapes a mask has.
 # - **A mask that is not boolean.** `scaled_dot_product_attention` adds a
 #   float mask to the scores instead of hiding positions, so a mask of 0s
 #   and 1s would hide nothing. The 2022 tutorial's examples pass such masks
@@ -697,8 +699,9 @@ assert weights[0, 2] == 0
 # %%
 #| export
 def heads_mask(mask):
-    """A (B, 1, S) or (B, T, S) mask as bool (B, 1, 1 or T, S), the same
-    for every head. True, or 1 in a mask of 0s and 1s, may be attended to."""
+    """A (B, 1, S) or (B, T, S) mask, as bool (B, 1, 1, S) or
+    (B, 1, T, S): one mask for every head. True, or 1 in a mask of 0s and
+    1s, may be attended to."""
     if mask.dim() != 3:
         raise ValueError(
             f"a mask is (B, 1, S) or (B, T, S), not {tuple(mask.shape)}"

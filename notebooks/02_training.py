@@ -483,9 +483,10 @@ class SimpleLossCompute:
         self.criterion = criterion
 
     def __call__(self, x, y, norm):
-        """Decoder output x (B, T, d_model), targets y (B, T), and norm, the
-        number of real target tokens (Batch.ntokens), to (summed loss,
-        detached; mean loss per token, with its gradient)."""
+        """Decoder output x (B, T, d_model), targets y (B, T), and norm,
+        the number of real target tokens (Batch.ntokens). Returns
+        (loss_sum, loss_mean): the sum, detached, for reporting, and the
+        mean per token, for backward()."""
         logp = self.generator(x)  # (B, T, vocab)
         flat = logp.reshape(-1, logp.size(-1))  # (B * T, vocab)
         loss_mean = self.criterion(flat, y.reshape(-1)) / norm

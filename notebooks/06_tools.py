@@ -3098,9 +3098,10 @@ def train_worker(
 # first find each other (a *rendezvous*): `free_port` asks the operating system
 # for a TCP port nobody listens on, and `train_distributed_model` starts one
 # process per GPU (or `world_size` CPU processes) with
-# `torch.multiprocessing.spawn`. With fewer GPUs than processes it stops with a
-# `ValueError` that says so, before starting anything, or, with
-# `cpu_fallback=True`, runs every process on the CPU and says that.
+# `torch.multiprocessing.spawn`. With no GPU it runs every process on the
+# CPU. With some GPUs, but fewer than processes, it stops with a
+# `ValueError` that says so, before starting anything, unless
+# `cpu_fallback=True`, which runs every process on the CPU and says so.
 #
 # A spawned process imports the module, not the notebook that started it.
 # So the vocabularies travel as plain data (token lists, or BPE JSON text)
@@ -3112,18 +3113,19 @@ def train_worker(
 # line; any other keeps its traceback.
 #
 # Ctrl-C reaches every process of the terminal's group, workers
-# included. A new process keeps a signal that its parent ignored
-# ignored, so the parent ignores Ctrl-C for the instant of each start
-# (`workers_ignore_ctrl_c`): no worker ever sees it, and none dies
-# halfway with a traceback of its own. While the workers start (a few
-# seconds: each loads torch), a Ctrl-C (or SIGTERM) waits until they
-# all have, so that none is left reading half of what it was sent; one
-# in the instant of a start itself is lost. Then the parent stops its
-# workers (`stop_processes`) and reports once. Without this, a worker
-# waiting for a partner that had died kept the parent from exiting. A
-# worker whose parent is killed outright gets SIGTERM from Linux, which
-# `_spawned_worker` asks for (torch asked for SIGINT, which the workers
-# now ignore).
+# included. We want the parent alone to handle it: it stops the workers
+# (`stop_processes`) and reports once, where a worker would die halfway
+# with a traceback of its own, and the others would wait for it.
+# `workers_ignore_ctrl_c` does this with one rule of the operating
+# system: a new process starts with SIGINT ignored if its parent ignored
+# it at that moment. So, inside it, the parent ignores SIGINT during
+# each start (the system call in multiprocessing's
+# `util.spawnv_passfds`, which it wraps) and keeps any Ctrl-C or SIGTERM
+# that comes while the workers load torch (a few seconds), raising it
+# once they all have. (A Ctrl-C in the instant of a start itself is
+# lost.) A worker whose parent is killed outright (`kill -9`) gets
+# SIGTERM from Linux, which `_spawned_worker` asks for: the SIGINT that
+# torch asks for would be ignored.
 # Under `torchrun`, PyTorch's launcher for several processes, none of this is
 # needed: it starts the processes and sets the rendezvous address itself.
 
@@ -3146,7 +3148,7 @@ def in_main_thread():
 def workers_ignore_ctrl_c():
     """Processes that multiprocessing starts inside ignore Ctrl-C for
     life. A Ctrl-C or SIGTERM meanwhile is kept, and raised as
-    KeyboardInterrupt on leaving; one in the instant of a start (the
+    KeyboardInterrupt on leaving; a Ctrl-C in the instant of a start (the
     system call, not the new process's loading) is lost. Elsewhere than
     in the main thread of a POSIX system, no change."""
     from multiprocessing import util
@@ -3256,7 +3258,8 @@ def train_distributed_model(
     plain = lambda v: v.to_str() if is_subword(v) else v.get_itos()
     vocabs = [plain(vocab_src), plain(vocab_tgt)]
     data = (vocabs, (spacy_de, spacy_en), asdict(config), free_port())
-    one_line = warnings.showwarning is warning_line  # as main set it
+    # As command_line_warnings set it (main calls it).
+    one_line = warnings.showwarning is warning_line
     args = (world_size, *data, resume, device, one_line)
     try:
         with workers_ignore_ctrl_c():  # Ctrl-C is the parent's
@@ -3270,7 +3273,7 @@ def train_distributed_model(
         if user_error is None:  # a fault, not a mistake: its traceback
             raise
         raise user_error from None
-    except BaseException:  # Ctrl-C, SIGTERM, or a failed start
+    except BaseException:  # Ctrl-C, SIGTERM under main, a failed start
         stop_processes(multiprocessing.active_children())
         raise
 
@@ -5145,8 +5148,9 @@ def stop_as_for_ctrl_c(signum, frame):
 
 
 def main(argv=None):
-    """Command-line entry point; returns the exit status. Ctrl-C and
-    SIGTERM are handled as below while it runs, and as before after."""
+    """Command-line entry point; returns the exit status. While it runs,
+    Ctrl-C and SIGTERM raise KeyboardInterrupt (status 130); afterwards
+    the handlers from before return."""
     if not in_main_thread():  # only the main thread sets handlers
         return run_command_line(argv)
     stops = (signal.SIGINT, signal.SIGTERM)
@@ -5170,7 +5174,8 @@ def run_command_line(argv):
         args, status = parse_arguments(argv)
         if args is None:  # --help, --version or a mistake: already said
             return status
-        if getattr(args, "checkpoint", "") is None:  # evaluate, translate
+        decodes = args.command in ("evaluate", "translate")
+        if decodes and args.checkpoint is None:
             args.checkpoint = default_checkpoint()
         commands = {
             "download": command_download,
