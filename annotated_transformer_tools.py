@@ -2112,39 +2112,51 @@ def in_main_thread():
 
 
 @contextlib.contextmanager
-def workers_ignore_ctrl_c():
+def new_processes_ignore_ctrl_c():
     """Processes that multiprocessing starts inside ignore Ctrl-C for
-    life. A Ctrl-C or SIGTERM meanwhile is kept, and raised as
-    KeyboardInterrupt on leaving; a Ctrl-C in the instant of a start (the
-    system call, not the new process's loading) is lost. Elsewhere than
-    in the main thread of a POSIX system, no change."""
+    life: this one ignores it during each start (the system call, not
+    the new process's loading), and the new process inherits that. A
+    Ctrl-C in that instant is lost. Elsewhere than in the main thread of
+    a POSIX system, no change."""
     from multiprocessing import util
 
     start = getattr(util, "spawnv_passfds", None)  # POSIX's spawn
     if start is None or not in_main_thread():
         yield
         return
-    kept = []
-    keep = lambda signum, frame: kept.append(signum)
 
-    def start_ignoring(*args, **kwargs):  # the new process inherits it
+    def start_ignoring(*args, **kwargs):
         if not in_main_thread():
             return start(*args, **kwargs)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             return start(*args, **kwargs)
         finally:
-            signal.signal(signal.SIGINT, keep)
+            signal.signal(signal.SIGINT, handler)
 
-    stops = (signal.SIGINT, signal.SIGTERM)
-    previous = {s: signal.signal(s, keep) for s in stops}
     util.spawnv_passfds = start_ignoring
     try:
         yield
     finally:
         util.spawnv_passfds = start
+
+
+@contextlib.contextmanager
+def stop_signals_kept():
+    """A Ctrl-C or SIGTERM inside is kept, and raised as
+    KeyboardInterrupt on leaving. Outside the main thread, no change."""
+    if not in_main_thread():
+        yield
+        return
+    kept = []
+    keep = lambda signum, frame: kept.append(signum)
+    stops = (signal.SIGINT, signal.SIGTERM)
+    before = {s: signal.signal(s, keep) for s in stops}
+    try:
+        yield
+    finally:
         for s in stops:  # None: a handler set outside Python
-            signal.signal(s, previous[s] or signal.SIG_DFL)
+            signal.signal(s, before[s] or signal.SIG_DFL)
     if kept:
         raise KeyboardInterrupt
 
@@ -2175,7 +2187,7 @@ def _spawned_worker(
     if one_line_warnings:
         command_line_warnings()
     # torch asks Linux to send SIGINT to a worker whose parent dies; the
-    # workers ignore Ctrl-C (`workers_ignore_ctrl_c`), so SIGTERM it is.
+    # workers ignore Ctrl-C (`new_processes_ignore_ctrl_c`), so SIGTERM.
     import torch.multiprocessing as mp
 
     set_death_signal = getattr(mp, "_prctl_pr_set_pdeathsig", None)
@@ -2229,7 +2241,7 @@ def train_distributed_model(
     one_line = warnings.showwarning is warning_line
     args = (world_size, *data, resume, device, one_line)
     try:
-        with workers_ignore_ctrl_c():  # Ctrl-C is the parent's
+        with stop_signals_kept(), new_processes_ignore_ctrl_c():
             workers = mp.spawn(
                 _spawned_worker, args, nprocs=world_size, join=False
             )
@@ -3909,7 +3921,8 @@ __all__ = [
     "train_worker",
     "free_port",
     "in_main_thread",
-    "workers_ignore_ctrl_c",
+    "new_processes_ignore_ctrl_c",
+    "stop_signals_kept",
     "stop_processes",
     "train_distributed_model",
     "user_error_of_worker",

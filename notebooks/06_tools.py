@@ -3116,16 +3116,17 @@ def train_worker(
 # included. We want the parent alone to handle it: it stops the workers
 # (`stop_processes`) and reports once, where a worker would die halfway
 # with a traceback of its own, and the others would wait for it.
-# `workers_ignore_ctrl_c` does this with one rule of the operating
+# `new_processes_ignore_ctrl_c` does this with one rule of the operating
 # system: a new process starts with SIGINT ignored if its parent ignored
-# it at that moment. So, inside it, the parent ignores SIGINT during
-# each start (the system call in multiprocessing's
-# `util.spawnv_passfds`, which it wraps) and keeps any Ctrl-C or SIGTERM
-# that comes while the workers load torch (a few seconds), raising it
-# once they all have. (A Ctrl-C in the instant of a start itself is
-# lost.) A worker whose parent is killed outright (`kill -9`) gets
-# SIGTERM from Linux, which `_spawned_worker` asks for: the SIGINT that
-# torch asks for would be ignored.
+# it at that moment. So the parent ignores SIGINT during each start (the
+# system call in multiprocessing's `util.spawnv_passfds`, which it
+# wraps). A Ctrl-C in that instant is lost; one that comes while the
+# workers load torch (a few seconds) is kept by `stop_signals_kept`, with
+# SIGTERM, and raised once they all have, so that no worker is left
+# reading half of what it was sent. A worker whose parent is killed
+# outright (`kill -9`) gets SIGTERM from Linux, which `_spawned_worker`
+# asks for: the SIGINT that torch asks for would be ignored.
+#
 # Under `torchrun`, PyTorch's launcher for several processes, none of this is
 # needed: it starts the processes and sets the rendezvous address itself.
 
@@ -3145,39 +3146,51 @@ def in_main_thread():
 
 
 @contextlib.contextmanager
-def workers_ignore_ctrl_c():
+def new_processes_ignore_ctrl_c():
     """Processes that multiprocessing starts inside ignore Ctrl-C for
-    life. A Ctrl-C or SIGTERM meanwhile is kept, and raised as
-    KeyboardInterrupt on leaving; a Ctrl-C in the instant of a start (the
-    system call, not the new process's loading) is lost. Elsewhere than
-    in the main thread of a POSIX system, no change."""
+    life: this one ignores it during each start (the system call, not
+    the new process's loading), and the new process inherits that. A
+    Ctrl-C in that instant is lost. Elsewhere than in the main thread of
+    a POSIX system, no change."""
     from multiprocessing import util
 
     start = getattr(util, "spawnv_passfds", None)  # POSIX's spawn
     if start is None or not in_main_thread():
         yield
         return
-    kept = []
-    keep = lambda signum, frame: kept.append(signum)
 
-    def start_ignoring(*args, **kwargs):  # the new process inherits it
+    def start_ignoring(*args, **kwargs):
         if not in_main_thread():
             return start(*args, **kwargs)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             return start(*args, **kwargs)
         finally:
-            signal.signal(signal.SIGINT, keep)
+            signal.signal(signal.SIGINT, handler)
 
-    stops = (signal.SIGINT, signal.SIGTERM)
-    previous = {s: signal.signal(s, keep) for s in stops}
     util.spawnv_passfds = start_ignoring
     try:
         yield
     finally:
         util.spawnv_passfds = start
+
+
+@contextlib.contextmanager
+def stop_signals_kept():
+    """A Ctrl-C or SIGTERM inside is kept, and raised as
+    KeyboardInterrupt on leaving. Outside the main thread, no change."""
+    if not in_main_thread():
+        yield
+        return
+    kept = []
+    keep = lambda signum, frame: kept.append(signum)
+    stops = (signal.SIGINT, signal.SIGTERM)
+    before = {s: signal.signal(s, keep) for s in stops}
+    try:
+        yield
+    finally:
         for s in stops:  # None: a handler set outside Python
-            signal.signal(s, previous[s] or signal.SIG_DFL)
+            signal.signal(s, before[s] or signal.SIG_DFL)
     if kept:
         raise KeyboardInterrupt
 
@@ -3208,7 +3221,7 @@ def _spawned_worker(
     if one_line_warnings:
         command_line_warnings()
     # torch asks Linux to send SIGINT to a worker whose parent dies; the
-    # workers ignore Ctrl-C (`workers_ignore_ctrl_c`), so SIGTERM it is.
+    # workers ignore Ctrl-C (`new_processes_ignore_ctrl_c`), so SIGTERM.
     import torch.multiprocessing as mp
 
     set_death_signal = getattr(mp, "_prctl_pr_set_pdeathsig", None)
@@ -3262,7 +3275,7 @@ def train_distributed_model(
     one_line = warnings.showwarning is warning_line
     args = (world_size, *data, resume, device, one_line)
     try:
-        with workers_ignore_ctrl_c():  # Ctrl-C is the parent's
+        with stop_signals_kept(), new_processes_ignore_ctrl_c():
             workers = mp.spawn(
                 _spawned_worker, args, nprocs=world_size, join=False
             )

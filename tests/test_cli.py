@@ -1668,13 +1668,13 @@ def report_sigint_disposition(queue):
     queue.put(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)
 
 
-def test_workers_ignore_ctrl_c_and_the_parent_gets_it_afterwards():
+def test_new_processes_ignore_ctrl_c_and_the_parent_gets_it_afterwards():
     context = torch.multiprocessing.get_context("spawn")
     queue = context.Queue()
     handler = signal.getsignal(signal.SIGINT)
     kept_inside = False
     with pytest.raises(KeyboardInterrupt):
-        with tools.workers_ignore_ctrl_c():
+        with tools.stop_signals_kept(), tools.new_processes_ignore_ctrl_c():
             worker = context.Process(
                 target=report_sigint_disposition, args=(queue,)
             )
