@@ -2116,8 +2116,9 @@ def new_processes_ignore_ctrl_c():
     """Processes that multiprocessing starts inside ignore Ctrl-C for
     life: this one ignores it during each start (the system call, not
     the new process's loading), and the new process inherits that. A
-    Ctrl-C in that instant is lost. Elsewhere than in the main thread of
-    a POSIX system, no change."""
+    Ctrl-C in that instant is held back meanwhile and handled after (on
+    Linux, when no other thread of this process takes it). Elsewhere
+    than in the main thread of a POSIX system, no change."""
     from multiprocessing import util
 
     start = getattr(util, "spawnv_passfds", None)  # POSIX's spawn
@@ -2128,11 +2129,14 @@ def new_processes_ignore_ctrl_c():
     def start_ignoring(*args, **kwargs):
         if not in_main_thread():
             return start(*args, **kwargs)
+        # Held back, a Ctrl-C waits for the handler, not for SIG_IGN.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             return start(*args, **kwargs)
         finally:
             signal.signal(signal.SIGINT, handler)
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
     util.spawnv_passfds = start_ignoring
     try:

@@ -3120,9 +3120,9 @@ def train_worker(
 # system: a new process starts with SIGINT ignored if its parent ignored
 # it at that moment. So the parent ignores SIGINT during each start (the
 # system call in multiprocessing's `util.spawnv_passfds`, which it
-# wraps). A Ctrl-C in that instant is lost; one that comes while the
-# workers load torch (a few seconds) is kept by `stop_signals_kept`, with
-# SIGTERM, and raised once they all have, so that no worker is left
+# wraps), holding a Ctrl-C back in that instant. One that comes while
+# the workers load torch (a few seconds) is kept by `stop_signals_kept`,
+# with SIGTERM, and raised once they all have, so that no worker is left
 # reading half of what it was sent. A worker whose parent is killed
 # outright (`kill -9`) gets SIGTERM from Linux, which `_spawned_worker`
 # asks for: the SIGINT that torch asks for would be ignored.
@@ -3150,8 +3150,9 @@ def new_processes_ignore_ctrl_c():
     """Processes that multiprocessing starts inside ignore Ctrl-C for
     life: this one ignores it during each start (the system call, not
     the new process's loading), and the new process inherits that. A
-    Ctrl-C in that instant is lost. Elsewhere than in the main thread of
-    a POSIX system, no change."""
+    Ctrl-C in that instant is held back meanwhile and handled after (on
+    Linux, when no other thread of this process takes it). Elsewhere
+    than in the main thread of a POSIX system, no change."""
     from multiprocessing import util
 
     start = getattr(util, "spawnv_passfds", None)  # POSIX's spawn
@@ -3162,11 +3163,14 @@ def new_processes_ignore_ctrl_c():
     def start_ignoring(*args, **kwargs):
         if not in_main_thread():
             return start(*args, **kwargs)
+        # Held back, a Ctrl-C waits for the handler, not for SIG_IGN.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             return start(*args, **kwargs)
         finally:
             signal.signal(signal.SIGINT, handler)
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
     util.spawnv_passfds = start_ignoring
     try:
