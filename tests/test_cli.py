@@ -1622,8 +1622,8 @@ def test_ctrl_c_while_the_workers_start_waits_for_them(
     training = start_training(tmp_path, "--world-size", "2")
     starting = lambda: "2 processes" in training.out.read_text()
     wait_for(training, starting, "start of the processes")
-    # A second on, the first worker is loading torch, which takes longer;
-    # not the instant of a start, in which Ctrl-C is lost (documented).
+    # A second on, the first worker is loading torch (which takes longer),
+    # the case that printed tracebacks.
     time.sleep(1.0)
     os.killpg(training.program.pid, signal.SIGINT)
     status, err = training.wait()
