@@ -1548,8 +1548,10 @@ class Training(NamedTuple):
 
 
 def start_training(tmp_path, *extra):
-    """`train --preset ci` of many epochs, as a terminal's job (a session
-    of its own), writing to files: a pipe left unread could fill."""
+    """`train --preset ci` of many epochs on the CPU, GPUs hidden (on a
+    one-GPU machine `--world-size 2` is refused), as a terminal's job (a
+    session of its own), writing to files: a pipe left unread could
+    fill."""
     folder = tmp_path / "run"
     argv = [sys.executable, SCRIPT, "train", "--preset", "ci"]
     argv += ["--epochs", "200", "--checkpoint-dir", str(folder), *extra]
@@ -1559,7 +1561,11 @@ def start_training(tmp_path, *extra):
             argv,
             stdout=stdout,
             stderr=stderr,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={
+                **os.environ,
+                "PYTHONUNBUFFERED": "1",
+                "CUDA_VISIBLE_DEVICES": "",
+            },
             start_new_session=True,
         )
     return Training(program, out, err)

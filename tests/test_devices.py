@@ -197,8 +197,13 @@ def test_rank_to_device_map(machine, world, fallback, devices):
 
 @with_machine("one T4")
 def test_more_processes_than_gpus_is_a_value_error(machine):
-    with pytest.raises(ValueError, match="need a GPU each.*has 1"):
+    with pytest.raises(ValueError, match="need a GPU each.*has 1") as err:
         tools.process_device(0, 2)
+    # the way to the CPU, since --device is for one-process runs
+    assert str(err.value).endswith(
+        "use at most 1 process, or hide the GPUs (CUDA_VISIBLE_DEVICES=)"
+        " to train them on the CPU"
+    )
 
 
 class Workers:

@@ -280,26 +280,36 @@ def test_main_measures_the_peak_in_the_training_precision(monkeypatch, capsys):
     assert "bfloat16 autocast matmul peak" in capsys.readouterr().out
 
 
-def test_compiled_contestant_compiles_ours_with_symbolic_shapes(monkeypatch):
+def test_compiled_contestants_compile_the_model_and_its_generator(
+    monkeypatch,
+):
 
     import torch.fx.experimental._config as shapes
 
     labels = efficiency.contestants_for(contestant_args(compile=True))
     assert labels["ours, compiled"] == (efficiency.Ours, True)
+    assert labels["ours, compiled, nn.Dropout"] == (
+        efficiency.OursTorchDropout,
+        True,
+    )
     eager = efficiency.contestants_for(contestant_args())
-    assert "ours, compiled" not in eager
+    assert not [label for label in eager if "compiled" in label]
     calls = []
 
-    def fake_compile(model, **options):  # runs eagerly; notes the call
-        calls.append((type(model), options, shapes.use_duck_shape))
-        return model
+    def fake_compile(call, **options):  # runs eagerly; notes the call
+        calls.append((type(call.__self__), options, shapes.use_duck_shape))
+        return call
 
     monkeypatch.setattr(torch, "compile", fake_compile)
     config = tools.get_config("ci")
     efficiency.train_pass(
         efficiency.Ours, tiny_batches(), (50, 50), config, 0, compile=True
     )
-    assert calls == [(efficiency.Ours, {"dynamic": True}, False)]
+    # nn.Module.compile hands torch.compile each module's bound call
+    assert calls == [
+        (tat.EncoderDecoder, {"dynamic": True}, False),
+        (tat.Generator, {"dynamic": True}, False),
+    ]
     assert shapes.use_duck_shape is True  # restored afterwards
 
 
