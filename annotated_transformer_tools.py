@@ -2459,6 +2459,33 @@ def compute_bleu(hypotheses, references):
 DEFAULT_ALPHA = 0.6  # beam search's length penalty: the paper's
 
 
+def checked_device(name):
+    """The torch device `name` if this machine has it ("auto" or None:
+    pick_device's choice); a one-line ValueError if not."""
+    if name is None or name == "auto":
+        return pick_device()
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ValueError(
+            f"{name!r} is not a device; try cpu, cuda or cuda:1"
+        ) from None
+    if device.type == "cuda":
+        gpus = torch.cuda.device_count()  # 0 without CUDA
+        if (device.index or 0) >= gpus:
+            plural = "" if gpus == 1 else "s"
+            raise ValueError(
+                f"no {name} here: this machine has {gpus} CUDA device{plural}"
+            )
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("no mps (Apple GPU) here")
+    elif device.type == "cpu" and device.index:
+        raise ValueError(f"no {name} here: the CPU is one device, cpu")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"{name} is not supported here")
+    return device
+
+
 def load_translator(
     checkpoint, device="cpu", beam=1, average_last=0, alpha=None
 ):
@@ -2473,6 +2500,7 @@ def load_translator(
         )
     if alpha is None:
         alpha = DEFAULT_ALPHA
+    device = checked_device(device)
     if average_last:
         paths, history = own_epoch_files(checkpoint, average_last)
         model, vocab_src, vocab_tgt, _ = average_checkpoints(
@@ -2549,8 +2577,6 @@ def translate(
             [sentences], checkpoint, beam, average, replace_unk, device, alpha
         )[0]
     checkpoint = checkpoint or default_checkpoint()
-    if device in (None, "auto"):
-        device = pick_device()
     model, vocab_src, vocab_tgt, decode_fn = load_translator(
         checkpoint, device, beam, average, alpha
     )
@@ -2786,25 +2812,10 @@ def number_from(least, most):
 
 def existing_device(name):
     """argparse type: a torch device that this machine has, or "auto"."""
-    if name == "auto":  # the fastest here, chosen by pick_device
-        return str(pick_device())
     try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise argparse.ArgumentTypeError(
-            f"{name!r} is not a device; try cpu, cuda or cuda:1"
-        ) from None
-    if device.type == "cuda":
-        gpus = torch.cuda.device_count()  # 0 without CUDA
-        if (device.index or 0) >= gpus:
-            raise argparse.ArgumentTypeError(
-                f"no {name} here: this machine has {gpus} CUDA devices"
-            )
-    elif device.type == "mps" and not torch.backends.mps.is_available():
-        raise argparse.ArgumentTypeError("no mps (Apple GPU) here")
-    elif device.type not in ("cpu", "cuda", "mps"):
-        raise argparse.ArgumentTypeError(f"{name} is not supported here")
-    return str(device)
+        return str(checked_device(name))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -3943,6 +3954,7 @@ __all__ = [
     "translate_batch",
     "compute_bleu",
     "DEFAULT_ALPHA",
+    "checked_device",
     "load_translator",
     "own_epoch_files",
     "TRAINED_MODELS",

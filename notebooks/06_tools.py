@@ -3575,12 +3575,41 @@ def compute_bleu(hypotheses, references):
 # the validation split chose 1.0 for a model trained alone, 2.5 for the
 # best recipe's student). An $\alpha$ given with
 # greedy decoding would be ignored, so it is refused, before the
-# checkpoint is read.
+# checkpoint is read. So is a device the machine lacks (`"cuda"` without
+# CUDA, `"mps"` off a Mac): `checked_device` says so in one line, for the
+# command line's `--device` too.
 
 
 # %%
 #| export
 DEFAULT_ALPHA = 0.6  # beam search's length penalty: the paper's
+
+
+def checked_device(name):
+    """The torch device `name` if this machine has it ("auto" or None:
+    pick_device's choice); a one-line ValueError if not."""
+    if name is None or name == "auto":
+        return pick_device()
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ValueError(
+            f"{name!r} is not a device; try cpu, cuda or cuda:1"
+        ) from None
+    if device.type == "cuda":
+        gpus = torch.cuda.device_count()  # 0 without CUDA
+        if (device.index or 0) >= gpus:
+            plural = "" if gpus == 1 else "s"
+            raise ValueError(
+                f"no {name} here: this machine has {gpus} CUDA device{plural}"
+            )
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("no mps (Apple GPU) here")
+    elif device.type == "cpu" and device.index:
+        raise ValueError(f"no {name} here: the CPU is one device, cpu")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"{name} is not supported here")
+    return device
 
 
 def load_translator(
@@ -3597,6 +3626,7 @@ def load_translator(
         )
     if alpha is None:
         alpha = DEFAULT_ALPHA
+    device = checked_device(device)
     if average_last:
         paths, history = own_epoch_files(checkpoint, average_last)
         model, vocab_src, vocab_tgt, _ = average_checkpoints(
@@ -3707,8 +3737,6 @@ def translate(
             [sentences], checkpoint, beam, average, replace_unk, device, alpha
         )[0]
     checkpoint = checkpoint or default_checkpoint()
-    if device in (None, "auto"):
-        device = pick_device()
     model, vocab_src, vocab_tgt, decode_fn = load_translator(
         checkpoint, device, beam, average, alpha
     )
@@ -4079,25 +4107,10 @@ def number_from(least, most):
 
 def existing_device(name):
     """argparse type: a torch device that this machine has, or "auto"."""
-    if name == "auto":  # the fastest here, chosen by pick_device
-        return str(pick_device())
     try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        raise argparse.ArgumentTypeError(
-            f"{name!r} is not a device; try cpu, cuda or cuda:1"
-        ) from None
-    if device.type == "cuda":
-        gpus = torch.cuda.device_count()  # 0 without CUDA
-        if (device.index or 0) >= gpus:
-            raise argparse.ArgumentTypeError(
-                f"no {name} here: this machine has {gpus} CUDA devices"
-            )
-    elif device.type == "mps" and not torch.backends.mps.is_available():
-        raise argparse.ArgumentTypeError("no mps (Apple GPU) here")
-    elif device.type not in ("cpu", "cuda", "mps"):
-        raise argparse.ArgumentTypeError(f"{name} is not supported here")
-    return str(device)
+        return str(checked_device(name))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -633,7 +633,8 @@ def test_translate_and_the_command_line_default_to_pick_device(
     asked = []
 
     def loader(checkpoint, device, beam, average, alpha):
-        asked.append(torch.device(device).type)
+        # what load_translator does with "auto" first
+        asked.append(tools.checked_device(device).type)
         raise RuntimeError("stop here")
 
     monkeypatch.setattr(tools, "load_translator", loader)
@@ -855,6 +856,53 @@ def test_mps_is_a_device_on_a_mac(machine):
 def test_mps_is_refused_elsewhere(machine):
     with pytest.raises(argparse.ArgumentTypeError, match="no mps"):
         tools.existing_device("mps")
+
+
+@pytest.mark.parametrize(
+    "machine, name, expected",
+    [
+        ("no GPU", "auto", "cpu"),
+        ("no GPU", None, "cpu"),
+        ("no GPU", "cpu:0", "cpu:0"),
+        ("one T4", "auto", "cuda"),
+        ("one T4", "cuda:0", "cuda:0"),
+        ("two A100s", "cuda:1", "cuda:1"),
+        ("a Mac", "auto", "mps"),
+    ],
+    indirect=["machine"],
+)
+def test_checked_device_keeps_what_the_machine_has(machine, name, expected):
+    assert tools.checked_device(name) == torch.device(expected)
+
+
+@pytest.mark.parametrize(
+    "machine, name, message",
+    [
+        ("no GPU", "cuda", "no cuda here: this machine has 0 CUDA devices"),
+        ("one T4", "cuda:1", "no cuda:1 here: this machine has 1 CUDA device"),
+        ("no GPU", "mps", "no mps (Apple GPU) here"),
+        ("no GPU", "cpu:7", "no cpu:7 here: the CPU is one device, cpu"),
+        ("no GPU", "gpu", "'gpu' is not a device; try cpu, cuda or cuda:1"),
+        ("a Mac", "meta", "meta is not supported here"),
+    ],
+    indirect=["machine"],
+)
+def test_checked_device_refuses_what_the_machine_lacks(machine, name, message):
+    with pytest.raises(ValueError) as err:
+        tools.checked_device(name)
+    assert str(err.value) == message
+    with pytest.raises(argparse.ArgumentTypeError) as err:
+        tools.existing_device(name)  # the command line's --device
+    assert str(err.value) == message
+
+
+@with_machine("no GPU")
+def test_translate_refuses_a_missing_gpu_before_reading(machine, tmp_path):
+    missing = tmp_path / "none.pt"  # never read: the device comes first
+    with pytest.raises(ValueError, match="no cuda here"):
+        tools.translate("Ein Hund.", checkpoint=missing, device="cuda")
+    with pytest.raises(ValueError, match="no cuda:0 here"):
+        tools.load_translator(missing, device="cuda:0")
 
 
 def test_shard_loader_pins_memory_when_asked(
