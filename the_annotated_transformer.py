@@ -547,7 +547,7 @@ class SimpleLossCompute:
         logp = self.generator(x)  # (B, T, vocab)
         flat = logp.reshape(-1, logp.size(-1))  # (B * T, vocab)
         loss_mean = self.criterion(flat, y.reshape(-1)) / norm
-        return loss_mean.detach() * norm, loss_mean  # no .item(): no GPU sync
+        return loss_mean.detach() * norm, loss_mean
 
 
 # -----------------------------------------------------------------------------
@@ -994,7 +994,7 @@ def create_dataloaders(
 
 def report_left_out(sampler, split):
     """Warn about the pairs too long to use; an error if none is left
-    (a `--data` folder of long pairs, say: the appendix)."""
+    (a data set of only long pairs, say)."""
     n_pairs = len(sampler.kept) + len(sampler.dropped)
     if not sampler.kept:
         raise DatasetError(

@@ -105,13 +105,12 @@ from the_annotated_transformer import subsequent_mask
 # repository is the clone, so the files go to
 # `/content/done-right/data/multi30k`, whichever folder you work in.
 #
-# Downloading and checking the files is machinery from the appendix
-# (notebook 06); a cell below calls it as `tools.download_multi30k()`.
-# `read_multi30k` pairs the lines of a split. The next cell imports its
-# plumbing: `multi30k_folder` and `split_file` find the files,
-# `MULTI30K_SPLITS` names the three splits (`train`, `val`, `test`), and
-# `DatasetError` is the one-line error when a file is missing. The last
-# section of this part, "Plumbing: where the files are", shows them.
+# Downloading and checking the files is the appendix's job (notebook
+# 06); a cell below calls it as `tools.download_multi30k()`.
+# `read_multi30k` pairs the lines of a split. The helpers it uses to find
+# the files are imported in the next cell; they are plumbing, shown at
+# the end of this part ("Plumbing: where the files are"), and a first
+# read can skip them.
 
 # %%
 from the_annotated_transformer import MULTI30K_SPLITS, DatasetError
@@ -482,12 +481,12 @@ assert shares["buckets"] < 0.10 < shares["random 32"]
 # goes into real tokens.
 #
 # Less padding trains faster. In a recorded benchmark
-# (`bench/RESULTS_batching.md`, with the paper-size model), buckets
+# (`bench/RESULTS_batching.md`: the paper-size model, 1,024 sentences,
+# buckets of up to 2,304 tokens, which is 32 sentences of 72), buckets
 # trained about 5 times as many real tokens per second as batches padded
-# to 72. Most of that is the padding measured above: the buckets compute
-# about 4.4 times fewer positions for the same sentences (in the
-# benchmark's sample of 1,024 sentences), and attention's
-# cost, which grows with the square of the length, adds the rest.
+# to 72. Most of that is the padding: the buckets computed 4.4 times
+# fewer positions for the same sentences. Attention's cost, which grows
+# with the square of the length, adds the rest.
 #
 # With these settings an epoch is 153 batches, which is 153 optimizer
 # steps: the runs below take one step per batch. Check:
@@ -496,16 +495,18 @@ assert shares["buckets"] < 0.10 < shares["random 32"]
 assert len(buckets) == 153
 
 # %% [markdown]
-# `create_dataloaders` puts the pieces together: training batches
-# shuffled and without pairs longer than `max_len`; validation batches
-# sorted by length and not shuffled, keeping every pair that fits in one
-# batch of `max_tokens`. `report_left_out` warns about the pairs left
-# out, and makes a split with no pair left an error, not an epoch of
-# nothing.
-# `max_train_pairs=n` (0 means all) keeps the first $n$ training pairs
-# and the first $n/4$ validation pairs; the tiny `ci` preset uses it.
-# `num_workers` prepares batches in that many background processes (0: in
-# this one).
+# `create_dataloaders` puts the pieces together:
+#
+# - training batches are shuffled, and pairs longer than `max_len` are
+#   left out;
+# - validation batches are sorted by length and not shuffled, and keep
+#   every pair that fits in one batch of `max_tokens`.
+#
+# `report_left_out`, after it, warns when pairs are left out (and stops
+# with an error if none is left). Two arguments serve other callers:
+# `max_train_pairs=n` keeps only the first $n$ training pairs (and $n/4$
+# validation pairs) for the tiny `ci` preset, and `num_workers` prepares
+# batches in that many background processes (0: in this one).
 
 
 # %%
@@ -549,7 +550,7 @@ def create_dataloaders(
 
 def report_left_out(sampler, split):
     """Warn about the pairs too long to use; an error if none is left
-    (a `--data` folder of long pairs, say: the appendix)."""
+    (a data set of only long pairs, say)."""
     n_pairs = len(sampler.kept) + len(sampler.dropped)
     if not sampler.kept:
         raise DatasetError(
@@ -578,16 +579,17 @@ def report_left_out(sampler, split):
 # Dropout and label smoothing are 0.1, as in the paper.
 # `model_from_config` calls Part 1's `make_model` with the config's sizes.
 #
-# The run settings come from Part 2 and from the loaders above. `factor`
-# and `warmup` are the arguments of Part 2's schedule `rate`, which the
-# config calls `schedule="noam"`, after Noam Shazeer, one of the paper's
-# authors. The other value, `"linear"`, comes below. `accum_iter` is the number
-# of batches whose gradients are added up before one optimizer step.
-# `max_tokens`, `max_len`, `max_train_pairs` and `num_workers` are the
-# arguments of `create_dataloaders`. An epoch is 153 batches of at most
-# 3,000 positions, so the 800-step warm-up lasts about five epochs (the
-# paper: 4,000 of 100,000 steps). That is our choice for a small data set,
-# not a tuned value.
+# The schedule: `factor` and `warmup` are the arguments of Part 2's
+# `rate`, which the config calls `schedule="noam"` (after Noam Shazeer,
+# one of the paper's authors); the other value, `"linear"`, comes below.
+# An epoch is 153 batches, so the 800-step warm-up lasts about five
+# epochs (the paper: 4,000 of 100,000 steps). That is our choice for a
+# small data set, not a tuned value.
+#
+# The batches: `max_tokens`, `max_len`, `max_train_pairs` and
+# `num_workers` are the arguments of `create_dataloaders`, above, and
+# `accum_iter` is Part 2's number of batches whose gradients add up to
+# one optimizer step.
 #
 # The fields under the dataclass's last comment are for the appendix
 # and Part 5: at their defaults they change nothing here.
@@ -722,25 +724,21 @@ assert max(steps_down) - min(steps_down) < 1e-12
 
 # %% [markdown]
 # The reference run below is the `quick` preset: the `cpu` model without
-# dropout, for 5 epochs of 153 batches (765 optimizer steps), with
-# `schedule="linear"`, `warmup=300` and `factor=0.61` (why these
-# choices: "Why the quick recipe is fast", below). Part 2's `rate`
-# peaks at step `warmup`, at $\text{factor} \cdot d_{\text{model}}^{-1/2}
-# \cdot \text{warmup}^{-1/2}$; for `cpu` (factor 1, warm-up 800) that is
-# 2.2e-3. `cpu`'s warm-up of 800 steps would outlast a whole 765-step
-# run, so `quick` warms up in 300. To reach the same peak there, it sets
-# the factor to $\sqrt{300/800} \approx 0.61$, and the linear schedule
-# uses that peak.
+# dropout, for 5 epochs of 153 batches (765 optimizer steps). Its
+# learning rate warms up over 300 steps to the same peak as `cpu`'s,
+# 2.2e-3, then falls in a straight line to zero at step 765 (why:
+# "Why the quick recipe works", below).
 #
-# Part 2's `LambdaLR` asks the schedule for its value at the number of
-# steps already taken, 0 for the first step. So the 765th and last
-# optimizer step uses the schedule's value at 764, which must be above
-# zero, or that step would be wasted.
+# How the settings give that: Part 2's `rate` peaks at step `warmup`, at
+# $\text{factor} \cdot d_{\text{model}}^{-1/2} \cdot
+# \text{warmup}^{-1/2}$. `cpu` has factor 1 and a warm-up of 800, longer
+# than the whole run; `quick` has `warmup=300` and `factor=0.61`
+# ($\approx \sqrt{300/800}$, so the peak stays 2.2e-3), and
+# `schedule="linear"`.
 #
-# Check: the cell prints the schedule's value (the learning rate) at a
-# few of its arguments. It peaks at about 2.2e-3 at 300, is still above
-# zero at 764, the value the last step uses, and is zero at 765, which
-# no step uses.
+# Check: the cell prints the learning rate at a few steps: the peak at
+# 300, and zero at the end. (The last step, the 765th, uses the value at
+# 764, since Part 2's `LambdaLR` counts from 0; it must be above zero.)
 
 # %%
 quick = tools.get_config("quick")
@@ -761,10 +759,9 @@ assert quick_rate(765) == 0  # the end of the budget: no step uses it
 # `pick_device` sets `device`, which the rest of the lesson uses, unless
 # the environment variable `AT_DEVICE` names another (`cpu`, say), and
 # warns when a Colab runtime has no GPU. On a Mac, if a later cell
-# raises an error that names `mps`, train on the CPU instead: run
-# `AT_DEVICE=cpu make notebook`, or start Jupyter with
-# `AT_DEVICE=cpu .venv/bin/jupyter lab notebooks/`. `docs/gpu.md`, "If
-# it fails on a T4 or a Mac", says more.
+# fails with an error that names `mps`, train on the CPU instead
+# (`AT_DEVICE=cpu make notebook`; `docs/gpu.md`, "If it fails on a T4 or
+# a Mac").
 
 
 # %%
@@ -874,19 +871,20 @@ small_model, small_history = train_one_process(
 assert small_history[-1]["val_loss"] < small_history[0]["val_loss"]
 
 # %% [markdown]
-# A yardstick for those losses. A model that has learned nothing, and
-# gives each of the $V$ English words the same probability $1/V$, has a
-# cross-entropy of $\ln V$ per token (8.73 for our 6,190 words). Part 2's
-# loss is the KL divergence from the label-smoothed targets: the
-# cross-entropy less the *entropy* $H$ of the targets, $-\sum_j p_j \log
-# p_j$, the spread that smoothing puts into them. So a model that
-# predicts the smoothed targets exactly scores 0, and the uniform guess
-# scores $\ln V - H$. With a smoothing of 0.1, $H = -0.9 \ln 0.9 - 0.1
-# \ln \frac{0.1}{V - 2} \approx 0.09 + 1.10 \approx 1.2$. The cell
-# computes the three numbers. A validation loss of 1.5, as the recipes
-# below reach, is thus a cross-entropy of about 2.7 (against the
-# smoothed targets). Check: after two
-# epochs the tiny model is already below the uniform guess.
+# A yardstick for those losses: a model that knows nothing scores about
+# 7.5 on Part 2's loss, and the reference run below ends at 1.46.
+#
+# Where the 7.5 comes from. A model that gives each of the $V$ English
+# words the same probability $1/V$ has a cross-entropy of $\ln V$ per
+# token (8.73 for our 6,190 words). Part 2's loss is the KL divergence
+# from the label-smoothed targets: the cross-entropy less the *entropy*
+# $H$ of the targets, $-\sum_j p_j \log p_j$, the spread that smoothing
+# puts into them. So predicting the smoothed targets exactly scores 0,
+# and the uniform guess scores $\ln V - H$. With a smoothing of 0.1, $H
+# = -0.9 \ln 0.9 - 0.1 \ln \frac{0.1}{V - 2} \approx 0.09 + 1.10
+# \approx 1.2$, so the guess scores $8.73 - 1.2 \approx 7.5$. The cell
+# computes the three numbers. Check: after two epochs the tiny model is
+# already below the uniform guess.
 
 # %%
 V = len(vocab_tgt)
@@ -926,17 +924,17 @@ assert last < guess
 # %% [markdown]
 # ### Training it
 #
-# The next cell trains the `quick` preset with the appendix's
-# `train_model`: the loop of `train_one_process`, plus checkpoints and
-# 16-bit arithmetic, in one process on the device that `pick_device`
-# found (inside, it calls `train_worker`, described above). It runs the
-# library's copies of this lesson's cells (the `#| export` ones), not the
-# cells in this notebook. It writes `final.pt`
-# when training ends (the weights, the vocabularies and the config) and
-# returns the losses of every epoch, which the cell keeps as `history`.
-# If `checkpoints/quick/final.pt` exists already, it trains nothing.
-# (The project's automated tests run every notebook in a tiny version,
-# `AT_SIZE=ci`, and there the cell trains the tiny `ci` preset instead.)
+# The next cell trains the `quick` preset on the device that
+# `pick_device` found. It calls the appendix's `train_model`, which is
+# `train_one_process` plus checkpoints and 16-bit arithmetic, so that a
+# finished run is saved: `final.pt` holds the weights, the vocabularies
+# and the config. It returns the losses of every epoch, which the cell
+# keeps as `history`. If `checkpoints/quick/final.pt` exists already, it
+# trains nothing. (`train_model` runs the library's copies of this
+# lesson's `#| export` cells, not the cells in this notebook; see "If you
+# rerun it" below. The project's automated tests run every notebook in a
+# tiny version, `AT_SIZE=ci`, where the cell trains the tiny `ci`
+# preset.)
 #
 # What you will see while it runs: first the device and the precision
 # (`device: cpu (CPU), float32` on a CPU without native bf16); then, for
@@ -947,9 +945,13 @@ assert last < guess
 # took 2.8 to 3.5 minutes on the 2-core CPUs measured here in float32,
 # so training takes 14 to 18 minutes there (about 10 with native bf16).
 # On other CPUs, epoch 0's progress bar shows how long an epoch takes;
-# the cell takes about five of those.
-# The next section, "Why the quick recipe is fast", is good reading
-# while you wait.
+# the cell takes about five of those. On Colab's GPU the first line
+# should read `device: cuda:0 (Tesla T4), float16 autocast with a
+# GradScaler`; if it names no `cuda`, or a loss reads `nan`, see "On a
+# GPU, and on Colab", right after the cell.
+#
+# The section "Why the quick recipe works", after the curve, is good
+# reading while you wait.
 #
 # If you rerun it:
 #
@@ -1051,7 +1053,7 @@ if history is not None and preset == "quick":
         print(f"epoch {mine['epoch']}: {losses}")
 
 # %% [markdown]
-# ### Why the quick recipe is fast
+# ### Why the quick recipe works
 #
 # Three choices. The first follows from arithmetic; the other two were
 # measured on the validation split, never the test set: choosing a recipe
@@ -1072,15 +1074,18 @@ if history is not None and preset == "quick":
 #   draw (`docs/results.md`, "The quick recipe: a translator in a quarter
 #   of an hour").
 # - **Batches of 3,000 tokens, not fewer.** Two trials, both with dropout
-#   0.1, were given about the same work: 660 steps of 3,000-token batches
-#   (2.0 million positions) and 1,600 steps of 1,500-token batches (2.4
-#   million). The larger batches scored 32.46 validation BLEU, the
-#   smaller 27.17, though they saw fewer positions. Smaller batches won
-#   only in runs shorter than two epochs.
+#   0.1 and a linear decay, took 660 steps of batches of up to 3,000
+#   tokens (at most 2.0 million positions) and 1,600 steps of up to 1,500
+#   tokens (at most 2.4 million; its warm-up was 200 steps, so its peak
+#   was a little higher, 2.7e-3). The larger batches scored 32.46
+#   validation BLEU, the smaller 27.17, though they saw fewer positions.
+#   Smaller batches won only in runs shorter than two epochs.
 #
 # The trials, with their commands, machines and times, are in
 # `results/recipe_sweep.md`. Its scores replace `<unk>` by a German word
-# (Part 4), so they are higher than the curve's, which keep `<unk>`.
+# (Part 4), which raises them. The two trials above still score below
+# the curve's 34.52 (which keeps `<unk>`): they kept dropout 0.1 and
+# stopped after 660 and 1,600 smaller steps.
 
 # %% [markdown]
 # ## Decoding
