@@ -2155,7 +2155,10 @@ def stop_signals_kept():
         yield
         return
     kept = []
-    keep = lambda signum, frame: kept.append(signum)
+
+    def keep(signum, frame):  # the handler: note the signal, go on
+        kept.append(signum)
+
     stops = (signal.SIGINT, signal.SIGTERM)
     before = {s: signal.signal(s, keep) for s in stops}
     try:

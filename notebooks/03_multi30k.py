@@ -34,8 +34,9 @@
 # On Colab, choose a GPU first: Runtime → Change runtime type.
 
 # %%
-# Setup. On Colab: clone the repository, then install what the notebooks
-# need. Elsewhere: use the checkout this notebook sits in.
+# Setup only; nothing to learn here. On Colab: clone the repository, then
+# install what the notebooks need. Elsewhere: use the checkout this
+# notebook sits in.
 import os
 import subprocess
 import sys

@@ -43,8 +43,9 @@
 # [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/annotated-transformer/done-right/blob/main/notebooks/05_beyond.ipynb)
 
 # %%
-# Setup. On Colab: clone the repository, then install what the notebooks
-# need. Elsewhere: use the checkout this notebook sits in.
+# Setup only; nothing to learn here. On Colab: clone the repository, then
+# install what the notebooks need. Elsewhere: use the checkout this
+# notebook sits in.
 import os
 import subprocess
 import sys

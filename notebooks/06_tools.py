@@ -34,8 +34,9 @@
 # [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/annotated-transformer/done-right/blob/main/notebooks/06_tools.ipynb)
 
 # %%
-# Setup. On Colab: clone the repository, then install what the notebooks
-# need. Elsewhere: use the checkout this notebook sits in.
+# Setup only; nothing to learn here. On Colab: clone the repository, then
+# install what the notebooks need. Elsewhere: use the checkout this
+# notebook sits in.
 import os
 import subprocess
 import sys
@@ -3189,7 +3190,10 @@ def stop_signals_kept():
         yield
         return
     kept = []
-    keep = lambda signum, frame: kept.append(signum)
+
+    def keep(signum, frame):  # the handler: note the signal, go on
+        kept.append(signum)
+
     stops = (signal.SIGINT, signal.SIGTERM)
     before = {s: signal.signal(s, keep) for s in stops}
     try:
