@@ -113,7 +113,7 @@ class LayerNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        """Normalize (..., features) with the biased variance."""
+        """Normalize (..., features); the variance divides by d."""
         return F.layer_norm(x, self.a_2.shape, self.a_2, self.b_2, self.eps)
 
 

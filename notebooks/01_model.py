@@ -25,8 +25,6 @@
 # against a PyTorch built-in, a closed form, or a property the paper
 # promises. Where we depart from the paper, one sentence says so and why.
 #
-# The diagrams are the SVG files in `notebooks/diagrams/`; the notebook
-# embeds them, and in the `.py` file they appear as `attachment:NAME.svg`.
 
 # %% [markdown]
 # [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/annotated-transformer/done-right/blob/main/notebooks/01_model.ipynb)
@@ -82,6 +80,14 @@ from torch import nn
 # prefix $y_{<t}$ and predicts a distribution over $y_t$. The model is
 # *auto-regressive*: each new token is fed back in as input for the next.
 #
+# The pieces, in three sentences. *Attention* lets each position take a
+# weighted average of other positions' vectors, and a *mask* says which
+# positions it may read. An encoder layer is attention followed by a
+# small network applied to each position on its own, each of the two
+# wrapped as $x + f(\mathrm{norm}(x))$; a decoder layer adds a second
+# attention, over the encoder's output. The sections below build each
+# piece, top down, so some names appear before their definitions.
+#
 # `EncoderDecoder` holds five parts and says how data moves between them:
 # source ids are embedded and encoded once; target ids are embedded and
 # decoded against that memory. Each part is defined further down. Both
@@ -107,9 +113,8 @@ from torch import nn
 # word $t - 1$, and the model must predict word $t$ (Part 2 builds
 # this).
 #
-# The picture puts the `Generator` above the decoder, but `forward` stops
-# before it; in the code, as said above, the loss and the decoding loops
-# call it.
+# The picture puts the `Generator` above the decoder; in the code,
+# `forward` stops before it (above).
 
 
 # %%
@@ -224,13 +229,11 @@ class Encoder(nn.Module):
 # $$\mathrm{LayerNorm}(x) = a \odot \frac{x - \mu}{\sqrt{\sigma^2 +
 # \epsilon}} + b, \qquad \sigma^2 = \frac{1}{d}\sum_i (x_i - \mu)^2 .$$
 #
-# We use this standard form, as `torch.nn.LayerNorm` does. (The 2022
-# tutorial divided by a slightly different standard deviation, one that
-# divides by $d - 1$ instead of $d$, and added $\epsilon$ to it rather
-# than under the square root.) We could use `nn.LayerNorm`; we keep a
-# small class so that the parameters keep the 2022 tutorial's names, and
-# code written for it still finds them: the gain $a$ is `a_2` and the
-# bias $b$ is `b_2`.
+# This is the standard form, the same as `torch.nn.LayerNorm`. We keep a
+# small class of our own only so that the gain $a$ and the bias $b$ keep
+# the 2022 tutorial's names, `a_2` and `b_2`, for code written against
+# it. (That tutorial's $\sigma$ differed slightly: it divided by $d - 1$,
+# and added $\epsilon$ outside the square root.)
 #
 # `forward` hands the whole formula to PyTorch's `F.layer_norm`, which
 # computes it in one pass; the cell after the class writes the formula out
@@ -249,7 +252,7 @@ class LayerNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        """Normalize (..., features) with the biased variance."""
+        """Normalize (..., features); the variance divides by d."""
         return F.layer_norm(x, self.a_2.shape, self.a_2, self.b_2, self.eps)
 
 
@@ -320,7 +323,14 @@ class SublayerConnection(nn.Module):
 # %%
 x = torch.randn(4, 5, 24) * 3 + 1  # mean 1, standard deviation 3
 block = SublayerConnection(24, dropout=0.0)
-assert torch.equal(block(x, torch.zeros_like), x)  # pre-norm
+
+
+def zero_sublayer(y):
+    """A sub-layer whose output is always 0."""
+    return torch.zeros_like(y)
+
+
+assert torch.equal(block(x, zero_sublayer), x)  # pre-norm
 post_norm = LayerNorm(24)(x + torch.zeros_like(x))
 assert not torch.allclose(post_norm, x)  # post-norm
 for name, tensor in [("x", x), ("post-norm output", post_norm)]:
@@ -662,36 +672,37 @@ assert weights[0, 2] == 0
 #
 # ![Multi-head attention](attachment:multihead.svg)
 #
-# A choice of ours, which the 2022 tutorial did not make: by default
-# `forward` calls PyTorch's fused `scaled_dot_product_attention`, one
-# routine for the whole formula, faster but returning no weights. With
-# `store_attention = True` it calls `attention` above instead and keeps the
-# weights in `self.attn` (Part 4 sets the flag to draw them). The fused
-# routine is a plain function, so `.eval()` cannot switch its dropout off:
-# `forward` passes `dropout_p=0` when the module is not training.
+# A choice of ours, which the 2022 tutorial did not make: `forward`
+# usually calls PyTorch's fused `scaled_dot_product_attention`, one
+# routine for the whole formula, faster but returning no weights. It
+# calls `attention` above instead in two cases, and both compute the
+# same formula:
 #
-# In short: fused by default, `attention` when `store_attention` is set.
-# One more case: on a CPU, training with dropout, `forward` calls
-# `attention` too. PyTorch's fused routine has no CPU kernel with dropout
-# and falls back there to the same unfused steps, so nothing is lost, and
-# the dropout is then the module's own `self.dropout`, which the
-# appendix can swap for a cheaper one ("A cheaper dropout mask"). Either
-# branch computes the same formula.
+# - with `store_attention = True`, to keep the weights in `self.attn`
+#   (Part 4 sets it, to draw them);
+# - when training with dropout on a CPU, where the fused routine has no
+#   kernel of its own and would run the same unfused steps anyway; the
+#   dropout is then the module's own `self.dropout`, which the appendix
+#   swaps for a cheaper one ("A cheaper dropout mask").
+#
+# (The fused routine is a plain function, so `.eval()` cannot switch its
+# dropout off: `forward` passes `dropout_p=0` when the module is not
+# training.)
 #
 # Every head uses the same mask: `(B, 1, S)` over a source, `(B, T, T)`
 # or `(1, T, T)` over a target. `heads_mask` adds the heads' axis. It
-# also guards against two masks that the fused routine would take
-# without an error and get wrong:
+# also refuses two masks that the fused routine would take without an
+# error and get wrong (a first read can skip them):
 #
 # - **A mask without its middle axis**, `(B, S)`. Broadcasting would line
 #   its sentences up against another axis (the heads, once the heads' axis
 #   is added): where the sizes happen to match it runs, wrongly; elsewhere
 #   it fails with a message about sizes. `heads_mask` refuses it, saying
 #   which shapes a mask has.
-# - **A mask that is not boolean.** `scaled_dot_product_attention` adds a
-#   float mask to the scores instead of hiding positions, so a mask of 0s
-#   and 1s would hide nothing. The 2022 tutorial's examples pass such masks
-#   (`torch.ones(1, 1, 10)`), so `heads_mask` reads them as 2022 did: 0
+# - **A mask that is not boolean.** The fused routine adds a float mask
+#   to the scores instead of hiding positions, so a mask of 0s and 1s
+#   would hide nothing. `heads_mask` reads such a mask as the 2022
+#   tutorial did, whose examples pass them (`torch.ones(1, 1, 10)`): 0
 #   hides, 1 may be attended to. Any other value is refused, such as
 #   PyTorch's additive masks of 0 and $-\infty$, which mean the opposite.
 
@@ -872,10 +883,11 @@ else:
 #
 # $$\mathrm{FFN}(x) = \max(0, xW_1 + b_1) W_2 + b_2 ,$$
 #
-# with inner width $d_{ff} = 2048$ for $d_{\text{model}} = 512$. Ours
-# also applies dropout between the two layers, which the formula leaves
-# out: another departure inherited from the 2022 tutorial, like the
-# dropout on attention weights.
+# with inner width $d_{ff} = 2048$ for $d_{\text{model}} = 512$. In code,
+# $W_1, b_1$ and $W_2, b_2$ are the layers `w_1` and `w_2` (this $b_2$ is
+# not LayerNorm's `b_2`). Ours also applies dropout between the two
+# layers, which the formula leaves out: another departure inherited from
+# the 2022 tutorial, like the dropout on attention weights.
 
 
 # %%
@@ -1071,9 +1083,8 @@ assert torch.allclose(rotated, table[k : 100 + k], atol=1e-5)
 # %% [markdown]
 # Four dimensions of a 20-dimensional encoding over the first 100
 # positions, drawn by `positional_chart` from the appendix. Like
-# `mask_chart`, it uses the library's `PositionalEncoding`: after editing
-# the class here, run `make export` and restart the notebook to see the
-# change in the chart.
+# `mask_chart`, it uses the library's copy of the class (see the note
+# after `mask_chart`).
 
 # %%
 from annotated_transformer_tools import positional_chart
