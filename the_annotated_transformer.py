@@ -1557,8 +1557,8 @@ class DecoderCache:
 
     def select(self, index):
         """Keep the rows `index` (R',) of every cached tensor, in order."""
-        # Two steps, because beam search's cache (section 2) gives them
-        # different indices; here a row is a sentence, so both get index.
+        # Here a row is a sentence, so both steps keep `index`; section
+        # 2's beam search needs them apart.
         self.keep_rows(index)
         self.keep_sentences(index)
 

@@ -210,8 +210,8 @@ src_mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
 # in the batch; in greedy decoding a row is a sentence. `select(index)`
 # keeps the $R'$ rows that `index` lists, in the target-side cache and in
 # the source side: greedy decoding uses it to drop the sentences that
-# have finished. (Beam search, in section 2, gives each sentence several
-# rows; its own cache, `BeamCache`, extends this one.)
+# have finished. (Section 2's beam search gives a sentence several rows,
+# with a cache of its own that extends this one.)
 
 
 # %%
@@ -233,8 +233,8 @@ class DecoderCache:
 
     def select(self, index):
         """Keep the rows `index` (R',) of every cached tensor, in order."""
-        # Two steps, because beam search's cache (section 2) gives them
-        # different indices; here a row is a sentence, so both get index.
+        # Here a row is a sentence, so both steps keep `index`; section
+        # 2's beam search needs them apart.
         self.keep_rows(index)
         self.keep_sentences(index)
 
@@ -256,11 +256,10 @@ class DecoderCache:
 # %% [markdown]
 # One decoding step reuses the trained modules as they are; only the
 # attention calls change. `attend_step` attends from new positions, one
-# per row, to keys and values already projected. `k` and `v` may have
-# fewer rows than the queries: in beam search, several rows (hypotheses)
-# share one sentence's source keys, and `attend_step` lines up each
-# sentence's rows as its queries. In greedy decoding there is one row
-# per sentence, and that reshape does nothing.
+# per row, to keys and values already projected. In greedy decoding `k`
+# and `v` have one row per query; the reshape inside, for `group` rows
+# per set of keys, is for section 2's beam search and changes nothing
+# here.
 #
 # `cached_self_attention` appends the newest position's key and value to
 # the layer's cache and attends over all of it, with no mask, since every
@@ -304,9 +303,10 @@ def cached_self_attention(attn, x, cache, i):
 # layer's three `SublayerConnection`s with their norms and residuals, then
 # the final norm and the generator. The new token is the only one we
 # embed, so its positional encoding is read from the `pe` buffer at its
-# own position. At step $t$ the loop below feeds token $t - 1$ and asks
-# for token $t$. `cache.length` counts the tokens fed so far, so it is
-# also the position of the token fed now; `decode_step` calls it `pos`.
+# own position. At step $t$, `cached_greedy_decode` (after
+# `decode_step`) feeds token $t - 1$ and asks for token $t$.
+# `cache.length` counts the tokens fed so far, so it is also the
+# position of the token fed now; `decode_step` calls it `pos`.
 
 
 # %%
@@ -345,6 +345,13 @@ def decode_step(model, ys_last, cache):
 # (the padding token, `PAD` in code) after each `</s>`, stopping when
 # every sentence has ended or at `max_len`. A sentence that has ended
 # leaves the batch.
+#
+# Two kinds of index meet in the loop: `rows` lists the rows of `out`
+# still running, and the cache numbers its own rows from 0. With four
+# sentences, if sentence 1 ends, `rows` becomes `[0, 2, 3]` and the
+# cache keeps its rows 0, 2 and 3; if sentence 2 ends next, `rows`
+# becomes `[0, 3]`, and the cache keeps its rows 0 and 2, where
+# sentences 0 and 3 now sit.
 #
 # This is the decoder that `translate_batch` and the command line
 # (section 5) use by default. The other two stay, each for a reason:
@@ -483,11 +490,9 @@ for fn in (batch_greedy_decode, cached_greedy_decode):
 # default of its decoders. Section 5 says how $\alpha = 1.0$ did against
 # 0.6 on Multi30k, and why $\alpha$ is worth tuning for each model.
 #
-# Hypotheses end at different times. Here, one that has produced `</s>`
-# stays in the beam with its score frozen: its only continuation is
-# `<blank>` at no cost, and its length no longer grows, so it keeps
-# competing for a place with the hypotheses still running. (It can lose
-# that place; `keep_best`, below, makes sure it is not forgotten.)
+# Hypotheses end at different times. One that has produced `</s>` stays
+# in the beam with its score frozen (its only continuation is `<blank>`,
+# at no cost); if it loses its place, `keep_best`, below, remembers it.
 #
 # Scoring all $k \cdot V$ extensions is wasteful: only the $k$ best tokens
 # of a hypothesis can be among the $k$ best candidates of its sentence, so
@@ -1044,11 +1049,14 @@ class BpeVocab:
 # We train one BPE vocabulary of 10,000 units (a round size, not tuned
 # here) on the German and English sides of the **training split only**.
 # Multi30k has 29,000 training pairs against WMT 2014's 4.5 million (Part
-# 3), about 150 times fewer, and far fewer distinct words: Part 3's word
-# vocabularies (words seen at least twice) hold 8,012 German and 6,190
-# English entries, about 14,000 together. With the paper's 37,000 units
-# almost every word of our training text would stay whole; 10,000 cut
-# more of the rarer words into pieces (a check below measures both).
+# 3), about 150 times fewer, and far fewer distinct words (Part 3's word
+# vocabularies, words seen at least twice, hold 8,012 German and 6,190
+# English entries). With the paper's 37,000 units, BPE would keep almost
+# every word of our running text whole, and act much like a word
+# vocabulary. 10,000 units cut more of the rare words into pieces that
+# are shared, so each piece is seen, and trained, more often than the
+# rare word would be (a check below measures both, on the running words
+# and on the distinct ones).
 #
 # A pre-tokenizer cuts the text into chunks before BPE runs, and merges
 # never cross a chunk's edge. The `Metaspace` pre-tokenizer turns each
@@ -1242,27 +1250,32 @@ assert proj is bpe_model.src_embed[0].lut.weight  # still tied after loading
 assert proj is bpe_model.tgt_embed[0].lut.weight
 
 # %% [markdown]
-# Its translations are as good as its training. Here are three validation
-# sentences. (`translate_batch` has no `<unk>` to replace here.)
+# Next, three validation sentences and the BLEU on the same test
+# sentences as the word model, with greedy decoding. (`translate_batch`
+# has no `<unk>` to replace here.) A stand-in, trained for seconds,
+# translates into noise and scores near 0, which says nothing about BPE;
+# the cell then prints one line instead, and the table in section 5 has
+# what trained BPE models scored.
 
 # %%
-for de, en in splits["val"][:3]:
-    hyp = translate_batch(bpe_model, [de], spacy_de, bpe_src, bpe_tgt)[0]
-    print(f"source:    {de}\nreference: {en}\nmodel:     {hyp}\n")
-
-# %% [markdown]
-# And its BLEU, on the same test sentences as the word model, with greedy
-# decoding. When the model is the stand-in, trained for seconds, this
-# score says nothing about BPE; the table in section 5 has what trained
-# BPE models scored.
-
-# %%
+trained_bpe = bpe_config.preset == "cpu-bpe"  # else the stand-in
+val_pairs = splits["val"][:3]
+hyps = translate_batch(
+    bpe_model, [de for de, _ in val_pairs], spacy_de, bpe_src, bpe_tgt
+)
 bpe_bleu, s = bleu_of(bpe_model, bpe_src, bpe_tgt, cached_greedy_decode)
-print(f"BPE model, greedy: BLEU {bpe_bleu.score:5.2f}  ({s:.1f} s)")
-if bpe_config.preset == "cpu-bpe":  # a trained BPE model: comparable
+if trained_bpe:
+    for (de, en), hyp in zip(val_pairs, hyps):
+        print(f"source:    {de}\nreference: {en}\nmodel:     {hyp}\n")
+    print(f"BPE model, greedy: BLEU {bpe_bleu.score:5.2f}  ({s:.1f} s)")
     print(f"word model, greedy: BLEU {plain_bleu['greedy']:5.2f}")
 else:
-    print("(a stand-in: not comparable; see the table in section 5)")
+    print(
+        f"a stand-in (BLEU {bpe_bleu.score:.2f}): its translations say"
+        " nothing about BPE; see the table in section 5"
+    )
+assert len(hyps) == len(val_pairs)
+
 
 # %% [markdown]
 # ## 4. Checkpoint averaging
@@ -1274,9 +1287,8 @@ else:
 # at training time.
 #
 # Our checkpoints are further apart: one per epoch, and a full `cpu` run
-# has 18 epochs, so the last 5 span more than a quarter of training (half
-# of run C's 10, below), where
-# the paper's last 5 span under an hour of a 12-hour run. Whether
+# has 18 epochs, so the last 5 span more than a quarter of training,
+# where the paper's last 5 span under an hour of a 12-hour run. Whether
 # their mean helps depends on whether the model had stopped improving by
 # then. A `quick` run has only 5 epochs, so its last 5 are all of its
 # training, from the first epoch on: in a full run of this notebook, with
@@ -1336,9 +1348,11 @@ for key, value in in_memory.state_dict().items():
 print(f"averaged {len(epochs)} checkpoints: {[p.name for p in epochs]}")
 
 # %% [markdown]
-# Does the average translate better? Here is its BLEU next to that of the
-# model as trained, computed in section 2, with both decoders. Section 5
-# has the recorded runs.
+# Here is the average's BLEU next to that of the model as trained,
+# computed in section 2, with both decoders. For a `quick` model, expect
+# the average to score lower: its five files are all of its training,
+# the early, poor epochs included. Section 5 has a run where averaging
+# helped, and why.
 
 # %%
 for decoder_name, fn in DECODERS.items():
@@ -1389,12 +1403,12 @@ for decoder_name, fn in DECODERS.items():
 # back on the `quick` model, whose averaged epochs score far lower (the
 # averaging section above).
 #
-# On Multi30k's validation split, $\alpha = 1.0$ scored 0.1 to 0.6 BLEU
-# higher than the paper's 0.6 (which the paper tuned on WMT) in every
-# beam-4 comparison on record, so add `--alpha 1.0` to either command
-# for your own translations; the table below keeps 0.6. (The 18
-# comparisons, over five models, are in the tables
-# `results/recipe_*_val.md` that score both; `docs/results.md` says which
+# On Multi30k's validation split, $\alpha = 1.0$ scored 0.04 to 0.57
+# BLEU higher than the paper's 0.6 (which the paper tuned on WMT) in
+# every beam-4 comparison on record, so add `--alpha 1.0` to either
+# command for your own translations; the table below keeps 0.6. (The 39
+# comparisons, with and without averaging, are in the twelve tables
+# `results/recipe_*val*.md` that score both; `docs/results.md` says which
 # beam, $\alpha$ and averaging validation chose for each recipe.)
 #
 # ### The results
@@ -1411,9 +1425,10 @@ for decoder_name, fn in DECODERS.items():
 # BLEU; "+ avg": beam 4 on the average of the last 5 epoch checkpoints;
 # "—": not measured (those records scored the BPE models greedily and
 # with beam 4 plus averaging only). "Precision" is the one training ran
-# in (fp32: float32). `<unk>` says whether the word models' `<unk>`
-# tokens were replaced by copied German words (Part 4) or kept; BPE
-# models have almost none.
+# in (fp32: float32; runs C and D asked for bf16, which their CPU lacked,
+# so their files' configs say bf16). `<unk>` says whether the word
+# models' `<unk>` tokens were replaced by copied German words (Part 4)
+# or kept; BPE models have almost none.
 #
 # | run | model | epochs | precision | `<unk>` | greedy | beam 4 | + avg |
 # |---|---|---:|---|---|---:|---:|---:|
