@@ -110,9 +110,9 @@ FIGURES = os.path.join(ROOT, "figures")
 # ## Recording the weights
 #
 # Every `MultiHeadedAttention` of Part 1 has a `store_attention` flag, off
-# by default. (Off, a layer calls PyTorch's fused
-# `scaled_dot_product_attention`, one optimized call that never hands back
-# the weights, except when it trains with dropout on a CPU.) When it is
+# by default. (Off, a layer usually calls PyTorch's fused
+# `scaled_dot_product_attention`, one optimized call that never hands
+# back the weights.) When it is
 # on, the layer computes the softmax explicitly and keeps it in
 # `self.attn`, shape `(B, h, T, S)`: one row per query position, one
 # column per key position. `record_attention` turns the flag on for every
@@ -443,10 +443,9 @@ save_chart(attention_chart(maps, "decoder self"), "04_decoder_self", FIGURES)
 #
 # Here is that chart of the model on record (the `cpu` model stopped
 # after 10 epochs), as `make site` saved it. On Colab, where this picture
-# does not load, open it [on GitHub][github]. It was saved before the
-# charts labelled each row with the word it predicts, so its rows show
-# only the word read: the row that predicts "brown" is the one labelled
-# "A", and the row that predicts "." is the second "dog".
+# does not load, open it [on GitHub][github]. In this older picture each
+# row is labelled only with the word it reads; it predicts the next
+# row's word (the row labelled "A" predicts "brown").
 #
 # ![The trained cpu model's decoder-source attention, last layer][chart]
 #
@@ -504,14 +503,12 @@ else:
 # `</s>` row, with no German word left to translate, parks more of its
 # weight than the word rows do on average.
 #
-# The row that predicts "." ("dog → .") is left out. It still has a
-# German "." to read, so it is not like the `</s>` row. In the chart on
-# record, one head reads that German "." most, while two others park much
-# of that row's weight.
+# The row that predicts "." ("dog → .") is left out: it still has a
+# German "." to read, so it is not like the `</s>` row.
 #
-# The model on record never printed these figures; a `quick` model
-# trained in bf16 printed 0.17 for the `</s>` row and 0.02 for the word
-# rows (`results/make_notebook.md`).
+# Expected output (a `quick` model trained in bf16, not the model on
+# record, which never printed these figures): 0.17 for the `</s>` row
+# and 0.02 for the word rows (`results/make_notebook.md`).
 
 # %%
 edges = [column_of("<s>"), column_of("</s>")]
@@ -683,20 +680,13 @@ assert torch.allclose(by_hand, maps.encoder_self[0], atol=1e-5)
 # %% [markdown]
 # ### Why `eval()` matters
 #
-# `load_trained_model` rebuilt the model above with dropout 0, so
-# switching it to `train()` would change nothing; a fresh model with
-# dropout shows the hazard.
-# Record the weights in `train()` mode and you draw them after dropout:
-# every weight is either zeroed or the `eval()` weight scaled by $1/0.9$,
-# so the rows no longer sum to 1, and a weight above 0.9 would be drawn
-# above 1. `attention_maps` therefore records in `eval()` mode. The cell
-# shows the difference: the same recording twice, on a fresh model with
-# Part 1's default dropout of 0.1, once in `eval()` mode, and once with
-# the dropout of the first encoder layer's attention switched on, and only
-# that one. Every other dropout stays off, especially the one after the
-# embeddings: it would change what reaches the layer, and the two
-# recordings should differ in the dropout on the weights alone. (This
-# small untrained model has no weight above 0.9; a trained one can.)
+# Recorded in `train()` mode, the weights come after dropout: each is
+# zeroed or scaled by $1/0.9$, so the rows no longer sum to 1.
+# `attention_maps` therefore records in `eval()` mode. The cell shows
+# the difference on a fresh model with Part 1's default dropout of 0.1
+# (the loaded one has none): the same recording in `eval()` mode, then
+# with only the first encoder layer's attention dropout switched on, so
+# that the two differ in that dropout alone.
 
 # %%
 torch.manual_seed(0)
@@ -759,7 +749,8 @@ assert not torch.allclose(dropped.sum(-1), clean.sum(-1))
 # right.) "Where the weight goes", below, works it out on our sentence.
 #
 # For scale: a head that always reads its neighbour scores a distance of
-# 1, and one that spreads its weight evenly over $S$ keys about $S/3$.
+# 1, and one that spreads its weight evenly over all $S$ keys (as
+# encoder self-attention may) about $S/3$.
 # `_diagonal` turns each row number $i$ into the column the diagonal
 # meets, $i\,(S-1)/(T-1)$, so that the diagonal is where $j$ equals that
 # number.
@@ -1056,8 +1047,8 @@ for kind in ATTENTION_KINDS:
 # used the attention weights, as we do.
 #
 # Which attention? The last layer alone, whose output becomes the word,
-# is the obvious choice, but a worse aligner than the mean over all
-# layers (or than layer 2 alone). Multi30k has no gold word
+# is the obvious choice, but a worse aligner than either earlier layer
+# and than the mean over all layers. Multi30k has no gold word
 # alignments (alignments drawn by people), so "worse" is measured with a
 # proxy. A model writes `<unk>` for a rare English word, and a rare
 # English word usually translates a rare German word, so a good aligner
@@ -1129,11 +1120,12 @@ def replace_unknowns(ids, aligned, src_words, vocab_tgt):
 
 
 # %% [markdown]
-# **See, two code paths pick the same German word.** `source_alignment`
-# is the batched version that `translate_batch` uses, for many sentences
-# at once, with the causal mask; `attention_maps`, behind the charts,
-# reads one sentence with training's masks. They must pick the same
-# German word for each `<unk>`.
+# **See, two code paths pick the same German word.** There are two
+# because `translate_batch` needs a batched version and the charts need
+# one sentence. `source_alignment` is the batched one, for many
+# sentences at once, with the causal mask; `attention_maps`, behind the
+# charts, reads one sentence with training's masks. They must pick the
+# same German word for each `<unk>`.
 #
 # We run `source_alignment` on the validation references, teacher-forced.
 # Their words outside the English vocabulary are `<unk>` too, and there we
@@ -1162,8 +1154,8 @@ def replace_and_check(german_words, english):
     mean = maps_here.decoder_src.mean((0, 1))  # (T, S): layers, heads
     for k, token_id in enumerate(ids):
         if token_id == UNK:
-            # words only: with column 0 (<s>) cut, position `most` is
-            # german_words[most]
+            # words only: with the first column (<s>) and the last
+            # (</s>) cut, position `most` is german_words[most]
             most = int(mean[k, 1:-1].argmax())
             assert tokens[k] == german_words[most], (k, most)
     return ids, tokens
