@@ -2474,7 +2474,7 @@ def checked_device(name):
             f"{name!r} is not a device; try cpu, cuda or cuda:1"
         ) from None
     if device.type == "cuda":
-        gpus = torch.cuda.device_count()  # 0 without CUDA
+        gpus = cuda_count()
         if (device.index or 0) >= gpus:
             plural = "" if gpus == 1 else "s"
             raise ValueError(

@@ -1084,7 +1084,7 @@ assert torch.allclose(rotated, table[k : 100 + k], atol=1e-5)
 # Four dimensions of a 20-dimensional encoding over the first 100
 # positions, drawn by `positional_chart` from the appendix. Like
 # `mask_chart`, it uses the library's copy of the class (see the note
-# after `mask_chart`).
+# just before the mask chart).
 
 # %%
 from annotated_transformer_tools import positional_chart

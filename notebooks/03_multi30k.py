@@ -986,12 +986,11 @@ else:
 # differ a little from the recorded run (a cell below prints both
 # losses). On an H100 the recipe took 2.6 minutes from the
 # start of its process (`results/gpu_explore.md`); Colab's free T4 and
-# Apple's GPUs were not measured. On a Colab T4 the first line should
-# read `device: cuda:0 (Tesla T4), float16 autocast with a GradScaler`;
-# if it does not name `cuda`, the runtime has no GPU. Epoch 0's progress
-# bar shows how long an epoch will take there. The T4's float16 path,
-# run on an H100 whose compute capability was made to read 7.5 (a T4's),
-# gave validation losses within 0.01 of the recorded ones
+# Apple's GPUs were not measured. If the cell's first line names no
+# `cuda`, the runtime has no GPU (Runtime → Change runtime type). Epoch
+# 0's progress bar shows how long an epoch will take there. The T4's
+# float16 path, run on an H100 whose compute capability was made to read
+# 7.5 (a T4's), gave validation losses within 0.01 of the recorded ones
 # (`results/gpu_h100_2/fp16_quick.json`). On a T4 a loss that
 # reads `nan` means float16 failed: add `precision="fp32"` to the cell's
 # `get_config(...)`, run `!rm -rf /content/done-right/checkpoints/quick`,
@@ -1086,7 +1085,7 @@ if history is not None and preset == "quick":
 # `results/recipe_sweep.md`. Its scores replace `<unk>` by a German word
 # (Part 4), which raises them. The two trials above still score below
 # the curve's 34.52 (which keeps `<unk>`): they kept dropout 0.1 and
-# stopped after 660 and 1,600 smaller steps.
+# stopped after 660 steps, and 1,600 smaller ones.
 
 # %% [markdown]
 # ## Decoding
