@@ -3091,6 +3091,7 @@ def build_parser():
     add_train_parser(sub)
     add_evaluate_parser(sub)
     add_translate_parser(sub)
+    parser.commands = sub.choices  # name -> the sub-command's parser
     return parser
 
 
@@ -3727,6 +3728,17 @@ def command_after_options(argv):
     return next((word for word in argv if word in COMMAND_NAMES), None)
 
 
+def parsed_or_refused(argv):
+    """argparse's parse_args, but an unknown option is reported by the
+    sub-command's parser, whose --help lists the options it has."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = parser.commands[args.command]
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def parse_arguments(argv):
     """(the parsed arguments, None), or (None, the exit status) when
     argparse has already answered: `--help`, `--version`, a mistake."""
@@ -3743,7 +3755,7 @@ def parse_arguments(argv):
     said = io.StringIO()  # what argparse prints on stdout: help, version
     try:
         with contextlib.redirect_stdout(said):
-            args, status = build_parser().parse_args(argv), None
+            args, status = parsed_or_refused(argv), None
     except SystemExit as answered:
         args, status = None, answered.code
     # Written here, not by argparse, which ignores a failed write: then
@@ -4027,6 +4039,7 @@ __all__ = [
     "command_line_warnings",
     "COMMAND_NAMES",
     "command_after_options",
+    "parsed_or_refused",
     "parse_arguments",
     "stop_as_for_ctrl_c",
     "run_command_line",

@@ -4393,6 +4393,7 @@ def build_parser():
     add_train_parser(sub)
     add_evaluate_parser(sub)
     add_translate_parser(sub)
+    parser.commands = sub.choices  # name -> the sub-command's parser
     return parser
 
 
@@ -5091,6 +5092,11 @@ def command_download(args):
 # | 130 | Ctrl-C, as the shell reports SIGINT; `kill`'s SIGTERM too |
 # | 141 | a reader that left early (`translate ... \| head -1`): quietly |
 #
+# A mistyped option is reported by its sub-command (`... translate:
+# error: unrecognized arguments: --bogus`), so that its `--help` is the
+# one that lists the options; an option put before the sub-command is
+# named as the mistake.
+#
 # `docs/guarantees.md` lists every case. (While torch loads, before `main`
 # runs, a few lines that `tools/export.py` writes at the top of the
 # generated module handle Ctrl-C the same way.)
@@ -5148,6 +5154,17 @@ def command_after_options(argv):
     return next((word for word in argv if word in COMMAND_NAMES), None)
 
 
+def parsed_or_refused(argv):
+    """argparse's parse_args, but an unknown option is reported by the
+    sub-command's parser, whose --help lists the options it has."""
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        command = parser.commands[args.command]
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def parse_arguments(argv):
     """(the parsed arguments, None), or (None, the exit status) when
     argparse has already answered: `--help`, `--version`, a mistake."""
@@ -5164,7 +5181,7 @@ def parse_arguments(argv):
     said = io.StringIO()  # what argparse prints on stdout: help, version
     try:
         with contextlib.redirect_stdout(said):
-            args, status = build_parser().parse_args(argv), None
+            args, status = parsed_or_refused(argv), None
     except SystemExit as answered:
         args, status = None, answered.code
     # Written here, not by argparse, which ignores a failed write: then

@@ -886,6 +886,27 @@ def test_options_before_the_sub_command_are_named_as_the_mistake(
     assert f" {command} {argv[0]} ..." in err
 
 
+@pytest.mark.parametrize(
+    "argv, unknown",
+    [
+        (["translate", "--bogus", "x"], "--bogus"),
+        (["train", "--epochs", "2", "--bogus"], "--bogus"),
+        (["evaluate", "--beam", "2", "--be", "3", "-z"], "-z"),
+        (["download", "extra"], "extra"),
+    ],
+)
+def test_an_unknown_option_is_named_by_its_sub_command(capsys, argv, unknown):
+    """The top-level parser reported it, and its --help lists only the
+    sub-commands, not the options that were mistyped."""
+    status, out, err = run_cli(capsys, *argv)
+    assert status == 2 and out == ""
+    prog = tools.build_parser().prog
+    assert err == (
+        f"{prog} {argv[0]}: error: unrecognized arguments: {unknown}"
+        " (see --help)\n"
+    )
+
+
 def test_whole_number_and_existing_device():
     assert tools.whole_number("3") == 3
     assert tools.whole_number("0", least=0) == 0  # --keep-last 0: keep all
