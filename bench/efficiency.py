@@ -57,7 +57,8 @@ with its model and its generator compiled in place
 (`module.compile(dynamic=True)`: symbolic shapes, so the bucketed batches
 need not compile one graph each), and reports their one-off compile time
 apart, as "first step". FastDropout's `random_` is not traced, so ours
-compiles in about 40 pieces; with nn.Dropout the model is one graph.
+compiles in about 40 pieces; with nn.Dropout `torch._dynamo.explain`
+finds one graph (bench/RESULTS_efficiency.md has what each measured).
 """
 
 from __future__ import annotations

@@ -2011,11 +2011,11 @@ def process_device(local_rank=0, local_world_size=1, cpu_fallback=False):
     if local_world_size == 1:  # no GPU: Apple's, or the CPU
         return pick_device()
     if gpus and not cpu_fallback:
+        processes = "process" if gpus == 1 else "processes"
         raise ValueError(
             f"{local_world_size} processes need a GPU each, and this "
-            f"machine has {gpus}; use at most {gpus} "
-            f"process{'es' if gpus > 1 else ''}, or hide the GPUs"
-            " (CUDA_VISIBLE_DEVICES=) to train them on the CPU"
+            f"machine has {gpus}; use at most {gpus} {processes}, or hide"
+            " the GPUs (CUDA_VISIBLE_DEVICES=) to train them on the CPU"
         )
     return torch.device("cpu")
 
