@@ -1017,15 +1017,20 @@ class PositionalEncoding(nn.Module):
 
     def __init__(self, d_model, dropout, max_len=5000):
         super().__init__()
-        pos = torch.arange(max_len, dtype=torch.float64)[:, None]  # (L, 1)
+        # Made on the CPU: Apple's GPU (MPS) has no float64, and a default
+        # device set by torch.set_default_device("mps") would be used.
+        f64 = {"dtype": torch.float64, "device": "cpu"}
+        pos = torch.arange(max_len, **f64)[:, None]  # (L, 1)
         # (d_model/2,): the even dimensions 0, 2, 4, ...
-        two_i = torch.arange(0, d_model, 2, dtype=torch.float64)
+        two_i = torch.arange(0, d_model, 2, **f64)
         angles = pos / 10000 ** (two_i / d_model)  # (L, d_model/2)
-        pe = torch.zeros(max_len, d_model, dtype=torch.float64)
+        pe = torch.zeros(max_len, d_model, **f64)
         pe[:, 0::2] = angles.sin()  # even columns
         # The odd columns; one fewer than the even ones if d_model is odd.
         pe[:, 1::2] = angles.cos()[:, : d_model // 2]
-        pe = pe.float()  # (L, d_model), rounded after the sine and cosine
+        # (L, d_model): rounded after the sine and cosine, then moved to
+        # the default device, where the model's weights are made
+        pe = pe.float().to(torch.get_default_device())
         self.dropout = nn.Dropout(p=dropout)
         self.register_buffer("pe", pe.unsqueeze(0))  # (1, max_len, d_model)
 

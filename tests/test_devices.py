@@ -976,3 +976,31 @@ def test_ddp_validation_loss_covers_the_whole_set(
     batches = (tat.Batch(s, t, tat.PAD) for s, t in valid)
     whole, _ = tat.run_epoch(batches, model, loss_compute, mode="eval")
     assert ckpt["history"][-1]["val_loss"] == pytest.approx(whole, rel=1e-4)
+
+
+class DeviceWithoutFloat64(torch.overrides.TorchFunctionMode):
+    """A default device that, like Apple's MPS, refuses float64: any
+    float64 tensor that lands off the CPU raises as MPS does."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        off_cpu = isinstance(out, torch.Tensor) and out.device.type != "cpu"
+        if off_cpu and out.dtype == torch.float64:
+            raise TypeError("Cannot convert a MPS Tensor to float64 dtype")
+        return out
+
+
+def test_positional_table_is_built_where_float64_exists():
+    """Under torch.set_default_device("mps") the float64 table was made on
+    the GPU, which has no float64. "meta" stands in for that device; the
+    table must still come out on it, in float32."""
+    reference = tat.PositionalEncoding(16, dropout=0.0).pe
+    with torch.device("meta"), DeviceWithoutFloat64():
+        pe = tat.PositionalEncoding(16, dropout=0.0).pe
+        model = tat.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
+    assert pe.device.type == "meta" and pe.dtype == torch.float32
+    assert pe.shape == reference.shape and reference.device.type == "cpu"
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    with DeviceWithoutFloat64(), pytest.raises(TypeError, match="float64"):
+        with torch.device("meta"):  # the check itself: it does fire
+            torch.zeros(1, dtype=torch.float64)
