@@ -407,8 +407,7 @@ class Batch:
     """Source and target ids with their masks, for teacher forcing.
 
     `src` (B, S) and `tgt` (B, T + 1) are token ids; `pad` is the padding
-    id (2 by default, as in the 2022 tutorial: the copy task passes its
-    own). It keeps `src`, `src_mask` (B, 1, S), `tgt` (B, T): the target
+    id. It keeps `src`, `src_mask` (B, 1, S), `tgt` (B, T): the target
     without its last token, which the decoder reads, `tgt_y` (B, T): the
     target without its first, to predict, `tgt_mask` (B, T, T) and
     `ntokens`, the number of real tokens in `tgt_y`.

@@ -128,8 +128,7 @@ class Batch:
     """Source and target ids with their masks, for teacher forcing.
 
     `src` (B, S) and `tgt` (B, T + 1) are token ids; `pad` is the padding
-    id (2 by default, as in the 2022 tutorial: the copy task passes its
-    own). It keeps `src`, `src_mask` (B, 1, S), `tgt` (B, T): the target
+    id. It keeps `src`, `src_mask` (B, 1, S), `tgt` (B, T): the target
     without its last token, which the decoder reads, `tgt_y` (B, T): the
     target without its first, to predict, `tgt_mask` (B, T, T) and
     `ntokens`, the number of real tokens in `tgt_y`.
@@ -189,6 +188,8 @@ assert torch.equal(b.tgt_y, torch.tensor([[7, 8, 0, 0]]))  # it predicts
 # that the model must reproduce. Sequences have length 10 over a vocabulary of
 # 11 tokens: token 0 is padding, token 1 is the start symbol at position 0, and
 # tokens 2–10 fill the rest. Source and target are the same sequence.
+# No sequence is padded, but `Batch` still needs a padding id, and its
+# default, 2, is a data token here: so the copy task passes 0.
 # `data_gen`'s `generator` argument is a `torch.Generator`, a seeded source of
 # random numbers (not the model's output layer, `model.generator`): the same
 # seed draws the same batches again.
@@ -206,6 +207,22 @@ def data_gen(V, batch_size, nbatches, seq_len=10, generator=None):
         data[:, 0] = COPY_START
         # Not Batch's default pad, 2: here 2 is a data token.
         yield Batch(data, data.clone(), pad=COPY_PAD)
+
+
+# %% [markdown]
+# One batch of two sequences. The decoder reads each sequence without its
+# last token (`tgt`) and must predict it without its first (`tgt_y`):
+# each token, one position later.
+
+# %%
+seeded = torch.Generator().manual_seed(0)
+example = next(data_gen(11, batch_size=2, nbatches=1, generator=seeded))
+print("src:  ", example.src.tolist())
+print("tgt:  ", example.tgt.tolist())
+print("tgt_y:", example.tgt_y.tolist())
+assert (example.src[:, 0] == COPY_START).all()
+assert ((2 <= example.src[:, 1:]) & (example.src[:, 1:] <= 10)).all()
+assert torch.equal(example.tgt_y, example.src[:, 1:])
 
 
 # %% [markdown]
@@ -346,8 +363,7 @@ assert torch.allclose(dist, expected)
 #
 # `forward` uses this closed form: its method `closed_form` calls the
 # function `smoothed_kl` below, which computes the formula's one number
-# per row. (`closed_form` is a method of its own only so that the
-# appendix can swap in a faster version.) With `keep_targets=True`,
+# per row. With `keep_targets=True`,
 # `forward` takes the direct way instead, so that the check below can
 # compare the two.
 
@@ -464,8 +480,8 @@ save_chart(ls_chart, "02_label_smoothing_penalty", FIGURES)
 # called on. The sum is for reporting only, so it is cut off from autograd
 # (`detach`).
 #
-# The sum stays a one-number tensor, not a Python float: on a GPU,
-# reading a value into Python makes the CPU wait for the GPU (a *sync*).
+# The sum stays a one-number tensor, not a Python float: the loop below
+# adds the sums up and turns the total into a float once, at the end.
 
 
 # %%
@@ -722,7 +738,7 @@ def copy_accuracy(model, n, V=11, seq_len=10, generator=None):
 #   `warmup` = 20 steps, one falling from that peak at step 0 towards 0
 #   at `total` = 300 steps. The rate never goes below a floor of 2% of
 #   the peak, which it reaches at step 294 (the next cell shows where).
-#   The last hundred steps of the 400-step budget, at the floor, are a
+#   The remaining 106 steps of the 400-step budget, at the floor, are a
 #   margin.
 #
 #   The rising line uses `step + 1`: `LambdaLR` calls the first optimizer
@@ -732,10 +748,8 @@ def copy_accuracy(model, n, V=11, seq_len=10, generator=None):
 #   0.1 and a 10-step warm-up).
 # * **Small batches** of 16 sequences: what this task needs is many
 #   optimizer steps more than many sequences, so small batches buy more
-#   steps for the same sequences. Batches of 16 learned in fewer seconds
-#   than 8 (which needed 463 steps against 255) or 32 (231 steps, but
-#   each took about twice as long; that trial's peak was 4e-4, not
-#   3e-4), timed on one thread of our 2-core CPU (`bench/RESULTS.md`).
+#   steps for the same sequences. In our timings, 16 learned to copy in
+#   fewer seconds than 8 or 32.
 # * **No dropout**: with fresh data in every batch, the model cannot
 #   memorize its training set.
 # * **No label smoothing**: the right next token is certain.
@@ -744,19 +758,16 @@ def copy_accuracy(model, n, V=11, seq_len=10, generator=None):
 #   sweep (of a smaller model, on the paper's schedule) it cut the steps
 #   to an exact copy by about 40%.
 #
-# The sweeps behind these choices trained in bf16 and stopped as soon as
-# the model copied 200 sequences in a row exactly, where this lesson
-# trains in float32 for a fixed budget: they justify the direction of
-# each choice, not its exact gain here.
-#
 # The budget is fixed: 20 epochs of 20 optimizer steps, 400 steps and 6,400
 # sequences in all. (With fresh random data there is no data set to pass over:
 # an epoch here is just 20 batches, a unit for reporting.)
 #
-# The sweeps, with their step counts for each seed and setting, are in
-# [bench/RESULTS.md, "How the defaults were
-# chosen"](../bench/RESULTS.md#how-the-defaults-were-chosen), which also
-# describes how each measured "learned to copy".
+# The sweeps behind these choices, with their step counts and times for
+# each seed and setting, are in [bench/RESULTS.md, "How the defaults were
+# chosen"](../bench/RESULTS.md#how-the-defaults-were-chosen). They
+# stopped as soon as the model copied 200 sequences in a row exactly, so
+# they show which way each choice helps, not its exact gain in this
+# lesson's fixed budget.
 
 
 # %%
@@ -1313,3 +1324,33 @@ other = largest_difference(short_last, first_only)
 print(f"with vs without micro[2]: largest difference {other:.1e}")
 assert same < 1e-12
 assert other > 1e-6  # the third batch counts
+
+# %% [markdown]
+# Last, the counters and the log. With `accum_iter=2`, the four
+# micro-batches of 4 sequences make two optimizer steps, so `step` ends
+# at 4, `accum_step` at 2, `samples` at 16, and `tokens` at 144: each
+# sequence has 9 tokens to predict, none of them padding. `"train+log"`
+# with `log_every=1` prints a line for every micro-batch. A second epoch
+# given the returned state continues its counts; `"eval"` changes none.
+
+# %%
+torch.manual_seed(0)
+model = make_model(11, 11, N=1, d_model=16, d_ff=32, h=2, dropout=0.0)
+crit = LabelSmoothing(11, COPY_PAD, smoothing=0.1)
+loss_compute = SimpleLossCompute(model.generator, crit)
+sgd = torch.optim.SGD(model.parameters(), lr=0.5)
+_, state = run_epoch(
+    micro, model, loss_compute, sgd, "train+log", accum_iter=2, log_every=1
+)
+print(state)
+assert (state.step, state.accum_step, state.samples) == (4, 2, 16)
+assert state.tokens == 16 * 9
+_, state = run_epoch(
+    micro, model, loss_compute, sgd, accum_iter=2, train_state=state
+)
+assert (state.step, state.accum_step, state.tokens) == (8, 4, 32 * 9)
+model.eval()
+_, state = run_epoch(
+    micro, model, loss_compute, mode="eval", train_state=state
+)
+assert (state.step, state.accum_step, state.tokens) == (8, 4, 32 * 9)

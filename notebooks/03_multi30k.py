@@ -19,8 +19,9 @@
 # image captions written in English and translated into German. It is tiny
 # next to the 4.5 million sentence pairs of WMT 2014 that the paper used,
 # but large enough to learn a usable translator in about a quarter of an
-# hour on two CPU cores, or in under three minutes on an H100 GPU (Colab's
-# free T4 was not measured).
+# hour on two CPU cores, or in under three minutes on an H100 GPU. Colab's
+# free T4 was not measured: there, epoch 0's progress bar times one epoch
+# of five.
 #
 # From text to translator takes five steps, one section each: read the
 # sentence pairs, cut them into tokens, number the tokens, group sentences
@@ -481,13 +482,9 @@ assert shares["buckets"] < 0.10 < shares["random 32"]
 # waste to under 10% (the cell prints the share), so the same compute
 # goes into real tokens.
 #
-# Less padding trains faster. In a recorded benchmark
-# (`bench/RESULTS_batching.md`: the paper-size model, 1,024 sentences,
-# buckets of up to 2,304 tokens, which is 32 sentences of 72), buckets
-# trained about 5 times as many real tokens per second as batches padded
-# to 72. Most of that is the padding: the buckets computed 4.4 times
-# fewer positions for the same sentences. Attention's cost, which grows
-# with the square of the length, adds the rest.
+# Less padding trains faster: in a recorded benchmark, buckets trained
+# about 5 times as many real tokens per second as batches padded to 72
+# (`bench/RESULTS_batching.md` has its settings).
 #
 # With these settings an epoch is 153 batches, which is 153 optimizer
 # steps: the runs below take one step per batch. Check:
@@ -737,18 +734,22 @@ assert max(steps_down) - min(steps_down) < 1e-12
 # ($\approx \sqrt{300/800}$, so the peak stays 2.2e-3), and
 # `schedule="linear"`.
 #
-# Check: the cell prints the learning rate at a few steps: the peak at
-# 300, and zero at the end. (The last step, the 765th, uses the value at
-# 764, since Part 2's `LambdaLR` counts from 0; it must be above zero.)
+# The cell prints what `quick` changes in `TrainConfig`'s defaults, then
+# the learning rate at a few steps. Check: the peak at step 300, and zero
+# at step 765, the end of the budget.
 
 # %%
 quick = tools.get_config("quick")
+defaults = TrainConfig()
+for field, value in vars(quick).items():
+    default = getattr(defaults, field)
+    if value != default:
+        print(f"quick: {field} = {value!r} (cpu: {default!r})")
 quick_rate = run_schedule(quick, batches_per_epoch=153)
-for step in (1, 150, 300, 500, 764, 765):
+for step in (1, 150, 300, 500, 765):
     print(f"schedule at {step:3d}: learning rate {quick_rate(step):.2e}")
 assert round(quick_rate(300), 4) == 2.2e-3  # the peak, after warm-up
-assert quick_rate(764) > 0  # the rate of the last step, the 765th
-assert quick_rate(765) == 0  # the end of the budget: no step uses it
+assert quick_rate(765) == 0  # the end of the budget
 
 
 # %% [markdown]
@@ -760,9 +761,10 @@ assert quick_rate(765) == 0  # the end of the budget: no step uses it
 # `pick_device` sets `device`, which the rest of the lesson uses, unless
 # the environment variable `AT_DEVICE` names another (`cpu`, say), and
 # warns when a Colab runtime has no GPU. On a Mac, if a later cell
-# fails with an error that names `mps`, train on the CPU instead
-# (`AT_DEVICE=cpu make notebook`; `docs/gpu.md`, "If it fails on a T4 or
-# a Mac").
+# fails with an error that names `mps`, train on the CPU instead: write
+# `device = torch.device("cpu")` at the end of that cell and run the
+# notebook again from there (`docs/gpu.md`, "If it fails on a T4 or a
+# Mac").
 
 
 # %%
@@ -907,64 +909,54 @@ assert last < guess
 # %% [markdown]
 # ### The reference run
 #
-# The appendix's `train_worker` is this loop plus what a long run needs:
+# The loop above trained the tiny `ci` model. The reference run, the
+# `quick` preset, goes through the appendix's `train_model`, which does
+# what `train_one_process` does, plus what a long run needs:
 #
-# - checkpoint files, written after every epoch, from which the command
-#   line's `train --resume` continues a stopped run;
+# - a checkpoint file after every epoch, so that a stopped run can
+#   continue (`resume=True`, or the command line's `train --resume`);
+#   `final.pt` holds the weights, the vocabularies and the config;
 # - 16-bit arithmetic where the hardware has it (the appendix's "Which
-#   precision" says where);
-# - several processes sharing the work, with PyTorch's
-#   DistributedDataParallel (DDP). The cell below runs one process; the
-#   appendix's "Training runs: devices and processes" explains the rest.
+#   precision");
+# - several processes sharing the work, when asked (the appendix's
+#   "Training runs: devices and processes"); the cell below runs one.
 #
-# Our reference run is the `quick` preset (above). On record, it took
-# 13.9 minutes on 2 threads of a 2-core AMD EPYC CPU without native bf16
-# (so in float32), from the start of the process to its last checkpoint
-# (`results/recipe_quick.json`). Its score comes in the section "BLEU".
-
-# %% [markdown]
-# ### Training it
+# `train_model` runs the library's copies of this lesson's `#| export`
+# cells, so an edit to a cell above reaches it only once `make export`
+# has copied it and the notebook is restarted. If
+# `checkpoints/quick/final.pt` exists already, the cell trains nothing
+# and uses it, whatever trained it; delete that folder to train afresh.
+# (The project's automated tests run every notebook in a tiny version,
+# `AT_SIZE=ci`, where the cell trains the `ci` preset.)
 #
-# The next cell trains the `quick` preset on the device that
-# `pick_device` found. It calls the appendix's `train_model`, which is
-# `train_one_process` plus checkpoints and 16-bit arithmetic, so that a
-# finished run is saved: `final.pt` holds the weights, the vocabularies
-# and the config. It returns the losses of every epoch, which the cell
-# keeps as `history`. If `checkpoints/quick/final.pt` exists already, it
-# trains nothing. (`train_model` runs the library's copies of this
-# lesson's `#| export` cells, not the cells in this notebook; see "If you
-# rerun it" below. The project's automated tests run every notebook in a
-# tiny version, `AT_SIZE=ci`, where the cell trains the tiny `ci`
-# preset.)
+# What you will see: the device and the precision (`device: cpu (CPU),
+# float32` on a CPU without native bf16); then, for each of five epochs,
+# a progress bar over its 153 batches, a pause while the validation split
+# is scored, and a line such as `epoch 0: train 4.716, val 3.126`. The
+# recorded run's validation losses were 3.13, 2.12, 1.70, 1.52 and 1.46.
+# How long it takes:
 #
-# What you will see while it runs: first the device and the precision
-# (`device: cpu (CPU), float32` on a CPU without native bf16); then, for
-# each of five epochs, a progress bar, `epoch 0` to `epoch 4`, over its
-# 153 batches, a pause with no bar while the validation split is scored,
-# and a line such as `epoch 0: train 4.716, val 3.126`. The recorded
-# run's validation losses were 3.13, 2.12, 1.70, 1.52 and 1.46. An epoch
-# took 2.8 to 3.5 minutes on the 2-core CPUs measured here in float32,
-# so training takes 14 to 18 minutes there (about 10 with native bf16).
-# On other CPUs, epoch 0's progress bar shows how long an epoch takes;
-# the cell takes about five of those. On Colab's GPU the first line
-# should read `device: cuda:0 (Tesla T4), float16 autocast with a
-# GradScaler`; if it names no `cuda`, or a loss reads `nan`, see "On a
-# GPU, and on Colab", right after the cell.
+# - a 2-core CPU in float32: 14 to 18 minutes (the recorded run took
+#   13.9, `results/recipe_quick.json`);
+# - a 2-core CPU with native bf16: about 10 minutes;
+# - an H100 GPU: 2.6 minutes (`results/gpu_explore.md`);
+# - Colab's T4, a Mac, other CPUs: not measured; five times epoch 0's
+#   progress bar.
 #
-# The section "Why the quick recipe works", after the curve, is good
-# reading while you wait.
+# On Colab's GPU the first line should read `device: cuda:0 (Tesla T4),
+# float16 autocast with a GradScaler` (float16 with its loss scaled up,
+# so that small gradients do not round to zero). If it names no `cuda`,
+# the runtime has no GPU (Runtime → Change runtime type). If a loss reads
+# `nan`, float16 failed: add `precision="fp32"` to the cell's
+# `get_config(...)`, delete `checkpoints/quick/` (on Colab
+# `/content/done-right/checkpoints/quick/`), and run the cell again. A
+# Colab runtime that disconnects loses its checkpoints; `docs/gpu.md`,
+# "Keeping a model on Colab", shows how to keep `final.pt` on Google
+# Drive.
 #
-# If you rerun it:
-#
-# - An edit to a cell above reaches `train_model` only once `make export`
-#   has copied it into the library and the notebook is restarted.
-# - Stopping the cell part of the way and running it again starts from
-#   the first epoch. To continue from the last finished epoch instead,
-#   run `history = tools.train_model(*vocabs, *tokenizers, config,
-#   device=device, resume=True)`.
-# - Once `final.pt` exists, the cell uses it, whatever settings trained
-#   it: delete the repository's `checkpoints/quick/` (on Colab
-#   `/content/done-right/checkpoints/quick/`) to train afresh.
+# The section "Why the quick recipe works", just after the cell that
+# compares your losses with the recorded ones, is good reading while you
+# wait.
 
 # %%
 preset = "ci" if AT_SIZE == "ci" else "quick"
@@ -979,73 +971,19 @@ else:
     print(f"found {final_checkpoint}: not training again")
 
 # %% [markdown]
-# ### On a GPU, and on Colab
-#
-# On a GPU, and on a CPU with native bf16, the same recipe computes in
-# 16-bit floats; on a Mac it stays in float32. So your loss and BLEU will
-# differ a little from the recorded run (a cell below prints both
-# losses). On an H100 the recipe took 2.6 minutes from the
-# start of its process (`results/gpu_explore.md`); Colab's free T4 and
-# Apple's GPUs were not measured. If the cell's first line names no
-# `cuda`, the runtime has no GPU (Runtime → Change runtime type). Epoch
-# 0's progress bar shows how long an epoch will take there. The T4's
-# float16 path, run on an H100 whose compute capability was made to read
-# 7.5 (a T4's), gave validation losses within 0.01 of the recorded ones
-# (`results/gpu_h100_2/fp16_quick.json`). On a T4 a loss that
-# reads `nan` means float16 failed: add `precision="fp32"` to the cell's
-# `get_config(...)`, run `!rm -rf /content/done-right/checkpoints/quick`,
-# and run the cell again (`docs/gpu.md`, "If it fails on a T4 or a
-# Mac").
-#
-# On Colab:
-#
-# - There is no `make export`: change the settings through
-#   `get_config(preset, field=value, ...)` in the training cell.
-# - A disconnect or a reset runtime loses the checkpoints and every
-#   variable: run the notebook again from its first cell. To keep the
-#   model, copy `final.pt` (about 54 MB) to Google Drive (`from
-#   google.colab import drive; drive.mount("/content/drive")`, then
-#   `!cp /content/done-right/checkpoints/quick/final.pt
-#   /content/drive/MyDrive/`). In a new runtime, after the first (setup)
-#   cell, mount the Drive again and copy it back with `!mkdir -p
-#   /content/done-right/checkpoints/quick && cp
-#   /content/drive/MyDrive/final.pt
-#   /content/done-right/checkpoints/quick/`; the training cell then
-#   trains nothing.
-
-# %% [markdown]
-# The recorded reference run's curve (from `results/recipe_quick.json`,
-# not from a run this notebook trained). BLEU, defined in the section
-# "BLEU", scores translations from 0 to 100 by the runs of one to four
-# words they share with a human translation; higher is better, and a
-# point or two is a clear difference. The curve shows, after each epoch,
-# the greedy BLEU of the checkpoint on the validation split (with `<unk>`
-# kept, the unknown-word token) against the minutes since the process
-# started. The assert checks the recorded file: no epoch scored lower
-# than the one before.
+# Your run beside the recorded one. When the training cell above has
+# just trained `quick`, this cell prints your validation loss after each
+# epoch beside the recorded run's (from `results/recipe_quick.json`).
+# They differ a little where your hardware computes in 16 bits (a GPU, or
+# a CPU with native bf16; a Mac stays in float32). The T4's float16 path,
+# run on an H100 made to report a T4's compute capability, gave
+# validation losses within 0.01 of the recorded ones
+# (`results/gpu_h100_2/fp16_quick.json`). The cell prints nothing when
+# the training cell found a trained model (no new losses), or in the
+# tests' tiny run, which trains another recipe.
 
 # %%
 recorded = json.loads(Path(ROOT, "results/recipe_quick.json").read_text())
-curve = recorded["validation_curve"]
-bleus = [point["val_bleu"] for point in curve]
-assert bleus == sorted(bleus)
-tools.line_chart(
-    curve,
-    "minutes",
-    "val_bleu",
-    title="The quick recipe: validation BLEU after each epoch",
-    point=True,
-)
-
-# %% [markdown]
-# Your run beside the recorded one. When the training cell above has
-# just trained `quick`, this cell prints your validation loss after each
-# epoch beside the recorded run's, from the same file. They are close but
-# not equal when your hardware or precision differs. The cell prints
-# nothing when the training cell found a trained model (no new losses),
-# or in the tests' tiny run, which trains another recipe.
-
-# %%
 if history is not None and preset == "quick":
     print("validation loss after each epoch: yours, then the recorded run's")
     for mine, theirs in zip(history, recorded["history"], strict=True):
@@ -1074,18 +1012,18 @@ if history is not None and preset == "quick":
 #   draw (`docs/results.md`, "The quick recipe: a translator in a quarter
 #   of an hour").
 # - **Batches of 3,000 tokens, not fewer.** Two trials, both with dropout
-#   0.1 and a linear decay, took 660 steps of batches of up to 3,000
-#   tokens (at most 2.0 million positions) and 1,600 steps of up to 1,500
-#   tokens (at most 2.4 million; its warm-up was 200 steps, so its peak
-#   was a little higher, 2.7e-3). The larger batches scored 32.46
-#   validation BLEU, the smaller 27.17, though they saw fewer positions.
+#   0.1 and a linear decay, compared 660 steps of batches of up to 3,000
+#   tokens with 1,600 steps of batches of up to 1,500 (more positions in
+#   all; its 200-step warm-up gave it a slightly higher peak, 2.7e-3).
+#   The larger batches scored 32.46 validation BLEU, the smaller 27.17.
 #   Smaller batches won only in runs shorter than two epochs.
 #
 # The trials, with their commands, machines and times, are in
 # `results/recipe_sweep.md`. Its scores replace `<unk>` by a German word
-# (Part 4), which raises them. The two trials above still score below
-# the curve's 34.52 (which keeps `<unk>`): they kept dropout 0.1 and
-# stopped after 660 steps, and 1,600 smaller ones.
+# (Part 4), which raises them; even so, the two trials above score below
+# the recorded run's 34.52 (which keeps `<unk>`; its curve is in
+# "BLEU"), since both kept dropout 0.1
+# and neither took `quick`'s 765 steps of full-size batches.
 
 # %% [markdown]
 # ## Decoding
@@ -1249,7 +1187,7 @@ for de, en, hyp in zip(sources[:3], references, hyps):
 #
 # | score | split | `<unk>` in the output | where |
 # |---:|---|---|---|
-# | 34.52 | validation | kept | the curve above, after the last epoch |
+# | 34.52 | validation | kept | the curve below, its last point |
 # | 35.46 | test | kept | printed by this cell as the recorded run |
 # | 37.03 | test | replaced by a German word (Part 4) | the README |
 
@@ -1262,6 +1200,26 @@ if preset == "quick":
     advice = "below 33: see docs/gpu.md, 'If it fails on a T4 or a Mac'"
     assert bleu.score > 33, advice
 
+
+# %% [markdown]
+# Last, how the score grew during the recorded run (from
+# `results/recipe_quick.json`, not from a run this notebook trained): the
+# greedy BLEU of each epoch's checkpoint on the validation split, with
+# `<unk>` kept, against the minutes since its process started. Its last
+# point is the table's 34.52. The assert checks the recorded file: no
+# epoch scored lower than the one before.
+
+# %%
+curve = recorded["validation_curve"]
+bleus = [point["val_bleu"] for point in curve]
+assert bleus == sorted(bleus)
+tools.line_chart(
+    curve,
+    "minutes",
+    "val_bleu",
+    title="The quick recipe: validation BLEU after each epoch",
+    point=True,
+)
 
 # %% [markdown]
 # ## Plumbing: where the files are
