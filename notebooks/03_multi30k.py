@@ -1222,6 +1222,25 @@ tools.line_chart(
 )
 
 # %% [markdown]
+# ## What we built
+#
+# - `read_multi30k` pairs the lines of Multi30k's files; spaCy's
+#   rule-based tokenizers cut each sentence into tokens.
+# - A vocabulary per language numbers the tokens seen at least twice in
+#   the training split; the rest become `<unk>`.
+# - `TokenBatchSampler` groups sentences of similar length into batches
+#   of up to 3,000 tokens, with under 10% padding.
+# - `train_one_process` is all of training; the `quick` recipe (no
+#   dropout, a schedule that ends) trains a translator in five epochs.
+# - `batch_greedy_decode` translates many sentences at once, as Part 2's
+#   `greedy_decode` does one at a time, and sacreBLEU scores the result:
+#   35.46 on test2016 for the recorded run.
+#
+# Part 4 looks inside the trained model, at where its attention goes.
+# The section below is plumbing, for readers who want to know how the
+# files are found; a first read can stop here.
+
+# %% [markdown]
 # ## Plumbing: where the files are
 #
 # The helpers `read_multi30k` calls: which folder holds Multi30k, which
