@@ -18,10 +18,10 @@
 # train on real sentences: Multi30k (Elliott et al., 2016), about 31,000
 # image captions written in English and translated into German. It is tiny
 # next to the 4.5 million sentence pairs of WMT 2014 that the paper used,
-# but large enough to learn a usable translator in about a quarter of an
-# hour on two CPU cores, or in under three minutes on an H100 GPU. Colab's
-# free T4 was not measured: there, epoch 0's progress bar times one epoch
-# of five.
+# but large enough to learn a usable translator in 15 to 20 minutes on
+# two CPU cores (about 10 with native bf16), or in under two minutes on an
+# H100 GPU. Colab's free T4 was not measured: the training cell below says
+# how to read its time off the progress bar.
 #
 # From text to translator takes five steps, one section each: read the
 # sentence pairs, cut them into tokens, number the tokens, group sentences
@@ -761,10 +761,11 @@ assert quick_rate(765) == 0  # the end of the budget
 # `pick_device` sets `device`, which the rest of the lesson uses, unless
 # the environment variable `AT_DEVICE` names another (`cpu`, say), and
 # warns when a Colab runtime has no GPU. On a Mac, if a later cell
-# fails with an error that names `mps`, train on the CPU instead: write
-# `device = torch.device("cpu")` at the end of that cell and run the
-# notebook again from there (`docs/gpu.md`, "If it fails on a T4 or a
-# Mac").
+# fails with an error that names `mps`, train on the CPU instead: add
+# `device = torch.device("cpu")` at the end of the cell that prints
+# `device:`, below, and run the notebook again from there (`docs/gpu.md`,
+# "If it fails on a T4 or a Mac", has another way). Whether Apple's GPU
+# is faster than its CPU for this small model was not measured.
 
 
 # %%
@@ -914,16 +915,19 @@ assert last < guess
 # what `train_one_process` does, plus what a long run needs:
 #
 # - a checkpoint file after every epoch, so that a stopped run can
-#   continue (`resume=True`, or the command line's `train --resume`);
-#   `final.pt` holds the weights, the vocabularies and the config;
+#   continue: stop the cell (■) and run it again, and it goes on from
+#   the last finished epoch (the command line's `train --resume` does the
+#   same); `final.pt` holds the weights, the vocabularies and the config;
 # - 16-bit arithmetic where the hardware has it (the appendix's "Which
 #   precision");
 # - several processes sharing the work, when asked (the appendix's
 #   "Training runs: devices and processes"); the cell below runs one.
 #
-# `train_model` runs the library's copies of this lesson's `#| export`
-# cells, so an edit to a cell above reaches it only once `make export`
-# has copied it and the notebook is restarted. If
+# **Your edits to the cells above do not reach this run**: `train_model`
+# runs the library's copies of this lesson's `#| export` cells, which
+# change only once `make export` has copied the edits and the notebook is
+# restarted. To try an edit, run `train_one_process` with the `ci`
+# preset, as above. If
 # `checkpoints/quick/final.pt` exists already, the cell trains nothing
 # and uses it, whatever trained it; delete that folder to train afresh.
 # (The project's automated tests run every notebook in a tiny version,
@@ -932,22 +936,26 @@ assert last < guess
 # What you will see: the device and the precision (`device: cpu (CPU),
 # float32` on a CPU without native bf16); then, for each of five epochs,
 # a progress bar over its 153 batches, a pause while the validation split
-# is scored, and a line such as `epoch 0: train 4.716, val 3.126`. The
-# recorded run's validation losses were 3.13, 2.12, 1.70, 1.52 and 1.46.
-# How long it takes:
+# is scored, and a line such as `epoch 0: train 4.716, val 3.126` (on a
+# GPU it ends with the GPU memory used). The recorded run's validation
+# losses were 3.13, 2.12, 1.70, 1.52 and 1.46. How long it takes:
 #
-# - a 2-core CPU in float32: 14 to 18 minutes (the recorded run took
-#   13.9, `results/recipe_quick.json`);
+# - a 2-core CPU in float32: 14 to 20 minutes (the recorded run's
+#   training took 13.9, `results/recipe_quick.json`; whole runs of this
+#   notebook took 14 to 22, `results/make_notebook.md`);
 # - a 2-core CPU with native bf16: about 10 minutes;
-# - an H100 GPU: 2.6 minutes (`results/gpu_explore.md`);
-# - Colab's T4, a Mac, other CPUs: not measured; five times epoch 0's
-#   progress bar.
+# - an H100 GPU: under two minutes when idle (`docs/gpu.md`);
+# - Colab's T4, a Mac, other CPUs: not measured. The progress bar shows
+#   the time spent and left in its epoch (`[spent<left]`); on a CPU the
+#   run takes about five times epoch 0, on a GPU less, since epoch 0
+#   also warms the GPU up.
 #
 # On Colab's GPU the first line should read `device: cuda:0 (Tesla T4),
 # float16 autocast with a GradScaler` (float16 with its loss scaled up,
 # so that small gradients do not round to zero). If it names no `cuda`,
-# the runtime has no GPU (Runtime → Change runtime type). If a loss reads
-# `nan`, float16 failed: add `precision="fp32"` to the cell's
+# the runtime has no GPU (Runtime → Change runtime type). If epoch 0's
+# line reads `nan`, float16 failed: stop the cell (■) at once, add
+# `precision="fp32"` to the cell's
 # `get_config(...)`, delete `checkpoints/quick/` (on Colab
 # `/content/done-right/checkpoints/quick/`), and run the cell again. A
 # Colab runtime that disconnects loses its checkpoints; `docs/gpu.md`,
@@ -966,7 +974,13 @@ config = tools.get_config(
 final_checkpoint = Path(config.checkpoint_dir, "final.pt")
 history = None  # stays None when a trained model is found
 if preset == "ci" or not final_checkpoint.exists():
-    history = tools.train_model(*vocabs, *tokenizers, config, device=device)
+    # A stopped `quick` run goes on from its last finished epoch; the
+    # tests' tiny run always starts afresh.
+    stopped = tools.resume_point(config.checkpoint_dir) is not None
+    resume = preset == "quick" and stopped
+    history = tools.train_model(
+        *vocabs, *tokenizers, config, device=device, resume=resume
+    )
 else:
     print(f"found {final_checkpoint}: not training again")
 
@@ -1156,6 +1170,7 @@ hyps = tools.translate_batch(
     trained_tgt,
     decode_fn=batch_greedy_decode,
     replace_unk=False,
+    progress=True,  # about half a minute on one CPU thread
 )
 for de, en, hyp in zip(sources[:3], references, hyps):
     print(f"{de}\n  reference: {en}\n  model:     {hyp}")

@@ -303,7 +303,7 @@ def cached_self_attention(attn, x, cache, i):
 # layer's three `SublayerConnection`s with their norms and residuals, then
 # the final norm and the generator. The new token is the only one we
 # embed, so its positional encoding is read from the `pe` buffer at its
-# own position. At step $t$, `cached_greedy_decode` (after
+# own position. At step $t$, `cached_greedy_decode` (defined after
 # `decode_step`) feeds token $t - 1$ and asks for token $t$.
 # `cache.length` counts the tokens fed so far, so it is also the
 # position of the token fed now; `decode_step` calls it `pos`.
@@ -354,11 +354,8 @@ def decode_step(model, ys_last, cache):
 # sentences 0 and 3 now sit.
 #
 # This is the decoder that `translate_batch` and the command line
-# (section 5) use by default. The other two stay, each for a reason:
-# `batch_greedy_decode` is the plain reference, short enough to read at a
-# glance, that the cached version is tested against; `greedy_decode` is
-# Part 2's decoder for the copy task, the simplest of the three: it
-# always runs `max_len - 1` steps and never stops at `</s>`.
+# (section 5) use by default; Part 3's `batch_greedy_decode`, which it is
+# tested against, stays as the plain reference.
 
 
 # %%
@@ -685,6 +682,45 @@ def beam_search_steps(
 
 
 # %% [markdown]
+# Before it meets the model, the loop on a case where greedy decoding
+# goes wrong: a hand-made "model" over five tokens, whose next-token
+# probabilities depend only on the last token. After `<s>` it prefers
+# `a` (0.5) to `b` (0.4), but after `a` no token is likely (the best,
+# `</s>`, has 0.4), while `b` is followed by `</s>` with probability 0.9.
+# Greedy takes `a` and ends with probability $0.5 \cdot 0.4 = 0.20$; a
+# beam of two also keeps `b` and finds $0.4 \cdot 0.9 = 0.36$. The toy
+# needs only the ids of `<s>`, `</s>` and `<blank>` (0 to 2), so id 3 is
+# a word here, not `<unk>`.
+
+# %%
+toy_names = ["<s>", "</s>", "<blank>", "a", "b"]
+toy = torch.tensor(
+    [  # next-token probabilities; row = previous token
+        [0.00, 0.10, 0.00, 0.50, 0.40],  # after <s>
+        [0.00, 1.00, 0.00, 0.00, 0.00],  # after </s> (unused)
+        [0.00, 1.00, 0.00, 0.00, 0.00],  # after <blank> (unused)
+        [0.00, 0.40, 0.00, 0.30, 0.30],  # after a
+        [0.00, 0.90, 0.00, 0.05, 0.05],  # after b
+    ]
+).clamp_min(1e-9)  # no exact 0, whose log would be -inf
+want = {1: (["a", "</s>"], 0.20), 2: (["b", "</s>"], 0.36)}
+for k, (want_tokens, want_p) in want.items():
+    out = beam_search_steps(
+        step=lambda ys: toy[ys[:, 0]].log(),  # (R, 1) -> (R, 5)
+        select=lambda rows: None,  # the toy model keeps no state
+        batch_size=1,
+        max_len=5,
+        beam_size=k,
+    )
+    ids = strip_specials(out[0].tolist()) + [EOS]
+    p = 1.0  # the probability of the whole output, token by token
+    for previous, token in zip([BOS, *ids], ids):
+        p *= toy[previous, token].item()
+    print(f"beam {k}: {' '.join(toy_names[i] for i in ids):8s} P = {p:.2f}")
+    assert [toy_names[i] for i in ids] == want_tokens
+    assert abs(p - want_p) < 1e-6
+
+# %% [markdown]
 # `beam_search` connects it to the model through a `BeamCache`: section
 # 1's `DecoderCache`, with `group = k` rows per sentence, whose `select`
 # is given each survivor's parent row.
@@ -805,45 +841,6 @@ def beam_search(
 # %%
 beam1 = beam_search(model, src, src_mask, max_len, beam_size=1)
 assert torch.equal(beam1, cached)
-
-# %% [markdown]
-# And a case where greedy decoding goes wrong: a hand-made "model" over five
-# tokens, whose next-token probabilities depend only on the last token.
-# After `<s>` it prefers `a` (0.5) to `b` (0.4), but after `a` no token
-# is likely (the best, `</s>`, has 0.4), while `b` is followed by `</s>`
-# with probability 0.9.
-# Greedy takes `a` and ends with probability $0.5 \cdot 0.4 = 0.20$; a
-# beam of two also keeps `b` and finds $0.4 \cdot 0.9 = 0.36$. The toy
-# needs only the ids of `<s>`, `</s>` and `<blank>` (0 to 2), so id 3 is
-# a word here, not `<unk>`.
-
-# %%
-toy_names = ["<s>", "</s>", "<blank>", "a", "b"]
-toy = torch.tensor(
-    [  # next-token probabilities; row = previous token
-        [0.00, 0.10, 0.00, 0.50, 0.40],  # after <s>
-        [0.00, 1.00, 0.00, 0.00, 0.00],  # after </s> (unused)
-        [0.00, 1.00, 0.00, 0.00, 0.00],  # after <blank> (unused)
-        [0.00, 0.40, 0.00, 0.30, 0.30],  # after a
-        [0.00, 0.90, 0.00, 0.05, 0.05],  # after b
-    ]
-).clamp_min(1e-9)  # no exact 0, whose log would be -inf
-want = {1: (["a", "</s>"], 0.20), 2: (["b", "</s>"], 0.36)}
-for k, (want_tokens, want_p) in want.items():
-    out = beam_search_steps(
-        step=lambda ys: toy[ys[:, 0]].log(),  # (R, 1) -> (R, 5)
-        select=lambda rows: None,  # the toy model keeps no state
-        batch_size=1,
-        max_len=5,
-        beam_size=k,
-    )
-    ids = strip_specials(out[0].tolist()) + [EOS]
-    p = 1.0  # the probability of the whole output, token by token
-    for previous, token in zip([BOS, *ids], ids):
-        p *= toy[previous, token].item()
-    print(f"beam {k}: {' '.join(toy_names[i] for i in ids):8s} P = {p:.2f}")
-    assert [toy_names[i] for i in ids] == want_tokens
-    assert abs(p - want_p) < 1e-6
 
 # %% [markdown]
 # On real sentences, beam search does about $k$ times the arithmetic of
@@ -1351,8 +1348,8 @@ print(f"averaged {len(epochs)} checkpoints: {[p.name for p in epochs]}")
 # Here is the average's BLEU next to that of the model as trained,
 # computed in section 2, with both decoders. For a `quick` model, expect
 # the average to score lower: its five files are all of its training,
-# the early, poor epochs included. Section 5 has a run where averaging
-# helped, and why.
+# the early, poor epochs included. The cell after it shows when
+# averaging helps.
 
 # %%
 for decoder_name, fn in DECODERS.items():
@@ -1363,53 +1360,52 @@ for decoder_name, fn in DECODERS.items():
     )
 
 # %% [markdown]
+# When does averaging help? Two longer runs of the `cpu` preset, A and C
+# (`docs/results.md` describes each; section 5's table has their scores):
+# averaging their last 5 epoch checkpoints helped run A and hurt run C.
+# Their validation losses show why (`results/multi30k_cpu.json`,
+# `results/multi30k_cpu_fp32_10ep.json`). Epoch files count from 0, so
+# `epoch_008.pt` holds the 9th epoch and `epoch_017.pt` the 18th.
+#
+# | validation loss | run A, 18 epochs | run C, 10 epochs |
+# |---|---|---|
+# | lowest | 1.45 (`epoch_008.pt` and `epoch_010.pt`) | 1.45 (the last) |
+# | first of the last 5 | 1.49 (`epoch_013.pt`) | 1.60 (`epoch_005.pt`) |
+# | last | 1.56 (`epoch_017.pt`) | 1.45 (`epoch_009.pt`) |
+# | averaging the last 5, beam 4 | +2.05 BLEU | −1.20 BLEU |
+#
+# Run A had stopped improving before its last 5 epochs, and their
+# mean scored higher than the model as trained. Run C was still
+# improving over its last 5 epochs, so their mean mixed in weaker, older
+# weights, and scored lower.
+
+
+# %% [markdown]
 # ## 5. From the command line, and the results
 #
 # The appendix (notebook 06, "The command line") makes a program of the
-# exported code; `docs/cli.md` describes it. In the repository it runs as
-# `python annotated_transformer_tools.py`. Its `evaluate` and `translate`
-# take this lesson's options:
-#
-# - `--checkpoint`: the model to load. Without it they use
-#   `checkpoints/cpu/final.pt`, else `checkpoints/quick/final.pt`.
-# - `--beam K`: the beam size; 1 means greedy, with the cache.
-# - `--alpha A`: the length penalty's $\alpha$, the paper's 0.6 unless
-#   given.
-# - `--average N`: average the newest N epoch checkpoints in the
-#   checkpoint's folder (the appendix's `load_translator` puts them
-#   together).
+# exported code; `docs/cli.md` describes it. Its `evaluate` and
+# `translate` take this lesson's options: `--beam K` (1 means greedy,
+# with the cache), `--alpha A` (the paper's 0.6 unless given) and
+# `--average N` (the newest N epoch checkpoints of the model's folder).
+# From the repository's folder (in a notebook cell, `!cd {ROOT} && ...`),
 #
 # ```bash
 # python annotated_transformer_tools.py evaluate --beam 4
 # ```
 #
-# This scores `checkpoints/cpu/final.pt` if `make train` has written it,
-# else the `quick` model, with beam 4 and the paper's $\alpha = 0.6$, as
-# the table below does. Run it from the repository's root folder: the
-# default checkpoints' paths start there.
-# A notebook runs in `notebooks/` (on Colab, in `/content`, above the
-# clone), so in a notebook cell write `!cd {ROOT} && python
-# annotated_transformer_tools.py evaluate --beam 4`. `ROOT`
-# is the repository folder that this notebook's first cell found.
-#
-# Only after `make train`, add `--average 5`:
-#
-# ```bash
-# python annotated_transformer_tools.py evaluate --beam 4 --average 5
-# ```
-#
-# This averages the last 5 epochs of the `cpu` model that `make train`
-# trains (18 epochs, dropout 0.1). Without that model, the command falls
-# back on the `quick` model, whose averaged epochs score far lower (the
-# averaging section above).
+# scores `checkpoints/cpu/final.pt` if `make train` has written it, else
+# the `quick` model, as the table below does. Add `--average 5` only
+# after `make train`: a `quick` model's five epochs are all of its
+# training (section 4).
 #
 # On Multi30k's validation split, $\alpha = 1.0$ scored 0.04 to 0.57
 # BLEU higher than the paper's 0.6 (which the paper tuned on WMT) in
-# every beam-4 comparison on record, so add `--alpha 1.0` to either
-# command for your own translations; the table below keeps 0.6. (The 39
-# comparisons, with and without averaging, are in the twelve tables
-# `results/recipe_*val*.md` that score both; `docs/results.md` says which
-# beam, $\alpha$ and averaging validation chose for each recipe.)
+# every beam-4 comparison on record (39 comparisons in the twelve tables
+# `results/recipe_*val*.md`), so `--alpha 1.0` is a better start for your
+# own translations; the table below keeps 0.6. The best $\alpha$ depends
+# on the model, though (a distilled model in `docs/results.md` chose
+# 2.5): tune it on the validation split.
 #
 # ### The results
 #
@@ -1433,7 +1429,7 @@ for decoder_name, fn in DECODERS.items():
 # | run | model | epochs | precision | `<unk>` | greedy | beam 4 | + avg |
 # |---|---|---:|---|---|---:|---:|---:|
 # | A | words, `cpu` | 18 | bf16 | kept | 37.51 | 38.14 | 40.19 |
-# | B | BPE, `cpu-bpe` | 14 | bf16 | — | 36.89 | — | 38.99 |
+# | B | BPE, `cpu-bpe` | 14 | bf16 (config) | — | 36.89 | — | 38.99 |
 # | C | words, `cpu` | 10 | fp32 | replaced | 37.97 | 39.29 | 38.09 |
 # | D | BPE, `cpu-bpe` | 8 | fp32 | — | 33.59 | — | 33.76 |
 # | `make notebook` | `quick` | 5 | fp32 | replaced | 37.03 | 38.40 | 33.64 |
@@ -1461,41 +1457,10 @@ for decoder_name, fn in DECODERS.items():
 # Beam search scored above greedy decoding for every word model in the
 # table.
 #
-# Averaging the last 5 epoch checkpoints helped run A and hurt run C.
-# Their validation losses show why (`results/multi30k_cpu.json`,
-# `results/multi30k_cpu_fp32_10ep.json`). Epoch files count from 0, so
-# `epoch_008.pt` holds the 9th epoch and `epoch_017.pt` the 18th.
-#
-# | validation loss | run A, 18 epochs | run C, 10 epochs |
-# |---|---|---|
-# | lowest | 1.45 (`epoch_008.pt` and `epoch_010.pt`) | 1.45 (the last) |
-# | first of the last 5 | 1.49 (`epoch_013.pt`) | 1.60 (`epoch_005.pt`) |
-# | last | 1.56 (`epoch_017.pt`) | 1.45 (`epoch_009.pt`) |
-# | averaging the last 5, beam 4 | +2.05 BLEU | −1.20 BLEU |
-#
-# Run A had stopped improving before its last 5 epochs, and their
-# mean scored higher than the model as trained. Run C was still
-# improving over its last 5 epochs, so their mean mixed in weaker, older
-# weights, and scored lower. The BPE models scored below the word models
+# The BPE models scored below the word models
 # in both pairs of runs. But each trained for fewer epochs than its word
 # counterpart, so that comparison is not an even one.
 #
-# `docs/results.md` goes two steps further, with a stronger recipe than
-# this lesson's presets: the `cpu` model with dropout 0.2, a linear
-# decay, weight decay 0.2, and the generator tied to the target
-# embedding.
-#
-# - Several trained models can decode together, averaging their
-#   probabilities at each step of the beam (`bench/ensemble.py`). Four
-#   models of that recipe scored 42.57 together on test2016, 1.2 to 1.6
-#   above each of them alone.
-# - One model can learn from such an ensemble, by training on its
-#   translations of the training German beside the original pairs
-#   (sequence-level distillation, `bench/distill.py`). Trained for 12
-#   epochs, it scored 42.32 on test2016, against 41.42 for the recipe's
-#   best model trained alone. The whole pipeline costs about six times
-#   the training of one model.
-#
-# The distilled model's best length penalty on validation was
-# $\alpha = 2.5$, where the models trained alone chose 1.0. So $\alpha$
-# is worth tuning for each model, on the validation split.
+# `docs/results.md` goes further than this lesson's presets: a stronger
+# recipe, four models decoding together (42.57 on test2016), and one
+# model taught by those four (42.32).
