@@ -2822,7 +2822,12 @@ def existing_device(name):
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors take one line of stderr."""
+    """An ArgumentParser whose errors take one line of stderr, and which
+    takes options only as written in full (`--be 2` is not `--beam 2`)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         """Print `prog: error: message` on one line; exit with status 2."""

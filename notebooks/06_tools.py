@@ -4118,7 +4118,12 @@ def existing_device(name):
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors take one line of stderr."""
+    """An ArgumentParser whose errors take one line of stderr, and which
+    takes options only as written in full (`--be 2` is not `--beam 2`)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         """Print `prog: error: message` on one line; exit with status 2."""
@@ -5095,7 +5100,9 @@ def command_download(args):
 # A mistyped option is reported by its sub-command (`... translate:
 # error: unrecognized arguments: --bogus`), so that its `--help` is the
 # one that lists the options; an option put before the sub-command is
-# named as the mistake.
+# named as the mistake. Options must be written in full: argparse would
+# otherwise take `--be 4` for `--beam 4`, and an option added later could
+# silently change what an old command means.
 #
 # `docs/guarantees.md` lists every case. (While torch loads, before `main`
 # runs, a few lines that `tools/export.py` writes at the top of the

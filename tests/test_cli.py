@@ -891,7 +891,10 @@ def test_options_before_the_sub_command_are_named_as_the_mistake(
     [
         (["translate", "--bogus", "x"], "--bogus"),
         (["train", "--epochs", "2", "--bogus"], "--bogus"),
-        (["evaluate", "--beam", "2", "--be", "3", "-z"], "-z"),
+        (["evaluate", "--beam", "2", "-z"], "-z"),
+        (["translate", "--be", "2", "Hallo"], "--be"),
+        (["evaluate", "--be", "2"], "--be 2"),
+        (["train", "--epoch", "2"], "--epoch 2"),
         (["download", "extra"], "extra"),
     ],
 )
