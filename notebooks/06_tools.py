@@ -759,9 +759,11 @@ def atomic_write(path, mode="wb"):
             os.fsync(f.fileno())  # on the disk before it gets the name
         os.replace(part, path)
     except OSError as err:  # e.g. a full disk
-        # A failed write names no file: give its error our file's name.
-        # An error that names a file already, or has no errno, goes on.
-        if err.filename is not None or err.errno is None:
+        # A failed write names no file, or the hidden .part file: give its
+        # error our file's name. One that names another file, or has no
+        # errno, goes on.
+        names_ours = err.filename is None or str(err.filename) == str(part)
+        if err.errno is None or not names_ours:
             raise
         raise OSError(err.errno, err.strerror, str(path)) from err
     finally:
@@ -3677,9 +3679,10 @@ def own_epoch_files(checkpoint, count):
             " does, so --average cannot tell which epoch files are its own"
         )
     if count > last + 1:
+        trained = "1 epoch" if last == 0 else f"{last + 1} epochs"
         raise ValueError(
             f"--average {count} needs {count} epochs; {checkpoint} was "
-            f"trained for {last + 1} epochs"
+            f"trained for {trained}"
         )
     folder = Path(checkpoint).resolve().parent  # a link: its run's folder
     epochs = range(last - count + 1, last + 1)
@@ -3979,7 +3982,8 @@ def iter_lines(path):
             f"{name} is not UTF-8 text (line {number})"
         ) from None
     except (OSError, EOFError) as err:  # not gzip, truncated, unreadable
-        raise TextFileError(f"cannot read {name}: {err}") from None
+        reason = getattr(err, "strerror", None) or err  # no "[Errno 13]"
+        raise TextFileError(f"cannot read {name}: {reason}") from None
 
 
 def read_lines(path):
@@ -3998,13 +4002,17 @@ def read_lines(path):
 def read_parallel(src_path, ref_path):
     """(sources, references): two files of line-by-line translations."""
     sources, references = read_lines(src_path), read_lines(ref_path)
+    src_name, ref_name = (
+        "standard input" if str(path) == "-" else path
+        for path in (src_path, ref_path)
+    )
     if len(sources) != len(references):
         raise TextFileError(
-            f"{src_path} has {len(sources)} lines but {ref_path} has "
+            f"{src_name} has {len(sources)} lines but {ref_name} has "
             f"{len(references)}; they must be line-by-line translations"
         )
     if not sources:
-        raise TextFileError(f"{src_path} is empty")
+        raise TextFileError(f"{src_name} is empty")
     return sources, references
 
 
@@ -4071,7 +4079,8 @@ def whole_number(text, least=1, most=10**6):
     number = int(text) if plain else None
     if number is None or not least <= number <= most:
         raise argparse.ArgumentTypeError(
-            f"expected a whole number from {least} to {most:,d}, not {text}"
+            f"expected a whole number from {least} to {most:,d},"
+            f" not {text or 'nothing'}"
         )
     return number
 
@@ -4095,13 +4104,15 @@ def number_from(least, most):
     """The argparse `type` for a real number from `least` to `most`."""
 
     def check(text):
-        try:
-            number = float(text)
-        except ValueError:
-            number = None
-        if number is None or not least <= number <= most:  # NaN fails too
+        # Plain decimals (1e-4 too) only: float() would also take " 0.5",
+        # "1_0" (10) and other scripts' digits, more likely typos.
+        decimal = r"-?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?"
+        plain = re.fullmatch(decimal, text)
+        number = float(text) if plain else None
+        if number is None or not least <= number <= most:
             raise argparse.ArgumentTypeError(
-                f"expected a number from {least} to {most}, not {text}"
+                f"expected a number from {least} to {most},"
+                f" not {text or 'nothing'}"
             )
         return number
 
@@ -4133,6 +4144,21 @@ class OneLineParser(argparse.ArgumentParser):
 
 # %%
 #| export
+def presets_epilog():
+    """`train --help`'s last lines: what each preset sets, which is what
+    the options that say "default: the preset's" default to."""
+    lines = ["presets (the defaults of the options above):"]
+    for name in sorted(PRESETS):
+        c = PRESETS[name]
+        tied = "yes" if c.tie_embeddings else "no"
+        lines.append(
+            f"  {name:9s} N={c.N} d_model={c.d_model} epochs={c.epochs}"
+            f" max-tokens={c.max_tokens} dropout={c.dropout:g}"
+            f" schedule={c.schedule} tied={tied}"
+        )
+    return "\n".join(lines)
+
+
 def add_train_parser(sub):
     """`train`: its options."""
     train = sub.add_parser(
@@ -4142,6 +4168,8 @@ def add_train_parser(sub):
         " epoch into --checkpoint-dir. Multi30k is read from data/multi30k/"
         f" (downloaded on first use) or from the folder ${MULTI30K_ENV}"
         " names.",
+        epilog=presets_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument(
         "--preset",
@@ -4186,7 +4214,8 @@ def add_train_parser(sub):
         action="store_true",
         default=None,
         help="the generator reuses the target embedding (word vocabularies;"
-        " with BPE both embeddings share it too, as the -bpe presets do)",
+        " with BPE both embeddings share it too, as the -bpe presets do;"
+        " default: off, but on in the -bpe presets)",
     )
     train.add_argument(
         "--seed",
@@ -4241,7 +4270,8 @@ def add_train_parser(sub):
         metavar="FOLDER",
         help="train on this folder's train.de.gz and train.en.gz instead"
         " (e.g. bench/distill.py's); its validation and test files must be"
-        " Multi30k's own, and the vocabularies stay those of Multi30k",
+        " Multi30k's own, and the vocabularies stay those of Multi30k"
+        " (default: Multi30k's training pairs)",
     )
     train.add_argument(
         "--threads",
@@ -4326,7 +4356,7 @@ def add_evaluate_parser(sub):
         "--ref",
         type=path_text,
         help="English references, one per line (.gz is fine; -: standard"
-        " input)",
+        " input; needed with --src; default: Multi30k test2016's)",
     )
     evaluate.add_argument(
         "--out", type=path_text, help="also write the translations here"
@@ -4614,6 +4644,19 @@ def command_train(args):
             " processes on the CPU share its cores evenly"
         )
     cores = usable_cores()
+    if args.threads and args.threads > cores:
+        print(
+            f"warning: --threads {args.threads} on {cores} CPU cores: the"
+            " threads take turns on them, which is slower than fewer threads",
+            file=sys.stderr,
+        )
+    if config.rdrop and not config.dropout:
+        print(
+            f"warning: --rdrop {config.rdrop:g} with dropout 0: the two"
+            " passes are the same, so R-Drop only doubles each step's cost"
+            " (give --dropout too)",
+            file=sys.stderr,
+        )
     if args.world_size > cores and not cuda_count():
         print(
             f"warning: --world-size {args.world_size} on {cores} CPU"
@@ -4635,6 +4678,12 @@ def command_train(args):
         raise UserError(
             f"--checkpoint-dir {folder}: {blocker} is a file, not a folder"
         )
+    for name in ("last.pt", "final.pt"):  # written at the end of epochs
+        if (folder / name).is_dir():
+            raise UserError(
+                f"--checkpoint-dir {folder}: {name} is a folder, and training"
+                " writes a file of that name; move it away"
+            )
     if args.results:  # fail now, not after hours of training
         if training_writes(args.results, folder):
             raise UserError(
@@ -4834,6 +4883,11 @@ def check_out(out, *inputs, option="--out"):
     check_not_input(out, *inputs, option=option)
     if str(out).endswith(("/", os.sep)):  # Path() would drop the slash
         raise UserError(f"{option} {out} names a folder; name a file")
+    if option == "--out" and str(out).endswith(".gz"):
+        raise UserError(
+            f"{option} {out}: the translations are written as plain text;"
+            " name a file without .gz"
+        )
     out = Path(out).absolute()
     if out.is_dir():
         raise UserError(f"{option} {out} is a folder")
@@ -5093,7 +5147,7 @@ def command_download(args):
 # | status | when |
 # |---|---|
 # | 2 | an error the user can fix: a bad argument, checkpoint or file |
-# | 74 | the machine's: a full disk, a closed standard output |
+# | 74 | the machine's: a full disk, a closed standard output, memory |
 # | 130 | Ctrl-C, as the shell reports SIGINT; `kill`'s SIGTERM too |
 # | 141 | a reader that left early (`translate ... \| head -1`): quietly |
 #
@@ -5120,6 +5174,22 @@ USER_ERRORS = (
     FolderInUseError,
     FileNotFoundError,
 )
+
+
+SMALLER = {  # what to make smaller when memory runs out
+    "train": "a smaller --max-tokens",
+    "evaluate": "a smaller --batch-size or --beam",
+    "translate": "a smaller --batch-size or --beam",
+}
+
+
+def out_of_memory(err):
+    """Whether `err` is the CPU or a GPU running out of memory."""
+    if isinstance(err, (MemoryError, torch.cuda.OutOfMemoryError)):
+        return True
+    text = str(err)  # the CPU's allocator and MPS raise RuntimeError
+    oom = "can't allocate memory" in text or "out of memory" in text
+    return isinstance(err, RuntimeError) and oom
 
 
 def stdout_fault():
@@ -5230,6 +5300,7 @@ def run_command_line(argv):
     if sys.stdout is None:  # started with stdout closed: `>&-`
         print("error: standard output is closed", file=sys.stderr)
         return EXIT_IO
+    args = None
     try:
         args, status = parse_arguments(argv)
         if args is None:  # --help, --version or a mistake: already said
@@ -5255,6 +5326,12 @@ def run_command_line(argv):
         stdout_fault()
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except (MemoryError, RuntimeError) as err:
+        if not out_of_memory(err):
+            raise  # a bug: its traceback says where
+        advice = SMALLER.get(args.command if args else None, "smaller work")
+        print(f"error: out of memory; try {advice}", file=sys.stderr)
+        return EXIT_IO
     except OSError as err:  # full disk, closed stdout, broken pipe, ...
         fault = stdout_fault()
         if isinstance(err, BrokenPipeError) or isinstance(

@@ -2003,3 +2003,168 @@ def test_an_output_under_a_file_or_ending_in_a_slash_is_refused(
         assert status == 2 and message in err, err
         assert len(err.splitlines()) == 1
     assert file.read_text() == "mine\n"
+
+
+@pytest.mark.parametrize(
+    "argv, warning",
+    [
+        (["--threads", "3"], "warning: --threads 3 on 2 CPU cores"),
+        (["--threads", "2"], None),
+        (["--rdrop", "2.5"], "warning: --rdrop 2.5 with dropout 0"),
+        (["--rdrop", "2.5", "--dropout", "0.1"], None),
+    ],
+)
+def test_settings_that_only_cost_time_are_a_warning(
+    argv, warning, tmp_path, capsys, monkeypatch
+):
+    """--threads 4096 ran 17 times slower without a word, and R-Drop
+    without dropout compares two identical passes."""
+    monkeypatch.setattr(tools, "usable_cores", lambda: 2)
+    monkeypatch.setenv("MULTI30K_DIR", str(tmp_path / "nowhere"))
+    status, _, err = run_cli(
+        capsys, "train", "--preset", "ci", *argv, "--checkpoint-dir",
+        tmp_path / "ck",
+    )  # fmt: skip
+    assert status == 2  # no data here: it stops after the checks
+    warnings_given = [line for line in err.splitlines() if "warning" in line]
+    if warning is None:
+        assert warnings_given == []
+    else:
+        assert len(warnings_given) == 1
+        assert warnings_given[0].startswith(warning)
+
+
+@pytest.mark.parametrize("name", ["last.pt", "final.pt"])
+def test_a_folder_where_training_writes_a_file_is_refused_first(
+    name, tmp_path, capsys, monkeypatch
+):
+    """It trained the whole run, then failed on the hidden .part file."""
+    folder = tmp_path / "ck"
+    (folder / name).mkdir(parents=True)
+    monkeypatch.setenv("MULTI30K_DIR", str(tmp_path / "nowhere"))
+    status, _, err = run_cli(
+        capsys, "train", "--preset", "ci", "--checkpoint-dir", folder
+    )
+    assert status == 2
+    assert err == (
+        f"error: --checkpoint-dir {folder}: {name} is a folder, and"
+        " training writes a file of that name; move it away\n"
+    )
+
+
+def test_a_write_that_fails_names_the_file_not_its_part(tmp_path):
+    """os.replace's error named `.final.pt.PID.part`."""
+    target = tmp_path / "final.pt"
+    target.mkdir()
+    with pytest.raises(IsADirectoryError) as caught:
+        with tools.atomic_write(target) as f:
+            f.write(b"weights")
+    assert caught.value.filename == str(target)
+    assert os.listdir(tmp_path) == ["final.pt"]  # no .part file left
+
+
+@pytest.mark.parametrize(
+    "error, command, advice",
+    [
+        (
+            RuntimeError(
+                "[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator:"
+                " can't allocate memory: you tried to allocate 5464064000"
+                " bytes. Error code 12 (Cannot allocate memory)"
+            ),
+            "translate",
+            "a smaller --batch-size or --beam",
+        ),
+        (
+            torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to ..."),
+            "evaluate",
+            "a smaller --batch-size or --beam",
+        ),
+        (MemoryError(), "train", "a smaller --max-tokens"),
+    ],
+)
+def test_running_out_of_memory_is_one_line(
+    error, command, advice, capsys, monkeypatch
+):
+    """It printed torch's traceback, 91 lines ending in the allocator's."""
+
+    def out_of_memory(args):
+        raise error
+
+    monkeypatch.setattr(tools, f"command_{command}", out_of_memory)
+    argv = {"train": [], "evaluate": [], "translate": ["Hallo"]}[command]
+    status, out, err = run_cli(capsys, command, *argv)
+    assert (status, out) == (74, "")
+    assert err == f"error: out of memory; try {advice}\n"
+
+
+def test_any_other_runtime_error_keeps_its_traceback(capsys, monkeypatch):
+    """A bug is not memory: hiding its traceback would hide where."""
+
+    def bug(args):
+        raise RuntimeError("shape mismatch")
+
+    monkeypatch.setattr(tools, "command_translate", bug)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        tools.main(["translate", "Hallo"])
+
+
+@pytest.mark.parametrize(
+    "text", ["1_0", " 0.5", "0.5 ", "+0.5", "\u0660.5", "1e", "nan", ""]
+)
+def test_a_real_number_option_takes_plain_decimals_only(text):
+    """float() took "1_0" as 10 for --alpha."""
+    check = tools.number_from(0.0, 20.0)
+    with pytest.raises(argparse.ArgumentTypeError, match="expected a number"):
+        check(text)
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [("0.5", 0.5), ("2", 2.0), ("2.", 2.0), (".25", 0.25), ("1e-4", 1e-4)],
+)
+def test_a_real_number_option_takes_what_people_write(text, value):
+    assert tools.number_from(0.0, 20.0)(text) == value
+
+
+def test_an_empty_number_is_named(capsys):
+    status, _, err = run_cli(capsys, "translate", "--alpha", "", "Hallo")
+    assert status == 2 and err.endswith("not nothing (see --help)\n")
+
+
+def test_out_with_gz_is_refused(tiny, tmp_path, capsys):
+    """--out o.gz wrote plain text, which --input o.gz could not read."""
+    out = tmp_path / "o.gz"
+    (tmp_path / "s.de").write_text("Hallo.\n")
+    (tmp_path / "r.en").write_text("Hello.\n")
+    status, _, err = run_cli(
+        capsys, "evaluate", "--checkpoint", tiny[0], "--src",
+        tmp_path / "s.de", "--ref", tmp_path / "r.en", "--out", out,
+    )  # fmt: skip
+    assert status == 2 and not out.exists()
+    assert "written as plain text; name a file without .gz" in err
+
+
+def test_parallel_files_name_standard_input(tmp_path, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"")))
+    ref = tmp_path / "ref.en"
+    ref.write_text("A dog.\n")
+    with pytest.raises(tools.TextFileError, match="^standard input has 0"):
+        tools.read_parallel("-", ref)
+
+
+def test_train_help_lists_what_each_preset_sets(capsys):
+    """Options said "default: the preset's", and --help showed none."""
+    assert tools.main(["train", "--help"]) == 0
+    out = capsys.readouterr().out
+    presets = out.split("presets (the defaults of the options above):\n")[1]
+    rows = {line.split()[0]: line for line in presets.splitlines()}
+    assert sorted(rows) == sorted(tools.PRESETS)
+    for name, row in rows.items():
+        c = tools.get_config(name)
+        fields = dict(cell.split("=") for cell in row.split()[1:])
+        assert int(fields["epochs"]) == c.epochs
+        assert int(fields["max-tokens"]) == c.max_tokens
+        assert float(fields["dropout"]) == c.dropout
+        assert fields["schedule"] == c.schedule
+        assert (fields["tied"] == "yes") == c.tie_embeddings
