@@ -343,8 +343,8 @@ class PositionalEncoding(nn.Module):
         # The odd columns; one fewer than the even ones if d_model is odd.
         pe[:, 1::2] = angles.cos()[:, : d_model // 2]
         # (L, d_model): rounded after the sine and cosine, then moved to
-        # the default device, where the model's weights are made
-        pe = pe.float().to(torch.get_default_device())
+        # the default device, where new tensors (the weights) are made
+        pe = pe.float().to(torch.empty(0).device)
         self.dropout = nn.Dropout(p=dropout)
         self.register_buffer("pe", pe.unsqueeze(0))  # (1, max_len, d_model)
 

@@ -18,7 +18,7 @@
 # train on real sentences: Multi30k (Elliott et al., 2016), about 31,000
 # image captions written in English and translated into German. It is tiny
 # next to the 4.5 million sentence pairs of WMT 2014 that the paper used,
-# but large enough to learn a usable translator in 15 to 20 minutes on
+# but large enough to learn a usable translator in 14 to 20 minutes on
 # two CPU cores (about 10 with native bf16), or in under two minutes on an
 # H100 GPU. Colab's free T4 was not measured: the training cell below says
 # how to read its time off the progress bar.
@@ -944,7 +944,8 @@ assert last < guess
 #   training took 13.9, `results/recipe_quick.json`; whole runs of this
 #   notebook took 14 to 22, `results/make_notebook.md`);
 # - a 2-core CPU with native bf16: about 10 minutes;
-# - an H100 GPU: under two minutes when idle (`docs/gpu.md`);
+# - an H100 GPU: under two minutes (the whole notebook took 88 s there,
+#   beside other checks, `docs/gpu.md`);
 # - Colab's T4, a Mac, other CPUs: not measured. The progress bar shows
 #   the time spent and left in its epoch (`[spent<left]`); on a CPU the
 #   run takes about five times epoch 0, on a GPU less, since epoch 0

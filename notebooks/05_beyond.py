@@ -1269,7 +1269,9 @@ if trained_bpe:
 else:
     print(
         f"a stand-in (BLEU {bpe_bleu.score:.2f}): its translations say"
-        " nothing about BPE; see the table in section 5"
+        " nothing about BPE; section 5's table has what trained BPE models"
+        " scored, and docs/results.md ('The first five test sentences')"
+        " what one wrote"
     )
 assert len(hyps) == len(val_pairs)
 
@@ -1402,10 +1404,10 @@ for decoder_name, fn in DECODERS.items():
 # On Multi30k's validation split, $\alpha = 1.0$ scored 0.04 to 0.57
 # BLEU higher than the paper's 0.6 (which the paper tuned on WMT) in
 # every beam-4 comparison on record (39 comparisons in the twelve tables
-# `results/recipe_*val*.md`), so `--alpha 1.0` is a better start for your
-# own translations; the table below keeps 0.6. The best $\alpha$ depends
-# on the model, though (a distilled model in `docs/results.md` chose
-# 2.5): tune it on the validation split.
+# `results/recipe_*val*.md` that score both), so `--alpha 1.0` is a
+# better start for your own translations; the table below keeps 0.6.
+# The best $\alpha$ depends on the model, though (a distilled model in
+# `docs/results.md` chose 2.5): tune it on the validation split.
 #
 # ### The results
 #
@@ -1422,7 +1424,8 @@ for decoder_name, fn in DECODERS.items():
 # "—": not measured (those records scored the BPE models greedily and
 # with beam 4 plus averaging only). "Precision" is the one training ran
 # in (fp32: float32; runs C and D asked for bf16, which their CPU lacked,
-# so their files' configs say bf16). `<unk>` says whether the word
+# so their files' configs say bf16; run B's record gives only its
+# config's bf16, hence "(config)"). `<unk>` says whether the word
 # models' `<unk>` tokens were replaced by copied German words (Part 4)
 # or kept; BPE models have almost none.
 #

@@ -3294,6 +3294,8 @@ def train_distributed_model(
         while not workers.join():  # True once every worker has ended
             pass
     except mp.ProcessRaisedException as err:
+        if worker_out_of_memory(err):  # main says it in one line
+            raise MemoryError(f"a training process: {err}") from None
         user_error = user_error_of_worker(err)
         if user_error is None:  # a fault, not a mistake: its traceback
             raise
@@ -3301,6 +3303,13 @@ def train_distributed_model(
     except BaseException:  # Ctrl-C, SIGTERM under main, a failed start
         stop_processes(multiprocessing.active_children())
         raise
+
+
+def worker_out_of_memory(err):
+    """Whether a worker's error, which reaches us as its traceback's text,
+    was memory running out (its last line: "Class: message")."""
+    last = str(err).strip().splitlines()[-1]
+    return last.startswith("MemoryError") or out_of_memory(RuntimeError(last))
 
 
 def user_error_of_worker(err):
@@ -4147,16 +4156,26 @@ class OneLineParser(argparse.ArgumentParser):
 def presets_epilog():
     """`train --help`'s last lines: what each preset sets, which is what
     the options that say "default: the preset's" default to."""
-    lines = ["presets (the defaults of the options above):"]
+    lines = ["what each preset sets (layers x d_model, then the options):"]
     for name in sorted(PRESETS):
         c = PRESETS[name]
         tied = "yes" if c.tie_embeddings else "no"
         lines.append(
-            f"  {name:9s} N={c.N} d_model={c.d_model} epochs={c.epochs}"
+            f"  {name:8s} {c.N}x{c.d_model:<4d} epochs={c.epochs}"
             f" max-tokens={c.max_tokens} dropout={c.dropout:g}"
             f" schedule={c.schedule} tied={tied}"
         )
     return "\n".join(lines)
+
+
+class EpilogAsWritten(argparse.HelpFormatter):
+    """argparse's help, but text with line breaks (the epilog) keeps
+    them; the rest is wrapped as usual."""
+
+    def _fill_text(self, text, width, indent):
+        if "\n" in text:
+            return "".join(indent + line for line in text.splitlines(True))
+        return super()._fill_text(text, width, indent)
 
 
 def add_train_parser(sub):
@@ -4169,7 +4188,7 @@ def add_train_parser(sub):
         f" (downloaded on first use) or from the folder ${MULTI30K_ENV}"
         " names.",
         epilog=presets_epilog(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=EpilogAsWritten,
     )
     train.add_argument(
         "--preset",
@@ -4678,12 +4697,16 @@ def command_train(args):
         raise UserError(
             f"--checkpoint-dir {folder}: {blocker} is a file, not a folder"
         )
-    for name in ("last.pt", "final.pt"):  # written at the end of epochs
-        if (folder / name).is_dir():
-            raise UserError(
-                f"--checkpoint-dir {folder}: {name} is a folder, and training"
-                " writes a file of that name; move it away"
-            )
+    in_the_way = [  # would fail the first write of its name, hours on
+        entry.name
+        for entry in (folder.iterdir() if folder.is_dir() else ())
+        if entry.is_dir() and training_writes(entry, folder)
+    ]
+    if in_the_way:
+        raise UserError(
+            f"--checkpoint-dir {folder}: {min(in_the_way)} is a folder, and"
+            " training writes a file of that name; move it away"
+        )
     if args.results:  # fail now, not after hours of training
         if training_writes(args.results, folder):
             raise UserError(

@@ -2034,7 +2034,7 @@ def test_settings_that_only_cost_time_are_a_warning(
         assert warnings_given[0].startswith(warning)
 
 
-@pytest.mark.parametrize("name", ["last.pt", "final.pt"])
+@pytest.mark.parametrize("name", ["last.pt", "final.pt", "epoch_000.pt"])
 def test_a_folder_where_training_writes_a_file_is_refused_first(
     name, tmp_path, capsys, monkeypatch
 ):
@@ -2157,14 +2157,39 @@ def test_train_help_lists_what_each_preset_sets(capsys):
     """Options said "default: the preset's", and --help showed none."""
     assert tools.main(["train", "--help"]) == 0
     out = capsys.readouterr().out
-    presets = out.split("presets (the defaults of the options above):\n")[1]
+    header = "what each preset sets (layers x d_model, then the options):\n"
+    presets = out.split(header)[1]
     rows = {line.split()[0]: line for line in presets.splitlines()}
     assert sorted(rows) == sorted(tools.PRESETS)
     for name, row in rows.items():
         c = tools.get_config(name)
-        fields = dict(cell.split("=") for cell in row.split()[1:])
+        assert row.split()[1] == f"{c.N}x{c.d_model}"
+        fields = dict(cell.split("=") for cell in row.split()[2:])
         assert int(fields["epochs"]) == c.epochs
         assert int(fields["max-tokens"]) == c.max_tokens
         assert float(fields["dropout"]) == c.dropout
         assert fields["schedule"] == c.schedule
         assert (fields["tied"] == "yes") == c.tie_embeddings
+    # The description is still wrapped, not one line of 200 characters.
+    description = out.split("\n\n")[1]
+    assert description.startswith("Train a model on Multi30k")
+    assert max(map(len, description.splitlines())) <= 80
+
+
+@pytest.mark.parametrize(
+    "last_line, oom",
+    [
+        ("RuntimeError: DefaultCPUAllocator: can't allocate memory", True),
+        ("torch.OutOfMemoryError: CUDA out of memory. Tried to ...", True),
+        ("MemoryError", True),
+        ("RuntimeError: shape mismatch", False),
+        ("ValueError: out of range", False),
+    ],
+)
+def test_a_worker_that_ran_out_of_memory_is_told_apart(last_line, oom):
+    """With --world-size, a worker's error arrives as its traceback's text,
+    which main printed whole."""
+    text = "\n\n-- Process 1 terminated with the following error:\n"
+    err = Exception(text + "Traceback (most recent call last):\n  ...\n")
+    err = Exception(str(err) + last_line)
+    assert tools.worker_out_of_memory(err) is oom
