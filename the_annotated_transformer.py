@@ -216,21 +216,6 @@ def attention(query, key, value, mask=None, dropout=None):
     return p_attn @ value, p_attn  # (..., T, d_k), (..., T, S)
 
 
-def heads_mask(mask):
-    """A (B, 1, S) or (B, T, S) mask, as bool (B, 1, 1, S) or
-    (B, 1, T, S): one mask for every head. True, or 1 in a mask of 0s and
-    1s, may be attended to."""
-    if mask.dim() != 3:
-        raise ValueError(
-            f"a mask is (B, 1, S) or (B, T, S), not {tuple(mask.shape)}"
-        )
-    if mask.dtype != torch.bool:  # the fused routine would add it
-        if not ((mask == 0) | (mask == 1)).all():
-            raise ValueError("a mask that is not bool must hold 0s and 1s")
-        mask = mask != 0
-    return mask.unsqueeze(1)
-
-
 class MultiHeadedAttention(nn.Module):
     """h parallel attention heads over d_model / h dimensions each."""
 
@@ -285,6 +270,21 @@ class MultiHeadedAttention(nn.Module):
         # reshape, not view: after the transpose x is not contiguous.
         x = x.reshape(query.size(0), -1, self.h * self.d_k)  # (B, T, d_model)
         return self.w_o(x)  # (B, T, d_model)
+
+
+def heads_mask(mask):
+    """A (B, 1, S) or (B, T, S) mask, as bool (B, 1, 1, S) or
+    (B, 1, T, S): one mask for every head. True, or 1 in a mask of 0s and
+    1s, may be attended to."""
+    if mask.dim() != 3:
+        raise ValueError(
+            f"a mask is (B, 1, S) or (B, T, S), not {tuple(mask.shape)}"
+        )
+    if mask.dtype != torch.bool:  # the fused routine would add it
+        if not ((mask == 0) | (mask == 1)).all():
+            raise ValueError("a mask that is not bool must hold 0s and 1s")
+        mask = mask != 0
+    return mask.unsqueeze(1)
 
 
 # -----------------------------------------------------------------------------
@@ -343,7 +343,8 @@ class PositionalEncoding(nn.Module):
         # The odd columns; one fewer than the even ones if d_model is odd.
         pe[:, 1::2] = angles.cos()[:, : d_model // 2]
         # (L, d_model): rounded after the sine and cosine, then moved to
-        # the default device, where new tensors (the weights) are made
+        # the default device, where new tensors (the weights) are made:
+        # torch.empty(0) is a new tensor, so its device is that one
         pe = pe.float().to(torch.empty(0).device)
         self.dropout = nn.Dropout(p=dropout)
         self.register_buffer("pe", pe.unsqueeze(0))  # (1, max_len, d_model)
@@ -1955,8 +1956,8 @@ __all__ = [
     "DecoderLayer",
     "subsequent_mask",
     "attention",
-    "heads_mask",
     "MultiHeadedAttention",
+    "heads_mask",
     "PositionwiseFeedForward",
     "Embeddings",
     "PositionalEncoding",

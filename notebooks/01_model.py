@@ -84,8 +84,9 @@ from torch import nn
 # weighted average of other positions' vectors, and a *mask* says which
 # positions it may read. An encoder layer is attention followed by a
 # small network applied to each position on its own, each of the two
-# wrapped as $x + f(\mathrm{norm}(x))$; a decoder layer adds a second
-# attention, over the encoder's output. The sections below build each
+# wrapped as $x + f(\mathrm{norm}(x))$, where norm rescales each
+# position's vector (layer normalization, below); a decoder layer adds a
+# second attention, over the encoder's output. The sections below build each
 # piece, top down, so some names appear before their definitions.
 #
 # `EncoderDecoder` holds five parts and says how data moves between them:
@@ -112,9 +113,6 @@ from torch import nn
 # sentence with a start token in front, so the input at position $t$ is
 # word $t - 1$, and the model must predict word $t$ (Part 2 builds
 # this).
-#
-# The picture puts the `Generator` above the decoder; in the code,
-# `forward` stops before it (above).
 
 
 # %%
@@ -284,10 +282,7 @@ assert torch.allclose(norm(x), by_hand, atol=1e-5)
 #
 # Pre-norm leaves an untouched path from each block's input to its output,
 # so the gradient flows straight down the stack, however many blocks are
-# stacked. Xiong et al. (2020) show that with pre-norm the gradients are
-# well scaled from the first step, so training needs little or no warm-up
-# (the slow start of the learning rate, Part 2). We keep a warm-up anyway,
-# though a shorter one than the paper's; Part 2 says why.
+# stacked, and deep stacks train more stably (Xiong et al., 2020).
 #
 # Because pre-norm never normalizes the residual stream itself, the last
 # block's output can have any scale; so each stack ends with one extra
@@ -313,11 +308,9 @@ class SublayerConnection(nn.Module):
 
 # %% [markdown]
 # The untouched path is easy to see: a sub-layer that outputs zeros leaves
-# its input unchanged. (In the backward pass, the same path passes the
-# gradient down unchanged, and whatever flows back through the sub-layer
-# is added to it.) Post-norm
-# has no such path: the same zero sub-layer returns
-# $\mathrm{LayerNorm}(x)$, which moves this $x$ (mean 1, standard
+# its input unchanged, and in the backward pass it passes the gradient
+# down unchanged too. Post-norm has no such path: the same zero sub-layer
+# returns $\mathrm{LayerNorm}(x)$, which moves this $x$ (mean 1, standard
 # deviation 3) to mean 0 and standard deviation 1.
 
 # %%
@@ -331,6 +324,9 @@ def zero_sublayer(y):
 
 
 assert torch.equal(block(x, zero_sublayer), x)  # pre-norm
+x_in = x.clone().requires_grad_()
+block(x_in, zero_sublayer).sum().backward()  # d(sum)/d(output) = 1
+assert torch.equal(x_in.grad, torch.ones_like(x))  # passed down unchanged
 post_norm = LayerNorm(24)(x + torch.zeros_like(x))
 assert not torch.allclose(post_norm, x)  # post-norm
 for name, tensor in [("x", x), ("post-norm output", post_norm)]:
@@ -589,11 +585,8 @@ def softmax_gradient_size(weights):
 # scaled scores the cell prints the scores' standard deviation, the
 # largest weight (averaged over the queries) and the gradient size; the
 # asserts check what the paragraph above says. Expect a standard
-# deviation near 8 for the raw scores and near 1 for the scaled ones; the
-# raw scores' largest weight near 0.9 (almost all on one key), the scaled
-# ones' near 0.3; and the raw scores' gradient about half the size of the
-# scaled ones'. The last assert asks for that clear gap, not just any
-# decrease: under 0.6 times.
+# deviation near 8 against 1, a largest weight near 0.9 (almost all on
+# one key) against 0.3, and about half the gradient.
 
 # %%
 torch.manual_seed(0)
@@ -672,56 +665,10 @@ assert weights[0, 2] == 0
 #
 # ![Multi-head attention](attachment:multihead.svg)
 #
-# A choice of ours, which the 2022 tutorial did not make: `forward`
-# usually calls PyTorch's fused `scaled_dot_product_attention`, one
-# routine for the whole formula, faster but returning no weights. It
-# calls `attention` above instead in two cases, and both compute the
-# same formula:
-#
-# - with `store_attention = True`, to keep the weights in `self.attn`
-#   (Part 4 sets it, to draw them);
-# - when training with dropout on a CPU, where the fused routine has no
-#   kernel of its own and would run the same unfused steps anyway; the
-#   dropout is then the module's own `self.dropout`, which the appendix
-#   swaps for a cheaper one ("A cheaper dropout mask").
-#
-# (The fused routine is a plain function, so `.eval()` cannot switch its
-# dropout off: `forward` passes `dropout_p=0` when the module is not
-# training.)
-#
-# Every head uses the same mask: `(B, 1, S)` over a source, `(B, T, T)`
-# or `(1, T, T)` over a target. `heads_mask` adds the heads' axis. It
-# also refuses two masks that the fused routine would take without an
-# error and get wrong (a first read can skip them):
-#
-# - **A mask without its middle axis**, `(B, S)`. Broadcasting would line
-#   its sentences up against another axis (the heads, once the heads' axis
-#   is added): where the sizes happen to match it runs, wrongly; elsewhere
-#   it fails with a message about sizes. `heads_mask` refuses it, saying
-#   which shapes a mask has.
-# - **A mask that is not boolean.** The fused routine adds a float mask
-#   to the scores instead of hiding positions, so a mask of 0s and 1s
-#   would hide nothing. `heads_mask` reads such a mask as the 2022
-#   tutorial did, whose examples pass them (`torch.ones(1, 1, 10)`): 0
-#   hides, 1 may be attended to. Any other value is refused, such as
-#   PyTorch's additive masks of 0 and $-\infty$, which mean the opposite.
-
-
-# %%
-#| export
-def heads_mask(mask):
-    """A (B, 1, S) or (B, T, S) mask, as bool (B, 1, 1, S) or
-    (B, 1, T, S): one mask for every head. True, or 1 in a mask of 0s and
-    1s, may be attended to."""
-    if mask.dim() != 3:
-        raise ValueError(
-            f"a mask is (B, 1, S) or (B, T, S), not {tuple(mask.shape)}"
-        )
-    if mask.dtype != torch.bool:  # the fused routine would add it
-        if not ((mask == 0) | (mask == 1)).all():
-            raise ValueError("a mask that is not bool must hold 0s and 1s")
-        mask = mask != 0
-    return mask.unsqueeze(1)
+# `forward` follows the formula: project and split into heads, attend,
+# concatenate, project with $W^O$. Two details, the choice between two
+# ways of computing attention and `heads_mask`, come right after the
+# class.
 
 
 # %%
@@ -780,6 +727,61 @@ class MultiHeadedAttention(nn.Module):
         # reshape, not view: after the transpose x is not contiguous.
         x = x.reshape(query.size(0), -1, self.h * self.d_k)  # (B, T, d_model)
         return self.w_o(x)  # (B, T, d_model)
+
+
+# %% [markdown]
+# #### Two details of `forward`, which a first read can skip
+#
+# A choice of ours, which the 2022 tutorial did not make: `forward`
+# usually calls PyTorch's fused `scaled_dot_product_attention`, one
+# routine for the whole formula, faster but returning no weights. It
+# calls `attention` above instead in two cases, and both compute the
+# same formula:
+#
+# - with `store_attention = True`, to keep the weights in `self.attn`
+#   (Part 4 sets it, to draw them);
+# - when training with dropout on a CPU, where the fused routine has no
+#   kernel of its own and would run the same unfused steps anyway; the
+#   dropout is then the module's own `self.dropout`, which the appendix
+#   swaps for a cheaper one ("A cheaper dropout mask").
+#
+# (The fused routine is a plain function, so `.eval()` cannot switch its
+# dropout off: `forward` passes `dropout_p=0` when the module is not
+# training.)
+#
+# Every head uses the same mask: `(B, 1, S)` over a source, `(B, T, T)`
+# or `(1, T, T)` over a target. `heads_mask` adds the heads' axis. It
+# also refuses two masks that the fused routine would take without an
+# error and get wrong (a first read can skip them):
+#
+# - **A mask without its middle axis**, `(B, S)`. Broadcasting would line
+#   its sentences up against another axis (the heads, once the heads' axis
+#   is added): where the sizes happen to match it runs, wrongly; elsewhere
+#   it fails with a message about sizes. `heads_mask` refuses it, saying
+#   which shapes a mask has.
+# - **A mask that is not boolean.** The fused routine adds a float mask
+#   to the scores instead of hiding positions, so a mask of 0s and 1s
+#   would hide nothing. `heads_mask` reads such a mask as the 2022
+#   tutorial did, whose examples pass them (`torch.ones(1, 1, 10)`): 0
+#   hides, 1 may be attended to. Any other value is refused, such as
+#   PyTorch's additive masks of 0 and $-\infty$, which mean the opposite.
+
+
+# %%
+#| export
+def heads_mask(mask):
+    """A (B, 1, S) or (B, T, S) mask, as bool (B, 1, 1, S) or
+    (B, 1, T, S): one mask for every head. True, or 1 in a mask of 0s and
+    1s, may be attended to."""
+    if mask.dim() != 3:
+        raise ValueError(
+            f"a mask is (B, 1, S) or (B, T, S), not {tuple(mask.shape)}"
+        )
+    if mask.dtype != torch.bool:  # the fused routine would add it
+        if not ((mask == 0) | (mask == 1)).all():
+            raise ValueError("a mask that is not bool must hold 0s and 1s")
+        mask = mask != 0
+    return mask.unsqueeze(1)
 
 
 # %% [markdown]
@@ -1029,7 +1031,8 @@ class PositionalEncoding(nn.Module):
         # The odd columns; one fewer than the even ones if d_model is odd.
         pe[:, 1::2] = angles.cos()[:, : d_model // 2]
         # (L, d_model): rounded after the sine and cosine, then moved to
-        # the default device, where new tensors (the weights) are made
+        # the default device, where new tensors (the weights) are made:
+        # torch.empty(0) is a new tensor, so its device is that one
         pe = pe.float().to(torch.empty(0).device)
         self.dropout = nn.Dropout(p=dropout)
         self.register_buffer("pe", pe.unsqueeze(0))  # (1, max_len, d_model)
