@@ -961,9 +961,9 @@ table.round(2)
 # nearly equal numbers is nearly flat. (The cell asserts that its mean
 # entropy is above 0.9 of uniform for every kind; 0.9 is a margin we
 # chose, not a derived value.) Training is what makes heads pick: the
-# cell below prints both models' mean entropy for each kind, on the same
-# sentences, and, as a scale for the chart's lower row, their mean
-# distance from the diagonal.
+# cells below summarize the untrained model on the same sentences, then
+# print both models' mean entropy for each kind and, as a scale for the
+# chart's lower row, their mean distance from the diagonal.
 #
 # **Check**, with the trained model: its
 # decoder–source heads have a lower mean entropy than the untrained
@@ -987,20 +987,24 @@ baseline = attention_summary(
     untrained, pairs, spacy_de, spacy_en, vocab_src, vocab_tgt
 )
 random_table = pd.DataFrame(baseline).set_index(["kind", "layer", "head"])
-entropies = pd.DataFrame(
-    {
-        "this model": table["entropy"].groupby(level="kind").mean(),
-        "untrained": random_table["entropy"].groupby(level="kind").mean(),
-    }
-)
+
+
+def mean_by_kind(column):
+    """This model's and the untrained one's mean of a column, per kind."""
+    return pd.DataFrame(
+        {
+            "this model": table[column].groupby(level="kind").mean(),
+            "untrained": random_table[column].groupby(level="kind").mean(),
+        }
+    )
+
+
+# %% [markdown]
+# Mean entropy, and the check:
+
+# %%
+entropies = mean_by_kind("entropy")
 print("mean entropy:", entropies.round(2), sep="\n")
-distances = pd.DataFrame(  # a scale for the chart's lower row
-    {
-        "this model": table["distance"].groupby(level="kind").mean(),
-        "untrained": random_table["distance"].groupby(level="kind").mean(),
-    }
-)
-print("mean distance from the diagonal:", distances.round(2), sep="\n")
 assert (entropies["untrained"] > 0.9).all()
 if trained:
     source = entropies.loc["decoder source"]
@@ -1008,6 +1012,13 @@ if trained:
     assert source["this model"] < source["untrained"], hint
 else:
     print(SKIPPED)
+
+# %% [markdown]
+# Mean distance from the diagonal, a scale for the chart's lower row:
+
+# %%
+print("mean distance from the diagonal:")
+print(mean_by_kind("distance").round(2))
 
 # %% [markdown]
 # The cell below points at one head of each sort in the model loaded on
