@@ -320,7 +320,7 @@ block = SublayerConnection(24, dropout=0.0)
 
 def zero_sublayer(y):
     """A sub-layer whose output is always 0."""
-    return torch.zeros_like(y)
+    return 0 * y  # kept in the graph: the backward pass goes through it
 
 
 assert torch.equal(block(x, zero_sublayer), x)  # pre-norm
@@ -752,7 +752,7 @@ class MultiHeadedAttention(nn.Module):
 # Every head uses the same mask: `(B, 1, S)` over a source, `(B, T, T)`
 # or `(1, T, T)` over a target. `heads_mask` adds the heads' axis. It
 # also refuses two masks that the fused routine would take without an
-# error and get wrong (a first read can skip them):
+# error and get wrong:
 #
 # - **A mask without its middle axis**, `(B, S)`. Broadcasting would line
 #   its sentences up against another axis (the heads, once the heads' axis
@@ -785,7 +785,8 @@ def heads_mask(mask):
 
 
 # %% [markdown]
-# The cost argument above, in numbers: the scores $QK^\top$ take
+# The cost argument at the start of this section ($8 \times 64 = 512$),
+# in numbers: the scores $QK^\top$ take
 # $h \cdot T \cdot S \cdot d_k = T \cdot S \cdot d_{\text{model}}$
 # multiply-adds whatever $h$ is, and the parameters are the same four
 # $d_{\text{model}} \times d_{\text{model}}$ maps. The cell checks the

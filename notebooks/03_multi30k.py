@@ -942,8 +942,7 @@ assert last < guess
 #
 # - a 2-core CPU in float32: 14 to 20 minutes (the recorded run's
 #   training took 13.9, `results/recipe_quick.json`; whole runs of this
-#   notebook took 14 to 22, and 23 with other work beside it,
-#   `results/make_notebook.md`);
+#   notebook took 14 to 22, `results/make_notebook.md`);
 # - a 2-core CPU with native bf16: about 10 minutes;
 # - an H100 GPU: under two minutes (the whole notebook took 88 s there,
 #   beside other checks, `docs/gpu.md`);

@@ -319,8 +319,8 @@ def attention_maps(
 # (`checkpoints/cpu/final.pt`, hours of training), else the `quick` model
 # that Part 3 trains in minutes (`checkpoints/quick/final.pt`). If
 # neither exists, the appendix's `find_or_train` trains one here: the
-# `quick` model on an NVIDIA (CUDA) GPU (a few minutes on an H100; a T4
-# was not measured), else a small stand-in, in seconds: on a Mac too,
+# `quick` model on an NVIDIA (CUDA) GPU (under two minutes on an H100; a
+# T4 was not measured), else a small stand-in, in seconds: on a Mac too,
 # unless Part 3's `checkpoints/quick/final.pt` is in this checkout. The
 # stand-in (the `ci` preset) shows the machinery, not language: what the
 # prose says about "brown", "black" and the two dogs will not match its
@@ -958,20 +958,10 @@ table.round(2)
 # What can they be compared with? An untrained model of the same shape
 # spreads its attention almost evenly: at initialization the scaled
 # scores of a row are small and close to each other, and the softmax of
-# nearly equal numbers is nearly flat. (The cell asserts that its mean
-# entropy is above 0.9 of uniform for every kind; 0.9 is a margin we
-# chose, not a derived value.) Training is what makes heads pick: the
-# cells below summarize the untrained model on the same sentences, then
-# print both models' mean entropy for each kind and, as a scale for the
-# chart's lower row, their mean distance from the diagonal.
-#
-# **Check**, with the trained model: its
-# decoder–source heads have a lower mean entropy than the untrained
-# model's (in the decoder–source heat map on record, above, most rows of
-# the last layer put most of their weight on one German word). The
-# stand-in is not checked: after two short epochs on 1,000 sentence
-# pairs, its heads may still be as even as an untrained model's, or
-# focused without meaning much.
+# nearly equal numbers is nearly flat. Training is what makes heads pick:
+# the cells below summarize the untrained model on the same sentences,
+# then print both models' mean entropy for each kind and, as a scale for
+# the chart's lower row, their mean distance from the diagonal.
 
 # %%
 torch.manual_seed(0)
@@ -1000,7 +990,16 @@ def mean_by_kind(column):
 
 
 # %% [markdown]
-# Mean entropy, and the check:
+# Mean entropy. The cell asserts that the untrained model's is above 0.9
+# of uniform for every kind (0.9 is a margin we chose, not a derived
+# value).
+#
+# **Check**, with the trained model: its decoder–source heads have a
+# lower mean entropy than the untrained model's (in the decoder–source
+# heat map on record, above, most rows of the last layer put most of
+# their weight on one German word). The stand-in is not checked: after
+# two short epochs on 1,000 sentence pairs, its heads may still be as
+# even as an untrained model's, or focused without meaning much.
 
 # %%
 entropies = mean_by_kind("entropy")
