@@ -3309,7 +3309,7 @@ def worker_out_of_memory(err):
     """Whether a worker's error, which reaches us as its traceback's text,
     was memory running out (its last line: "Class: message")."""
     last = str(err).strip().splitlines()[-1]
-    return last.startswith("MemoryError") or out_of_memory(RuntimeError(last))
+    return last.startswith("MemoryError") or says_out_of_memory(last)
 
 
 def user_error_of_worker(err):
@@ -3962,12 +3962,17 @@ def _split_lines(f):
         yield from pieces
 
 
+def shown_path(path):
+    """How messages name a text file: "-" is standard input."""
+    return "standard input" if str(path) == "-" else Path(path)
+
+
 def iter_lines(path):
     """Lines of a UTF-8 text file (plain, .gz, or "-": stdin), lazily."""
     import gzip
 
     stdin = str(path) == "-"
-    name = "standard input" if stdin else Path(path)
+    name = shown_path(path)
     number = 0  # lines read so far, for the error messages
     try:
         if stdin and sys.stdin is None:  # started with `<&-`
@@ -4011,10 +4016,7 @@ def read_lines(path):
 def read_parallel(src_path, ref_path):
     """(sources, references): two files of line-by-line translations."""
     sources, references = read_lines(src_path), read_lines(ref_path)
-    src_name, ref_name = (
-        "standard input" if str(path) == "-" else path
-        for path in (src_path, ref_path)
-    )
+    src_name, ref_name = shown_path(src_path), shown_path(ref_path)
     if len(sources) != len(references):
         raise TextFileError(
             f"{src_name} has {len(sources)} lines but {ref_name} has "
@@ -5206,13 +5208,17 @@ SMALLER = {  # what to make smaller when memory runs out
 }
 
 
+def says_out_of_memory(text):
+    """Whether an error's text is the CPU's allocator's, a GPU's or MPS's
+    report of memory running out."""
+    return "can't allocate memory" in text or "out of memory" in text
+
+
 def out_of_memory(err):
     """Whether `err` is the CPU or a GPU running out of memory."""
     if isinstance(err, (MemoryError, torch.cuda.OutOfMemoryError)):
         return True
-    text = str(err)  # the CPU's allocator and MPS raise RuntimeError
-    oom = "can't allocate memory" in text or "out of memory" in text
-    return isinstance(err, RuntimeError) and oom
+    return isinstance(err, RuntimeError) and says_out_of_memory(str(err))
 
 
 def stdout_fault():
