@@ -244,7 +244,7 @@ class MultiHeadedAttention(nn.Module):
 
     def use_fused(self, q):
         """Fused, unless the weights must be kept (Part 4) or a CPU
-        trains with dropout (where the fused routine is not fused)."""
+        trains with dropout (where the fused routine runs step by step)."""
         cpu_dropout = self.training and self.dropout.p > 0 and q.is_cpu
         return not (self.store_attention or cpu_dropout)
 
@@ -331,8 +331,9 @@ class PositionalEncoding(nn.Module):
 
     def __init__(self, d_model, dropout, max_len=5000):
         super().__init__()
-        # Made on the CPU: Apple's GPU (MPS) has no float64, and a default
-        # device set by torch.set_default_device("mps") would be used.
+        # Device plumbing, which a first read can skip: the table is made
+        # in float64 on the CPU (Apple's GPU has no float64), then moved
+        # to the default device; model.to() moves it with the weights.
         f64 = {"dtype": torch.float64, "device": "cpu"}
         pos = torch.arange(max_len, **f64)[:, None]  # (L, 1)
         # (d_model/2,): the even dimensions 0, 2, 4, ...
@@ -342,10 +343,9 @@ class PositionalEncoding(nn.Module):
         pe[:, 0::2] = angles.sin()  # even columns
         # The odd columns; one fewer than the even ones if d_model is odd.
         pe[:, 1::2] = angles.cos()[:, : d_model // 2]
-        # (L, d_model): rounded after the sine and cosine, then moved to
-        # the default device, where new tensors (the weights) are made:
-        # torch.empty(0) is a new tensor, so its device is that one
-        pe = pe.float().to(torch.empty(0).device)
+        # Rounded to float32 after the sine and cosine. A new tensor such
+        # as torch.empty(0) is made on the default device.
+        pe = pe.float().to(torch.empty(0).device)  # (L, d_model)
         self.dropout = nn.Dropout(p=dropout)
         self.register_buffer("pe", pe.unsqueeze(0))  # (1, max_len, d_model)
 

@@ -100,7 +100,8 @@ from torch import nn
 #
 # Comments such as `# (B, S, d_model)` give a tensor's shape, with the same
 # letters throughout the project: `B` sentences in a batch, `S` source
-# positions, `T` target positions (in attention: `T` queries, `S` keys),
+# positions, `T` target positions (in attention: `T` queries, `S` keys;
+# in self-attention both are the same sequence),
 # `d_model` the width of each position's vector (512 in the paper), `h`
 # attention heads, and `d_k = d_model / h` features per head.
 #
@@ -230,8 +231,7 @@ class Encoder(nn.Module):
 # This is the standard form, the same as `torch.nn.LayerNorm`. We keep a
 # small class of our own only so that the gain $a$ and the bias $b$ keep
 # the 2022 tutorial's names, `a_2` and `b_2`, for code written against
-# it. (That tutorial's $\sigma$ differed slightly: it divided by $d - 1$,
-# and added $\epsilon$ outside the square root.)
+# it.
 #
 # `forward` hands the whole formula to PyTorch's `F.layer_norm`, which
 # computes it in one pass; the cell after the class writes the formula out
@@ -255,10 +255,11 @@ class LayerNorm(nn.Module):
 
 
 # %% [markdown]
-# The formula, written out, gives the same numbers as the fused kernel
-# that `forward` calls. The gain and bias are random, so that the check
-# tests them and not just 1 and 0; the input has mean 1 and standard
-# deviation 3, so that the normalization has something to undo.
+# The formula, written out, gives the same numbers as `F.layer_norm`,
+# a fused kernel (one routine that computes the whole formula at once).
+# The gain and bias are random, so that the check tests them and not just
+# 1 and 0; the input has mean 1 and standard deviation 3, so that the
+# normalization has something to undo.
 
 # %%
 torch.manual_seed(0)
@@ -395,6 +396,16 @@ class Decoder(nn.Module):
         return self.norm(x)
 
 
+# %% [markdown]
+# A decoder layer wraps each of its three sub-layers in a
+# `SublayerConnection`, as the encoder layer does with its two: masked
+# self-attention over the target (with `tgt_mask`), source attention from
+# the target to the memory (with `src_mask`), then the feed-forward
+# network.
+
+
+# %%
+#| export
 class DecoderLayer(nn.Module):
     """Masked self-attention, source attention, then feed-forward."""
 
@@ -424,9 +435,7 @@ class DecoderLayer(nn.Module):
 #
 # A mask says which keys each query may read. Throughout this project a
 # mask is boolean and **`True` means "may attend"**, the same convention as
-# `torch.nn.functional.scaled_dot_product_attention`. (The model also
-# reads a mask of 0s and 1s, as in some of the 2022 tutorial's examples:
-# 1 may attend; "Multi-head attention" below says how.) The model takes
+# `torch.nn.functional.scaled_dot_product_attention`. The model takes
 # two:
 #
 # * the **source mask**, shape $(B, 1, S)$: `True` at the real source
@@ -477,12 +486,9 @@ assert torch.equal(subsequent_mask(20)[0], key_u <= query_t)
 # it. `mask_chart` draws the same mask for 20 positions, and `save_chart`
 # also writes it to `figures/`. Blue cells are the pairs the decoder may
 # use: the first position sees only itself, the last sees the whole
-# prefix.
-#
-# The chart helpers import `subsequent_mask` and `PositionalEncoding` from
-# the library, `the_annotated_transformer.py`, not from this notebook. So
-# if you edit one of those cells here, run `make export` and restart the
-# notebook to see your change in the chart.
+# prefix. (The chart uses the library's copy of `subsequent_mask`, so an
+# edit to the cell above reaches it only after `make export` and a
+# restart.)
 
 # %%
 from pathlib import Path
@@ -512,9 +518,7 @@ save_chart(mask_chart(20), "01_subsequent_mask", Path(ROOT, "figures"))
 # per position.
 #
 # In code it is a few lines. `mask` is the boolean mask above; a masked
-# score gets a weight of zero (the end of this section says how). Like
-# the 2022 tutorial, it tests `mask == 0`, so that a mask of 0s and 1s
-# works too when you call `attention` yourself.
+# score gets a weight of zero (the end of this section says how).
 #
 # A departure from the paper: `attention` can apply dropout to the
 # weights themselves. It is inherited from the 2022 tutorial; the paper
@@ -564,20 +568,20 @@ assert (weights.triu(1) == 0).all()  # no weight on future keys
 # deviation of 8, the softmax tends to put most of the weight on one key, and
 # there its gradient is small. The division brings the variance back to 1.
 #
-# How much the weights react when a score changes is the softmax's
-# gradient, the matrix of derivatives $\partial p_i / \partial s_j$, which
-# works out to $\mathrm{diag}(p) - p p^\top$. Its size (the square root
-# of the sum of its squared entries) shrinks as the weights $p$ pile onto
-# one key. The helper below measures that size; you can treat it as a
-# black box.
+# How much the weights react when a score changes is a gradient, and
+# autograd computes it: the helper below asks for the gradient of each
+# query's largest weight with respect to that query's scores, and
+# averages its size over the queries.
 
 
 # %%
-def softmax_gradient_size(weights):
-    """weights: (queries, keys). Mean norm of diag(p) - p p^T, per row."""
-    outer = weights[:, :, None] * weights[:, None, :]  # (queries, keys, keys)
-    jacobian = torch.diag_embed(weights) - outer  # (queries, keys, keys)
-    return jacobian.norm(dim=(1, 2)).mean().item()
+def softmax_gradient_size(scores):
+    """scores: (queries, keys). Mean size of the gradient of each row's
+    largest softmax weight with respect to the row's scores."""
+    scores = scores.clone().requires_grad_()
+    largest = scores.softmax(dim=-1).max(dim=-1).values  # (queries,)
+    largest.sum().backward()  # each row's gradient lands in its own row
+    return scores.grad.norm(dim=-1).mean().item()
 
 
 # %% [markdown]
@@ -596,8 +600,8 @@ raw = (q * k).sum(-1)  # (1000, 10) dot products
 scaled = raw / math.sqrt(64)
 raw_weights = raw.softmax(dim=-1)
 scaled_weights = scaled.softmax(dim=-1)
-raw_gradient = softmax_gradient_size(raw_weights)
-scaled_gradient = softmax_gradient_size(scaled_weights)
+raw_gradient = softmax_gradient_size(raw)
+scaled_gradient = softmax_gradient_size(scaled)
 for name, scores, weights, gradient in [
     ("raw", raw, raw_weights, raw_gradient),
     ("scaled", scaled, scaled_weights, scaled_gradient),
@@ -615,7 +619,8 @@ assert raw_gradient < 0.6 * scaled_gradient  # saturated: small gradient
 
 # %% [markdown]
 # A masked position gets `torch.finfo(dtype).min`, the most negative number
-# the scores' dtype holds, so its weight after the softmax is exactly zero.
+# the scores' dtype holds, so its weight after the softmax is exactly zero
+# (as long as the row keeps at least one key; our masks always do).
 # A fixed $-10^9$ (the 2022 tutorial's choice) does not fit every dtype:
 # float16 ends at $\pm 65504$. GPU training often computes in float16
 # (half precision) to save memory and time (06_tools, "Which precision"),
@@ -666,9 +671,10 @@ assert weights[0, 2] == 0
 # ![Multi-head attention](attachment:multihead.svg)
 #
 # `forward` follows the formula: project and split into heads, attend,
-# concatenate, project with $W^O$. Two details, the choice between two
-# ways of computing attention and `heads_mask`, come right after the
-# class.
+# concatenate, project with $W^O$. Its `if` chooses between two ways of
+# computing the same attention; on a first read, follow the `else`
+# branch, which calls the `attention` function above. That choice and
+# `heads_mask` are explained right after the class.
 
 
 # %%
@@ -701,7 +707,7 @@ class MultiHeadedAttention(nn.Module):
 
     def use_fused(self, q):
         """Fused, unless the weights must be kept (Part 4) or a CPU
-        trains with dropout (where the fused routine is not fused)."""
+        trains with dropout (where the fused routine runs step by step)."""
         cpu_dropout = self.training and self.dropout.p > 0 and q.is_cpu
         return not (self.store_attention or cpu_dropout)
 
@@ -740,10 +746,10 @@ class MultiHeadedAttention(nn.Module):
 #
 # - with `store_attention = True`, to keep the weights in `self.attn`
 #   (Part 4 sets it, to draw them);
-# - when training with dropout on a CPU, where the fused routine has no
-#   kernel of its own and would run the same unfused steps anyway; the
-#   dropout is then the module's own `self.dropout`, which the appendix
-#   swaps for a cheaper one ("A cheaper dropout mask").
+# - when training with dropout on a CPU, where PyTorch's routine then
+#   runs the same steps one by one, like `attention`; calling `attention`
+#   ourselves lets the dropout be the module's own `self.dropout`, which
+#   the appendix swaps for a cheaper one ("A cheaper dropout mask").
 #
 # (The fused routine is a plain function, so `.eval()` cannot switch its
 # dropout off: `forward` passes `dropout_p=0` when the module is not
@@ -755,10 +761,10 @@ class MultiHeadedAttention(nn.Module):
 # error and get wrong:
 #
 # - **A mask without its middle axis**, `(B, S)`. Broadcasting would line
-#   its sentences up against another axis (the heads, once the heads' axis
-#   is added): where the sizes happen to match it runs, wrongly; elsewhere
-#   it fails with a message about sizes. `heads_mask` refuses it, saying
-#   which shapes a mask has.
+#   its sentences up against the heads: with 8 sentences and 8 heads,
+#   sentence $i$'s mask would silently apply to head $i$ of every
+#   sentence. With other sizes it fails with a message about sizes.
+#   `heads_mask` refuses it, saying which shapes a mask has.
 # - **A mask that is not boolean.** The fused routine adds a float mask
 #   to the scores instead of hiding positions, so a mask of 0s and 1s
 #   would hide nothing. `heads_mask` reads such a mask as the 2022
@@ -821,7 +827,8 @@ src_mask[1, 0, 5:] = False  # the second sentence has two pad positions
 q = mha.split_heads(query, mha.w_q)  # (B, h, T, d_k)
 k = mha.split_heads(memory, mha.w_k)  # (B, h, S, d_k)
 v = mha.split_heads(memory, mha.w_v)  # (B, h, S, d_k)
-out, weights = attention(q, k, v, mask=src_mask.unsqueeze(1))
+mask = heads_mask(src_mask)  # (B, 1, 1, S): one mask for every head
+out, weights = attention(q, k, v, mask=mask)
 concat = out.transpose(1, 2).reshape(B, T, h * d_k)  # (B, T, h * d_k)
 final = mha.w_o(concat)  # (B, T, d_model)
 
@@ -1020,8 +1027,9 @@ class PositionalEncoding(nn.Module):
 
     def __init__(self, d_model, dropout, max_len=5000):
         super().__init__()
-        # Made on the CPU: Apple's GPU (MPS) has no float64, and a default
-        # device set by torch.set_default_device("mps") would be used.
+        # Device plumbing, which a first read can skip: the table is made
+        # in float64 on the CPU (Apple's GPU has no float64), then moved
+        # to the default device; model.to() moves it with the weights.
         f64 = {"dtype": torch.float64, "device": "cpu"}
         pos = torch.arange(max_len, **f64)[:, None]  # (L, 1)
         # (d_model/2,): the even dimensions 0, 2, 4, ...
@@ -1031,10 +1039,9 @@ class PositionalEncoding(nn.Module):
         pe[:, 0::2] = angles.sin()  # even columns
         # The odd columns; one fewer than the even ones if d_model is odd.
         pe[:, 1::2] = angles.cos()[:, : d_model // 2]
-        # (L, d_model): rounded after the sine and cosine, then moved to
-        # the default device, where new tensors (the weights) are made:
-        # torch.empty(0) is a new tensor, so its device is that one
-        pe = pe.float().to(torch.empty(0).device)
+        # Rounded to float32 after the sine and cosine. A new tensor such
+        # as torch.empty(0) is made on the default device.
+        pe = pe.float().to(torch.empty(0).device)  # (L, d_model)
         self.dropout = nn.Dropout(p=dropout)
         self.register_buffer("pe", pe.unsqueeze(0))  # (1, max_len, d_model)
 
@@ -1091,9 +1098,8 @@ assert torch.allclose(rotated, table[k : 100 + k], atol=1e-5)
 
 # %% [markdown]
 # Four dimensions of a 20-dimensional encoding over the first 100
-# positions, drawn by `positional_chart` from the appendix. Like
-# `mask_chart`, it uses the library's copy of the class (see the note
-# just before the mask chart).
+# positions, drawn by `positional_chart` from the appendix (which, like
+# `mask_chart`, uses the library's copy of the class).
 
 # %%
 from annotated_transformer_tools import positional_chart
@@ -1306,39 +1312,28 @@ def closed_form_counts(d, V_src, V_tgt, N=6):
     return stacks + V_src * d + 2 * V_tgt * d + V_tgt
 
 
-def parameter_table(V_src=8000, V_tgt=6000, d=512):
-    """Counted and closed-form parameters of the base model's parts."""
-    import pandas as pd
-
-    with torch.device("meta"):
-        base = make_model(V_src, V_tgt, d_model=d, d_ff=4 * d)
-    enc = base.encoder.layers[0]
-    rows = {
-        "one multi-head attention": (enc.self_attn, 4 * (d * d + d)),
-        "one feed-forward network": (enc.feed_forward, 8 * d * d + 5 * d),
-        "one layer norm": (base.encoder.norm, 2 * d),
-        "one encoder layer": (enc, 12 * d * d + 13 * d),
-        "one decoder layer": (base.decoder.layers[0], 16 * d * d + 19 * d),
-        "both stacks": (
-            nn.ModuleList([base.encoder, base.decoder]),
-            168 * d * d + 196 * d,
-        ),
-        f"whole model, V_src={V_src}, V_tgt={V_tgt}": (
-            base,
-            closed_form_counts(d, V_src, V_tgt),
-        ),
-    }
-    counts = {k: (count_parameters(m), f) for k, (m, f) in rows.items()}
-    table = pd.DataFrame(counts, index=["counted", "formula"]).T
-    assert (table.counted == table.formula).all(), table
-    # 44140544 prints as 44,140,544
-    return table.apply(lambda column: column.map("{:,}".format))
-
-
-parameter_table()
+d, V_src, V_tgt = 512, 8000, 6000
+with torch.device("meta"):  # shapes only, no memory
+    base = make_model(V_src, V_tgt, d_model=d, d_ff=4 * d)
+enc = base.encoder.layers[0]
+both_stacks = nn.ModuleList([base.encoder, base.decoder])
+rows = [  # (part, module, formula)
+    ("one multi-head attention", enc.self_attn, 4 * (d * d + d)),
+    ("one feed-forward network", enc.feed_forward, 8 * d * d + 5 * d),
+    ("one layer norm", base.encoder.norm, 2 * d),
+    ("one encoder layer", enc, 12 * d * d + 13 * d),
+    ("one decoder layer", base.decoder.layers[0], 16 * d * d + 19 * d),
+    ("both stacks", both_stacks, 168 * d * d + 196 * d),
+    ("whole model", base, closed_form_counts(d, V_src, V_tgt)),
+]
+print(f"{'':26}{'counted':>12}{'formula':>12}")
+for part, module, formula in rows:
+    counted = count_parameters(module)
+    print(f"{part:26}{counted:>12,}{formula:>12,}")  # 44,140,544
+    assert counted == formula, part
 
 # %% [markdown]
-# Every row of the table matches its formula (the function asserts it).
+# Every row of the table matches its formula (the loop asserts it).
 #
 # The paper's setup instead has one shared vocabulary of 37,000 tokens and
 # one matrix shared by both embeddings and the generator (as Part 5
@@ -1376,8 +1371,10 @@ src_mask = torch.ones(2, 1, 7, dtype=torch.bool)  # (B, 1, S)
 tgt_mask = subsequent_mask(6)  # (1, T, T), shared by the batch
 hidden = model(src, tgt, src_mask, tgt_mask)  # (B, T, d_model)
 logp = model.generator(hidden)  # (B, T, vocab)
-# t % 10 + 1 maps 1..9 to 2..10 and 10 to 1: always another id in 1..10.
-edited = torch.cat([tgt[:, :4], tgt[:, 4:] % 10 + 1], dim=1)
+edited = tgt.clone()
+# Change every id from position 4 on: t % 10 + 1 maps 1..9 to 2..10 and
+# 10 to 1, always another id in 1..10.
+edited[:, 4:] = tgt[:, 4:] % 10 + 1
 logp_edited = model.generator(model(src, edited, src_mask, tgt_mask))
 assert torch.allclose(logp.exp().sum(-1), torch.ones(2, 6))
 assert torch.allclose(logp[:, :4], logp_edited[:, :4], atol=1e-5)
