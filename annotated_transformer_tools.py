@@ -937,10 +937,12 @@ def choose_precision(device, precision="bf16"):
     if precision == "fp32":
         return Precision(None, False)
     if device.type == "cuda":
-        major, _ = torch.cuda.get_device_capability(device)
-        if major >= 8:  # Ampere and later: native bf16
+        capability = torch.cuda.get_device_capability(device)
+        if capability >= (8, 0):  # Ampere and later: native bf16
             return Precision(torch.bfloat16, False)
-        return Precision(torch.float16, True)  # e.g. a T4
+        if capability >= (7, 0) or capability == (6, 0):  # T4, V100, P100
+            return Precision(torch.float16, True)
+        return Precision(None, False)  # e.g. GTX 10xx: slow float16
     if device.type == "cpu" and cpu_has_native_bf16():
         return Precision(torch.bfloat16, False)
     return Precision(None, False)  # MPS, and CPUs without native bf16
@@ -1546,6 +1548,11 @@ def place_process(rank, world_size, distributed, device=None):
     if device is None:
         device = process_device(rank, world_size if distributed else 1)
     device = torch.device(device)
+    if distributed and device.type == "mps":
+        raise ValueError(
+            "several processes train on the CPU on a Mac (gloo cannot send"
+            " MPS tensors): pass device='cpu'"
+        )
     if device.type == "cuda":
         if device.index is None:  # plain "cuda": the current GPU
             device = torch.device("cuda", torch.cuda.current_device())

@@ -904,10 +904,11 @@ def encode_pairs(pairs, vocab_src, vocab_tgt, spacy_de, spacy_en):
 def collate_batch(batch, pad_id=PAD):
     """Pad encoded (src, tgt) id lists to the longest in this batch."""
     pad = torch.nn.utils.rnn.pad_sequence
-    # zip(*batch): [(src, tgt), ...] -> (all sources, all targets)
-    sides = [[torch.tensor(ids) for ids in side] for side in zip(*batch)]
-    padded = [pad(s, batch_first=True, padding_value=pad_id) for s in sides]
-    return tuple(padded)  # (B, S), (B, T)
+    sources = [torch.tensor(src) for src, _ in batch]
+    targets = [torch.tensor(tgt) for _, tgt in batch]
+    src = pad(sources, batch_first=True, padding_value=pad_id)  # (B, S)
+    tgt = pad(targets, batch_first=True, padding_value=pad_id)  # (B, T)
+    return src, tgt
 
 
 def bucket(order, sizes, max_tokens):
@@ -973,12 +974,14 @@ def create_dataloaders(
 ):
     """Train and validation DataLoaders of padded (src, tgt) CPU tensors."""
     loaders = []
-    first_pairs = {"train": max_train_pairs, "val": max_train_pairs // 4}
-    for split, n_pairs in first_pairs.items():
-        pairs = read_multi30k(split)[: n_pairs or None]
+    for split in ("train", "val"):
+        train = split == "train"
+        pairs = read_multi30k(split)
+        n_pairs = max_train_pairs if train else max_train_pairs // 4
+        if n_pairs:  # the tiny `ci` preset keeps only the first pairs
+            pairs = pairs[:n_pairs]
         data = encode_pairs(pairs, vocab_src, vocab_tgt, spacy_de, spacy_en)
         lengths = [(len(s), len(t)) for s, t in data]
-        train = split == "train"
         sampler = TokenBatchSampler(
             lengths,
             max_tokens,
@@ -1072,7 +1075,9 @@ def model_from_config(c, n_src, n_tgt, dropout=None):
 
 def warmup_then_linear(step, peak, warmup, total):
     """Linear warm-up to `peak`, then a straight line to zero at `total`."""
-    step = max(step, 1)  # LambdaLR's step 0, the first step, as in `rate`
+    # LambdaLR's step 0 is the first step; it gets step 1's rate, as in
+    # `rate` (Part 2's copy schedule shifted every step by one instead).
+    step = max(step, 1)
     if step < warmup:
         return peak * step / warmup
     return peak * max(0, total - step) / max(1, total - warmup)
@@ -1358,7 +1363,8 @@ class AttentionMaps:
             cols, col_keep, col_ids = self.src_tokens, src_keep, self.src_ids
         allowed = col_keep.expand(len(row_keep), len(col_keep))  # (R, C)
         if kind == "decoder self":
-            allowed = allowed & subsequent_mask(len(col_keep))[0]
+            future = subsequent_mask(len(col_keep), col_keep.device)[0]
+            allowed = allowed & future  # (R, C)
         weights = getattr(self, ATTENTION_KINDS[kind])  # (N, h, R, C)
         return AttentionView(
             weights, allowed, rows, cols, row_keep, col_keep, col_ids
@@ -1423,7 +1429,7 @@ def attention_maps(
 def _mean(x, keep):
     """Mean of (N, h, R) over the rows where keep (R,) is True; 0 if none."""
     if not keep.any():
-        return torch.zeros(x.shape[:-1], dtype=x.dtype)  # (N, h)
+        return x.new_zeros(x.shape[:-1])  # (N, h)
     return x[..., keep].mean(-1)
 
 
@@ -1433,8 +1439,10 @@ def _diagonal(v, kind):
     The diagonal is where j == i. For "decoder source", row i is rescaled
     to i (S-1) / (T-1), so they need not be whole numbers."""
     R, C = v.allowed.shape
-    i = torch.arange(R, dtype=torch.float64)[:, None]  # (R, 1)
-    j = torch.arange(C, dtype=torch.float64)[None, :]  # (1, C)
+    # Made beside the weights, on the CPU: Apple's GPU has no float64.
+    f64 = {"dtype": torch.float64, "device": v.weights.device}
+    i = torch.arange(R, **f64)[:, None]  # (R, 1)
+    j = torch.arange(C, **f64)[None, :]  # (1, C)
     if kind == "decoder source":  # proportional: j = i (S-1) / (T-1)
         rows, cols = int(v.row_keep.sum()), int(v.col_keep.sum())
         i = i * (cols - 1) / max(rows - 1, 1)
@@ -1448,7 +1456,8 @@ def _head_statistics(v, kind, specials):
     offset = j - i.round()  # (R, C)
     n = v.allowed.sum(-1)  # (R,) keys each query may see
     H = -torch.special.xlogy(w, w).sum(-1)  # (N, h, R); 0·log 0 = 0
-    special = torch.isin(v.col_ids, torch.tensor(specials))  # (C,)
+    specials = torch.tensor(specials, device=v.col_ids.device)
+    special = torch.isin(v.col_ids, specials)  # (C,)
     sums = {
         "distance": (w * (j - i).abs()).sum(-1),  # each (N, h, R)
         "previous": (w * (offset == -1)).sum(-1),

@@ -583,11 +583,22 @@ def plain_epoch(batches, model, loss_compute, optimizer, scheduler=None):
 # formula has no value at step 0 ($0^{-0.5}$), so `rate` treats step 0 as
 # step 1.
 #
-# `make_optimizer` builds the pair: Adam and a `LambdaLR` running `rate`.
-# Two options serve the copy task and later parts. `schedule` replaces
+# `make_optimizer` builds the pair. At its core it is two lines:
+#
+# ```python
+# optimizer = torch.optim.Adam(
+#     model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9
+# )
+# scheduler = LambdaLR(
+#     optimizer, lambda step: rate(step, d_model, factor, warmup)
+# )
+# ```
+#
+# The function around them adds three options. `schedule` replaces
 # `rate` with another function of the step: the copy task below uses a
 # shorter one, and so do Part 3's recipes. `weight_decay` turns Adam into
-# AdamW, as its docstring explains.
+# AdamW, as its docstring explains. And `fused=True` asks for Adam's
+# one-pass update where the parameters' device has it.
 
 
 # %%
@@ -748,8 +759,10 @@ def copy_accuracy(model, n, V=11, seq_len=10, generator=None):
 #   0.1 and a 10-step warm-up).
 # * **Small batches** of 16 sequences: what this task needs is many
 #   optimizer steps more than many sequences, so small batches buy more
-#   steps for the same sequences. In our timings, 16 learned to copy in
-#   fewer seconds than 8 or 32.
+#   steps for the same sequences. In our sweep (`bench/RESULTS.md`),
+#   batches of 32 needed fewer steps than 16 (231 against 255), but each
+#   cost almost twice as much (211 against 109 ms); batches of 8 needed
+#   463 steps.
 # * **No dropout**: with fresh data in every batch, the model cannot
 #   memorize its training set.
 # * **No label smoothing**: the right next token is certain.
@@ -840,8 +853,9 @@ optimizer, scheduler = make_optimizer(
 # Before training, the check must fail. The held-out sequences come from
 # their own generator, `held_out()`, with a fixed seed, so calling it
 # again after training draws the same 1,000 sequences: before and after
-# are measured on the same test. Its seed differs from the training
-# data's; a cell below checks that no held-out sequence was trained on.
+# are measured on the same test. Its seed, 12345, differs from the
+# training data's (0, in the training cell below); a cell below checks
+# that no held-out sequence was trained on.
 
 
 # %%
@@ -858,8 +872,7 @@ assert before < 0.01
 # The loop is `plain_epoch` over 20 fresh batches per epoch, with one
 # line of log per epoch: the optimizer steps so far (`LambdaLR` counts
 # them in `scheduler.last_epoch`, which despite its name counts steps
-# here), the epoch's mean loss per token, and
-# the time so far. Each
+# here), the epoch's mean loss per token, and the time so far. Each
 # batch's loss is computed before the optimizer learns from that batch, so
 # the printed loss is measured on data the model had not yet seen.
 

@@ -18,8 +18,10 @@
 # train on real sentences: Multi30k (Elliott et al., 2016), about 31,000
 # image captions written in English and translated into German. It is tiny
 # next to the 4.5 million sentence pairs of WMT 2014 that the paper used,
-# but large enough to learn a usable translator in 14 to 20 minutes on
-# two CPU cores (about 10 with native bf16), or in under two minutes on an
+# but large enough to learn a usable translator in 14 to 19 minutes on
+# two CPU cores (about 10 on a CPU that computes in bf16, a 16-bit format,
+# natively; the training cell's first line says which yours does), or in
+# under two minutes on an
 # H100 GPU. Colab's free T4 was not measured: the training cell below says
 # how to read its time off the progress bar.
 #
@@ -321,10 +323,11 @@ def encode_pairs(pairs, vocab_src, vocab_tgt, spacy_de, spacy_en):
 def collate_batch(batch, pad_id=PAD):
     """Pad encoded (src, tgt) id lists to the longest in this batch."""
     pad = torch.nn.utils.rnn.pad_sequence
-    # zip(*batch): [(src, tgt), ...] -> (all sources, all targets)
-    sides = [[torch.tensor(ids) for ids in side] for side in zip(*batch)]
-    padded = [pad(s, batch_first=True, padding_value=pad_id) for s in sides]
-    return tuple(padded)  # (B, S), (B, T)
+    sources = [torch.tensor(src) for src, _ in batch]
+    targets = [torch.tensor(tgt) for _, tgt in batch]
+    src = pad(sources, batch_first=True, padding_value=pad_id)  # (B, S)
+    tgt = pad(targets, batch_first=True, padding_value=pad_id)  # (B, T)
+    return src, tgt
 
 
 # %%
@@ -522,12 +525,14 @@ def create_dataloaders(
 ):
     """Train and validation DataLoaders of padded (src, tgt) CPU tensors."""
     loaders = []
-    first_pairs = {"train": max_train_pairs, "val": max_train_pairs // 4}
-    for split, n_pairs in first_pairs.items():
-        pairs = read_multi30k(split)[: n_pairs or None]
+    for split in ("train", "val"):
+        train = split == "train"
+        pairs = read_multi30k(split)
+        n_pairs = max_train_pairs if train else max_train_pairs // 4
+        if n_pairs:  # the tiny `ci` preset keeps only the first pairs
+            pairs = pairs[:n_pairs]
         data = encode_pairs(pairs, vocab_src, vocab_tgt, spacy_de, spacy_en)
         lengths = [(len(s), len(t)) for s, t in data]
-        train = split == "train"
         sampler = TokenBatchSampler(
             lengths,
             max_tokens,
@@ -582,7 +587,8 @@ def report_left_out(sampler, split):
 # one of the paper's authors); the other value, `"linear"`, comes below.
 # An epoch is 153 batches, so the 800-step warm-up lasts about five
 # epochs (the paper: 4,000 of 100,000 steps). That is our choice for a
-# small data set, not a tuned value.
+# small data set, not a tuned value; a pre-norm model needs less warm-up
+# than the paper's (Part 2).
 #
 # The batches: `max_tokens`, `max_len`, `max_train_pairs` and
 # `num_workers` are the arguments of `create_dataloaders`, above, and
@@ -668,7 +674,9 @@ def model_from_config(c, n_src, n_tgt, dropout=None):
 #| export
 def warmup_then_linear(step, peak, warmup, total):
     """Linear warm-up to `peak`, then a straight line to zero at `total`."""
-    step = max(step, 1)  # LambdaLR's step 0, the first step, as in `rate`
+    # LambdaLR's step 0 is the first step; it gets step 1's rate, as in
+    # `rate` (Part 2's copy schedule shifted every step by one instead).
+    step = max(step, 1)
     if step < warmup:
         return peak * step / warmup
     return peak * max(0, total - step) / max(1, total - warmup)
@@ -940,10 +948,12 @@ assert last < guess
 # GPU it ends with the GPU memory used). The recorded run's validation
 # losses were 3.13, 2.12, 1.70, 1.52 and 1.46. How long it takes:
 #
-# - a 2-core CPU in float32: 14 to 20 minutes (the recorded run's
-#   training took 13.9, `results/recipe_quick.json`; whole runs of this
-#   notebook took 14 to 22, `results/make_notebook.md`);
-# - a 2-core CPU with native bf16: about 10 minutes;
+# - a 2-core CPU in float32: 14 to 19 minutes (the reference run's
+#   training took 13.9, `results/recipe_quick.json`; in the recorded
+#   runs of this notebook, epochs ended 3.2 to 3.7 minutes apart,
+#   `results/make_notebook.md`);
+# - a 2-core CPU with native bf16 (the first line then reads `bfloat16
+#   autocast`): about 10 minutes;
 # - an H100 GPU: under two minutes (the whole notebook took 88 s there,
 #   beside other checks, `docs/gpu.md`);
 # - Colab's T4, a Mac, other CPUs: not measured. The progress bar shows
@@ -966,6 +976,11 @@ assert last < guess
 # The section "Why the quick recipe works", just after the cell that
 # compares your losses with the recorded ones, is good reading while you
 # wait.
+#
+# Too slow? Stop the cell (■); running it again later goes on from the
+# last finished epoch. The cells after it need the finished run's
+# `final.pt`, so they fail until it exists. A GPU trains it in minutes:
+# open this notebook in Colab from the README's badge.
 
 # %%
 preset = "ci" if AT_SIZE == "ci" else "quick"
@@ -974,16 +989,16 @@ config = tools.get_config(
 )
 final_checkpoint = Path(config.checkpoint_dir, "final.pt")
 history = None  # stays None when a trained model is found
-if preset == "ci" or not final_checkpoint.exists():
+if preset == "quick" and final_checkpoint.exists():
+    print(f"found {final_checkpoint}: not training again")
+else:
     # A stopped `quick` run goes on from its last finished epoch; the
-    # tests' tiny run always starts afresh.
+    # tests' tiny `ci` run always starts afresh.
     stopped = tools.resume_point(config.checkpoint_dir) is not None
     resume = preset == "quick" and stopped
     history = tools.train_model(
         *vocabs, *tokenizers, config, device=device, resume=resume
     )
-else:
-    print(f"found {final_checkpoint}: not training again")
 
 # %% [markdown]
 # Your run beside the recorded one. When the training cell above has
@@ -1029,16 +1044,17 @@ if history is not None and preset == "quick":
 # - **Batches of 3,000 tokens, not fewer.** Two trials, both with dropout
 #   0.1 and a linear decay, compared 660 steps of batches of up to 3,000
 #   tokens with 1,600 steps of batches of up to 1,500 (more positions in
-#   all; its 200-step warm-up gave it a slightly higher peak, 2.7e-3).
+#   all; the 1,500-token trial's 200-step warm-up gave it a slightly
+#   higher peak, 2.7e-3).
 #   The larger batches scored 32.46 validation BLEU, the smaller 27.17.
 #   Smaller batches won only in runs shorter than two epochs.
 #
 # The trials, with their commands, machines and times, are in
 # `results/recipe_sweep.md`. Its scores replace `<unk>` by a German word
-# (Part 4), which raises them; even so, the two trials above score below
-# the recorded run's 34.52 (which keeps `<unk>`; its curve is in
-# "BLEU"), since both kept dropout 0.1
-# and neither took `quick`'s 765 steps of full-size batches.
+# (Part 4), which raises them; even so, the two batch-size trials score
+# below the recorded run's 34.52 (which keeps `<unk>`; its curve is in
+# "BLEU"), since both kept dropout 0.1 and neither took `quick`'s 765
+# steps of full-size batches.
 
 # %% [markdown]
 # ## Decoding
@@ -1171,7 +1187,7 @@ hyps = tools.translate_batch(
     trained_tgt,
     decode_fn=batch_greedy_decode,
     replace_unk=False,
-    progress=True,  # about half a minute on one CPU thread
+    progress=True,  # a bar while test2016's 1,000 sentences decode
 )
 for de, en, hyp in zip(sources[:3], references, hyps):
     print(f"{de}\n  reference: {en}\n  model:     {hyp}")
@@ -1246,7 +1262,8 @@ tools.line_chart(
 #   the training split; the rest become `<unk>`.
 # - `TokenBatchSampler` groups sentences of similar length into batches
 #   of up to 3,000 tokens, with under 10% padding.
-# - `train_one_process` is all of training; the `quick` recipe (no
+# - `train_one_process` is the whole training loop; `train_model` adds
+#   checkpoints and 16-bit arithmetic, and with the `quick` recipe (no
 #   dropout, a schedule that ends) trains a translator in five epochs.
 # - `batch_greedy_decode` translates many sentences at once, as Part 2's
 #   `greedy_decode` does one at a time, and sacreBLEU scores the result:

@@ -228,7 +228,8 @@ class AttentionMaps:
             cols, col_keep, col_ids = self.src_tokens, src_keep, self.src_ids
         allowed = col_keep.expand(len(row_keep), len(col_keep))  # (R, C)
         if kind == "decoder self":
-            allowed = allowed & subsequent_mask(len(col_keep))[0]
+            future = subsequent_mask(len(col_keep), col_keep.device)[0]
+            allowed = allowed & future  # (R, C)
         weights = getattr(self, ATTENTION_KINDS[kind])  # (N, h, R, C)
         return AttentionView(
             weights, allowed, rows, cols, row_keep, col_keep, col_ids
@@ -770,7 +771,7 @@ assert not torch.allclose(dropped.sum(-1), clean.sum(-1))
 def _mean(x, keep):
     """Mean of (N, h, R) over the rows where keep (R,) is True; 0 if none."""
     if not keep.any():
-        return torch.zeros(x.shape[:-1], dtype=x.dtype)  # (N, h)
+        return x.new_zeros(x.shape[:-1])  # (N, h)
     return x[..., keep].mean(-1)
 
 
@@ -780,8 +781,10 @@ def _diagonal(v, kind):
     The diagonal is where j == i. For "decoder source", row i is rescaled
     to i (S-1) / (T-1), so they need not be whole numbers."""
     R, C = v.allowed.shape
-    i = torch.arange(R, dtype=torch.float64)[:, None]  # (R, 1)
-    j = torch.arange(C, dtype=torch.float64)[None, :]  # (1, C)
+    # Made beside the weights, on the CPU: Apple's GPU has no float64.
+    f64 = {"dtype": torch.float64, "device": v.weights.device}
+    i = torch.arange(R, **f64)[:, None]  # (R, 1)
+    j = torch.arange(C, **f64)[None, :]  # (1, C)
     if kind == "decoder source":  # proportional: j = i (S-1) / (T-1)
         rows, cols = int(v.row_keep.sum()), int(v.col_keep.sum())
         i = i * (cols - 1) / max(rows - 1, 1)
@@ -831,7 +834,8 @@ def _head_statistics(v, kind, specials):
     offset = j - i.round()  # (R, C)
     n = v.allowed.sum(-1)  # (R,) keys each query may see
     H = -torch.special.xlogy(w, w).sum(-1)  # (N, h, R); 0·log 0 = 0
-    special = torch.isin(v.col_ids, torch.tensor(specials))  # (C,)
+    specials = torch.tensor(specials, device=v.col_ids.device)
+    special = torch.isin(v.col_ids, specials)  # (C,)
     sums = {
         "distance": (w * (j - i).abs()).sum(-1),  # each (N, h, R)
         "previous": (w * (offset == -1)).sum(-1),

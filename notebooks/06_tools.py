@@ -1267,16 +1267,18 @@ print(summary)
 #   of compute capability 8.0 or more (A100, L4, H100, RTX 30xx and later)
 #   and CPUs with AVX512-BF16 or AMX. bf16 has the range of float32, so no
 #   loss scaling is needed.
-# * **float16 autocast with a `GradScaler`** on older CUDA GPUs (compute
-#   capability below 8.0), such as Colab's T4.
+# * **float16 autocast with a `GradScaler`** on CUDA GPUs of compute
+#   capability 7.x (tensor cores without bf16: Colab's T4, V100, RTX
+#   20xx) and 6.0 (P100, whose float16 runs at twice its float32).
 #   `torch.cuda.is_bf16_supported()` answers yes on a T4, but it counts
 #   emulation, which is slower than float32. float16 is native on a T4,
 #   but its range is small: the scaler multiplies the loss before the
 #   backward pass so that small gradients do not round to zero, divides
 #   the gradients again before the step, and skips a step whose gradients
-#   overflowed. (Much older cards, such as the GTX 10xx series, compute
-#   float16 slowly; there `precision="fp32"` is the better choice.)
-# * **float32** everywhere else: on CPUs without native bf16, and on MPS,
+#   overflowed.
+# * **float32** everywhere else: on other CUDA GPUs (the GTX 10xx series,
+#   capability 6.1, computes float16 at a small fraction of its float32
+#   speed), on CPUs without native bf16, and on MPS,
 #   where this project never measured or tested 16-bit training (no Mac
 #   was at hand), so it takes the safe default.
 #
@@ -1322,10 +1324,12 @@ def choose_precision(device, precision="bf16"):
     if precision == "fp32":
         return Precision(None, False)
     if device.type == "cuda":
-        major, _ = torch.cuda.get_device_capability(device)
-        if major >= 8:  # Ampere and later: native bf16
+        capability = torch.cuda.get_device_capability(device)
+        if capability >= (8, 0):  # Ampere and later: native bf16
             return Precision(torch.bfloat16, False)
-        return Precision(torch.float16, True)  # e.g. a T4
+        if capability >= (7, 0) or capability == (6, 0):  # T4, V100, P100
+            return Precision(torch.float16, True)
+        return Precision(None, False)  # e.g. GTX 10xx: slow float16
     if device.type == "cpu" and cpu_has_native_bf16():
         return Precision(torch.bfloat16, False)
     return Precision(None, False)  # MPS, and CPUs without native bf16
@@ -2387,6 +2391,11 @@ def place_process(rank, world_size, distributed, device=None):
     if device is None:
         device = process_device(rank, world_size if distributed else 1)
     device = torch.device(device)
+    if distributed and device.type == "mps":
+        raise ValueError(
+            "several processes train on the CPU on a Mac (gloo cannot send"
+            " MPS tensors): pass device='cpu'"
+        )
     if device.type == "cuda":
         if device.index is None:  # plain "cuda": the current GPU
             device = torch.device("cuda", torch.cuda.current_device())

@@ -79,6 +79,8 @@ MACHINES = {
     "no GPU, AMX CPU": dict(cpu_bf16=True),
     "one T4": dict(gpus=1, capability=(7, 5)),
     "one A100": dict(gpus=1, capability=(8, 0)),
+    "one P100": dict(gpus=1, capability=(6, 0)),
+    "one GTX 1080": dict(gpus=1, capability=(6, 1)),
     "two A100s": dict(gpus=2, capability=(8, 0)),
     "a Mac": dict(mps=True),
 }
@@ -138,6 +140,8 @@ BF16, FP16 = torch.bfloat16, torch.float16
         ("no GPU, AMX CPU", "cpu", "fp32", None, False),
         ("one T4", "cuda", "bf16", FP16, True),  # 7.5: fp16 + GradScaler
         ("one T4", "cuda", "fp32", None, False),
+        ("one P100", "cuda", "bf16", FP16, True),  # fast float16
+        ("one GTX 1080", "cuda", "bf16", None, False),  # slow float16
         ("one A100", "cuda", "bf16", BF16, False),  # 8.0: native bf16
         ("one A100", "cuda:0", "fp32", None, False),
         ("a Mac", "mps", "bf16", None, False),  # float32 on MPS
@@ -566,7 +570,7 @@ def test_the_hardware_summary_names_the_accelerator(machine, keys):
     [
         ("no GPU", "cpu", False),
         ("one T4", "cuda:0", True),
-        ("a Mac", "mps", False),
+        ("a Mac", "cpu", False),  # as train_distributed_model passes
     ],
     indirect=["machine"],
 )
@@ -594,6 +598,20 @@ def test_worker_pins_memory_on_cuda_and_always_leaves_the_group(
         )
     assert asked["pin_memory"] is pinned
     assert len(machine.groups) == 1 and machine.destroyed == 1
+
+
+@with_machine("a Mac")
+def test_a_process_group_on_mps_is_refused_before_joining(machine):
+    """gloo cannot send MPS tensors; train_worker(device="mps") with
+    several processes joined a group and wrapped an MPS model in DDP."""
+    vocab = tat.Vocab(tat.SPECIALS)
+    config = tools.get_config("ci")
+    with pytest.raises(ValueError, match="device='cpu'"):
+        tools.train_worker(
+            0, 2, vocab, vocab, None, None, config, True, device="mps"
+        )
+    assert machine.groups == []
+    assert tools.place_process(0, 1, False, "mps") == torch.device("mps")
 
 
 # --------------------------------------------- notebook 03's training cell
@@ -1004,3 +1022,19 @@ def test_positional_table_is_built_where_float64_exists():
     with torch.device("meta"), DeviceWithoutFloat64():
         with pytest.raises(TypeError, match="float64"):  # it does fire
             torch.zeros(1, dtype=torch.float64)
+
+
+def test_attention_statistics_stay_beside_the_weights():
+    """Part 4's statistics made float64 and mask tensors on the default
+    device: under torch.set_default_device("mps") they failed (float64),
+    and the decoder's mask landed on another device than the weights."""
+    torch.manual_seed(0)
+    model = tat.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
+    src, tgt = [0, 5, 6, 7, 1], [0, 8, 9, 1]
+    maps = tat.attention_maps(model, src, tgt)
+    reference = tat.attention_statistics(maps)
+    with torch.device("meta"), DeviceWithoutFloat64():
+        views = [maps.view(kind) for kind in tat.ATTENTION_KINDS]
+        stats = tat.attention_statistics(maps)
+    assert {v.allowed.device.type for v in views} == {"cpu"}
+    assert stats == reference and len(stats) == 3 * 2  # kinds × heads
