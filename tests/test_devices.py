@@ -1038,3 +1038,57 @@ def test_attention_statistics_stay_beside_the_weights():
         stats = tat.attention_statistics(maps)
     assert {v.allowed.device.type for v in views} == {"cpu"}
     assert stats == reference and len(stats) == 3 * 2  # kinds × heads
+
+
+def test_a_checkpoint_saved_on_a_gpu_loads_on_this_cpu(tmp_path, monkeypatch):
+    """Every load maps to the CPU: a final.pt trained on Colab's GPU must
+    load on a laptop or a Mac, where torch.load alone refuses it."""
+    torch.manual_seed(0)
+    model = tat.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
+    optimizer, _ = tat.make_optimizer(model, d_model=16)
+    model.generator(
+        model.encode(torch.ones(1, 3).long(), None)
+    ).sum().backward()
+    optimizer.step()  # Adam's state now holds tensors too
+    path = tmp_path / "last.pt"
+    with monkeypatch.context() as gpu:  # torch.save records "cuda:0"
+        gpu.setattr(torch.serialization, "location_tag", lambda s: "cuda:0")
+        tools.save_checkpoint(
+            path, model=model.state_dict(), optimizer=optimizer.state_dict()
+        )
+    with pytest.raises(RuntimeError, match="CUDA device"):
+        torch.load(path, weights_only=True)  # the file really says GPU
+    ckpt = tools.load_checkpoint(path)
+    for name, weight in model.state_dict().items():
+        assert ckpt["model"][name].device.type == "cpu"
+        assert torch.equal(ckpt["model"][name], weight)
+    found, resumed = tools.resume_checkpoint(tmp_path)
+    assert found == path
+    optimizer.load_state_dict(resumed["optimizer"])  # a CPU run resumes
+    assert {s["exp_avg"].device.type for s in optimizer.state.values()} == {
+        "cpu"
+    }
+
+
+@pytest.mark.parametrize("device, fused", [("cpu", True), ("meta", False)])
+def test_fused_adam_only_where_it_exists(device, fused):
+    """Adam(fused=True) exists on the CPU and CUDA only; "meta" stands in
+    for Apple's MPS, where asking for it failed in older torch."""
+    with torch.device(device):
+        model = tat.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2)
+    optimizer, _ = tat.make_optimizer(model, d_model=16)
+    assert optimizer.defaults["fused"] is fused
+
+
+def test_fused_attention_off_the_cpu_even_with_dropout():
+    """Only a CPU trains with dropout outside the fused routine."""
+    mha = tat.MultiHeadedAttention(2, 16, dropout=0.1).train()
+    assert mha.use_fused(torch.zeros(1, 2, 3, 8, device="meta"))
+    assert not mha.use_fused(torch.zeros(1, 2, 3, 8))  # CPU, dropout
+    assert mha.eval().use_fused(torch.zeros(1, 2, 3, 8))
+
+
+@with_machine("one T4")
+def test_torchrun_two_processes_on_one_gpu_is_refused(machine):
+    with pytest.raises(ValueError, match="need a GPU each.*at most 1"):
+        tools.torchrun_device(2, 1, 2)
