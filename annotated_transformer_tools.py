@@ -77,6 +77,7 @@ from the_annotated_transformer import (
     TrainConfig,
     TrainState,
     Vocab,
+    attention_view,
     beam_search,
     build_vocabulary,
     cached_greedy_decode,
@@ -209,7 +210,7 @@ def attention_frame(maps, kind):
     """One kind of attention as a long pandas table, padding left out."""
     import pandas as pd
 
-    v = maps.view(kind)
+    v = attention_view(maps, kind)  # also takes Part 4's own maps
     rows = v.row_keep.nonzero()[:, 0]  # (R',) positions of real tokens
     cols = v.col_keep.nonzero()[:, 0]  # (C',)
     w = v.weights[:, :, rows][:, :, :, cols]  # (N, h, R', C')
@@ -302,7 +303,7 @@ def attention_chart(maps, kind, layer=None, columns=4, cell=18):
     import altair as alt
 
     frame = attention_frame(maps, kind).round({"weight": 5})
-    v = maps.view(kind)
+    v = attention_view(maps, kind)  # also takes Part 4's own maps
     N, h = v.weights.shape[:2]
     pick = _layer_picker(kind, N, layer)
     lookups = _token_lookups(maps, v, frame)

@@ -1320,18 +1320,6 @@ ATTENTION_KINDS = {
 }
 
 
-class AttentionView(NamedTuple):
-    """One kind of attention with its labels and masks."""
-
-    weights: torch.Tensor  # (N, h, R, C)
-    allowed: torch.Tensor  # (R, C) bool, False where masked
-    rows: list  # R query labels
-    cols: list  # C key labels
-    row_keep: torch.Tensor  # (R,) bool, False at padding
-    col_keep: torch.Tensor  # (C,) bool, False at padding
-    col_ids: torch.Tensor  # (C,) token ids of the keys
-
-
 @dataclass
 class AttentionMaps:
     """One sentence's attention weights, (N, h, rows, cols) for each kind."""
@@ -1347,28 +1335,8 @@ class AttentionMaps:
     pad: int = PAD
 
     def view(self, kind):
-        """The weights of one kind with its labels and masks."""
-        if kind not in ATTENTION_KINDS:
-            raise ValueError(f"kind must be one of {list(ATTENTION_KINDS)}")
-        src_keep = self.src_ids != self.pad  # (S,)
-        tgt_keep = self.tgt_ids != self.pad  # (T,)
-        if kind == "encoder self":  # source reads source
-            rows, row_keep = self.src_tokens, src_keep
-            cols, col_keep, col_ids = self.src_tokens, src_keep, self.src_ids
-        elif kind == "decoder self":  # English reads English
-            rows, row_keep = self.tgt_tokens, tgt_keep
-            cols, col_keep, col_ids = self.tgt_tokens, tgt_keep, self.tgt_ids
-        else:  # "decoder source": English reads source
-            rows, row_keep = self.tgt_tokens, tgt_keep
-            cols, col_keep, col_ids = self.src_tokens, src_keep, self.src_ids
-        allowed = col_keep.expand(len(row_keep), len(col_keep))  # (R, C)
-        if kind == "decoder self":
-            future = subsequent_mask(len(col_keep), col_keep.device)[0]
-            allowed = allowed & future  # (R, C)
-        weights = getattr(self, ATTENTION_KINDS[kind])  # (N, h, R, C)
-        return AttentionView(
-            weights, allowed, rows, cols, row_keep, col_keep, col_ids
-        )
+        """One kind's weights with labels and masks: an AttentionView."""
+        return attention_view(self, kind)  # in "Can we trust ..." below
 
 
 def _recorded_weights(model, src, src_mask, tgt_in, pad):
@@ -1380,6 +1348,7 @@ def _recorded_weights(model, src, src_mask, tgt_in, pad):
         enc = [layer.self_attn.attn[0] for layer in model.encoder.layers]
         dec = [layer.self_attn.attn[0] for layer in model.decoder.layers]
         cross = [layer.src_attn.attn[0] for layer in model.decoder.layers]
+    # float32 on the CPU, whatever precision and device the model used
     return [torch.stack(w).float().cpu() for w in (enc, dec, cross)]
 
 
@@ -1419,6 +1388,47 @@ def attention_maps(
         tgt_tokens=_labels(tgt[:-1], vocab_tgt),
         next_tokens=_labels(tgt[1:], vocab_tgt),
         pad=pad,
+    )
+
+
+# -----------------------------------------------------------------------------
+# Can we trust these pictures?
+# Explained in notebooks/04_attention.py, same heading.
+# -----------------------------------------------------------------------------
+class AttentionView(NamedTuple):
+    """One kind of attention with its labels and masks."""
+
+    weights: torch.Tensor  # (N, h, R, C)
+    allowed: torch.Tensor  # (R, C) bool, False where masked
+    rows: list  # R query labels
+    cols: list  # C key labels
+    row_keep: torch.Tensor  # (R,) bool, False at padding
+    col_keep: torch.Tensor  # (C,) bool, False at padding
+    col_ids: torch.Tensor  # (C,) token ids of the keys
+
+
+def attention_view(maps, kind):
+    """The weights of one kind with its labels and masks."""
+    if kind not in ATTENTION_KINDS:
+        raise ValueError(f"kind must be one of {list(ATTENTION_KINDS)}")
+    src_keep = maps.src_ids != maps.pad  # (S,)
+    tgt_keep = maps.tgt_ids != maps.pad  # (T,)
+    if kind == "encoder self":  # source reads source
+        rows, row_keep = maps.src_tokens, src_keep
+        cols, col_keep, col_ids = maps.src_tokens, src_keep, maps.src_ids
+    elif kind == "decoder self":  # English reads English
+        rows, row_keep = maps.tgt_tokens, tgt_keep
+        cols, col_keep, col_ids = maps.tgt_tokens, tgt_keep, maps.tgt_ids
+    else:  # "decoder source": English reads source
+        rows, row_keep = maps.tgt_tokens, tgt_keep
+        cols, col_keep, col_ids = maps.src_tokens, src_keep, maps.src_ids
+    allowed = col_keep.expand(len(row_keep), len(col_keep))  # (R, C)
+    if kind == "decoder self":
+        future = subsequent_mask(len(col_keep), col_keep.device)[0]
+        allowed = allowed & future  # (R, C)
+    weights = getattr(maps, ATTENTION_KINDS[kind])  # (N, h, R, C)
+    return AttentionView(
+        weights, allowed, rows, cols, row_keep, col_keep, col_ids
     )
 
 
@@ -2028,9 +2038,10 @@ __all__ = [
     "split_file",
     "record_attention",
     "ATTENTION_KINDS",
-    "AttentionView",
     "AttentionMaps",
     "attention_maps",
+    "AttentionView",
+    "attention_view",
     "attention_statistics",
     "attention_summary",
     "source_alignment",

@@ -157,13 +157,8 @@ def record_attention(model):
 # | decoder source | decoder inputs | source tokens | `(N, h, T, S)` |
 #
 # A kind is one of these three strings everywhere below, and
-# `ATTENTION_KINDS` maps each to the field of `AttentionMaps` (two cells
-# down) that holds its weights. `view(kind)` returns the weights
-# of one kind with the labels and masks that the charts and the
-# statistics need: it pairs each kind's weights with the mask of the keys
-# its queries may see. On a first read you can skim `AttentionView` and
-# `view`; the first charts use the labels, and the statistics, much
-# later, use `row_keep`, `col_keep` and `col_ids`.
+# `ATTENTION_KINDS` maps each to the field of `AttentionMaps` (next cell
+# but one) that holds its weights.
 
 
 # %%
@@ -175,24 +170,11 @@ ATTENTION_KINDS = {
 }
 
 
-class AttentionView(NamedTuple):
-    """One kind of attention with its labels and masks."""
-
-    weights: torch.Tensor  # (N, h, R, C)
-    allowed: torch.Tensor  # (R, C) bool, False where masked
-    rows: list  # R query labels
-    cols: list  # C key labels
-    row_keep: torch.Tensor  # (R,) bool, False at padding
-    col_keep: torch.Tensor  # (C,) bool, False at padding
-    col_ids: torch.Tensor  # (C,) token ids of the keys
-
-
 # %% [markdown]
 # `AttentionMaps` keeps the weights of one sentence with its token ids and
-# labels. Its `view` picks, for each kind, which side gives the queries
-# and which the keys: the source for the encoder, the English for the
-# decoder's own attention, and English queries with German keys for the
-# decoder's look at the source.
+# labels. Its `view(kind)`, which the charts call, returns one kind's
+# weights with their labels and masks; "Can we trust these pictures?"
+# shows it, where its masks are first needed.
 
 
 # %%
@@ -212,37 +194,16 @@ class AttentionMaps:
     pad: int = PAD
 
     def view(self, kind):
-        """The weights of one kind with its labels and masks."""
-        if kind not in ATTENTION_KINDS:
-            raise ValueError(f"kind must be one of {list(ATTENTION_KINDS)}")
-        src_keep = self.src_ids != self.pad  # (S,)
-        tgt_keep = self.tgt_ids != self.pad  # (T,)
-        if kind == "encoder self":  # source reads source
-            rows, row_keep = self.src_tokens, src_keep
-            cols, col_keep, col_ids = self.src_tokens, src_keep, self.src_ids
-        elif kind == "decoder self":  # English reads English
-            rows, row_keep = self.tgt_tokens, tgt_keep
-            cols, col_keep, col_ids = self.tgt_tokens, tgt_keep, self.tgt_ids
-        else:  # "decoder source": English reads source
-            rows, row_keep = self.tgt_tokens, tgt_keep
-            cols, col_keep, col_ids = self.src_tokens, src_keep, self.src_ids
-        allowed = col_keep.expand(len(row_keep), len(col_keep))  # (R, C)
-        if kind == "decoder self":
-            future = subsequent_mask(len(col_keep), col_keep.device)[0]
-            allowed = allowed & future  # (R, C)
-        weights = getattr(self, ATTENTION_KINDS[kind])  # (N, h, R, C)
-        return AttentionView(
-            weights, allowed, rows, cols, row_keep, col_keep, col_ids
-        )
+        """One kind's weights with labels and masks: an AttentionView."""
+        return attention_view(self, kind)  # in "Can we trust ..." below
 
 
 # %% [markdown]
 # The decoder runs with teacher forcing on a given target
 # `<s> y_1 ... </s>`: its inputs are every token but the last, and row $t$
 # is the position that predicts token $t+1$, kept in `next_tokens` for the
-# tooltips. Without a target (not used on this page), the model first
-# translates the sentence greedily, with room for 50 tokens more than the
-# source, and the maps are those of its own translation. The decoder is
+# tooltips. (Without a target, it first translates greedily; not used
+# on this page.) The decoder is
 # *causal*: each position sees only itself and the positions before it.
 # So one pass over the finished translation gives the same weights, up to
 # rounding, as it used while writing it one token at a time (checked
@@ -267,6 +228,7 @@ def _recorded_weights(model, src, src_mask, tgt_in, pad):
         enc = [layer.self_attn.attn[0] for layer in model.encoder.layers]
         dec = [layer.self_attn.attn[0] for layer in model.decoder.layers]
         cross = [layer.src_attn.attn[0] for layer in model.decoder.layers]
+    # float32 on the CPU, whatever precision and device the model used
     return [torch.stack(w).float().cpu() for w in (enc, dec, cross)]
 
 
@@ -321,8 +283,8 @@ def attention_maps(
 # that Part 3 trains in minutes (`checkpoints/quick/final.pt`). If
 # neither exists, the appendix's `find_or_train` trains one here: the
 # `quick` model on an NVIDIA (CUDA) GPU (under two minutes on an H100; a
-# T4 was not measured), else a small stand-in, in seconds: on a Mac too,
-# unless Part 3's `checkpoints/quick/final.pt` is in this checkout. The
+# T4 was not measured), else a small stand-in, in seconds (a Mac
+# included). The
 # stand-in (the `ci` preset) shows the machinery, not language: what the
 # prose says about "brown", "black" and the two dogs will not match its
 # charts. On Colab, pick a GPU runtime first to get the `quick` model;
@@ -333,7 +295,8 @@ def attention_maps(
 # Words this page uses throughout:
 #
 # - **on record**: the `cpu` model trained for 10 epochs in float32
-#   (`results/site_full.md`), behind `docs/trained_attention.png` and most
+#   (`results/site_full.md`; a shorter run than `make train`'s 18 epochs,
+#   run C in Part 5's table), behind `docs/trained_attention.png` and most
 #   numbers quoted here; a number from another run says so;
 # - **stand-in**: the small model trained here in seconds when no
 #   trained one is found;
@@ -579,6 +542,57 @@ else:
 # %% [markdown]
 # ### Rows, padding and recording
 #
+# The checks below need each kind's masks, which `AttentionMaps.view`
+# returns as an `AttentionView`: the weights with their row and column
+# labels, the `(R, C)` mask `allowed` of the keys each query may see, and,
+# for the statistics later on, which rows and columns are real tokens
+# (`row_keep`, `col_keep`) and the keys' token ids (`col_ids`).
+# `attention_view` picks, for each kind, which side gives the queries and
+# which the keys: the source for the encoder, the English for the
+# decoder's own attention, and English queries with German keys for the
+# decoder's look at the source.
+
+
+# %%
+#| export
+class AttentionView(NamedTuple):
+    """One kind of attention with its labels and masks."""
+
+    weights: torch.Tensor  # (N, h, R, C)
+    allowed: torch.Tensor  # (R, C) bool, False where masked
+    rows: list  # R query labels
+    cols: list  # C key labels
+    row_keep: torch.Tensor  # (R,) bool, False at padding
+    col_keep: torch.Tensor  # (C,) bool, False at padding
+    col_ids: torch.Tensor  # (C,) token ids of the keys
+
+
+def attention_view(maps, kind):
+    """The weights of one kind with its labels and masks."""
+    if kind not in ATTENTION_KINDS:
+        raise ValueError(f"kind must be one of {list(ATTENTION_KINDS)}")
+    src_keep = maps.src_ids != maps.pad  # (S,)
+    tgt_keep = maps.tgt_ids != maps.pad  # (T,)
+    if kind == "encoder self":  # source reads source
+        rows, row_keep = maps.src_tokens, src_keep
+        cols, col_keep, col_ids = maps.src_tokens, src_keep, maps.src_ids
+    elif kind == "decoder self":  # English reads English
+        rows, row_keep = maps.tgt_tokens, tgt_keep
+        cols, col_keep, col_ids = maps.tgt_tokens, tgt_keep, maps.tgt_ids
+    else:  # "decoder source": English reads source
+        rows, row_keep = maps.tgt_tokens, tgt_keep
+        cols, col_keep, col_ids = maps.src_tokens, src_keep, maps.src_ids
+    allowed = col_keep.expand(len(row_keep), len(col_keep))  # (R, C)
+    if kind == "decoder self":
+        future = subsequent_mask(len(col_keep), col_keep.device)[0]
+        allowed = allowed & future  # (R, C)
+    weights = getattr(maps, ATTENTION_KINDS[kind])  # (N, h, R, C)
+    return AttentionView(
+        weights, allowed, rows, cols, row_keep, col_keep, col_ids
+    )
+
+
+# %% [markdown]
 # **See, it adds up.**
 #
 # Each row is a probability distribution over the keys a query may see:
@@ -750,20 +764,14 @@ assert not torch.allclose(dropped.sum(-1), clean.sum(-1))
 # meets the German `</s>`.
 # Think of it as the word alignment (which German word each English word
 # translates) of a translation that keeps the word order and stretches it
-# evenly. Row $i$ predicts English token $i + 1$, not token $i$, so a
-# head that reads the German word being translated sits about one column
-# right of this diagonal early in the sentence, and on it at the end,
-# where the last row predicts `</s>` and reads German `</s>`. (That holds
-# when the two sentences have about the same length; a German sentence
-# much longer than its English one pushes the early rows' words further
-# right.) "Where the weight goes", below, works it out on our sentence.
+# evenly. A head that reads the German word being translated sits near
+# this diagonal, offset by a column early in the sentence, since row $i$
+# predicts token $i + 1$; "Where the weight goes", below, works it out on
+# our sentence. `_diagonal` computes the diagonal's column for each row.
 #
 # For scale: a head that always reads its neighbour scores a distance of
 # 1, and one that spreads its weight evenly over all $S$ keys (as
 # encoder self-attention may) about $S/3$.
-# `_diagonal` turns each row number $i$ into the column the diagonal
-# meets, $i\,(S-1)/(T-1)$, so that the diagonal is where $j$ equals that
-# number.
 
 
 # %%
@@ -1024,29 +1032,23 @@ print("mean distance from the diagonal:")
 print(mean_by_kind("distance").round(2))
 
 # %% [markdown]
-# The cell below points at one head of each sort in the model loaded on
-# this page: for each kind, the head with the largest share in one of
-# `previous`, `same` and `next` (positional in the self-attentions, in
-# order in decoder–source attention), and the head with the largest share
-# on `<s>` and `</s>`. It checks nothing: how large a share makes a head
-# positional or parking is for you to judge from the numbers.
+# The cell below points at the heads of each sort in the model loaded on
+# this page: for each kind and each share, the head where that share is
+# largest. A large `previous`, `same` or `next` share marks a positional
+# head in the self-attentions (a head that follows the source in order in
+# decoder–source attention); a large `specials` share, a parking head. It
+# checks nothing: how large a share makes a head positional or parking is
+# for you to judge from the numbers.
 
 # %%
-neighbour = table[["previous", "same", "next"]]  # (heads, 3)
 for kind in ATTENTION_KINDS:
-    best_share = neighbour.loc[kind].max(axis=1)  # each head's largest
-    layer, head = best_share.idxmax()  # the head where it is largest
-    where = neighbour.loc[(kind, layer, head)]  # 3 shares of that head
-    print(
-        f"{kind}: largest `{where.idxmax()}` share is layer {layer},"
-        f" head {head}, {where.max():.2f} of its weight"
-    )
-    layer, head = table.loc[kind]["specials"].idxmax()
-    on_specials = table.loc[(kind, layer, head), "specials"]
-    print(
-        f"{kind}: most parking is layer {layer}, head {head},"
-        f" {on_specials:.2f} of its weight on <s> and </s>"
-    )
+    heads = table.loc[kind]  # one row per (layer, head)
+    for share in ["previous", "same", "next", "specials"]:
+        layer, head = heads[share].idxmax()
+        print(
+            f"{kind}, largest `{share}` share: layer {layer}, head {head},"
+            f" {heads[share].max():.2f} of its weight"
+        )
 
 
 # %% [markdown]
@@ -1080,8 +1082,9 @@ for kind in ATTENTION_KINDS:
 #
 # On the validation set (436 `<unk>` in greedy translations), the copied
 # word of that same 10-epoch `cpu` model was out of the German vocabulary
-# 47% of the time with the last layer, and 66% with the weights averaged
-# over every head of every layer. We use the average.
+# 47% of the time with the last layer, 61% and 65% with the first and
+# the second, and 66% with the weights averaged over every head of every
+# layer. We use the average.
 #
 # `batch_greedy_decode` keeps no weights (it takes the fused attention
 # path), so `source_alignment` runs
@@ -1226,4 +1229,4 @@ assert examples == 3
 # still replace unknown words by default: a reader gets the German word,
 # now and then a name that is right as it is, rather than a gap, for 0.08
 # BLEU less than deleting. Part 5 shows another way out: a subword
-# vocabulary, which has no `<unk>` at all.
+# vocabulary, which has almost no `<unk>` (none on test2016).

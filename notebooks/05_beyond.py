@@ -131,11 +131,12 @@ from annotated_transformer_tools import (
 # one now; the `model:` line says which, and for how many epochs it
 # trained.
 #
-# It looks first for the `cpu` model that `make train` trains (over an
-# hour), then for the `quick` model that Part 3 trained in minutes. If
+# It looks first for the `cpu` model that `make train` trains (hours of
+# training), then for the `quick` model that Part 3 trained in minutes. If
 # neither is there, it trains one here: the `quick` model on a CUDA GPU
-# (a few minutes), else the tiny `ci` preset, in seconds, whose
-# translations are poor but whose checks work the same. The appendix
+# (under two minutes on an H100; a T4 was not measured), else the tiny
+# `ci` preset, in seconds, whose translations are poor but whose checks
+# work the same. The appendix
 # (notebook 06, "A trained model, or a small one trained now") says what
 # runs where, on Colab and on a Mac too.
 #
@@ -257,9 +258,10 @@ class DecoderCache:
 # One decoding step reuses the trained modules as they are; only the
 # attention calls change. `attend_step` attends from new positions, one
 # per row, to keys and values already projected. In greedy decoding `k`
-# and `v` have one row per query; the reshape inside, for `group` rows
-# per set of keys, is for section 2's beam search and changes nothing
-# here.
+# and `v` have one row per query, and the reshape inside changes nothing.
+# It is for section 2's beam search, where a sentence's 4 hypotheses are
+# 4 rows that share one copy of its source keys: `group=4` turns their 4
+# queries into one row of 4 queries against those keys.
 #
 # `cached_self_attention` appends the newest position's key and value to
 # the layer's cache and attends over all of it, with no mask, since every
@@ -394,8 +396,8 @@ def cached_greedy_decode(
 # order, and float32 rounds each order a little differently. Then the
 # contract: `cached_greedy_decode` returns exactly what `batch_greedy_decode`
 # does, `<blank>`s included. And the tokens agree with `greedy_decode` run on
-# one unpadded sentence at a time, up to its first `</s>` (it never stops
-# there).
+# one unpadded sentence at a time, up to its first `</s>` (Part 2's
+# `greedy_decode` does not stop at `</s>`).
 #
 # All decoders here get one output limit, the paper's (section 6.1):
 # the input's length + 50 tokens, with the longest sentence of the
@@ -1326,9 +1328,8 @@ def average(model, models):
 # **See, it matches.** We average the epoch checkpoints of our model (the
 # last 5 of a `cpu` or `quick` run; both epochs of `ci`) with
 # `average_checkpoints`, and compare one weight matrix with the mean
-# computed by hand, and the `pe` buffer with that of every checkpoint.
-# `average`, on the same checkpoints loaded as models, must give the same
-# weights.
+# computed by hand, and the `pe` buffer (the positional table, not a
+# learned weight) with that of every checkpoint.
 
 # %%
 epochs = epoch_checkpoints(os.path.dirname(checkpoint))[-5:]
@@ -1340,11 +1341,18 @@ averaged_weights = averaged.state_dict()
 assert torch.allclose(averaged_weights[weight_name], mean_by_hand, atol=1e-6)
 pe = "tgt_embed.1.pe"
 assert all(torch.equal(averaged_weights[pe], s[pe]) for s in states)
+print(f"averaged {len(epochs)} checkpoints: {[p.name for p in epochs]}")
+
+# %% [markdown]
+# `average`, on the same checkpoints loaded as models, must give the same
+# weights.
+
+# %%
 target, *_ = load_trained_model(epochs[0], "cpu")  # overwritten below
 in_memory = average(target, [load_trained_model(p, "cpu")[0] for p in epochs])
 for key, value in in_memory.state_dict().items():
     assert torch.allclose(value, averaged_weights[key], atol=1e-6), key
-print(f"averaged {len(epochs)} checkpoints: {[p.name for p in epochs]}")
+print(f"average() agrees on all {len(in_memory.state_dict())} tensors")
 
 # %% [markdown]
 # Here is the average's BLEU next to that of the model as trained,
@@ -1422,12 +1430,12 @@ for decoder_name, fn in DECODERS.items():
 #
 # BLEU; "+ avg": beam 4 on the average of the last 5 epoch checkpoints;
 # "—": not measured (those records scored the BPE models greedily and
-# with beam 4 plus averaging only). "Precision" is the one training ran
-# in (fp32: float32; runs C and D asked for bf16, which their CPU lacked,
-# so their files' configs say bf16; run B's record gives only its
-# config's bf16, hence "(config)"). `<unk>` says whether the word
-# models' `<unk>` tokens were replaced by copied German words (Part 4)
-# or kept; BPE models have almost none.
+# with beam 4 plus averaging only). "Precision" is what training really
+# ran in (fp32: float32). Runs C and D asked for bf16, as their configs
+# say, but ran in float32, since their CPU lacked bf16. Run B's record
+# gives only what its config asked for, hence "(config)". `<unk>` says
+# whether the word models' `<unk>` tokens were replaced by copied German
+# words (Part 4) or kept; BPE models have almost none.
 #
 # | run | model | epochs | precision | `<unk>` | greedy | beam 4 | + avg |
 # |---|---|---:|---|---|---:|---:|---:|

@@ -104,6 +104,7 @@ import torch
 # that only this notebook's checks use are imported where they are used.)
 # %%
 from the_annotated_transformer import ATTENTION_KINDS, BOS, EOS, PAD, UNK
+from the_annotated_transformer import attention_view
 from the_annotated_transformer import COPY_PAD, copy_accuracy, data_gen
 from the_annotated_transformer import warmup_linear_decay
 from the_annotated_transformer import MODULE_DIR, MULTI30K_ENV, DatasetError
@@ -267,7 +268,7 @@ def attention_frame(maps, kind):
     """One kind of attention as a long pandas table, padding left out."""
     import pandas as pd
 
-    v = maps.view(kind)
+    v = attention_view(maps, kind)  # also takes Part 4's own maps
     rows = v.row_keep.nonzero()[:, 0]  # (R',) positions of real tokens
     cols = v.col_keep.nonzero()[:, 0]  # (C',)
     w = v.weights[:, :, rows][:, :, :, cols]  # (N, h, R', C')
@@ -400,7 +401,7 @@ def attention_chart(maps, kind, layer=None, columns=4, cell=18):
     import altair as alt
 
     frame = attention_frame(maps, kind).round({"weight": 5})
-    v = maps.view(kind)
+    v = attention_view(maps, kind)  # also takes Part 4's own maps
     N, h = v.weights.shape[:2]
     pick = _layer_picker(kind, N, layer)
     lookups = _token_lookups(maps, v, frame)
