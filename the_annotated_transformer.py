@@ -1076,7 +1076,7 @@ def model_from_config(c, n_src, n_tgt, dropout=None):
 def warmup_then_linear(step, peak, warmup, total):
     """Linear warm-up to `peak`, then a straight line to zero at `total`."""
     # LambdaLR's step 0 is the first step; it gets step 1's rate, as in
-    # `rate` (Part 2's copy schedule shifted every step by one instead).
+    # `rate` (Part 2's copy schedule shifted its warm-up by one instead).
     step = max(step, 1)
     if step < warmup:
         return peak * step / warmup

@@ -487,7 +487,7 @@ assert torch.equal(subsequent_mask(20)[0], key_u <= query_t)
 # also writes it to `figures/`. Blue cells are the pairs the decoder may
 # use: the first position sees only itself, the last sees the whole
 # prefix. (The chart uses the library's copy of `subsequent_mask`, so an
-# edit to the cell above reaches it only after `make export` and a
+# edit to `subsequent_mask` reaches it only after `make export` and a
 # restart.)
 
 # %%
@@ -763,7 +763,8 @@ class MultiHeadedAttention(nn.Module):
 # - **A mask without its middle axis**, `(B, S)`. Broadcasting would line
 #   its sentences up against the heads: with 8 sentences and 8 heads,
 #   sentence $i$'s mask would silently apply to head $i$ of every
-#   sentence. With other sizes it fails with a message about sizes.
+#   sentence. With other sizes (but one sentence) it fails with a
+#   message about sizes.
 #   `heads_mask` refuses it, saying which shapes a mask has.
 # - **A mask that is not boolean.** The fused routine adds a float mask
 #   to the scores instead of hiding positions, so a mask of 0s and 1s

@@ -594,11 +594,12 @@ def plain_epoch(batches, model, loss_compute, optimizer, scheduler=None):
 # )
 # ```
 #
-# The function around them adds three options. `schedule` replaces
-# `rate` with another function of the step: the copy task below uses a
-# shorter one, and so do Part 3's recipes. `weight_decay` turns Adam into
-# AdamW, as its docstring explains. And `fused=True` asks for Adam's
-# one-pass update where the parameters' device has it.
+# The function around them adds options: `betas` (the copy task below
+# passes its own); `schedule`, which replaces `rate` with another function
+# of the step (the copy task uses a shorter one, and so do Part 3's
+# recipes); and `weight_decay`, which turns Adam into AdamW, as its
+# docstring explains. It also asks for Adam's one-pass update
+# (`fused=True`) where every parameter is on a CPU or a CUDA GPU.
 
 
 # %%

@@ -172,9 +172,9 @@ ATTENTION_KINDS = {
 
 # %% [markdown]
 # `AttentionMaps` keeps the weights of one sentence with its token ids and
-# labels. Its `view(kind)`, which the charts call, returns one kind's
-# weights with their labels and masks; "Can we trust these pictures?"
-# shows it, where its masks are first needed.
+# labels. Its `view(kind)` returns one kind's weights with their labels
+# and masks; "Can we trust these pictures?" shows it, where its masks are
+# first needed.
 
 
 # %%
