@@ -1401,6 +1401,8 @@ def cuda_count():
 
 def process_device(local_rank=0, local_world_size=1, cpu_fallback=False):
     """The device of one process: pick_device's, its own GPU, or the CPU."""
+    if local_world_size == 1 and os.environ.get("AT_DEVICE"):
+        return pick_device()  # the device AT_DEVICE names
     gpus = cuda_count()
     if gpus >= local_world_size:
         return torch.device("cuda", local_rank)
@@ -2485,7 +2487,9 @@ def checked_device(name):
     """The torch device `name` if this machine has it ("auto" or None:
     pick_device's choice); a one-line ValueError if not."""
     if name is None or name == "auto":
-        return pick_device()
+        if not os.environ.get("AT_DEVICE"):
+            return pick_device()
+        name = os.environ["AT_DEVICE"]  # checked like --device
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):
@@ -2964,8 +2968,8 @@ def add_train_parser(sub):
     train.add_argument(
         "--device",
         type=existing_device,
-        help="the device of a one-process run: auto (default: CUDA, else"
-        " mps, else cpu), cpu, cuda:1, mps",
+        help="the device of a one-process run: auto (default: AT_DEVICE"
+        " if set, else CUDA, else mps, else cpu), cpu, cuda:1, mps",
     )
     train.add_argument(
         "--checkpoint-dir",
@@ -3031,7 +3035,8 @@ def add_decoding_options(parser):
         "--device",
         type=existing_device,
         default="auto",
-        help="auto (default: CUDA, else mps, else cpu), cpu, cuda:0, mps",
+        help="auto (default: AT_DEVICE if set, else CUDA, else mps, else"
+        " cpu), cpu, cuda:0, mps",
     )
     parser.add_argument(
         "--beam",

@@ -1114,7 +1114,16 @@ def make_run_optimizer(model, config, batches_per_epoch, total=None):
 
 
 def pick_device():
-    """A CUDA GPU if there is one, else Apple's GPU (MPS), else the CPU."""
+    """The device the environment variable AT_DEVICE names, if set; else
+    a CUDA GPU if there is one, else Apple's GPU (MPS), else the CPU."""
+    named = os.environ.get("AT_DEVICE")  # e.g. "cpu"
+    if named:
+        try:
+            return torch.device(named)
+        except RuntimeError:  # torch's message lists 20 device types
+            raise ValueError(
+                f"AT_DEVICE={named!r} is not a device; try cpu, cuda or mps"
+            ) from None
     if torch.cuda.is_available():
         return torch.device("cuda")
     if torch.backends.mps.is_available():

@@ -765,11 +765,12 @@ assert quick_rate(765) == 0  # the end of the budget
 #
 # Training runs on the device that `pick_device` returns: a CUDA GPU if
 # there is one, else Apple's GPU (`mps`), else the CPU. That is an order
-# of preference; it does not time the devices. The cell after
-# `pick_device` sets `device`, which the rest of the lesson uses, unless
-# the environment variable `AT_DEVICE` names another (`cpu`, say), and
-# warns when a Colab runtime has no GPU. On a Mac, if a later cell
-# fails with an error that names `mps`, train on the CPU instead: add
+# of preference; it does not time the devices. The environment variable
+# `AT_DEVICE` overrides it (`AT_DEVICE=cpu`, say), for this lesson and
+# for every model that Parts 4 and 5 train. The cell after `pick_device`
+# sets `device`, which the rest of the lesson uses, and warns when a
+# Colab runtime has no GPU. On a Mac, if a later cell fails with an error
+# that names `mps`, train on the CPU instead: add
 # `device = torch.device("cpu")` at the end of the cell that prints
 # `device:`, below, and run the notebook again from there (`docs/gpu.md`,
 # "If it fails on a T4 or a Mac", has another way). Whether Apple's GPU
@@ -779,7 +780,16 @@ assert quick_rate(765) == 0  # the end of the budget
 # %%
 #| export
 def pick_device():
-    """A CUDA GPU if there is one, else Apple's GPU (MPS), else the CPU."""
+    """The device the environment variable AT_DEVICE names, if set; else
+    a CUDA GPU if there is one, else Apple's GPU (MPS), else the CPU."""
+    named = os.environ.get("AT_DEVICE")  # e.g. "cpu"
+    if named:
+        try:
+            return torch.device(named)
+        except RuntimeError:  # torch's message lists 20 device types
+            raise ValueError(
+                f"AT_DEVICE={named!r} is not a device; try cpu, cuda or mps"
+            ) from None
     if torch.cuda.is_available():
         return torch.device("cuda")
     if torch.backends.mps.is_available():
@@ -788,7 +798,7 @@ def pick_device():
 
 
 # %%
-device = torch.device(os.environ.get("AT_DEVICE") or pick_device())
+device = pick_device()
 print("device:", device)
 if device.type == "cpu" and "COLAB_RELEASE_TAG" in os.environ:
     print(

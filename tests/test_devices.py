@@ -32,6 +32,7 @@ class Machine:
 
     def install(self, monkeypatch):
         """Make torch (and the CPU flags) report this machine."""
+        monkeypatch.delenv("AT_DEVICE", raising=False)  # no override
         cuda = torch.cuda
         monkeypatch.setattr(cuda, "is_available", lambda: self.gpus > 0)
         monkeypatch.setattr(cuda, "device_count", lambda: self.gpus)
@@ -126,6 +127,32 @@ def with_machine(*names):
 )
 def test_pick_device_prefers_cuda_then_mps_then_cpu(machine, expected):
     assert tat.pick_device().type == expected
+
+
+@with_machine("a Mac")
+def test_at_device_overrides_every_choice_of_a_device(machine, monkeypatch):
+    """AT_DEVICE=cpu is the way out when an operation fails on MPS. Only
+    notebook 03's cell read it: Parts 4 and 5, the appendix and `--device
+    auto` still trained on MPS."""
+    monkeypatch.delenv("AT_DEVICE", raising=False)
+    assert tat.pick_device() == torch.device("mps")
+    monkeypatch.setenv("AT_DEVICE", "cpu")
+    cpu = torch.device("cpu")
+    assert tat.pick_device() == cpu
+    assert tools.process_device(0, 1) == cpu  # find_or_train's run
+    assert tools.place_process(0, 1, False) == cpu
+    assert tools.checked_device("auto") == cpu  # the command line
+    assert tools.checked_device("mps") == torch.device("mps")  # as asked
+
+
+@with_machine("no GPU")
+def test_a_wrong_at_device_is_one_line(machine, monkeypatch):
+    monkeypatch.setenv("AT_DEVICE", "gpu")
+    with pytest.raises(ValueError, match="^AT_DEVICE='gpu' is not a device"):
+        tat.pick_device()
+    monkeypatch.setenv("AT_DEVICE", "cuda")  # a device this machine lacks
+    with pytest.raises(ValueError, match="^no cuda here"):
+        tools.checked_device("auto")
 
 
 # --------------------------------------------------------- the precision

@@ -191,23 +191,3 @@ def test_notebook_03_says_when_colab_gave_no_gpu(
     out = capsys.readouterr().out
     assert out.startswith(f"device: {device}\n")
     assert ("Runtime → Change runtime type" in out) is warned
-
-
-@pytest.mark.parametrize("asked, expected", [(None, "mps"), ("cpu", "cpu")])
-def test_notebook_03_trains_where_at_device_says(
-    asked, expected, monkeypatch, capsys
-):
-    """On a (simulated) Mac, AT_DEVICE=cpu is the way out when a cell
-    fails on MPS: `AT_DEVICE=cpu make notebook`."""
-    import torch
-
-    monkeypatch.delenv("COLAB_RELEASE_TAG", raising=False)
-    if asked is None:
-        monkeypatch.delenv("AT_DEVICE", raising=False)
-    else:
-        monkeypatch.setenv("AT_DEVICE", asked)
-    names = {"os": os, "torch": torch}
-    names["pick_device"] = lambda: torch.device("mps")  # a Mac's choice
-    exec(device_cell(), names)
-    assert names["device"] == torch.device(expected)
-    assert capsys.readouterr().out == f"device: {expected}\n"
