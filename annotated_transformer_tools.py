@@ -43,6 +43,7 @@ import pickle
 import re
 import signal
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -654,8 +655,16 @@ def _fetch(url, path, expected, timeout):
     except (OSError, http.client.HTTPException) as error:
         url_error = type(error) is urllib.error.URLError
         reason = error.reason if url_error else error
+        certificates = ""
+        if isinstance(reason, ssl.SSLCertVerificationError):
+            certificates = (
+                "This Python cannot check HTTPS certificates: with a Python"
+                " from python.org on a Mac, run its Install"
+                " Certificates.command once.\n"
+            )
         raise DatasetError(
             f"Could not download {url} ({reason}).\n"
+            + certificates
             + _offline_hint(path.parent)
         ) from error
 

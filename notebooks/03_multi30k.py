@@ -980,7 +980,7 @@ assert last < guess
 # `get_config(...)`, delete `checkpoints/quick/` (on Colab
 # `/content/done-right/checkpoints/quick/`), and run the cell again. A
 # Colab runtime that disconnects loses its checkpoints; `docs/gpu.md`,
-# "Keeping a model on Colab", shows how to keep `final.pt` on Google
+# "Keeping a model on Colab", shows how to keep the model on Google
 # Drive.
 #
 # The section "Why the quick recipe works", just after the cell that

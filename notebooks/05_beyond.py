@@ -1333,6 +1333,11 @@ def average(model, models):
 
 # %%
 epochs = epoch_checkpoints(os.path.dirname(checkpoint))[-5:]
+if not epochs:  # e.g. final.pt alone, copied into a new Colab runtime
+    raise FileNotFoundError(
+        f"no epoch checkpoints beside {checkpoint} to average: keep the"
+        " whole folder (docs/gpu.md, 'Keeping a model on Colab')"
+    )
 averaged, *_ = average_checkpoints(epochs)  # also: vocabularies, config
 states = [load_checkpoint(p)["model"] for p in epochs]
 weight_name = "decoder.layers.0.feed_forward.w_1.weight"

@@ -7,7 +7,10 @@ import http.server
 import importlib.util
 import random
 import socket
+import ssl
 import threading
+import urllib.error
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -116,6 +119,28 @@ def test_unreachable_server_raises_a_readable_error(tmp_path, monkeypatch):
     assert str(cache) in message and "MULTI30K_DIR" in message
     assert "Traceback" not in message
     assert not cache.exists()  # made for the download, removed with it
+
+
+def test_a_python_without_certificates_is_told_what_to_run(
+    tmp_path, monkeypatch
+):
+    """python.org's Python on a Mac verifies no HTTPS certificate until
+    its Install Certificates.command has run."""
+    monkeypatch.delenv("MULTI30K_DIR", raising=False)
+
+    def unverified(url, timeout=None):
+        error = ssl.SSLCertVerificationError("certificate verify failed")
+        raise urllib.error.URLError(error)
+
+    monkeypatch.setattr(urllib.request, "urlopen", unverified)
+    with pytest.raises(tat.DatasetError) as info:
+        tools.download_multi30k(
+            tmp_path / "cache", sha256={"val.de.gz": "0" * 64}
+        )
+    message = str(info.value)
+    assert "certificate verify failed" in message
+    assert "Install Certificates.command" in message
+    assert "MULTI30K_DIR" in message  # the offline way stays
 
 
 def test_a_failed_download_keeps_what_was_there(tmp_path, monkeypatch):
