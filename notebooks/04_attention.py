@@ -1,5 +1,8 @@
 # ---
 # jupyter:
+#   accelerator: GPU
+#   colab:
+#     gpuType: T4
 #   jupytext:
 #     formats: ipynb,py:percent
 #     text_representation:
@@ -38,6 +41,10 @@
 
 # %% [markdown]
 # [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/annotated-transformer/done-right/blob/main/notebooks/04_attention.ipynb)
+#
+# Colab opens this notebook on a GPU runtime (a T4), which it asks for;
+# if none was free, choose one before going on: Runtime → Change
+# runtime type.
 
 # %%
 # Setup only; nothing to learn here. On Colab: clone the repository, then

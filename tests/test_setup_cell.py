@@ -191,3 +191,18 @@ def test_notebook_03_says_when_colab_gave_no_gpu(
     out = capsys.readouterr().out
     assert out.startswith(f"device: {device}\n")
     assert ("Runtime → Change runtime type" in out) is warned
+
+
+@pytest.mark.parametrize("source", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebooks_that_train_ask_colab_for_a_gpu(source):
+    """Colab opens a notebook on the runtime its metadata asks for. Parts
+    3 to 5 train on a GPU when there is one; without the metadata, a
+    reader who missed the note ran them for a quarter of an hour on a CPU
+    runtime, or changed the runtime after the clone and lost it."""
+    import json
+
+    twin = source.with_suffix(".ipynb")
+    metadata = json.loads(twin.read_text())["metadata"]
+    trains = source.stem[:2] in ("03", "04", "05")
+    assert (metadata.get("accelerator") == "GPU") is trains
+    assert (metadata.get("colab", {}).get("gpuType") == "T4") is trains
