@@ -938,6 +938,13 @@ def choose_precision(device, precision="bf16"):
     # "bf16": the best 16-bit format this device computes natively
     # (bfloat16, or float16 on older GPUs). Other values are refused, so
     # that a typo such as "fp16" cannot quietly pick that branch.
+    if os.environ.get("AT_PRECISION") == "fp32":  # float32 everywhere
+        precision = "fp32"
+    elif os.environ.get("AT_PRECISION"):
+        raise ValueError(
+            f"AT_PRECISION={os.environ['AT_PRECISION']!r}: only fp32 (no"
+            " 16-bit arithmetic anywhere) is read"
+        )
     if precision not in ("bf16", "fp32"):
         raise ValueError(
             f'precision is "bf16" (the fastest this machine does well) or'
@@ -2975,6 +2982,14 @@ def add_train_parser(sub):
         " default: the preset's",
     )
     train.add_argument(
+        "--precision",
+        choices=["bf16", "fp32"],
+        help="bf16: the fastest 16-bit arithmetic this machine computes"
+        " natively (bfloat16, float16 on a T4, none on others); fp32: none,"
+        " say if training gives nan (default: the preset's, bf16;"
+        " AT_PRECISION=fp32 in the environment means fp32 too)",
+    )
+    train.add_argument(
         "--device",
         type=existing_device,
         help="the device of a one-process run: auto (default: AT_DEVICE"
@@ -3329,6 +3344,7 @@ def command_train(args):
             ("tie_embeddings", args.tie_embeddings),
             ("seed", args.seed),
             ("schedule", args.schedule),
+            ("precision", args.precision),
             ("checkpoint_dir", args.checkpoint_dir),
             ("keep_last", args.keep_last),
         )

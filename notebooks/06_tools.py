@@ -1292,7 +1292,10 @@ print(summary)
 #   where this project never measured or tested 16-bit training (no Mac
 #   was at hand), so it takes the safe default.
 #
-# A config's `precision="fp32"` turns autocast off everywhere. The CPU's
+# A config's `precision="fp32"` turns autocast off everywhere, and so
+# does the environment variable `AT_PRECISION=fp32`, for every run (the
+# models that Parts 4 and 5 train too), say when float16 gives `nan` on
+# an older GPU. The CPU's
 # flags come from `/proc/cpuinfo` (Linux): torch's public
 # `torch.backends.cpu.get_cpu_capability()` names the vector width
 # ("AVX512") but not bf16 support.
@@ -1325,6 +1328,13 @@ def choose_precision(device, precision="bf16"):
     # "bf16": the best 16-bit format this device computes natively
     # (bfloat16, or float16 on older GPUs). Other values are refused, so
     # that a typo such as "fp16" cannot quietly pick that branch.
+    if os.environ.get("AT_PRECISION") == "fp32":  # float32 everywhere
+        precision = "fp32"
+    elif os.environ.get("AT_PRECISION"):
+        raise ValueError(
+            f"AT_PRECISION={os.environ['AT_PRECISION']!r}: only fp32 (no"
+            " 16-bit arithmetic anywhere) is read"
+        )
     if precision not in ("bf16", "fp32"):
         raise ValueError(
             f'precision is "bf16" (the fastest this machine does well) or'
@@ -4275,6 +4285,14 @@ def add_train_parser(sub):
         " default: the preset's",
     )
     train.add_argument(
+        "--precision",
+        choices=["bf16", "fp32"],
+        help="bf16: the fastest 16-bit arithmetic this machine computes"
+        " natively (bfloat16, float16 on a T4, none on others); fp32: none,"
+        " say if training gives nan (default: the preset's, bf16;"
+        " AT_PRECISION=fp32 in the environment means fp32 too)",
+    )
+    train.add_argument(
         "--device",
         type=existing_device,
         help="the device of a one-process run: auto (default: AT_DEVICE"
@@ -4666,6 +4684,7 @@ def command_train(args):
             ("tie_embeddings", args.tie_embeddings),
             ("seed", args.seed),
             ("schedule", args.schedule),
+            ("precision", args.precision),
             ("checkpoint_dir", args.checkpoint_dir),
             ("keep_last", args.keep_last),
         )

@@ -2193,3 +2193,33 @@ def test_a_worker_that_ran_out_of_memory_is_told_apart(last_line, oom):
     err = Exception(text + "Traceback (most recent call last):\n  ...\n")
     err = Exception(str(err) + last_line)
     assert tools.worker_out_of_memory(err) is oom
+
+
+@pytest.mark.parametrize(
+    "preset, flag, precision",
+    [
+        ("quick", None, "bf16"),
+        ("quick", "fp32", "fp32"),
+        ("ci", "bf16", "bf16"),
+    ],
+)
+def test_train_precision_reaches_the_config(
+    preset, flag, precision, tmp_path, capsys, monkeypatch
+):
+    """A T4 whose float16 training gave nan had no way to train in float32
+    from the command line."""
+    chosen = []
+    monkeypatch.setattr(tools, "download_multi30k", lambda: None)
+
+    def train_locked(args, config, ranks):
+        chosen.append(config.precision)
+        (tmp_path / "ck" / "epoch_000.pt").touch()
+
+    monkeypatch.setattr(tools, "train_locked", train_locked)
+    argv = ["train", "--preset", preset, "--checkpoint-dir", tmp_path / "ck"]
+    status, _, err = run_cli(
+        capsys, *argv, *(["--precision", flag] if flag else [])
+    )
+    assert chosen == [precision], err
+    status, _, err = run_cli(capsys, "train", "--precision", "fp16")
+    assert status == 2 and "invalid choice: 'fp16'" in err

@@ -33,6 +33,7 @@ class Machine:
     def install(self, monkeypatch):
         """Make torch (and the CPU flags) report this machine."""
         monkeypatch.delenv("AT_DEVICE", raising=False)  # no override
+        monkeypatch.delenv("AT_PRECISION", raising=False)
         cuda = torch.cuda
         monkeypatch.setattr(cuda, "is_available", lambda: self.gpus > 0)
         monkeypatch.setattr(cuda, "device_count", lambda: self.gpus)
@@ -177,6 +178,19 @@ BF16, FP16 = torch.bfloat16, torch.float16
 )
 def test_precision_table(machine, device, precision, dtype, scaler):
     assert tools.choose_precision(device, precision) == (dtype, scaler)
+
+
+@with_machine("one T4")
+def test_at_precision_fp32_turns_16_bit_off_everywhere(machine, monkeypatch):
+    """The way out when float16 gives nan: the models that Parts 4 and 5
+    train had no precision to change."""
+    assert tools.choose_precision("cuda") == (FP16, True)
+    monkeypatch.setenv("AT_PRECISION", "fp32")
+    assert tools.choose_precision("cuda") == (None, False)
+    assert tools.choose_precision("cuda", "bf16") == (None, False)
+    monkeypatch.setenv("AT_PRECISION", "fp16")
+    with pytest.raises(ValueError, match="^AT_PRECISION='fp16': only fp32"):
+        tools.choose_precision("cuda")
 
 
 @pytest.mark.parametrize("precision", ["fp16", "auto", "bfloat16", ""])
