@@ -63,12 +63,21 @@ if "COLAB_RELEASE_TAG" in os.environ:
     if not os.path.isdir(CLONE):
         no_prompt = {**os.environ, "GIT_TERMINAL_PROMPT": "0"}  # no password
         git = ["git", "clone", "-q", "--depth=1", REPO, CLONE]
-        if subprocess.run(git, env=no_prompt).returncode != 0:
-            raise SystemExit(f"could not clone {REPO}; nothing else will run")
+        # Output captured and shown on failure: Colab shows nothing that
+        # a subprocess prints by itself.
+        run = subprocess.run(
+            git, env=no_prompt, capture_output=True, text=True
+        )
+        if run.returncode != 0:
+            raise SystemExit(f"could not clone {REPO}:\n{run.stderr}")
     installed = os.path.join(CLONE, ".installed")  # pip finished, once
     if not os.path.isfile(installed):  # again after a failed install
         pip = ["pip", "install", "-q", "-e", f"./{CLONE}[notebooks]"]
-        subprocess.run([sys.executable, "-m", *pip], check=True)
+        run = subprocess.run(
+            [sys.executable, "-m", *pip], capture_output=True, text=True
+        )
+        if run.returncode != 0:  # pip's last lines say why
+            raise SystemExit(f"pip could not install:\n{run.stderr[-3000:]}")
         open(installed, "w").close()
 # The repository: the clone on Colab; else the nearest folder holding the
 # library: the working directory, or the one above it (from notebooks/),
