@@ -344,7 +344,8 @@ class PositionalEncoding(nn.Module):
         # The odd columns; one fewer than the even ones if d_model is odd.
         pe[:, 1::2] = angles.cos()[:, : d_model // 2]
         # Rounded to float32 after the sine and cosine. A new tensor such
-        # as torch.empty(0) is made on the default device.
+        # as torch.empty(0) is made on the default device (the "meta"
+        # device of the parameter count below, for one).
         pe = pe.float().to(torch.empty(0).device)  # (L, d_model)
         self.dropout = nn.Dropout(p=dropout)
         self.register_buffer("pe", pe.unsqueeze(0))  # (1, max_len, d_model)
@@ -551,8 +552,8 @@ class SimpleLossCompute:
         mean per token, for backward()."""
         logp = self.generator(x)  # (B, T, vocab)
         flat = logp.reshape(-1, logp.size(-1))  # (B * T, vocab)
-        loss_mean = self.criterion(flat, y.reshape(-1)) / norm
-        return loss_mean.detach() * norm, loss_mean
+        loss_sum = self.criterion(flat, y.reshape(-1))  # summed over tokens
+        return loss_sum.detach(), loss_sum / norm
 
 
 # -----------------------------------------------------------------------------
@@ -1043,7 +1044,7 @@ class TrainConfig:
     # For the appendix and Part 5; at their defaults, no change here:
     preset: str = "cpu"
     precision: str = "bf16"  # 16-bit where fast (bf16, or float16 on a
-    # T4), else float32; "fp32": always float32. train_worker reads it
+    # T4), else float32; "fp32": always float32. train_model reads it
     checkpoint_dir: str = "checkpoints/cpu"
     tokenization: str = "word"  # or "bpe": one subword vocabulary
     tie_embeddings: bool = False  # the generator reuses an embedding
@@ -1075,9 +1076,7 @@ def model_from_config(c, n_src, n_tgt, dropout=None):
 
 def warmup_then_linear(step, peak, warmup, total):
     """Linear warm-up to `peak`, then a straight line to zero at `total`."""
-    # LambdaLR's step 0 is the first step; it gets step 1's rate, as in
-    # `rate` (Part 2's copy schedule shifted its warm-up by one instead).
-    step = max(step, 1)
+    step = max(step, 1)  # LambdaLR's first step, 0, gets step 1's rate
     if step < warmup:
         return peak * step / warmup
     return peak * max(0, total - step) / max(1, total - warmup)

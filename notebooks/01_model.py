@@ -575,7 +575,8 @@ assert (weights.triu(1) == 0).all()  # no weight on future keys
 # variance $d_k$: at the paper's $d_k = 64$ ($= 512 / 8$: eight heads, each
 # 64 wide; see Multi-head attention) the raw scores have a standard
 # deviation of 8, the softmax tends to put most of the weight on one key, and
-# there its gradient is small. The division brings the variance back to 1.
+# there its gradient is smaller (about half, in the cell below). The
+# division brings the variance back to 1.
 #
 # How much the weights react when a score changes is a gradient, and
 # autograd computes it: the helper below asks for the gradient of each
@@ -679,11 +680,22 @@ assert weights[0, 2] == 0
 #
 # ![Multi-head attention](attachment:multihead.svg)
 #
-# `forward` follows the formula: project and split into heads, attend,
-# concatenate, project with $W^O$. Its `if` chooses between two ways of
-# computing the same attention; on a first read, follow the `else`
-# branch, which calls the `attention` function above. That choice and
-# `heads_mask` are explained right after the class.
+# `forward` follows the formula. At its core it is:
+#
+# ```python
+# q = self.split_heads(query, self.w_q)  # (B, h, T, d_k)
+# k = self.split_heads(key, self.w_k)  # (B, h, S, d_k)
+# v = self.split_heads(value, self.w_v)  # (B, h, S, d_k)
+# x, weights = attention(q, k, v, mask=mask, dropout=self.dropout)
+# x = x.transpose(1, 2).reshape(B, T, h * d_k)  # concatenate the heads
+# return self.w_o(x)  # (B, T, d_model)
+# ```
+#
+# The class adds two things: its `if` chooses between two ways of
+# computing the same attention (on a first read, follow the `else`
+# branch, which calls the `attention` function above), and `heads_mask`
+# gives the mask its heads' axis. Both are explained right after the
+# class.
 
 
 # %%
@@ -772,8 +784,8 @@ class MultiHeadedAttention(nn.Module):
 # - **A mask without its middle axis**, `(B, S)`. Broadcasting would line
 #   its sentences up against the heads: with 8 sentences and 8 heads,
 #   sentence $i$'s mask would silently apply to head $i$ of every
-#   sentence. With other sizes (but one sentence) it fails with a
-#   message about sizes.
+#   sentence. With other sizes it fails with a message about sizes
+#   (with one sentence it happens to work).
 #   `heads_mask` refuses it, saying which shapes a mask has.
 # - **A mask that is not boolean.** The fused routine adds a float mask
 #   to the scores instead of hiding positions, so a mask of 0s and 1s
@@ -1050,7 +1062,8 @@ class PositionalEncoding(nn.Module):
         # The odd columns; one fewer than the even ones if d_model is odd.
         pe[:, 1::2] = angles.cos()[:, : d_model // 2]
         # Rounded to float32 after the sine and cosine. A new tensor such
-        # as torch.empty(0) is made on the default device.
+        # as torch.empty(0) is made on the default device (the "meta"
+        # device of the parameter count below, for one).
         pe = pe.float().to(torch.empty(0).device)  # (L, d_model)
         self.dropout = nn.Dropout(p=dropout)
         self.register_buffer("pe", pe.unsqueeze(0))  # (1, max_len, d_model)
@@ -1066,7 +1079,8 @@ class PositionalEncoding(nn.Module):
 # it stays below $10^{-5}$, so you may skip the next cell. Take the
 # second sine column (pair $i = 1$) at positions 4,000 to 4,999: sines
 # computed from float32 angles are off by more than $10^{-4}$, while the
-# stored buffer is off by less than $10^{-7}$.
+# stored buffer is off by less than $10^{-7}$; over positions 0 to 127 the
+# float32 angles stay within $10^{-5}$.
 
 # %%
 table_512 = PositionalEncoding(512, dropout=0.0).pe[0]  # (L, 512)
@@ -1083,6 +1097,11 @@ print(f"largest error with float32 angles: {rough_error:.1e}")
 print(f"largest error of the stored buffer: {stored_error:.1e}")
 assert rough_error > 1e-4
 assert stored_error < 1e-7
+short = torch.arange(128, dtype=torch.float64)  # our sentences' positions
+short_rough = torch.sin(short.float() / slowdown).double()
+short_error = (short_rough - torch.sin(short / slowdown)).abs().max().item()
+print(f"the same error under 128 tokens: {short_error:.1e}")
+assert short_error < 1e-5
 
 # %% [markdown]
 # The paper picks sinusoids because, for any fixed offset $k$,
@@ -1202,6 +1221,9 @@ print(f"encoding / scaled table: {pe_std / scaled_std:.1f}")
 # Xavier's uniform range for a (8000, 512) table has std
 # sqrt(2 / (8000 + 512))
 assert abs(table_std - math.sqrt(2 / 8512)) < 1e-3
+assert 40 < pe_std / table_std < 50  # "about 45 times smaller"
+assert 1.5 < pe_std / scaled_std < 2.5  # "about half the encoding's"
+assert pe_std_128 < pe_std  # "a little smaller" over 128 positions
 
 # %% [markdown]
 # Without the factor, the embeddings would be about 45 times smaller than
@@ -1305,7 +1327,8 @@ assert torch.allclose(ours[real], theirs[real], atol=1e-5)
 # d + V_{tgt}$. `count_parameters` counts a shared matrix once (Part 5
 # shares one). The table counts a base-size model built on the `meta`
 # device (shapes only, no memory) and compares every row with its formula.
-# The vocabulary sizes, 8,000 source and 6,000 target words, are arbitrary.
+# The vocabulary sizes, 8,000 source and 6,000 target words, are round
+# numbers close to Part 3's.
 
 
 # %%
@@ -1339,7 +1362,7 @@ rows = [  # (part, module, formula)
 print(f"{'':26}{'counted':>12}{'formula':>12}")
 for part, module, formula in rows:
     counted = count_parameters(module)
-    print(f"{part:26}{counted:>12,}{formula:>12,}")  # 44,140,544
+    print(f"{part:26}{counted:>12,}{formula:>12,}")  # e.g. 44,140,544
     assert counted == formula, part
 
 # %% [markdown]

@@ -354,8 +354,9 @@ assert torch.allclose(dist, expected)
 # the same loss without building it: a *closed form*, which reads the
 # log-probabilities once and writes one number per token.
 #
-# Some symbols first. $N$ is the number of target tokens and $V$ the vocabulary
-# size; $\epsilon$ is $\epsilon_{ls}$; for one row, $y$ is the target token,
+# Some symbols first. $N$ is the number of target tokens (here, not Part
+# 1's number of layers) and $V$ the vocabulary size; $\epsilon$ is
+# $\epsilon_{ls}$; for one row, $y$ is the target token,
 # $p$ the smoothed target distribution and $q$ the model's probabilities. The
 # loss receives $\log q$, as `x` (an $N \times V$ tensor). The three values of
 # a row are: $c = 1 - \epsilon$ at $y$, $f = \epsilon / (V - 2)$ at each of the
@@ -490,7 +491,10 @@ save_chart(ls_chart, "02_label_smoothing_penalty", FIGURES)
 # (`detach`).
 #
 # The sum stays a one-number tensor, not a Python float: the loop below
-# adds the sums up and turns the total into a float once, at the end.
+# adds the sums up and turns the total into a float once, at the end. On
+# a GPU, turning a tensor into a Python number makes the CPU wait until
+# the GPU has finished all its queued work (a *sync*); once per epoch
+# costs nothing, once per batch would stall it.
 
 
 # %%
@@ -509,8 +513,8 @@ class SimpleLossCompute:
         mean per token, for backward()."""
         logp = self.generator(x)  # (B, T, vocab)
         flat = logp.reshape(-1, logp.size(-1))  # (B * T, vocab)
-        loss_mean = self.criterion(flat, y.reshape(-1)) / norm
-        return loss_mean.detach() * norm, loss_mean
+        loss_sum = self.criterion(flat, y.reshape(-1))  # summed over tokens
+        return loss_sum.detach(), loss_sum / norm
 
 
 # %% [markdown]
@@ -769,10 +773,10 @@ def copy_accuracy(model, n, V=11, seq_len=10, generator=None):
 #   0.1 and a 10-step warm-up).
 # * **Small batches** of 16 sequences: what this task needs is many
 #   optimizer steps more than many sequences, so small batches buy more
-#   steps for the same sequences. In our sweep (`bench/RESULTS.md`),
-#   batches of 32 needed fewer steps than 16 (231 against 255), but each
-#   cost almost twice as much (211 against 109 ms); batches of 8 needed
-#   463 steps.
+#   steps for the same sequences. In our sweep (`bench/RESULTS.md`, in
+#   bf16), batches of 32 needed fewer steps than 16 (231, at a peak of
+#   $4 \cdot 10^{-4}$, against 255), but each cost almost twice as much
+#   (211 against 109 ms); batches of 8 needed 463 steps.
 # * **No dropout**: with fresh data in every batch, the model cannot
 #   memorize its training set.
 # * **No label smoothing**: the right next token is certain.
@@ -999,7 +1003,8 @@ assert not overlap
 # ### Gradient accumulation
 #
 # Gradient accumulation (`accum_iter = k`) emulates one batch $k$ times
-# the size of a micro-batch, too large to fit in memory at once: each
+# the size of a micro-batch (each of the $k$ small batches that run one
+# at a time), too large to fit in memory at once: each
 # micro-batch's loss is divided by $k$,
 # gradients add up over $k$ backward passes, and the optimizer (and the
 # schedule) steps once.

@@ -23,7 +23,8 @@
 # next to the 4.5 million sentence pairs of WMT 2014 that the paper used,
 # but large enough to learn a usable translator in 14 to 19 minutes on
 # two CPU cores (about 10 on a CPU that computes in bf16, a 16-bit format,
-# natively; the training cell's first line says which yours does), or in
+# natively; the first line the training cell prints says which yours
+# does), or in
 # under two minutes on an
 # H100 GPU. Colab's free T4 was not measured: the training cell below says
 # how to read its time off the progress bar.
@@ -150,7 +151,7 @@ def read_multi30k(split, root=None):
 
 # %%
 tools.download_multi30k()  # verifies the files, fetching them on first use
-splits = {split: read_multi30k(split) for split in MULTI30K_SPLITS}
+splits = {split: read_multi30k(split) for split in ("train", "val", "test")}
 assert [len(pairs) for pairs in splits.values()] == [29000, 1014, 1000]
 print("de: {}\nen: {}".format(*splits["train"][0]))
 
@@ -285,8 +286,8 @@ assert toy(["b", "c", "<s>"]) == [6, UNK, BOS]  # 4 specials, z, a, b
 # Now the real vocabularies, which the rest of the lesson uses. They hold
 # 8,012 German and 6,190 English tokens (types: each distinct word or
 # punctuation mark counted once, the four specials included). A
-# word-level vocabulary of WMT would need hundreds of thousands, which is
-# one reason the paper cut words into subword units instead.
+# word-level vocabulary of WMT would need far more, which is one reason
+# the paper cut words into subword units instead.
 #
 # A check: in train, a German word reads as `<unk>` only if it occurs
 # there once; in test, also when train never has it. So test's share of
@@ -351,7 +352,7 @@ train_ids = encode_pairs(splits["train"], *vocabs, *tokenizers)
 src, tgt = collate_batch(train_ids[:3])
 print(src)  # each row: 0 (<s>), word ids, 1 (</s>), then 2s (<blank>)
 assert src.shape == (3, max(len(s) for s, _ in train_ids[:3]))
-assert [row[row != PAD][-1] for row in tgt] == [EOS] * 3
+assert all(row[row != PAD][-1] == EOS for row in tgt)  # each ends in </s>
 
 # %% [markdown]
 # ### Batches by token count
@@ -610,7 +611,9 @@ def report_left_out(sampler, split):
 # one optimizer step.
 #
 # The fields under the dataclass's last comment are for the appendix
-# and Part 5: at their defaults they change nothing here.
+# and Part 5: at their defaults they change nothing in
+# `train_one_process` below (the reference run's `train_model` reads
+# `precision` and `checkpoint_dir`).
 
 
 # %%
@@ -638,7 +641,7 @@ class TrainConfig:
     # For the appendix and Part 5; at their defaults, no change here:
     preset: str = "cpu"
     precision: str = "bf16"  # 16-bit where fast (bf16, or float16 on a
-    # T4), else float32; "fp32": always float32. train_worker reads it
+    # T4), else float32; "fp32": always float32. train_model reads it
     checkpoint_dir: str = "checkpoints/cpu"
     tokenization: str = "word"  # or "bpe": one subword vocabulary
     tie_embeddings: bool = False  # the generator reuses an embedding
@@ -688,9 +691,7 @@ def model_from_config(c, n_src, n_tgt, dropout=None):
 #| export
 def warmup_then_linear(step, peak, warmup, total):
     """Linear warm-up to `peak`, then a straight line to zero at `total`."""
-    # LambdaLR's step 0 is the first step; it gets step 1's rate, as in
-    # `rate` (Part 2's copy schedule shifted its warm-up by one instead).
-    step = max(step, 1)
+    step = max(step, 1)  # LambdaLR's first step, 0, gets step 1's rate
     if step < warmup:
         return peak * step / warmup
     return peak * max(0, total - step) / max(1, total - warmup)
@@ -752,8 +753,8 @@ assert max(steps_down) - min(steps_down) < 1e-12
 # How the settings give that: Part 2's `rate` peaks at step `warmup`, at
 # $\text{factor} \cdot d_{\text{model}}^{-1/2} \cdot
 # \text{warmup}^{-1/2}$. `cpu` has factor 1 and a warm-up of 800, longer
-# than the whole run; `quick` has `warmup=300` and `factor=0.61`
-# ($\approx \sqrt{300/800}$, so the peak stays 2.2e-3), and
+# than `quick`'s whole run of 765 steps; `quick` has `warmup=300` and
+# `factor=0.61` ($\approx \sqrt{300/800}$, so the peak stays 2.2e-3), and
 # `schedule="linear"`.
 #
 # The cell prints what `quick` changes in `TrainConfig`'s defaults, then
@@ -836,7 +837,7 @@ if device.type == "cpu" and "COLAB_RELEASE_TAG" in os.environ:
 # dropout off (`model.eval()`). `Batch(...).to(device)` moves each batch
 # where the model is. It returns the model and one line of history per
 # epoch. It always computes in float32: only the appendix's
-# `train_worker` reads `config.precision`.
+# `train_model` reads `config.precision`.
 
 
 # %%
@@ -918,9 +919,10 @@ assert small_history[-1]["val_loss"] < small_history[0]["val_loss"]
 # puts into them. So predicting the smoothed targets exactly scores 0,
 # and the uniform guess scores $\ln V - H$. With a smoothing of 0.1, $H
 # = -0.9 \ln 0.9 - 0.1 \ln \frac{0.1}{V - 2} \approx 0.09 + 1.10
-# \approx 1.2$, so the guess scores $8.73 - 1.2 \approx 7.5$. The cell
-# computes the three numbers. Check: after two epochs the tiny model is
-# already below the uniform guess.
+# \approx 1.2$ (the 0.1 is spread over the $V - 2$ words that are neither
+# the answer nor `<blank>`), so the guess scores $8.73 - 1.2 \approx 7.5$.
+# The cell computes the three numbers. Check: after two epochs the tiny
+# model is already below the uniform guess.
 
 # %%
 V = len(vocab_tgt)
@@ -959,25 +961,29 @@ assert last < guess
 # runs the library's copies of this lesson's `#| export` cells, which
 # change only once `make export` has copied the edits and the notebook is
 # restarted. To try an edit, run `train_one_process` with the `ci`
-# preset, as above. If
-# `checkpoints/quick/final.pt` exists already, the cell trains nothing
-# and uses it, whatever trained it; delete that folder to train afresh.
-# (The project's automated tests run every notebook in a tiny version,
-# `AT_SIZE=ci`, where the cell trains the `ci` preset.)
+# preset, as above. If `checkpoints/quick/final.pt` exists already, the
+# cell trains nothing and uses it, whatever trained it; delete that
+# folder to train afresh. (The project's automated tests run every
+# notebook in a tiny version, `AT_SIZE=ci`, where the cell trains the
+# `ci` preset.)
 #
-# What you will see: the device and the precision (`device: cpu (CPU),
-# float32` on a CPU without native bf16); then, for each of five epochs,
-# a progress bar over its 153 batches, a pause while the validation split
+# **What you will see.** First the device and the precision: `device:
+# cpu (CPU), float32` on a CPU without native bf16, `bfloat16 autocast`
+# on one with it, and on Colab's GPU `device: cuda:0 (Tesla T4), float16
+# autocast with a GradScaler` (float16 with its loss scaled up, so that
+# small gradients do not round to zero). Then, for each of five epochs, a
+# progress bar over its 153 batches, a pause while the validation split
 # is scored, and a line such as `epoch 0: train 4.716, val 3.126` (on a
 # GPU it ends with the GPU memory used). The recorded run's validation
-# losses were 3.13, 2.12, 1.70, 1.52 and 1.46. How long it takes:
+# losses were 3.13, 2.12, 1.70, 1.52 and 1.46.
+#
+# **How long.**
 #
 # - a 2-core CPU in float32: 14 to 19 minutes (the reference run's
 #   training took 13.9, `results/recipe_quick.json`; in the recorded
-#   runs of this notebook, epochs ended 3.2 to 3.7 minutes apart,
-#   `results/make_notebook.md`);
-# - a 2-core CPU with native bf16 (the first line then reads `bfloat16
-#   autocast`): about 10 minutes;
+#   runs of this notebook, epochs ended 3.2 to 3.7 minutes apart, and the
+#   whole notebook took 14 to 22 minutes, `results/make_notebook.md`);
+# - a 2-core CPU with native bf16: about 10 minutes;
 # - an H100 GPU: under two minutes (the whole notebook took 88 s there,
 #   beside other checks, `docs/gpu.md`);
 # - Colab's T4, a Mac, other CPUs: not measured. The progress bar shows
@@ -985,27 +991,29 @@ assert last < guess
 #   run takes about five times epoch 0, on a GPU less, since epoch 0
 #   also warms the GPU up.
 #
-# On Colab's GPU the first line should read `device: cuda:0 (Tesla T4),
-# float16 autocast with a GradScaler` (float16 with its loss scaled up,
-# so that small gradients do not round to zero). If it names no `cuda`,
-# the runtime has no GPU (Runtime → Change runtime type). If epoch 0's
-# line reads `nan`, float16 failed: stop the cell (■) at once, add
-# `precision="fp32"` to the cell's
-# `get_config(...)`, delete `checkpoints/quick/` (on Colab
-# `/content/done-right/checkpoints/quick/`), and run the cell again. A
-# Colab runtime that disconnects loses its checkpoints; `docs/gpu.md`,
-# "Keeping a model on Colab", shows how to keep the model on Google
-# Drive.
-#
 # The section "Why the quick recipe works", just after the cell that
 # compares your losses with the recorded ones, is good reading while you
 # wait.
 #
-# Too slow? Stop the cell (■); running it again later goes on from the
-# last finished epoch. The cells after it need the finished run's
-# `final.pt`, so they fail until it exists. An H100 GPU trained it in
-# under two minutes (a T4, Colab's free GPU, was not measured): open this
-# notebook in Colab from the README's badge.
+# **If it is too slow or fails.**
+#
+# - Too slow: stop the cell (■). Running it again later goes on from the
+#   last finished epoch. The cells after it need the finished run's
+#   `final.pt`; to read on now instead, run `AT_SIZE = "ci"` in a new
+#   cell and go on from this one: a tiny model trains in a minute or two,
+#   its translations are nonsense, and the score check is skipped. Or
+#   use a GPU: open this notebook in Colab from the badge at the top (an
+#   H100 trained it in under two minutes; a T4 was not measured).
+# - On Colab, a first line that names no `cuda` means the runtime has no
+#   GPU (Runtime → Change runtime type).
+# - An epoch 0 line that reads `nan` means float16 failed: stop the cell
+#   (■) at once, add `precision="fp32"` to the cell's `get_config(...)`,
+#   delete `checkpoints/quick/` (on Colab
+#   `/content/done-right/checkpoints/quick/`), and run the cell again.
+# - On a Mac, an error that names `mps`: see "The device", above.
+# - A Colab runtime that disconnects loses its checkpoints;
+#   `docs/gpu.md`, "Keeping a model on Colab", shows how to keep the
+#   model on Google Drive.
 
 # %%
 preset = "ci" if AT_SIZE == "ci" else "quick"
@@ -1017,8 +1025,9 @@ history = None  # stays None when a trained model is found
 if preset == "quick" and final_checkpoint.exists():
     print(f"found {final_checkpoint}: not training again")
 else:
-    # A stopped `quick` run goes on from its last finished epoch; the
-    # tests' tiny `ci` run always starts afresh.
+    # A stopped `quick` run goes on from its last finished epoch (the
+    # checkpoint that resume_point finds); the tests' tiny `ci` run
+    # always starts afresh.
     stopped = tools.resume_point(config.checkpoint_dir) is not None
     resume = preset == "quick" and stopped
     history = tools.train_model(
@@ -1029,8 +1038,9 @@ else:
 # Your run beside the recorded one. When the training cell above has
 # just trained `quick`, this cell prints your validation loss after each
 # epoch beside the recorded run's (from `results/recipe_quick.json`).
-# They differ a little where your hardware computes in 16 bits (a GPU, or
-# a CPU with native bf16; a Mac stays in float32). The T4's float16 path,
+# They may differ in the last digits on other hardware, and more where it
+# computes in 16 bits (a GPU, or a CPU with native bf16; a Mac stays in
+# float32). The T4's float16 path,
 # run on an H100 made to report a T4's compute capability, gave
 # validation losses within 0.01 of the recorded ones
 # (`results/gpu_h100_2/fp16_quick.json`). The cell prints nothing when
@@ -1066,20 +1076,19 @@ if history is not None and preset == "quick":
 #   Each of its steps also took 13% less time, with no random masks to
 #   draw (`docs/results.md`, "The quick recipe: a translator in a quarter
 #   of an hour").
-# - **Batches of 3,000 tokens, not fewer.** Two trials, both with dropout
-#   0.1 and a linear decay, compared 660 steps of batches of up to 3,000
-#   tokens with 1,600 steps of batches of up to 1,500 (more positions in
-#   all; the 1,500-token trial's 200-step warm-up gave it a slightly
-#   higher peak, 2.7e-3).
-#   The larger batches scored 32.46 validation BLEU, the smaller 27.17.
-#   Smaller batches won only in runs shorter than two epochs.
+# - **Batches of 3,000 tokens, not fewer.** Smaller batches won only in
+#   runs shorter than two epochs. Two trials, both with dropout 0.1 and
+#   a linear decay (validation BLEU with `<unk>` replaced by a German
+#   word, as in Part 4):
+#
+#   | batches of up to | steps | warm-up, peak | validation BLEU |
+#   |---:|---:|---|---:|
+#   | 1,500 tokens | 1,600 | 200, 2.7e-3 | 27.17 |
+#   | 3,000 tokens | 660 | 300, 2.2e-3 | 32.46 |
 #
 # The trials, with their commands, machines and times, are in
-# `results/recipe_sweep.md`. Its scores replace `<unk>` by a German word
-# (Part 4), which raises them; even so, the two batch-size trials score
-# below the recorded run's 34.52 (which keeps `<unk>`; its curve is in
-# "BLEU"), since both kept dropout 0.1 and neither took `quick`'s 765
-# steps of full-size batches.
+# `results/recipe_sweep.md`; `docs/results.md` has the table of the
+# three trials that led to `quick`.
 
 # %% [markdown]
 # ## Decoding
@@ -1238,7 +1247,8 @@ for de, en, hyp in zip(sources[:3], references, hyps):
 # `results/gpu_h100_2/03_full_outputs.txt`). 33 leaves room for other
 # hardware. On a T4 or a Mac no test score of this recipe is on record.
 #
-# Three scores of the recorded `quick` run appear in this repository.
+# Three greedy scores of the recorded `quick` run appear in this
+# repository.
 # They differ in the split and in what happens to `<unk>`, the
 # unknown-word token:
 #
