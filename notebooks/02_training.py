@@ -256,13 +256,17 @@ assert torch.equal(example.tgt_y, example.src[:, 1:])
 # probability off its best guess, and BLEU (the translation score, Part 3)
 # gets better.
 #
-# `LabelSmoothing` computes this loss. Read its `forward` through the
-# `keep_targets` branch first: it builds each smoothed row $p$
-# (`smoothed_targets`) and takes the KL divergence against the model's
-# $\log q$. That is the definition. The default branch, `closed_form`,
-# gives the same number by a formula derived below, without building the
-# rows. (`last_call` and `true_dist` serve code written for the 2022
-# tutorial; this part does not use them.)
+# `LabelSmoothing` computes this loss. At its core, its `forward` is:
+#
+# ```python
+# p = self.smoothed_targets(target, x.dtype)  # (N, size): each row a p
+# return self.criterion(x, p)  # KL divergence against x = log q, summed
+# ```
+#
+# That is the `keep_targets` branch, the definition. The default branch,
+# `closed_form`, gives the same number by a formula derived below,
+# without building the rows. (`last_call` and `true_dist` serve code
+# written for the 2022 tutorial; this part does not use them.)
 
 
 # %%
