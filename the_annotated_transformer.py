@@ -1115,8 +1115,8 @@ def make_run_optimizer(model, config, batches_per_epoch, total=None):
 def pick_device():
     """The device the environment variable AT_DEVICE names, if set; else
     a CUDA GPU if there is one, else Apple's GPU (MPS), else the CPU."""
-    named = os.environ.get("AT_DEVICE")  # e.g. "cpu"
-    if named:
+    named = os.environ.get("AT_DEVICE", "auto")  # e.g. "cpu"
+    if named != "auto":
         try:
             return torch.device(named)
         except RuntimeError:  # torch's message lists 20 device types

@@ -21,7 +21,7 @@
 # train on real sentences: Multi30k (Elliott et al., 2016), about 31,000
 # image captions written in English and translated into German. It is tiny
 # next to the 4.5 million sentence pairs of WMT 2014 that the paper used,
-# but large enough to learn a usable translator in 14 to 19 minutes on
+# but large enough to learn a usable translator in 14 to 20 minutes on
 # two CPU cores (about 10 on a CPU that computes in bf16, a 16-bit format,
 # natively; the first line the training cell prints says which yours
 # does), or in
@@ -797,8 +797,8 @@ assert quick_rate(765) == 0  # the end of the budget
 def pick_device():
     """The device the environment variable AT_DEVICE names, if set; else
     a CUDA GPU if there is one, else Apple's GPU (MPS), else the CPU."""
-    named = os.environ.get("AT_DEVICE")  # e.g. "cpu"
-    if named:
+    named = os.environ.get("AT_DEVICE", "auto")  # e.g. "cpu"
+    if named != "auto":
         try:
             return torch.device(named)
         except RuntimeError:  # torch's message lists 20 device types
@@ -979,10 +979,11 @@ assert last < guess
 #
 # **How long.**
 #
-# - a 2-core CPU in float32: 14 to 19 minutes (the reference run's
+# - a 2-core CPU in float32: 14 to 20 minutes (the reference run's
 #   training took 13.9, `results/recipe_quick.json`; in the recorded
-#   runs of this notebook, epochs ended 3.2 to 3.7 minutes apart, and the
-#   whole notebook took 14 to 22 minutes, `results/make_notebook.md`);
+#   runs of this notebook, epochs ended 3.2 to 3.7 minutes apart, once
+#   5.5, and the whole notebook took 14 to 22 minutes,
+#   `results/make_notebook.md`);
 # - a 2-core CPU with native bf16: about 10 minutes;
 # - an H100 GPU: under two minutes (the whole notebook took 88 s there,
 #   beside other checks, `docs/gpu.md`);
@@ -1000,8 +1001,8 @@ assert last < guess
 # - Too slow: stop the cell (■). Running it again later goes on from the
 #   last finished epoch. The cells after it need the finished run's
 #   `final.pt`; to read on now instead, run `AT_SIZE = "ci"` in a new
-#   cell and go on from this one: a tiny model trains in a minute or two,
-#   its translations are nonsense, and the score check is skipped. Or
+#   cell and go on from this one: a tiny model trains in seconds, its
+#   translations are nonsense, and the score check is skipped. Or
 #   use a GPU: open this notebook in Colab from the badge at the top (an
 #   H100 trained it in under two minutes; a T4 was not measured).
 # - On Colab, a first line that names no `cuda` means the runtime has no

@@ -1136,11 +1136,20 @@ PRESETS |= {  # the same with one BPE vocabulary and tied embeddings
 
 
 def get_config(preset="quick", **overrides):
-    """A preset's TrainConfig with some fields replaced."""
+    """A preset's TrainConfig with some fields replaced; AT_PRECISION=fp32
+    in the environment makes float32 the default precision."""
     if preset not in PRESETS:
         raise ValueError(
             f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}"
         )
+    forced = os.environ.get("AT_PRECISION")
+    if forced and forced != "fp32":
+        raise ValueError(
+            f"AT_PRECISION={forced!r}: only fp32 (no 16-bit arithmetic) is"
+            " read"
+        )
+    if forced and "precision" not in overrides:
+        overrides = {"precision": "fp32", **overrides}
     return replace(PRESETS[preset], **overrides)
 
 
@@ -1301,10 +1310,10 @@ print(summary)
 #   where this project never measured or tested 16-bit training (no Mac
 #   was at hand), so it takes the safe default.
 #
-# A config's `precision="fp32"` turns autocast off everywhere, and so
-# does the environment variable `AT_PRECISION=fp32`, for every run (the
-# models that Parts 4 and 5 train too), say when float16 gives `nan` on
-# an older GPU. The CPU's
+# A config's `precision="fp32"` turns autocast off everywhere. The
+# environment variable `AT_PRECISION=fp32` makes that the default of
+# every config that `get_config` returns (the models that Parts 4 and 5
+# train too), say when float16 gives `nan` on an older GPU. The CPU's
 # flags come from `/proc/cpuinfo` (Linux): torch's public
 # `torch.backends.cpu.get_cpu_capability()` names the vector width
 # ("AVX512") but not bf16 support.
@@ -1337,13 +1346,6 @@ def choose_precision(device, precision="bf16"):
     # "bf16": the best 16-bit format this device computes natively
     # (bfloat16, or float16 on older GPUs). Other values are refused, so
     # that a typo such as "fp16" cannot quietly pick that branch.
-    if os.environ.get("AT_PRECISION") == "fp32":  # float32 everywhere
-        precision = "fp32"
-    elif os.environ.get("AT_PRECISION"):
-        raise ValueError(
-            f"AT_PRECISION={os.environ['AT_PRECISION']!r}: only fp32 (no"
-            " 16-bit arithmetic anywhere) is read"
-        )
     if precision not in ("bf16", "fp32"):
         raise ValueError(
             f'precision is "bf16" (the fastest this machine does well) or'
@@ -3644,9 +3646,13 @@ def checked_device(name):
     """The torch device `name` if this machine has it ("auto" or None:
     pick_device's choice); a one-line ValueError if not."""
     if name is None or name == "auto":
-        if not os.environ.get("AT_DEVICE"):
+        named = os.environ.get("AT_DEVICE", "auto")
+        if named == "auto":
             return pick_device()
-        name = os.environ["AT_DEVICE"]  # checked like --device
+        try:  # checked like --device
+            return checked_device(named)
+        except ValueError as err:
+            raise ValueError(f"AT_DEVICE={named}: {err}") from None
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):
@@ -3921,8 +3927,10 @@ def describe_checkpoint(path):
 #| export
 def model_to_train_here(presets, stand_in, root=".", size="full"):
     """The config find_or_train trains when it finds no model: `quick`
-    on a CUDA GPU (if asked for), else the stand-in."""
-    if size != "ci" and "quick" in presets and torch.cuda.is_available():
+    on a CUDA GPU (if asked for, and AT_DEVICE names no other device),
+    else the stand-in."""
+    on_cuda = pick_device().type == "cuda"
+    if size != "ci" and "quick" in presets and on_cuda:
         folder = Path(root, get_config("quick").checkpoint_dir)
         return get_config("quick", checkpoint_dir=str(folder))
     return stand_in
@@ -4298,8 +4306,8 @@ def add_train_parser(sub):
         choices=["bf16", "fp32"],
         help="bf16: the fastest 16-bit arithmetic this machine computes"
         " natively (bfloat16, float16 on a T4, none on others); fp32: none,"
-        " say if training gives nan (default: the preset's, bf16;"
-        " AT_PRECISION=fp32 in the environment means fp32 too)",
+        " say if training gives nan (default: fp32 if AT_PRECISION=fp32"
+        " is in the environment, else the preset's, bf16)",
     )
     train.add_argument(
         "--device",

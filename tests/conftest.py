@@ -16,6 +16,15 @@ MULTI30K = Path(
 )
 
 
+@pytest.fixture(autouse=True)
+def no_device_overrides(monkeypatch):
+    """Tests decide devices and precisions themselves: a reader's
+    AT_DEVICE or AT_PRECISION (docs/gpu.md) must not change them, nor
+    reach the programs they start."""
+    monkeypatch.delenv("AT_DEVICE", raising=False)
+    monkeypatch.delenv("AT_PRECISION", raising=False)
+
+
 @pytest.fixture
 def one_thread():
     """Run on one thread: these tensors are tiny, and on a shared, busy

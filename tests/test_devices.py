@@ -147,13 +147,31 @@ def test_at_device_overrides_every_choice_of_a_device(machine, monkeypatch):
 
 
 @with_machine("no GPU")
-def test_a_wrong_at_device_is_one_line(machine, monkeypatch):
+def test_a_wrong_at_device_is_one_line(machine, monkeypatch, capsys):
     monkeypatch.setenv("AT_DEVICE", "gpu")
     with pytest.raises(ValueError, match="^AT_DEVICE='gpu' is not a device"):
         tat.pick_device()
     monkeypatch.setenv("AT_DEVICE", "cuda")  # a device this machine lacks
-    with pytest.raises(ValueError, match="^no cuda here"):
+    with pytest.raises(ValueError, match="^AT_DEVICE=cuda: no cuda here"):
         tools.checked_device("auto")
+    status = tools.main(["translate", "Hallo."])  # --device's default
+    err = capsys.readouterr().err
+    assert status == 2 and "AT_DEVICE=cuda: no cuda here" in err
+    assert len(err.splitlines()) == 1
+
+
+@with_machine("one A100")
+def test_parts_4_and_5_train_the_stand_in_where_at_device_says_cpu(
+    machine, monkeypatch
+):
+    """With a GPU but AT_DEVICE=cpu, `quick` would have trained on the
+    CPU, for a quarter of an hour or more, instead of the stand-in."""
+    stand_in = tools.get_config("ci")
+    chosen = tools.model_to_train_here(["cpu", "quick"], stand_in)
+    assert chosen.preset == "quick"
+    monkeypatch.setenv("AT_DEVICE", "cpu")
+    chosen = tools.model_to_train_here(["cpu", "quick"], stand_in)
+    assert chosen is stand_in
 
 
 # --------------------------------------------------------- the precision
@@ -181,16 +199,19 @@ def test_precision_table(machine, device, precision, dtype, scaler):
 
 
 @with_machine("one T4")
-def test_at_precision_fp32_turns_16_bit_off_everywhere(machine, monkeypatch):
+def test_at_precision_fp32_is_every_config_s_default(machine, monkeypatch):
     """The way out when float16 gives nan: the models that Parts 4 and 5
-    train had no precision to change."""
-    assert tools.choose_precision("cuda") == (FP16, True)
+    train had no precision to change. A precision asked for still wins."""
+    assert tools.get_config("quick").precision == "bf16"
     monkeypatch.setenv("AT_PRECISION", "fp32")
-    assert tools.choose_precision("cuda") == (None, False)
-    assert tools.choose_precision("cuda", "bf16") == (None, False)
+    config = tools.get_config("quick")
+    assert config.precision == "fp32"
+    assert tools.choose_precision("cuda", config.precision) == (None, False)
+    assert tools.get_config("quick", precision="bf16").precision == "bf16"
+    assert tools.choose_precision("cuda") == (FP16, True)  # a pure choice
     monkeypatch.setenv("AT_PRECISION", "fp16")
     with pytest.raises(ValueError, match="^AT_PRECISION='fp16': only fp32"):
-        tools.choose_precision("cuda")
+        tools.get_config("quick")
 
 
 @pytest.mark.parametrize("precision", ["fp16", "auto", "bfloat16", ""])
