@@ -2995,7 +2995,7 @@ def add_train_parser(sub):
         help="bf16: the fastest 16-bit arithmetic this machine computes"
         " natively (bfloat16, float16 on a T4, none on others); fp32: none,"
         " say if training gives nan (default: fp32 if AT_PRECISION=fp32"
-        " is in the environment, else the preset's, bf16)",
+        " is in the environment, else the preset's: bf16, fp32 for ci)",
     )
     train.add_argument(
         "--device",
