@@ -1457,8 +1457,7 @@ def _diagonal(v, kind):
     The diagonal is where j == i. For "decoder source", row i is rescaled
     to i (S-1) / (T-1), so they need not be whole numbers."""
     R, C = v.allowed.shape
-    # Made beside the weights, on the CPU: Apple's GPU has no float64.
-    f64 = {"dtype": torch.float64, "device": v.weights.device}
+    f64 = {"dtype": torch.float64, "device": v.weights.device}  # the CPU
     i = torch.arange(R, **f64)[:, None]  # (R, 1)
     j = torch.arange(C, **f64)[None, :]  # (1, C)
     if kind == "decoder source":  # proportional: j = i (S-1) / (T-1)

@@ -223,7 +223,8 @@ class AttentionMaps:
 # *causal*: each position sees only itself and the positions before it.
 # So one pass over the finished translation gives the same weights, up to
 # rounding, as it used while writing it one token at a time (checked
-# below, in "Can we trust these pictures?").
+# below for the decoder–source weights, in "Can we trust these
+# pictures?").
 #
 # The forward pass builds its masks exactly as training does
 # (`Batch.make_std_mask` hides padding and the future) and runs the model
@@ -724,7 +725,8 @@ assert torch.allclose(by_hand, maps.encoder_self[0], atol=1e-5)
 # zeroed or scaled by $1/0.9$, so the rows no longer sum to 1.
 # `attention_maps` therefore records in `eval()` mode. The cell shows
 # the difference on a fresh model with Part 1's default dropout of 0.1
-# (the loaded one has none): the same recording in `eval()` mode, then
+# (the loaded one is rebuilt without dropout): the same recording in
+# `eval()` mode, then
 # with only the first encoder layer's attention dropout switched on, so
 # that the two differ in that dropout alone.
 
@@ -805,8 +807,7 @@ def _diagonal(v, kind):
     The diagonal is where j == i. For "decoder source", row i is rescaled
     to i (S-1) / (T-1), so they need not be whole numbers."""
     R, C = v.allowed.shape
-    # Made beside the weights, on the CPU: Apple's GPU has no float64.
-    f64 = {"dtype": torch.float64, "device": v.weights.device}
+    f64 = {"dtype": torch.float64, "device": v.weights.device}  # the CPU
     i = torch.arange(R, **f64)[:, None]  # (R, 1)
     j = torch.arange(C, **f64)[None, :]  # (1, C)
     if kind == "decoder source":  # proportional: j = i (S-1) / (T-1)
@@ -1041,7 +1042,10 @@ else:
     print(SKIPPED)
 
 # %% [markdown]
-# Mean distance from the diagonal, a scale for the chart's lower row:
+# Mean distance from the diagonal, a scale for the chart's lower row.
+# An untrained model's heads spread their weight, so its distances come
+# near the spread-out $S/3$; the trained model's aligners and positional
+# heads stay much closer to the diagonal.
 
 # %%
 print("mean distance from the diagonal:")
@@ -1102,8 +1106,9 @@ for kind in ATTENTION_KINDS:
 # the second, and 66% with the weights averaged over every head of every
 # layer. We use the average.
 #
-# `batch_greedy_decode` keeps no weights (it takes the fused attention
-# path), so `source_alignment` runs
+# The greedy decoders keep no weights (they take the fused attention
+# path: Part 3's `batch_greedy_decode`, and Part 5's cached one, which
+# `translate_batch` uses), so `source_alignment` runs
 # the decoder once more over the finished output, inside
 # `record_attention`. The section "Can we trust these pictures?" showed,
 # for `attention_maps`, that such a pass gives the weights greedy

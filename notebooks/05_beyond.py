@@ -425,19 +425,19 @@ def cached_greedy_decode(
 # rule to each sentence, cutting its output at its own length + 50.
 max_len = src.size(1) + 50  # one limit for every decoder below
 with torch.no_grad():
-    reference = batch_greedy_decode(model, src, src_mask, max_len)  # (B, L)
+    batched = batch_greedy_decode(model, src, src_mask, max_len)  # (B, L)
     memory = model.encode(src, src_mask)  # (B, S, d_model)
     cache = DecoderCache(model, memory, src_mask)
-    for t in range(1, reference.size(1)):
+    for t in range(1, batched.size(1)):
         prefix = model.decode(
-            memory, src_mask, reference[:, :t], subsequent_mask(t)
+            memory, src_mask, batched[:, :t], subsequent_mask(t)
         )  # (B, t, d_model): the whole prefix again
         full = model.generator(prefix[:, -1])  # (B, V)
-        step = decode_step(model, reference[:, t - 1 : t], cache)  # (B, V)
+        step = decode_step(model, batched[:, t - 1 : t], cache)  # (B, V)
         assert torch.allclose(full, step, atol=1e-4), t
 
 cached = cached_greedy_decode(model, src, src_mask, max_len)
-assert torch.equal(cached, reference)  # the same (B, L) ids
+assert torch.equal(cached, batched)  # the same (B, L) ids
 
 with torch.no_grad():
     for ids, mask, row in zip(src, src_mask, cached):
@@ -455,10 +455,10 @@ with torch.no_grad():
 # three runs. A wall-clock time depends on what else the machine is
 # doing, so the cell prints the times and checks nothing about them.
 # `bench/decoding.py` measures all the decoders on the whole test set,
-# with medians, in `bench/RESULTS_decoding.md`: there, with the `cpu`
-# model, the cache decoded the 1,000 test sentences 6.7 times as fast
-# (3.9 s against 26.4 s on one thread). On 16 sentences, and with the
-# CI-sized stand-in, expect a smaller gain.
+# with medians, in `bench/RESULTS_decoding.md`: there, with the 18-epoch
+# `cpu` model of run A, the cache decoded the 1,000 test sentences 6.7
+# times as fast (3.9 s against 26.4 s on one thread). On 16 sentences,
+# and with the CI-sized stand-in, expect a smaller gain.
 
 
 # %%
@@ -1379,7 +1379,7 @@ print(f"average() agrees on all {len(in_memory.state_dict())} tensors")
 # Here is the average's BLEU next to that of the model as trained,
 # computed in section 2, with both decoders. For a `quick` model, expect
 # the average to score lower: its five files are all of its training,
-# the early, poor epochs included. The cell after it shows when
+# the early, poor epochs included. The table after it shows when
 # averaging helps.
 
 # %%
@@ -1426,7 +1426,7 @@ for decoder_name, fn in DECODERS.items():
 # ```
 #
 # scores `checkpoints/cpu/final.pt` if `make train` has written it, else
-# the `quick` model, as the table below does. Add `--average 5` only
+# the `quick` model. Add `--average 5` only
 # after `make train`: a `quick` model's five epochs are all of its
 # training (section 4).
 #
