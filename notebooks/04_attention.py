@@ -1043,9 +1043,10 @@ else:
 
 # %% [markdown]
 # Mean distance from the diagonal, a scale for the chart's lower row.
-# An untrained model's heads spread their weight, so its distances come
-# near the spread-out $S/3$; the trained model's aligners and positional
-# heads stay much closer to the diagonal.
+# The untrained model spreads its weight almost evenly (the entropies
+# above), so its distances are those of even spreading (about $S/3$ in
+# encoder self-attention): a yardstick for the trained model's, not a
+# check.
 
 # %%
 print("mean distance from the diagonal:")
