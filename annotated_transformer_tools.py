@@ -1418,14 +1418,13 @@ def cuda_count():
 
 
 def process_device(local_rank=0, local_world_size=1, cpu_fallback=False):
-    """The device of one process: pick_device's, its own GPU, or the CPU."""
-    if local_world_size == 1 and os.environ.get("AT_DEVICE"):
-        return pick_device()  # the device AT_DEVICE names
+    """The device of one process: pick_device's if it is alone, else its
+    own GPU, or the CPU."""
+    if local_world_size == 1:
+        return pick_device()
     gpus = cuda_count()
     if gpus >= local_world_size:
         return torch.device("cuda", local_rank)
-    if local_world_size == 1:  # no GPU: Apple's, or the CPU
-        return pick_device()
     if gpus and not cpu_fallback:
         processes = "process" if gpus == 1 else "processes"
         raise ValueError(
@@ -2505,13 +2504,11 @@ def checked_device(name):
     """The torch device `name` if this machine has it ("auto" or None:
     pick_device's choice); a one-line ValueError if not."""
     if name is None or name == "auto":
-        named = os.environ.get("AT_DEVICE", "auto")
-        if named == "auto":
-            return pick_device()
-        try:  # checked like --device
-            return checked_device(named)
+        device = pick_device()
+        try:  # only a device that AT_DEVICE names can be missing
+            return checked_device(str(device))
         except ValueError as err:
-            raise ValueError(f"AT_DEVICE={named}: {err}") from None
+            raise ValueError(f"AT_DEVICE={device}: {err}") from None
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):

@@ -146,6 +146,27 @@ def test_at_device_overrides_every_choice_of_a_device(machine, monkeypatch):
     assert tools.checked_device("mps") == torch.device("mps")  # as asked
 
 
+@with_machine("two A100s")
+def test_at_device_reaches_a_lone_process_on_a_gpu_machine(
+    machine, monkeypatch
+):
+    monkeypatch.setenv("AT_DEVICE", "cpu")
+    assert tools.process_device(0, 1) == torch.device("cpu")
+    assert tools.checked_device(None) == torch.device("cpu")
+    # several processes still get a GPU each, as the README says
+    assert tools.process_device(1, 2) == torch.device("cuda", 1)
+
+
+@with_machine("one A100")
+def test_an_empty_at_device_means_unset(machine, monkeypatch):
+    """`AT_DEVICE= make notebook` clears it, as CUDA_VISIBLE_DEVICES= does
+    not (that one hides every GPU): pick_device chooses as without it."""
+    monkeypatch.setenv("AT_DEVICE", "")
+    assert tat.pick_device() == torch.device("cuda")
+    assert tools.process_device(0, 1).type == "cuda"
+    assert tools.checked_device("auto") == torch.device("cuda")
+
+
 @with_machine("no GPU")
 def test_a_wrong_at_device_is_one_line(machine, monkeypatch, capsys):
     monkeypatch.setenv("AT_DEVICE", "gpu")
@@ -246,7 +267,7 @@ def test_autocast_for_enters_the_chosen_dtype_or_nothing():
     [
         ("no GPU", 1, False, ["cpu"]),
         ("no GPU", 2, False, ["cpu", "cpu"]),
-        ("one T4", 1, False, ["cuda:0"]),
+        ("one T4", 1, False, ["cuda"]),  # pick_device's: the current GPU
         ("one T4", 2, True, ["cpu", "cpu"]),  # stated fallback
         ("two A100s", 2, False, ["cuda:0", "cuda:1"]),
         ("a Mac", 1, False, ["mps"]),
@@ -258,7 +279,7 @@ def test_rank_to_device_map(machine, world, fallback, devices):
     got = [tools.process_device(r, world, fallback) for r in range(world)]
     assert got == [torch.device(d) for d in devices]
     backends = {tools.backend_for(d) for d in got}
-    assert backends == {"nccl" if devices[0] == "cuda:0" else "gloo"}
+    assert backends == {"nccl" if got[0].type == "cuda" else "gloo"}
 
 
 @with_machine("one T4")
