@@ -727,6 +727,11 @@ assert forced == greedy
 # either, and a full disk, a crash or Ctrl-C in the middle of a write
 # leaves the old file as it was.
 #
+# A failed write of the temporary file (a full disk, a permission, a
+# folder in the way) is reported with `NAME`, the file the reader asked
+# for, not the hidden `.part` file; other errors raised while the caller
+# writes, such as a download's reset connection, pass unchanged.
+#
 # A process killed outright (SIGKILL, a power cut) cannot remove its
 # `.part` file. The process id in the name says whose it is, so
 # `atomic_write` first removes, from the folder it writes to, the `.part`
@@ -755,6 +760,18 @@ def clean_partial_files(folder):
                 part.unlink(missing_ok=True)
 
 
+def failed_to_write(err, part):
+    """Is `err` a failed write of the `.part` file? It names that file
+    (os.replace, a permission), or names none and is a plain OSError (a
+    full disk). Other errors in the caller's `with` body, such as a reset
+    connection (a ConnectionError), are not about the file."""
+    if err.errno is None:
+        return False
+    if err.filename is None:
+        return type(err) is OSError
+    return str(err.filename) == str(part)
+
+
 @contextlib.contextmanager
 def atomic_write(path, mode="wb"):
     """A file to write that replaces `path` only once it is complete."""
@@ -769,12 +786,8 @@ def atomic_write(path, mode="wb"):
             f.flush()
             os.fsync(f.fileno())  # on the disk before it gets the name
         os.replace(part, path)
-    except OSError as err:  # e.g. a full disk
-        # A failed write names no file, or the hidden .part file: give its
-        # error our file's name. One that names another file, or has no
-        # errno, goes on.
-        names_ours = err.filename is None or str(err.filename) == str(part)
-        if err.errno is None or not names_ours:
+    except OSError as err:
+        if not failed_to_write(err, part):  # a network error, say
             raise
         raise OSError(err.errno, err.strerror, str(path)) from err
     finally:
@@ -1830,9 +1843,11 @@ def trained_model_from(ckpt, path, device="auto"):
 # %% [markdown]
 # Part 5's checkpoint averaging, from files: `average_checkpoints` reads
 # one checkpoint at a time and sums in float64 on the CPU (Apple's GPU has
-# no float64), then moves the model to the device asked for. Given a
-# run's `history` of losses, it also checks that each file is that run's
-# epoch file (`check_run_file`): the paragraph on `--average`, after
+# no float64), then moves the model to the device asked for. Each file's
+# weights are checked as `load_weights` checks them, and renamed if an
+# older version wrote them (`weights_to_average`). Given a run's
+# `history` of losses, it also checks that each file is that run's epoch
+# file (`check_run_file`): the paragraph on `--average`, after
 # `load_translator`, says why.
 
 
@@ -1845,30 +1860,41 @@ def average_checkpoints(paths, device="cpu", history=None):
     if not paths:
         raise ValueError("no checkpoints to average")
     model, vocab_src, vocab_tgt, config = load_trained_model(paths[0], "cpu")
-    params, buffers = dict(model.named_parameters()), model.named_buffers()
-    buffers = dict(buffers)  # e.g. the positional encoding's `pe`
+    params = dict(model.named_parameters())
     sums = {
         n: torch.zeros_like(p, dtype=torch.float64) for n, p in params.items()
     }
     for path in paths:
-        ckpt = load_checkpoint(path, "cpu")  # MPS has no float64
-        if history is not None:
-            check_run_file(path, ckpt, history)
-        state = ckpt.get("model")
-        if not isinstance(state, dict):
-            raise ValueError(f"{path} holds no model weights")
-        shapes = {n: state[n].shape for n in sums if n in state}
-        if shapes != {n: s.shape for n, s in sums.items()}:
-            raise ValueError(f"{path} is not the same model as {paths[0]}")
+        weights = weights_to_average(path, model, paths[0], history)
         for name in sums:
-            sums[name] += state[name].double()
-        for name, b in buffers.items():
-            if name not in state or not torch.equal(state[name], b):
-                raise ValueError(f"{path}: buffer {name} differs")
+            sums[name] += weights[name].double()
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(sums[name] / len(paths))
     return model.to(device).eval(), vocab_src, vocab_tgt, config
+
+
+def weights_to_average(path, model, first, history=None):
+    """The weights in the checkpoint at `path`, by Part 1's names, if they
+    fit `model` (read from the file `first`): the same sizes, the same
+    buffers, all finite. With `history`, the file must be its run's."""
+    ckpt = load_checkpoint(path, "cpu")  # MPS has no float64
+    if history is not None:
+        check_run_file(path, ckpt, history)
+    state = ckpt.get("model")
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} holds no model weights")
+    state = rename_old_keys(state)  # older versions' names, as on load
+    problem = size_mismatch(model.state_dict(), state)
+    if problem:
+        raise CheckpointError(
+            f"{path} is not the same model as {first}: {problem}"
+        )
+    for name, buffer in model.named_buffers():  # the positional encoding
+        if not torch.equal(state[name], buffer):
+            raise CheckpointError(f"{path}: buffer {name} differs")
+    refuse_non_finite(state, path)
+    return state
 
 
 def check_run_file(path, ckpt, history):

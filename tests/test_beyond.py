@@ -504,6 +504,55 @@ def test_average_checkpoints_matches_a_hand_computed_mean(tmp_path, tie):
     assert shared == tie
 
 
+OLD_PROJECTIONS = {"w_q": "0", "w_k": "1", "w_v": "2", "w_o": "3"}
+OLD_BLOCKS = {  # the order in which a layer applies its blocks
+    "encoder": ["self_attn_block", "ff_block"],
+    "decoder": ["self_attn_block", "src_attn_block", "ff_block"],
+}
+
+
+def old_key(key):
+    """A key as earlier versions of this project (and 2022) named it."""
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if part in OLD_PROJECTIONS:
+            parts[i] = f"linears.{OLD_PROJECTIONS[part]}"
+        elif parts[0] in OLD_BLOCKS and part in OLD_BLOCKS[parts[0]]:
+            parts[i] = f"sublayer.{OLD_BLOCKS[parts[0]].index(part)}"
+    return ".".join(parts)
+
+
+def test_average_checkpoints_reads_old_names(tmp_path):
+    """An epoch file with the old names loaded alone but was refused as
+    "not the same model" when averaged."""
+    a, b = tiny(1), tiny(2)
+    paths = [
+        save_tiny(tmp_path / f"epoch_00{i}.pt", m) for i, m in [(1, a), (2, b)]
+    ]
+    old = torch.load(paths[1], weights_only=True)
+    old["model"] = {old_key(k): v for k, v in old["model"].items()}
+    assert "encoder.layers.0.sublayer.1.norm.a_2" in old["model"]
+    assert "decoder.layers.0.src_attn.linears.3.bias" in old["model"]
+    torch.save(old, paths[1])
+    model, *_ = tools.average_checkpoints(paths)
+    mean = (a.generator.proj.weight + b.generator.proj.weight) / 2
+    torch.testing.assert_close(model.generator.proj.weight, mean)
+    w_o = "decoder.layers.0.src_attn.w_o.weight"
+    torch.testing.assert_close(
+        model.state_dict()[w_o],
+        (a.state_dict()[w_o] + b.state_dict()[w_o]) / 2,
+    )
+
+
+def test_average_checkpoints_refuses_weights_with_nan(tmp_path):
+    a, b = tiny(1), tiny(2)
+    with torch.no_grad():
+        b.generator.proj.weight[0, 0] = float("nan")
+    paths = [save_tiny(tmp_path / "a.pt", a), save_tiny(tmp_path / "b.pt", b)]
+    with pytest.raises(tools.CheckpointError, match="b.pt: its weight"):
+        tools.average_checkpoints(paths)
+
+
 def test_average_checkpoints_refuses_different_buffers(tmp_path):
     a, b = tiny(1), tiny(2)
     with torch.no_grad():

@@ -2,6 +2,7 @@
 
 import argparse
 import copy
+import errno
 import gzip
 import hashlib
 import io
@@ -2061,6 +2062,22 @@ def test_a_write_that_fails_names_the_file_not_its_part(tmp_path):
             f.write(b"weights")
     assert caught.value.filename == str(target)
     assert os.listdir(tmp_path) == ["final.pt"]  # no .part file left
+
+
+def test_a_full_disk_names_the_file_and_a_network_error_passes(tmp_path):
+    """A reset connection in a download's `with` body was reported as if
+    it were about the local file: "Connection reset by peer: 'x.gz'"."""
+    target = tmp_path / "x.gz"
+    with pytest.raises(OSError) as caught:
+        with tools.atomic_write(target):
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert caught.value.filename == str(target)
+    reset = ConnectionResetError(errno.ECONNRESET, "Connection reset")
+    with pytest.raises(ConnectionResetError) as caught:
+        with tools.atomic_write(target):
+            raise reset
+    assert caught.value is reset and caught.value.filename is None
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize(
