@@ -182,7 +182,7 @@ def label_smoothing_penalty_chart(rows=None, smoothing=0.1):
     here, with `smoothing`, when not given)."""
     if rows is None:
         rows = label_smoothing_penalty_rows(smoothing=smoothing)
-    title = "Loss against confidence"
+    title = "Loss against the margin"
     return line_chart(
         rows, "margin", "loss", color="smoothing", title=title, point=True
     )
@@ -533,10 +533,12 @@ def train_copy_task(cfg=None, log=print):
 def process_alive(pid):
     """True if a process with this id runs on this machine."""
     try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+        os.kill(pid, 0)  # POSIX's signal 0: is there such a process?
     except ProcessLookupError:
         return False
-    except (PermissionError, OverflowError):  # someone else's, or no pid
+    except PermissionError:  # there is, and it is someone else's
+        return True
+    except OverflowError:  # too large to be a pid: leave its file alone
         return True
     return True
 
@@ -842,10 +844,10 @@ def get_config(preset="quick", **overrides):
     forced = os.environ.get("AT_PRECISION")
     if forced and forced != "fp32":
         raise ValueError(
-            f"AT_PRECISION={forced!r}: only fp32 (no 16-bit arithmetic) is"
-            " read"
+            f"AT_PRECISION={forced!r}: only fp32 (float32, no 16-bit"
+            " arithmetic) can be set this way"
         )
-    if forced and "precision" not in overrides:
+    if forced:  # a precision the caller names still wins
         overrides = {"precision": "fp32", **overrides}
     return replace(PRESETS[preset], **overrides)
 
@@ -1674,11 +1676,18 @@ def device_batch(src, tgt, device, pad=PAD):
     return batch
 
 
-def counted(batches, tally):
-    """Yield the batches, adding their target tokens to tally[0]."""
-    for batch in batches:
-        tally[0] += batch.ntokens
-        yield batch
+class CountedBatches:
+    """The batches, passed through as they are consumed; `tokens` counts
+    the target tokens of those passed so far."""
+
+    def __init__(self, batches):
+        self.batches = batches
+        self.tokens = 0
+
+    def __iter__(self):
+        for batch in self.batches:
+            self.tokens += batch.ntokens
+            yield batch
 
 
 def all_reduce_loss(loss, tokens, device):
@@ -1690,17 +1699,17 @@ def all_reduce_loss(loss, tokens, device):
     return (totals[0] / totals[1].clamp(min=1)).item()
 
 
-def train_pass(run, train_loader, loss):
+def train_pass(run, train_loader, loss_compute):
     """One pass over the training batches; the loss over all processes."""
-    tokens = [0]
     batches = (device_batch(s, t, run.device) for s, t in train_loader)
-    if isinstance(loss, RDropLossCompute):  # each batch twice (above)
+    if isinstance(loss_compute, RDropLossCompute):  # each batch twice
         batches = map(doubled, batches)
+    batches = CountedBatches(batches)
     run.model.train()
     train_loss, run.state = run_epoch(
-        counted(batches, tokens),
+        batches,
         run.model,
-        loss,
+        loss_compute,
         run.optimizer,
         run.scheduler,
         accum_iter=run.config.accum_iter,
@@ -1708,22 +1717,22 @@ def train_pass(run, train_loader, loss):
         autocast=run.autocast,
         scaler=run.scaler,
     )
-    return all_reduce_loss(train_loss, tokens[0], run.device)
+    return all_reduce_loss(train_loss, batches.tokens, run.device)
 
 
-def validate(run, valid_loader, loss):
+def validate(run, valid_loader, loss_compute):
     """The validation loss, without dropout, over all processes."""
-    tokens = [0]
     batches = (device_batch(s, t, run.device) for s, t in valid_loader)
+    batches = CountedBatches(batches)
     run.model.eval()
     val_loss, _ = run_epoch(
-        counted(batches, tokens),
+        batches,
         run.model,
-        loss,
+        loss_compute,
         mode="eval",
         autocast=run.autocast,
     )
-    return all_reduce_loss(val_loss, tokens[0], run.device)
+    return all_reduce_loss(val_loss, batches.tokens, run.device)
 
 
 LOG_REDRAW_SECONDS = 60  # a bar drawn into a file: once a minute
@@ -1760,16 +1769,17 @@ def drawn_into_a_file():
 
 def train_epoch(run, epoch, train_loader, valid_loader, show=True):
     """Train for one epoch, then validate; returns the history entry."""
-    loss = SimpleLossCompute(run.module.generator, run.criterion)
-    train_compute = loss  # R-Drop's (above) when rdrop is on
+    loss_compute = SimpleLossCompute(run.module.generator, run.criterion)
+    train_compute = loss_compute  # R-Drop's (above) when rdrop is on
     if run.config.rdrop > 0:
-        alpha = run.config.rdrop
-        train_compute = RDropLossCompute(loss.generator, run.criterion, alpha)
+        train_compute = RDropLossCompute(
+            run.module.generator, run.criterion, alpha=run.config.rdrop
+        )
     train_loader.batch_sampler.set_epoch(epoch)
     show_bar = show and run.rank == 0
     with progress_bar(train_loader, f"epoch {epoch}", show_bar) as batches:
         train_loss = train_pass(run, batches, train_compute)
-    val_loss = validate(run, valid_loader, loss)
+    val_loss = validate(run, valid_loader, loss_compute)
     entry = {"epoch": epoch, "train_loss": train_loss, "val_loss": val_loss}
     run.history.append(entry | {"steps": run.state.accum_step})
     if show and run.rank == 0:
@@ -2375,9 +2385,11 @@ def detokenize(tokens):
     """
     out, quote_open = "", False
     for i, tok in enumerate(tokens):
-        # the word after a hyphen is glued to it ("well-known"), unless a
-        # comma, a full stop or another hyphen came before the hyphen: then
-        # the hyphen is a dash between clauses
+        # a hyphen is glued to the word before it, and the word after it
+        # to the hyphen ("well-known"), unless a comma, a full stop or
+        # another hyphen came before the hyphen. The tokens cannot tell a
+        # spaced dash from a hyphen: "a man - a tall one" comes out as
+        # "man-a" (6 lines of Multi30k's 29,000 English have " - ")
         hyphen = out.endswith("-") and i > 1 and tokens[i - 1] == "-"
         glue = (
             i == 0
@@ -4095,7 +4107,7 @@ __all__ = [
     "TrainingRun",
     "params_in_sync",
     "device_batch",
-    "counted",
+    "CountedBatches",
     "all_reduce_loss",
     "train_pass",
     "validate",

@@ -763,7 +763,13 @@ def run_epoch(
             # not exchange gradients yet.
             hold = train and not steps_now
             loss_sum, loss_mean = micro_step(
-                model, batch, loss_compute, accum_iter, hold, autocast, scaler
+                model,
+                batch,
+                loss_compute,
+                accum_iter,
+                hold_sync=hold,
+                autocast=autocast,
+                scaler=scaler,
             )
             total_loss += loss_sum
             total_tokens += batch.ntokens

@@ -234,7 +234,7 @@ def label_smoothing_penalty_chart(rows=None, smoothing=0.1):
     here, with `smoothing`, when not given)."""
     if rows is None:
         rows = label_smoothing_penalty_rows(smoothing=smoothing)
-    title = "Loss against confidence"
+    title = "Loss against the margin"
     return line_chart(
         rows, "margin", "loss", color="smoothing", title=title, point=True
     )
@@ -743,10 +743,12 @@ assert forced == greedy
 def process_alive(pid):
     """True if a process with this id runs on this machine."""
     try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+        os.kill(pid, 0)  # POSIX's signal 0: is there such a process?
     except ProcessLookupError:
         return False
-    except (PermissionError, OverflowError):  # someone else's, or no pid
+    except PermissionError:  # there is, and it is someone else's
+        return True
+    except OverflowError:  # too large to be a pid: leave its file alone
         return True
     return True
 
@@ -1061,7 +1063,8 @@ print(f"{len(MULTI30K_SHA256)} files verified in {folder}")
 # conditions: `quick` and `long` with 2 threads in float32
 # (`results/recipe_quick.json`, `results/recipe_long.json`), `cpu` with 1
 # thread in bf16 on a machine shared with other jobs
-# (`results/multi30k_cpu.json`).
+# (`results/multi30k_cpu.json`). So `cpu`'s 83 minutes and `long`'s 42
+# do not say which recipe is faster per epoch.
 #
 # | preset | model and recipe | time on a 2-core CPU |
 # |---|---|---|
@@ -1158,10 +1161,10 @@ def get_config(preset="quick", **overrides):
     forced = os.environ.get("AT_PRECISION")
     if forced and forced != "fp32":
         raise ValueError(
-            f"AT_PRECISION={forced!r}: only fp32 (no 16-bit arithmetic) is"
-            " read"
+            f"AT_PRECISION={forced!r}: only fp32 (float32, no 16-bit"
+            " arithmetic) can be set this way"
         )
-    if forced and "precision" not in overrides:
+    if forced:  # a precision the caller names still wins
         overrides = {"precision": "fp32", **overrides}
     return replace(PRESETS[preset], **overrides)
 
@@ -1475,8 +1478,9 @@ def save_checkpoint(path, **fields):
 # file is a `FileNotFoundError`, and each way a file can be unusable (empty,
 # not a checkpoint at all, damaged or cut short, or holding a pickle that
 # would build other objects) is a `CheckpointError` with its own one-line
-# message. `checkpoint_head` answers the first questions from the file's
-# first two bytes, before torch reads it, and `check_zip` checks the
+# message. `checkpoint_head` checks the path (a folder, a pipe, a broken
+# link, no file, no permission to read) and then the file's first two
+# bytes, before torch reads it, and `check_zip` checks the
 # CRC-32 that the archive records for each entry: `torch.load` does not,
 # so a byte changed inside the weights would load as other weights. A
 # failed check gets the same "damaged or cut short" message. A file in
@@ -2094,34 +2098,40 @@ def backend_for(device):
 #
 # `nn.Dropout` builds its mask with `Tensor.bernoulli_`, which asks the
 # random number generator for one number per element. Profiled on two
-# CPUs with native bf16, that mask was about a quarter of a bf16 training
-# step of the `cpu` model (25.6% and 24.8%, `bench/RESULTS_efficiency.md`).
-# We ask for one 64-bit number per *four* elements instead
-# (`random_(-(2**63), None)` fills an int64 with 64 uniform random bits)
-# and read it as four signed 16-bit integers, each uniform over its
-# 65,536 values, from -32,768 to 32,767. An element is dropped when its
-# integer is among the `dropped = round(p * 65536)` smallest, that is,
-# below `dropped - 32768`. So it is kept with probability
+# machines whose CPUs have native bf16 (an Intel Xeon with AMX and an AMD
+# EPYC), that mask was about a quarter of a bf16 training step of the
+# `cpu` model (25.6% and 24.8%, `bench/RESULTS_efficiency.md`).
+#
+# The idea: ask for one 64-bit random number per *four* elements
+# instead, and read it as four 16-bit random integers, one per element.
+# (`random_(-(2**63), None)` fills an int64 with 64 uniform random bits;
+# viewed as int16, each lane is uniform over its 65,536 values, from
+# -32,768 to 32,767.)
+#
+# The exact probability: an element is dropped when its integer is among
+# the `dropped = round(p * 65536)` smallest, that is, below
+# `dropped - 32768`. So it is kept with probability
 # `(65536 - dropped) / 65536`, within 1/131,072 of $1 - p$ (`dropped` is
-# capped at 65,535, so the keep probability is never 0), and the kept
-# elements are scaled by one over that exact probability: at $p = 0.2$ by
-# 1.2499952 rather than `nn.Dropout`'s 1.25. Either way the *expected*
-# value of every element is unchanged, up to the rounding of the scale in
-# the input's dtype (bf16 rounds 1.2499952 to 1.25: a bias of 4 in a
-# million). That all four 16-bit lanes of a random number are uniform is
-# tested (`tests/test_fast_dropout.py`), since `random_`'s documentation
-# does not promise it.
+# capped at 65,535, so the keep probability is never 0).
+#
+# The scale: kept elements are multiplied by one over that exact
+# probability, at $p = 0.2$ by 1.2499952 rather than `nn.Dropout`'s 1.25.
+# Either way the *expected* value of every element is unchanged, up to
+# the rounding of the scale in the input's dtype (bf16 rounds 1.2499952
+# to 1.25: a bias of 4 in a million). That all four 16-bit lanes of a
+# random number are uniform is tested (`tests/test_fast_dropout.py`),
+# since `random_`'s documentation does not promise it.
 #
 # `FastDropout` is an `nn.Dropout` with that mask. In `eval()` mode it
 # returns its input unchanged, as `nn.Dropout` does (the last assert
 # below). On devices other than the CPU it calls `F.dropout`, as
-# `nn.Dropout` does:
-# CUDA's dropout is one fused kernel already. `use_fast_dropout` swaps it
-# in for every `nn.Dropout` of a model, in place; dropout has no weights,
-# so checkpoints do not change. `TrainingRun`, below, makes the swap. The
-# lessons' loop, `train_one_process`, keeps `nn.Dropout`, so, with dropout
-# on, the two draw different masks from the same seed; the test that they
-# end with the same weights uses the `ci` preset, which has no dropout.
+# `nn.Dropout` does: CUDA's dropout is one fused kernel already.
+# `use_fast_dropout` swaps it in for every `nn.Dropout` of a model, in
+# place; dropout has no weights, so checkpoints do not change.
+# `TrainingRun`, below, makes the swap. The lessons' loop,
+# `train_one_process`, keeps `nn.Dropout`, so, with dropout on, the two
+# draw different masks from the same seed; the test that they end with
+# the same weights uses the `ci` preset, which has no dropout.
 #
 # Attention's weights get the cheap mask too. PyTorch's fused attention
 # kernel for the CPU takes no dropout, so with
@@ -2415,7 +2425,8 @@ assert symmetric_kl(logp, logp, keep) == 0
 # use this process's GPU), and gives processes that share the CPU an
 # equal part of the cores it may use (`usable_cores`: in a container,
 # often fewer than the machine has). `join_group` connects the processes
-# of a distributed run. Processes that `train_model` spawns share one
+# of a distributed run. Processes that `train_distributed_model` spawns
+# share one
 # machine, so their rank is also their local rank, the index of their
 # GPU; under `torchrun` the command line passes each process its device
 # instead (`torchrun_device`).
@@ -2523,7 +2534,8 @@ def params_in_sync(module):
 
 # %% [markdown]
 # Part 2's `micro_step` takes three arguments that only bigger runs use:
-# `hold_sync`, `autocast` and `scaler`.
+# `hold_sync`, `autocast` and `scaler`. `run_epoch` passes all three:
+# `hold_sync` it sets itself, the others come from its own arguments.
 #
 # * **`hold_sync`: gradient accumulation under DDP.** Every backward pass
 #   of a DDP-wrapped model averages gradients across processes;
@@ -2536,14 +2548,14 @@ def params_in_sync(module):
 #   would compute with stale weights.
 # * **`scaler`**: with float16, the `GradScaler` ("Which precision").
 #
-# `device_batch` builds a `Batch` with its masks made on the device: it copies
-# the two id tensors (asynchronously, from pinned memory) and counts the target
-# tokens on the CPU first, because counting them on the GPU would make the CPU
-# wait for it. `counted` passes batches through and adds their tokens to
-# `tally[0]`: a one-element list, so that the caller sees the sum while the
-# batches are consumed. `all_reduce_loss` turns each process's mean loss into
-# the mean over all processes' tokens, so that the validation loss covers the
-# whole validation set.
+# `device_batch` builds a `Batch` with its masks made on the device: it
+# copies the two id tensors (asynchronously, from pinned memory) and
+# counts the target tokens on the CPU first, because counting them on
+# the GPU would make the CPU wait for it. `CountedBatches` passes
+# batches through and counts their target tokens as they are consumed.
+# `all_reduce_loss` turns each process's mean loss into the mean over
+# all processes' tokens, so that the validation loss covers the whole
+# validation set.
 
 
 # %%
@@ -2563,11 +2575,18 @@ def device_batch(src, tgt, device, pad=PAD):
     return batch
 
 
-def counted(batches, tally):
-    """Yield the batches, adding their target tokens to tally[0]."""
-    for batch in batches:
-        tally[0] += batch.ntokens
-        yield batch
+class CountedBatches:
+    """The batches, passed through as they are consumed; `tokens` counts
+    the target tokens of those passed so far."""
+
+    def __init__(self, batches):
+        self.batches = batches
+        self.tokens = 0
+
+    def __iter__(self):
+        for batch in self.batches:
+            self.tokens += batch.ntokens
+            yield batch
 
 
 def all_reduce_loss(loss, tokens, device):
@@ -2589,17 +2608,17 @@ def all_reduce_loss(loss, tokens, device):
 
 # %%
 #| export
-def train_pass(run, train_loader, loss):
+def train_pass(run, train_loader, loss_compute):
     """One pass over the training batches; the loss over all processes."""
-    tokens = [0]
     batches = (device_batch(s, t, run.device) for s, t in train_loader)
-    if isinstance(loss, RDropLossCompute):  # each batch twice (above)
+    if isinstance(loss_compute, RDropLossCompute):  # each batch twice
         batches = map(doubled, batches)
+    batches = CountedBatches(batches)
     run.model.train()
     train_loss, run.state = run_epoch(
-        counted(batches, tokens),
+        batches,
         run.model,
-        loss,
+        loss_compute,
         run.optimizer,
         run.scheduler,
         accum_iter=run.config.accum_iter,
@@ -2607,22 +2626,22 @@ def train_pass(run, train_loader, loss):
         autocast=run.autocast,
         scaler=run.scaler,
     )
-    return all_reduce_loss(train_loss, tokens[0], run.device)
+    return all_reduce_loss(train_loss, batches.tokens, run.device)
 
 
-def validate(run, valid_loader, loss):
+def validate(run, valid_loader, loss_compute):
     """The validation loss, without dropout, over all processes."""
-    tokens = [0]
     batches = (device_batch(s, t, run.device) for s, t in valid_loader)
+    batches = CountedBatches(batches)
     run.model.eval()
     val_loss, _ = run_epoch(
-        counted(batches, tokens),
+        batches,
         run.model,
-        loss,
+        loss_compute,
         mode="eval",
         autocast=run.autocast,
     )
-    return all_reduce_loss(val_loss, tokens[0], run.device)
+    return all_reduce_loss(val_loss, batches.tokens, run.device)
 
 
 LOG_REDRAW_SECONDS = 60  # a bar drawn into a file: once a minute
@@ -2659,16 +2678,17 @@ def drawn_into_a_file():
 
 def train_epoch(run, epoch, train_loader, valid_loader, show=True):
     """Train for one epoch, then validate; returns the history entry."""
-    loss = SimpleLossCompute(run.module.generator, run.criterion)
-    train_compute = loss  # R-Drop's (above) when rdrop is on
+    loss_compute = SimpleLossCompute(run.module.generator, run.criterion)
+    train_compute = loss_compute  # R-Drop's (above) when rdrop is on
     if run.config.rdrop > 0:
-        alpha = run.config.rdrop
-        train_compute = RDropLossCompute(loss.generator, run.criterion, alpha)
+        train_compute = RDropLossCompute(
+            run.module.generator, run.criterion, alpha=run.config.rdrop
+        )
     train_loader.batch_sampler.set_epoch(epoch)
     show_bar = show and run.rank == 0
     with progress_bar(train_loader, f"epoch {epoch}", show_bar) as batches:
         train_loss = train_pass(run, batches, train_compute)
-    val_loss = validate(run, valid_loader, loss)
+    val_loss = validate(run, valid_loader, loss_compute)
     entry = {"epoch": epoch, "train_loss": train_loss, "val_loss": val_loss}
     run.history.append(entry | {"steps": run.state.accum_step})
     if show and run.rank == 0:
@@ -3186,18 +3206,21 @@ def train_worker(
 #
 # Ctrl-C reaches every process of the terminal's group, workers
 # included. We want the parent alone to handle it: it stops the workers
-# (`stop_processes`) and reports once, where a worker would die halfway
-# with a traceback of its own, and the others would wait for it.
+# (`stop_processes`) and reports once, where each worker would die
+# halfway with a traceback of its own.
+#
 # `new_processes_ignore_ctrl_c` does this with one rule of the operating
 # system: a new process starts with SIGINT ignored if its parent ignored
 # it at that moment. So the parent ignores SIGINT during each start (the
 # system call in multiprocessing's `util.spawnv_passfds`, which it
-# wraps), holding a Ctrl-C back in that instant. One that comes while
-# the workers load torch (a few seconds) is kept by `stop_signals_kept`,
-# with SIGTERM, and raised once they all have, so that no worker is left
-# reading half of what it was sent. A worker whose parent is killed
-# outright (`kill -9`) gets SIGTERM from Linux, which `_spawned_worker`
-# asks for: the SIGINT that torch asks for would be ignored.
+# wraps). A Ctrl-C in that instant, or while the workers load torch (a
+# few seconds), is kept by `stop_signals_kept`, as is SIGTERM, and raised
+# once `mp.spawn` has started every worker, so that no worker is left
+# reading half of what it was sent.
+#
+# A worker whose parent is killed outright (`kill -9`) gets SIGTERM from
+# Linux, which `_spawned_worker` asks for (the SIGINT that torch asks for
+# would be ignored).
 #
 # Under `torchrun`, PyTorch's launcher for several processes, none of this is
 # needed: it starts the processes and sets the rendezvous address itself.
@@ -3484,9 +3507,11 @@ def detokenize(tokens):
     """
     out, quote_open = "", False
     for i, tok in enumerate(tokens):
-        # the word after a hyphen is glued to it ("well-known"), unless a
-        # comma, a full stop or another hyphen came before the hyphen: then
-        # the hyphen is a dash between clauses
+        # a hyphen is glued to the word before it, and the word after it
+        # to the hyphen ("well-known"), unless a comma, a full stop or
+        # another hyphen came before the hyphen. The tokens cannot tell a
+        # spaced dash from a hyphen: "a man - a tall one" comes out as
+        # "man-a" (6 lines of Multi30k's 29,000 English have " - ")
         hyphen = out.endswith("-") and i > 1 and tokens[i - 1] == "-"
         glue = (
             i == 0
@@ -3738,9 +3763,11 @@ def load_translator(
 # Each file must be its run's file of the epoch its name says. A file of
 # that run recorded the losses of every epoch up to its own, so its
 # history is the start of the checkpoint's, and its recorded epoch is the
-# one in its name. That refuses a copied or renamed file, and another
-# run's: a `final.pt` copied from another folder, say, beside epoch
-# files of a run of its own. (A second run with the same seed and
+# one in its name. `check_run_file` (in "Checkpoint files", beside
+# `average_checkpoints`, which calls it) checks both as each file is
+# read. That refuses a copied or renamed file, and another run's: a
+# `final.pt` copied from another folder, say, beside epoch files of a
+# run of its own. (A second run with the same seed and
 # settings may pass, if it reproduces the losses exactly; it is then in
 # effect the same run.)
 
