@@ -211,17 +211,18 @@ def attention_frame(maps, kind):
     """One kind of attention as a long pandas table, padding left out."""
     import pandas as pd
 
-    v = attention_view(maps, kind)  # also takes Part 4's own maps
-    rows = v.row_keep.nonzero()[:, 0]  # (R',) positions of real tokens
-    cols = v.col_keep.nonzero()[:, 0]  # (C',)
-    w = v.weights[:, :, rows][:, :, :, cols]  # (N, h, R', C')
-    grid = torch.meshgrid(*(torch.arange(s) for s in w.shape), indexing="ij")
-    n, a, i, j = (g.flatten() for g in grid)
-    columns = {"layer": n + 1, "head": a + 1, "row": rows[i], "col": cols[j]}
-    frame = pd.DataFrame({k: c.numpy() for k, c in columns.items()})
+    view = attention_view(maps, kind)  # the kind's weights, labels, masks
+    rows = view.row_keep.nonzero()[:, 0].tolist()  # real tokens' positions
+    cols = view.col_keep.nonzero()[:, 0].tolist()
+    w = view.weights[:, :, rows][:, :, :, cols]  # (N, h, rows, cols)
+    layers = range(1, w.shape[0] + 1)
+    heads = range(1, w.shape[1] + 1)
+    names = ["layer", "head", "row", "col"]
+    grid = pd.MultiIndex.from_product([layers, heads, rows, cols], names=names)
+    frame = grid.to_frame(index=False)  # a row per weight, in w's order
     frame["weight"] = w.flatten().double().numpy()
-    frame["query"] = [v.rows[r] for r in frame["row"]]
-    frame["key"] = [v.cols[c] for c in frame["col"]]
+    frame["query"] = [view.rows[r] for r in frame["row"]]
+    frame["key"] = [view.cols[c] for c in frame["col"]]
     if kind != "encoder self":
         frame["next"] = [maps.next_tokens[r] for r in frame["row"]]
     return frame
@@ -260,10 +261,10 @@ def _row_axis(kind, rows, next_tokens):
     return _token_axis(labels, "query → the token it predicts")
 
 
-def _token_lookups(maps, v, frame):
+def _token_lookups(maps, view, kind):
     """Vega expressions that turn a cell's row or column into its token."""
-    fields = {"query": (v.rows, "row"), "key": (v.cols, "col")}
-    if "next" in frame:
+    fields = {"query": (view.rows, "row"), "key": (view.cols, "col")}
+    if kind != "encoder self":  # a decoder's row predicts a next token
         fields["next"] = (maps.next_tokens, "row")
     return {
         f: f"{json.dumps(labels)}[datum.{index}]"
@@ -271,7 +272,7 @@ def _token_lookups(maps, v, frame):
     }
 
 
-def _heat_map(frame, v, lookups, pick, cell, row_axis):
+def _heat_map(frame, view, lookups, pick, cell, row_axis):
     """One head's weights as coloured squares, filtered to the picked layer."""
     import altair as alt
 
@@ -287,7 +288,7 @@ def _heat_map(frame, v, lookups, pick, cell, row_axis):
         .transform_calculate(**lookups)
         .mark_rect()
         .encode(
-            x=alt.X("col:O", axis=_token_axis(v.cols, "key", -60)),
+            x=alt.X("col:O", axis=_token_axis(view.cols, "key", -60)),
             y=alt.Y("row:O", axis=row_axis),
             color=alt.Color("weight:Q", scale=scale),
             tooltip=tooltip,
@@ -304,13 +305,13 @@ def attention_chart(maps, kind, layer=None, columns=4, cell=18):
     import altair as alt
 
     frame = attention_frame(maps, kind).round({"weight": 5})
-    v = attention_view(maps, kind)  # also takes Part 4's own maps
-    N, h = v.weights.shape[:2]
+    view = attention_view(maps, kind)  # the kind's weights, labels, masks
+    N, h = view.weights.shape[:2]
     pick = _layer_picker(kind, N, layer)
-    lookups = _token_lookups(maps, v, frame)
-    row_axis = _row_axis(kind, v.rows, maps.next_tokens)
-    heat = _heat_map(frame, v, lookups, pick, cell, row_axis)
-    title = f"'{kind} attention, layer ' + pick_layer + ' of {N} ({h} heads)'"
+    lookups = _token_lookups(maps, view, kind)
+    row_axis = _row_axis(kind, view.rows, maps.next_tokens)
+    heat = _heat_map(frame, view, lookups, pick, cell, row_axis)
+    title = f"'{kind} attention, layer ' + {pick.name} + ' of {N} ({h} heads)'"
     return heat.add_params(pick).facet(
         facet=alt.Facet(
             "head:O",
@@ -398,24 +399,19 @@ class CopyLossCompute(SimpleLossCompute):
         with torch.no_grad():
             right = self.generator(x.detach()).argmax(dim=-1) == y
             exact = (right | (y == self.pad)).all(dim=1)  # (B,)
-        misses = (~exact).nonzero()
-        if len(misses) == 0:
-            self.streak += len(exact)
-        else:
-            self.streak = len(exact) - 1 - misses[-1].item()
+        for copied in exact.tolist():  # a miss starts the streak again
+            self.streak = self.streak + 1 if copied else 0
         self.sequences += len(exact)
         self.exact += int(exact.sum())
         return result
 
 
-def greedy_check(model, loss_compute, check_size, V, generator):
-    """Greedy-copy check once the streak is long enough, else None."""
-    if loss_compute.streak < check_size:
+def greedy_check(model, streak, check_size, V, generator):
+    """The greedy-copy accuracy on `check_size` fresh sequences once the
+    streak is that long, else None."""
+    if streak < check_size:
         return None
-    checked = copy_accuracy(model, check_size, V, generator=generator)
-    if checked < 1.0:
-        loss_compute.streak = 0  # earn another streak first
-    return checked
+    return copy_accuracy(model, check_size, V, generator=generator)
 
 
 @dataclass
@@ -497,7 +493,8 @@ def train_copy_task(cfg=None, log=print):
     start = time.time()
     for epoch in range(cfg.max_epochs):
         model.train()
-        seen, exact = loss_compute.sequences, loss_compute.exact
+        seen_before = loss_compute.sequences
+        exact_before = loss_compute.exact
         data = data_gen(cfg.V, cfg.batch_size, cfg.nbatches, generator=gen)
         loss, state = run_epoch(
             data,
@@ -507,15 +504,19 @@ def train_copy_task(cfg=None, log=print):
             scheduler,
             train_state=state,
         )
-        new = loss_compute.sequences - seen
-        checked = greedy_check(model, loss_compute, cfg.check_size, cfg.V, gen)
+        new = loss_compute.sequences - seen_before
+        checked = greedy_check(
+            model, loss_compute.streak, cfg.check_size, cfg.V, gen
+        )
+        if checked is not None and checked < 1.0:
+            loss_compute.streak = 0  # earn another streak first
         history.append(
             {
                 "epoch": epoch,
                 "steps": state.accum_step,
                 "samples": state.samples,
                 "train_loss": loss,
-                "train_exact": (loss_compute.exact - exact) / new,
+                "train_exact": (loss_compute.exact - exact_before) / new,
                 "exact_copy": checked,
                 "seconds": time.time() - start,
             }
@@ -619,7 +620,7 @@ def sha256_of(path):
     """Hex SHA-256 digest of a file."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
+        while chunk := f.read(1 << 20):  # a megabyte at a time
             digest.update(chunk)
     return digest.hexdigest()
 
@@ -629,7 +630,8 @@ def _stream(response, out, name):
     from tqdm import tqdm
 
     digest = hashlib.sha256()
-    size = int(response.headers.get("Content-Length") or 0) or None
+    length = response.headers.get("Content-Length")
+    size = int(length) if length else None  # None: tqdm shows no total
     with tqdm(total=size, unit="B", unit_scale=True, desc=name) as bar:
         while chunk := response.read(1 << 16):
             out.write(chunk)
@@ -1220,23 +1222,28 @@ def size_mismatch(expected, saved):
             f"{len(missing)} tensors missing and {len(unexpected)} "
             f"unexpected, such as {example}"
         )
-    size = lambda t: "×".join(map(str, t.shape)) or "a scalar"
     for name, tensor in expected.items():
         if saved[name].shape != tensor.shape:
             return (
-                f"{name} is {size(saved[name])} in the file but "
-                f"{size(tensor)} here"
+                f"{name} is {size_words(saved[name])} in the file but "
+                f"{size_words(tensor)} here"
             )
     return ""
+
+
+def size_words(tensor):
+    """A tensor's size as "2×3", or "a scalar"."""
+    return "×".join(map(str, tensor.shape)) or "a scalar"
 
 
 def load_weights(model, ckpt, path="checkpoint"):
     """Load a checkpoint's weights into `model`, or say how they differ."""
     state = ckpt.get("model")
-    if isinstance(state, dict):  # keys of this project's older versions
-        state = rename_old_keys(state)
-    problem = "it holds no weights" if not isinstance(state, dict) else ""
-    problem = problem or size_mismatch(model.state_dict(), state)
+    if isinstance(state, dict):
+        state = rename_old_keys(state)  # older versions' names
+        problem = size_mismatch(model.state_dict(), state)
+    else:
+        problem = "it holds no weights"
     if problem:
         raise CheckpointError(
             f"{path} does not match this code's Multi30k model: {problem}"
@@ -1751,7 +1758,8 @@ def progress_bar(iterable, desc, show=True, **options):
     if drawn_into_a_file():  # a log, e.g. `nohup ... > log 2>&1`
         options.setdefault("mininterval", LOG_REDRAW_SECONDS)
         options.setdefault("maxinterval", LOG_REDRAW_SECONDS)
-    bar = tqdm(iterable, desc, **{"delay": 3} | options)
+    options.setdefault("delay", 3)  # no bar for work done in 3 s
+    bar = tqdm(iterable, desc, **options)
     try:
         yield bar
     finally:
@@ -1948,13 +1956,8 @@ def changed_settings(saved, config):
 
 
 def check_resume(config, vocab_src, vocab_tgt):
-    """The checkpoint a run would resume from (None: none), checked."""
-    path, _ = checked_resume(config, vocab_src, vocab_tgt)
-    return path
-
-
-def checked_resume(config, vocab_src, vocab_tgt):
-    """check_resume's checkpoint, and the epochs it has trained."""
+    """(the checkpoint a run would resume from, the epochs it has
+    trained), checked; (None, 0) when there is none."""
     folder = config.checkpoint_dir
     try:
         path, ckpt = resume_checkpoint(folder)
@@ -2001,7 +2004,7 @@ def checked_resume(config, vocab_src, vocab_tgt):
 def check_resume_and_say(config, vocab_src, vocab_tgt):
     """check_resume, with a note on stderr when the run starts afresh or
     has nothing left to train."""
-    path, done = checked_resume(config, vocab_src, vocab_tgt)
+    path, done = check_resume(config, vocab_src, vocab_tgt)
     if path is None:
         print(
             f"note: nothing to resume in {config.checkpoint_dir} (no "
@@ -2166,6 +2169,119 @@ def free_port():
         return s.getsockname()[1]
 
 
+def vocabulary_as_data(vocab):
+    """A vocabulary as plain data that a new process can receive: its
+    tokenizer's JSON for BPE, else its list of words."""
+    return vocab.to_str() if is_subword(vocab) else vocab.get_itos()
+
+
+def train_distributed_model(
+    vocab_src,
+    vocab_tgt,
+    spacy_de,
+    spacy_en,
+    config,
+    world_size=None,
+    resume=False,
+    cpu_fallback=False,
+):
+    """Train with one process per GPU (or world_size CPU processes)."""
+    import torch.multiprocessing as mp
+
+    world_size = world_size or max(cuda_count(), 1)
+    device = process_device(0, world_size, cpu_fallback).type  # may raise
+    how = "one per GPU, with nccl"
+    if device != "cuda":  # gloo cannot send MPS tensors
+        device, how = "cpu", "on the CPU, with gloo"
+        if cuda_count():
+            how += f" (NCCL needs a GPU per process; {cuda_count()} here)"
+    print(f"{world_size} processes {how}")
+    vocabs = [vocabulary_as_data(vocab_src), vocabulary_as_data(vocab_tgt)]
+    data = (vocabs, (spacy_de, spacy_en), asdict(config), free_port())
+    # As command_line_warnings set it (main calls it).
+    one_line = warnings.showwarning is warning_line
+    args = (world_size, *data, resume, device, one_line)
+    try:
+        with stop_signals_kept(), new_processes_ignore_ctrl_c():
+            workers = mp.spawn(
+                _spawned_worker, args, nprocs=world_size, join=False
+            )
+        while not workers.join():  # True once every worker has ended
+            pass
+    except mp.ProcessRaisedException as err:
+        if worker_out_of_memory(err):  # main says it in one line
+            raise MemoryError(f"a training process: {err}") from None
+        user_error = user_error_of_worker(err)
+        if user_error is None:  # a fault, not a mistake: its traceback
+            raise
+        raise user_error from None
+    except BaseException:  # Ctrl-C, SIGTERM under main, a failed start
+        stop_processes(multiprocessing.active_children())
+        raise
+
+
+def _spawned_worker(
+    rank,
+    world_size,
+    vocabs,
+    tokenizers,
+    config,
+    port,
+    resume,
+    device,
+    one_line_warnings=False,
+):
+    """train_worker in a new process, from plain data. A new process
+    prints warnings Python's way; `one_line_warnings` (the command line's
+    choice, in the parent) gives it the command line's warnings."""
+    if one_line_warnings:
+        command_line_warnings()
+    # torch asks Linux to send SIGINT to a worker whose parent dies; the
+    # workers ignore Ctrl-C (`new_processes_ignore_ctrl_c`), so SIGTERM.
+    import torch.multiprocessing as mp
+
+    set_death_signal = getattr(mp, "_prctl_pr_set_pdeathsig", None)
+    if set_death_signal is not None:
+        set_death_signal(signal.SIGTERM)
+    vocabs = [
+        BpeVocab.from_str(v) if isinstance(v, str) else Vocab(v)
+        for v in vocabs
+    ]
+    config = TrainConfig(**config)
+    if device == "cuda":  # one GPU per process, by rank
+        device = f"cuda:{rank}"
+    train_worker(
+        rank,
+        world_size,
+        *vocabs,
+        *tokenizers,
+        config,
+        is_distributed=True,
+        port=port,
+        resume=resume,
+        device=device,
+    )
+
+
+def worker_out_of_memory(err):
+    """Whether a worker's error, which reaches us as its traceback's text,
+    was memory running out (its last line: "Class: message")."""
+    last = str(err).strip().splitlines()[-1]
+    return last.startswith("MemoryError") or says_out_of_memory(last)
+
+
+def user_error_of_worker(err):
+    """A UserError with the message of a worker's error that would be a
+    user's mistake in one process (a DatasetError, say), else None. The
+    worker's traceback reaches us as text, ending "Class: message"."""
+    last = str(err).strip().splitlines()[-1]
+    name, _, message = last.partition(": ")
+    user_errors = {cls.__name__ for cls in USER_ERRORS}
+    if name.rsplit(".", 1)[-1] in user_errors and message:
+        return UserError(f"a training process stopped: {message}")
+    return None
+
+
 def in_main_thread():
     """Whether this is the main thread, the only one that sets handlers."""
     return threading.current_thread() is threading.main_thread()
@@ -2235,114 +2351,6 @@ def stop_processes(processes, wait=10.0):
             process.terminate()
     for process in processes:
         process.join(wait)
-
-
-def _spawned_worker(
-    rank,
-    world_size,
-    vocabs,
-    tokenizers,
-    config,
-    port,
-    resume,
-    device,
-    one_line_warnings=False,
-):
-    """train_worker in a new process, from plain data. A new process
-    prints warnings Python's way; `one_line_warnings` (the command line's
-    choice, in the parent) gives it the command line's warnings."""
-    if one_line_warnings:
-        command_line_warnings()
-    # torch asks Linux to send SIGINT to a worker whose parent dies; the
-    # workers ignore Ctrl-C (`new_processes_ignore_ctrl_c`), so SIGTERM.
-    import torch.multiprocessing as mp
-
-    set_death_signal = getattr(mp, "_prctl_pr_set_pdeathsig", None)
-    if set_death_signal is not None:
-        set_death_signal(signal.SIGTERM)
-    vocabs = [
-        BpeVocab.from_str(v) if isinstance(v, str) else Vocab(v)
-        for v in vocabs
-    ]
-    config = TrainConfig(**config)
-    if device == "cuda":  # one GPU per process, by rank
-        device = f"cuda:{rank}"
-    train_worker(
-        rank,
-        world_size,
-        *vocabs,
-        *tokenizers,
-        config,
-        is_distributed=True,
-        port=port,
-        resume=resume,
-        device=device,
-    )
-
-
-def train_distributed_model(
-    vocab_src,
-    vocab_tgt,
-    spacy_de,
-    spacy_en,
-    config,
-    world_size=None,
-    resume=False,
-    cpu_fallback=False,
-):
-    """Train with one process per GPU (or world_size CPU processes)."""
-    import torch.multiprocessing as mp
-
-    world_size = world_size or max(cuda_count(), 1)
-    device = process_device(0, world_size, cpu_fallback).type  # may raise
-    how = "one per GPU, with nccl"
-    if device != "cuda":  # gloo cannot send MPS tensors
-        device, how = "cpu", "on the CPU, with gloo"
-        if cuda_count():
-            how += f" (NCCL needs a GPU per process; {cuda_count()} here)"
-    print(f"{world_size} processes {how}")
-    plain = lambda v: v.to_str() if is_subword(v) else v.get_itos()
-    vocabs = [plain(vocab_src), plain(vocab_tgt)]
-    data = (vocabs, (spacy_de, spacy_en), asdict(config), free_port())
-    # As command_line_warnings set it (main calls it).
-    one_line = warnings.showwarning is warning_line
-    args = (world_size, *data, resume, device, one_line)
-    try:
-        with stop_signals_kept(), new_processes_ignore_ctrl_c():
-            workers = mp.spawn(
-                _spawned_worker, args, nprocs=world_size, join=False
-            )
-        while not workers.join():  # True once every worker has ended
-            pass
-    except mp.ProcessRaisedException as err:
-        if worker_out_of_memory(err):  # main says it in one line
-            raise MemoryError(f"a training process: {err}") from None
-        user_error = user_error_of_worker(err)
-        if user_error is None:  # a fault, not a mistake: its traceback
-            raise
-        raise user_error from None
-    except BaseException:  # Ctrl-C, SIGTERM under main, a failed start
-        stop_processes(multiprocessing.active_children())
-        raise
-
-
-def worker_out_of_memory(err):
-    """Whether a worker's error, which reaches us as its traceback's text,
-    was memory running out (its last line: "Class: message")."""
-    last = str(err).strip().splitlines()[-1]
-    return last.startswith("MemoryError") or says_out_of_memory(last)
-
-
-def user_error_of_worker(err):
-    """A UserError with the message of a worker's error that would be a
-    user's mistake in one process (a DatasetError, say), else None. The
-    worker's traceback reaches us as text, ending "Class: message"."""
-    last = str(err).strip().splitlines()[-1]
-    name, _, message = last.partition(": ")
-    user_errors = {cls.__name__ for cls in USER_ERRORS}
-    if name.rsplit(".", 1)[-1] in user_errors and message:
-        return UserError(f"a training process stopped: {message}")
-    return None
 
 
 def train_model(
@@ -2421,8 +2429,8 @@ MAX_EXTRA = 50  # output tokens past the source's length: the paper's limit
 def encode_sources(sentences, spacy_de, vocab_src, keep_words=False):
     """Each sentence as `<s> ids </s>`, and its German words if kept."""
     if not keep_words:
-        encode = lambda s: encode_text(s, spacy_de, vocab_src)
-        return [[BOS, *encode(s), EOS] for s in sentences], None
+        encoded = [encode_text(s, spacy_de, vocab_src) for s in sentences]
+        return [[BOS, *ids, EOS] for ids in encoded], None
     words = [tokenize(s, spacy_de) for s in sentences]
     return [[BOS, *vocab_src(w), EOS] for w in words], words
 
@@ -2450,6 +2458,7 @@ def decode_by_length(
     encoded,
     decode_fn,
     device,
+    *,
     batch_size,
     max_extra,
     align,
@@ -2502,17 +2511,17 @@ def translate_batch(
     if is_subword(vocab_src) or is_subword(vocab_tgt):
         replace_unk = False  # BPE: no <unk> to replace
     encoded, words = encode_sources(
-        sentences, spacy_de, vocab_src, replace_unk
+        sentences, spacy_de, vocab_src, keep_words=replace_unk
     )
     decoded = decode_by_length(
         model,
         encoded,
         decode_fn,
         device,
-        batch_size,
-        max_extra,
-        replace_unk,
-        progress,
+        batch_size=batch_size,
+        max_extra=max_extra,
+        align=replace_unk,
+        progress=progress,
     )
     words = words or [None] * len(encoded)
     return [
@@ -2649,16 +2658,15 @@ def translate(
     `sentences` is a list, translated into a list; one string gives one
     translation. It loads the model at each call: to translate often,
     load it once with `load_translator` and call `translate_batch`."""
-    if isinstance(sentences, str):
-        return translate(
-            [sentences], checkpoint, beam, average, replace_unk, device, alpha
-        )[0]
+    one = isinstance(sentences, str)
+    if one:
+        sentences = [sentences]
     checkpoint = checkpoint or default_checkpoint()
     model, vocab_src, vocab_tgt, decode_fn = load_translator(
-        checkpoint, device, beam, average, alpha
+        checkpoint, device, beam=beam, average_last=average, alpha=alpha
     )
     spacy_de, _ = load_tokenizers()
-    return translate_batch(
+    translations = translate_batch(
         model,
         sentences,
         spacy_de,
@@ -2667,6 +2675,7 @@ def translate(
         decode_fn=decode_fn,
         replace_unk=replace_unk,
     )
+    return translations[0] if one else translations
 
 
 def check_outputs(model, pairs, spacy_de, vocab_src, vocab_tgt, n_examples=5):
@@ -2762,8 +2771,9 @@ class TextFileError(ValueError):
 
 def clean_line(text):
     """A line without control characters other than tab."""
-    keep = lambda c: c == "\t" or unicodedata.category(c) != "Cc"
-    return "".join(c for c in text if keep(c))
+    return "".join(
+        c for c in text if c == "\t" or unicodedata.category(c) != "Cc"
+    )
 
 
 def _split_lines(f):
@@ -2794,8 +2804,10 @@ def iter_lines(path):
             opened = nullcontext(sys.stdin.buffer)
         elif name.is_dir():
             raise TextFileError(f"{name} is a folder, not a file")
+        elif name.suffix == ".gz":
+            opened = gzip.open(name, "rb")
         else:
-            opened = (gzip.open if name.suffix == ".gz" else open)(name, "rb")
+            opened = open(name, "rb")
         with opened as f:
             for line in _split_lines(f):
                 number += 1
@@ -3110,7 +3122,7 @@ def add_decoding_options(parser):
         type=number_from(0.0, 10.0),
         help="beam search's length penalty, with --beam 2 or more (default"
         f" {DEFAULT_ALPHA}, the paper's; validation chose 1.0 for a model"
-        " trained alone, 2.5 for the best recipe's student)",
+        " trained alone, 2.5 for the best recipe's distilled model)",
     )
     parser.add_argument(
         "--average",
@@ -3224,27 +3236,206 @@ def build_parser():
     return parser
 
 
-def torchrun_ranks():
-    """(rank, world size, local rank, local world size) under torchrun."""
-    if "LOCAL_RANK" not in os.environ:
-        return None  # not started by torchrun
-    world = int(os.environ["WORLD_SIZE"])
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    return rank, world, local_rank, local_world
+def command_train(args):
+    """`train`: run training, then optionally score and summarize."""
+    config = config_from_args(args)
+    ranks = torchrun_ranks()
+    refuse_one_process_options(args, ranks)
+    warn_slow_settings(args, config)
+    if args.world_size > 1 and ranks is None:  # fail now, not in NCCL
+        try:
+            process_device(0, args.world_size)
+        except ValueError as err:
+            message = f"--world-size {args.world_size}: {err}"
+            raise UserError(message) from None
+    folder = Path(config.checkpoint_dir)
+    check_checkpoint_folder(folder)
+    if args.results:  # fail now, not after hours of training
+        check_results_option(args.results, folder)
+    download_multi30k()  # before the lock makes the checkpoint folder
+    data = None  # Multi30k's own pairs
+    if args.data:
+        data, config = checked_data_folder(args.data, config)
+    if args.results:
+        check_results_file(args.results, data)
+    rank = ranks.rank if ranks else 0
+    if rank == 0:  # one process locks the folder for all
+        lock = folder_lock(config.checkpoint_dir)
+    else:
+        lock = nullcontext()
+    try:
+        with lock, multi30k_from(data):
+            return train_locked(args, config, ranks)
+    except KeyboardInterrupt:
+        if rank != 0:  # rank 0 reports for all
+            raise
+        print(interrupted_message(config.checkpoint_dir), file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
-def torchrun_device(world, local_rank, local_world):
-    """The device of a process that torchrun started: its own GPU, or,
-    with several processes, the CPU (even one per Mac: gloo cannot send
-    MPS tensors)."""
-    device = process_device(local_rank, local_world)
-    if world > 1 and device.type == "mps":
-        return torch.device("cpu")
-    return device
+def config_from_args(args):
+    """The preset's TrainConfig with the fields `train`'s options set."""
+    options = {
+        "epochs": args.epochs,
+        "max_tokens": args.max_tokens,
+        "dropout": args.dropout,
+        "weight_decay": args.weight_decay,
+        "rdrop": args.rdrop,
+        "tie_embeddings": args.tie_embeddings,
+        "seed": args.seed,
+        "schedule": args.schedule,
+        "precision": args.precision,
+        "checkpoint_dir": args.checkpoint_dir,
+        "keep_last": args.keep_last,
+    }
+    given = {field: v for field, v in options.items() if v is not None}
+    config = get_config(args.preset, **given)
+    if config.max_tokens < config.max_len:  # a batch must hold a sentence
+        raise UserError(
+            f"--max-tokens {config.max_tokens} is below the longest"
+            f" sentence a batch must hold, {config.max_len} tokens"
+        )
+    return config
 
 
-def train_on_folder(folder, config):
+def refuse_one_process_options(args, ranks):
+    """--device and --threads are for one process; refuse them with
+    several (--world-size, or torchrun's `ranks`)."""
+    if args.device and (args.world_size > 1 or ranks):
+        raise UserError(
+            "--device chooses the device of a one-process run; with several"
+            " processes each takes a GPU of its own, or the CPU"
+        )
+    several = args.world_size > 1 or (ranks and ranks.world > 1)
+    if args.threads and several:
+        raise UserError(
+            "--threads sets the threads of a one-process run; several"
+            " processes on the CPU share its cores evenly"
+        )
+
+
+def warn_slow_settings(args, config):
+    """Warn, on stderr, of settings that run but waste time."""
+    cores = usable_cores()
+    if args.threads and args.threads > cores:
+        print(
+            f"warning: --threads {args.threads} on {cores} CPU cores: the"
+            " threads take turns on them, which is slower than fewer threads",
+            file=sys.stderr,
+        )
+    if config.rdrop and not config.dropout:
+        print(
+            f"warning: --rdrop {config.rdrop:g} with dropout 0: the two"
+            " passes are the same, so R-Drop only doubles each step's cost"
+            " (give --dropout too)",
+            file=sys.stderr,
+        )
+    if args.world_size > cores and not cuda_count():
+        print(
+            f"warning: --world-size {args.world_size} on {cores} CPU"
+            " cores: the processes take turns on them, which is slower than"
+            " fewer processes",
+            file=sys.stderr,
+        )
+
+
+def check_checkpoint_folder(folder):
+    """Refuse a --checkpoint-dir that training could not write into: a
+    file, a file on its path, or a folder named as a file it writes
+    (which would fail that write, hours on)."""
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"--checkpoint-dir {folder} is a file, not a folder")
+    blocker = file_in_the_way(folder)
+    if blocker:
+        raise UserError(
+            f"--checkpoint-dir {folder}: {blocker} is a file, not a folder"
+        )
+    if not folder.is_dir():
+        return
+    in_the_way = [
+        entry.name
+        for entry in folder.iterdir()
+        if entry.is_dir() and training_writes(entry, folder)
+    ]
+    if in_the_way:
+        raise UserError(
+            f"--checkpoint-dir {folder}: {min(in_the_way)} is a folder, and"
+            " training writes a file of that name; move it away"
+        )
+
+
+def check_results_option(results, folder):
+    """Refuse a --results file that training writes itself, or that could
+    not be written."""
+    if training_writes(results, folder):
+        raise UserError(
+            f"--results {results} is a file that training writes"
+            f" into {folder}; name another file"
+        )
+    made_later = not folder.exists()  # by the lock, before training
+    if not (made_later and in_folder(results, folder)):
+        check_out(results, option="--results")
+
+
+def in_folder(path, folder):
+    """Is `path` in the folder `folder`?"""
+    return Path(path).absolute().parent.resolve() == Path(folder).resolve()
+
+
+def training_writes(path, folder):
+    """Is `path` a file that training into `folder` writes?"""
+    if not in_folder(path, folder):
+        return False
+    names = ("final.pt", "last.pt", ".lock")
+    name = Path(path).name
+    return name in names or bool(EPOCH_FILE.fullmatch(name))
+
+
+def check_results_file(path, data=None):
+    """Refuse a --results file that is one of the files training reads
+    (Multi30k's, --data's, the vocabulary caches) or a checkpoint that
+    exists (`training_writes` refuses those this run will write)."""
+    if path == "-":  # standard output holds the progress
+        raise UserError("--results - : name a file")
+    folders = [Path(multi30k_folder())]
+    if data:
+        folders.append(Path(data))
+    reads = [p for f in folders if f.is_dir() for p in f.iterdir()]
+    caches = [data_dir() / "vocab.json", data_dir() / "bpe.json"]
+    check_not_input(path, *reads, *caches, option="--results")
+    refuse_a_checkpoint(path, "--results")
+
+
+def refuse_a_checkpoint(path, option):
+    """Refuse an output file that is a checkpoint, of any run."""
+    if Path(path).suffix == ".pt" and Path(path).exists():
+        raise UserError(
+            f"{option} {path} is a checkpoint, which it would overwrite;"
+            " name another file"
+        )
+
+
+def interrupted_message(folder):
+    """What Ctrl-C in `train` leaves in `folder`, in one line."""
+    last = Path(folder, "last.pt")
+    final = Path(folder, "final.pt")
+    newest = max(
+        (p for p in (last, final) if p.is_file()),
+        key=lambda p: p.stat().st_mtime,
+        default=None,
+    )
+    if newest == final:  # training had ended (while --results scored)
+        return f"interrupted; {final} holds the trained model"
+    if newest == last:  # this run's last epoch (or, if it saved none, the
+        # last of the run before)
+        return (
+            f"interrupted; {last} holds the last epoch saved: train with"
+            " --resume to go on from it"
+        )
+    return "interrupted"
+
+
+def checked_data_folder(folder, config):
     """Check `--data`'s folder and return (the folder, absolute; `config`
     with `data` set to its pairs_digest). Checks: its validation and test
     files are Multi30k's, its training files are well formed; then the
@@ -3311,168 +3502,36 @@ def multi30k_from(folder):
             os.environ[MULTI30K_ENV] = old
 
 
-def in_folder(path, folder):
-    """Is `path` in the folder `folder`?"""
-    return Path(path).absolute().parent.resolve() == Path(folder).resolve()
+class TorchrunRanks(NamedTuple):
+    """Where a process that torchrun started stands among the others."""
+
+    rank: int  # among all processes
+    world: int  # how many processes, on every machine
+    local_rank: int  # among this machine's processes
+    local_world: int  # how many on this machine
 
 
-def training_writes(path, folder):
-    """Is `path` a file that training into `folder` writes?"""
-    if not in_folder(path, folder):
-        return False
-    names = ("final.pt", "last.pt", ".lock")
-    name = Path(path).name
-    return name in names or bool(EPOCH_FILE.fullmatch(name))
-
-
-def check_results_file(path, data=None):
-    """Refuse a --results file that is one of the files training reads
-    (Multi30k's, --data's, the vocabulary caches) or a checkpoint that
-    exists (`training_writes` refuses those this run will write)."""
-    if path == "-":  # standard output holds the progress
-        raise UserError("--results - : name a file")
-    folders = [Path(multi30k_folder()), *([Path(data)] if data else [])]
-    reads = [p for f in folders if f.is_dir() for p in f.iterdir()]
-    caches = [data_dir() / "vocab.json", data_dir() / "bpe.json"]
-    check_not_input(path, *reads, *caches, option="--results")
-    refuse_a_checkpoint(path, "--results")
-
-
-def refuse_a_checkpoint(path, option):
-    """Refuse an output file that is a checkpoint, of any run."""
-    if Path(path).suffix == ".pt" and Path(path).exists():
-        raise UserError(
-            f"{option} {path} is a checkpoint, which it would overwrite;"
-            " name another file"
-        )
-
-
-def interrupted_message(folder):
-    """What Ctrl-C in `train` leaves in `folder`, in one line."""
-    last = Path(folder, "last.pt")
-    final = Path(folder, "final.pt")
-    newest = max(
-        (p for p in (last, final) if p.is_file()),
-        key=lambda p: p.stat().st_mtime,
-        default=None,
+def torchrun_ranks():
+    """This process's TorchrunRanks, or None if torchrun did not start it."""
+    if "LOCAL_RANK" not in os.environ:
+        return None
+    world = int(os.environ["WORLD_SIZE"])
+    return TorchrunRanks(
+        rank=int(os.environ["RANK"]),
+        world=world,
+        local_rank=int(os.environ["LOCAL_RANK"]),
+        local_world=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
     )
-    if newest == final:  # training had ended (while --results scored)
-        return f"interrupted; {final} holds the trained model"
-    if newest == last:  # this run's last epoch (or, if it saved none, the
-        # last of the run before)
-        return (
-            f"interrupted; {last} holds the last epoch saved: train with"
-            " --resume to go on from it"
-        )
-    return "interrupted"
 
 
-def command_train(args):
-    """`train`: run training, then optionally score and summarize."""
-    overrides = {
-        k: v
-        for k, v in (
-            ("epochs", args.epochs),
-            ("max_tokens", args.max_tokens),
-            ("dropout", args.dropout),
-            ("weight_decay", args.weight_decay),
-            ("rdrop", args.rdrop),
-            ("tie_embeddings", args.tie_embeddings),
-            ("seed", args.seed),
-            ("schedule", args.schedule),
-            ("precision", args.precision),
-            ("checkpoint_dir", args.checkpoint_dir),
-            ("keep_last", args.keep_last),
-        )
-        if v is not None
-    }
-    config = get_config(args.preset, **overrides)
-    if config.max_tokens < config.max_len:  # a batch must hold a sentence
-        raise UserError(
-            f"--max-tokens {config.max_tokens} is below the longest"
-            f" sentence a batch must hold, {config.max_len} tokens"
-        )
-    ranks = torchrun_ranks()
-    if args.device and (args.world_size > 1 or ranks):
-        raise UserError(
-            "--device chooses the device of a one-process run; with several"
-            " processes each takes a GPU of its own, or the CPU"
-        )
-    if args.threads and (args.world_size > 1 or (ranks and ranks[1] > 1)):
-        raise UserError(
-            "--threads sets the threads of a one-process run; several"
-            " processes on the CPU share its cores evenly"
-        )
-    cores = usable_cores()
-    if args.threads and args.threads > cores:
-        print(
-            f"warning: --threads {args.threads} on {cores} CPU cores: the"
-            " threads take turns on them, which is slower than fewer threads",
-            file=sys.stderr,
-        )
-    if config.rdrop and not config.dropout:
-        print(
-            f"warning: --rdrop {config.rdrop:g} with dropout 0: the two"
-            " passes are the same, so R-Drop only doubles each step's cost"
-            " (give --dropout too)",
-            file=sys.stderr,
-        )
-    if args.world_size > cores and not cuda_count():
-        print(
-            f"warning: --world-size {args.world_size} on {cores} CPU"
-            " cores: the processes take turns on them, which is slower than"
-            " fewer processes",
-            file=sys.stderr,
-        )
-    if args.world_size > 1 and ranks is None:  # fail now, not in NCCL
-        try:
-            process_device(0, args.world_size)
-        except ValueError as err:
-            message = f"--world-size {args.world_size}: {err}"
-            raise UserError(message) from None
-    folder = Path(config.checkpoint_dir)
-    if folder.exists() and not folder.is_dir():
-        raise UserError(f"--checkpoint-dir {folder} is a file, not a folder")
-    blocker = file_in_the_way(folder)
-    if blocker:
-        raise UserError(
-            f"--checkpoint-dir {folder}: {blocker} is a file, not a folder"
-        )
-    in_the_way = [  # would fail the first write of its name, hours on
-        entry.name
-        for entry in (folder.iterdir() if folder.is_dir() else ())
-        if entry.is_dir() and training_writes(entry, folder)
-    ]
-    if in_the_way:
-        raise UserError(
-            f"--checkpoint-dir {folder}: {min(in_the_way)} is a folder, and"
-            " training writes a file of that name; move it away"
-        )
-    if args.results:  # fail now, not after hours of training
-        if training_writes(args.results, folder):
-            raise UserError(
-                f"--results {args.results} is a file that training writes"
-                f" into {folder}; name another file"
-            )
-        made_later = not folder.exists()  # by the lock, before training
-        if not (made_later and in_folder(args.results, folder)):
-            check_out(args.results, option="--results")
-    download_multi30k()  # before the lock makes the checkpoint folder
-    data = None  # Multi30k's own pairs
-    if args.data:
-        data, config = train_on_folder(args.data, config)
-    if args.results:
-        check_results_file(args.results, data)
-    rank = ranks[0] if ranks else 0
-    lock = folder_lock(config.checkpoint_dir) if rank == 0 else None
-    try:
-        with lock or nullcontext(), multi30k_from(data):  # rank 0 locks
-            return train_locked(args, config, ranks)
-    except KeyboardInterrupt:
-        if rank != 0:  # rank 0 reports for all
-            raise
-        print(interrupted_message(config.checkpoint_dir), file=sys.stderr)
-        return EXIT_INTERRUPTED
+def torchrun_device(world, local_rank, local_world):
+    """The device of a process that torchrun started: its own GPU, or,
+    with several processes, the CPU (even one per Mac: gloo cannot send
+    MPS tensors)."""
+    device = process_device(local_rank, local_world)
+    if world > 1 and device.type == "mps":
+        return torch.device("cpu")
+    return device
 
 
 def train_locked(args, config, ranks=None):
@@ -3488,7 +3547,7 @@ def train_locked(args, config, ranks=None):
         if args.resume and rank == 0:  # the notes once, not once a rank
             check_resume_and_say(config, *vocabs)
         elif args.resume:  # train_model checks this in the other branch
-            check_resume(config, *vocabs)
+            check_resume(config, *vocabs)  # raises if it cannot resume
         try:
             device = torchrun_device(world, local_rank, local_world)
         except ValueError as err:
@@ -3538,23 +3597,24 @@ def greedy_with_and_without_unk(
             spacy_de,
             vocab_src,
             vocab_tgt,
-            None,
-            batch_size,
+            batch_size=batch_size,
             progress=progress,
         )
         return hyps, hyps
     model.eval()
     device = next(model.parameters()).device
-    encoded, words = encode_sources(sentences, spacy_de, vocab_src, True)
+    encoded, words = encode_sources(
+        sentences, spacy_de, vocab_src, keep_words=True
+    )
     decoded = decode_by_length(
         model,
         encoded,
         cached_greedy_decode,
         device,
-        batch_size,
-        MAX_EXTRA,
-        True,
-        progress,
+        batch_size=batch_size,
+        max_extra=MAX_EXTRA,
+        align=True,
+        progress=progress,
     )
     replaced = [
         finish_text(ids, at, w, vocab_tgt)
@@ -3695,7 +3755,8 @@ def evaluate_reads(args):
     """The files `evaluate` reads, which --out must not replace: the
     checkpoint (and, with --average, the epoch files beside it), --src
     and --ref, and Multi30k's files, whose test set is the default."""
-    reads = [args.checkpoint, *filter(None, [args.src, args.ref])]
+    reads = [args.checkpoint]
+    reads += [path for path in (args.src, args.ref) if path is not None]
     if args.average:
         reads += epoch_checkpoints(Path(args.checkpoint).resolve().parent)
     multi30k = Path(multi30k_folder())
@@ -3750,22 +3811,33 @@ def command_evaluate(args):
 
 
 def translate_lines(lines, translate_fn, chunk=1024):
-    """Translations of `lines`, one list per `chunk` lines read."""
+    """Translations of `lines`, one list per `chunk` lines read; a blank
+    line gives a blank translation, in its place."""
     lines = iter(lines)
-    while batch := list(itertools.islice(lines, chunk)):
+    while True:
+        batch = list(itertools.islice(lines, chunk))
+        if not batch:
+            return
         todo = [line for line in batch if line.strip()]
-        hyps = iter(translate_fn(todo) if todo else [])
+        hyps = iter(translate_fn(todo) if todo else [])  # in order
         yield [next(hyps) if line.strip() else "" for line in batch]
 
 
-def sentences_to_translate(args):
-    """What `translate` reads: its arguments, a file or standard input."""
+def translate_source(args):
+    """Where `translate` reads: a file's name, "-" (standard input), or
+    None (its sentence arguments)."""
     if args.input is not None and args.sentence:
         raise UserError("give sentences or --input FILE, not both")
     if args.input is None and args.sentence in ([], ["-"]):
-        args.input = "-"
-    if args.input is not None:
-        return iter_lines(args.input)
+        return "-"
+    return args.input
+
+
+def sentences_to_translate(args, source):
+    """The lines of `source` (a file or "-"), or, if None, the sentence
+    arguments, checked."""
+    if source is not None:
+        return iter_lines(source)
     for number, sentence in enumerate(args.sentence, 1):
         if sentence == "-":
             raise UserError("- (standard input) cannot mix with sentences")
@@ -3793,16 +3865,16 @@ def warn_unknown_words(sentences, spacy_de, vocab_src):
 
 def command_translate(args):
     """`translate`: one line of English per German sentence, in order."""
-    lines = sentences_to_translate(args)
-    typing = args.input == "-" and sys.stdin and sys.stdin.isatty()
+    source = translate_source(args)
+    lines = sentences_to_translate(args, source)
+    typing = source == "-" and sys.stdin and sys.stdin.isatty()
     chunk = 1 if typing else 8 * args.batch_size
     first = list(itertools.islice(lines, chunk))  # input errors come first
     if not first:
-        where = "standard input" if args.input == "-" else args.input
-        raise UserError(f"nothing to translate: {where} is empty")
+        raise UserError(f"nothing to translate: {shown_path(source)} is empty")
     model, vocab_src, vocab_tgt, decode_fn = load_for_decoding(args)
     spacy_de, _ = load_tokenizers()
-    if args.input is None:
+    if source is None:
         warn_unknown_words(args.sentence, spacy_de, vocab_src)
     translate_fn = functools.partial(
         translate_batch,
@@ -3815,7 +3887,7 @@ def command_translate(args):
         decode_fn=decode_fn,
         replace_unk=args.replace_unk,
     )
-    what = "line" if args.input is not None else "sentence"
+    what = "sentence" if source is None else "line"
     fit = functools.partial(
         fit_to_model,
         spacy_de=spacy_de,
@@ -3836,7 +3908,10 @@ def command_download(args):
     return 0
 
 
-EXIT_USAGE, EXIT_IO, EXIT_PIPE, EXIT_INTERRUPTED = 2, 74, 141, 130
+EXIT_USAGE = 2  # the user can fix it
+EXIT_IO = 74  # the machine's: disk, output, memory (sysexits' EX_IOERR)
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as the shell reports Ctrl-C
+EXIT_PIPE = 141  # 128 + SIGPIPE: the reader left early
 USER_ERRORS = (
     UserError,
     CheckpointError,
@@ -3868,7 +3943,9 @@ def out_of_memory(err):
 
 
 def stdout_fault():
-    """Flush stdout; on failure, send what it holds nowhere; the error."""
+    """Flush stdout. If that fails, point stdout at /dev/null (so that
+    Python's own flush at exit cannot fail again) and return the error;
+    else None."""
     try:
         sys.stdout.flush()
     except OSError as err:  # full, closed or a broken pipe
@@ -4075,6 +4152,7 @@ __all__ = [
     "model_size_problems",
     "checkpoint_vocabularies",
     "size_mismatch",
+    "size_words",
     "load_weights",
     "refuse_non_finite",
     "OLD_PROJECTIONS",
@@ -4129,7 +4207,6 @@ __all__ = [
     "OLDER_DEFAULTS",
     "changed_settings",
     "check_resume",
-    "checked_resume",
     "check_resume_and_say",
     "FolderInUseError",
     "folder_lock",
@@ -4139,13 +4216,14 @@ __all__ = [
     "final_is_this_runs",
     "train_worker",
     "free_port",
+    "vocabulary_as_data",
+    "train_distributed_model",
+    "worker_out_of_memory",
+    "user_error_of_worker",
     "in_main_thread",
     "new_processes_ignore_ctrl_c",
     "stop_signals_kept",
     "stop_processes",
-    "train_distributed_model",
-    "worker_out_of_memory",
-    "user_error_of_worker",
     "train_model",
     "detokenize",
     "decode_text",
@@ -4191,18 +4269,24 @@ __all__ = [
     "package_version",
     "version_line",
     "build_parser",
-    "torchrun_ranks",
-    "torchrun_device",
-    "train_on_folder",
-    "short_digest",
-    "pairs_digest",
-    "multi30k_from",
+    "command_train",
+    "config_from_args",
+    "refuse_one_process_options",
+    "warn_slow_settings",
+    "check_checkpoint_folder",
+    "check_results_option",
     "in_folder",
     "training_writes",
     "check_results_file",
     "refuse_a_checkpoint",
     "interrupted_message",
-    "command_train",
+    "checked_data_folder",
+    "short_digest",
+    "pairs_digest",
+    "multi30k_from",
+    "TorchrunRanks",
+    "torchrun_ranks",
+    "torchrun_device",
     "train_locked",
     "greedy_with_and_without_unk",
     "write_results",
@@ -4215,14 +4299,15 @@ __all__ = [
     "evaluate_reads",
     "command_evaluate",
     "translate_lines",
+    "translate_source",
     "sentences_to_translate",
     "warn_unknown_words",
     "command_translate",
     "command_download",
     "EXIT_USAGE",
     "EXIT_IO",
-    "EXIT_PIPE",
     "EXIT_INTERRUPTED",
+    "EXIT_PIPE",
     "USER_ERRORS",
     "SMALLER",
     "says_out_of_memory",

@@ -377,7 +377,7 @@ def main(argv=None):
         data = None
         if args.data:
             tools.download_multi30k()  # the vocabularies' source, checked
-            data, config = tools.train_on_folder(args.data, config)
+            data, config = tools.checked_data_folder(args.data, config)
         with tools.multi30k_from(data):
             bench = Benchmark(
                 config,

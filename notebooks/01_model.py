@@ -29,7 +29,8 @@
 # %% [markdown]
 # [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/annotated-transformer/done-right/blob/main/notebooks/01_model.ipynb)
 
-# %%
+# %% cellView="form"
+#@title Setup (on Colab: clone, install) { display-mode: "form" }
 # Setup only; nothing to learn here. Part 1 runs on a CPU in seconds, so on
 # Colab it needs no GPU runtime. On Colab: clone the repository, then
 # install what the notebooks need. Elsewhere: use this checkout. Either
@@ -107,12 +108,12 @@ from torch import nn
 # `generator`. The loss (Part 2) and the decoding loops (Parts 2, 3 and 5)
 # call it themselves, on the positions they need.
 #
-# Comments such as `# (B, S, d_model)` give a tensor's shape, with the same
-# letters throughout the project: `B` sentences in a batch, `S` source
-# positions, `T` target positions (in attention: `T` queries, `S` keys;
-# in self-attention both are the same sequence),
-# `d_model` the width of each position's vector (512 in the paper), `h`
-# attention heads, and `d_k = d_model / h` features per head.
+# Comments such as `# (B, S, d_model)` give a tensor's shape, with the
+# same letters throughout the project: `B` sentences in a batch, `S`
+# source positions, `T` target positions (in attention: `T` queries, `S`
+# keys; in self-attention both are the same sequence), `d_model` the
+# width of each position's vector (512 in the paper), `h` attention
+# heads, and `d_k = d_model / h` features per head.
 #
 # ![The Transformer, as this notebook builds it](attachment:transformer.svg)
 #
@@ -628,14 +629,14 @@ assert scaled_weights.max(-1).values.mean() < 0.5
 assert raw_gradient < 0.6 * scaled_gradient  # saturated: small gradient
 
 # %% [markdown]
-# A masked position gets `torch.finfo(dtype).min`, the most negative number
-# the scores' dtype holds, so its weight after the softmax is exactly zero
-# (as long as the row keeps at least one key; our masks always do).
-# A fixed $-10^9$ (the 2022 tutorial's choice) does not fit every dtype:
-# float16 ends at $\pm 65504$. GPU training often computes in float16
-# (half precision) to save memory and time (06_tools, "Which precision"),
-# so the mask value must fit in it. On float16
-# scores, `masked_fill` with $-10^9$ raises an overflow error, while
+# A masked position gets `torch.finfo(dtype).min`, the most negative
+# number the scores' dtype holds, so its weight after the softmax is
+# exactly zero (as long as the row keeps at least one key; our masks
+# always do). A fixed $-10^9$ (the 2022 tutorial's choice) does not fit
+# every dtype: float16 ends at $\pm 65504$. GPU training often computes
+# in float16 (half precision) to save memory and time (06_tools, "Which
+# precision"), so the mask value must fit in it. On float16 scores,
+# `masked_fill` with $-10^9$ raises an overflow error, while
 # `torch.finfo(torch.float16).min` gives the masked key a weight of
 # exactly zero:
 
@@ -1238,12 +1239,12 @@ assert pe_std_128 < pe_std  # "a little smaller" over 128 positions
 # %% [markdown]
 # ### Checking one encoder layer against PyTorch
 #
-# PyTorch has its own encoder layer, `nn.TransformerEncoderLayer`, which is
-# pre-norm with `norm_first=True`.
-# Given our encoder layer's weights, it should compute the same. The
-# weights move like this: $W^Q, W^K, W^V$ stacked into `in_proj_weight`
-# and `in_proj_bias`, $W^O$ into `out_proj`, `w_1`, `w_2` into `linear1`,
-# `linear2`, and the norms' `a_2`, `b_2` into `norm1`, `norm2`.
+# PyTorch has its own encoder layer, `nn.TransformerEncoderLayer`, which
+# is pre-norm with `norm_first=True`. Given our encoder layer's weights,
+# it should compute the same. The weights move like this:
+# $W^Q, W^K, W^V$ stacked into `in_proj_weight` and `in_proj_bias`,
+# $W^O$ into `out_proj`, `w_1`, `w_2` into `linear1`, `linear2`, and the
+# norms' `a_2`, `b_2` into `norm1`, `norm2`.
 #
 # First the two layers. `batch_first=True` makes PyTorch's take
 # $(B, S, d_{\text{model}})$ like ours (its default is $(S, B,

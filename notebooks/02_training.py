@@ -32,7 +32,8 @@
 # %% [markdown]
 # [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/annotated-transformer/done-right/blob/main/notebooks/02_training.ipynb)
 
-# %%
+# %% cellView="form"
+#@title Setup (on Colab: clone, install) { display-mode: "form" }
 # Setup only; nothing to learn here. On Colab: clone the repository, then
 # install what the notebooks need. Elsewhere: use the checkout this
 # notebook sits in.
@@ -319,13 +320,13 @@ class LabelSmoothing(nn.Module):
 
 
 # %% [markdown]
-# Here are the smoothed targets of five examples over a vocabulary of five
-# tokens, built by `smoothed_targets` from the target ids, with smoothing
-# 0.4 so that the spread is visible. Token 0 is
-# padding: its column is empty, and so is the last row, whose target is
-# padding. Every other row keeps 0.6 on its target and shares 0.4 among
-# the three remaining tokens, $0.4 / 3$ each. The assert compares the
-# matrix with these numbers, written out by hand.
+# Here are the smoothed targets of five examples over a vocabulary of
+# five tokens, built by `smoothed_targets` from the target ids, with
+# smoothing 0.4 so that the spread is visible. Token 0 is padding: its
+# column is empty, and so is the last row, whose target is padding.
+# Every other row keeps 0.6 on its target and shares 0.4 among the three
+# remaining tokens, $0.4 / 3$ each. The assert compares the matrix with
+# these numbers, written out by hand.
 
 # %%
 crit = LabelSmoothing(5, padding_idx=0, smoothing=0.4)
@@ -349,14 +350,14 @@ assert torch.allclose(dist, expected)
 # This subsection makes the loss cheaper, not different; on a first read
 # you can skip to the check that the two ways agree, below.
 #
-# The smoothed targets form a matrix as large as the model's output: with
-# the 6,190 English tokens of Multi30k's vocabulary (the data set of Part
-# 3) and a batch of up to 3,000 tokens, 74 MB of float32 (3,000 × 6,190 ×
-# 4 bytes), written, read by the KL divergence, and read again in the
-# backward pass.
-# Each of its rows holds only three distinct values, so a formula gives
-# the same loss without building it: a *closed form*, which reads the
-# log-probabilities once and writes one number per token.
+# The smoothed targets form a matrix as large as the model's output:
+# with the 6,190 English tokens of Multi30k's vocabulary (the data set
+# of Part 3) and a batch of up to 3,000 tokens, 74 MB of float32 (3,000
+# × 6,190 × 4 bytes), written, read by the KL divergence, and read again
+# in the backward pass. Each of its rows holds only three distinct
+# values, so a formula gives the same loss without building it: a
+# *closed form*, which reads the log-probabilities once and writes one
+# number per token.
 #
 # Some symbols first. $N$ is the number of target tokens (here, not Part
 # 1's number of layers) and $V$ the vocabulary size; $\epsilon$ is
@@ -377,9 +378,8 @@ assert torch.allclose(dist, expected)
 #
 # `forward` uses this closed form: its method `closed_form` calls the
 # function `smoothed_kl` below, which computes the formula's one number
-# per row. With `keep_targets=True`,
-# `forward` takes the direct way instead, so that the check below can
-# compare the two.
+# per row. With `keep_targets=True`, `forward` takes the direct way
+# instead, so that the check below can compare the two.
 
 
 # %%
@@ -426,12 +426,12 @@ for eps in (0.1, 0.4):  # closed form = definition
 # %% [markdown]
 # ### Why smoothing discourages over-confidence
 #
-# A *logit* is a raw score
-# before the softmax; a score $m$ higher makes a token $e^m$ times more
-# probable. Take a vocabulary of six tokens: padding, the correct token
-# and four rivals. Padding gets probability 0, each rival a logit of 0,
-# and the correct token a logit of $m$, its *margin* over the rivals.
-# With smoothing 0.1, each rival's smoothed target is $0.1 / 4 = 0.025$.
+# A *logit* is a raw score before the softmax; a score $m$ higher makes
+# a token $e^m$ times more probable. Take a vocabulary of six tokens:
+# padding, the correct token and four rivals. Padding gets probability
+# 0, each rival a logit of 0, and the correct token a logit of $m$, its
+# *margin* over the rivals. With smoothing 0.1, each rival's smoothed
+# target is $0.1 / 4 = 0.025$.
 #
 # The model gives the correct token $q_y = e^m / (e^m + 4)$ and each
 # rival $1 / (e^m + 4)$. Without smoothing, the loss is $-\log q_y =
@@ -528,11 +528,11 @@ class SimpleLossCompute:
 # the loss, back-propagate, let the optimizer update the weights, and
 # clear the gradients for the next batch (PyTorch adds each backward
 # pass's gradients into `.grad` rather than replacing them; gradient
-# accumulation, at the end of this part, uses exactly that). `plain_epoch`
-# runs them over
-# one epoch's batches. It also steps the learning-rate schedule (the
-# section after this one builds it) after each optimizer step, and adds
-# up the loss so that it can return the epoch's mean loss per token.
+# accumulation, at the end of this part, uses exactly that).
+# `plain_epoch` runs them over one epoch's batches. It also steps the
+# learning-rate schedule (the section after this one builds it) after
+# each optimizer step, and adds up the loss so that it can return the
+# epoch's mean loss per token.
 
 
 # %%
@@ -556,13 +556,13 @@ def plain_epoch(batches, model, loss_compute, optimizer, scheduler=None):
 
 
 # %% [markdown]
-# This is all the copy task below needs. Longer runs
-# need more: gradient accumulation (adding up the gradients of several
-# batches before one step, to train on batches too large for memory),
-# counters kept across epochs, and a log line now and then. The library's
-# `run_epoch` adds them to these five lines; Part 3 trains with it. The
-# last section of this part, "Under the hood: `run_epoch`", builds it one
-# concern at a time and checks it against `plain_epoch`.
+# This is all the copy task below needs. Longer runs need more: gradient
+# accumulation (adding up the gradients of several batches before one
+# step, to train on batches too large for memory), counters kept across
+# epochs, and a log line now and then. The library's `run_epoch` adds
+# them to these five lines; Part 3 trains with it. The last section of
+# this part, "Under the hood: `run_epoch`", builds it one concern at a
+# time and checks it against `plain_epoch`.
 
 # %% [markdown]
 # ## Optimizer and learning-rate schedule
@@ -1008,10 +1008,9 @@ assert not overlap
 #
 # Gradient accumulation (`accum_iter = k`) emulates one batch $k$ times
 # the size of a micro-batch (each of the $k$ small batches that run one
-# at a time), too large to fit in memory at once: each
-# micro-batch's loss is divided by $k$,
-# gradients add up over $k$ backward passes, and the optimizer (and the
-# schedule) steps once.
+# at a time), too large to fit in memory at once: each micro-batch's
+# loss is divided by $k$, gradients add up over $k$ backward passes, and
+# the optimizer (and the schedule) steps once.
 #
 # The emulation is exact when every micro-batch has the same number of
 # real tokens. With padding it differs: each micro-batch's loss
@@ -1124,11 +1123,11 @@ def optimizer_step(optimizer, scheduler, parameters, scale=1.0, scaler=None):
 #
 # When autograd is off (`mode="eval"` below), `micro_step` skips the
 # backward pass. The rest serves GPU and multi-process runs: `autocast`
-# computes in 16
-# bits, `scaler` guards float16 gradients, and `hold_sync` asks DDP
-# (several processes, each training a copy of the model) to delay the
-# exchange of gradients until the last micro-batch of a group. The
-# appendix (notebook 06_tools, "A run, in pieces") explains them.
+# computes in 16 bits, `scaler` guards float16 gradients, and
+# `hold_sync` asks DDP (several processes, each training a copy of the
+# model) to delay the exchange of gradients until the last micro-batch
+# of a group. The appendix (notebook 06_tools, "A run, in pieces")
+# explains them.
 
 
 # %%
@@ -1159,17 +1158,16 @@ def micro_step(
 # %% [markdown]
 # ### `run_epoch`
 #
-# With these pieces the epoch stays short. It has three modes:
-# `"train"` (the default), `"train+log"` (train and print) and `"eval"`
-# (no gradients, no steps). `mode="eval"` turns autograd
-# off (`torch.set_grad_enabled(False)`, the same as `torch.no_grad()`)
-# and never steps; `mode="train+log"` prints progress
-# every `log_every` micro-batches, one line from `print_progress`: the
-# batch's index in this epoch, the optimizer steps so far, the batch's
-# loss per token, tokens per second and the learning rate that the next
-# optimizer step will use. Any other
-# mode, or training without an optimizer, is refused before the first
-# batch.
+# With these pieces the epoch stays short. It has three modes: `"train"`
+# (the default), `"train+log"` (train and print) and `"eval"` (no
+# gradients, no steps). `mode="eval"` turns autograd off
+# (`torch.set_grad_enabled(False)`, the same as `torch.no_grad()`) and
+# never steps; `mode="train+log"` prints progress every `log_every`
+# micro-batches, one line from `print_progress`: the batch's index in
+# this epoch, the optimizer steps so far, the batch's loss per token,
+# tokens per second and the learning rate that the next optimizer step
+# will use. Any other mode, or training without an optimizer, is refused
+# before the first batch.
 
 
 # %%

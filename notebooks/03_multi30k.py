@@ -19,15 +19,14 @@
 #
 # The copy task showed that the model and the training loop work. Now we
 # train on real sentences: Multi30k (Elliott et al., 2016), about 31,000
-# image captions written in English and translated into German. It is tiny
-# next to the 4.5 million sentence pairs of WMT 2014 that the paper used,
-# but large enough to learn a usable translator in 14 to 20 minutes on
-# two CPU cores (about 10 on a CPU that computes in bf16, a 16-bit format,
-# natively; the first line the training cell prints says which yours
-# does), or in
-# under two minutes on an
-# H100 GPU. Colab's free T4 was not measured: the training cell below says
-# how to read its time off the progress bar.
+# image captions written in English and translated into German. It is
+# tiny next to the 4.5 million sentence pairs of WMT 2014 that the paper
+# used, but large enough to learn a usable translator in 14 to 20
+# minutes on two CPU cores (about 10 on a CPU that computes in bf16, a
+# 16-bit format, natively; the first line the training cell prints says
+# which yours does), or in under two minutes on an H100 GPU. Colab's
+# free T4 was not measured: the training cell below says how to read its
+# time off the progress bar.
 #
 # From text to translator takes five steps, one section each: read the
 # sentence pairs, cut them into tokens, number the tokens, group sentences
@@ -42,7 +41,8 @@
 # if none was free, choose one before going on: Runtime → Change runtime
 # type.
 
-# %%
+# %% cellView="form"
+#@title Setup (on Colab: clone, install) { display-mode: "form" }
 # Setup only; nothing to learn here. On Colab: clone the repository, then
 # install what the notebooks need. Elsewhere: use the checkout this
 # notebook sits in.
@@ -159,12 +159,12 @@ print("de: {}\nen: {}".format(*splits["train"][0]))
 # ## Tokenizers
 #
 # A model reads integer ids, so each sentence is first cut into tokens:
-# words and punctuation marks. Where to cut is less obvious than it looks:
-# German "z.B." is one token, English "don't" is two ("do", "n't"). The
-# spaCy NLP library has rule-based tokenizers that know such rules for
-# each language, and `spacy.blank` gives us the tokenizer alone, with no
-# model to download.
-# We drop the whitespace tokens spaCy keeps for runs of several spaces.
+# words and punctuation marks. Where to cut is less obvious than it
+# looks: German "z.B." is one token, English "don't" is two ("do",
+# "n't"). The spaCy NLP library has rule-based tokenizers that know such
+# rules for each language, and `spacy.blank` gives us the tokenizer
+# alone, with no model to download. We drop the whitespace tokens spaCy
+# keeps for runs of several spaces.
 
 
 # %%
@@ -312,11 +312,11 @@ assert unk["train"] < unk["test"] < 0.05
 # from the German tokenizer and vocabulary, English ids from the English
 # ones.
 #
-# A batch stacks B source sentences into one `(B, S)` tensor, S being the
-# batch's longest source, and their targets into one `(B, T)` tensor, T
-# the longest target, each padded with
-# `<blank>` to its own longest sentence. `collate_batch` only pads. Part
-# 2's `Batch` makes the masks later, in the training loop.
+# A batch stacks B source sentences into one `(B, S)` tensor, S being
+# the batch's longest source, and their targets into one `(B, T)`
+# tensor, T the longest target, each padded with `<blank>` to its own
+# longest sentence. `collate_batch` only pads. Part 2's `Batch` makes
+# the masks later, in the training loop.
 
 
 # %%
@@ -416,9 +416,8 @@ assert bucket([0, 1, 2, 3], [2, 2, 3, 5], max_tokens=6) == [[0, 1], [2], [3]]
 # With `shuffle=False`, as for validation, it skips steps 1 and 4.
 #
 # A pair longer than `max_len` tokens is left out and listed in
-# `dropped`, never cut:
-# cutting would remove its `</s>`, and the model would learn from
-# sentences that never end.
+# `dropped`, never cut: cutting would remove its `</s>`, and the model
+# would learn from sentences that never end.
 
 
 # %%
@@ -674,17 +673,17 @@ def model_from_config(c, n_src, n_tgt, dropout=None):
 # %% [markdown]
 # ### A schedule that ends
 #
-# Part 2's `rate`, the paper's schedule, decays as $1/\sqrt{\text{step}}$
-# and never reaches zero, which suits a run of unknown length. A run that
-# knows how many steps it will take can instead warm up, then lower the
-# rate in a straight line to zero at the end of its step budget:
-# `schedule="linear"`. It climbs to the same peak that `rate` reaches at
-# step `warmup`, so `factor`, `d_model` and `warmup` mean the same under
-# both schedules. (The
-# copy task's `warmup_linear_decay`, in Part 2, is a cousin that stops at
-# 2% of its peak and stays there.) The loader says how many batches an
-# epoch has, so `run_schedule` picks the config's schedule once the
-# batches are counted, and `make_run_optimizer` builds Adam with it.
+# Part 2's `rate`, the paper's schedule, decays as
+# $1/\sqrt{\text{step}}$ and never reaches zero, which suits a run of
+# unknown length. A run that knows how many steps it will take can
+# instead warm up, then lower the rate in a straight line to zero at the
+# end of its step budget: `schedule="linear"`. It climbs to the same
+# peak that `rate` reaches at step `warmup`, so `factor`, `d_model` and
+# `warmup` mean the same under both schedules. (The copy task's
+# `warmup_linear_decay`, in Part 2, is a cousin that stops at 2% of its
+# peak and stays there.) The loader says how many batches an epoch has,
+# so `run_schedule` picks the config's schedule once the batches are
+# counted, and `make_run_optimizer` builds Adam with it.
 
 
 # %%
@@ -784,12 +783,13 @@ assert quick_rate(765) == 0  # the end of the budget
 # `AT_DEVICE` overrides it (`AT_DEVICE=cpu`, say), for this lesson and
 # for every model that Parts 4 and 5 train. The cell after `pick_device`
 # sets `device`, which the rest of the lesson uses, and warns when a
-# Colab runtime has no GPU. On a Mac, if a later cell fails with an error
-# that names `mps`, train on the CPU instead: add
+# Colab runtime has no GPU. On a Mac, if a later cell fails with an
+# error that names `mps`, train on the CPU instead: add
 # `device = torch.device("cpu")` at the end of the cell that prints
-# `device:`, below, and run the notebook again from there (`docs/gpu.md`,
-# "If it fails on a T4 or a Mac", has another way). Whether Apple's GPU
-# is faster than its CPU for this small model was not measured.
+# `device:`, below, and run the notebook again from there
+# (`docs/gpu.md`, "If it fails on a T4 or a Mac", has another way).
+# Whether Apple's GPU is faster than its CPU for this small model was
+# not measured.
 
 
 # %%
@@ -826,18 +826,18 @@ if device.type == "cpu" and "COLAB_RELEASE_TAG" in os.environ:
 # %% [markdown]
 # ### The training loop
 #
-# `train_one_process` is all of training. It seeds, builds the model from
-# the config on the device, takes Part 2's label-smoothed loss, makes the
-# loaders, then Adam and the config's schedule. Then, each epoch, it
-# reshuffles the batches, trains through Part 2's `run_epoch`, with its
-# counters in a `TrainState` (`accum_step` counts optimizer steps;
-# `run_epoch` and `TrainState` are in Part 2's last section, "Under the
-# hood: `run_epoch`"), and
-# measures the loss on the validation set, without gradients and with
-# dropout off (`model.eval()`). `Batch(...).to(device)` moves each batch
-# where the model is. It returns the model and one line of history per
-# epoch. It always computes in float32: only the appendix's
-# `train_model` reads `config.precision`.
+# `train_one_process` is all of training. It seeds, builds the model
+# from the config on the device, takes Part 2's label-smoothed loss,
+# makes the loaders, then Adam and the config's schedule. Then, each
+# epoch, it reshuffles the batches, trains through Part 2's `run_epoch`,
+# with its counters in a `TrainState` (`accum_step` counts optimizer
+# steps; `run_epoch` and `TrainState` are in Part 2's last section,
+# "Under the hood: `run_epoch`"), and measures the loss on the
+# validation set, without gradients and with dropout off
+# (`model.eval()`). `Batch(...).to(device)` moves each batch where the
+# model is. It returns the model and one line of history per epoch. It
+# always computes in float32: only the appendix's `train_model` reads
+# `config.precision`.
 
 
 # %%
@@ -1039,14 +1039,13 @@ else:
 # Your run beside the recorded one. When the training cell above has
 # just trained `quick`, this cell prints your validation loss after each
 # epoch beside the recorded run's (from `results/recipe_quick.json`).
-# They may differ in the last digits on other hardware, and more where it
-# computes in 16 bits (a GPU, or a CPU with native bf16; a Mac stays in
-# float32). The T4's float16 path,
-# run on an H100 made to report a T4's compute capability, gave
-# validation losses within 0.01 of the recorded ones
-# (`results/gpu_h100_2/fp16_quick.json`). The cell prints nothing when
-# the training cell found a trained model (no new losses), or in the
-# tests' tiny run, which trains another recipe.
+# They may differ in the last digits on other hardware, and more where
+# it computes in 16 bits (a GPU, or a CPU with native bf16; a Mac stays
+# in float32). The T4's float16 path, run on an H100 made to report a
+# T4's compute capability, gave validation losses within 0.01 of the
+# recorded ones (`results/gpu_h100_2/fp16_quick.json`). The cell prints
+# nothing when the training cell found a trained model (no new losses),
+# or in the tests' tiny run, which trains another recipe.
 
 # %%
 recorded = json.loads(Path(ROOT, "results/recipe_quick.json").read_text())
@@ -1149,13 +1148,13 @@ assert trained_tgt == vocab_tgt
 # %% [markdown]
 # Check against an independent reference: decoding twelve validation
 # sentences of different lengths together, as one padded batch, gives
-# the same tokens as Part 2's `greedy_decode` run on each sentence alone.
-# If the padding mask were wrong, the short sentences would attend to
-# their `<blank>` padding and their translations would change. The mask is
-# Part 2's source mask (`Batch` builds the same one), and `max_len = 20`
-# caps each output row at 20 tokens, `<s>` included: short, to keep the
-# check quick, and the same cap for both decoders, so a translation cut
-# short is cut alike on both sides. `strip_specials`
+# the same tokens as Part 2's `greedy_decode` run on each sentence
+# alone. If the padding mask were wrong, the short sentences would
+# attend to their `<blank>` padding and their translations would change.
+# The mask is Part 2's source mask (`Batch` builds the same one), and
+# `max_len = 20` caps each output row at 20 tokens, `<s>` included:
+# short, to keep the check quick, and the same cap for both decoders, so
+# a translation cut short is cut alike on both sides. `strip_specials`
 # keeps what lies between `<s>` and the first `</s>`.
 #
 # On the CPU all twelve must be identical. On a GPU, Apple's included,
@@ -1249,9 +1248,8 @@ for de, en, hyp in zip(sources[:3], references, hyps):
 # hardware. On a T4 or a Mac no test score of this recipe is on record.
 #
 # Three greedy scores of the recorded `quick` run appear in this
-# repository.
-# They differ in the split and in what happens to `<unk>`, the
-# unknown-word token:
+# repository. They differ in the split and in what happens to `<unk>`,
+# the unknown-word token:
 #
 # | score | split | `<unk>` in the output | where |
 # |---:|---|---|---|

@@ -46,7 +46,8 @@
 # if none was free, choose one before going on: Runtime → Change
 # runtime type.
 
-# %%
+# %% cellView="form"
+#@title Setup (on Colab: clone, install) { display-mode: "form" }
 # Setup only; nothing to learn here. On Colab: clone the repository, then
 # install what the notebooks need. Elsewhere: use the checkout this
 # notebook sits in.
@@ -125,16 +126,16 @@ FIGURES = os.path.join(ROOT, "figures")
 # %% [markdown]
 # ## Recording the weights
 #
-# Every `MultiHeadedAttention` of Part 1 has a `store_attention` flag, off
-# by default. (Off, a layer usually calls PyTorch's fused
+# Every `MultiHeadedAttention` of Part 1 has a `store_attention` flag,
+# off by default. (Off, a layer usually calls PyTorch's fused
 # `scaled_dot_product_attention`, one optimized call that never hands
-# back the weights.) When it is
-# on, the layer computes the softmax explicitly and keeps it in
-# `self.attn`, shape `(B, h, T, S)`: one row per query position, one
-# column per key position. `record_attention` turns the flag on for every
-# attention layer of a model. When the block ends, normally or through an
-# exception, it puts each flag back as it was and drops the stored
-# tensors, so that no later forward pass keeps weights by accident.
+# back the weights.) When it is on, the layer computes the softmax
+# explicitly and keeps it in `self.attn`, shape `(B, h, T, S)`: one row
+# per query position, one column per key position. `record_attention`
+# turns the flag on for every attention layer of a model. When the block
+# ends, normally or through an exception, it puts each flag back as it
+# was and drops the stored tensors, so that no later forward pass keeps
+# weights by accident.
 
 
 # %%
@@ -296,18 +297,18 @@ def attention_maps(
 # Maps of an untrained model are noise, so we read a translator of Part
 # 3's shape: $N=3$ layers, $d_{model}=256$, $h=4$ heads and word
 # vocabularies. The page loads the `cpu` model that `make train` writes
-# (`checkpoints/cpu/final.pt`, hours of training), else the `quick` model
-# that Part 3 trains in minutes (`checkpoints/quick/final.pt`). If
+# (`checkpoints/cpu/final.pt`, hours of training), else the `quick`
+# model that Part 3 trains in minutes (`checkpoints/quick/final.pt`). If
 # neither exists, the appendix's `find_or_train` trains one here: the
 # `quick` model on an NVIDIA (CUDA) GPU (under two minutes on an H100; a
 # T4 was not measured), else a small stand-in, in seconds (a Mac
-# included). The
-# stand-in (the `ci` preset) shows the machinery, not language: what the
-# prose says about "brown", "black" and the two dogs will not match its
-# charts. On Colab, pick a GPU runtime first to get the `quick` model;
-# each new runtime trains it again, unless you kept Part 3's model
-# (`docs/gpu.md`, "Keeping a model on Colab"). The appendix's "A trained
-# model, or a small one trained now" says what runs where.
+# included). The stand-in (the `ci` preset) shows the machinery, not
+# language: what the prose says about "brown", "black" and the two dogs
+# will not match its charts. On Colab, pick a GPU runtime first to get
+# the `quick` model; each new runtime trains it again, unless you kept
+# Part 3's model (`docs/gpu.md`, "Keeping a model on Colab"). The
+# appendix's "A trained model, or a small one trained now" says what
+# runs where.
 #
 # Words this page uses throughout:
 #
@@ -354,12 +355,12 @@ if not trained:
 # > A brown dog is running after the black dog.
 #
 # which has one word twice on each side ("Hund", "dog"), so we can see
-# whether the two copies are told apart.
-# The decoder reads the reference translation, as in training, so every
-# chart has the same, correct English rows whatever the model; the model's
-# own greedy translation is printed for comparison, with its `<unk>`
-# tokens kept (`replace_unk=False`; the end of this page explains the
-# replacement that `translate_batch` does by default).
+# whether the two copies are told apart. The decoder reads the reference
+# translation, as in training, so every chart has the same, correct
+# English rows whatever the model; the model's own greedy translation is
+# printed for comparison, with its `<unk>` tokens kept
+# (`replace_unk=False`; the end of this page explains the replacement
+# that `translate_batch` does by default).
 
 # %%
 val = read_multi30k("val")
@@ -665,13 +666,12 @@ assert torch.allclose(fused, explicit, atol=1e-5)
 
 # %% [markdown]
 # **See, one pass matches step by step.** The section "One sentence,
-# every map" said that one teacher-forced pass over a finished translation
-# gives the decoder–source weights that the decoder used while writing it
-# one token at a time.
-# Here is greedy decoding written out step by step, keeping at each step
-# the newest row of every layer's decoder–source weights (the row that
-# picks the next token), against one pass of `attention_maps` over the
-# tokens it wrote.
+# every map" said that one teacher-forced pass over a finished
+# translation gives the decoder–source weights that the decoder used
+# while writing it one token at a time. Here is greedy decoding written
+# out step by step, keeping at each step the newest row of every layer's
+# decoder–source weights (the row that picks the next token), against
+# one pass of `attention_maps` over the tokens it wrote.
 
 # %%
 newest = []  # per step: (N, h, S), each layer's last row
@@ -697,10 +697,9 @@ print(f"{len(newest)} steps, the same weights as one pass")
 # parameters without Part 1's `attention` function: normalize the
 # embedded source (`model.src_embed` is Part 1's scaled embedding lookup
 # plus the positional encoding; Part 1's layers normalize before
-# attending), project it
-# with $W^Q$ and $W^K$, split the $h$ heads, and take a softmax of the
-# scaled dot products. No mask is needed: the sentence has no padding,
-# and the encoder hides no future positions.
+# attending), project it with $W^Q$ and $W^K$, split the $h$ heads, and
+# take a softmax of the scaled dot products. No mask is needed: the
+# sentence has no padding, and the encoder hides no future positions.
 
 # %%
 with torch.no_grad():
@@ -726,9 +725,8 @@ assert torch.allclose(by_hand, maps.encoder_self[0], atol=1e-5)
 # `attention_maps` therefore records in `eval()` mode. The cell shows
 # the difference on a fresh model with Part 1's default dropout of 0.1
 # (the loaded one is rebuilt without dropout): the same recording in
-# `eval()` mode, then
-# with only the first encoder layer's attention dropout switched on, so
-# that the two differ in that dropout alone.
+# `eval()` mode, then with only the first encoder layer's attention
+# dropout switched on, so that the two differ in that dropout alone.
 
 # %%
 torch.manual_seed(0)
@@ -776,16 +774,16 @@ assert not torch.allclose(dropped.sum(-1), clean.sum(-1))
 #   how far from its own position a query looks.
 #
 # For decoder–source attention "the diagonal" needs a definition, since
-# the two sentences can have different lengths: $T$ rows and $S$ columns.
-# We use the proportional one: row $i$ meets column $j = i\,(S-1)/(T-1)$,
-# so that the first row (`<s>`) meets the German `<s>` and the last row
-# meets the German `</s>`.
-# Think of it as the word alignment (which German word each English word
-# translates) of a translation that keeps the word order and stretches it
-# evenly. A head that reads the German word being translated sits near
-# this diagonal, offset by a column early in the sentence, since row $i$
-# predicts token $i + 1$; "Where the weight goes", below, works it out on
-# our sentence. `_diagonal` computes the diagonal's column for each row.
+# the two sentences can have different lengths: $T$ rows and $S$
+# columns. We use the proportional one: row $i$ meets column
+# $j = i\,(S-1)/(T-1)$, so that the first row (`<s>`) meets the German
+# `<s>` and the last row meets the German `</s>`. Think of it as the
+# word alignment (which German word each English word translates) of a
+# translation that keeps the word order and stretches it evenly. A head
+# that reads the German word being translated sits near this diagonal,
+# offset by a column early in the sentence, since row $i$ predicts token
+# $i + 1$; "Where the weight goes", below, works it out on our sentence.
+# `_diagonal` computes the diagonal's column for each row.
 #
 # For scale: a head that always reads its neighbour scores a distance of
 # 1, and one that spreads its weight evenly over all $S$ keys (as
@@ -1109,14 +1107,13 @@ for kind in ATTENTION_KINDS:
 #
 # The greedy decoders keep no weights (they take the fused attention
 # path: Part 3's `batch_greedy_decode`, and Part 5's cached one, which
-# `translate_batch` uses), so `source_alignment` runs
-# the decoder once more over the finished output, inside
-# `record_attention`. The section "Can we trust these pictures?" showed,
-# for `attention_maps`, that such a pass gives the weights greedy
-# decoding used; the check below ties `source_alignment` to
-# `attention_maps`. Row $t$ reads decoder
-# input $t$ and wrote output token $t+1$. The argmax runs over the
-# source's words only, never over `<s>`, `</s>` or padding.
+# `translate_batch` uses), so `source_alignment` runs the decoder once
+# more over the finished output, inside `record_attention`. The section
+# "Can we trust these pictures?" showed, for `attention_maps`, that such
+# a pass gives the weights greedy decoding used; the check below ties
+# `source_alignment` to `attention_maps`. Row $t$ reads decoder input
+# $t$ and wrote output token $t+1$. The argmax runs over the source's
+# words only, never over `<s>`, `</s>` or padding.
 
 
 # %%
@@ -1183,10 +1180,9 @@ def replace_unknowns(ids, aligned, src_words, vocab_tgt):
 #
 # `replace_and_check` asserts that each copied word is also the top
 # German word in the maps of `attention_maps`, averaged over every layer
-# and head. Those maps
-# come from a separate forward pass, so the check catches a row or a
-# position read one place off. It says nothing about whether the model
-# aligns well.
+# and head. Those maps come from a separate forward pass, so the check
+# catches a row or a position read one place off. It says nothing about
+# whether the model aligns well.
 
 
 # %%

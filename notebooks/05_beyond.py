@@ -49,7 +49,8 @@
 # if none was free, choose one before going on: Runtime → Change
 # runtime type.
 
-# %%
+# %% cellView="form"
+#@title Setup (on Colab: clone, install) { display-mode: "form" }
 # Setup only; nothing to learn here. On Colab: clone the repository, then
 # install what the notebooks need. Elsewhere: use the checkout this
 # notebook sits in.
@@ -148,13 +149,13 @@ from annotated_transformer_tools import (
 # trained.
 #
 # It looks first for the `cpu` model that `make train` trains (hours of
-# training), then for the `quick` model that Part 3 trained in minutes. If
-# neither is there, it trains one here: the `quick` model on a CUDA GPU
-# (under two minutes on an H100; a T4 was not measured), else the tiny
-# `ci` preset, in seconds, whose translations are poor but whose checks
-# work the same. The appendix
-# (notebook 06, "A trained model, or a small one trained now") says what
-# runs where, on Colab and on a Mac too.
+# training), then for the `quick` model that Part 3 trained in minutes.
+# If neither is there, it trains one here: the `quick` model on a CUDA
+# GPU (under two minutes on an H100; a T4 was not measured), else the
+# tiny `ci` preset, in seconds, whose translations are poor but whose
+# checks work the same. The appendix (notebook 06, "A trained model, or
+# a small one trained now") says what runs where, on Colab and on a Mac
+# too.
 #
 # Decoding in this lesson runs on the CPU, whatever the machine. The
 # model is loaded onto the CPU because the cells below build their input
@@ -586,16 +587,17 @@ class Beams(NamedTuple):
 # must keep the parent's keys and values), and the scores of the
 # hypotheses that ended at this step.
 #
-# Why keep those scores? A running
-# hypothesis's score usually falls as it grows, since each token adds a
-# negative log-probability. So a running hypothesis can outscore a
-# finished one now, push it out of the beam, and still end below it.
-# `keep_best` therefore records each sentence's best finished hypothesis
-# when it ends. For example, with $k = 2$: "a dog . `</s>`" ends at step 4
-# with score -2.1 and is recorded. At step 5, two extensions of the other
-# hypothesis in the beam, scoring -1.8 and -1.9, fill the beam and push it
-# out. After more tokens they end at -2.5 and -2.6. Without the record
-# the search would return the -2.5 one; with it, the recorded -2.1 wins.
+# Why keep those scores? A running hypothesis's score usually falls as
+# it grows, since each token adds a negative log-probability. So a
+# running hypothesis can outscore a finished one now, push it out of the
+# beam, and still end below it. `keep_best` therefore records each
+# sentence's best finished hypothesis when it ends. For example, with
+# $k = 2$: "a dog . `</s>`" ends at step 4 with score -2.1 and is
+# recorded. At step 5, two extensions of the other hypothesis in the
+# beam, scoring
+# -1.8 and -1.9, fill the beam and push it out. After more tokens they
+# end at -2.5 and -2.6. Without the record the search would return the
+# -2.5 one; with it, the recorded -2.1 wins.
 
 
 # %%
@@ -642,11 +644,11 @@ def keep_best(out, best, beams, score):
 # The loop itself needs only two things from a model: `step`, the
 # next-token log-probabilities of each hypothesis, and `select`, which
 # reorders the model's state (the cache) when hypotheses are reordered;
-# so a test can drive it with a hand-made table of probabilities. The $k$
-# hypotheses of the `b`-th sentence still searching are rows
-# `b * k ... b * k + k - 1`. A
-# sentence whose $k$ beams have all finished leaves the batch. At
-# `max_len`, hypotheses still running compete for the answer too.
+# so a test can drive it with a hand-made table of probabilities. The
+# $k$ hypotheses of the `b`-th sentence still searching are rows
+# `b * k ... b * k + k - 1`. A sentence whose $k$ beams have all
+# finished leaves the batch. At `max_len`, hypotheses still running
+# compete for the answer too.
 
 
 # %%
@@ -1426,9 +1428,8 @@ for decoder_name, fn in DECODERS.items():
 # ```
 #
 # scores `checkpoints/cpu/final.pt` if `make train` has written it, else
-# the `quick` model. Add `--average 5` only
-# after `make train`: a `quick` model's five epochs are all of its
-# training (section 4).
+# the `quick` model. Add `--average 5` only after `make train`: a
+# `quick` model's five epochs are all of its training (section 4).
 #
 # On Multi30k's validation split, $\alpha = 1.0$ scored 0.04 to 0.57
 # BLEU higher than the paper's 0.6 (which the paper tuned on WMT) in
@@ -1489,9 +1490,9 @@ for decoder_name, fn in DECODERS.items():
 # Beam search scored above greedy decoding for every word model in the
 # table.
 #
-# The BPE models scored below the word models
-# in both pairs of runs. But each trained for fewer epochs than its word
-# counterpart, so that comparison is not an even one.
+# The BPE models scored below the word models in both pairs of runs. But
+# each trained for fewer epochs than its word counterpart, so that
+# comparison is not an even one.
 #
 # `docs/results.md` goes further than this lesson's presets: a stronger
 # recipe, four models decoding together (42.57 on test2016), and one

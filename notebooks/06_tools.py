@@ -14,26 +14,28 @@
 # %% [markdown]
 # # Appendix: the machinery
 #
-# The lessons teach the model, its training and its decoding. Around them sits
-# code that a working program needs but a reader need not study. In order: the
-# lessons' charts; the copy-task runs of `bench/copy_task.py`; files written
-# whole, so that a crash never leaves half a file; downloading and verifying
-# Multi30k; the training presets; vocabularies; the hardware and
-# its precision; checkpoint files; training runs on several devices and
-# processes, and two faster CPU paths (the dropout masks, the loss's
-# gradient); translating for users; which model a checkpoint holds, and
-# finding one or training a small one; reading text files; and the command
-# line.
-# It lives here, after the lessons, and is exported into a second module,
-# `annotated_transformer_tools.py`, which the `annotated-transformer` command
-# runs. Code in this appendix may use anything the lessons defined (the tools
-# module imports it from `the_annotated_transformer.py`); no lesson's exported
-# code uses the appendix.
+# The lessons teach the model, its training and its decoding. Around
+# them sits code that a working program needs but a reader need not
+# study. In order: the lessons' charts; the copy-task runs of
+# `bench/copy_task.py`; files written whole, so that a crash never
+# leaves half a file; downloading and verifying Multi30k; the training
+# presets; vocabularies; the hardware and its precision; checkpoint
+# files; training runs on several devices and processes, and two faster
+# CPU paths (the dropout masks, the loss's gradient); translating for
+# users; which model a checkpoint holds, and finding one or training a
+# small one; reading text files; and the command line. It lives here,
+# after the lessons, and is exported into a second module,
+# `annotated_transformer_tools.py`, which the `annotated-transformer`
+# command runs. Code in this appendix may use anything the lessons
+# defined (the tools module imports it from
+# `the_annotated_transformer.py`); no lesson's exported code uses the
+# appendix.
 
 # %% [markdown]
 # [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/annotated-transformer/done-right/blob/main/notebooks/06_tools.ipynb)
 
-# %%
+# %% cellView="form"
+#@title Setup (on Colab: clone, install) { display-mode: "form" }
 # Setup only; nothing to learn here. On Colab: clone the repository, then
 # install what the notebooks need. Elsewhere: use the checkout this
 # notebook sits in.
@@ -113,28 +115,56 @@ import torch
 # module, generated from the names that the exported code uses. (Names
 # that only this notebook's checks use are imported where they are used.)
 # %%
-from the_annotated_transformer import ATTENTION_KINDS, BOS, EOS, PAD, UNK
-from the_annotated_transformer import attention_view
-from the_annotated_transformer import COPY_PAD, copy_accuracy, data_gen
-from the_annotated_transformer import warmup_linear_decay
-from the_annotated_transformer import MODULE_DIR, MULTI30K_ENV, DatasetError
-from the_annotated_transformer import multi30k_folder
-from the_annotated_transformer import Batch, BpeVocab, LabelSmoothing
-from the_annotated_transformer import smoothed_kl
-from the_annotated_transformer import SimpleLossCompute, TrainConfig
-from the_annotated_transformer import TrainState, Vocab, beam_search
-from the_annotated_transformer import build_vocabulary, cached_greedy_decode
-from the_annotated_transformer import collate_batch, create_dataloaders
-from the_annotated_transformer import BPE_VOCAB_SIZE, train_bpe
-from the_annotated_transformer import checkout_above, data_dir, encode_text
-from the_annotated_transformer import label_smoothing_penalty_rows
-from the_annotated_transformer import load_tokenizers, make_model
-from the_annotated_transformer import make_optimizer, make_run_optimizer
-from the_annotated_transformer import model_from_config
-from the_annotated_transformer import PositionalEncoding, pick_device, rate
-from the_annotated_transformer import read_multi30k, replace_unknowns
-from the_annotated_transformer import source_alignment, subsequent_mask
-from the_annotated_transformer import run_epoch, strip_specials, tokenize
+from the_annotated_transformer import (
+    ATTENTION_KINDS,
+    BOS,
+    BPE_VOCAB_SIZE,
+    COPY_PAD,
+    EOS,
+    MODULE_DIR,
+    MULTI30K_ENV,
+    PAD,
+    UNK,
+    Batch,
+    BpeVocab,
+    DatasetError,
+    LabelSmoothing,
+    PositionalEncoding,
+    SimpleLossCompute,
+    TrainConfig,
+    TrainState,
+    Vocab,
+    attention_view,
+    beam_search,
+    build_vocabulary,
+    cached_greedy_decode,
+    checkout_above,
+    collate_batch,
+    copy_accuracy,
+    create_dataloaders,
+    data_dir,
+    data_gen,
+    encode_text,
+    label_smoothing_penalty_rows,
+    load_tokenizers,
+    make_model,
+    make_optimizer,
+    make_run_optimizer,
+    model_from_config,
+    multi30k_folder,
+    pick_device,
+    rate,
+    read_multi30k,
+    replace_unknowns,
+    run_epoch,
+    smoothed_kl,
+    source_alignment,
+    strip_specials,
+    subsequent_mask,
+    tokenize,
+    train_bpe,
+    warmup_linear_decay,
+)
 
 # %% [markdown]
 # ## Charts
@@ -146,8 +176,8 @@ from the_annotated_transformer import run_epoch, strip_specials, tokenize
 # module still needs only torch.
 #
 # `save_chart` writes a chart into `figures/` and returns it, so that a
-# cell that ends with it shows the chart;
-# `line_chart` draws a list of dicts as one line per group.
+# cell that ends with it shows the chart; `line_chart` draws a list of
+# dicts as one line per group.
 
 
 # %%
@@ -262,14 +292,15 @@ def learning_rate_chart(
 # %% [markdown]
 # ### Part 4: attention heat maps
 #
-# `maps` is Part 4's `AttentionMaps`, and a *kind* is one of the keys of
-# `ATTENTION_KINDS`: "encoder self", "decoder self" or "decoder source".
-# `attention_frame` flattens one kind into a table with one row per
-# (layer, head, query, key), leaving out padding. Layers and heads are
-# numbered from 1 in the table and the charts (layer 1 is the one nearest
-# the embeddings); the tensors index them from 0. A token that occurs
-# twice gets two rows: rows and columns are positions, labelled with their
-# tokens.
+# `maps` is Part 4's `AttentionMaps` (an object made by notebook 04's
+# own copy of the class works too: only its fields are read), and a
+# *kind* is one of the keys of `ATTENTION_KINDS`: "encoder self",
+# "decoder self" or "decoder source". `attention_frame` flattens one
+# kind into a table with one row per (layer, head, query, key), leaving
+# out padding. Layers and heads are numbered from 1 in the table and the
+# charts (layer 1 is the one nearest the embeddings); the tensors index
+# them from 0. A token that occurs twice gets two rows: rows and columns
+# are positions, labelled with their tokens.
 
 
 # %%
@@ -278,17 +309,18 @@ def attention_frame(maps, kind):
     """One kind of attention as a long pandas table, padding left out."""
     import pandas as pd
 
-    v = attention_view(maps, kind)  # also takes Part 4's own maps
-    rows = v.row_keep.nonzero()[:, 0]  # (R',) positions of real tokens
-    cols = v.col_keep.nonzero()[:, 0]  # (C',)
-    w = v.weights[:, :, rows][:, :, :, cols]  # (N, h, R', C')
-    grid = torch.meshgrid(*(torch.arange(s) for s in w.shape), indexing="ij")
-    n, a, i, j = (g.flatten() for g in grid)
-    columns = {"layer": n + 1, "head": a + 1, "row": rows[i], "col": cols[j]}
-    frame = pd.DataFrame({k: c.numpy() for k, c in columns.items()})
+    view = attention_view(maps, kind)  # the kind's weights, labels, masks
+    rows = view.row_keep.nonzero()[:, 0].tolist()  # real tokens' positions
+    cols = view.col_keep.nonzero()[:, 0].tolist()
+    w = view.weights[:, :, rows][:, :, :, cols]  # (N, h, rows, cols)
+    layers = range(1, w.shape[0] + 1)
+    heads = range(1, w.shape[1] + 1)
+    names = ["layer", "head", "row", "col"]
+    grid = pd.MultiIndex.from_product([layers, heads, rows, cols], names=names)
+    frame = grid.to_frame(index=False)  # a row per weight, in w's order
     frame["weight"] = w.flatten().double().numpy()
-    frame["query"] = [v.rows[r] for r in frame["row"]]
-    frame["key"] = [v.cols[c] for c in frame["col"]]
+    frame["query"] = [view.rows[r] for r in frame["row"]]
+    frame["key"] = [view.cols[c] for c in frame["col"]]
     if kind != "encoder self":
         frame["next"] = [maps.next_tokens[r] for r in frame["row"]]
     return frame
@@ -349,10 +381,10 @@ def _row_axis(kind, rows, next_tokens):
     return _token_axis(labels, "query → the token it predicts")
 
 
-def _token_lookups(maps, v, frame):
+def _token_lookups(maps, view, kind):
     """Vega expressions that turn a cell's row or column into its token."""
-    fields = {"query": (v.rows, "row"), "key": (v.cols, "col")}
-    if "next" in frame:
+    fields = {"query": (view.rows, "row"), "key": (view.cols, "col")}
+    if kind != "encoder self":  # a decoder's row predicts a next token
         fields["next"] = (maps.next_tokens, "row")
     return {
         f: f"{json.dumps(labels)}[datum.{index}]"
@@ -364,13 +396,13 @@ def _token_lookups(maps, v, frame):
 # Third, the heat map of one head: white for weight 0, dark blue for
 # weight 1 (one scale for every head and model), one square of `cell`
 # pixels per (query, key) pair, and a tooltip that names the query, the
-# key, the next token and the weight.
-# `attention_chart` then repeats it for every head, in rows of `columns`.
+# key, the next token and the weight. `attention_chart` then repeats it
+# for every head, in rows of `columns`.
 
 
 # %%
 #| export
-def _heat_map(frame, v, lookups, pick, cell, row_axis):
+def _heat_map(frame, view, lookups, pick, cell, row_axis):
     """One head's weights as coloured squares, filtered to the picked layer."""
     import altair as alt
 
@@ -386,7 +418,7 @@ def _heat_map(frame, v, lookups, pick, cell, row_axis):
         .transform_calculate(**lookups)
         .mark_rect()
         .encode(
-            x=alt.X("col:O", axis=_token_axis(v.cols, "key", -60)),
+            x=alt.X("col:O", axis=_token_axis(view.cols, "key", -60)),
             y=alt.Y("row:O", axis=row_axis),
             color=alt.Color("weight:Q", scale=scale),
             tooltip=tooltip,
@@ -411,13 +443,13 @@ def attention_chart(maps, kind, layer=None, columns=4, cell=18):
     import altair as alt
 
     frame = attention_frame(maps, kind).round({"weight": 5})
-    v = attention_view(maps, kind)  # also takes Part 4's own maps
-    N, h = v.weights.shape[:2]
+    view = attention_view(maps, kind)  # the kind's weights, labels, masks
+    N, h = view.weights.shape[:2]
     pick = _layer_picker(kind, N, layer)
-    lookups = _token_lookups(maps, v, frame)
-    row_axis = _row_axis(kind, v.rows, maps.next_tokens)
-    heat = _heat_map(frame, v, lookups, pick, cell, row_axis)
-    title = f"'{kind} attention, layer ' + pick_layer + ' of {N} ({h} heads)'"
+    lookups = _token_lookups(maps, view, kind)
+    row_axis = _row_axis(kind, view.rows, maps.next_tokens)
+    heat = _heat_map(frame, view, lookups, pick, cell, row_axis)
+    title = f"'{kind} attention, layer ' + {pick.name} + ' of {N} ({h} heads)'"
     return heat.add_params(pick).facet(
         facet=alt.Facet(
             "head:O",
@@ -431,13 +463,15 @@ def attention_chart(maps, kind, layer=None, columns=4, cell=18):
 # %% [markdown]
 # ### Part 4: attention heads by layer
 #
-# `attention_summary_chart` plots Part 4's `attention_summary`: for each
-# kind and each of its two numbers, the entropy of a head's weights and
-# their distance from the diagonal, a dot per head above its layer and a
-# line through the mean of the heads, so that a trend from layer to layer
-# shows as a slope.
-# Stacking the two metrics gives the whole picture of a model on one page:
-# entropy on top, distance from the diagonal below, one column per kind.
+# `attention_summary_chart` plots Part 4's `attention_summary`, which
+# gives two numbers per head: the entropy of its weights and their
+# distance from the diagonal. For each number and each kind of attention
+# it draws a dot per head above its layer, and a line through the mean
+# of the heads, so that a trend from layer to layer shows as a slope.
+#
+# The chart stacks the two numbers, entropy on top and distance from
+# the diagonal below, with one column per kind: the whole picture of a
+# model on one page.
 
 
 # %%
@@ -540,11 +574,8 @@ class CopyLossCompute(SimpleLossCompute):
         with torch.no_grad():
             right = self.generator(x.detach()).argmax(dim=-1) == y
             exact = (right | (y == self.pad)).all(dim=1)  # (B,)
-        misses = (~exact).nonzero()
-        if len(misses) == 0:
-            self.streak += len(exact)
-        else:
-            self.streak = len(exact) - 1 - misses[-1].item()
+        for copied in exact.tolist():  # a miss starts the streak again
+            self.streak = self.streak + 1 if copied else 0
         self.sequences += len(exact)
         self.exact += int(exact.sum())
         return result
@@ -559,14 +590,12 @@ class CopyLossCompute(SimpleLossCompute):
 
 # %%
 #| export
-def greedy_check(model, loss_compute, check_size, V, generator):
-    """Greedy-copy check once the streak is long enough, else None."""
-    if loss_compute.streak < check_size:
+def greedy_check(model, streak, check_size, V, generator):
+    """The greedy-copy accuracy on `check_size` fresh sequences once the
+    streak is that long, else None."""
+    if streak < check_size:
         return None
-    checked = copy_accuracy(model, check_size, V, generator=generator)
-    if checked < 1.0:
-        loss_compute.streak = 0  # earn another streak first
-    return checked
+    return copy_accuracy(model, check_size, V, generator=generator)
 
 
 # %% [markdown]
@@ -668,7 +697,8 @@ def train_copy_task(cfg=None, log=print):
     start = time.time()
     for epoch in range(cfg.max_epochs):
         model.train()
-        seen, exact = loss_compute.sequences, loss_compute.exact
+        seen_before = loss_compute.sequences
+        exact_before = loss_compute.exact
         data = data_gen(cfg.V, cfg.batch_size, cfg.nbatches, generator=gen)
         loss, state = run_epoch(
             data,
@@ -678,15 +708,19 @@ def train_copy_task(cfg=None, log=print):
             scheduler,
             train_state=state,
         )
-        new = loss_compute.sequences - seen
-        checked = greedy_check(model, loss_compute, cfg.check_size, cfg.V, gen)
+        new = loss_compute.sequences - seen_before
+        checked = greedy_check(
+            model, loss_compute.streak, cfg.check_size, cfg.V, gen
+        )
+        if checked is not None and checked < 1.0:
+            loss_compute.streak = 0  # earn another streak first
         history.append(
             {
                 "epoch": epoch,
                 "steps": state.accum_step,
                 "samples": state.samples,
                 "train_loss": loss,
-                "train_exact": (loss_compute.exact - exact) / new,
+                "train_exact": (loss_compute.exact - exact_before) / new,
                 "exact_copy": checked,
                 "seconds": time.time() - start,
             }
@@ -698,9 +732,11 @@ def train_copy_task(cfg=None, log=print):
 
 
 # %% [markdown]
-# A CI-sized run, in seconds, whatever `AT_SIZE` the notebooks run at. It stops
-# before its limit, and on 500 sequences it has never seen, the teacher-forced
-# check gives exactly the greedy fraction:
+# A CI-sized run, in seconds, whatever size the notebooks run at (the
+# environment variable `AT_SIZE`: `full` by default, `ci` for the small
+# models that CI trains). It stops before its limit, and on 500
+# sequences it has never seen, the teacher-forced check gives exactly
+# the greedy fraction:
 
 # %%
 copy_cfg = CopyTaskConfig.for_size("ci")
@@ -869,7 +905,7 @@ def sha256_of(path):
     """Hex SHA-256 digest of a file."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
+        while chunk := f.read(1 << 20):  # a megabyte at a time
             digest.update(chunk)
     return digest.hexdigest()
 
@@ -879,7 +915,8 @@ def _stream(response, out, name):
     from tqdm import tqdm
 
     digest = hashlib.sha256()
-    size = int(response.headers.get("Content-Length") or 0) or None
+    length = response.headers.get("Content-Length")
+    size = int(length) if length else None  # None: tqdm shows no total
     with tqdm(total=size, unit="B", unit_scale=True, desc=name) as bar:
         while chunk := response.read(1 << 16):
             out.write(chunk)
@@ -944,9 +981,12 @@ def _fetch(url, path, expected, timeout):
 # is set (a machine without internet access, or CI), that folder is only
 # checked, never written to; a relative path counts from the working
 # directory, and an error names the absolute path it tried. Otherwise the
-# files are cached in `data/multi30k/`. A cached file is fetched only when
-# missing or wrong. When a cached file is damaged and no
-# fresh copy can be fetched, the error names the damaged file.
+# files are cached in `data/multi30k/`. A cached file is fetched only
+# when missing or wrong (`_fetch_unless_cached`). When a cached file is
+# damaged and no fresh copy can be fetched, the error names the damaged
+# file. A first download that fails removes the folders it made
+# (`missing_folders`, `remove_if_empty`), so that it leaves nothing
+# behind.
 
 
 # %%
@@ -1486,7 +1526,9 @@ def save_checkpoint(path, **fields):
 # failed check gets the same "damaged or cut short" message. A file in
 # `torch.save`'s older pickle format that no longer unpickles, and a
 # pickle that `torch.save` did not write, cannot be told apart; both are
-# "damaged, or not written by torch.save".
+# "damaged, or not written by torch.save". (`one_line`, with the command
+# line at the end of this notebook, puts torch's own message on one
+# line; `shortened` cuts it to 200 characters.)
 
 
 # %%
@@ -1578,6 +1620,15 @@ def load_checkpoint(path, device="cpu"):
     return ckpt
 
 
+# %% [markdown]
+# A run saves one checkpoint per epoch, `epoch_000.pt`, `epoch_001.pt`
+# and so on (`save_epoch`, in "Saving and resuming a run"). `epoch_of`
+# reads the number back from a name, and `epoch_checkpoints` lists a
+# folder's epoch files in order: Part 5 averages the last few.
+
+
+# %%
+#| export
 EPOCH_FILE = re.compile(r"epoch_(\d{3,})\.pt")  # what save_epoch writes
 
 
@@ -1675,7 +1726,9 @@ def checkpoint_vocabularies(ckpt, path="checkpoint"):
 # of another model is named with the first size that differs, in one
 # short line rather than PyTorch's list of every difference. It also
 # renames the weights of checkpoints that older versions of this project
-# wrote (`rename_old_keys`, in the next section).
+# wrote (`rename_old_keys`, in the next section), and refuses weights
+# that hold `nan` or `inf` (`refuse_non_finite`): a run that blew up
+# would otherwise load and translate into nonsense.
 
 
 # %%
@@ -1690,23 +1743,28 @@ def size_mismatch(expected, saved):
             f"{len(missing)} tensors missing and {len(unexpected)} "
             f"unexpected, such as {example}"
         )
-    size = lambda t: "×".join(map(str, t.shape)) or "a scalar"
     for name, tensor in expected.items():
         if saved[name].shape != tensor.shape:
             return (
-                f"{name} is {size(saved[name])} in the file but "
-                f"{size(tensor)} here"
+                f"{name} is {size_words(saved[name])} in the file but "
+                f"{size_words(tensor)} here"
             )
     return ""
+
+
+def size_words(tensor):
+    """A tensor's size as "2×3", or "a scalar"."""
+    return "×".join(map(str, tensor.shape)) or "a scalar"
 
 
 def load_weights(model, ckpt, path="checkpoint"):
     """Load a checkpoint's weights into `model`, or say how they differ."""
     state = ckpt.get("model")
-    if isinstance(state, dict):  # keys of this project's older versions
-        state = rename_old_keys(state)
-    problem = "it holds no weights" if not isinstance(state, dict) else ""
-    problem = problem or size_mismatch(model.state_dict(), state)
+    if isinstance(state, dict):
+        state = rename_old_keys(state)  # older versions' names
+        problem = size_mismatch(model.state_dict(), state)
+    else:
+        problem = "it holds no weights"
     if problem:
         raise CheckpointError(
             f"{path} does not match this code's Multi30k model: {problem}"
@@ -2134,10 +2192,10 @@ def backend_for(device):
 # the same weights uses the `ci` preset, which has no dropout.
 #
 # Attention's weights get the cheap mask too. PyTorch's fused attention
-# kernel for the CPU takes no dropout, so with
-# dropout `scaled_dot_product_attention` on the CPU falls back to its own
-# unfused formula, which draws its own mask. So on the CPU, training with
-# dropout, Part 1's `use_fused` sends attention through Part 1's
+# kernel for the CPU takes no dropout, so with dropout
+# `scaled_dot_product_attention` on the CPU falls back to its own
+# unfused formula, which draws its own mask. So on the CPU, training
+# with dropout, Part 1's `use_fused` sends attention through Part 1's
 # `attention` instead: the same work, but its dropout is an ordinary
 # module, `self.dropout`, that the swap replaces.
 #
@@ -2332,15 +2390,15 @@ assert torch.allclose(grads[1], -3 * fast.true_dist, atol=1e-7)
 # `doubled` leaves `ntokens` at $N$, the real target tokens of one copy,
 # so that counts of tokens seen count each pair once. `RDropLossCompute`
 # adds the label-smoothed losses of both copies and $\alpha$ times the
-# KL sum, as the authors' code does, so $\alpha$ weighs the KL against the
-# label-smoothed loss as it does there. It divides by $2N$, the doubled
-# batch's token count, which keeps the plain loss's scale: per token of
-# the original batch, the loss is the mean of the two passes'
+# KL sum, as the authors' code does, so $\alpha$ weighs the KL against
+# the label-smoothed loss as it does there. It divides by $2N$, the
+# doubled batch's token count, which keeps the plain loss's scale: per
+# token of the original batch, the loss is the mean of the two passes'
 # label-smoothed losses plus $\alpha/2$ times their symmetric KL. (A
 # constant factor on the whole loss changes little under Adam, which
-# divides it out of each step.) The
-# training loss reported is that mean of the label-smoothed losses alone,
-# so that it compares with runs without R-Drop.
+# divides it out of each step.) The training loss reported is that mean
+# of the label-smoothed losses alone, so that it compares with runs
+# without R-Drop.
 #
 # `TrainConfig.rdrop` is $\alpha$ (`train --rdrop`); 0, the default,
 # trains as before. When it is above 0, `train_epoch` (below, "A run, in
@@ -2426,10 +2484,9 @@ assert symmetric_kl(logp, logp, keep) == 0
 # equal part of the cores it may use (`usable_cores`: in a container,
 # often fewer than the machine has). `join_group` connects the processes
 # of a distributed run. Processes that `train_distributed_model` spawns
-# share one
-# machine, so their rank is also their local rank, the index of their
-# GPU; under `torchrun` the command line passes each process its device
-# instead (`torchrun_device`).
+# share one machine, so their rank is also their local rank, the index
+# of their GPU; under `torchrun` the command line passes each process
+# its device instead (`torchrun_device`).
 #
 # `TrainingRun` then sets up one process's run. It joins the group when
 # there are several processes, seeds the random number generators, and
@@ -2438,11 +2495,11 @@ assert symmetric_kl(logp, logp, keep) == 0
 # appendix's faster loss; `train_epoch`, below, wraps it in a loss
 # computation. The optimizer and schedule are Part 3's, the schedule
 # sized from the epoch's length (`batches_per_epoch`) or, if given, a
-# total number of steps. Last, it picks the
-# precision, with a `GradScaler` where the precision needs one. `module`
-# is the bare model, whose weights checkpoints store, and `model` is what
-# we call, DDP-wrapped when distributed. `params_in_sync` checks at the
-# end that all copies agree.
+# total number of steps. Last, it picks the precision, with a
+# `GradScaler` where the precision needs one. `module` is the bare
+# model, whose weights checkpoints store, and `model` is what we call,
+# DDP-wrapped when distributed. `params_in_sync` checks at the end that
+# all copies agree.
 
 
 # %%
@@ -2660,7 +2717,8 @@ def progress_bar(iterable, desc, show=True, **options):
     if drawn_into_a_file():  # a log, e.g. `nohup ... > log 2>&1`
         options.setdefault("mininterval", LOG_REDRAW_SECONDS)
         options.setdefault("maxinterval", LOG_REDRAW_SECONDS)
-    bar = tqdm(iterable, desc, **{"delay": 3} | options)
+    options.setdefault("delay", 3)  # no bar for work done in 3 s
+    bar = tqdm(iterable, desc, **options)
     try:
         yield bar
     finally:
@@ -2712,31 +2770,11 @@ def train_epoch(run, epoch, train_loader, valid_loader, show=True):
 # run's own GPU's (below). A crash between the two writes only repeats
 # the epoch.
 #
-# A run that starts afresh in a folder that holds an earlier run says so
-# on stderr as it starts (`note_earlier_run`), then removes that run's
-# epoch files, `last.pt` and `final.pt` (`clear_earlier_run`) just before
-# it saves its own first epoch. Otherwise the earlier run's
-# higher-numbered epoch files would count as the newest: `keep_last`
-# would keep them and delete the new run's own; and a run stopped later
-# would leave the earlier run's `final.pt`, which `translate` reads,
-# beside its own epochs. Stopped during its first epoch, the new run
-# leaves the earlier one whole.
-#
 # Besides the CPU's random state, `last.pt` keeps what the run's device
 # needs to go on as if never stopped (`device_states`): the random state
 # of this process's GPU, which dropout draws from there (of this GPU
 # alone, so that a run saved on two GPUs resumes on one), and the
 # `GradScaler`'s scale on a GPU that trains in float16.
-#
-# `resume_checkpoint` returns the file to resume from, `last.pt`, and its
-# contents (`resume_point` gives the file alone). (For a run made by an
-# older version of this code, without `last.pt`, it takes the newest
-# epoch file, which then held the optimizer too.) It loads the file
-# onto the CPU whatever the
-# run's device: `torch.set_rng_state` takes only a CPU tensor, and
-# `load_state_dict` moves weights and optimizer state to where the model
-# lives. `resume_run` restores from it exactly as an uninterrupted run
-# would continue.
 
 
 # %%
@@ -2803,6 +2841,20 @@ def save_epoch(run, epoch, vocab_src, vocab_tgt):
             old.unlink()
 
 
+# %% [markdown]
+# A run that starts afresh in a folder that holds an earlier run says so
+# on stderr as it starts (`note_earlier_run`), then removes that run's
+# epoch files, `last.pt` and `final.pt` (`clear_earlier_run`) just before
+# it saves its own first epoch. Otherwise the earlier run's
+# higher-numbered epoch files would count as the newest: `keep_last`
+# would keep them and delete the new run's own; and a run stopped later
+# would leave the earlier run's `final.pt`, which `translate` reads,
+# beside its own epochs. Stopped during its first epoch, the new run
+# leaves the earlier one whole.
+
+
+# %%
+#| export
 def earlier_run_files(folder):
     """The epoch files, last.pt and final.pt of an earlier run in
     `folder`."""
@@ -2847,6 +2899,19 @@ def clear_earlier_run(folder):
     return [path.name for path in files]
 
 
+# %% [markdown]
+# `resume_checkpoint` returns the file to resume from, `last.pt`, and
+# its contents (`resume_point` gives the file alone). (For a run made by
+# an older version of this code, without `last.pt`, it takes the newest
+# epoch file, which then held the optimizer too.) It loads the file onto
+# the CPU whatever the run's device: `torch.set_rng_state` takes only a
+# CPU tensor, and `load_state_dict` moves weights and optimizer state to
+# where the model lives. `resume_run` restores from it exactly as an
+# uninterrupted run would continue.
+
+
+# %%
+#| export
 def resume_checkpoint(folder):
     """The checkpoint a run in `folder` resumes from, loaded onto the CPU
     (where random states must be): (path, contents), or (None, None)."""
@@ -2890,10 +2955,10 @@ def resume_run(run):
 # neither the old run nor a new one; and an `--epochs` smaller than the
 # number of epochs already trained. Only the number of epochs, the
 # folder, the epoch files kept, the data workers and the preset's name
-# may change. It returns the file to resume from, or None for a folder
-# with no checkpoints, where the run starts afresh (`checked_resume`
-# returns the number of epochs trained too); `check_resume_and_say` then
-# says so, and says when every epoch asked for is trained already.
+# may change. It returns the file to resume from and the number of
+# epochs it has trained, or (None, 0) for a folder with no checkpoints,
+# where the run starts afresh. `check_resume_and_say` then says so, and
+# says when every epoch asked for is trained already.
 
 
 # %%
@@ -2917,13 +2982,8 @@ def changed_settings(saved, config):
 
 
 def check_resume(config, vocab_src, vocab_tgt):
-    """The checkpoint a run would resume from (None: none), checked."""
-    path, _ = checked_resume(config, vocab_src, vocab_tgt)
-    return path
-
-
-def checked_resume(config, vocab_src, vocab_tgt):
-    """check_resume's checkpoint, and the epochs it has trained."""
+    """(the checkpoint a run would resume from, the epochs it has
+    trained), checked; (None, 0) when there is none."""
     folder = config.checkpoint_dir
     try:
         path, ckpt = resume_checkpoint(folder)
@@ -2970,7 +3030,7 @@ def checked_resume(config, vocab_src, vocab_tgt):
 def check_resume_and_say(config, vocab_src, vocab_tgt):
     """check_resume, with a note on stderr when the run starts afresh or
     has nothing left to train."""
-    path, done = checked_resume(config, vocab_src, vocab_tgt)
+    path, done = check_resume(config, vocab_src, vocab_tgt)
     if path is None:
         print(
             f"note: nothing to resume in {config.checkpoint_dir} (no "
@@ -3195,6 +3255,71 @@ def train_worker(
 # `ValueError` that says so, before starting anything, unless
 # `cpu_fallback=True`, which runs every process on the CPU and says so.
 #
+# Under `torchrun`, PyTorch's launcher for several processes, none of this is
+# needed: it starts the processes and sets the rendezvous address itself.
+
+
+# %%
+#| export
+def free_port():
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vocabulary_as_data(vocab):
+    """A vocabulary as plain data that a new process can receive: its
+    tokenizer's JSON for BPE, else its list of words."""
+    return vocab.to_str() if is_subword(vocab) else vocab.get_itos()
+
+
+def train_distributed_model(
+    vocab_src,
+    vocab_tgt,
+    spacy_de,
+    spacy_en,
+    config,
+    world_size=None,
+    resume=False,
+    cpu_fallback=False,
+):
+    """Train with one process per GPU (or world_size CPU processes)."""
+    import torch.multiprocessing as mp
+
+    world_size = world_size or max(cuda_count(), 1)
+    device = process_device(0, world_size, cpu_fallback).type  # may raise
+    how = "one per GPU, with nccl"
+    if device != "cuda":  # gloo cannot send MPS tensors
+        device, how = "cpu", "on the CPU, with gloo"
+        if cuda_count():
+            how += f" (NCCL needs a GPU per process; {cuda_count()} here)"
+    print(f"{world_size} processes {how}")
+    vocabs = [vocabulary_as_data(vocab_src), vocabulary_as_data(vocab_tgt)]
+    data = (vocabs, (spacy_de, spacy_en), asdict(config), free_port())
+    # As command_line_warnings set it (main calls it).
+    one_line = warnings.showwarning is warning_line
+    args = (world_size, *data, resume, device, one_line)
+    try:
+        with stop_signals_kept(), new_processes_ignore_ctrl_c():
+            workers = mp.spawn(
+                _spawned_worker, args, nprocs=world_size, join=False
+            )
+        while not workers.join():  # True once every worker has ended
+            pass
+    except mp.ProcessRaisedException as err:
+        if worker_out_of_memory(err):  # main says it in one line
+            raise MemoryError(f"a training process: {err}") from None
+        user_error = user_error_of_worker(err)
+        if user_error is None:  # a fault, not a mistake: its traceback
+            raise
+        raise user_error from None
+    except BaseException:  # Ctrl-C, SIGTERM under main, a failed start
+        stop_processes(multiprocessing.active_children())
+        raise
+
+
+# %% [markdown]
 # A spawned process imports the module, not the notebook that started it.
 # So the vocabularies travel as plain data (token lists, or BPE JSON text)
 # and the config as a dict; `_spawned_worker` rebuilds them before it
@@ -3203,7 +3328,73 @@ def train_worker(
 # in one process (a `DatasetError`, say) becomes a `UserError` with its
 # message (`user_error_of_worker`), so the command line says it in one
 # line; any other keeps its traceback.
-#
+
+
+# %%
+#| export
+def _spawned_worker(
+    rank,
+    world_size,
+    vocabs,
+    tokenizers,
+    config,
+    port,
+    resume,
+    device,
+    one_line_warnings=False,
+):
+    """train_worker in a new process, from plain data. A new process
+    prints warnings Python's way; `one_line_warnings` (the command line's
+    choice, in the parent) gives it the command line's warnings."""
+    if one_line_warnings:
+        command_line_warnings()
+    # torch asks Linux to send SIGINT to a worker whose parent dies; the
+    # workers ignore Ctrl-C (`new_processes_ignore_ctrl_c`), so SIGTERM.
+    import torch.multiprocessing as mp
+
+    set_death_signal = getattr(mp, "_prctl_pr_set_pdeathsig", None)
+    if set_death_signal is not None:
+        set_death_signal(signal.SIGTERM)
+    vocabs = [
+        BpeVocab.from_str(v) if isinstance(v, str) else Vocab(v)
+        for v in vocabs
+    ]
+    config = TrainConfig(**config)
+    if device == "cuda":  # one GPU per process, by rank
+        device = f"cuda:{rank}"
+    train_worker(
+        rank,
+        world_size,
+        *vocabs,
+        *tokenizers,
+        config,
+        is_distributed=True,
+        port=port,
+        resume=resume,
+        device=device,
+    )
+
+
+def worker_out_of_memory(err):
+    """Whether a worker's error, which reaches us as its traceback's text,
+    was memory running out (its last line: "Class: message")."""
+    last = str(err).strip().splitlines()[-1]
+    return last.startswith("MemoryError") or says_out_of_memory(last)
+
+
+def user_error_of_worker(err):
+    """A UserError with the message of a worker's error that would be a
+    user's mistake in one process (a DatasetError, say), else None. The
+    worker's traceback reaches us as text, ending "Class: message"."""
+    last = str(err).strip().splitlines()[-1]
+    name, _, message = last.partition(": ")
+    user_errors = {cls.__name__ for cls in USER_ERRORS}
+    if name.rsplit(".", 1)[-1] in user_errors and message:
+        return UserError(f"a training process stopped: {message}")
+    return None
+
+
+# %% [markdown]
 # Ctrl-C reaches every process of the terminal's group, workers
 # included. We want the parent alone to handle it: it stops the workers
 # (`stop_processes`) and reports once, where each worker would die
@@ -3221,20 +3412,10 @@ def train_worker(
 # A worker whose parent is killed outright (`kill -9`) gets SIGTERM from
 # Linux, which `_spawned_worker` asks for (the SIGINT that torch asks for
 # would be ignored).
-#
-# Under `torchrun`, PyTorch's launcher for several processes, none of this is
-# needed: it starts the processes and sets the rendezvous address itself.
 
 
 # %%
 #| export
-def free_port():
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def in_main_thread():
     """Whether this is the main thread, the only one that sets handlers."""
     return threading.current_thread() is threading.main_thread()
@@ -3304,114 +3485,6 @@ def stop_processes(processes, wait=10.0):
             process.terminate()
     for process in processes:
         process.join(wait)
-
-
-def _spawned_worker(
-    rank,
-    world_size,
-    vocabs,
-    tokenizers,
-    config,
-    port,
-    resume,
-    device,
-    one_line_warnings=False,
-):
-    """train_worker in a new process, from plain data. A new process
-    prints warnings Python's way; `one_line_warnings` (the command line's
-    choice, in the parent) gives it the command line's warnings."""
-    if one_line_warnings:
-        command_line_warnings()
-    # torch asks Linux to send SIGINT to a worker whose parent dies; the
-    # workers ignore Ctrl-C (`new_processes_ignore_ctrl_c`), so SIGTERM.
-    import torch.multiprocessing as mp
-
-    set_death_signal = getattr(mp, "_prctl_pr_set_pdeathsig", None)
-    if set_death_signal is not None:
-        set_death_signal(signal.SIGTERM)
-    vocabs = [
-        BpeVocab.from_str(v) if isinstance(v, str) else Vocab(v)
-        for v in vocabs
-    ]
-    config = TrainConfig(**config)
-    if device == "cuda":  # one GPU per process, by rank
-        device = f"cuda:{rank}"
-    train_worker(
-        rank,
-        world_size,
-        *vocabs,
-        *tokenizers,
-        config,
-        is_distributed=True,
-        port=port,
-        resume=resume,
-        device=device,
-    )
-
-
-def train_distributed_model(
-    vocab_src,
-    vocab_tgt,
-    spacy_de,
-    spacy_en,
-    config,
-    world_size=None,
-    resume=False,
-    cpu_fallback=False,
-):
-    """Train with one process per GPU (or world_size CPU processes)."""
-    import torch.multiprocessing as mp
-
-    world_size = world_size or max(cuda_count(), 1)
-    device = process_device(0, world_size, cpu_fallback).type  # may raise
-    how = "one per GPU, with nccl"
-    if device != "cuda":  # gloo cannot send MPS tensors
-        device, how = "cpu", "on the CPU, with gloo"
-        if cuda_count():
-            how += f" (NCCL needs a GPU per process; {cuda_count()} here)"
-    print(f"{world_size} processes {how}")
-    plain = lambda v: v.to_str() if is_subword(v) else v.get_itos()
-    vocabs = [plain(vocab_src), plain(vocab_tgt)]
-    data = (vocabs, (spacy_de, spacy_en), asdict(config), free_port())
-    # As command_line_warnings set it (main calls it).
-    one_line = warnings.showwarning is warning_line
-    args = (world_size, *data, resume, device, one_line)
-    try:
-        with stop_signals_kept(), new_processes_ignore_ctrl_c():
-            workers = mp.spawn(
-                _spawned_worker, args, nprocs=world_size, join=False
-            )
-        while not workers.join():  # True once every worker has ended
-            pass
-    except mp.ProcessRaisedException as err:
-        if worker_out_of_memory(err):  # main says it in one line
-            raise MemoryError(f"a training process: {err}") from None
-        user_error = user_error_of_worker(err)
-        if user_error is None:  # a fault, not a mistake: its traceback
-            raise
-        raise user_error from None
-    except BaseException:  # Ctrl-C, SIGTERM under main, a failed start
-        stop_processes(multiprocessing.active_children())
-        raise
-
-
-def worker_out_of_memory(err):
-    """Whether a worker's error, which reaches us as its traceback's text,
-    was memory running out (its last line: "Class: message")."""
-    last = str(err).strip().splitlines()[-1]
-    return last.startswith("MemoryError") or says_out_of_memory(last)
-
-
-def user_error_of_worker(err):
-    """A UserError with the message of a worker's error that would be a
-    user's mistake in one process (a DatasetError, say), else None. The
-    worker's traceback reaches us as text, ending "Class: message"."""
-    last = str(err).strip().splitlines()[-1]
-    name, _, message = last.partition(": ")
-    user_errors = {cls.__name__ for cls in USER_ERRORS}
-    if name.rsplit(".", 1)[-1] in user_errors and message:
-        return UserError(f"a training process stopped: {message}")
-    return None
 
 
 # %% [markdown]
@@ -3539,16 +3612,17 @@ def decode_text(ids, vocab):
 
 # %% [markdown]
 # `translate_batch` translates a list of sentences in three steps.
-# `encode_sources` turns each sentence into ids, keeping its German words
-# when unknown words are to be replaced (an `<unk>` id has lost its word).
-# `decode_by_length` sorts the sentences by length, so that a batch wastes
-# little on padding, and hands each batch to `decode_together`, which
-# decodes it up to the source length + `MAX_EXTRA` (50) tokens, the paper's
-# limit, and, where an output holds `<unk>`, finds the source position each
-# output token attended to most (Part 4). `finish_text`
-# puts the German word in place of each `<unk>` and joins the tokens into a
-# sentence. `decode_fn` can be any decoder with the signature of the greedy
-# ones; `replace_unk=False` leaves every `<unk>` as it is.
+# `encode_sources` turns each sentence into ids, keeping its German
+# words when unknown words are to be replaced (an `<unk>` id has lost
+# its word). `decode_by_length` sorts the sentences by length, so that a
+# batch wastes little on padding, and hands each batch to
+# `decode_together`, which decodes it up to the source length +
+# `MAX_EXTRA` (50) tokens, the paper's limit, and, where an output holds
+# `<unk>`, finds the source position each output token attended to most
+# (Part 4). `finish_text` puts the German word in place of each `<unk>`
+# and joins the tokens into a sentence. `decode_fn` can be any decoder
+# with the signature of the greedy ones; `replace_unk=False` leaves
+# every `<unk>` as it is.
 
 
 # %%
@@ -3559,8 +3633,8 @@ MAX_EXTRA = 50  # output tokens past the source's length: the paper's limit
 def encode_sources(sentences, spacy_de, vocab_src, keep_words=False):
     """Each sentence as `<s> ids </s>`, and its German words if kept."""
     if not keep_words:
-        encode = lambda s: encode_text(s, spacy_de, vocab_src)
-        return [[BOS, *encode(s), EOS] for s in sentences], None
+        encoded = [encode_text(s, spacy_de, vocab_src) for s in sentences]
+        return [[BOS, *ids, EOS] for ids in encoded], None
     words = [tokenize(s, spacy_de) for s in sentences]
     return [[BOS, *vocab_src(w), EOS] for w in words], words
 
@@ -3588,6 +3662,7 @@ def decode_by_length(
     encoded,
     decode_fn,
     device,
+    *,
     batch_size,
     max_extra,
     align,
@@ -3640,17 +3715,17 @@ def translate_batch(
     if is_subword(vocab_src) or is_subword(vocab_tgt):
         replace_unk = False  # BPE: no <unk> to replace
     encoded, words = encode_sources(
-        sentences, spacy_de, vocab_src, replace_unk
+        sentences, spacy_de, vocab_src, keep_words=replace_unk
     )
     decoded = decode_by_length(
         model,
         encoded,
         decode_fn,
         device,
-        batch_size,
-        max_extra,
-        replace_unk,
-        progress,
+        batch_size=batch_size,
+        max_extra=max_extra,
+        align=replace_unk,
+        progress=progress,
     )
     words = words or [None] * len(encoded)
     return [
@@ -3680,11 +3755,11 @@ def compute_bleu(hypotheses, references):
 # with the cache), a number of epoch checkpoints to average, and beam
 # search's length penalty $\alpha$ (Part 5: the paper's 0.6 by default;
 # the validation split chose 1.0 for a model trained alone, 2.5 for the
-# best recipe's student). An $\alpha$ given with
-# greedy decoding would be ignored, so it is refused, before the
-# checkpoint is read. So is a device the machine lacks (`"cuda"` without
-# CUDA, `"mps"` off a Mac): `checked_device` says so in one line, for the
-# command line's `--device` too.
+# best recipe's distilled model, trained on other models' translations).
+# An $\alpha$ given with greedy decoding would be ignored, so it is
+# refused, before the checkpoint is read. So is a device the machine
+# lacks (`"cuda"` without CUDA, `"mps"` off a Mac): `checked_device`
+# says so in one line, for the command line's `--device` too.
 
 
 # %%
@@ -3762,14 +3837,14 @@ def load_translator(
 #
 # Each file must be its run's file of the epoch its name says. A file of
 # that run recorded the losses of every epoch up to its own, so its
-# history is the start of the checkpoint's, and its recorded epoch is the
-# one in its name. `check_run_file` (in "Checkpoint files", beside
+# history is the start of the checkpoint's, and its recorded epoch is
+# the one in its name. `check_run_file` (in "Checkpoint files", beside
 # `average_checkpoints`, which calls it) checks both as each file is
 # read. That refuses a copied or renamed file, and another run's: a
 # `final.pt` copied from another folder, say, beside epoch files of a
-# run of its own. (A second run with the same seed and
-# settings may pass, if it reproduces the losses exactly; it is then in
-# effect the same run.)
+# run of its own. (A second run with the same seed and settings may
+# pass, if it reproduces the losses exactly; it is then in effect the
+# same run.)
 
 
 # %%
@@ -3809,10 +3884,10 @@ def own_epoch_files(checkpoint, count):
 # `translate` is the shortest way to use a trained model. Without a
 # checkpoint named, it uses the model that `default_checkpoint` finds:
 # the `cpu` run that `make train` writes, if there is one, else the
-# `quick` run of Part 3 (and of `make notebook`). It looks in the working
-# directory, then in the checkout of the repository above it (the first
-# folder up that holds the library's file, as for `data_dir`), so that it
-# works from any folder of the checkout. With
+# `quick` run of Part 3 (and of `make notebook`). It looks in the
+# working directory, then in the checkout of the repository above it
+# (the first folder up that holds the library's file, as for
+# `data_dir`), so that it works from any folder of the checkout. With
 # neither, the error names the quick one, the one to train first.
 
 
@@ -3846,16 +3921,15 @@ def translate(
     `sentences` is a list, translated into a list; one string gives one
     translation. It loads the model at each call: to translate often,
     load it once with `load_translator` and call `translate_batch`."""
-    if isinstance(sentences, str):
-        return translate(
-            [sentences], checkpoint, beam, average, replace_unk, device, alpha
-        )[0]
+    one = isinstance(sentences, str)
+    if one:
+        sentences = [sentences]
     checkpoint = checkpoint or default_checkpoint()
     model, vocab_src, vocab_tgt, decode_fn = load_translator(
-        checkpoint, device, beam, average, alpha
+        checkpoint, device, beam=beam, average_last=average, alpha=alpha
     )
     spacy_de, _ = load_tokenizers()
-    return translate_batch(
+    translations = translate_batch(
         model,
         sentences,
         spacy_de,
@@ -3864,6 +3938,7 @@ def translate(
         decode_fn=decode_fn,
         replace_unk=replace_unk,
     )
+    return translations[0] if one else translations
 
 
 # %% [markdown]
@@ -4033,12 +4108,12 @@ with tempfile.TemporaryDirectory() as tmp:
 #
 # `iter_lines` reads the text to translate or score one line at a time:
 # a plain file, a gzipped one, or standard input for `-`. It drops a
-# UTF-8 byte-order mark at the start, takes `\n`, `\r\n` and `\r` as line
-# ends, and drops control characters other than tab, which the tokenizers
-# would read as words. It decodes each line
-# by itself, so a file that is not UTF-8 is refused with the number of its
-# first bad line. Its errors are a `TextFileError`, which the command line
-# prints as one line. `read_lines` reads a whole file.
+# UTF-8 byte-order mark at the start, takes `\n`, `\r\n` and `\r` as
+# line ends, and drops control characters other than tab, which the
+# tokenizers would read as words. It decodes each line by itself, so a
+# file that is not UTF-8 is refused with the number of its first bad
+# line. Its errors are a `TextFileError`, which the command line prints
+# as one line. `read_lines` reads a whole file.
 
 
 # %%
@@ -4049,8 +4124,9 @@ class TextFileError(ValueError):
 
 def clean_line(text):
     """A line without control characters other than tab."""
-    keep = lambda c: c == "\t" or unicodedata.category(c) != "Cc"
-    return "".join(c for c in text if keep(c))
+    return "".join(
+        c for c in text if c == "\t" or unicodedata.category(c) != "Cc"
+    )
 
 
 def _split_lines(f):
@@ -4081,8 +4157,10 @@ def iter_lines(path):
             opened = nullcontext(sys.stdin.buffer)
         elif name.is_dir():
             raise TextFileError(f"{name} is a folder, not a file")
+        elif name.suffix == ".gz":
+            opened = gzip.open(name, "rb")
         else:
-            opened = (gzip.open if name.suffix == ".gz" else open)(name, "rb")
+            opened = open(name, "rb")
         with opened as f:
             for line in _split_lines(f):
                 number += 1
@@ -4446,7 +4524,7 @@ def add_decoding_options(parser):
         type=number_from(0.0, 10.0),
         help="beam search's length penalty, with --beam 2 or more (default"
         f" {DEFAULT_ALPHA}, the paper's; validation chose 1.0 for a model"
-        " trained alone, 2.5 for the best recipe's student)",
+        " trained alone, 2.5 for the best recipe's distilled model)",
     )
     parser.add_argument(
         "--average",
@@ -4565,57 +4643,256 @@ def build_parser():
 # %% [markdown]
 # ### `train`
 #
-# `train` builds the config from the preset and the flags, checks that
-# `--results` can be written and is not a file that training writes,
-# downloads Multi30k if needed, checks that `--results` is not a file it
-# reads either (nor a checkpoint; which files it reads is known only after
-# the download), takes the lock on the
-# checkpoint folder (so that a second run into it stops at once), makes
-# the vocabularies, checks what `--resume` would resume, and trains. It
-# trains in this process, in `--world-size` spawned ones, or as one of the
-# processes that `torchrun` started. `torchrun_ranks` recognizes these by
-# the `LOCAL_RANK` that torchrun sets, beside `RANK` and `WORLD_SIZE`, and
-# rank 0 takes the lock for all of them. `torchrun_device` gives each its
-# device: its own GPU, else the CPU, even on Macs started one per machine
-# (gloo, the backend without GPUs, cannot send Apple's MPS tensors).
+# `train` runs these steps, each one a function below:
 #
+# 1. `config_from_args`: the preset's config with the fields that the
+#    flags set;
+# 2. it refuses `--device` and `--threads` with several processes, and
+#    warns of settings that only waste time;
+# 3. `check_checkpoint_folder` and `check_results_option`: the folders
+#    and files it will write can be written (a bad path is refused now,
+#    not after hours of training);
+# 4. it downloads Multi30k if needed, then checks that `--results` is
+#    not a file that training reads either (which files it reads is
+#    known only after the download);
+# 5. it takes the lock on the checkpoint folder, so that a second run
+#    into it stops at once;
+# 6. `train_locked` makes the vocabularies, checks what `--resume` would
+#    resume, and trains: in this process, in `--world-size` spawned
+#    ones, or as one of the processes that `torchrun` started.
+
+
+# %%
+#| export
+def command_train(args):
+    """`train`: run training, then optionally score and summarize."""
+    config = config_from_args(args)
+    ranks = torchrun_ranks()
+    refuse_one_process_options(args, ranks)
+    warn_slow_settings(args, config)
+    if args.world_size > 1 and ranks is None:  # fail now, not in NCCL
+        try:
+            process_device(0, args.world_size)
+        except ValueError as err:
+            message = f"--world-size {args.world_size}: {err}"
+            raise UserError(message) from None
+    folder = Path(config.checkpoint_dir)
+    check_checkpoint_folder(folder)
+    if args.results:  # fail now, not after hours of training
+        check_results_option(args.results, folder)
+    download_multi30k()  # before the lock makes the checkpoint folder
+    data = None  # Multi30k's own pairs
+    if args.data:
+        data, config = checked_data_folder(args.data, config)
+    if args.results:
+        check_results_file(args.results, data)
+    rank = ranks.rank if ranks else 0
+    if rank == 0:  # one process locks the folder for all
+        lock = folder_lock(config.checkpoint_dir)
+    else:
+        lock = nullcontext()
+    try:
+        with lock, multi30k_from(data):
+            return train_locked(args, config, ranks)
+    except KeyboardInterrupt:
+        if rank != 0:  # rank 0 reports for all
+            raise
+        print(interrupted_message(config.checkpoint_dir), file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def config_from_args(args):
+    """The preset's TrainConfig with the fields `train`'s options set."""
+    options = {
+        "epochs": args.epochs,
+        "max_tokens": args.max_tokens,
+        "dropout": args.dropout,
+        "weight_decay": args.weight_decay,
+        "rdrop": args.rdrop,
+        "tie_embeddings": args.tie_embeddings,
+        "seed": args.seed,
+        "schedule": args.schedule,
+        "precision": args.precision,
+        "checkpoint_dir": args.checkpoint_dir,
+        "keep_last": args.keep_last,
+    }
+    given = {field: v for field, v in options.items() if v is not None}
+    config = get_config(args.preset, **given)
+    if config.max_tokens < config.max_len:  # a batch must hold a sentence
+        raise UserError(
+            f"--max-tokens {config.max_tokens} is below the longest"
+            f" sentence a batch must hold, {config.max_len} tokens"
+        )
+    return config
+
+
+def refuse_one_process_options(args, ranks):
+    """--device and --threads are for one process; refuse them with
+    several (--world-size, or torchrun's `ranks`)."""
+    if args.device and (args.world_size > 1 or ranks):
+        raise UserError(
+            "--device chooses the device of a one-process run; with several"
+            " processes each takes a GPU of its own, or the CPU"
+        )
+    several = args.world_size > 1 or (ranks and ranks.world > 1)
+    if args.threads and several:
+        raise UserError(
+            "--threads sets the threads of a one-process run; several"
+            " processes on the CPU share its cores evenly"
+        )
+
+
+def warn_slow_settings(args, config):
+    """Warn, on stderr, of settings that run but waste time."""
+    cores = usable_cores()
+    if args.threads and args.threads > cores:
+        print(
+            f"warning: --threads {args.threads} on {cores} CPU cores: the"
+            " threads take turns on them, which is slower than fewer threads",
+            file=sys.stderr,
+        )
+    if config.rdrop and not config.dropout:
+        print(
+            f"warning: --rdrop {config.rdrop:g} with dropout 0: the two"
+            " passes are the same, so R-Drop only doubles each step's cost"
+            " (give --dropout too)",
+            file=sys.stderr,
+        )
+    if args.world_size > cores and not cuda_count():
+        print(
+            f"warning: --world-size {args.world_size} on {cores} CPU"
+            " cores: the processes take turns on them, which is slower than"
+            " fewer processes",
+            file=sys.stderr,
+        )
+
+
+# %% [markdown]
+# The files a run writes: `training_writes` says whether a path is one
+# that training writes into its folder; `check_results_file` keeps
+# `--results` from replacing a file that training reads, or a checkpoint
+# (`refuse_a_checkpoint`, which other commands' output files use too).
+# After Ctrl-C, `interrupted_message` says which file holds what was
+# saved.
+
+
+# %%
+#| export
+def check_checkpoint_folder(folder):
+    """Refuse a --checkpoint-dir that training could not write into: a
+    file, a file on its path, or a folder named as a file it writes
+    (which would fail that write, hours on)."""
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"--checkpoint-dir {folder} is a file, not a folder")
+    blocker = file_in_the_way(folder)
+    if blocker:
+        raise UserError(
+            f"--checkpoint-dir {folder}: {blocker} is a file, not a folder"
+        )
+    if not folder.is_dir():
+        return
+    in_the_way = [
+        entry.name
+        for entry in folder.iterdir()
+        if entry.is_dir() and training_writes(entry, folder)
+    ]
+    if in_the_way:
+        raise UserError(
+            f"--checkpoint-dir {folder}: {min(in_the_way)} is a folder, and"
+            " training writes a file of that name; move it away"
+        )
+
+
+def check_results_option(results, folder):
+    """Refuse a --results file that training writes itself, or that could
+    not be written."""
+    if training_writes(results, folder):
+        raise UserError(
+            f"--results {results} is a file that training writes"
+            f" into {folder}; name another file"
+        )
+    made_later = not folder.exists()  # by the lock, before training
+    if not (made_later and in_folder(results, folder)):
+        check_out(results, option="--results")
+
+
+def in_folder(path, folder):
+    """Is `path` in the folder `folder`?"""
+    return Path(path).absolute().parent.resolve() == Path(folder).resolve()
+
+
+def training_writes(path, folder):
+    """Is `path` a file that training into `folder` writes?"""
+    if not in_folder(path, folder):
+        return False
+    names = ("final.pt", "last.pt", ".lock")
+    name = Path(path).name
+    return name in names or bool(EPOCH_FILE.fullmatch(name))
+
+
+def check_results_file(path, data=None):
+    """Refuse a --results file that is one of the files training reads
+    (Multi30k's, --data's, the vocabulary caches) or a checkpoint that
+    exists (`training_writes` refuses those this run will write)."""
+    if path == "-":  # standard output holds the progress
+        raise UserError("--results - : name a file")
+    folders = [Path(multi30k_folder())]
+    if data:
+        folders.append(Path(data))
+    reads = [p for f in folders if f.is_dir() for p in f.iterdir()]
+    caches = [data_dir() / "vocab.json", data_dir() / "bpe.json"]
+    check_not_input(path, *reads, *caches, option="--results")
+    refuse_a_checkpoint(path, "--results")
+
+
+def refuse_a_checkpoint(path, option):
+    """Refuse an output file that is a checkpoint, of any run."""
+    if Path(path).suffix == ".pt" and Path(path).exists():
+        raise UserError(
+            f"{option} {path} is a checkpoint, which it would overwrite;"
+            " name another file"
+        )
+
+
+def interrupted_message(folder):
+    """What Ctrl-C in `train` leaves in `folder`, in one line."""
+    last = Path(folder, "last.pt")
+    final = Path(folder, "final.pt")
+    newest = max(
+        (p for p in (last, final) if p.is_file()),
+        key=lambda p: p.stat().st_mtime,
+        default=None,
+    )
+    if newest == final:  # training had ended (while --results scored)
+        return f"interrupted; {final} holds the trained model"
+    if newest == last:  # this run's last epoch (or, if it saved none, the
+        # last of the run before)
+        return (
+            f"interrupted; {last} holds the last epoch saved: train with"
+            " --resume to go on from it"
+        )
+    return "interrupted"
+
+
+# %% [markdown]
 # With `--data FOLDER`, for instance a folder that `bench/distill.py`
 # wrote, training reads its pairs from that folder instead.
-# `train_on_folder` first checks that the folder's validation and test
-# files are Multi30k's own, so the run is still judged on the human
+# `checked_data_folder` first checks that the folder's validation and
+# test files are Multi30k's own, so the run is still judged on the human
 # references, and that its training files are well formed (gzip, UTF-8,
 # the same number of lines in both, at least one pair with text on both
-# sides), so that a bad file is refused in one line before the checkpoint
-# folder is made. It caches the vocabularies of the original training
-# split, so that a student keeps its teachers' vocabularies. It records the
-# SHA-256 of the folder's training pairs in the config, so that
-# `--resume` on other pairs is refused. `multi30k_from` then points
+# sides), so that a bad file is refused in one line before the
+# checkpoint folder is made. It caches the vocabularies of the original
+# training split, so that a student (Part 5: a model trained on a
+# teacher model's translations) keeps its teachers' vocabularies. It
+# records the SHA-256 of the folder's training pairs in the config, so
+# that `--resume` on other pairs is refused. `multi30k_from` then points
 # `MULTI30K_DIR` at the folder for the length of the run only.
 
 
 # %%
 #| export
-def torchrun_ranks():
-    """(rank, world size, local rank, local world size) under torchrun."""
-    if "LOCAL_RANK" not in os.environ:
-        return None  # not started by torchrun
-    world = int(os.environ["WORLD_SIZE"])
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    return rank, world, local_rank, local_world
-
-
-def torchrun_device(world, local_rank, local_world):
-    """The device of a process that torchrun started: its own GPU, or,
-    with several processes, the CPU (even one per Mac: gloo cannot send
-    MPS tensors)."""
-    device = process_device(local_rank, local_world)
-    if world > 1 and device.type == "mps":
-        return torch.device("cpu")
-    return device
-
-
-def train_on_folder(folder, config):
+def checked_data_folder(folder, config):
     """Check `--data`'s folder and return (the folder, absolute; `config`
     with `data` set to its pairs_digest). Checks: its validation and test
     files are Multi30k's, its training files are well formed; then the
@@ -4682,168 +4959,48 @@ def multi30k_from(folder):
             os.environ[MULTI30K_ENV] = old
 
 
-def in_folder(path, folder):
-    """Is `path` in the folder `folder`?"""
-    return Path(path).absolute().parent.resolve() == Path(folder).resolve()
+# %% [markdown]
+# Under `torchrun`, each process learns where it stands from the
+# environment: `torchrun_ranks` reads the `RANK`, `WORLD_SIZE` and
+# `LOCAL_RANK` that torchrun sets, and rank 0 takes the lock for all of
+# them. `torchrun_device` gives each its device: its own GPU, else the
+# CPU, even on Macs started one per machine (gloo, the backend without
+# GPUs, cannot send Apple's MPS tensors). `train_locked` is the rest of
+# `train`, once the folder is locked, in every process.
 
 
-def training_writes(path, folder):
-    """Is `path` a file that training into `folder` writes?"""
-    if not in_folder(path, folder):
-        return False
-    names = ("final.pt", "last.pt", ".lock")
-    name = Path(path).name
-    return name in names or bool(EPOCH_FILE.fullmatch(name))
+# %%
+#| export
+class TorchrunRanks(NamedTuple):
+    """Where a process that torchrun started stands among the others."""
+
+    rank: int  # among all processes
+    world: int  # how many processes, on every machine
+    local_rank: int  # among this machine's processes
+    local_world: int  # how many on this machine
 
 
-def check_results_file(path, data=None):
-    """Refuse a --results file that is one of the files training reads
-    (Multi30k's, --data's, the vocabulary caches) or a checkpoint that
-    exists (`training_writes` refuses those this run will write)."""
-    if path == "-":  # standard output holds the progress
-        raise UserError("--results - : name a file")
-    folders = [Path(multi30k_folder()), *([Path(data)] if data else [])]
-    reads = [p for f in folders if f.is_dir() for p in f.iterdir()]
-    caches = [data_dir() / "vocab.json", data_dir() / "bpe.json"]
-    check_not_input(path, *reads, *caches, option="--results")
-    refuse_a_checkpoint(path, "--results")
-
-
-def refuse_a_checkpoint(path, option):
-    """Refuse an output file that is a checkpoint, of any run."""
-    if Path(path).suffix == ".pt" and Path(path).exists():
-        raise UserError(
-            f"{option} {path} is a checkpoint, which it would overwrite;"
-            " name another file"
-        )
-
-
-def interrupted_message(folder):
-    """What Ctrl-C in `train` leaves in `folder`, in one line."""
-    last = Path(folder, "last.pt")
-    final = Path(folder, "final.pt")
-    newest = max(
-        (p for p in (last, final) if p.is_file()),
-        key=lambda p: p.stat().st_mtime,
-        default=None,
+def torchrun_ranks():
+    """This process's TorchrunRanks, or None if torchrun did not start it."""
+    if "LOCAL_RANK" not in os.environ:
+        return None
+    world = int(os.environ["WORLD_SIZE"])
+    return TorchrunRanks(
+        rank=int(os.environ["RANK"]),
+        world=world,
+        local_rank=int(os.environ["LOCAL_RANK"]),
+        local_world=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
     )
-    if newest == final:  # training had ended (while --results scored)
-        return f"interrupted; {final} holds the trained model"
-    if newest == last:  # this run's last epoch (or, if it saved none, the
-        # last of the run before)
-        return (
-            f"interrupted; {last} holds the last epoch saved: train with"
-            " --resume to go on from it"
-        )
-    return "interrupted"
 
 
-def command_train(args):
-    """`train`: run training, then optionally score and summarize."""
-    overrides = {
-        k: v
-        for k, v in (
-            ("epochs", args.epochs),
-            ("max_tokens", args.max_tokens),
-            ("dropout", args.dropout),
-            ("weight_decay", args.weight_decay),
-            ("rdrop", args.rdrop),
-            ("tie_embeddings", args.tie_embeddings),
-            ("seed", args.seed),
-            ("schedule", args.schedule),
-            ("precision", args.precision),
-            ("checkpoint_dir", args.checkpoint_dir),
-            ("keep_last", args.keep_last),
-        )
-        if v is not None
-    }
-    config = get_config(args.preset, **overrides)
-    if config.max_tokens < config.max_len:  # a batch must hold a sentence
-        raise UserError(
-            f"--max-tokens {config.max_tokens} is below the longest"
-            f" sentence a batch must hold, {config.max_len} tokens"
-        )
-    ranks = torchrun_ranks()
-    if args.device and (args.world_size > 1 or ranks):
-        raise UserError(
-            "--device chooses the device of a one-process run; with several"
-            " processes each takes a GPU of its own, or the CPU"
-        )
-    if args.threads and (args.world_size > 1 or (ranks and ranks[1] > 1)):
-        raise UserError(
-            "--threads sets the threads of a one-process run; several"
-            " processes on the CPU share its cores evenly"
-        )
-    cores = usable_cores()
-    if args.threads and args.threads > cores:
-        print(
-            f"warning: --threads {args.threads} on {cores} CPU cores: the"
-            " threads take turns on them, which is slower than fewer threads",
-            file=sys.stderr,
-        )
-    if config.rdrop and not config.dropout:
-        print(
-            f"warning: --rdrop {config.rdrop:g} with dropout 0: the two"
-            " passes are the same, so R-Drop only doubles each step's cost"
-            " (give --dropout too)",
-            file=sys.stderr,
-        )
-    if args.world_size > cores and not cuda_count():
-        print(
-            f"warning: --world-size {args.world_size} on {cores} CPU"
-            " cores: the processes take turns on them, which is slower than"
-            " fewer processes",
-            file=sys.stderr,
-        )
-    if args.world_size > 1 and ranks is None:  # fail now, not in NCCL
-        try:
-            process_device(0, args.world_size)
-        except ValueError as err:
-            message = f"--world-size {args.world_size}: {err}"
-            raise UserError(message) from None
-    folder = Path(config.checkpoint_dir)
-    if folder.exists() and not folder.is_dir():
-        raise UserError(f"--checkpoint-dir {folder} is a file, not a folder")
-    blocker = file_in_the_way(folder)
-    if blocker:
-        raise UserError(
-            f"--checkpoint-dir {folder}: {blocker} is a file, not a folder"
-        )
-    in_the_way = [  # would fail the first write of its name, hours on
-        entry.name
-        for entry in (folder.iterdir() if folder.is_dir() else ())
-        if entry.is_dir() and training_writes(entry, folder)
-    ]
-    if in_the_way:
-        raise UserError(
-            f"--checkpoint-dir {folder}: {min(in_the_way)} is a folder, and"
-            " training writes a file of that name; move it away"
-        )
-    if args.results:  # fail now, not after hours of training
-        if training_writes(args.results, folder):
-            raise UserError(
-                f"--results {args.results} is a file that training writes"
-                f" into {folder}; name another file"
-            )
-        made_later = not folder.exists()  # by the lock, before training
-        if not (made_later and in_folder(args.results, folder)):
-            check_out(args.results, option="--results")
-    download_multi30k()  # before the lock makes the checkpoint folder
-    data = None  # Multi30k's own pairs
-    if args.data:
-        data, config = train_on_folder(args.data, config)
-    if args.results:
-        check_results_file(args.results, data)
-    rank = ranks[0] if ranks else 0
-    lock = folder_lock(config.checkpoint_dir) if rank == 0 else None
-    try:
-        with lock or nullcontext(), multi30k_from(data):  # rank 0 locks
-            return train_locked(args, config, ranks)
-    except KeyboardInterrupt:
-        if rank != 0:  # rank 0 reports for all
-            raise
-        print(interrupted_message(config.checkpoint_dir), file=sys.stderr)
-        return EXIT_INTERRUPTED
+def torchrun_device(world, local_rank, local_world):
+    """The device of a process that torchrun started: its own GPU, or,
+    with several processes, the CPU (even one per Mac: gloo cannot send
+    MPS tensors)."""
+    device = process_device(local_rank, local_world)
+    if world > 1 and device.type == "mps":
+        return torch.device("cpu")
+    return device
 
 
 def train_locked(args, config, ranks=None):
@@ -4859,7 +5016,7 @@ def train_locked(args, config, ranks=None):
         if args.resume and rank == 0:  # the notes once, not once a rank
             check_resume_and_say(config, *vocabs)
         elif args.resume:  # train_model checks this in the other branch
-            check_resume(config, *vocabs)
+            check_resume(config, *vocabs)  # raises if it cannot resume
         try:
             device = torchrun_device(world, local_rank, local_world)
         except ValueError as err:
@@ -4919,23 +5076,24 @@ def greedy_with_and_without_unk(
             spacy_de,
             vocab_src,
             vocab_tgt,
-            None,
-            batch_size,
+            batch_size=batch_size,
             progress=progress,
         )
         return hyps, hyps
     model.eval()
     device = next(model.parameters()).device
-    encoded, words = encode_sources(sentences, spacy_de, vocab_src, True)
+    encoded, words = encode_sources(
+        sentences, spacy_de, vocab_src, keep_words=True
+    )
     decoded = decode_by_length(
         model,
         encoded,
         cached_greedy_decode,
         device,
-        batch_size,
-        MAX_EXTRA,
-        True,
-        progress,
+        batch_size=batch_size,
+        max_extra=MAX_EXTRA,
+        align=True,
+        progress=progress,
     )
     replaced = [
         finish_text(ids, at, w, vocab_tgt)
@@ -5107,7 +5265,8 @@ def evaluate_reads(args):
     """The files `evaluate` reads, which --out must not replace: the
     checkpoint (and, with --average, the epoch files beside it), --src
     and --ref, and Multi30k's files, whose test set is the default."""
-    reads = [args.checkpoint, *filter(None, [args.src, args.ref])]
+    reads = [args.checkpoint]
+    reads += [path for path in (args.src, args.ref) if path is not None]
     if args.average:
         reads += epoch_checkpoints(Path(args.checkpoint).resolve().parent)
     multi30k = Path(multi30k_folder())
@@ -5179,22 +5338,33 @@ def command_evaluate(args):
 # %%
 #| export
 def translate_lines(lines, translate_fn, chunk=1024):
-    """Translations of `lines`, one list per `chunk` lines read."""
+    """Translations of `lines`, one list per `chunk` lines read; a blank
+    line gives a blank translation, in its place."""
     lines = iter(lines)
-    while batch := list(itertools.islice(lines, chunk)):
+    while True:
+        batch = list(itertools.islice(lines, chunk))
+        if not batch:
+            return
         todo = [line for line in batch if line.strip()]
-        hyps = iter(translate_fn(todo) if todo else [])
+        hyps = iter(translate_fn(todo) if todo else [])  # in order
         yield [next(hyps) if line.strip() else "" for line in batch]
 
 
-def sentences_to_translate(args):
-    """What `translate` reads: its arguments, a file or standard input."""
+def translate_source(args):
+    """Where `translate` reads: a file's name, "-" (standard input), or
+    None (its sentence arguments)."""
     if args.input is not None and args.sentence:
         raise UserError("give sentences or --input FILE, not both")
     if args.input is None and args.sentence in ([], ["-"]):
-        args.input = "-"
-    if args.input is not None:
-        return iter_lines(args.input)
+        return "-"
+    return args.input
+
+
+def sentences_to_translate(args, source):
+    """The lines of `source` (a file or "-"), or, if None, the sentence
+    arguments, checked."""
+    if source is not None:
+        return iter_lines(source)
     for number, sentence in enumerate(args.sentence, 1):
         if sentence == "-":
             raise UserError("- (standard input) cannot mix with sentences")
@@ -5230,16 +5400,16 @@ def warn_unknown_words(sentences, spacy_de, vocab_src):
 
 def command_translate(args):
     """`translate`: one line of English per German sentence, in order."""
-    lines = sentences_to_translate(args)
-    typing = args.input == "-" and sys.stdin and sys.stdin.isatty()
+    source = translate_source(args)
+    lines = sentences_to_translate(args, source)
+    typing = source == "-" and sys.stdin and sys.stdin.isatty()
     chunk = 1 if typing else 8 * args.batch_size
     first = list(itertools.islice(lines, chunk))  # input errors come first
     if not first:
-        where = "standard input" if args.input == "-" else args.input
-        raise UserError(f"nothing to translate: {where} is empty")
+        raise UserError(f"nothing to translate: {shown_path(source)} is empty")
     model, vocab_src, vocab_tgt, decode_fn = load_for_decoding(args)
     spacy_de, _ = load_tokenizers()
-    if args.input is None:
+    if source is None:
         warn_unknown_words(args.sentence, spacy_de, vocab_src)
     translate_fn = functools.partial(
         translate_batch,
@@ -5252,7 +5422,7 @@ def command_translate(args):
         decode_fn=decode_fn,
         replace_unk=args.replace_unk,
     )
-    what = "line" if args.input is not None else "sentence"
+    what = "sentence" if source is None else "line"
     fit = functools.partial(
         fit_to_model,
         spacy_de=spacy_de,
@@ -5286,21 +5456,17 @@ def command_download(args):
 # | 130 | Ctrl-C, as the shell reports SIGINT; `kill`'s SIGTERM too |
 # | 141 | a reader that left early (`translate ... \| head -1`): quietly |
 #
-# A mistyped option is reported by its sub-command (`... translate:
-# error: unrecognized arguments: --bogus`), so that its `--help` is the
-# one that lists the options; an option put before the sub-command is
-# named as the mistake. Options must be written in full: argparse would
-# otherwise take `--be 4` for `--beam 4`, and an option added later could
-# silently change what an old command means.
-#
-# `docs/guarantees.md` lists every case. (While torch loads, before `main`
-# runs, a few lines that `tools/export.py` writes at the top of the
-# generated module handle Ctrl-C the same way.)
+# `out_of_memory` tells running out of memory from other errors, so
+# that its line can say what to make smaller; `one_line` and
+# `warning_line` put a message, or a warning, on one line.
 
 
 # %%
 #| export
-EXIT_USAGE, EXIT_IO, EXIT_PIPE, EXIT_INTERRUPTED = 2, 74, 141, 130
+EXIT_USAGE = 2  # the user can fix it
+EXIT_IO = 74  # the machine's: disk, output, memory (sysexits' EX_IOERR)
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as the shell reports Ctrl-C
+EXIT_PIPE = 141  # 128 + SIGPIPE: the reader left early
 USER_ERRORS = (
     UserError,
     CheckpointError,
@@ -5332,7 +5498,9 @@ def out_of_memory(err):
 
 
 def stdout_fault():
-    """Flush stdout; on failure, send what it holds nowhere; the error."""
+    """Flush stdout. If that fails, point stdout at /dev/null (so that
+    Python's own flush at exit cannot fail again) and return the error;
+    else None."""
     try:
         sys.stdout.flush()
     except OSError as err:  # full, closed or a broken pipe
@@ -5358,6 +5526,17 @@ def command_line_warnings():
     warnings.showwarning = warning_line
 
 
+# %% [markdown]
+# A mistyped option is reported by its sub-command (`... translate:
+# error: unrecognized arguments: --bogus`), so that its `--help` is the
+# one that lists the options; an option put before the sub-command is
+# named as the mistake. Options must be written in full: argparse would
+# otherwise take `--be 4` for `--beam 4`, and an option added later could
+# silently change what an old command means.
+
+
+# %%
+#| export
 COMMAND_NAMES = ("download", "train", "evaluate", "translate")
 
 
@@ -5410,6 +5589,19 @@ def parse_arguments(argv):
     return args, status
 
 
+# %% [markdown]
+# `docs/guarantees.md` lists every case. (While torch loads, before `main`
+# runs, a few lines that `tools/export.py` writes at the top of the
+# generated module handle Ctrl-C the same way.)
+#
+# `main` sets the signal handlers: Ctrl-C and SIGTERM both raise
+# `KeyboardInterrupt` (`stop_as_for_ctrl_c`), except under `torchrun`,
+# which stops its processes itself. `run_command_line` runs the
+# sub-command and turns each failure into its line and exit status.
+
+
+# %%
+#| export
 def stop_as_for_ctrl_c(signum, frame):
     """SIGTERM (`kill`, `timeout`, a job scheduler): the same clean-up and
     the same report as Ctrl-C."""

@@ -379,9 +379,10 @@ def test_resume_refuses_other_training_settings(
     # more epochs, fewer epoch files kept, another folder and preset name
     more = replace(other, dropout=0.0, warmup=20, epochs=4, keep_last=1)
     more = replace(more, preset="renamed")
-    assert tools.check_resume(more, *vocabs) == folder / "last.pt"
+    assert tools.check_resume(more, *vocabs) == (folder / "last.pt", 3)
     # the same number of epochs: nothing left, nothing refused
-    assert tools.check_resume(replace(more, epochs=3), *vocabs)
+    last = (folder / "last.pt", 3)
+    assert tools.check_resume(replace(more, epochs=3), *vocabs) == last
     # fewer epochs than it has trained would save a final.pt that says so
     fewer = replace(more, epochs=2)
     with pytest.raises(tools.CheckpointError, match="for 2 epochs in all"):
@@ -816,9 +817,8 @@ def test_resuming_reads_the_checkpoint_once_per_step(
         return real_load(path, *args, **kwargs)
 
     monkeypatch.setattr(tools, "load_checkpoint", counting_load)
-    assert tools.check_resume(cfg, *vocabs) == Path(
-        cfg.checkpoint_dir, "last.pt"
-    )
+    path, _ = tools.check_resume(cfg, *vocabs)
+    assert path == Path(cfg.checkpoint_dir, "last.pt")
     assert reads == ["last.pt"]
     reads.clear()
     sizes = (len(vocabs[0]), len(vocabs[1]))

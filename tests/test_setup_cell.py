@@ -207,3 +207,20 @@ def test_notebooks_that_train_ask_colab_for_a_gpu(source):
     trains = source.stem[:2] in ("03", "04", "05")
     assert (metadata.get("accelerator") == "GPU") is trains
     assert (metadata.get("colab", {}).get("gpuType") == "T4") is trains
+
+
+@pytest.mark.parametrize("source", NOTEBOOKS, ids=lambda p: p.stem)
+def test_colab_folds_the_setup_cell_into_a_titled_form(source):
+    """The setup cell is plumbing, some forty lines at the top of every
+    lesson. Colab shows a cell whose metadata says `cellView: form`, and
+    whose first line is `#@title ... { display-mode: "form" }`, as its
+    title and a run button, with the code folded away."""
+    import json
+
+    twin = source.with_suffix(".ipynb")
+    cells = json.loads(twin.read_text())["cells"]
+    first = next(c for c in cells if c["cell_type"] == "code")
+    assert first["metadata"].get("cellView") == "form"
+    title = first["source"][0]
+    assert re.fullmatch(r'#@title [^{]+ \{ display-mode: "form" \}\n', title)
+    assert "REPO = " in "".join(first["source"])  # the setup cell itself
