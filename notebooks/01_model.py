@@ -30,7 +30,7 @@
 # [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/annotated-transformer/done-right/blob/main/notebooks/01_model.ipynb)
 
 # %% cellView="form"
-#@title Setup (on Colab: clone, install) { display-mode: "form" }
+# @title Setup (on Colab: clone, install) { display-mode: "form" }
 # Setup only; nothing to learn here. Part 1 runs on a CPU in seconds, so on
 # Colab it needs no GPU runtime. On Colab: clone the repository, then
 # install what the notebooks need. Elsewhere: use this checkout. Either

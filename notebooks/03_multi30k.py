@@ -42,7 +42,7 @@
 # type.
 
 # %% cellView="form"
-#@title Setup (on Colab: clone, install) { display-mode: "form" }
+# @title Setup (on Colab: clone, install) { display-mode: "form" }
 # Setup only; nothing to learn here. On Colab: clone the repository, then
 # install what the notebooks need. Elsewhere: use the checkout this
 # notebook sits in.

@@ -213,7 +213,7 @@ def test_notebooks_that_train_ask_colab_for_a_gpu(source):
 def test_colab_folds_the_setup_cell_into_a_titled_form(source):
     """The setup cell is plumbing, some forty lines at the top of every
     lesson. Colab shows a cell whose metadata says `cellView: form`, and
-    whose first line is `#@title ... { display-mode: "form" }`, as its
+    whose first line is `# @title ... { display-mode: "form" }`, as its
     title and a run button, with the code folded away."""
     import json
 
@@ -222,5 +222,5 @@ def test_colab_folds_the_setup_cell_into_a_titled_form(source):
     first = next(c for c in cells if c["cell_type"] == "code")
     assert first["metadata"].get("cellView") == "form"
     title = first["source"][0]
-    assert re.fullmatch(r'#@title [^{]+ \{ display-mode: "form" \}\n', title)
+    assert re.fullmatch(r'# @title [^{]+ \{ display-mode: "form" \}\n', title)
     assert "REPO = " in "".join(first["source"])  # the setup cell itself
