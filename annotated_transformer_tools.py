@@ -630,8 +630,8 @@ def _stream(response, out, name):
     from tqdm import tqdm
 
     digest = hashlib.sha256()
-    length = response.headers.get("Content-Length")
-    size = int(length) if length else None  # None: tqdm shows no total
+    length = int(response.headers.get("Content-Length") or 0)
+    size = length if length > 0 else None  # None: tqdm shows no total
     with tqdm(total=size, unit="B", unit_scale=True, desc=name) as bar:
         while chunk := response.read(1 << 16):
             out.write(chunk)
@@ -1449,7 +1449,10 @@ def process_device(local_rank=0, local_world_size=1, cpu_fallback=False):
     """The device of one process: pick_device's if it is alone, else its
     own GPU, or the CPU."""
     if local_world_size == 1:
-        return pick_device()
+        device = pick_device()
+        if device == torch.device("cuda"):  # the current GPU: say which
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
     gpus = cuda_count()
     if gpus >= local_world_size:
         return torch.device("cuda", local_rank)
@@ -1923,13 +1926,27 @@ def resume_point(folder):
     return path
 
 
+def load_optimizer_state(optimizer, state):
+    """Load an optimizer's saved state, keeping how this machine's
+    optimizer computes (`fused`, `foreach`): load_state_dict copies the
+    saved choices too, and fused Adam saved on a CPU or a CUDA GPU would
+    then step on Apple's GPU, where Part 2 does not ask for it."""
+    chosen = [
+        {k: group[k] for k in ("fused", "foreach") if k in group}
+        for group in optimizer.param_groups
+    ]
+    optimizer.load_state_dict(state)
+    for group, own in zip(optimizer.param_groups, chosen, strict=True):
+        group.update(own)
+
+
 def resume_run(run):
     """Restore the newest training state; returns the next epoch."""
     path, ckpt = resume_checkpoint(run.config.checkpoint_dir)
     if path is None:  # nothing to resume from: start afresh
         return 0
     load_weights(run.module, ckpt, path)
-    run.optimizer.load_state_dict(ckpt["optimizer"])
+    load_optimizer_state(run.optimizer, ckpt["optimizer"])
     run.scheduler.load_state_dict(ckpt["scheduler"])
     run.state, run.history = TrainState(**ckpt["train_state"]), ckpt["history"]
     torch.set_rng_state(ckpt["rng_state"])
@@ -2393,11 +2410,12 @@ def detokenize(tokens):
     """
     out, quote_open = "", False
     for i, tok in enumerate(tokens):
-        # a hyphen is glued to the word before it, and the word after it
-        # to the hyphen ("well-known"), unless a comma, a full stop or
-        # another hyphen came before the hyphen. The tokens cannot tell a
-        # spaced dash from a hyphen: "a man - a tall one" comes out as
-        # "man-a" (6 lines of Multi30k's 29,000 English have " - ")
+        # A hyphen is always glued to what comes before it. The word
+        # after a hyphen is glued to it too ("well-known"), unless a
+        # comma, a full stop or another hyphen came before the hyphen.
+        # The tokens cannot tell a spaced dash from a hyphen: "a man - a
+        # tall one" comes out as "man-a" (6 lines of Multi30k's 29,000
+        # English have " - ").
         hyphen = out.endswith("-") and i > 1 and tokens[i - 1] == "-"
         glue = (
             i == 0
@@ -2544,11 +2562,7 @@ def checked_device(name):
     """The torch device `name` if this machine has it ("auto" or None:
     pick_device's choice); a one-line ValueError if not."""
     if name is None or name == "auto":
-        device = pick_device()
-        try:  # only a device that AT_DEVICE names can be missing
-            return checked_device(str(device))
-        except ValueError as err:
-            raise ValueError(f"AT_DEVICE={device}: {err}") from None
+        return pick_device()  # which checks a device AT_DEVICE names
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):
@@ -3241,6 +3255,11 @@ def command_train(args):
     config = config_from_args(args)
     ranks = torchrun_ranks()
     refuse_one_process_options(args, ranks)
+    if args.world_size == 1 and not ranks and args.device is None:
+        try:  # a device that AT_DEVICE names must be here
+            pick_device()
+        except ValueError as err:
+            raise UserError(str(err)) from None
     warn_slow_settings(args, config)
     if args.world_size > 1 and ranks is None:  # fail now, not in NCCL
         try:
@@ -3756,7 +3775,7 @@ def evaluate_reads(args):
     checkpoint (and, with --average, the epoch files beside it), --src
     and --ref, and Multi30k's files, whose test set is the default."""
     reads = [args.checkpoint]
-    reads += [path for path in (args.src, args.ref) if path is not None]
+    reads += [path for path in (args.src, args.ref) if path]
     if args.average:
         reads += epoch_checkpoints(Path(args.checkpoint).resolve().parent)
     multi30k = Path(multi30k_folder())
@@ -4202,6 +4221,7 @@ __all__ = [
     "clear_earlier_run",
     "resume_checkpoint",
     "resume_point",
+    "load_optimizer_state",
     "resume_run",
     "RESUMABLE_CHANGES",
     "OLDER_DEFAULTS",

@@ -691,7 +691,12 @@ def optimizer_step(optimizer, scheduler, parameters, scale=1.0, scaler=None):
         scaler.step(optimizer)
         scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    if scheduler is not None:
+    if scheduler is None:
+        return
+    with warnings.catch_warnings():
+        # A first step that the scaler skipped makes PyTorch warn that the
+        # schedule stepped before the optimizer; here that is expected.
+        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
         scheduler.step()
 
 
@@ -1123,17 +1128,32 @@ def pick_device():
     a CUDA GPU if there is one, else Apple's GPU (MPS), else the CPU."""
     named = os.environ.get("AT_DEVICE") or "auto"  # e.g. "cpu"
     if named != "auto":
-        try:
-            return torch.device(named)
-        except RuntimeError:  # torch's message lists 20 device types
-            raise ValueError(
-                f"AT_DEVICE={named!r} is not a device; try cpu, cuda or mps"
-            ) from None
+        return device_named(named)
     if torch.cuda.is_available():
         return torch.device("cuda")
     if torch.backends.mps.is_available():
         return torch.device("mps")
     return torch.device("cpu")
+
+
+def device_named(name):
+    """The device that AT_DEVICE names, if this machine has it; else a
+    one-line ValueError (rather than a CUDA error, cells later)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:  # torch's message lists 20 device types
+        raise ValueError(
+            f"AT_DEVICE={name!r} is not a device; try cpu, cuda or mps"
+        ) from None
+    if device.type == "cuda":
+        here = (device.index or 0) < torch.cuda.device_count()
+    elif device.type == "mps":
+        here = torch.backends.mps.is_available()
+    else:
+        here = device.type == "cpu"
+    if not here:
+        raise ValueError(f"AT_DEVICE={name}: no {name} here; try cpu")
+    return device
 
 
 def train_one_process(
@@ -2037,6 +2057,7 @@ __all__ = [
     "run_schedule",
     "make_run_optimizer",
     "pick_device",
+    "device_named",
     "train_one_process",
     "batch_greedy_decode",
     "strip_specials",

@@ -594,10 +594,9 @@ class Beams(NamedTuple):
 # sentence's best finished hypothesis when it ends. For example, with
 # $k = 2$: "a dog . `</s>`" ends at step 4 with score -2.1 and is
 # recorded. At step 5, two extensions of the other hypothesis in the
-# beam, scoring
-# -1.8 and -1.9, fill the beam and push it out. After more tokens they
-# end at -2.5 and -2.6. Without the record the search would return the
-# -2.5 one; with it, the recorded -2.1 wins.
+# beam, scoring -1.8 and -1.9, fill the beam and push it out. After more
+# tokens they end at -2.5 and -2.6. Without the record the search would
+# return the -2.5 one; with it, the recorded -2.1 wins.
 
 
 # %%

@@ -915,8 +915,8 @@ def _stream(response, out, name):
     from tqdm import tqdm
 
     digest = hashlib.sha256()
-    length = response.headers.get("Content-Length")
-    size = int(length) if length else None  # None: tqdm shows no total
+    length = int(response.headers.get("Content-Length") or 0)
+    size = length if length > 0 else None  # None: tqdm shows no total
     with tqdm(total=size, unit="B", unit_scale=True, desc=name) as bar:
         while chunk := response.read(1 << 16):
             out.write(chunk)
@@ -1337,7 +1337,7 @@ def hardware_summary():
 
 # %%
 summary = hardware_summary()
-assert summary["cpu_threads"] == torch.get_num_threads()
+assert json.loads(json.dumps(summary)) == summary  # results store JSON
 print(summary)
 
 # %% [markdown]
@@ -2110,15 +2110,18 @@ assert len(seen[0] | seen[1]) == len(made_up) - len(sampler.dropped) > 0
 # %% [markdown]
 # ### One device per process
 #
-# `process_device` gives each process its device. With CUDA, each process
-# gets a GPU of its own, numbered by its *local* rank, its rank among the
-# processes of this machine (`torchrun` sets `LOCAL_RANK`; the global
-# `RANK` counts the processes of every machine). NCCL refuses two
-# processes on one GPU, so with fewer GPUs than processes there are two
-# honest answers: an error that says so, or, when the caller allows it,
-# all processes on the CPU with gloo. Without CUDA, several processes use
-# the CPU: gloo cannot send MPS tensors. A process alone gets
-# `pick_device`'s choice (`AT_DEVICE`'s, else a GPU, Apple's, the CPU).
+# `process_device` gives each process its device. A process alone gets
+# `pick_device`'s choice: the device that `AT_DEVICE` names, else the
+# GPU, Apple's GPU or the CPU.
+#
+# With several processes and CUDA, each process gets a GPU of its own,
+# numbered by its *local* rank, its rank among the processes of this
+# machine (`torchrun` sets `LOCAL_RANK`; the global `RANK` counts the
+# processes of every machine). NCCL refuses two processes on one GPU, so
+# with fewer GPUs than processes there are two honest answers: an error
+# that says so, or, when the caller allows it, all processes on the CPU
+# with gloo. Without CUDA, several processes use the CPU: gloo cannot
+# send MPS tensors.
 
 
 # %%
@@ -2132,7 +2135,10 @@ def process_device(local_rank=0, local_world_size=1, cpu_fallback=False):
     """The device of one process: pick_device's if it is alone, else its
     own GPU, or the CPU."""
     if local_world_size == 1:
-        return pick_device()
+        device = pick_device()
+        if device == torch.device("cuda"):  # the current GPU: say which
+            device = torch.device("cuda", torch.cuda.current_device())
+        return device
     gpus = cuda_count()
     if gpus >= local_world_size:
         return torch.device("cuda", local_rank)
@@ -2930,13 +2936,27 @@ def resume_point(folder):
     return path
 
 
+def load_optimizer_state(optimizer, state):
+    """Load an optimizer's saved state, keeping how this machine's
+    optimizer computes (`fused`, `foreach`): load_state_dict copies the
+    saved choices too, and fused Adam saved on a CPU or a CUDA GPU would
+    then step on Apple's GPU, where Part 2 does not ask for it."""
+    chosen = [
+        {k: group[k] for k in ("fused", "foreach") if k in group}
+        for group in optimizer.param_groups
+    ]
+    optimizer.load_state_dict(state)
+    for group, own in zip(optimizer.param_groups, chosen, strict=True):
+        group.update(own)
+
+
 def resume_run(run):
     """Restore the newest training state; returns the next epoch."""
     path, ckpt = resume_checkpoint(run.config.checkpoint_dir)
     if path is None:  # nothing to resume from: start afresh
         return 0
     load_weights(run.module, ckpt, path)
-    run.optimizer.load_state_dict(ckpt["optimizer"])
+    load_optimizer_state(run.optimizer, ckpt["optimizer"])
     run.scheduler.load_state_dict(ckpt["scheduler"])
     run.state, run.history = TrainState(**ckpt["train_state"]), ckpt["history"]
     torch.set_rng_state(ckpt["rng_state"])
@@ -3580,11 +3600,12 @@ def detokenize(tokens):
     """
     out, quote_open = "", False
     for i, tok in enumerate(tokens):
-        # a hyphen is glued to the word before it, and the word after it
-        # to the hyphen ("well-known"), unless a comma, a full stop or
-        # another hyphen came before the hyphen. The tokens cannot tell a
-        # spaced dash from a hyphen: "a man - a tall one" comes out as
-        # "man-a" (6 lines of Multi30k's 29,000 English have " - ")
+        # A hyphen is always glued to what comes before it. The word
+        # after a hyphen is glued to it too ("well-known"), unless a
+        # comma, a full stop or another hyphen came before the hyphen.
+        # The tokens cannot tell a spaced dash from a hyphen: "a man - a
+        # tall one" comes out as "man-a" (6 lines of Multi30k's 29,000
+        # English have " - ").
         hyphen = out.endswith("-") and i > 1 and tokens[i - 1] == "-"
         glue = (
             i == 0
@@ -3771,11 +3792,7 @@ def checked_device(name):
     """The torch device `name` if this machine has it ("auto" or None:
     pick_device's choice); a one-line ValueError if not."""
     if name is None or name == "auto":
-        device = pick_device()
-        try:  # only a device that AT_DEVICE names can be missing
-            return checked_device(str(device))
-        except ValueError as err:
-            raise ValueError(f"AT_DEVICE={device}: {err}") from None
+        return pick_device()  # which checks a device AT_DEVICE names
     try:
         device = torch.device(name)
     except (RuntimeError, ValueError):
@@ -4643,20 +4660,24 @@ def build_parser():
 # %% [markdown]
 # ### `train`
 #
-# `train` runs these steps, each one a function below:
+# `train` (`command_train`) runs these steps, in this order:
 #
 # 1. `config_from_args`: the preset's config with the fields that the
 #    flags set;
-# 2. it refuses `--device` and `--threads` with several processes, and
-#    warns of settings that only waste time;
-# 3. `check_checkpoint_folder` and `check_results_option`: the folders
-#    and files it will write can be written (a bad path is refused now,
-#    not after hours of training);
-# 4. it downloads Multi30k if needed, then checks that `--results` is
-#    not a file that training reads either (which files it reads is
-#    known only after the download);
-# 5. it takes the lock on the checkpoint folder, so that a second run
-#    into it stops at once;
+# 2. `refuse_one_process_options` refuses `--device` and `--threads`
+#    with several processes, and `warn_slow_settings` warns of settings
+#    that only waste time; a process alone checks the device that
+#    `AT_DEVICE` names; with `--world-size`, `process_device` checks now
+#    that there are GPUs enough, rather than NCCL later;
+# 3. `check_checkpoint_folder` and `check_results_option`: the folder
+#    and the file it will write can be written (a bad path is refused
+#    now, not after hours of training);
+# 4. `download_multi30k`, if needed; with `--data`, `checked_data_folder`
+#    (below); then `check_results_file`: `--results` must not be a file
+#    that training reads either (which files it reads is known only
+#    after the download);
+# 5. `folder_lock` takes the lock on the checkpoint folder, so that a
+#    second run into it stops at once;
 # 6. `train_locked` makes the vocabularies, checks what `--resume` would
 #    resume, and trains: in this process, in `--world-size` spawned
 #    ones, or as one of the processes that `torchrun` started.
@@ -4669,6 +4690,11 @@ def command_train(args):
     config = config_from_args(args)
     ranks = torchrun_ranks()
     refuse_one_process_options(args, ranks)
+    if args.world_size == 1 and not ranks and args.device is None:
+        try:  # a device that AT_DEVICE names must be here
+            pick_device()
+        except ValueError as err:
+            raise UserError(str(err)) from None
     warn_slow_settings(args, config)
     if args.world_size > 1 and ranks is None:  # fail now, not in NCCL
         try:
@@ -4768,9 +4794,12 @@ def warn_slow_settings(args, config):
 
 
 # %% [markdown]
-# The files a run writes: `training_writes` says whether a path is one
-# that training writes into its folder; `check_results_file` keeps
-# `--results` from replacing a file that training reads, or a checkpoint
+# The files a run writes: `check_checkpoint_folder` refuses a folder
+# that training could not write into, and `check_results_option` a
+# `--results` file that it could not write or that training writes
+# itself. `training_writes` says whether a path is one that training
+# writes into its folder; `check_results_file` keeps `--results` from
+# replacing a file that training reads, or a checkpoint
 # (`refuse_a_checkpoint`, which other commands' output files use too).
 # After Ctrl-C, `interrupted_message` says which file holds what was
 # saved.
@@ -5266,7 +5295,7 @@ def evaluate_reads(args):
     checkpoint (and, with --average, the epoch files beside it), --src
     and --ref, and Multi30k's files, whose test set is the default."""
     reads = [args.checkpoint]
-    reads += [path for path in (args.src, args.ref) if path is not None]
+    reads += [path for path in (args.src, args.ref) if path]
     if args.average:
         reads += epoch_checkpoints(Path(args.checkpoint).resolve().parent)
     multi30k = Path(multi30k_folder())
@@ -5590,14 +5619,15 @@ def parse_arguments(argv):
 
 
 # %% [markdown]
-# `docs/guarantees.md` lists every case. (While torch loads, before `main`
-# runs, a few lines that `tools/export.py` writes at the top of the
-# generated module handle Ctrl-C the same way.)
-#
-# `main` sets the signal handlers: Ctrl-C and SIGTERM both raise
-# `KeyboardInterrupt` (`stop_as_for_ctrl_c`), except under `torchrun`,
-# which stops its processes itself. `run_command_line` runs the
-# sub-command and turns each failure into its line and exit status.
+# `main` sets the signal handlers: Ctrl-C raises `KeyboardInterrupt`,
+# as it does in Python by default, and so does SIGTERM
+# (`stop_as_for_ctrl_c`), except under `torchrun`, which stops its
+# processes itself. Both end with status 130 and the same report.
+# `run_command_line` runs the sub-command and turns each failure into
+# its line and exit status, as the table at the start of this section
+# says; `docs/guarantees.md` lists every case. (While torch loads,
+# before `main` runs, a few lines that `tools/export.py` writes at the
+# top of the generated module handle Ctrl-C the same way.)
 
 
 # %%

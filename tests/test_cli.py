@@ -1794,6 +1794,26 @@ def test_resume_restores_random_states_from_cpu_tensors(tmp_path, vocabs):
     assert torch.equal(torch.get_rng_state(), saved)
 
 
+def test_a_resumed_run_steps_with_this_machines_adam(tmp_path, vocabs):
+    """Adam's load_state_dict copied the saved `fused`: a run saved on a
+    CPU or a CUDA GPU, resumed on a Mac, stepped fused Adam on MPS."""
+    config = tools.get_config("ci", checkpoint_dir=str(tmp_path), N=1)
+    sizes = (len(vocabs[0]), len(vocabs[1]))
+    run = tools.TrainingRun(0, 1, sizes, config, False, device="cpu")
+    assert run.optimizer.param_groups[0]["fused"]  # the CPU's choice
+    tools.save_epoch(run, 0, *vocabs)
+    last = tmp_path / "last.pt"
+    saved = torch.load(last, weights_only=True)
+    for group in saved["optimizer"]["param_groups"]:  # as MPS saves it
+        group["fused"] = False
+    torch.save(saved, last)
+    resumed = tools.TrainingRun(0, 1, sizes, config, False, device="cpu")
+    assert tools.resume_run(resumed) == 1
+    assert resumed.optimizer.param_groups[0]["fused"]  # still the CPU's
+    lr = resumed.optimizer.param_groups[0]["lr"]
+    assert lr == saved["optimizer"]["param_groups"][0]["lr"]  # restored
+
+
 def test_the_gpus_random_state_is_saved_and_restored(
     tmp_path, vocabs, monkeypatch
 ):

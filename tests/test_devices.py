@@ -157,6 +157,30 @@ def test_at_device_reaches_a_lone_process_on_a_gpu_machine(
     assert tools.process_device(1, 2) == torch.device("cuda", 1)
 
 
+@pytest.mark.parametrize(
+    "machine, named",
+    [("no GPU", "cuda"), ("a Mac", "cuda"), ("one T4", "cuda:1")],
+    indirect=["machine"],
+)
+def test_an_at_device_the_machine_lacks_is_one_line_before_training(
+    machine, named, monkeypatch, capsys, tmp_path
+):
+    """`AT_DEVICE=cuda` on a Mac reached torch.cuda unchecked: train
+    failed with "Torch not compiled with CUDA enabled" and a traceback."""
+    monkeypatch.setenv("AT_DEVICE", named)
+    message = f"AT_DEVICE={named}: no {named} here"
+    with pytest.raises(ValueError, match=f"^{message}"):
+        tat.pick_device()
+    with pytest.raises(ValueError, match=f"^{message}"):
+        tools.place_process(0, 1, False)
+    folder = ["--checkpoint-dir", str(tmp_path / "ck")]
+    status = tools.main(["train", "--preset", "ci", *folder])
+    err = capsys.readouterr().err
+    assert status == 2 and err.startswith(f"error: {message}")
+    assert len(err.splitlines()) == 1
+    assert not (tmp_path / "ck").exists()  # refused before anything
+
+
 @with_machine("one A100")
 def test_an_empty_at_device_means_unset(machine, monkeypatch):
     """`AT_DEVICE= make notebook` clears it, as CUDA_VISIBLE_DEVICES= does
@@ -267,7 +291,7 @@ def test_autocast_for_enters_the_chosen_dtype_or_nothing():
     [
         ("no GPU", 1, False, ["cpu"]),
         ("no GPU", 2, False, ["cpu", "cpu"]),
-        ("one T4", 1, False, ["cuda"]),  # pick_device's: the current GPU
+        ("one T4", 1, False, ["cuda:0"]),
         ("one T4", 2, True, ["cpu", "cpu"]),  # stated fallback
         ("two A100s", 2, False, ["cuda:0", "cuda:1"]),
         ("a Mac", 1, False, ["mps"]),
@@ -733,7 +757,7 @@ def test_translate_and_the_command_line_default_to_pick_device(
     """fbfada1: translate() and --device were "cpu" on every machine."""
     asked = []
 
-    def loader(checkpoint, device, beam, average, alpha):
+    def loader(checkpoint, device, beam, average_last, alpha):
         # what load_translator does with "auto" first
         asked.append(tools.checked_device(device).type)
         raise RuntimeError("stop here")
@@ -813,6 +837,24 @@ def test_run_epoch_reads_the_loss_once(monkeypatch):
     monkeypatch.undo()
     assert reads == ["__float__"]  # the epoch's total, once
     assert isinstance(loss, float) and loss > 0
+
+
+def test_a_skipped_first_step_does_not_warn_about_the_schedule():
+    """On a T4 the first float16 step often overflows, so the scaler skips
+    it, and PyTorch warned in the first epoch's output: "Detected call of
+    `lr_scheduler.step()` before `optimizer.step()`"."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.Adam([p])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    scaler = torch.amp.GradScaler("cpu")
+    overflowing = (p * torch.tensor([float("inf"), 0.0, 0.0])).sum()
+    scaler.scale(overflowing).backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tat.optimizer_step(opt, scheduler, [p], scaler=scaler)
+    assert scaler.get_scale() < 2.0**16  # the step was skipped
+    assert not [w for w in caught if "lr_scheduler" in str(w.message)]
+    assert torch.equal(p.detach(), torch.zeros(3))
 
 
 def test_a_float16_run_steps_through_its_grad_scaler():
