@@ -1758,9 +1758,9 @@ class Beams(NamedTuple):
     @classmethod
     def start(cls, B, k, max_len, start_symbol, device):
         """k hypotheses per sentence, of which only the first is real."""
-        tokens = torch.full((B, k, max_len), PAD, dtype=torch.long)
-        tokens = tokens.to(device)
-        tokens[:, :, 0] = start_symbol  # (B, k, max_len)
+        shape = (B, k, max_len)
+        tokens = torch.full(shape, PAD, dtype=torch.long, device=device)
+        tokens[:, :, 0] = start_symbol
         logp_sum = torch.full((B, k), -math.inf, device=device)
         logp_sum[:, 0] = 0.0
         lengths = torch.zeros(B, k, dtype=torch.long, device=device)

@@ -979,6 +979,29 @@ def test_decoding_makes_no_copies_per_step(monkeypatch):
     assert copies == []
 
 
+def test_every_decoder_makes_its_tensors_on_the_sources_device():
+    """With the meta device as the default, a tensor that a decoder makes
+    without `device=` lands on meta, and the first step that mixes it
+    with the model's CPU tensors fails. Beam search made its token table
+    on the CPU and copied it to the GPU at every call."""
+    torch.manual_seed(0)
+    model = tat.make_model(11, 11, N=1, d_model=16, d_ff=32, h=2).eval()
+    src = torch.randint(3, 11, (2, 6))
+    src_mask = (src != tat.PAD).unsqueeze(-2)
+    decoders = {
+        "greedy": lambda: tat.greedy_decode(
+            model, src[:1], src_mask[:1], 8, tat.BOS
+        ),
+        "batched": lambda: tat.batch_greedy_decode(model, src, src_mask, 8),
+        "cached": lambda: tat.cached_greedy_decode(model, src, src_mask, 8),
+        "beam": lambda: tat.beam_search(model, src, src_mask, 8, beam_size=3),
+    }
+    for name, decode in decoders.items():
+        with torch.no_grad(), torch.device("meta"):
+            out = decode()
+        assert out.device == src.device, name
+
+
 def test_a_models_weights_are_all_float32():
     """MPS has no float64: every floating tensor a model holds (weights
     and buffers such as the positional encodings) must be float32."""
