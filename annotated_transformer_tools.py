@@ -954,14 +954,15 @@ def cpu_has_native_bf16(cpuinfo="/proc/cpuinfo"):
     return False
 
 
-def choose_precision(device, precision="bf16"):
+def choose_precision(device, precision="auto"):
     """The Precision for training on `device` ("fp32": no autocast)."""
-    # "bf16": the best 16-bit format this device computes natively
-    # (bfloat16, or float16 on older GPUs). Other values are refused, so
-    # that a typo such as "fp16" cannot quietly pick that branch.
-    if precision not in ("bf16", "fp32"):
+    # "auto": the best 16-bit format this device computes natively
+    # (bfloat16, or float16 on older GPUs); "bf16" is its older name.
+    # Other values are refused, so that a typo such as "fp16" cannot
+    # quietly pick a branch.
+    if precision not in ("auto", "bf16", "fp32"):
         raise ValueError(
-            f'precision is "bf16" (the fastest this machine does well) or'
+            f'precision is "auto" (the fastest this machine does well) or'
             f' "fp32", not {precision!r}'
         )
     device = torch.device(device)
@@ -1153,16 +1154,24 @@ def epoch_checkpoints(folder):
 LEGACY_CONFIG_NAMES = {"num_epochs": "epochs", "amp": "precision"}
 
 
+def config_fields_now(saved):
+    """A saved config's fields, by the names and values used now."""
+    fields = {LEGACY_CONFIG_NAMES.get(k, k): v for k, v in saved.items()}
+    precision = fields.get("precision")
+    if precision == "none":  # the old amp="none"
+        fields["precision"] = "fp32"
+    elif precision == "bf16":  # "auto" before it had that name
+        fields["precision"] = "auto"
+    return fields
+
+
 def checkpoint_config(ckpt, path="checkpoint"):
     """The TrainConfig a checkpoint was trained with."""
     try:
         saved = ckpt["config"]
         if not isinstance(saved, dict):
             raise TypeError(f"its config is a {type(saved).__name__}")
-        fields = {LEGACY_CONFIG_NAMES.get(k, k): v for k, v in saved.items()}
-        if fields.get("precision") == "none":  # the old amp="none"
-            fields["precision"] = "fp32"
-        config = TrainConfig(**fields)
+        config = TrainConfig(**config_fields_now(saved))
     except (KeyError, TypeError, AttributeError) as err:
         why = f"no {err}" if isinstance(err, KeyError) else err
         raise CheckpointError(
@@ -1963,7 +1972,7 @@ OLDER_DEFAULTS = {"rdrop": 0.0, "data": ""}
 def changed_settings(saved, config):
     """What differs between a checkpoint's saved config and `config`."""
     now = asdict(config)
-    saved = OLDER_DEFAULTS | dict(saved)  # older checkpoints lack these
+    saved = OLDER_DEFAULTS | config_fields_now(saved)  # older ones lack some
     same_either_way = RESUMABLE_CHANGES | {"preset"}  # a name, not a setting
     return [
         f"{key} {saved[key]!r} there, {value!r} here"
@@ -3045,11 +3054,12 @@ def add_train_parser(sub):
     )
     train.add_argument(
         "--precision",
-        choices=["bf16", "fp32"],
-        help="bf16: the fastest 16-bit arithmetic this machine computes"
-        " natively (bfloat16, float16 on a T4, none on others); fp32: none,"
-        " say if training gives nan (default: fp32 if AT_PRECISION=fp32"
-        " is in the environment, else the preset's: bf16, fp32 for ci)",
+        choices=["auto", "fp32", "bf16"],
+        help="auto: the fastest 16-bit arithmetic this machine computes"
+        " natively (bfloat16, float16 on a T4, none on others; bf16 is its"
+        " older name); fp32: none, say if training gives nan (default:"
+        " fp32 if AT_PRECISION=fp32 is in the environment, else the"
+        " preset's: auto, fp32 for ci)",
     )
     train.add_argument(
         "--device",
@@ -4167,6 +4177,7 @@ __all__ = [
     "epoch_of",
     "epoch_checkpoints",
     "LEGACY_CONFIG_NAMES",
+    "config_fields_now",
     "checkpoint_config",
     "model_size_problems",
     "checkpoint_vocabularies",

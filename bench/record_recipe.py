@@ -120,8 +120,9 @@ def record(preset, threads, checkpoint_dir, run, began):
         "threads": threads,
         "hardware": hardware,
         "precision": "bfloat16" if hardware["native_bf16"] else "float32",
-        "precision_note": "config.precision 'bf16' means bf16 autocast only"
-        " where the hardware has it natively (hardware.native_bf16)",
+        "precision_note": "config.precision 'auto' (older name 'bf16')"
+        " means 16-bit autocast only where the hardware computes it"
+        " natively (hardware.native_bf16 on a CPU)",
         "config": config,
         "epochs": run["epochs"],
         "steps": steps,

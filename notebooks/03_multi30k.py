@@ -639,7 +639,7 @@ class TrainConfig:
     num_workers: int = 0  # processes that prepare batches (0: this one)
     # For the appendix and Part 5; at their defaults, no change here:
     preset: str = "cpu"
-    precision: str = "bf16"  # 16-bit where fast (bf16, or float16 on a
+    precision: str = "auto"  # 16-bit where fast (bf16, or float16 on a
     # T4), else float32; "fp32": always float32. train_model reads it
     checkpoint_dir: str = "checkpoints/cpu"
     tokenization: str = "word"  # or "bpe": one subword vocabulary

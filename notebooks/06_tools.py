@@ -1115,15 +1115,16 @@ print(f"{len(MULTI30K_SHA256)} files verified in {folder}")
 # | `ci` | tiny: 1,000 sentence pairs, two epochs | seconds |
 #
 # `cpu` is the dataclass's defaults. Every preset but `ci` asks for
-# `precision="bf16"`, which means "the fastest precision this machine does
-# well" ("Which precision", below): bfloat16 or float16 autocast where the
-# hardware has it, float32 elsewhere. `ci` asks for float32 everywhere, so
-# that its tests give the same numbers on every machine. `paper` has no
-# BLEU score here: it is configured with the paper's base model, but with
-# 8,000-token batches (the paper's held about 25,000), 40 epochs and
-# `cpu`'s warm-up of 800 steps (not 4,000), since Multi30k is small and
-# an epoch is short; it has never been run to the end. `ci` serves tests
-# and the CI-sized notebooks.
+# `precision="auto"`, "the fastest precision this machine does well"
+# ("Which precision", below): bfloat16 or float16 autocast where the
+# hardware has it, float32 elsewhere. (Runs before this name was chosen
+# saved it as `"bf16"`, which is still read as `"auto"`.) `ci` asks for
+# float32 everywhere, so that its tests give the same numbers on every
+# machine. `paper` has no BLEU score here: it is configured with the
+# paper's base model, but with 8,000-token batches (the paper's held
+# about 25,000), 40 epochs and `cpu`'s warm-up of 800 steps (not 4,000),
+# since Multi30k is small and an epoch is short; it has never been run
+# to the end. `ci` serves tests and the CI-sized notebooks.
 
 # %%
 #| export
@@ -1397,14 +1398,15 @@ def cpu_has_native_bf16(cpuinfo="/proc/cpuinfo"):
     return False
 
 
-def choose_precision(device, precision="bf16"):
+def choose_precision(device, precision="auto"):
     """The Precision for training on `device` ("fp32": no autocast)."""
-    # "bf16": the best 16-bit format this device computes natively
-    # (bfloat16, or float16 on older GPUs). Other values are refused, so
-    # that a typo such as "fp16" cannot quietly pick that branch.
-    if precision not in ("bf16", "fp32"):
+    # "auto": the best 16-bit format this device computes natively
+    # (bfloat16, or float16 on older GPUs); "bf16" is its older name.
+    # Other values are refused, so that a typo such as "fp16" cannot
+    # quietly pick a branch.
+    if precision not in ("auto", "bf16", "fp32"):
         raise ValueError(
-            f'precision is "bf16" (the fastest this machine does well) or'
+            f'precision is "auto" (the fastest this machine does well) or'
             f' "fp32", not {precision!r}'
         )
     device = torch.device(device)
@@ -1651,15 +1653,27 @@ def epoch_checkpoints(folder):
 # A checkpoint stores its config as a dict, and vocabularies as plain
 # data: the token lists of both vocabularies and, for a BPE vocabulary
 # (Part 5), also its JSON text, which holds the merges.
-# `checkpoint_config` rebuilds the config; two fields had other names in
-# older runs, and the old `amp="none"` meant what `precision="fp32"` means
-# now. `checkpoint_vocabularies` picks the vocabularies by the config's
-# `tokenization`.
+# `checkpoint_config` rebuilds the config. `config_fields_now` reads an
+# older run's config by today's names: two fields had other names, the
+# old `amp="none"` meant what `precision="fp32"` means now, and
+# `precision="bf16"` what `"auto"` means. `checkpoint_vocabularies` picks
+# the vocabularies by the config's `tokenization`.
 
 
 # %%
 #| export
 LEGACY_CONFIG_NAMES = {"num_epochs": "epochs", "amp": "precision"}
+
+
+def config_fields_now(saved):
+    """A saved config's fields, by the names and values used now."""
+    fields = {LEGACY_CONFIG_NAMES.get(k, k): v for k, v in saved.items()}
+    precision = fields.get("precision")
+    if precision == "none":  # the old amp="none"
+        fields["precision"] = "fp32"
+    elif precision == "bf16":  # "auto" before it had that name
+        fields["precision"] = "auto"
+    return fields
 
 
 def checkpoint_config(ckpt, path="checkpoint"):
@@ -1668,10 +1682,7 @@ def checkpoint_config(ckpt, path="checkpoint"):
         saved = ckpt["config"]
         if not isinstance(saved, dict):
             raise TypeError(f"its config is a {type(saved).__name__}")
-        fields = {LEGACY_CONFIG_NAMES.get(k, k): v for k, v in saved.items()}
-        if fields.get("precision") == "none":  # the old amp="none"
-            fields["precision"] = "fp32"
-        config = TrainConfig(**fields)
+        config = TrainConfig(**config_fields_now(saved))
     except (KeyError, TypeError, AttributeError) as err:
         why = f"no {err}" if isinstance(err, KeyError) else err
         raise CheckpointError(
@@ -2992,7 +3003,7 @@ OLDER_DEFAULTS = {"rdrop": 0.0, "data": ""}
 def changed_settings(saved, config):
     """What differs between a checkpoint's saved config and `config`."""
     now = asdict(config)
-    saved = OLDER_DEFAULTS | dict(saved)  # older checkpoints lack these
+    saved = OLDER_DEFAULTS | config_fields_now(saved)  # older ones lack some
     same_either_way = RESUMABLE_CHANGES | {"preset"}  # a name, not a setting
     return [
         f"{key} {saved[key]!r} there, {value!r} here"
@@ -4448,11 +4459,12 @@ def add_train_parser(sub):
     )
     train.add_argument(
         "--precision",
-        choices=["bf16", "fp32"],
-        help="bf16: the fastest 16-bit arithmetic this machine computes"
-        " natively (bfloat16, float16 on a T4, none on others); fp32: none,"
-        " say if training gives nan (default: fp32 if AT_PRECISION=fp32"
-        " is in the environment, else the preset's: bf16, fp32 for ci)",
+        choices=["auto", "fp32", "bf16"],
+        help="auto: the fastest 16-bit arithmetic this machine computes"
+        " natively (bfloat16, float16 on a T4, none on others; bf16 is its"
+        " older name); fp32: none, say if training gives nan (default:"
+        " fp32 if AT_PRECISION=fp32 is in the environment, else the"
+        " preset's: auto, fp32 for ci)",
     )
     train.add_argument(
         "--device",

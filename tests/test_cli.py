@@ -2235,9 +2235,10 @@ def test_a_worker_that_ran_out_of_memory_is_told_apart(last_line, oom):
 @pytest.mark.parametrize(
     "preset, flag, precision",
     [
-        ("quick", None, "bf16"),
+        ("quick", None, "auto"),
         ("quick", "fp32", "fp32"),
-        ("ci", "bf16", "bf16"),
+        ("ci", "auto", "auto"),
+        ("ci", "bf16", "bf16"),  # the older name, still taken
     ],
 )
 def test_train_precision_reaches_the_config(

@@ -226,16 +226,17 @@ BF16, FP16 = torch.bfloat16, torch.float16
 @pytest.mark.parametrize(
     "machine, device, precision, dtype, scaler",
     [
-        ("no GPU", "cpu", "bf16", None, False),  # bf16 would be emulated
-        ("no GPU, AMX CPU", "cpu", "bf16", BF16, False),
+        ("no GPU", "cpu", "auto", None, False),  # bf16 would be emulated
+        ("no GPU, AMX CPU", "cpu", "auto", BF16, False),
+        ("no GPU, AMX CPU", "cpu", "bf16", BF16, False),  # the older name
         ("no GPU, AMX CPU", "cpu", "fp32", None, False),
-        ("one T4", "cuda", "bf16", FP16, True),  # 7.5: fp16 + GradScaler
+        ("one T4", "cuda", "auto", FP16, True),  # 7.5: fp16 + GradScaler
         ("one T4", "cuda", "fp32", None, False),
-        ("one P100", "cuda", "bf16", FP16, True),  # fast float16
-        ("one GTX 1080", "cuda", "bf16", None, False),  # slow float16
-        ("one A100", "cuda", "bf16", BF16, False),  # 8.0: native bf16
+        ("one P100", "cuda", "auto", FP16, True),  # fast float16
+        ("one GTX 1080", "cuda", "auto", None, False),  # slow float16
+        ("one A100", "cuda", "auto", BF16, False),  # 8.0: native bf16
         ("one A100", "cuda:0", "fp32", None, False),
-        ("a Mac", "mps", "bf16", None, False),  # float32 on MPS
+        ("a Mac", "mps", "auto", None, False),  # float32 on MPS
     ],
     indirect=["machine"],
 )
@@ -247,22 +248,22 @@ def test_precision_table(machine, device, precision, dtype, scaler):
 def test_at_precision_fp32_is_every_config_s_default(machine, monkeypatch):
     """The way out when float16 gives nan: the models that Parts 4 and 5
     train had no precision to change. A precision asked for still wins."""
-    assert tools.get_config("quick").precision == "bf16"
+    assert tools.get_config("quick").precision == "auto"
     monkeypatch.setenv("AT_PRECISION", "fp32")
     config = tools.get_config("quick")
     assert config.precision == "fp32"
     assert tools.choose_precision("cuda", config.precision) == (None, False)
-    assert tools.get_config("quick", precision="bf16").precision == "bf16"
+    assert tools.get_config("quick", precision="auto").precision == "auto"
     assert tools.choose_precision("cuda") == (FP16, True)  # a pure choice
     monkeypatch.setenv("AT_PRECISION", "fp16")
     with pytest.raises(ValueError, match="^AT_PRECISION='fp16': only fp32"):
         tools.get_config("quick")
 
 
-@pytest.mark.parametrize("precision", ["fp16", "auto", "bfloat16", ""])
+@pytest.mark.parametrize("precision", ["fp16", "bfloat16", "AUTO", ""])
 def test_an_unknown_precision_is_refused(precision):
     """ "fp16" was read as "bf16": an A100 would have trained in bf16."""
-    with pytest.raises(ValueError, match='"bf16".*"fp32", not'):
+    with pytest.raises(ValueError, match='"auto".*"fp32", not'):
         tools.choose_precision("cpu", precision)
 
 
@@ -502,7 +503,7 @@ SIZES = (20, 20)
     indirect=["machine"],
 )
 def test_one_process_run(machine, cpu_model, device, backend, dtype, scaler):
-    config = tools.get_config("ci", precision="bf16")
+    config = tools.get_config("ci", precision="auto")
     run = tools.TrainingRun(0, 1, SIZES, config, False)
     assert run.device.type == device and cpu_model == [run.device]
     assert machine.groups == [] and run.model is run.module
@@ -522,7 +523,7 @@ def test_the_lessons_loop_refuses_an_unknown_schedule(vocabs, tokenizers):
 def test_a_plain_cuda_device_becomes_the_current_gpu(machine, cpu_model):
     """time_to_bleu --device cuda: set_device needs the GPU's number (an
     H100 showed it: "Expected a torch.device with a specified index")."""
-    config = tools.get_config("ci", precision="bf16")
+    config = tools.get_config("ci", precision="auto")
     run = tools.TrainingRun(0, 1, SIZES, config, False, None, "cuda")
     assert run.device == torch.device("cuda", 0) == machine.set_device[0]
     assert cpu_model == [run.device]
@@ -554,7 +555,7 @@ def test_two_a100s_under_torchrun(machine, cpu_model, monkeypatch):
     assert args[:2] == (3, 4) and kwargs["is_distributed"] is True  # DDP
     assert kwargs["device"] == torch.device("cuda", 1)
     # What that process then sets up:
-    config = tools.get_config("ci", precision="bf16")
+    config = tools.get_config("ci", precision="auto")
     run = tools.TrainingRun(3, 4, SIZES, config, True, None, kwargs["device"])
     assert machine.set_device == [torch.device("cuda", 1)]
     group = {"backend": "nccl", "url": None, "rank": 3, "world_size": 4}

@@ -625,13 +625,13 @@ def test_run_epoch_enters_autocast_once_per_micro_batch():
 def test_bf16_training_matches_float32(tmp_path, vocabs, tokenizers):
     """Mixed precision must train the same model, up to rounding."""
     losses = {}
-    for precision in ("fp32", "bf16"):
+    for precision in ("fp32", "auto"):
         cfg = ci_config(
             tmp_path / precision, epochs=1, max_train_pairs=400,
             precision=precision,
         )  # fmt: skip
         losses[precision] = train(cfg, vocabs, tokenizers)[-1]["val_loss"]
-    assert losses["bf16"] == pytest.approx(losses["fp32"], rel=0.03)
+    assert losses["auto"] == pytest.approx(losses["fp32"], rel=0.03)
 
 
 def test_torchrun_trains_with_two_processes(tmp_path, local_multi30k):
@@ -757,6 +757,18 @@ def test_a_bar_drawn_into_a_file_is_drawn_seldom(monkeypatch):
     assert 1 <= into_a_file <= 2 < on_a_terminal
 
 
+def test_a_run_saved_with_the_older_precision_name_resumes():
+    """`precision="bf16"` was the name of what is "auto" now: resuming a
+    run saved with it must not be refused as another setting."""
+    config = tools.get_config("quick")
+    older = asdict(config) | {"precision": "bf16"}
+    assert tools.changed_settings(older, config) == []
+    other = asdict(config) | {"precision": "fp32"}
+    assert tools.changed_settings(other, config) == [
+        "precision 'fp32' there, 'auto' here"
+    ]
+
+
 def test_an_older_config_is_read_with_todays_names():
     old = asdict(tools.get_config("ci"))
     old["num_epochs"] = old.pop("epochs")
@@ -764,8 +776,11 @@ def test_an_older_config_is_read_with_todays_names():
     old["amp"] = "none"  # autocast off, in the old name's values
     config = tools.checkpoint_config({"config": old})
     assert config.epochs == 2 and config.precision == "fp32"
-    old["amp"] = "bf16"
-    assert tools.checkpoint_config({"config": old}).precision == "bf16"
+    old["amp"] = "bf16"  # then the name of what is "auto" now
+    assert tools.checkpoint_config({"config": old}).precision == "auto"
+    del old["amp"]
+    old["precision"] = "bf16"
+    assert tools.checkpoint_config({"config": old}).precision == "auto"
 
 
 @pytest.mark.parametrize(
