@@ -2544,8 +2544,8 @@ def place_process(rank, world_size, distributed, device=None):
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)  # needs the GPU's number
     elif world_size > 1:  # this machine's processes share its cores
-        here = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        torch.set_num_threads(max(1, usable_cores() // here))
+        on_this_machine = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        torch.set_num_threads(max(1, usable_cores() // on_this_machine))
     return device
 
 
@@ -3327,10 +3327,19 @@ def train_distributed_model(
             how += f" (NCCL needs a GPU per process; {cuda_count()} here)"
     print(f"{world_size} processes {how}")
     vocabs = [vocabulary_as_data(vocab_src), vocabulary_as_data(vocab_tgt)]
-    data = (vocabs, (spacy_de, spacy_en), asdict(config), free_port())
     # As command_line_warnings set it (main calls it).
     one_line = warnings.showwarning is warning_line
-    args = (world_size, *data, resume, device, one_line)
+    # What each worker receives, in _spawned_worker's order after its rank.
+    args = (
+        world_size,
+        vocabs,
+        (spacy_de, spacy_en),
+        asdict(config),
+        free_port(),
+        resume,
+        device,
+        one_line,
+    )
     try:
         with stop_signals_kept(), new_processes_ignore_ctrl_c():
             workers = mp.spawn(
@@ -4719,18 +4728,18 @@ def command_train(args):
     if args.results:  # fail now, not after hours of training
         check_results_option(args.results, folder)
     download_multi30k()  # before the lock makes the checkpoint folder
-    data = None  # Multi30k's own pairs
+    data_folder = None  # Multi30k's own pairs
     if args.data:
-        data, config = checked_data_folder(args.data, config)
+        data_folder, config = checked_data_folder(args.data, config)
     if args.results:
-        check_results_file(args.results, data)
+        check_results_file(args.results, data_folder)
     rank = ranks.rank if ranks else 0
     if rank == 0:  # one process locks the folder for all
         lock = folder_lock(config.checkpoint_dir)
     else:
         lock = nullcontext()
     try:
-        with lock, multi30k_from(data):
+        with lock, multi30k_from(data_folder):
             return train_locked(args, config, ranks)
     except KeyboardInterrupt:
         if rank != 0:  # rank 0 reports for all
