@@ -1627,7 +1627,10 @@ def join_group(device, rank, world_size, port=None):
     """Join the process group: env:// under torchrun, else a local port."""
     url = None if port is None else f"tcp://127.0.0.1:{port}"
     torch.distributed.init_process_group(
-        backend_for(device), url, rank=rank, world_size=world_size
+        backend_for(device),
+        init_method=url,
+        rank=rank,
+        world_size=world_size,
     )
 
 
@@ -1971,7 +1974,7 @@ OLDER_DEFAULTS = {"rdrop": 0.0, "data": ""}
 
 def changed_settings(saved, config):
     """What differs between a checkpoint's saved config and `config`."""
-    now = asdict(config)
+    now = config_fields_now(asdict(config))  # "bf16" is "auto" on both sides
     saved = OLDER_DEFAULTS | config_fields_now(saved)  # older ones lack some
     same_either_way = RESUMABLE_CHANGES | {"preset"}  # a name, not a setting
     return [
@@ -2215,9 +2218,10 @@ def train_distributed_model(
     import torch.multiprocessing as mp
 
     world_size = world_size or max(cuda_count(), 1)
-    device = process_device(0, world_size, cpu_fallback).type  # may raise
-    how = "one per GPU, with nccl"
-    if device != "cuda":  # gloo cannot send MPS tensors
+    on_gpus = process_device(0, world_size, cpu_fallback).type == "cuda"
+    if on_gpus:
+        device, how = "cuda", "one per GPU, with nccl"
+    else:  # several processes on a Mac use the CPU: gloo cannot send MPS
         device, how = "cpu", "on the CPU, with gloo"
         if cuda_count():
             how += f" (NCCL needs a GPU per process; {cuda_count()} here)"
@@ -2404,7 +2408,9 @@ def train_model(
         check_resume_and_say(config, vocab_src, vocab_tgt)
     args = (vocab_src, vocab_tgt, spacy_de, spacy_en, config)
     if distributed:
-        return train_distributed_model(*args, world_size, resume)
+        return train_distributed_model(
+            *args, world_size=world_size, resume=resume
+        )
     # Rank 0 of a world of 1: this process alone.
     return train_worker(0, 1, *args, resume=resume, device=device)
 
@@ -3271,15 +3277,16 @@ def build_parser():
 
 def command_train(args):
     """`train`: run training, then optionally score and summarize."""
+    started = time.time()
     config = config_from_args(args)
     ranks = torchrun_ranks()
     refuse_one_process_options(args, ranks)
+    warn_slow_settings(args, config)
     if args.world_size == 1 and not ranks and args.device is None:
         try:  # a device that AT_DEVICE names must be here
             pick_device()
         except ValueError as err:
             raise UserError(str(err)) from None
-    warn_slow_settings(args, config)
     if args.world_size > 1 and ranks is None:  # fail now, not in NCCL
         try:
             process_device(0, args.world_size)
@@ -3307,7 +3314,8 @@ def command_train(args):
     except KeyboardInterrupt:
         if rank != 0:  # rank 0 reports for all
             raise
-        print(interrupted_message(config.checkpoint_dir), file=sys.stderr)
+        message = interrupted_message(config.checkpoint_dir, started)
+        print(message, file=sys.stderr)
         return EXIT_INTERRUPTED
 
 
@@ -3453,8 +3461,9 @@ def refuse_a_checkpoint(path, option):
         )
 
 
-def interrupted_message(folder):
-    """What Ctrl-C in `train` leaves in `folder`, in one line."""
+def interrupted_message(folder, started=0.0):
+    """What Ctrl-C in `train` leaves in `folder`, in one line; files older
+    than `started` (the run's start, in seconds) are an earlier run's."""
     last = Path(folder, "last.pt")
     final = Path(folder, "final.pt")
     newest = max(
@@ -3462,10 +3471,14 @@ def interrupted_message(folder):
         key=lambda p: p.stat().st_mtime,
         default=None,
     )
+    if newest is not None and newest.stat().st_mtime < started:
+        return (
+            "interrupted before this run saved an epoch; the files in"
+            f" {folder} are as they were"
+        )
     if newest == final:  # training had ended (while --results scored)
         return f"interrupted; {final} holds the trained model"
-    if newest == last:  # this run's last epoch (or, if it saved none, the
-        # last of the run before)
+    if newest == last:  # this run's last epoch
         return (
             f"interrupted; {last} holds the last epoch saved: train with"
             " --resume to go on from it"
@@ -3747,7 +3760,11 @@ def load_for_decoding(args):
     (and, in load_translator, a length penalty without a beam)."""
     try:
         model, vocab_src, vocab_tgt, decode_fn = load_translator(
-            args.checkpoint, args.device, args.beam, args.average, args.alpha
+            args.checkpoint,
+            args.device,
+            beam=args.beam,
+            average_last=args.average,
+            alpha=args.alpha,
         )
     except (FileNotFoundError, ValueError) as err:  # CheckpointError, ...
         raise UserError(str(err)) from err

@@ -2015,11 +2015,13 @@ def same_run(epoch_history, history):
 #   across processes before each optimizer step, so the copies stay equal.
 #   The processes talk through `torch.distributed`: the NCCL backend
 #   between GPUs, gloo between CPU processes.
-# * **The CPU never waits for the GPU.** Batches are copied from pinned memory
-#   (page-locked host memory, which the GPU can read while it computes),
-#   so the copy overlaps the computation, and their masks are made on the
-#   GPU. The loss stays on the GPU until the end of the epoch (Part 2's
-#   `run_epoch`).
+# * **The CPU rarely waits for the GPU.** Batches are copied from pinned
+#   memory (page-locked host memory, which the GPU can read while it
+#   computes), so the copy overlaps the computation, and their masks are
+#   made on the GPU. The loss stays on the GPU until the end of the epoch
+#   (Part 2's `run_epoch`). The waits that remain: a float16 step, whose
+#   `GradScaler` must read whether the gradients overflowed, and the
+#   losses averaged over processes at the end of each epoch.
 #
 # `tests/test_devices.py` checks that `train_worker` and
 # `train_one_process` end with the same weights and losses, to rounding,
@@ -2553,7 +2555,10 @@ def join_group(device, rank, world_size, port=None):
     """Join the process group: env:// under torchrun, else a local port."""
     url = None if port is None else f"tcp://127.0.0.1:{port}"
     torch.distributed.init_process_group(
-        backend_for(device), url, rank=rank, world_size=world_size
+        backend_for(device),
+        init_method=url,
+        rank=rank,
+        world_size=world_size,
     )
 
 
@@ -2783,15 +2788,14 @@ def train_epoch(run, epoch, train_loader, valid_loader, show=True):
 # writes two: a lean `epoch_NNN.pt` with the weights that Part 5 averages
 # (keeping the newest `keep_last`), then `last.pt`, which adds the
 # optimizer (Adam keeps two averages per weight, so it triples the size),
-# the schedule, the counters and the random states: the CPU's, and the
-# run's own GPU's (below). A crash between the two writes only repeats
-# the epoch.
+# the schedule, the counters and the random states. A crash between the
+# two writes only repeats the epoch.
 #
-# Besides the CPU's random state, `last.pt` keeps what the run's device
-# needs to go on as if never stopped (`device_states`): the random state
-# of this process's GPU, which dropout draws from there (of this GPU
-# alone, so that a run saved on two GPUs resumes on one), and the
-# `GradScaler`'s scale on a GPU that trains in float16.
+# The random states are the CPU's and what the run's device needs to go
+# on as if never stopped (`device_states`): the random state of this
+# process's GPU, which dropout draws from there (of this GPU alone, so
+# that a run saved on two GPUs resumes on one), and the `GradScaler`'s
+# scale on a GPU that trains in float16.
 
 
 # %%
@@ -2924,7 +2928,10 @@ def clear_earlier_run(folder):
 # the CPU whatever the run's device: `torch.set_rng_state` takes only a
 # CPU tensor, and `load_state_dict` moves weights and optimizer state to
 # where the model lives. `resume_run` restores from it exactly as an
-# uninterrupted run would continue.
+# uninterrupted run would continue, except how Adam computes: a run
+# saved where Adam was fused (one kernel for all weights, on a CPU or a
+# CUDA GPU) and resumed where it is not keeps this machine's choice
+# (`load_optimizer_state`).
 
 
 # %%
@@ -3002,7 +3009,7 @@ OLDER_DEFAULTS = {"rdrop": 0.0, "data": ""}
 
 def changed_settings(saved, config):
     """What differs between a checkpoint's saved config and `config`."""
-    now = asdict(config)
+    now = config_fields_now(asdict(config))  # "bf16" is "auto" on both sides
     saved = OLDER_DEFAULTS | config_fields_now(saved)  # older ones lack some
     same_either_way = RESUMABLE_CHANGES | {"preset"}  # a name, not a setting
     return [
@@ -3319,9 +3326,10 @@ def train_distributed_model(
     import torch.multiprocessing as mp
 
     world_size = world_size or max(cuda_count(), 1)
-    device = process_device(0, world_size, cpu_fallback).type  # may raise
-    how = "one per GPU, with nccl"
-    if device != "cuda":  # gloo cannot send MPS tensors
+    on_gpus = process_device(0, world_size, cpu_fallback).type == "cuda"
+    if on_gpus:
+        device, how = "cuda", "one per GPU, with nccl"
+    else:  # several processes on a Mac use the CPU: gloo cannot send MPS
         device, how = "cpu", "on the CPU, with gloo"
         if cuda_count():
             how += f" (NCCL needs a GPU per process; {cuda_count()} here)"
@@ -3549,7 +3557,9 @@ def train_model(
         check_resume_and_say(config, vocab_src, vocab_tgt)
     args = (vocab_src, vocab_tgt, spacy_de, spacy_en, config)
     if distributed:
-        return train_distributed_model(*args, world_size, resume)
+        return train_distributed_model(
+            *args, world_size=world_size, resume=resume
+        )
     # Rank 0 of a world of 1: this process alone.
     return train_worker(0, 1, *args, resume=resume, device=device)
 
@@ -4278,7 +4288,9 @@ def read_parallel(src_path, ref_path):
 # so that a number of twenty digits is refused rather than reaching the
 # code) and a device this machine does not have, and `OneLineParser`
 # shortens argparse's own complaint (the usage, then the error) to a
-# single line.
+# single line. `UserError` is the command line's own exception; `say`
+# prints results on standard output, and `path_text` keeps a file name
+# as the user typed it.
 
 
 # %%
@@ -4366,6 +4378,17 @@ class OneLineParser(argparse.ArgumentParser):
         """Print `prog: error: message` on one line; exit with status 2."""
         message = " ".join(message.split())
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+# %% [markdown]
+# ### The sub-commands and their options
+#
+# Each sub-command has its own parser, built by one function:
+# `add_train_parser`, `add_evaluate_parser` and `add_translate_parser`
+# (the last two share `add_decoding_options`). `train --help` ends with
+# what each preset sets (`presets_epilog`), printed as written
+# (`EpilogAsWritten`), since the options that say "default: the
+# preset's" take their defaults from there.
 
 
 # %%
@@ -4526,6 +4549,11 @@ def add_train_parser(sub):
     )
 
 
+# %% [markdown]
+# `evaluate` and `translate` decode alike: the same checkpoint, beam,
+# length penalty, averaging, device, batch size and `<unk>` options.
+
+
 # %%
 #| export
 def add_decoding_options(parser):
@@ -4578,6 +4606,12 @@ def add_decoding_options(parser):
         help="keep <unk> in the output (default: copy the attended source "
         "word; word vocabularies only)",
     )
+
+
+# %% [markdown]
+# Then the two decoding sub-commands, and `build_parser`, which puts the
+# four together and answers `--version` (`version_line`: this package's
+# version and torch's).
 
 
 # %%
@@ -4708,15 +4742,16 @@ def build_parser():
 #| export
 def command_train(args):
     """`train`: run training, then optionally score and summarize."""
+    started = time.time()
     config = config_from_args(args)
     ranks = torchrun_ranks()
     refuse_one_process_options(args, ranks)
+    warn_slow_settings(args, config)
     if args.world_size == 1 and not ranks and args.device is None:
         try:  # a device that AT_DEVICE names must be here
             pick_device()
         except ValueError as err:
             raise UserError(str(err)) from None
-    warn_slow_settings(args, config)
     if args.world_size > 1 and ranks is None:  # fail now, not in NCCL
         try:
             process_device(0, args.world_size)
@@ -4744,7 +4779,8 @@ def command_train(args):
     except KeyboardInterrupt:
         if rank != 0:  # rank 0 reports for all
             raise
-        print(interrupted_message(config.checkpoint_dir), file=sys.stderr)
+        message = interrupted_message(config.checkpoint_dir, started)
+        print(message, file=sys.stderr)
         return EXIT_INTERRUPTED
 
 
@@ -4904,8 +4940,9 @@ def refuse_a_checkpoint(path, option):
         )
 
 
-def interrupted_message(folder):
-    """What Ctrl-C in `train` leaves in `folder`, in one line."""
+def interrupted_message(folder, started=0.0):
+    """What Ctrl-C in `train` leaves in `folder`, in one line; files older
+    than `started` (the run's start, in seconds) are an earlier run's."""
     last = Path(folder, "last.pt")
     final = Path(folder, "final.pt")
     newest = max(
@@ -4913,10 +4950,14 @@ def interrupted_message(folder):
         key=lambda p: p.stat().st_mtime,
         default=None,
     )
+    if newest is not None and newest.stat().st_mtime < started:
+        return (
+            "interrupted before this run saved an epoch; the files in"
+            f" {folder} are as they were"
+        )
     if newest == final:  # training had ended (while --results scored)
         return f"interrupted; {final} holds the trained model"
-    if newest == last:  # this run's last epoch (or, if it saved none, the
-        # last of the run before)
+    if newest == last:  # this run's last epoch
         return (
             f"interrupted; {last} holds the last epoch saved: train with"
             " --resume to go on from it"
@@ -5255,7 +5296,11 @@ def load_for_decoding(args):
     (and, in load_translator, a length penalty without a beam)."""
     try:
         model, vocab_src, vocab_tgt, decode_fn = load_translator(
-            args.checkpoint, args.device, args.beam, args.average, args.alpha
+            args.checkpoint,
+            args.device,
+            beam=args.beam,
+            average_last=args.average,
+            alpha=args.alpha,
         )
     except (FileNotFoundError, ValueError) as err:  # CheckpointError, ...
         raise UserError(str(err)) from err
@@ -5283,6 +5328,12 @@ def load_for_decoding(args):
 # still translated, from its beginning, and every other line keeps its
 # place in the output: one stray line does not cost the others their
 # translations.
+#
+# `command_evaluate`, in the same cell, is `evaluate`: it reads the
+# source and reference files (test2016 by default; `evaluate_reads`
+# lists what `--out` must not replace), translates them, a blank line
+# into a blank translation as `translate` does, and prints the BLEU
+# score.
 
 
 # %%
@@ -5382,7 +5433,10 @@ def command_evaluate(args):
 # and never goes through the model one sentence at a time. An empty line
 # gets an empty line back, so that line $n$ of the output always
 # translates line $n$ of the input. Only a person typing at a terminal
-# gets each line translated as soon as it is typed.
+# gets each line translated as soon as it is typed. `translate_source`
+# says where the sentences come from, and `sentences_to_translate` reads
+# them from there, checked. (`command_download`, at the end of the cell,
+# is the `download` sub-command.)
 
 
 # %%

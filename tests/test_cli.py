@@ -290,6 +290,13 @@ def test_what_ctrl_c_in_train_says_it_left(tmp_path):
     assert tools.interrupted_message(tmp_path) == (
         f"interrupted; {tmp_path / 'final.pt'} holds the trained model"
     )
+    # a new run stopped before its first epoch ended left an earlier
+    # run's files: its final.pt is not this run's trained model
+    later = (tmp_path / "final.pt").stat().st_mtime + 60
+    assert tools.interrupted_message(tmp_path, started=later) == (
+        "interrupted before this run saved an epoch; the files in"
+        f" {tmp_path} are as they were"
+    )
 
 
 def test_long_messages_are_cut_at_a_word():
@@ -1349,7 +1356,7 @@ def test_no_replace_unk_with_a_bpe_model_is_a_warning(
     if subword:
         vocab.encode = lambda text: []  # what is_subword looks for
     monkeypatch.setattr(
-        tools, "load_translator", lambda *a: (None, vocab, vocab, None)
+        tools, "load_translator", lambda *a, **k: (None, vocab, vocab, None)
     )
     args = tools.build_parser().parse_args(
         ["translate", "--no-replace-unk", "Hallo"]

@@ -763,6 +763,10 @@ def test_a_run_saved_with_the_older_precision_name_resumes():
     config = tools.get_config("quick")
     older = asdict(config) | {"precision": "bf16"}
     assert tools.changed_settings(older, config) == []
+    asked_by_its_older_name = replace(config, precision="bf16")
+    assert (
+        tools.changed_settings(asdict(config), asked_by_its_older_name) == []
+    )
     other = asdict(config) | {"precision": "fp32"}
     assert tools.changed_settings(other, config) == [
         "precision 'fp32' there, 'auto' here"
