@@ -2035,6 +2035,25 @@ def same_run(epoch_history, history):
 # `train_one_process`, at once, but reaches `train_worker` only once it
 # is exported and the notebook restarted.
 #
+# The calls, from the command line down (each function has its own
+# section below, in roughly the opposite order):
+#
+# ```
+# command_train                the `train` sub-command: checks, the lock
+#   train_locked               the vocabularies, then
+#     train_model              one process, or several that it spawns
+#       train_distributed_model  (several: each runs _spawned_worker)
+#     train_worker             each process's whole run (under
+#                              torchrun, train_locked calls it at once)
+#       TrainingRun            model, optimizer, schedule, precision
+#       train_epoch            one epoch: train_pass, then validate
+#       save_epoch             epoch_NNN.pt and last.pt
+# ```
+#
+# The sections in between build the pieces: batches for several
+# processes, a cheaper dropout and label smoothing, R-Drop, one device per
+# process, and the run itself.
+#
 # ### Batches for several processes
 #
 # With data-parallel training over `n` processes, each process trains on
