@@ -1462,6 +1462,8 @@ def process_device(local_rank=0, local_world_size=1, cpu_fallback=False):
         if device == torch.device("cuda"):  # the current GPU: say which
             device = torch.device("cuda", torch.cuda.current_device())
         return device
+    if pick_device().type != "cuda":  # no GPU, a Mac, or AT_DEVICE=cpu
+        return torch.device("cpu")  # gloo: it cannot send MPS tensors
     gpus = cuda_count()
     if gpus >= local_world_size:
         return torch.device("cuda", local_rank)
@@ -1984,6 +1986,11 @@ def changed_settings(saved, config):
     ]
 
 
+def plural(n, word):
+    """ "1 epoch", "2 epochs": `n` and `word`, plural unless n is 1."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def check_resume(config, vocab_src, vocab_tgt):
     """(the checkpoint a run would resume from, the epochs it has
     trained), checked; (None, 0) when there is none."""
@@ -2021,9 +2028,10 @@ def check_resume(config, vocab_src, vocab_tgt):
             )
         done = ckpt.get("epoch", -1) + 1
         if config.epochs < done:
+            asked = plural(config.epochs, "epoch")
             raise CheckpointError(
-                f"cannot resume from {path} for {config.epochs} epochs in"
-                f" all: it has trained {done} epochs already; ask for {done}"
+                f"cannot resume from {path} for {asked} in all: it has"
+                f" trained {plural(done, 'epoch')} already; ask for {done}"
                 " or more (--epochs)"
             )
         return path, done
@@ -2223,7 +2231,7 @@ def train_distributed_model(
         device, how = "cuda", "one per GPU, with nccl"
     else:  # several processes on a Mac use the CPU: gloo cannot send MPS
         device, how = "cpu", "on the CPU, with gloo"
-        if cuda_count():
+        if cuda_count() and pick_device().type == "cuda":  # too few GPUs
             how += f" (NCCL needs a GPU per process; {cuda_count()} here)"
     print(f"{world_size} processes {how}")
     vocabs = [vocabulary_as_data(vocab_src), vocabulary_as_data(vocab_tgt)]
@@ -2835,6 +2843,7 @@ def iter_lines(path):
     stdin = str(path) == "-"
     name = shown_path(path)
     number = 0  # lines read so far, for the error messages
+    gzipped = False  # compressed data in a file not named .gz
     try:
         if stdin and sys.stdin is None:  # started with `<&-`
             raise TextFileError("standard input is closed")
@@ -2851,12 +2860,14 @@ def iter_lines(path):
                 number += 1
                 if number == 1:
                     line = line.removeprefix(b"\xef\xbb\xbf")  # the BOM
+                    gzipped = line.startswith(b"\x1f\x8b")  # gzip's magic
                 yield clean_line(line.decode("utf-8"))
     except FileNotFoundError:
         raise TextFileError(f"no such file: {name}") from None
     except UnicodeDecodeError:
+        hint = ", but gzip-compressed: name it *.gz" if gzipped else ""
         raise TextFileError(
-            f"{name} is not UTF-8 text (line {number})"
+            f"{name} is not UTF-8 text (line {number}){hint}"
         ) from None
     except (OSError, EOFError) as err:  # not gzip, truncated, unreadable
         reason = getattr(err, "strerror", None) or err  # no "[Errno 13]"
@@ -2879,6 +2890,8 @@ def read_parallel(src_path, ref_path):
         )
     if not sources:
         raise TextFileError(f"{src_name} is empty")
+    if not any(line.strip() for line in sources):
+        raise TextFileError(f"{src_name} holds only blank lines")
     return sources, references
 
 
@@ -2954,6 +2967,8 @@ def existing_device(name):
     try:
         return str(checked_device(name))
     except ValueError as err:
+        if name == "auto":  # AT_DEVICE's mistake, not the option's
+            raise UserError(str(err)) from None
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
@@ -3282,7 +3297,7 @@ def command_train(args):
     ranks = torchrun_ranks()
     refuse_one_process_options(args, ranks)
     warn_slow_settings(args, config)
-    if args.world_size == 1 and not ranks and args.device is None:
+    if not ranks and args.device is None:
         try:  # a device that AT_DEVICE names must be here
             pick_device()
         except ValueError as err:
@@ -3335,7 +3350,10 @@ def config_from_args(args):
         "keep_last": args.keep_last,
     }
     given = {field: v for field, v in options.items() if v is not None}
-    config = get_config(args.preset, **given)
+    try:
+        config = get_config(args.preset, **given)
+    except ValueError as err:  # AT_PRECISION's value
+        raise UserError(str(err)) from None
     if config.max_tokens < config.max_len:  # a batch must hold a sentence
         raise UserError(
             f"--max-tokens {config.max_tokens} is below the longest"
@@ -3453,7 +3471,13 @@ def check_results_file(path, data=None):
 
 
 def refuse_a_checkpoint(path, option):
-    """Refuse an output file that is a checkpoint, of any run."""
+    """Refuse an output file that is a checkpoint, of any run, or the
+    lock that keeps a second run out of a checkpoint folder."""
+    if Path(path).name == ".lock":
+        raise UserError(
+            f"{option} {path} is named as a checkpoint folder's lock, which"
+            " it would replace; name another file"
+        )
     if Path(path).suffix == ".pt" and Path(path).exists():
         raise UserError(
             f"{option} {path} is a checkpoint, which it would overwrite;"
@@ -3927,6 +3951,11 @@ def command_translate(args):
     first = list(itertools.islice(lines, chunk))  # input errors come first
     if not first:
         raise UserError(f"nothing to translate: {shown_path(source)} is empty")
+    if len(first) < chunk and not any(line.strip() for line in first):
+        raise UserError(
+            f"nothing to translate: {shown_path(source)} holds only blank"
+            " lines"
+        )
     model, vocab_src, vocab_tgt, decode_fn = load_for_decoding(args)
     spacy_de, _ = load_tokenizers()
     if source is None:
@@ -4263,6 +4292,7 @@ __all__ = [
     "RESUMABLE_CHANGES",
     "OLDER_DEFAULTS",
     "changed_settings",
+    "plural",
     "check_resume",
     "check_resume_and_say",
     "FolderInUseError",

@@ -822,7 +822,7 @@ def device_named(name):
     elif device.type == "mps":
         here = torch.backends.mps.is_available()
     else:
-        here = device.type == "cpu"
+        here = device.type == "cpu" and not device.index  # one CPU
     if not here:
         raise ValueError(f"AT_DEVICE={name}: no {name} here; try cpu")
     return device

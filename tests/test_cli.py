@@ -2268,3 +2268,80 @@ def test_train_precision_reaches_the_config(
     assert chosen == [precision], err
     status, _, err = run_cli(capsys, "train", "--precision", "fp16")
     assert status == 2 and "invalid choice: 'fp16'" in err
+
+
+# --- found by a probe of the command line with bad inputs ------------------
+
+
+def test_a_wrong_at_precision_is_one_line(monkeypatch, capsys, tmp_path):
+    """AT_PRECISION=fp16 gave a traceback and status 1."""
+    monkeypatch.setenv("AT_PRECISION", "fp16")
+    folder = tmp_path / "ck"
+    status, _, err = run_cli(
+        capsys, "train", "--preset", "ci", "--checkpoint-dir", folder
+    )
+    assert status == 2
+    assert err == (
+        "error: AT_PRECISION='fp16': only fp32 (float32, no 16-bit"
+        " arithmetic) can be set this way\n"
+    )
+    assert not folder.exists()
+
+
+def test_evaluate_refuses_to_replace_a_checkpoint_folders_lock(
+    tiny, tmp_path, capsys
+):
+    """`evaluate --out ck/.lock` replaced the lock, and a second `train`
+    into ck then started beside the first."""
+    src, ref = tmp_path / "s.de", tmp_path / "s.en"
+    src.write_text(GERMAN[0] + "\n")
+    ref.write_text(PAIRS[0][1] + "\n")
+    lock = tmp_path / "ck" / ".lock"
+    lock.parent.mkdir()
+    lock.write_text("4867\n")
+    status, _, err = run_cli(
+        capsys, "evaluate", "--checkpoint", tiny[0], "--src", src,
+        "--ref", ref, "--out", lock,
+    )  # fmt: skip
+    assert status == 2 and "a checkpoint folder's lock" in err
+    assert lock.read_text() == "4867\n"
+
+
+@pytest.mark.parametrize(
+    "lines, message",
+    [("", "is empty"), ("\n\n  \n", "holds only blank lines")],
+)
+def test_input_without_a_sentence_is_refused(
+    tiny, tmp_path, capsys, lines, message
+):
+    """A file of blank lines gave blank lines back, status 0, and
+    `evaluate` a BLEU of 0.00 over nothing."""
+    src = tmp_path / "blank.de"
+    src.write_text(lines)
+    status, out, err = run_cli(
+        capsys, "translate", "--checkpoint", tiny[0], "--input", src
+    )
+    assert (status, out) == (2, "")
+    assert err == f"error: nothing to translate: {src} {message}\n"
+    if lines:
+        ref = tmp_path / "blank.en"
+        ref.write_text(lines)
+        status, out, err = run_cli(
+            capsys, "evaluate", "--checkpoint", tiny[0], "--src", src,
+            "--ref", ref,
+        )  # fmt: skip
+        assert (status, out) == (2, "")
+        assert err == f"error: {src} holds only blank lines\n"
+
+
+def test_a_gzipped_file_without_gz_says_so(tiny, tmp_path, capsys):
+    packed = tmp_path / "sentences"  # gzip inside, no .gz on the name
+    packed.write_bytes(gzip.compress(GERMAN[0].encode() + b"\n"))
+    status, _, err = run_cli(
+        capsys, "translate", "--checkpoint", tiny[0], "--input", packed
+    )
+    assert status == 2
+    assert err == (
+        f"error: {packed} is not UTF-8 text (line 1), but gzip-compressed:"
+        " name it *.gz\n"
+    )

@@ -153,8 +153,6 @@ def test_at_device_reaches_a_lone_process_on_a_gpu_machine(
     monkeypatch.setenv("AT_DEVICE", "cpu")
     assert tools.process_device(0, 1) == torch.device("cpu")
     assert tools.checked_device(None) == torch.device("cpu")
-    # several processes still get a GPU each, as the README says
-    assert tools.process_device(1, 2) == torch.device("cuda", 1)
 
 
 @pytest.mark.parametrize(
@@ -179,6 +177,47 @@ def test_an_at_device_the_machine_lacks_is_one_line_before_training(
     assert status == 2 and err.startswith(f"error: {message}")
     assert len(err.splitlines()) == 1
     assert not (tmp_path / "ck").exists()  # refused before anything
+
+
+@pytest.mark.parametrize(
+    "machine, named",
+    [("no GPU", "cuda"), ("no GPU", "cpu:1")],
+    indirect=["machine"],
+)
+def test_several_processes_check_at_device_too(
+    machine, named, monkeypatch, capsys, tmp_path
+):
+    """With --world-size 2, a bad AT_DEVICE was ignored without a word;
+    `cpu:1` was taken by train and refused by translate."""
+    monkeypatch.setenv("AT_DEVICE", named)
+    folder = ["--checkpoint-dir", str(tmp_path / "ck")]
+    status = tools.main(
+        ["train", "--preset", "ci", "--world-size", "2", *folder]
+    )
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.startswith(f"error: AT_DEVICE={named}: no {named} here")
+
+
+@with_machine("two A100s")
+def test_at_device_cpu_puts_several_processes_on_the_cpu(machine, monkeypatch):
+    """AT_DEVICE=cpu moved one process off the GPUs but not several."""
+    assert tools.process_device(1, 2) == torch.device("cuda", 1)
+    monkeypatch.setenv("AT_DEVICE", "cpu")
+    got = [tools.process_device(rank, 2) for rank in (0, 1)]
+    assert got == [torch.device("cpu")] * 2
+
+
+@with_machine("no GPU")
+def test_a_wrong_at_device_is_not_blamed_on_the_device_option(
+    machine, monkeypatch, capsys
+):
+    monkeypatch.setenv("AT_DEVICE", "gpu")
+    status = tools.main(["translate", "Hallo."])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert err.startswith("error: AT_DEVICE='gpu' is not a device")
+    assert "--device" not in err
 
 
 @with_machine("one A100")

@@ -387,6 +387,9 @@ def test_resume_refuses_other_training_settings(
     fewer = replace(more, epochs=2)
     with pytest.raises(tools.CheckpointError, match="for 2 epochs in all"):
         tools.check_resume(fewer, *vocabs)
+    one = "for 1 epoch in all: it has trained 3 epochs already"  # not 1 epochs
+    with pytest.raises(tools.CheckpointError, match=one):
+        tools.check_resume(replace(more, epochs=1), *vocabs)
 
 
 def test_resume_in_an_empty_folder_says_it_starts_afresh(
