@@ -1459,8 +1459,8 @@ def process_device(local_rank=0, local_world_size=1, cpu_fallback=False):
     own GPU, or the CPU."""
     if local_world_size == 1:
         device = pick_device()
-        if device == torch.device("cuda"):  # the current GPU: say which
-            device = torch.device("cuda", torch.cuda.current_device())
+        if device == torch.device("cuda"):  # the first GPU: say which
+            device = torch.device("cuda", local_rank)
         return device
     if pick_device().type != "cuda":  # no GPU, a Mac, or AT_DEVICE=cpu
         return torch.device("cpu")  # gloo: it cannot send MPS tensors
@@ -1471,8 +1471,8 @@ def process_device(local_rank=0, local_world_size=1, cpu_fallback=False):
         processes = "process" if gpus == 1 else "processes"
         raise ValueError(
             f"{local_world_size} processes need a GPU each, and this "
-            f"machine has {gpus}; use at most {gpus} {processes}, or hide"
-            " the GPUs (CUDA_VISIBLE_DEVICES=) to train them on the CPU"
+            f"machine has {gpus}; use at most {gpus} {processes}, or train"
+            " them on the CPU (AT_DEVICE=cpu)"
         )
     return torch.device("cpu")
 
@@ -1944,14 +1944,15 @@ def load_optimizer_state(optimizer, state):
     """Load an optimizer's saved state, keeping how this machine's
     optimizer computes (`fused`, `foreach`): load_state_dict copies the
     saved choices too, and fused Adam saved on a CPU or a CUDA GPU would
-    then step on Apple's GPU, where Part 2 does not ask for it."""
-    chosen = [
-        {k: group[k] for k in ("fused", "foreach") if k in group}
-        for group in optimizer.param_groups
-    ]
-    optimizer.load_state_dict(state)
-    for group, own in zip(optimizer.param_groups, chosen, strict=True):
-        group.update(own)
+    then step on Apple's GPU, where Part 2 does not ask for it. The
+    choices go into the saved groups before loading, since torch places
+    each weight's step counter by them."""
+    groups = []
+    pairs = zip(state["param_groups"], optimizer.param_groups, strict=True)
+    for saved, own in pairs:
+        mine = {k: own[k] for k in ("fused", "foreach") if k in own}
+        groups.append({**saved, **mine})
+    optimizer.load_state_dict({**state, "param_groups": groups})
 
 
 def resume_run(run):
@@ -2865,7 +2866,11 @@ def iter_lines(path):
     except FileNotFoundError:
         raise TextFileError(f"no such file: {name}") from None
     except UnicodeDecodeError:
-        hint = ", but gzip-compressed: name it *.gz" if gzipped else ""
+        hint = ""
+        if gzipped and (stdin or not name.is_file()):  # a pipe: no name
+            hint = ", but gzip-compressed: decompress it first (zcat)"
+        elif gzipped:
+            hint = ", but gzip-compressed: name it *.gz"
         raise TextFileError(
             f"{name} is not UTF-8 text (line {number}){hint}"
         ) from None
@@ -2891,7 +2896,9 @@ def read_parallel(src_path, ref_path):
     if not sources:
         raise TextFileError(f"{src_name} is empty")
     if not any(line.strip() for line in sources):
-        raise TextFileError(f"{src_name} holds only blank lines")
+        raise TextFileError(
+            f"nothing to translate: {src_name} holds only blank lines"
+        )
     return sources, references
 
 
@@ -3084,12 +3091,11 @@ def add_train_parser(sub):
     )
     train.add_argument(
         "--precision",
-        choices=["auto", "fp32", "bf16"],
+        choices=["auto", "fp32"],
         help="auto: the fastest 16-bit arithmetic this machine computes"
-        " natively (bfloat16, float16 on a T4, none on others; bf16 is its"
-        " older name); fp32: none, say if training gives nan (default:"
-        " fp32 if AT_PRECISION=fp32 is in the environment, else the"
-        " preset's: auto, fp32 for ci)",
+        " natively (bfloat16, float16 on a T4, none on others); fp32: none,"
+        " say if training gives nan (default: fp32 if AT_PRECISION=fp32 is"
+        " in the environment, else the preset's: auto, fp32 for ci)",
     )
     train.add_argument(
         "--device",
@@ -3297,7 +3303,7 @@ def command_train(args):
     ranks = torchrun_ranks()
     refuse_one_process_options(args, ranks)
     warn_slow_settings(args, config)
-    if not ranks and args.device is None:
+    if args.device is None:
         try:  # a device that AT_DEVICE names must be here
             pick_device()
         except ValueError as err:
@@ -3329,7 +3335,9 @@ def command_train(args):
     except KeyboardInterrupt:
         if rank != 0:  # rank 0 reports for all
             raise
-        message = interrupted_message(config.checkpoint_dir, started)
+        message = interrupted_message(
+            config.checkpoint_dir, started, resumed=args.resume
+        )
         print(message, file=sys.stderr)
         return EXIT_INTERRUPTED
 
@@ -3485,9 +3493,10 @@ def refuse_a_checkpoint(path, option):
         )
 
 
-def interrupted_message(folder, started=0.0):
-    """What Ctrl-C in `train` leaves in `folder`, in one line; files older
-    than `started` (the run's start, in seconds) are an earlier run's."""
+def interrupted_message(folder, started=0.0, resumed=False):
+    """What Ctrl-C in `train` leaves in `folder`, in one line. Unless the
+    run resumed, files older than `started` (its start, in seconds) are
+    an earlier run's."""
     last = Path(folder, "last.pt")
     final = Path(folder, "final.pt")
     newest = max(
@@ -3495,7 +3504,8 @@ def interrupted_message(folder, started=0.0):
         key=lambda p: p.stat().st_mtime,
         default=None,
     )
-    if newest is not None and newest.stat().st_mtime < started:
+    earlier = newest is not None and newest.stat().st_mtime < started
+    if earlier and not resumed:
         return (
             "interrupted before this run saved an epoch; the files in"
             f" {folder} are as they were"
@@ -3942,6 +3952,19 @@ def warn_unknown_words(sentences, spacy_de, vocab_src):
             )
 
 
+def blank_lines_then_a_sentence(lines, source):
+    """The lines up to and including the first that is not blank; a
+    UserError if every line is blank."""
+    read = []
+    for line in lines:
+        read.append(line)
+        if line.strip():
+            return read
+    raise UserError(
+        f"nothing to translate: {shown_path(source)} holds only blank lines"
+    )
+
+
 def command_translate(args):
     """`translate`: one line of English per German sentence, in order."""
     source = translate_source(args)
@@ -3951,11 +3974,8 @@ def command_translate(args):
     first = list(itertools.islice(lines, chunk))  # input errors come first
     if not first:
         raise UserError(f"nothing to translate: {shown_path(source)} is empty")
-    if len(first) < chunk and not any(line.strip() for line in first):
-        raise UserError(
-            f"nothing to translate: {shown_path(source)} holds only blank"
-            " lines"
-        )
+    if not any(line.strip() for line in first):  # read on to a sentence
+        first += blank_lines_then_a_sentence(lines, source)
     model, vocab_src, vocab_tgt, decode_fn = load_for_decoding(args)
     spacy_de, _ = load_tokenizers()
     if source is None:
@@ -4389,6 +4409,7 @@ __all__ = [
     "translate_source",
     "sentences_to_translate",
     "warn_unknown_words",
+    "blank_lines_then_a_sentence",
     "command_translate",
     "command_download",
     "EXIT_USAGE",

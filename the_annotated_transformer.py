@@ -691,12 +691,7 @@ def optimizer_step(optimizer, scheduler, parameters, scale=1.0, scaler=None):
         scaler.step(optimizer)
         scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    if scheduler is None:
-        return
-    with warnings.catch_warnings():
-        # A first step that the scaler skipped makes PyTorch warn that the
-        # schedule stepped before the optimizer; here that is expected.
-        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
+    if scheduler is not None:
         scheduler.step()
 
 
@@ -1136,26 +1131,6 @@ def pick_device():
     return torch.device("cpu")
 
 
-def device_named(name):
-    """The device that AT_DEVICE names, if this machine has it; else a
-    one-line ValueError (rather than a CUDA error, cells later)."""
-    try:
-        device = torch.device(name)
-    except RuntimeError:  # torch's message lists 20 device types
-        raise ValueError(
-            f"AT_DEVICE={name!r} is not a device; try cpu, cuda or mps"
-        ) from None
-    if device.type == "cuda":
-        here = (device.index or 0) < torch.cuda.device_count()
-    elif device.type == "mps":
-        here = torch.backends.mps.is_available()
-    else:
-        here = device.type == "cpu" and not device.index  # one CPU
-    if not here:
-        raise ValueError(f"AT_DEVICE={name}: no {name} here; try cpu")
-    return device
-
-
 def train_one_process(
     vocab_src, vocab_tgt, spacy_de, spacy_en, config, device=None
 ):
@@ -1313,6 +1288,26 @@ def split_file(folder, split, lang):
         )
         raise DatasetError(f"no {path}: {hint} or set {MULTI30K_ENV}")
     return path
+
+
+def device_named(name):
+    """The device that AT_DEVICE names, if this machine has it; else a
+    one-line ValueError (rather than a CUDA error, cells later)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:  # torch's message lists 20 device types
+        raise ValueError(
+            f"AT_DEVICE={name!r} is not a device; try cpu, cuda or mps"
+        ) from None
+    if device.type == "cuda":
+        here = (device.index or 0) < torch.cuda.device_count()
+    elif device.type == "mps":
+        here = torch.backends.mps.is_available()
+    else:
+        here = device.type == "cpu" and not device.index  # one CPU
+    if not here:
+        raise ValueError(f"AT_DEVICE={name}: no {name} here; try cpu")
+    return device
 
 
 # =============================================================================
@@ -2057,7 +2052,6 @@ __all__ = [
     "run_schedule",
     "make_run_optimizer",
     "pick_device",
-    "device_named",
     "train_one_process",
     "batch_greedy_decode",
     "strip_specials",
@@ -2070,6 +2064,7 @@ __all__ = [
     "data_dir",
     "multi30k_folder",
     "split_file",
+    "device_named",
     "record_attention",
     "ATTENTION_KINDS",
     "AttentionMaps",

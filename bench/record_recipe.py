@@ -119,7 +119,11 @@ def record(preset, threads, checkpoint_dir, run, began):
         "machine": platform.node(),
         "threads": threads,
         "hardware": hardware,
-        "precision": "bfloat16" if hardware["native_bf16"] else "float32",
+        "precision": (
+            "bfloat16"
+            if hardware["native_bf16"] and config["precision"] != "fp32"
+            else "float32"
+        ),
         "precision_note": "config.precision 'auto' (older name 'bf16')"
         " means 16-bit autocast only where the hardware computes it"
         " natively (hardware.native_bf16 on a CPU)",

@@ -80,7 +80,6 @@ AT_SIZE = os.environ.get("AT_SIZE", "full")
 #| export
 import math
 import time
-import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -1103,12 +1102,7 @@ def optimizer_step(optimizer, scheduler, parameters, scale=1.0, scaler=None):
         scaler.step(optimizer)
         scaler.update()
     optimizer.zero_grad(set_to_none=True)
-    if scheduler is None:
-        return
-    with warnings.catch_warnings():
-        # A first step that the scaler skipped makes PyTorch warn that the
-        # schedule stepped before the optimizer; here that is expected.
-        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
+    if scheduler is not None:
         scheduler.step()
 
 

@@ -22,11 +22,9 @@
 # image captions written in English and translated into German. It is
 # tiny next to the 4.5 million sentence pairs of WMT 2014 that the paper
 # used, but large enough to learn a usable translator in 14 to 20
-# minutes on two CPU cores (about 10 on a CPU that computes in bf16, a
-# 16-bit format, natively; the first line the training cell prints says
-# which yours does), or in under two minutes on an H100 GPU. Colab's
-# free T4 was not measured: the training cell below says how to read its
-# time off the progress bar.
+# minutes on two CPU cores, or in under two minutes on an H100 GPU.
+# Colab's free T4 was not measured: the training section says how to
+# read its time off the progress bar, and what else changes the time.
 #
 # From text to translator takes five steps, one section each: read the
 # sentence pairs, cut them into tokens, number the tokens, group sentences
@@ -779,18 +777,24 @@ assert quick_rate(765) == 0  # the end of the budget
 #
 # Training runs on the device that `pick_device` returns: a CUDA GPU if
 # there is one, else Apple's GPU (`mps`), else the CPU. That is an order
-# of preference; it does not time the devices. The environment variable
-# `AT_DEVICE` overrides it (`AT_DEVICE=cpu`, say), for this lesson and
-# for every model that Parts 4 and 5 train; a device the machine lacks
-# (`AT_DEVICE=cuda` on a Mac) is refused in one line. The cell after
-# `pick_device` sets `device`, which the rest of the lesson uses, and
-# warns when a Colab runtime has no GPU. On a Mac, if a later cell fails
-# with an error that names `mps`, train on the CPU instead: add
-# `device = torch.device("cpu")` at the end of the cell that prints
-# `device:`, below, and run the notebook again from there
-# (`docs/gpu.md`, "If it fails on a T4 or a Mac", has another way).
-# Whether Apple's GPU is faster than its CPU for this small model was
-# not measured.
+# of preference; it does not time the devices.
+#
+# The environment variable `AT_DEVICE` overrides it (`AT_DEVICE=cpu`,
+# say), for this lesson and for every model that Parts 4 and 5 train.
+# (`device_named`, with the plumbing at the end of this lesson, refuses
+# in one line a device the machine lacks.) The cell after `pick_device`
+# sets `device`, which the rest of the lesson uses, and warns when a
+# Colab runtime has no GPU.
+#
+# On a Mac, if a later cell fails with an error that names `mps`, train
+# on the CPU instead: add `device = torch.device("cpu")` at the end of
+# the next cell, the one that sets `device`, and run the notebook again
+# from there (`docs/gpu.md`, "If it fails on a T4 or a Mac", has another
+# way). Whether Apple's GPU is faster than its CPU for this small model
+# was not measured.
+
+# %%
+from the_annotated_transformer import device_named  # shown at the end
 
 
 # %%
@@ -808,26 +812,6 @@ def pick_device():
     return torch.device("cpu")
 
 
-def device_named(name):
-    """The device that AT_DEVICE names, if this machine has it; else a
-    one-line ValueError (rather than a CUDA error, cells later)."""
-    try:
-        device = torch.device(name)
-    except RuntimeError:  # torch's message lists 20 device types
-        raise ValueError(
-            f"AT_DEVICE={name!r} is not a device; try cpu, cuda or mps"
-        ) from None
-    if device.type == "cuda":
-        here = (device.index or 0) < torch.cuda.device_count()
-    elif device.type == "mps":
-        here = torch.backends.mps.is_available()
-    else:
-        here = device.type == "cpu" and not device.index  # one CPU
-    if not here:
-        raise ValueError(f"AT_DEVICE={name}: no {name} here; try cpu")
-    return device
-
-
 # %%
 device = pick_device()
 print("device:", device)
@@ -842,14 +826,18 @@ if device.type == "cpu" and "COLAB_RELEASE_TAG" in os.environ:
 # %% [markdown]
 # ### The training loop
 #
-# `train_one_process` is all of training. It seeds, builds the model
-# from the config on the device, takes Part 2's label-smoothed loss,
-# makes the loaders, then Adam and the config's schedule. Then, each
-# epoch, it reshuffles the batches, trains through Part 2's `run_epoch`,
-# with its counters in a `TrainState` (`accum_step` counts optimizer
-# steps; `run_epoch` and `TrainState` are in Part 2's last section,
-# "Under the hood: `run_epoch`"), and measures the loss on the
-# validation set, without gradients and with dropout off
+# `train_one_process` is all of training. Below, it trains a tiny model
+# in seconds; the translator itself, in "The reference run", is trained
+# by the appendix's `train_model`, which runs this same loop and adds
+# checkpoints, 16-bit arithmetic and several processes.
+#
+# It seeds, builds the model from the config on the device, takes Part
+# 2's label-smoothed loss, makes the loaders, then Adam and the config's
+# schedule. Then, each epoch, it reshuffles the batches, trains through
+# Part 2's `run_epoch`, with its counters in a `TrainState`
+# (`accum_step` counts optimizer steps; `run_epoch` and `TrainState` are
+# in Part 2's last section, "Under the hood: `run_epoch`"), and measures
+# the loss on the validation set, without gradients and with dropout off
 # (`model.eval()`). `Batch(...).to(device)` moves each batch where the
 # model is. It returns the model and one line of history per epoch. It
 # always computes in float32: only the appendix's `train_model` reads
@@ -975,13 +963,15 @@ assert last < guess
 #
 # **Your edits to the cells above do not reach this run**: `train_model`
 # runs the library's copies of this lesson's `#| export` cells, which
-# change only once `make export` has copied the edits and the notebook is
-# restarted. To try an edit, run `train_one_process` with the `ci`
-# preset, as above. If `checkpoints/quick/final.pt` exists already, the
-# cell trains nothing and uses it, whatever trained it; delete that
-# folder to train afresh. (The project's automated tests run every
-# notebook in a tiny version, `AT_SIZE=ci`, where the cell trains the
-# `ci` preset.)
+# change only once `make export` (which runs `tools/export.py`) has
+# copied the edits from `notebooks/03_multi30k.py` and the notebook is
+# restarted. On Colab, your edits stay in Colab's copy of the notebook
+# and never reach that file. To try an edit, run `train_one_process`
+# with the `ci` preset, as above. If `checkpoints/quick/final.pt` exists
+# already, the cell trains nothing and uses it, whatever trained it;
+# delete that folder to train afresh. (The project's automated tests run
+# every notebook in a tiny version, `AT_SIZE=ci`, where the cell trains
+# the `ci` preset.)
 #
 # **What you will see.** First the device and the precision: `device:
 # cpu (CPU), float32` on a CPU without native bf16, `bfloat16 autocast`
@@ -1025,8 +1015,8 @@ assert last < guess
 #   GPU (Runtime → Change runtime type).
 # - An epoch 0 line that reads `nan` means float16 failed: stop the cell
 #   (■) at once, add `precision="fp32"` to the cell's `get_config(...)`,
-#   delete `checkpoints/quick/` (on Colab
-#   `/content/done-right/checkpoints/quick/`), and run the cell again.
+#   delete the run's folder (in a new cell: `!rm -r {ROOT}/checkpoints/quick`;
+#   IPython fills in `ROOT`), and run the cell again.
 # - On a Mac, an error that names `mps`: see "The device", above.
 # - A Colab runtime that disconnects loses its checkpoints;
 #   `docs/gpu.md`, "Keeping a model on Colab", shows how to keep the
@@ -1423,3 +1413,35 @@ mine = split_file(multi30k_folder(), "test", "en")
 theirs = library.split_file(library.multi30k_folder(), "test", "en")
 print(mine)
 assert mine == theirs and mine.name == "test_2016_flickr.en.gz"
+
+
+# %% [markdown]
+# ### Plumbing: the device that `AT_DEVICE` names
+#
+# `pick_device` hands a name from `AT_DEVICE` to `device_named`, which
+# refuses, in one line, a name that is no device (`gpu`) or a device this
+# machine lacks (`cuda` on a Mac, `cuda:1` with one GPU): a mistake there
+# would otherwise show up cells later, as a CUDA error in the middle of
+# training.
+
+
+# %%
+#| export
+def device_named(name):
+    """The device that AT_DEVICE names, if this machine has it; else a
+    one-line ValueError (rather than a CUDA error, cells later)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:  # torch's message lists 20 device types
+        raise ValueError(
+            f"AT_DEVICE={name!r} is not a device; try cpu, cuda or mps"
+        ) from None
+    if device.type == "cuda":
+        here = (device.index or 0) < torch.cuda.device_count()
+    elif device.type == "mps":
+        here = torch.backends.mps.is_available()
+    else:
+        here = device.type == "cpu" and not device.index  # one CPU
+    if not here:
+        raise ValueError(f"AT_DEVICE={name}: no {name} here; try cpu")
+    return device

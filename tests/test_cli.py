@@ -297,6 +297,11 @@ def test_what_ctrl_c_in_train_says_it_left(tmp_path):
         "interrupted before this run saved an epoch; the files in"
         f" {tmp_path} are as they were"
     )
+    # a resumed run's files are its own: the --resume hint stays
+    os.utime(tmp_path / "final.pt", (1, 1))
+    os.utime(tmp_path / "last.pt", (2, 2))
+    resumed = tools.interrupted_message(tmp_path, later, resumed=True)
+    assert "holds the last epoch saved: train with --resume" in resumed
 
 
 def test_long_messages_are_cut_at_a_word():
@@ -2245,7 +2250,6 @@ def test_a_worker_that_ran_out_of_memory_is_told_apart(last_line, oom):
         ("quick", None, "auto"),
         ("quick", "fp32", "fp32"),
         ("ci", "auto", "auto"),
-        ("ci", "bf16", "bf16"),  # the older name, still taken
     ],
 )
 def test_train_precision_reaches_the_config(
@@ -2331,7 +2335,41 @@ def test_input_without_a_sentence_is_refused(
             "--ref", ref,
         )  # fmt: skip
         assert (status, out) == (2, "")
-        assert err == f"error: {src} holds only blank lines\n"
+        assert err == (
+            f"error: nothing to translate: {src} holds only blank lines\n"
+        )
+
+
+def test_blank_lines_past_the_first_chunk_are_read_through(
+    tiny, tokenizers, tmp_path, capsys
+):
+    """Only blank lines that fit in the first chunk were refused: with
+    --batch-size 1 a chunk is 8 lines, and 20 blank lines came back as
+    20 blank lines, status 0."""
+    src = tmp_path / "blank.de"
+    src.write_text("\n" * 20)
+    options = ["--checkpoint", tiny[0], "--batch-size", 1, "--input", src]
+    status, out, err = run_cli(capsys, "translate", *options)
+    assert (status, out) == (2, "")
+    assert err.endswith("holds only blank lines\n")
+    src.write_text("\n" * 20 + GERMAN[0] + "\n")  # then a sentence
+    status, out, _ = run_cli(capsys, "translate", *options)
+    assert status == 0
+    assert out.split("\n")[:21] == [""] * 20 + reference(
+        tiny, tokenizers, [GERMAN[0]]
+    )
+
+
+def test_gzipped_standard_input_says_to_decompress_it(tiny, tmp_path):
+    data = gzip.compress(GERMAN[0].encode() + b"\n")
+    status, out, err = run_script(
+        "translate", "--checkpoint", tiny[0], cwd=tmp_path, stdin=data
+    )
+    assert (status, out) == (2, "")
+    assert err == (
+        "error: standard input is not UTF-8 text (line 1), but"
+        " gzip-compressed: decompress it first (zcat)\n"
+    )
 
 
 def test_a_gzipped_file_without_gz_says_so(tiny, tmp_path, capsys):

@@ -199,6 +199,25 @@ def test_several_processes_check_at_device_too(
     assert err.startswith(f"error: AT_DEVICE={named}: no {named} here")
 
 
+@with_machine("no GPU")
+def test_a_torchrun_process_checks_at_device_before_anything(
+    machine, monkeypatch, capsys, tmp_path
+):
+    """Under torchrun the check came after the download, the lock (which
+    made the folder) and the vocabularies, in every rank."""
+    ranks = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    for name, value in ranks.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AT_DEVICE", "cuda")
+    folder = tmp_path / "ck"
+    status = tools.main(
+        ["train", "--preset", "ci", "--checkpoint-dir", str(folder)]
+    )
+    err = capsys.readouterr().err
+    assert status == 2 and err.startswith("error: AT_DEVICE=cuda: no cuda")
+    assert not folder.exists()
+
+
 @with_machine("two A100s")
 def test_at_device_cpu_puts_several_processes_on_the_cpu(machine, monkeypatch):
     """AT_DEVICE=cpu moved one process off the GPUs but not several."""
@@ -352,8 +371,7 @@ def test_more_processes_than_gpus_is_a_value_error(machine):
         tools.process_device(0, 2)
     # the way to the CPU, since --device is for one-process runs
     assert str(err.value).endswith(
-        "use at most 1 process, or hide the GPUs (CUDA_VISIBLE_DEVICES=)"
-        " to train them on the CPU"
+        "use at most 1 process, or train them on the CPU (AT_DEVICE=cpu)"
     )
 
 
@@ -879,22 +897,27 @@ def test_run_epoch_reads_the_loss_once(monkeypatch):
     assert isinstance(loss, float) and loss > 0
 
 
-def test_a_skipped_first_step_does_not_warn_about_the_schedule():
-    """On a T4 the first float16 step often overflows, so the scaler skips
-    it, and PyTorch warned in the first epoch's output: "Detected call of
-    `lr_scheduler.step()` before `optimizer.step()`"."""
-    p = torch.nn.Parameter(torch.zeros(3))
-    opt = torch.optim.Adam([p])
-    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+def test_a_skipped_float16_step_leaves_the_weights_and_warns_nothing():
+    """A step that the GradScaler skips would make PyTorch warn that the
+    schedule stepped before the optimizer, were Adam not fused: the scaler
+    then always calls its step, with the overflow flag. make_optimizer
+    fuses Adam on the CPU and on CUDA, where float16 trains; the CPU's
+    fused Adam and GradScaler stand in for the GPU's."""
+    model = torch.nn.Linear(3, 1)
+    optimizer, scheduler = tat.make_optimizer(model, 16)
+    assert optimizer.param_groups[0]["fused"]
     scaler = torch.amp.GradScaler("cpu")
-    overflowing = (p * torch.tensor([float("inf"), 0.0, 0.0])).sum()
+    overflowing = (model(torch.ones(1, 3)) * float("inf")).sum()
     scaler.scale(overflowing).backward()
+    before = model.weight.detach().clone()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        tat.optimizer_step(opt, scheduler, [p], scaler=scaler)
-    assert scaler.get_scale() < 2.0**16  # the step was skipped
-    assert not [w for w in caught if "lr_scheduler" in str(w.message)]
-    assert torch.equal(p.detach(), torch.zeros(3))
+        tat.optimizer_step(
+            optimizer, scheduler, list(model.parameters()), scaler=scaler
+        )
+    assert caught == []
+    assert torch.equal(model.weight.detach(), before)  # skipped
+    assert scaler.get_scale() == 2.0**15  # and the scale halved
 
 
 def test_a_float16_run_steps_through_its_grad_scaler():
