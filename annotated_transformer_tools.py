@@ -108,6 +108,7 @@ from the_annotated_transformer import (
     tokenize,
     train_bpe,
     warmup_linear_decay,
+    why_missing,
 )
 
 # =============================================================================
@@ -2602,19 +2603,9 @@ def checked_device(name):
         raise ValueError(
             f"{name!r} is not a device; try cpu, cuda or cuda:1"
         ) from None
-    if device.type == "cuda":
-        gpus = cuda_count()
-        if (device.index or 0) >= gpus:
-            plural = "" if gpus == 1 else "s"
-            raise ValueError(
-                f"no {name} here: this machine has {gpus} CUDA device{plural}"
-            )
-    elif device.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError("no mps (Apple GPU) here")
-    elif device.type == "cpu" and device.index:
-        raise ValueError(f"no {name} here: the CPU is one device, cpu")
-    elif device.type not in ("cpu", "cuda", "mps"):
-        raise ValueError(f"{name} is not supported here")
+    why = why_missing(device)  # Part 3's plumbing, as for AT_DEVICE
+    if why:
+        raise ValueError(f"no {name} here: {why}")
     return device
 
 

@@ -1299,15 +1299,26 @@ def device_named(name):
         raise ValueError(
             f"AT_DEVICE={name!r} is not a device; try cpu, cuda or mps"
         ) from None
-    if device.type == "cuda":
-        here = (device.index or 0) < torch.cuda.device_count()
-    elif device.type == "mps":
-        here = torch.backends.mps.is_available()
-    else:
-        here = device.type == "cpu" and not device.index  # one CPU
-    if not here:
-        raise ValueError(f"AT_DEVICE={name}: no {name} here; try cpu")
+    why = why_missing(device)
+    if why:
+        raise ValueError(f"AT_DEVICE={name}: no {name} here: {why}")
     return device
+
+
+def why_missing(device):
+    """Why this machine lacks `device`, in a few words; "" if it has it."""
+    if device.type == "cuda":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) < gpus:
+            return ""
+        return f"this machine has {gpus} CUDA device" + "s" * (gpus != 1)
+    if device.type == "mps":
+        if torch.backends.mps.is_available():
+            return ""
+        return "this machine has no Apple GPU"
+    if device.type == "cpu":
+        return "the CPU is one device, cpu" if device.index else ""
+    return "only cpu, cuda and mps are supported"
 
 
 # =============================================================================
@@ -2065,6 +2076,7 @@ __all__ = [
     "multi30k_folder",
     "split_file",
     "device_named",
+    "why_missing",
     "record_attention",
     "ATTENTION_KINDS",
     "AttentionMaps",

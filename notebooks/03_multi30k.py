@@ -1422,7 +1422,8 @@ assert mine == theirs and mine.name == "test_2016_flickr.en.gz"
 # refuses, in one line, a name that is no device (`gpu`) or a device this
 # machine lacks (`cuda` on a Mac, `cuda:1` with one GPU): a mistake there
 # would otherwise show up cells later, as a CUDA error in the middle of
-# training.
+# training. `why_missing` says why; the command line's `--device` is
+# checked by it too.
 
 
 # %%
@@ -1436,12 +1437,23 @@ def device_named(name):
         raise ValueError(
             f"AT_DEVICE={name!r} is not a device; try cpu, cuda or mps"
         ) from None
-    if device.type == "cuda":
-        here = (device.index or 0) < torch.cuda.device_count()
-    elif device.type == "mps":
-        here = torch.backends.mps.is_available()
-    else:
-        here = device.type == "cpu" and not device.index  # one CPU
-    if not here:
-        raise ValueError(f"AT_DEVICE={name}: no {name} here; try cpu")
+    why = why_missing(device)
+    if why:
+        raise ValueError(f"AT_DEVICE={name}: no {name} here: {why}")
     return device
+
+
+def why_missing(device):
+    """Why this machine lacks `device`, in a few words; "" if it has it."""
+    if device.type == "cuda":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) < gpus:
+            return ""
+        return f"this machine has {gpus} CUDA device" + "s" * (gpus != 1)
+    if device.type == "mps":
+        if torch.backends.mps.is_available():
+            return ""
+        return "this machine has no Apple GPU"
+    if device.type == "cpu":
+        return "the CPU is one device, cpu" if device.index else ""
+    return "only cpu, cuda and mps are supported"

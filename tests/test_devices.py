@@ -1109,10 +1109,14 @@ def test_checked_device_keeps_what_the_machine_has(machine, name, expected):
     [
         ("no GPU", "cuda", "no cuda here: this machine has 0 CUDA devices"),
         ("one T4", "cuda:1", "no cuda:1 here: this machine has 1 CUDA device"),
-        ("no GPU", "mps", "no mps (Apple GPU) here"),
+        ("no GPU", "mps", "no mps here: this machine has no Apple GPU"),
         ("no GPU", "cpu:7", "no cpu:7 here: the CPU is one device, cpu"),
         ("no GPU", "gpu", "'gpu' is not a device; try cpu, cuda or cuda:1"),
-        ("a Mac", "meta", "meta is not supported here"),
+        (
+            "a Mac",
+            "meta",
+            "no meta here: only cpu, cuda and mps are supported",
+        ),
     ],
     indirect=["machine"],
 )
