@@ -1295,7 +1295,7 @@ def device_named(name):
     one-line ValueError (rather than a CUDA error, cells later)."""
     try:
         device = torch.device(name)
-    except RuntimeError:  # torch's message lists 20 device types
+    except (RuntimeError, ValueError):  # torch lists 20 device types
         raise ValueError(
             f"AT_DEVICE={name!r} is not a device; try cpu, cuda or mps"
         ) from None
@@ -1313,9 +1313,9 @@ def why_missing(device):
             return ""
         return f"this machine has {gpus} CUDA device" + "s" * (gpus != 1)
     if device.type == "mps":
-        if torch.backends.mps.is_available():
-            return ""
-        return "this machine has no Apple GPU"
+        if not torch.backends.mps.is_available():
+            return "this machine has no Apple GPU"
+        return "a Mac has one Apple GPU, mps" if device.index else ""
     if device.type == "cpu":
         return "the CPU is one device, cpu" if device.index else ""
     return "only cpu, cuda and mps are supported"

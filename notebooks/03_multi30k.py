@@ -23,8 +23,9 @@
 # tiny next to the 4.5 million sentence pairs of WMT 2014 that the paper
 # used, but large enough to learn a usable translator in 14 to 20
 # minutes on two CPU cores, or in under two minutes on an H100 GPU.
-# Colab's free T4 was not measured: the training section says how to
-# read its time off the progress bar, and what else changes the time.
+# Colab's free T4 was not measured: "The reference run", below, says
+# how to read its time off the progress bar, and what else changes the
+# time.
 #
 # From text to translator takes five steps, one section each: read the
 # sentence pairs, cut them into tokens, number the tokens, group sentences
@@ -779,19 +780,22 @@ assert quick_rate(765) == 0  # the end of the budget
 # there is one, else Apple's GPU (`mps`), else the CPU. That is an order
 # of preference; it does not time the devices.
 #
-# The environment variable `AT_DEVICE` overrides it (`AT_DEVICE=cpu`,
-# say), for this lesson and for every model that Parts 4 and 5 train.
-# (`device_named`, with the plumbing at the end of this lesson, refuses
-# in one line a device the machine lacks.) The cell after `pick_device`
-# sets `device`, which the rest of the lesson uses, and warns when a
-# Colab runtime has no GPU.
+# The environment variable `AT_DEVICE` overrides it, for this lesson
+# and for every model that Parts 4 and 5 train: `AT_DEVICE=cpu make
+# notebook` in a shell, or `%env AT_DEVICE=cpu` in a cell of a notebook
+# before the cell that sets `device` (a Python variable `AT_DEVICE = ...`
+# would change nothing). `device_named`, imported in the next cell and
+# shown with the plumbing at the end of this lesson, refuses in one line
+# a device the machine lacks. The cell after `pick_device` sets `device`,
+# which the rest of the lesson uses, and warns when a Colab runtime has
+# no GPU.
 #
 # On a Mac, if a later cell fails with an error that names `mps`, train
 # on the CPU instead: add `device = torch.device("cpu")` at the end of
-# the next cell, the one that sets `device`, and run the notebook again
-# from there (`docs/gpu.md`, "If it fails on a T4 or a Mac", has another
-# way). Whether Apple's GPU is faster than its CPU for this small model
-# was not measured.
+# the cell that sets `device` (it prints `device: mps`), and run the
+# notebook again from there (`docs/gpu.md`, "If it fails on a T4 or a
+# Mac", has another way). Whether Apple's GPU is faster than its CPU
+# for this small model was not measured.
 
 # %%
 from the_annotated_transformer import device_named  # shown at the end
@@ -815,7 +819,8 @@ def pick_device():
 # %%
 device = pick_device()
 print("device:", device)
-if device.type == "cpu" and "COLAB_RELEASE_TAG" in os.environ:
+on_colab = "COLAB_RELEASE_TAG" in os.environ
+if device.type == "cpu" and on_colab and not os.environ.get("AT_DEVICE"):
     print(
         "This is a Colab runtime without a GPU: training below takes a"
         " quarter of an hour or more. For a GPU: Runtime → Change runtime"
@@ -828,8 +833,9 @@ if device.type == "cpu" and "COLAB_RELEASE_TAG" in os.environ:
 #
 # `train_one_process` is all of training. Below, it trains a tiny model
 # in seconds; the translator itself, in "The reference run", is trained
-# by the appendix's `train_model`, which runs this same loop and adds
-# checkpoints, 16-bit arithmetic and several processes.
+# by the appendix's `train_model`, which takes the same steps, in code
+# of its own, and adds checkpoints, 16-bit arithmetic and several
+# processes.
 #
 # It seeds, builds the model from the config on the device, takes Part
 # 2's label-smoothed loss, makes the loaders, then Adam and the config's
@@ -965,11 +971,14 @@ assert last < guess
 # runs the library's copies of this lesson's `#| export` cells, which
 # change only once `make export` (which runs `tools/export.py`) has
 # copied the edits from `notebooks/03_multi30k.py` and the notebook is
-# restarted. On Colab, your edits stay in Colab's copy of the notebook
-# and never reach that file. To try an edit, run `train_one_process`
+# restarted. That `.py` file is the source: `make export` rewrites the
+# `.ipynb` from it, so edit the `.py` (Jupyter with jupytext keeps the
+# two in step). On Colab, your edits stay in Colab's copy of the
+# notebook and never reach that file. To try an edit, run `train_one_process`
 # with the `ci` preset, as above. If `checkpoints/quick/final.pt` exists
 # already, the cell trains nothing and uses it, whatever trained it;
-# delete that folder to train afresh. (The project's automated tests run
+# delete that folder (`checkpoints/quick/` in the repository) to train
+# afresh. (The project's automated tests run
 # every notebook in a tiny version, `AT_SIZE=ci`, where the cell trains
 # the `ci` preset.)
 #
@@ -1009,14 +1018,16 @@ assert last < guess
 #   `final.pt`; to read on now instead, run `AT_SIZE = "ci"` in a new
 #   cell and go on from this one: a tiny model trains in seconds, its
 #   translations are nonsense, and the score check is skipped. Or
-#   use a GPU: open this notebook in Colab from the badge at the top (an
-#   H100 trained it in under two minutes; a T4 was not measured).
+#   use a GPU: open this notebook in Colab from the badge at the top
+#   (Colab's free GPU, a T4, was not measured; an H100 trained it in
+#   under two minutes).
 # - On Colab, a first line that names no `cuda` means the runtime has no
 #   GPU (Runtime → Change runtime type).
 # - An epoch 0 line that reads `nan` means float16 failed: stop the cell
-#   (■) at once, add `precision="fp32"` to the cell's `get_config(...)`,
-#   delete the run's folder (in a new cell: `!rm -r {ROOT}/checkpoints/quick`;
-#   IPython fills in `ROOT`), and run the cell again.
+#   (■) at once, add `precision="fp32"` to the cell's `get_config(...)`
+#   (the cell's own settings do reach the run), delete the run's folder
+#   (in a new cell: `!rm -r "{ROOT}/checkpoints/quick"`; IPython fills
+#   in `ROOT`), and run the cell again.
 # - On a Mac, an error that names `mps`: see "The device", above.
 # - A Colab runtime that disconnects loses its checkpoints;
 #   `docs/gpu.md`, "Keeping a model on Colab", shows how to keep the
@@ -1433,7 +1444,7 @@ def device_named(name):
     one-line ValueError (rather than a CUDA error, cells later)."""
     try:
         device = torch.device(name)
-    except RuntimeError:  # torch's message lists 20 device types
+    except (RuntimeError, ValueError):  # torch lists 20 device types
         raise ValueError(
             f"AT_DEVICE={name!r} is not a device; try cpu, cuda or mps"
         ) from None
@@ -1451,9 +1462,9 @@ def why_missing(device):
             return ""
         return f"this machine has {gpus} CUDA device" + "s" * (gpus != 1)
     if device.type == "mps":
-        if torch.backends.mps.is_available():
-            return ""
-        return "this machine has no Apple GPU"
+        if not torch.backends.mps.is_available():
+            return "this machine has no Apple GPU"
+        return "a Mac has one Apple GPU, mps" if device.index else ""
     if device.type == "cpu":
         return "the CPU is one device, cpu" if device.index else ""
     return "only cpu, cuda and mps are supported"

@@ -1111,6 +1111,7 @@ def test_checked_device_keeps_what_the_machine_has(machine, name, expected):
         ("one T4", "cuda:1", "no cuda:1 here: this machine has 1 CUDA device"),
         ("no GPU", "mps", "no mps here: this machine has no Apple GPU"),
         ("no GPU", "cpu:7", "no cpu:7 here: the CPU is one device, cpu"),
+        ("a Mac", "mps:1", "no mps:1 here: a Mac has one Apple GPU, mps"),
         ("no GPU", "gpu", "'gpu' is not a device; try cpu, cuda or cuda:1"),
         (
             "a Mac",

@@ -171,21 +171,27 @@ def device_cell():
 
 
 @pytest.mark.parametrize(
-    "colab, device, warned",
-    [(True, "cpu", True), (True, "cuda", False), (False, "cpu", False)],
+    "colab, device, named, warned",
+    [
+        (True, "cpu", "", True),
+        (True, "cuda", "", False),
+        (False, "cpu", "", False),
+        (True, "cpu", "cpu", False),  # the reader asked for the CPU
+    ],
 )
 def test_notebook_03_says_when_colab_gave_no_gpu(
-    colab, device, warned, monkeypatch, capsys
+    colab, device, named, warned, monkeypatch, capsys
 ):
     """Colab's runtime is a CPU unless one asks for a GPU: training there
-    would take a quarter of an hour or more without a word."""
+    would take a quarter of an hour or more without a word. With
+    AT_DEVICE=cpu on a GPU runtime, the warning would be wrong."""
     import torch
 
     if colab:
         monkeypatch.setenv("COLAB_RELEASE_TAG", "test")
     else:
         monkeypatch.delenv("COLAB_RELEASE_TAG", raising=False)
-    monkeypatch.delenv("AT_DEVICE", raising=False)
+    monkeypatch.setenv("AT_DEVICE", named)
     names = {"os": os, "torch": torch}
     names["pick_device"] = lambda: torch.device(device)
     exec(device_cell(), names)
