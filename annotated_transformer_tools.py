@@ -2886,10 +2886,6 @@ def read_parallel(src_path, ref_path):
         )
     if not sources:
         raise TextFileError(f"{src_name} is empty")
-    if not any(line.strip() for line in sources):
-        raise TextFileError(
-            f"nothing to translate: {src_name} holds only blank lines"
-        )
     return sources, references
 
 
@@ -3859,6 +3855,11 @@ def command_evaluate(args):
         args.src = folder / "test_2016_flickr.de.gz"
         args.ref = folder / "test_2016_flickr.en.gz"
     sources, references = read_parallel(args.src, args.ref)
+    if not any(line.strip() for line in sources):
+        raise UserError(
+            f"nothing to translate: {shown_path(args.src)} holds only"
+            " blank lines"
+        )
     model, vocab_src, vocab_tgt, decode_fn = load_for_decoding(args)
     spacy_de, _ = load_tokenizers()
     limit = position_limit(model)
