@@ -1460,7 +1460,8 @@ def why_missing(device):
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if (device.index or 0) < gpus:
             return ""
-        return f"this machine has {gpus} CUDA device" + "s" * (gpus != 1)
+        devices = "device" if gpus == 1 else "devices"
+        return f"this machine has {gpus} CUDA {devices}"
     if device.type == "mps":
         if not torch.backends.mps.is_available():
             return "this machine has no Apple GPU"
