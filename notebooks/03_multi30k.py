@@ -345,9 +345,9 @@ def collate_batch(batch, pad_id=PAD):
 
 
 # %%
-vocabs = (vocab_src, vocab_tgt)
-tokenizers = (spacy_de, spacy_en)
-train_ids = encode_pairs(splits["train"], *vocabs, *tokenizers)
+train_ids = encode_pairs(
+    splits["train"], vocab_src, vocab_tgt, spacy_de, spacy_en
+)
 src, tgt = collate_batch(train_ids[:3])
 print(src)  # each row: 0 (<s>), word ids, 1 (</s>), then 2s (<blank>)
 assert src.shape == (3, max(len(s) for s, _ in train_ids[:3]))
@@ -913,7 +913,7 @@ def train_one_process(
 # %%
 small = tools.get_config("ci")  # presets live in the appendix
 small_model, small_history = train_one_process(
-    *vocabs, *tokenizers, small, device
+    vocab_src, vocab_tgt, spacy_de, spacy_en, small, device
 )
 assert small_history[-1]["val_loss"] < small_history[0]["val_loss"]
 
@@ -1049,7 +1049,13 @@ else:
     stopped = tools.resume_point(config.checkpoint_dir) is not None
     resume = preset == "quick" and stopped
     history = tools.train_model(
-        *vocabs, *tokenizers, config, device=device, resume=resume
+        vocab_src,
+        vocab_tgt,
+        spacy_de,
+        spacy_en,
+        config,
+        device=device,
+        resume=resume,
     )
 
 # %% [markdown]
@@ -1184,7 +1190,8 @@ assert trained_tgt == vocab_tgt
 import copy
 
 on_cpu = copy.deepcopy(trained).to("cpu")  # `trained` stays where it is
-batch = encode_pairs(splits["val"][:12], trained_src, trained_tgt, *tokenizers)
+pairs = splits["val"][:12]
+batch = encode_pairs(pairs, trained_src, trained_tgt, spacy_de, spacy_en)
 src, _ = collate_batch(batch)
 max_len = 20
 src_mask = (src != PAD).unsqueeze(-2)  # (B, 1, S): True at real tokens
