@@ -237,14 +237,15 @@ class MultiHeadedAttention(nn.Module):
         """Project (B, T, d_model) with `linear`, split to (B, h, T, d_k)."""
         B = x.size(0)
         x = linear(x)  # (B, T, d_model): one of W^Q, W^K, W^V
-        # The heads are blocks of the feature axis, so split that axis;
-        # a view straight to (B, h, T, d_k) would mix positions and heads.
+        # The heads are blocks of the feature axis, so split that axis
+        # (the shape walkthrough shows what a view straight to
+        # (B, h, T, d_k) would do instead).
         x = x.view(B, -1, self.h, self.d_k)  # (B, T, h, d_k)
         return x.transpose(1, 2)  # (B, h, T, d_k)
 
     def use_fused(self, q):
         """Fused, unless the weights must be kept (Part 4) or a CPU
-        trains with dropout (where the fused routine runs step by step)."""
+        trains with dropout (where PyTorch's fused CPU kernel has none)."""
         cpu_dropout = self.training and self.dropout.p > 0 and q.is_cpu
         return not (self.store_attention or cpu_dropout)
 
@@ -267,7 +268,9 @@ class MultiHeadedAttention(nn.Module):
             if self.store_attention:
                 self.attn = weights  # (B, h, T, S), after any dropout
         x = x.transpose(1, 2)  # (B, T, h, d_k)
-        # reshape, not view: after the transpose x is not contiguous.
+        # reshape, not view: after the transpose, x's numbers no longer
+        # lie in memory in (B, T, h, d_k) order ("not contiguous"); view
+        # only relabels memory, while reshape copies it when it must.
         x = x.reshape(query.size(0), -1, self.h * self.d_k)  # (B, T, d_model)
         return self.w_o(x)  # (B, T, d_model)
 
@@ -343,9 +346,11 @@ class PositionalEncoding(nn.Module):
         pe[:, 0::2] = angles.sin()  # even columns
         # The odd columns; one fewer than the even ones if d_model is odd.
         pe[:, 1::2] = angles.cos()[:, : d_model // 2]
-        # Rounded to float32 after the sine and cosine. A new tensor such
-        # as torch.empty(0) is made on the default device (the "meta"
-        # device of the parameter count below, for one).
+        # Rounded to float32 after the sine and cosine, then moved to
+        # the default device: the one PyTorch makes a new tensor on when
+        # none is named, here read off an empty tensor. It is the CPU
+        # unless changed, e.g. by `with torch.device(...)`, which the
+        # parameter count below uses.
         pe = pe.float().to(torch.empty(0).device)  # (L, d_model)
         self.dropout = nn.Dropout(p=dropout)
         self.register_buffer("pe", pe.unsqueeze(0))  # (1, max_len, d_model)
@@ -381,8 +386,9 @@ def make_model(
     decoder = Decoder(dec_layer, N)
     model = EncoderDecoder(encoder, decoder, src_embed, tgt_embed, generator)
 
-    for weight in [p for p in model.parameters() if p.dim() > 1]:
-        nn.init.xavier_uniform_(weight)
+    for weight in model.parameters():
+        if weight.dim() > 1:  # matrices; biases and norms keep theirs
+            nn.init.xavier_uniform_(weight)
     return model
 
 
@@ -510,8 +516,10 @@ def smoothed_kl(x, target, padding_idx, smoothing):
     """LabelSmoothing's loss in closed form: no (N, V) target matrix."""
     c = 1.0 - smoothing  # probability of the target
     f = smoothing / (x.size(1) - 2)  # of each other non-padding class
-    # Sums in float32 even if x is 16-bit (Part 3 trains in bfloat16,
-    # whose sums keep only 3 digits).
+    # Sums in float32 even if x is 16-bit: Part 3 can train in bfloat16,
+    # whose 8 significant bits (2 to 3 decimal digits) are too few for a
+    # sum over thousands of tokens. promote_types picks the wider type:
+    # float32, or float64 if x is float64.
     acc = torch.promote_types(x.dtype, torch.float32)
     picked = x.gather(1, target.unsqueeze(1)).squeeze(1).to(acc)  # (N,)
     # The formula's last sum, over every j but y and padding: (N,)
@@ -548,8 +556,8 @@ class SimpleLossCompute:
     def __call__(self, x, y, norm):
         """Decoder output x (B, T, d_model), targets y (B, T), and norm,
         the number of real target tokens (Batch.ntokens). Returns
-        (loss_sum, loss_mean): the sum, detached, for reporting, and the
-        mean per token, for backward()."""
+        (loss_sum, loss_mean): the sum, detached, for the epoch's total,
+        and the mean per token, for backward() and the log."""
         logp = self.generator(x)  # (B, T, vocab)
         flat = logp.reshape(-1, logp.size(-1))  # (B * T, vocab)
         loss_sum = self.criterion(flat, y.reshape(-1))  # summed over tokens
@@ -636,7 +644,8 @@ def copy_accuracy(model, n, V=11, seq_len=10, generator=None):
     with torch.no_grad():
         out = greedy_decode(model, b.src, b.src_mask, seq_len, COPY_START)
     model.train(was_training)
-    return (out == b.src).all(dim=1).float().mean().item()
+    copied = (out == b.src).all(dim=1)  # (n,): True if all tokens match
+    return copied.float().mean().item()  # the fraction of True
 
 
 def warmup_linear_decay(step, peak, warmup, total, floor=0.02):
@@ -705,8 +714,11 @@ def micro_step(
     scaler=None,
 ):
     """One micro-batch's loss, and its gradient when autograd is on."""
-    hold = hold_sync and hasattr(model, "no_sync")
-    with model.no_sync() if hold else nullcontext():  # DDP: no all-reduce
+    hold = hold_sync and hasattr(model, "no_sync")  # only a DDP model has it
+    # DDP's no_sync(): this backward keeps its gradients local (no
+    # exchange between processes); otherwise, a context that does nothing.
+    sync_context = model.no_sync() if hold else nullcontext()
+    with sync_context:
         with autocast():
             out = model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
             loss_sum, loss_mean = loss_compute(out, batch.tgt_y, batch.ntokens)
@@ -718,12 +730,12 @@ def micro_step(
     return loss_sum, loss_mean
 
 
-def print_progress(i, state, loss_node, speed, optimizer):
+def print_progress(i, state, loss_mean, speed, optimizer):
     """One log line of run_epoch's "train+log" mode."""
     lr = optimizer.param_groups[0]["lr"]
     print(
         f"batch {i:5d} | optimizer steps {state.accum_step:5d} | loss "
-        f"{loss_node.item():6.3f} | {speed:7.1f} tok/s | lr {lr:6.1e}"
+        f"{loss_mean.item():6.3f} | {speed:7.1f} tok/s | lr {lr:6.1e}"
     )
 
 
@@ -1501,23 +1513,34 @@ def _diagonal(v, kind):
 
 def _head_statistics(v, kind, specials):
     """Each statistic of one kind as an (N, h) tensor, over real rows."""
-    w = v.weights.double()  # (N, h, R, C)
-    i, j = _diagonal(v, kind)
+    w = v.weights.double()  # (N, h, R, C): float64, for exact sums
+    i, j = _diagonal(v, kind)  # (R, 1) diagonal's column, (1, C) keys
+    # How many columns each key lies after the diagonal's (rounded)
+    # column: -1 is the key just before it, 0 on it, +1 just after.
     offset = j - i.round()  # (R, C)
     n = v.allowed.sum(-1)  # (R,) keys each query may see
-    H = -torch.special.xlogy(w, w).sum(-1)  # (N, h, R); 0·log 0 = 0
+    # Entropy of each row, -sum_j p log p. xlogy(p, p) is p log p, and
+    # it is 0 where p = 0 (a plain p * log(p) would give 0 * -inf = NaN).
+    H = -torch.special.xlogy(w, w).sum(-1)  # (N, h, R)
     specials = torch.tensor(specials, device=v.col_ids.device)
+    # True at the key columns whose token is <s> or </s>
     special = torch.isin(v.col_ids, specials)  # (C,)
+    # Each quantity per row, summed over the keys, each (N, h, R). A
+    # boolean mask times the weights keeps the weights where it is True
+    # (True counts as 1, False as 0): their sum is the row's share there.
     sums = {
-        "distance": (w * (j - i).abs()).sum(-1),  # each (N, h, R)
-        "previous": (w * (offset == -1)).sum(-1),
-        "same": (w * (offset == 0)).sum(-1),
-        "next": (w * (offset == 1)).sum(-1),
-        "specials": w[..., special].sum(-1),
+        # weight times distance |j - i| from the exact diagonal
+        "distance": (w * (j - i).abs()).sum(-1),
+        "previous": (w * (offset == -1)).sum(-1),  # one column before
+        "same": (w * (offset == 0)).sum(-1),  # on the diagonal
+        "next": (w * (offset == 1)).sum(-1),  # one column after
+        "specials": w[..., special].sum(-1),  # on <s> and </s>
     }
-    # A row with one key (n == 1) has no choice: it is left out, and the
-    # clamp keeps its 0 / log 1 from being a NaN before it is dropped.
+    # Entropy as a fraction of uniform: H / log n. A row with one key
+    # (n == 1) has no choice: it is left out of the mean, and the clamp
+    # keeps its 0 / log 1 = 0 / 0 from being a NaN before it is dropped.
     entropy = _mean(H / n.clamp(min=2).log(), v.row_keep & (n > 1))
+    # Every other statistic: the mean over the real (not padding) rows
     means = {k: _mean(s, v.row_keep) for k, s in sums.items()}
     return {"entropy": entropy, **means}  # each (N, h)
 
@@ -1538,19 +1561,22 @@ def attention_statistics(maps, specials=(BOS, EOS)):
 
 def attention_summary(model, pairs, spacy_de, spacy_en, vocab_src, vocab_tgt):
     """attention_statistics averaged over sentence pairs (de, en)."""
-    totals = {}
+    labels = ("kind", "layer", "head")  # which head a row describes
+    sums = {}  # (kind, layer, head) -> {statistic: its sum over the pairs}
     for de, en in pairs:
         src = [BOS, *vocab_src(tokenize(de, spacy_de)), EOS]
         tgt = [BOS, *vocab_tgt(tokenize(en, spacy_en)), EOS]
         for row in attention_statistics(attention_maps(model, src, tgt)):
-            key = (row.pop("kind"), row.pop("layer"), row.pop("head"))
-            total = totals.setdefault(key, dict.fromkeys(row, 0.0))
-            for name, value in row.items():
-                total[name] += value / len(pairs)
-    return [
-        {"kind": k, "layer": n, "head": a, **t}
-        for (k, n, a), t in totals.items()
-    ]
+            key = tuple(row[label] for label in labels)
+            if key not in sums:  # the first pair: start every sum at 0
+                sums[key] = {k: 0.0 for k in row if k not in labels}
+            for name in sums[key]:
+                sums[key][name] += row[name]
+    summary = []  # one row per head, in attention_statistics' order
+    for key, total in sums.items():
+        means = {name: value / len(pairs) for name, value in total.items()}
+        summary.append({**dict(zip(labels, key)), **means})
+    return summary
 
 
 # -----------------------------------------------------------------------------
@@ -1720,8 +1746,9 @@ def cached_greedy_decode(
             break  # every sentence has ended
         if not running.all():  # some ended: drop their rows
             rows = rows[running]  # still indices into out's B rows
-            # The cache counts only its own R rows, 0 to R - 1:
-            cache.select(running.nonzero().squeeze(1))  # cache rows
+            # The cache counts only its own R rows, 0 to R - 1: keep the
+            # positions (cache rows) where `running` is True.
+            cache.select(torch.where(running)[0])  # (R',) cache rows
     return out[:, : t + 1]  # (B, <= max_len)
 
 
@@ -1729,30 +1756,6 @@ def cached_greedy_decode(
 # 2. Beam search
 # Explained in notebooks/05_beyond.py, same heading.
 # -----------------------------------------------------------------------------
-def length_penalty(length, alpha=0.6):
-    """GNMT length penalty ((5 + |Y|) / 6) ** alpha."""
-    return ((5.0 + length) / 6.0) ** alpha
-
-
-def beam_candidates(logp, logp_sum, lengths, finished, alpha):
-    """The best extensions of each hypothesis.
-
-    Returns the candidates' scores, log P and tokens, each (A, k * c),
-    and the hypotheses' lengths after this step, (A, k)."""
-    A, k, V = logp.shape  # (sentences, beams, vocabulary)
-    c = min(k, V)  # candidates kept per hypothesis: all that can win
-    logp, word = logp.topk(c, dim=-1)  # (A, k, c)
-    # A finished hypothesis has one candidate, its first, which appends
-    # <blank> and adds 0 to its log P; its other candidates get -inf.
-    logp = logp.masked_fill(finished.unsqueeze(-1), -math.inf)
-    logp[:, :, 0] = logp[:, :, 0].masked_fill(finished, 0.0)
-    word[:, :, 0] = word[:, :, 0].masked_fill(finished, PAD)
-    cand = logp_sum.unsqueeze(-1) + logp  # (A, k, c) log P of each
-    cand_len = lengths + (~finished).long()  # (A, k)
-    score = cand / length_penalty(cand_len, alpha).unsqueeze(-1)
-    return score.view(A, -1), cand.view(A, -1), word.view(A, -1), cand_len
-
-
 class Beams(NamedTuple):
     """The k hypotheses of each sentence still searching."""
 
@@ -1776,6 +1779,33 @@ class Beams(NamedTuple):
         return cls(sent, tokens, logp_sum, lengths, finished)
 
 
+def length_penalty(length, alpha=0.6):
+    """GNMT length penalty ((5 + |Y|) / 6) ** alpha."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def beam_candidates(logp, logp_sum, lengths, finished, alpha):
+    """The best extensions of each hypothesis.
+
+    Returns the candidates' scores, log P and tokens, each (A, k * c),
+    and the hypotheses' lengths after this step, (A, k)."""
+    A, k, V = logp.shape  # (sentences, beams, vocabulary)
+    c = min(k, V)  # candidates kept per hypothesis: all that can win
+    logp, word = logp.topk(c, dim=-1)  # (A, k, c)
+    # A finished hypothesis has one candidate, its first, which appends
+    # <blank> and adds 0 to its log P; its other candidates get -inf, so
+    # they never win a place. Its c log-probs become [0, -inf, ...].
+    if_finished = logp.new_full((c,), -math.inf)  # (c,)
+    if_finished[0] = 0.0
+    done = finished.unsqueeze(-1)  # (A, k, 1)
+    logp = torch.where(done, if_finished, logp)  # (A, k, c)
+    word = word.masked_fill(done, PAD)  # (A, k, c)
+    cand = logp_sum.unsqueeze(-1) + logp  # (A, k, c) log P of each
+    cand_len = lengths + (~finished).long()  # (A, k)
+    score = cand / length_penalty(cand_len, alpha).unsqueeze(-1)
+    return score.view(A, -1), cand.view(A, -1), word.view(A, -1), cand_len
+
+
 def advance_beams(beams, logp, t, alpha, end_symbol):
     """Extend every hypothesis by one token and keep the k best."""
     k = beams.logp_sum.size(1)
@@ -1784,13 +1814,17 @@ def advance_beams(beams, logp, t, alpha, end_symbol):
     )  # (A, k * c), c candidates per hypothesis
     score, idx = score.topk(k, dim=1)  # (A, k) positions in the k * c
     c = words.size(1) // k  # candidates per hypothesis
+    # A sentence's k * c candidates are its k hypotheses' c each, one
+    # after the other: idx = parent * c + m, for the m-th candidate of
+    # hypothesis `parent`. So the division gives back the parent.
     parent = idx // c  # (A, k) which hypothesis each survivor extends
     word = words.gather(1, idx)  # (A, k) the token it appends
-    was_finished = beams.finished.gather(1, parent)
+    was_finished = beams.finished.gather(1, parent)  # (A, k) the parent's
     finished = was_finished | (word == end_symbol)
-    tokens = beams.tokens.gather(
-        1, parent.unsqueeze(-1).expand_as(beams.tokens)
-    )  # (A, k, max_len): the parents' tokens
+    # tokens[a, j] = beams.tokens[a, parent[a, j]]: gather along dim 1
+    # needs an index of the full output shape, one parent per position.
+    parent_index = parent.unsqueeze(-1).expand_as(beams.tokens)
+    tokens = beams.tokens.gather(1, parent_index)  # (A, k, max_len)
     tokens[:, :, t] = word
     lengths = cand_len.gather(1, parent)
     new = Beams(beams.sent, tokens, cand.gather(1, idx), lengths, finished)
@@ -1808,10 +1842,11 @@ def keep_best(out, best, beams, score):
     beats `best`, store the score in `best` and the hypothesis's tokens
     in `out`.
     """
-    top, j = score.max(dim=1)  # (A,)
-    better = top > best[beams.sent]
-    best[beams.sent[better]] = top[better]
-    out[beams.sent[better]] = beams.tokens[better, j[better]]
+    top, j = score.max(dim=1)  # (A,) best score, (A,) its hypothesis
+    better = top > best[beams.sent]  # (A,) beats its sentence's record
+    rows = beams.sent[better]  # their rows in `out` and `best`
+    best[rows] = top[better]
+    out[rows] = beams.tokens[better, j[better]]  # hypothesis j's tokens
 
 
 def beam_search_steps(
@@ -1857,8 +1892,9 @@ def beam_search_steps(
         )
     # At the end, running hypotheses compete too; finished ones were
     # recorded when they ended.
-    running = beams.logp_sum / length_penalty(beams.lengths, alpha)
-    keep_best(out, best, beams, running.masked_fill(beams.finished, -math.inf))
+    scores = beams.logp_sum / length_penalty(beams.lengths, alpha)  # (A, k)
+    still_running = scores.masked_fill(beams.finished, -math.inf)
+    keep_best(out, best, beams, still_running)
     return out[:, : t + 1]  # (B, <= max_len)
 
 
@@ -2094,9 +2130,9 @@ __all__ = [
     "decoder_layer_step",
     "decode_step",
     "cached_greedy_decode",
+    "Beams",
     "length_penalty",
     "beam_candidates",
-    "Beams",
     "advance_beams",
     "keep_best",
     "beam_search_steps",

@@ -95,9 +95,12 @@ from torch import nn
 # positions it may read. An encoder layer is attention followed by a
 # small network applied to each position on its own, each of the two
 # wrapped as $x + f(\mathrm{norm}(x))$, where norm rescales each
-# position's vector (layer normalization, below); a decoder layer adds a
-# second attention, over the encoder's output. The sections below build each
-# piece, top down, so some names appear before their definitions.
+# position's vector (layer normalization, below) and adding $x$ back is
+# a *residual connection*. (The paper normalizes after the addition
+# instead, $\mathrm{norm}(x + f(x))$; "Residual connections, pre-norm"
+# says why we do not.) A decoder layer adds a second attention, over the
+# encoder's output. The sections below build each piece, top down, so
+# some names appear before their definitions.
 #
 # `EncoderDecoder` holds five parts and says how data moves between them:
 # source ids are embedded and encoded once; target ids are embedded and
@@ -318,14 +321,15 @@ class SublayerConnection(nn.Module):
 
 
 # %% [markdown]
-# The untouched path is easy to see: a sub-layer that outputs zeros leaves
-# its input unchanged, and in the backward pass it passes the gradient
-# down unchanged too. Post-norm has no such path: the same zero sub-layer
-# returns $\mathrm{LayerNorm}(x)$, which moves this $x$ (mean 1, standard
-# deviation 3) to mean 0 and standard deviation 1.
+# The untouched path is easy to see with a sub-layer that outputs zeros.
+# In pre-norm it leaves its input unchanged, and in the backward pass it
+# passes the gradient down unchanged too: whatever gradient `upstream`
+# arrives at the block's output is the gradient that reaches its input.
 
 # %%
+torch.manual_seed(0)
 x = torch.randn(4, 5, 24) * 3 + 1  # mean 1, standard deviation 3
+upstream = torch.randn(4, 5, 24)  # a gradient arriving from above
 block = SublayerConnection(24, dropout=0.0)
 
 
@@ -334,18 +338,51 @@ def zero_sublayer(y):
     return 0 * y  # kept in the graph: the backward pass goes through it
 
 
-assert torch.equal(block(x, zero_sublayer), x)  # pre-norm
+assert torch.equal(block(x, zero_sublayer), x)  # the input, unchanged
 x_in = x.clone().requires_grad_()
-block(x_in, zero_sublayer).sum().backward()  # d(sum)/d(output) = 1
-assert torch.equal(x_in.grad, torch.ones_like(x))  # passed down unchanged
-post_norm = LayerNorm(24)(x + torch.zeros_like(x))
-assert not torch.allclose(post_norm, x)  # post-norm
+block(x_in, zero_sublayer).backward(upstream)
+assert torch.equal(x_in.grad, upstream)  # passed down unchanged
+
+# %% [markdown]
+# Post-norm has no such path. The same zero sub-layer returns
+# $\mathrm{LayerNorm}(x + 0)$, which moves each position's vector to mean
+# 0 and standard deviation 1. This $x$ was drawn with mean 1 and
+# standard deviation 3, and its 20 positions, 24 numbers each, scatter
+# around those. The cell prints the range of the positions' means and
+# standard deviations, before and after.
+
+
+# %%
+def post_norm_block(y):
+    """Post-norm with the zero sub-layer: LayerNorm(y + 0)."""
+    return LayerNorm(24)(y + zero_sublayer(y))
+
+
+post_norm = post_norm_block(x)  # (4, 5, 24)
 for name, tensor in [("x", x), ("post-norm output", post_norm)]:
-    print(f"{name}: mean {tensor.mean():.2f}, std {tensor.std():.2f}")
-# Each position's vector: mean 0 and (biased) standard deviation 1
+    means = tensor.mean(-1)  # (4, 5): one per position
+    stds = tensor.std(-1, unbiased=False)  # (4, 5), biased, as LayerNorm
+    print(
+        f"{name:>16}: means {means.min():.2f} to {means.max():.2f},",
+        f"standard deviations {stds.min():.2f} to {stds.max():.2f}",
+    )
 assert torch.allclose(post_norm.mean(-1), torch.zeros(4, 5), atol=1e-5)
 position_std = post_norm.std(-1, unbiased=False)
 assert torch.allclose(position_std, torch.ones(4, 5), atol=1e-4)
+
+# %% [markdown]
+# Nor does the gradient pass through unchanged: it goes back through the
+# norm, which among other things divides it by each position's standard
+# deviation (about 3 here). What reaches $x$ is about a third the size of
+# `upstream`:
+
+# %%
+x_in = x.clone().requires_grad_()
+post_norm_block(x_in).backward(upstream)
+size_ratio = (x_in.grad.norm() / upstream.norm()).item()
+print(f"size of the gradient at x / size of upstream: {size_ratio:.2f}")
+assert not torch.allclose(x_in.grad, upstream, atol=0.1)
+assert 0.2 < size_ratio < 0.45
 
 # %% [markdown]
 # An encoder layer has two sub-layers: self-attention over the source, then
@@ -496,9 +533,12 @@ assert torch.equal(subsequent_mask(20)[0], key_u <= query_t)
 # it. `mask_chart` draws the same mask for 20 positions, and `save_chart`
 # also writes it to `figures/`. Blue cells are the pairs the decoder may
 # use: the first position sees only itself, the last sees the whole
-# prefix. (The chart uses the library's copy of `subsequent_mask`, so an
-# edit to `subsequent_mask` reaches it only after `make export` and a
-# restart.)
+# prefix. (The chart draws the library's copy of `subsequent_mask`, not
+# the one defined above. An edit to the cell above reaches the chart only
+# once `make export` (which runs `tools/export.py`) has copied it from
+# `notebooks/01_model.py` into the library and the notebook is
+# restarted. On Colab, your edits stay in Colab's copy of the notebook
+# and never reach that file.)
 
 # %%
 from pathlib import Path
@@ -575,14 +615,18 @@ assert (weights.triu(1) == 0).all()  # no weight on future keys
 # independent, with mean 0 and variance 1, then $q \cdot k$ has
 # variance $d_k$: at the paper's $d_k = 64$ ($= 512 / 8$: eight heads, each
 # 64 wide; see Multi-head attention) the raw scores have a standard
-# deviation of 8, the softmax tends to put most of the weight on one key, and
-# there its gradient is smaller (about half, in the cell below). The
+# deviation of 8, and the softmax tends to put most of the weight on one
+# key. Its weights then move less when the scores change: the gradient
+# of the weights with respect to the scores, which training needs in
+# order to move them, is smaller (about half, in the cell below). The
 # division brings the variance back to 1.
 #
-# How much the weights react when a score changes is a gradient, and
-# autograd computes it: the helper below asks for the gradient of each
-# query's largest weight with respect to that query's scores, and
-# averages its size over the queries.
+# That gradient is a matrix for each query, one entry per (weight,
+# score) pair; we measure one row of it. The helper below asks autograd
+# for the gradient of each query's largest weight with respect to that
+# query's scores, and averages its size over the queries. The largest
+# weight stands for the rest because it is the one a saturated softmax
+# pins near 1, where no change of the scores can move it much.
 
 
 # %%
@@ -607,7 +651,7 @@ def softmax_gradient_size(scores):
 torch.manual_seed(0)
 q = torch.randn(1000, 1, 64)  # 1,000 queries, d_k = 64
 k = torch.randn(1000, 10, 64)  # 10 keys for each query
-raw = (q * k).sum(-1)  # (1000, 10) dot products
+raw = (q @ k.transpose(-2, -1)).squeeze(1)  # (1000, 1, 10) to (1000, 10)
 scaled = raw / math.sqrt(64)
 raw_weights = raw.softmax(dim=-1)
 scaled_weights = scaled.softmax(dim=-1)
@@ -722,14 +766,15 @@ class MultiHeadedAttention(nn.Module):
         """Project (B, T, d_model) with `linear`, split to (B, h, T, d_k)."""
         B = x.size(0)
         x = linear(x)  # (B, T, d_model): one of W^Q, W^K, W^V
-        # The heads are blocks of the feature axis, so split that axis;
-        # a view straight to (B, h, T, d_k) would mix positions and heads.
+        # The heads are blocks of the feature axis, so split that axis
+        # (the shape walkthrough shows what a view straight to
+        # (B, h, T, d_k) would do instead).
         x = x.view(B, -1, self.h, self.d_k)  # (B, T, h, d_k)
         return x.transpose(1, 2)  # (B, h, T, d_k)
 
     def use_fused(self, q):
         """Fused, unless the weights must be kept (Part 4) or a CPU
-        trains with dropout (where the fused routine runs step by step)."""
+        trains with dropout (where PyTorch's fused CPU kernel has none)."""
         cpu_dropout = self.training and self.dropout.p > 0 and q.is_cpu
         return not (self.store_attention or cpu_dropout)
 
@@ -752,7 +797,9 @@ class MultiHeadedAttention(nn.Module):
             if self.store_attention:
                 self.attn = weights  # (B, h, T, S), after any dropout
         x = x.transpose(1, 2)  # (B, T, h, d_k)
-        # reshape, not view: after the transpose x is not contiguous.
+        # reshape, not view: after the transpose, x's numbers no longer
+        # lie in memory in (B, T, h, d_k) order ("not contiguous"); view
+        # only relabels memory, while reshape copies it when it must.
         x = x.reshape(query.size(0), -1, self.h * self.d_k)  # (B, T, d_model)
         return self.w_o(x)  # (B, T, d_model)
 
@@ -761,15 +808,18 @@ class MultiHeadedAttention(nn.Module):
 # #### Two details of `forward`, which a first read can skip
 #
 # A choice of ours, which the 2022 tutorial did not make: `forward`
-# usually calls PyTorch's fused `scaled_dot_product_attention`, one
-# routine for the whole formula, faster but returning no weights. It
-# calls `attention` above instead in two cases, and both compute the
-# same formula:
+# usually calls PyTorch's `scaled_dot_product_attention`, one call for
+# the whole formula, for which PyTorch picks a fused kernel suited to the
+# device; it returns no weights. `forward` calls `attention` above
+# instead in two cases, and both paths compute the same formula (the
+# checks after the shape walkthrough compare them):
 #
 # - with `store_attention = True`, to keep the weights in `self.attn`
 #   (Part 4 sets it, to draw them);
-# - when training with dropout on a CPU, where PyTorch's routine then
-#   runs the same steps one by one, like `attention`; calling `attention`
+# - when training with dropout on a CPU. PyTorch's fused CPU kernel takes
+#   no dropout, so its routine then falls back to a plain version with
+#   the same steps as `attention` (`bench/RESULTS_efficiency.md`,
+#   "Attention's dropout outside the fused kernel"). Calling `attention`
 #   ourselves lets the dropout be the module's own `self.dropout`, which
 #   the appendix swaps for a cheaper one ("A cheaper dropout mask").
 #
@@ -782,11 +832,14 @@ class MultiHeadedAttention(nn.Module):
 # also refuses two masks that the fused routine would take without an
 # error and get wrong:
 #
-# - **A mask without its middle axis**, `(B, S)`. Broadcasting would line
-#   its sentences up against the heads: with 8 sentences and 8 heads,
-#   sentence $i$'s mask would silently apply to head $i$ of every
-#   sentence. With other sizes it fails with a message about sizes
-#   (with one sentence it happens to work).
+# - **A mask without its middle axis**, `(B, S)`. Adding the heads' axis
+#   to it, as `heads_mask` does with `unsqueeze(1)`, would give
+#   `(B, 1, S)`, which broadcasting reads as `(1, B, 1, S)` against the
+#   scores' `(B, h, T, S)`: its sentences would line up against the
+#   heads. With 8 sentences and 8 heads, sentence $i$'s mask would
+#   silently apply to head $i$ of every sentence. With other sizes it
+#   fails with a message about sizes (with one sentence it happens to
+#   work).
 #   `heads_mask` refuses it, saying which shapes a mask has.
 # - **A mask that is not boolean.** The fused routine adds a float mask
 #   to the scores instead of hiding positions, so a mask of 0s and 1s
@@ -874,11 +927,58 @@ assert concat.shape == (B, T, h * d_k)
 assert final.shape == (B, T, d_model)
 
 # %% [markdown]
-# The walkthrough and the module (which takes the fused path) agree, and
-# the two pad positions of the second sentence get exactly zero weight:
+# Why does `split_heads` view the projection as $(B, T, h, d_k)$ and then
+# transpose, instead of viewing it as $(B, h, T, d_k)$ at once? A small
+# example: $T = 3$ positions of $h = 2$ heads with $d_k = 2$ features
+# each, numbered so that position $t$ holds $4t, \dots, 4t + 3$. Head 0
+# should get the first two features of every position.
 
 # %%
-assert torch.allclose(mha(query, memory, memory, src_mask), final, atol=1e-5)
+numbered = torch.arange(12).view(1, 3, 4)  # (B, T, h * d_k) = (1, 3, 4)
+split = numbered.view(1, 3, 2, 2).transpose(1, 2)  # (B, h, T, d_k)
+straight = numbered.view(1, 2, 3, 2)  # (B, h, T, d_k) by a view alone
+print("head 0, split as split_heads does:", split[0, 0].tolist())
+print("head 0, viewed straight:", straight[0, 0].tolist())
+first_two = numbered[0, :, :2]  # (T, d_k): every position's head 0
+assert torch.equal(split[0, 0], first_two)
+assert not torch.equal(straight[0, 0], first_two)
+# The straight view's second "position" of head 0 is position 0's head 1
+assert torch.equal(straight[0, 0, 1], numbered[0, 0, 2:])
+
+# %% [markdown]
+# And why `forward` joins the heads with `reshape`, not `view`: a
+# transpose moves no numbers, it only changes which index reads which
+# place in memory. After it, the numbers no longer lie in memory in the
+# order of the new shape: the tensor is not *contiguous*. `view` only
+# relabels memory, so it refuses such a tensor; `reshape` copies the
+# numbers into the new order when it must.
+
+# %%
+heads_last = out.transpose(1, 2)  # (B, T, h, d_k), memory still (B, h, T)
+assert not heads_last.is_contiguous()
+try:
+    heads_last.view(B, T, h * d_k)
+except RuntimeError as error:
+    print("view:", str(error).split(".")[0])
+else:
+    raise AssertionError("view accepted a tensor that is not contiguous")
+joined = heads_last.reshape(B, T, h * d_k)  # (B, T, d_model), a copy
+assert joined.is_contiguous()
+
+# %% [markdown]
+# The walkthrough, which called `attention`, and the module agree, by
+# both of the module's paths: the fused one it takes by default, and the
+# one through `attention` it takes when asked to store the weights. The
+# two pad positions of the second sentence get exactly zero weight:
+
+# %%
+fused_output = mha(query, memory, memory, src_mask)  # (B, T, d_model)
+mha.store_attention = True  # now forward calls `attention`
+plain_output = mha(query, memory, memory, src_mask)
+mha.store_attention = False
+assert torch.allclose(fused_output, final, atol=1e-5)
+assert torch.allclose(plain_output, final, atol=1e-5)
+assert torch.equal(mha.attn, weights)  # the weights it stored
 assert (weights[1, :, :, 5:] == 0).all()
 
 # %% [markdown]
@@ -1062,9 +1162,11 @@ class PositionalEncoding(nn.Module):
         pe[:, 0::2] = angles.sin()  # even columns
         # The odd columns; one fewer than the even ones if d_model is odd.
         pe[:, 1::2] = angles.cos()[:, : d_model // 2]
-        # Rounded to float32 after the sine and cosine. A new tensor such
-        # as torch.empty(0) is made on the default device (the "meta"
-        # device of the parameter count below, for one).
+        # Rounded to float32 after the sine and cosine, then moved to
+        # the default device: the one PyTorch makes a new tensor on when
+        # none is named, here read off an empty tensor. It is the CPU
+        # unless changed, e.g. by `with torch.device(...)`, which the
+        # parameter count below uses.
         pe = pe.float().to(torch.empty(0).device)  # (L, d_model)
         self.dropout = nn.Dropout(p=dropout)
         self.register_buffer("pe", pe.unsqueeze(0))  # (1, max_len, d_model)
@@ -1108,28 +1210,31 @@ assert short_error < 1e-5
 # The paper picks sinusoids because, for any fixed offset $k$,
 # $PE_{pos+k}$ is a linear function of $PE_{pos}$: each (sin, cos) pair is
 # rotated by the angle $k / 10000^{2i/d}$, whatever $pos$ is. That should
-# make relative positions easy to learn. We check it with the rotation
-# matrix written out by hand:
+# make relative positions easy to learn. We check it by writing that
+# linear function out as one matrix, the same for every position: a
+# $2 \times 2$ rotation block for each pair, zeros elsewhere. By the
+# angle-addition formulas, the row $(\sin a, \cos a)$ times the block
+# $\begin{pmatrix} \cos b & -\sin b \\ \sin b & \cos b \end{pmatrix}$
+# is $(\sin(a + b), \cos(a + b))$.
 
 # %%
-width, k = 20, 7  # a 20-dimensional encoding, an offset of 7 positions
+width, offset = 20, 7  # a 20-dimensional encoding, 7 positions further
 table = PositionalEncoding(width, dropout=0.0).pe[0].double()  # (L, 20)
-two_i = torch.arange(0, width, 2, dtype=torch.float64)  # (10,)
-turn = k / 10000 ** (two_i / width)  # rotation angle of each pair, (10,)
-sines = table[:100, 0::2]  # sin(a) for positions 0..99, (100, 10)
-cosines = table[:100, 1::2]  # cos(a), (100, 10)
-# sin(a + b) = sin a cos b + cos a sin b
-shifted_sines = sines * turn.cos() + cosines * turn.sin()
-# cos(a + b) = cos a cos b - sin a sin b
-shifted_cosines = cosines * turn.cos() - sines * turn.sin()
-rotated = torch.stack([shifted_sines, shifted_cosines], dim=-1).flatten(1)
-assert torch.allclose(rotated, table[k : 100 + k], atol=1e-5)
+rotation = torch.zeros(width, width, dtype=torch.float64)  # (20, 20)
+for i in range(width // 2):  # pair i: columns 2i (sine) and 2i + 1
+    b = offset / 10000 ** (2 * i / width)  # the angle pair i turns by
+    block = [[math.cos(b), -math.sin(b)], [math.sin(b), math.cos(b)]]
+    rotation[2 * i : 2 * i + 2, 2 * i : 2 * i + 2] = torch.tensor(block)
+rotated = table[:100] @ rotation  # positions 0..99, (100, 20)
+assert torch.allclose(rotated, table[offset : 100 + offset], atol=1e-5)
 
 
 # %% [markdown]
 # Four dimensions of a 20-dimensional encoding over the first 100
-# positions, drawn by `positional_chart` from the appendix (which, like
-# `mask_chart`, uses the library's copy of the class).
+# positions, drawn by `positional_chart` from the appendix. Like
+# `mask_chart`, it uses the library's copy of the class, so an edit to
+# `PositionalEncoding` above reaches the chart only after `make export`
+# and a restart (and, on Colab, never).
 
 # %%
 from annotated_transformer_tools import positional_chart
@@ -1193,38 +1298,48 @@ def make_model(
     decoder = Decoder(dec_layer, N)
     model = EncoderDecoder(encoder, decoder, src_embed, tgt_embed, generator)
 
-    for weight in [p for p in model.parameters() if p.dim() > 1]:
-        nn.init.xavier_uniform_(weight)
+    for weight in model.parameters():
+        if weight.dim() > 1:  # matrices; biases and norms keep theirs
+            nn.init.xavier_uniform_(weight)
     return model
 
 
 # %% [markdown]
-# Now the factor $\sqrt{d_{\text{model}}}$ of `Embeddings`. The cell builds
-# a base-size model with 8,000 source words and 6,000 target words, and
-# prints the standard deviation of its source embedding table before and
-# after the factor, next to that of the positional encoding it is added
-# to:
+# Now the factor $\sqrt{d_{\text{model}}}$ of `Embeddings`. `make_model`
+# fills each embedding table with Xavier's uniform initialization (step
+# 4 above), whose standard deviation for a table of $V$ words is
+# $\sqrt{2 / (V + d_{\text{model}})}$. The cell makes the source
+# embedding of a base-size model with 8,000 source words, initializes it
+# as `make_model` does, and prints three standard deviations: of its
+# table, of its output (the table times the factor), and of the
+# positional encoding that the output is added to.
 
 # %%
 torch.manual_seed(0)
-base = make_model(8000, 6000)  # d_model = 512
-table_std = base.src_embed[0].lut.weight.std().item()
-scaled_std = table_std * math.sqrt(512)
+embed = Embeddings(512, 8000)  # d_model = 512, 8,000 source words
+nn.init.xavier_uniform_(embed.lut.weight)  # as make_model does
+table_std = embed.lut.weight.std().item()
+every_word = torch.arange(8000)  # each id once
+scaled_std = embed(every_word).std().item()  # the table times sqrt(512)
 pe_table = PositionalEncoding(512, dropout=0.0).pe[0]  # (5000, 512)
 pe_std = pe_table.std().item()
 pe_std_128 = pe_table[:128].std().item()  # where our sentences lie
 print(f"embedding table:           std {table_std:.3f}")
-print(f"times sqrt(512):           std {scaled_std:.3f}")
+print(f"embedding output:          std {scaled_std:.3f}")
 print(f"positional encoding table: std {pe_std:.3f}")
-print(f"  its first 128 positions: std {pe_std_128:.3f}")
+print(f"  its first 128 positions: std {pe_std_128:.2f}")
 print(f"encoding / table: {pe_std / table_std:.0f}")
-print(f"encoding / scaled table: {pe_std / scaled_std:.1f}")
-# Xavier's uniform range for a (8000, 512) table has std
-# sqrt(2 / (8000 + 512))
-assert abs(table_std - math.sqrt(2 / 8512)) < 1e-3
-assert 40 < pe_std / table_std < 50  # "about 45 times smaller"
-assert 1.5 < pe_std / scaled_std < 2.5  # "about half the encoding's"
-assert pe_std_128 < pe_std  # "a little smaller" over 128 positions
+print(f"encoding / output: {pe_std / scaled_std:.1f}")
+print(f"first 128 positions / output: {pe_std_128 / scaled_std:.1f}")
+# Against the closed form: Xavier's std, and that times sqrt(512)
+assert abs(table_std - math.sqrt(2 / 8512)) < 1e-4
+assert abs(scaled_std - math.sqrt(2 / 8512) * math.sqrt(512)) < 1e-3
+# The numbers the paragraph below quotes
+assert round(pe_std / table_std) == 45
+assert (round(scaled_std, 3), round(pe_std, 3)) == (0.347, 0.695)
+assert round(pe_std_128, 2) == 0.62
+assert round(pe_std / scaled_std, 1) == 2.0
+assert round(pe_std_128 / scaled_std, 1) == 1.8
 
 # %% [markdown]
 # Without the factor, the embeddings would be about 45 times smaller than
@@ -1232,8 +1347,9 @@ assert pe_std_128 < pe_std  # "a little smaller" over 128 positions
 # are about half the encoding's scale (0.347 against 0.695): of the same
 # order, though not equal. Over the first 128 positions, where our
 # sentences lie, the encoding's spread is a little smaller (0.62), so the
-# ratio is much the same. Xavier's scale depends on the vocabulary size,
-# so this ratio does too.
+# embeddings are a little more than half its scale there (a ratio of 1.8
+# instead of 2.0). Xavier's scale depends on the vocabulary size, so
+# these ratios do too.
 
 
 # %% [markdown]
@@ -1304,8 +1420,10 @@ with torch.no_grad():
 # %%
 x = torch.randn(2, 6, 32)  # (B, S, d_model)
 real = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])  # (B, S)
-ours = our_layer.eval()(x, real.unsqueeze(1))  # source mask (B, 1, S)
-theirs = torch_layer.eval()(x, src_key_padding_mask=~real)
+our_layer.eval()  # no dropout in either layer
+torch_layer.eval()
+ours = our_layer(x, real.unsqueeze(1))  # source mask (B, 1, S)
+theirs = torch_layer(x, src_key_padding_mask=~real)
 assert torch.allclose(ours[real], theirs[real], atol=1e-5)
 
 # %% [markdown]
@@ -1363,7 +1481,9 @@ rows = [  # (part, module, formula)
 print(f"{'':26}{'counted':>12}{'formula':>12}")
 for part, module, formula in rows:
     counted = count_parameters(module)
-    print(f"{part:26}{counted:>12,}{formula:>12,}")  # e.g. 44,140,544
+    # `:>12,` right-aligns in 12 columns with thousands separators, as
+    # in the "both stacks" row's 44,140,544
+    print(f"{part:26}{counted:>12,}{formula:>12,}")
     assert counted == formula, part
 
 # %% [markdown]
@@ -1379,6 +1499,8 @@ for part, module, formula in rows:
 # %%
 with torch.device("meta"):  # shapes only
     paper_setup = make_model(37_000, 37_000)
+# src_embed is nn.Sequential(Embeddings, PositionalEncoding), which
+# indexes like a list: [0] is the Embeddings, .lut its table.
 shared = paper_setup.src_embed[0].lut.weight
 paper_setup.tgt_embed[0].lut.weight = shared
 paper_setup.generator.proj.weight = shared
@@ -1398,17 +1520,16 @@ assert round(count_parameters(paper_setup) / 1e6, 1) == 63.1
 torch.manual_seed(0)
 model = make_model(11, 11, N=2, d_model=64, d_ff=128, h=4).eval()
 # Ids from 1: in Part 2's copy task, which uses this vocabulary of 11,
-# id 0 is the padding token. There is no padding here.
-src = torch.randint(1, 11, (2, 7))  # (B, S)
-tgt = torch.randint(1, 11, (2, 6))  # (B, T)
+# id 0 is the padding token. There is no padding here. The target's ids
+# stop at 9, so that adding 1 below gives another id of the vocabulary.
+src = torch.randint(1, 11, (2, 7))  # (B, S): ids 1 to 10
+tgt = torch.randint(1, 10, (2, 6))  # (B, T): ids 1 to 9
 src_mask = torch.ones(2, 1, 7, dtype=torch.bool)  # (B, 1, S)
 tgt_mask = subsequent_mask(6)  # (1, T, T), shared by the batch
 hidden = model(src, tgt, src_mask, tgt_mask)  # (B, T, d_model)
 logp = model.generator(hidden)  # (B, T, vocab)
 edited = tgt.clone()
-# Change every id from position 4 on: t % 10 + 1 maps 1..9 to 2..10 and
-# 10 to 1, always another id in 1..10.
-edited[:, 4:] = tgt[:, 4:] % 10 + 1
+edited[:, 4:] = tgt[:, 4:] + 1  # every id from position 4 on changes
 logp_edited = model.generator(model(src, edited, src_mask, tgt_mask))
 assert torch.allclose(logp.exp().sum(-1), torch.ones(2, 6))
 assert torch.allclose(logp[:, :4], logp_edited[:, :4], atol=1e-5)

@@ -127,9 +127,14 @@ FIGURES = Path(ROOT, "figures")
 #   the AND of a padding mask and `subsequent_mask`.
 #
 # `b.ntokens` is the number of real (non-padding) tokens to predict, a
-# plain Python `int`; the loss is divided by it. The padding id defaults
-# to 2, `<blank>` in Part 3's vocabularies; the copy task below passes its
-# own. (`b.to(device)` moves a batch to a GPU; this part does not use it.)
+# plain Python `int`; the loss is divided by it. (`b.to(device)` moves a
+# batch to a GPU; this part does not use it.)
+#
+# **The padding id.** `pad` defaults to 2, the id of `<blank>` in Part
+# 3's vocabularies, as in the 2022 tutorial. Other data must pass its
+# own: `Batch` cannot tell padding from data, and with the wrong id it
+# would mask real tokens. In this part's copy task 2 is an ordinary data
+# token and padding is 0, so every `Batch` here is built with `pad=0`.
 
 
 # %%
@@ -198,8 +203,8 @@ assert torch.equal(b.tgt_y, torch.tensor([[7, 8, 0, 0]]))  # it predicts
 # that the model must reproduce. Sequences have length 10 over a vocabulary of
 # 11 tokens: token 0 is padding, token 1 is the start symbol at position 0, and
 # tokens 2–10 fill the rest. Source and target are the same sequence.
-# No sequence is padded, but `Batch` still needs a padding id, and its
-# default, 2, is a data token here: so the copy task passes 0.
+# No sequence is padded, but `Batch` still needs a padding id: 0,
+# `COPY_PAD` (see "The padding id" above).
 # `data_gen`'s `generator` argument is a `torch.Generator`, a seeded source of
 # random numbers (not the model's output layer, `model.generator`): the same
 # seed draws the same batches again.
@@ -257,17 +262,31 @@ assert torch.equal(example.tgt_y, example.src[:, 1:])
 # probability off its best guess, and BLEU (the translation score, Part 3)
 # gets better.
 #
-# `LabelSmoothing` computes this loss. At its core, its `forward` is:
+# `LabelSmoothing` computes this loss. It receives `x`, the model's
+# log-probabilities $\log q$, one row per target token, and the target
+# ids. In its shape comments, N counts the target tokens, one row each
+# (not Part 1's N, the number of layers), and `size` is the vocabulary
+# size. Its `forward` has two ways to the same number:
 #
-# ```python
-# p = self.smoothed_targets(target, x.dtype)  # (N, size): each row a p
-# return self.criterion(x, p)  # KL divergence against x = log q, summed
-# ```
+# * **the definition**, taken with `keep_targets=True`: build every row
+#   $p$ and sum the KL divergences,
 #
-# That is the `keep_targets` branch, the definition. The default branch,
-# `closed_form`, gives the same number by a formula derived below,
-# without building the rows. (`last_call` and `true_dist` serve code
-# written for the 2022 tutorial; this part does not use them.)
+#   ```python
+#   p = self.smoothed_targets(target, x.dtype)  # (N, size): each row a p
+#   return self.criterion(x, p)  # KL divergence against x = log q, summed
+#   ```
+#
+# * **the default**, `keep_targets=False`: `forward` calls its method
+#   `closed_form`, which calls the function `smoothed_kl`, a formula that
+#   gives the same sum without building the rows. The formula comes in
+#   "A shortcut: the same loss without the matrix", below; until then,
+#   read the default as "the same number as the definition".
+#
+# `last_call` and `true_dist` are for code written for the 2022
+# tutorial, which kept the latest call's smoothed targets in an
+# attribute `true_dist`. Here `forward` keeps only that call's targets
+# (`last_call`), and the property `true_dist` rebuilds the rows from
+# them when asked. A check below uses it.
 
 
 # %%
@@ -347,23 +366,39 @@ assert torch.allclose(dist, expected)
 # %% [markdown]
 # ### A shortcut: the same loss without the matrix
 #
-# This subsection makes the loss cheaper, not different; on a first read
-# you can skip to the check that the two ways agree, below.
+# This subsection changes how the loss is computed, not its value; on a
+# first read you can skip to the check that the two ways agree, below.
 #
-# The smoothed targets form a matrix as large as the model's output:
-# with the 6,190 English tokens of Multi30k's vocabulary (the data set
-# of Part 3) and a batch of up to 3,000 tokens, 74 MB of float32 (3,000
-# × 6,190 × 4 bytes), written, read by the KL divergence, and read again
-# in the backward pass. Each of its rows holds only three distinct
-# values, so a formula gives the same loss without building it: a
-# *closed form*, which reads the log-probabilities once and writes one
-# number per token.
+# The smoothed targets form a matrix as large as the model's output, one
+# row per target token and one column per vocabulary entry. The next
+# cell measures it for Part 3's data: the 6,190 English tokens of
+# Multi30k's vocabulary and a batch of up to 3,000 target tokens. Each
+# row holds only three distinct values, so a formula, a *closed form*,
+# gives the same loss without building that matrix: it reduces each row
+# of log-probabilities to a few numbers (a sum, the target's entry, the
+# padding entry) and combines them.
 #
-# Some symbols first. $N$ is the number of target tokens (here, not Part
-# 1's number of layers) and $V$ the vocabulary size; $\epsilon$ is
-# $\epsilon_{ls}$; for one row, $y$ is the target token,
+# That saving is in the forward pass only. The gradient of the loss with
+# respect to the log-probabilities has their shape, so the backward pass
+# writes a full matrix of that size either way (a check below shows it).
+# The appendix (06_tools, "The loss's gradient, written by hand") writes
+# that gradient without autograd's intermediate steps.
+
+# %%
+part3 = LabelSmoothing(6190, padding_idx=2, smoothing=0.1)
+targets = torch.randint(3, 6190, (3000,))  # 3,000 target tokens, no pad
+matrix = part3.smoothed_targets(targets)  # (3000, 6190)
+print(f"{matrix.shape[0]:,} x {matrix.shape[1]:,} float32 targets:")
+print(f"{matrix.nbytes / 1e6:.1f} MB")
+assert matrix.nbytes == 3000 * 6190 * 4  # 4 bytes per float32
+del matrix
+
+# %% [markdown]
+# The formula. Some symbols first: $V$ is the vocabulary size, $\epsilon$
+# is $\epsilon_{ls}$; for one row, $y$ is the target token,
 # $p$ the smoothed target distribution and $q$ the model's probabilities. The
-# loss receives $\log q$, as `x` (an $N \times V$ tensor). The three values of
+# loss receives $\log q$, as `x`, an $N \times V$ tensor ($N$ target
+# tokens, as above). The three values of
 # a row are: $c = 1 - \epsilon$ at $y$, $f = \epsilon / (V - 2)$ at each of the
 # $V - 2$ other non-padding tokens (together $\epsilon$), and 0 at padding.
 # A row's KL divergence, $\sum_j p_j \log (p_j / q_j)$, splits into
@@ -376,10 +411,10 @@ assert torch.allclose(dist, expected)
 # $$c \log c + \epsilon \log f - c \log q_y - f \sum_{j \ne y,\,
 # \mathrm{pad}} \log q_j .$$
 #
-# `forward` uses this closed form: its method `closed_form` calls the
-# function `smoothed_kl` below, which computes the formula's one number
-# per row. With `keep_targets=True`, `forward` takes the direct way
-# instead, so that the check below can compare the two.
+# By default `forward` uses this closed form: its method `closed_form`
+# calls the function `smoothed_kl` below, which computes the formula's
+# one number per row. With `keep_targets=True`, `forward` takes the
+# direct way instead, so that the check below can compare the two.
 
 
 # %%
@@ -388,8 +423,10 @@ def smoothed_kl(x, target, padding_idx, smoothing):
     """LabelSmoothing's loss in closed form: no (N, V) target matrix."""
     c = 1.0 - smoothing  # probability of the target
     f = smoothing / (x.size(1) - 2)  # of each other non-padding class
-    # Sums in float32 even if x is 16-bit (Part 3 trains in bfloat16,
-    # whose sums keep only 3 digits).
+    # Sums in float32 even if x is 16-bit: Part 3 can train in bfloat16,
+    # whose 8 significant bits (2 to 3 decimal digits) are too few for a
+    # sum over thousands of tokens. promote_types picks the wider type:
+    # float32, or float64 if x is float64.
     acc = torch.promote_types(x.dtype, torch.float32)
     picked = x.gather(1, target.unsqueeze(1)).squeeze(1).to(acc)  # (N,)
     # The formula's last sum, over every j but y and padding: (N,)
@@ -422,6 +459,55 @@ for eps in (0.1, 0.4):  # closed form = definition
     slow = LabelSmoothing(7, 0, eps, keep_targets=True)(logp, target)
     print(f"smoothing {eps}: closed form {fast:.6f}, definition {slow:.6f}")
     assert torch.allclose(fast, slow)
+
+# %% [markdown]
+# The backward pass, as said above, is not spared. Both ways give the same
+# gradient with respect to `x`, a full $N \times V$ matrix: minus the
+# smoothed targets, since the loss is $\sum_j p_j \log p_j - \sum_j p_j
+# x_j$ per row and $p$ does not depend on `x`. `true_dist` rebuilds those
+# targets from the latest call.
+
+# %%
+gradients = []
+for keep in (False, True):  # the closed form, then the definition
+    crit = LabelSmoothing(7, 0, 0.1, keep_targets=keep)
+    x = logp.clone().requires_grad_()
+    crit(x, target).backward()
+    gradients.append(x.grad)  # (N, vocab), like x
+    assert torch.allclose(x.grad, -crit.true_dist)
+print(gradients[0].shape, "gradient, the same both ways")
+assert torch.allclose(gradients[0], gradients[1])
+
+# %% [markdown]
+# PyTorch has label smoothing built in:
+# `F.cross_entropy(logits, target, label_smoothing=ε, ignore_index=pad)`.
+# It smooths differently: it mixes the one-hot target with a uniform
+# distribution over all $V$ classes, padding and the target included, so
+# the target gets $1 - \epsilon + \epsilon / V$ and padding $\epsilon / V$
+# in every row; `ignore_index` only drops the rows whose target is
+# padding. It is also a cross-entropy, $-\sum_j p_j \log q_j$, without
+# our constant $\sum_j p_j \log p_j$. The cell builds PyTorch's targets
+# by hand and checks both statements: its loss is theirs, and it differs
+# from ours even once our constant is removed.
+
+# %%
+eps = 0.1
+real = target != 0  # rows whose target is not padding
+uniform = torch.full((6, 7), eps / 7)  # (N, vocab): padding included
+torch_p = uniform + (1 - eps) * F.one_hot(target, 7)  # (N, vocab)
+by_hand = -(torch_p * logp)[real].sum()
+# cross_entropy takes logits; logp already sums to 1 in each row, so its
+# log_softmax leaves logp unchanged.
+builtin = F.cross_entropy(
+    logp, target, ignore_index=0, label_smoothing=eps, reduction="sum"
+)
+ours = LabelSmoothing(7, 0, eps)
+our_p = ours.smoothed_targets(target)  # (N, vocab): 0 in padding column
+our_cross_entropy = -(our_p * logp).sum()  # our KL minus its constant
+print(f"F.cross_entropy {builtin:.6f}, built by hand {by_hand:.6f}")
+print(f"ours, as a cross-entropy: {our_cross_entropy:.6f}")
+assert torch.allclose(builtin, by_hand)
+assert not torch.allclose(builtin, our_cross_entropy, atol=1e-3)
 
 # %% [markdown]
 # ### Why smoothing discourages over-confidence
@@ -490,15 +576,15 @@ save_chart(ls_chart, "02_label_smoothing_penalty", FIGURES)
 # the targets, and the sum is divided by the number of real tokens. That
 # division keeps the gradient's size the same whatever number of tokens
 # a batch holds, so one learning rate suits every batch. It returns the
-# loss twice. The mean per token is the one `.backward()` is
-# called on. The sum is for reporting only, so it is cut off from autograd
-# (`detach`).
+# loss twice:
 #
-# The sum stays a one-number tensor, not a Python float: the loop below
-# adds the sums up and turns the total into a float once, at the end. On
-# a GPU, turning a tensor into a Python number makes the CPU wait until
-# the GPU has finished all its queued work (a *sync*); once per epoch
-# costs nothing, once per batch would stall it.
+# * `loss_mean`, the mean per token: the training loops call
+#   `.backward()` on it, and `run_epoch`'s log line prints it;
+# * `loss_sum`, the sum over tokens, for the epoch's mean loss only, so
+#   it is cut off from autograd (`detach`). It stays a one-number
+#   tensor: the loops add the sums up and turn the total into a Python
+#   float once, at the end of the epoch. (On a GPU, each such turn makes
+#   the CPU wait for the GPU's queued work, a *sync*.)
 
 
 # %%
@@ -513,8 +599,8 @@ class SimpleLossCompute:
     def __call__(self, x, y, norm):
         """Decoder output x (B, T, d_model), targets y (B, T), and norm,
         the number of real target tokens (Batch.ntokens). Returns
-        (loss_sum, loss_mean): the sum, detached, for reporting, and the
-        mean per token, for backward()."""
+        (loss_sum, loss_mean): the sum, detached, for the epoch's total,
+        and the mean per token, for backward() and the log."""
         logp = self.generator(x)  # (B, T, vocab)
         flat = logp.reshape(-1, logp.size(-1))  # (B * T, vocab)
         loss_sum = self.criterion(flat, y.reshape(-1))  # summed over tokens
@@ -600,7 +686,8 @@ def plain_epoch(batches, model, loss_compute, optimizer, scheduler=None):
 # formula has no value at step 0 ($0^{-0.5}$), so `rate` treats step 0 as
 # step 1.
 #
-# `make_optimizer` builds the pair. At its core it is two lines:
+# `make_optimizer` builds the pair. With its defaults it comes down to
+# these two statements:
 #
 # ```python
 # optimizer = torch.optim.Adam(
@@ -611,12 +698,19 @@ def plain_epoch(batches, model, loss_compute, optimizer, scheduler=None):
 # )
 # ```
 #
-# The function around them adds options: `betas` (the copy task below
-# passes its own); `schedule`, which replaces `rate` with another function
-# of the step (the copy task uses a shorter one, and so do Part 3's
-# recipes); and `weight_decay`, which turns Adam into AdamW, as its
-# docstring explains. It also asks for Adam's one-pass update
-# (`fused=True`) where every parameter is on a CPU or a CUDA GPU.
+# Its other arguments change one piece each:
+#
+# * `betas`, Adam's $\beta_1$ and $\beta_2$; the copy task below passes
+#   its own;
+# * `schedule`, a function of the step that replaces `rate`; the copy
+#   task passes a shorter schedule, and Part 3 its run's schedule;
+# * `weight_decay`: above 0, AdamW instead of Adam, which also shrinks
+#   every weight a little at each step (its docstring says how). This
+#   part leaves it at 0; Part 3's recipes can set it.
+#
+# It also asks for `fused=True`, the same update computed in one pass
+# over the parameters, where every parameter is on a CPU or a CUDA GPU.
+# This lesson uses `betas` and `schedule`.
 
 
 # %%
@@ -750,7 +844,8 @@ def copy_accuracy(model, n, V=11, seq_len=10, generator=None):
     with torch.no_grad():
         out = greedy_decode(model, b.src, b.src_mask, seq_len, COPY_START)
     model.train(was_training)
-    return (out == b.src).all(dim=1).float().mean().item()
+    copied = (out == b.src).all(dim=1)  # (n,): True if all tokens match
+    return copied.float().mean().item()  # the fraction of True
 
 
 # %% [markdown]
@@ -777,10 +872,15 @@ def copy_accuracy(model, n, V=11, seq_len=10, generator=None):
 #   0.1 and a 10-step warm-up).
 # * **Small batches** of 16 sequences: what this task needs is many
 #   optimizer steps more than many sequences, so small batches buy more
-#   steps for the same sequences. In our sweep (`bench/RESULTS.md`, in
-#   bf16), batches of 32 needed fewer steps than 16 (231, at a peak of
-#   $4 \cdot 10^{-4}$, against 255), but each cost almost twice as much
-#   (211 against 109 ms); batches of 8 needed 463 steps.
+#   steps for the same sequences. In our sweep (`bench/RESULTS.md`),
+#   batches of 16 needed 255 steps to copy exactly and batches of 32
+#   only 231, but a forward and backward pass took 109 ms on 16
+#   sequences and 211 ms on 32: about 28 s in all against 49 s. Batches
+#   of 8 needed 463 steps. The sweep's conditions differ from this
+#   lesson's, so its seconds are not this lesson's: it computed in
+#   bfloat16 (a 16-bit float format; this lesson uses 32-bit floats), on
+#   one thread, and its batches of 32 used a peak of $4 \cdot 10^{-4}$,
+#   not $3 \cdot 10^{-4}$.
 # * **No dropout**: with fresh data in every batch, the model cannot
 #   memorize its training set.
 # * **No label smoothing**: the right next token is certain.
@@ -841,8 +941,10 @@ assert at_floor == list(range(294, 400))  # from step 294 to the end
 # `make_model`), the loss (`LabelSmoothing` with a smoothing of 0), Adam
 # with the short schedule, and the data (`data_gen`). Adam and its
 # `LambdaLR` come from `make_optimizer`, with Adam's $\beta_2$ at 0.999 and
-# the short schedule, `copy_schedule`, in place of the paper's. The
-# learning rate at each step is exactly `copy_schedule(step)`.
+# the short schedule, `copy_schedule`, in place of the paper's. Since
+# Adam's `lr` is 1.0, the learning rate for optimizer step $s$ is
+# exactly `copy_schedule(s)`: the cell checks it for the first step, and
+# the cell after training for the step after the last.
 
 # %%
 V = 11  # 0 is padding, 1 the start symbol, 2 to 10 the data
@@ -866,6 +968,7 @@ loss_compute = SimpleLossCompute(copy_model.generator, criterion)
 optimizer, scheduler = make_optimizer(
     copy_model, betas=(0.9, 0.999), schedule=copy_schedule
 )
+assert optimizer.param_groups[0]["lr"] == copy_schedule(0)  # step 0's
 
 # %% [markdown]
 # Before training, the check must fail. The held-out sequences come from
@@ -926,6 +1029,7 @@ for epoch in range(EPOCHS):
 # %%
 print(f"{steps} optimizer steps in {seconds:.1f} s")
 assert steps == EPOCHS * STEPS_PER_EPOCH
+assert optimizer.param_groups[0]["lr"] == copy_schedule(steps)  # next
 data_tokens = V - 2  # all but padding and the start symbol
 guess = torch.zeros(1, V)  # equal logits: equal probabilities
 guess[0, :2] = -1e4  # padding and the start symbol get probability 0
@@ -1006,21 +1110,27 @@ assert not overlap
 #
 # ### Gradient accumulation
 #
-# Gradient accumulation (`accum_iter = k`) emulates one batch $k$ times
-# the size of a micro-batch (each of the $k$ small batches that run one
-# at a time), too large to fit in memory at once: each micro-batch's
-# loss is divided by $k$, gradients add up over $k$ backward passes, and
-# the optimizer (and the schedule) steps once.
+# Gradient accumulation trains as if on a batch too large for memory. It
+# splits that batch into $k$ *micro-batches* (`accum_iter = k`), which
+# run one after the other. Each micro-batch's loss is divided by $k$
+# before its backward pass, PyTorch adds the $k$ gradients up in
+# `.grad`, and then the optimizer and the schedule step once.
 #
-# The emulation is exact when every micro-batch has the same number of
-# real tokens. With padding it differs: each micro-batch's loss
-# is a mean over its own tokens, so a short micro-batch's tokens weigh
-# more.
+# The result is exactly the large batch's gradient when every
+# micro-batch has the same number of real tokens, as in the copy task.
+# Otherwise it is not, because each micro-batch's loss is a mean over
+# its own tokens. Take micro-batch A with 2 real tokens and a summed
+# loss of 2 (a mean of 1.0), and B with 8 tokens and a sum of 4 (a mean
+# of 0.5). Accumulation averages the two means, $(1.0 + 0.5) / 2 =
+# 0.75$; the large batch would give $6 / 10 = 0.6$. Each of A's tokens
+# counts four times as much as each of B's.
 #
-# An example: micro-batch A has 2 real tokens with a loss of 2 (a mean of
-# 1.0), and B has 8 with a loss of 4 (a mean of 0.5). Accumulation gives
-# $(1.0 + 0.5) / 2 = 0.75$, while the double batch gives $6 / 10 = 0.6$:
-# each token of the short batch counts four times as much.
+# `run_epoch` keeps this behaviour and does not correct for it: an exact
+# mean would divide every micro-batch's summed loss by the whole group's
+# token count, known only once the group's last micro-batch has been
+# read. What changes is how much each token weighs in a step's
+# gradient. Part 3 trains with `accum_iter = 1` unless a run sets it:
+# one micro-batch per step, where the question does not arise.
 #
 # When the number of batches is not a multiple of $k$, the last group has
 # fewer micro-batches. `run_epoch` still steps on it, with its gradients
@@ -1037,7 +1147,8 @@ assert not overlap
 #
 # `scheduler` is the learning-rate schedule of "Optimizer and
 # learning-rate schedule" above. It keeps its own count of optimizer
-# steps, which over a run matches `accum_step`.
+# steps (`scheduler.last_epoch`), which over a run matches `accum_step`;
+# the last check of this part asserts it.
 
 
 # %%
@@ -1110,10 +1221,12 @@ def optimizer_step(optimizer, scheduler, parameters, scale=1.0, scaler=None):
 # ### One micro-batch
 #
 # `micro_step` is the plain loop's forward, loss and backward, with the
-# loss divided by `accum_iter`. Like `SimpleLossCompute`, it returns the
-# loss twice: `loss_sum`, for the epoch's total, and `loss_mean`, the mean
-# per token, for the log. In this part `autocast` does nothing, `scaler`
-# is `None` and there is one process, so it comes down to three lines:
+# loss divided by `accum_iter`. It returns `SimpleLossCompute`'s two
+# losses: `loss_sum`, for the epoch's total, and `loss_mean`, the mean
+# per token, which it calls `.backward()` on (divided by `accum_iter`)
+# and which `run_epoch`'s log prints. In this part `autocast` does
+# nothing, `scaler` is `None` and there is one process, so it comes down
+# to three lines:
 #
 # ```python
 # out = model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
@@ -1122,8 +1235,9 @@ def optimizer_step(optimizer, scheduler, parameters, scale=1.0, scaler=None):
 # ```
 #
 # When autograd is off (`mode="eval"` below), `micro_step` skips the
-# backward pass. The rest serves GPU and multi-process runs: `autocast`
-# computes in 16 bits, `scaler` guards float16 gradients, and
+# backward pass. The rest serves the appendix's GPU and multi-process
+# runs, which this part never makes, so a first read can skip it:
+# `autocast` computes in 16 bits, `scaler` guards float16 gradients, and
 # `hold_sync` asks DDP (several processes, each training a copy of the
 # model) to delay the exchange of gradients until the last micro-batch
 # of a group. The appendix (notebook 06_tools, "A run, in pieces")
@@ -1142,8 +1256,11 @@ def micro_step(
     scaler=None,
 ):
     """One micro-batch's loss, and its gradient when autograd is on."""
-    hold = hold_sync and hasattr(model, "no_sync")
-    with model.no_sync() if hold else nullcontext():  # DDP: no all-reduce
+    hold = hold_sync and hasattr(model, "no_sync")  # only a DDP model has it
+    # DDP's no_sync(): this backward keeps its gradients local (no
+    # exchange between processes); otherwise, a context that does nothing.
+    sync_context = model.no_sync() if hold else nullcontext()
+    with sync_context:
         with autocast():
             out = model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
             loss_sum, loss_mean = loss_compute(out, batch.tgt_y, batch.ntokens)
@@ -1172,12 +1289,12 @@ def micro_step(
 
 # %%
 #| export
-def print_progress(i, state, loss_node, speed, optimizer):
+def print_progress(i, state, loss_mean, speed, optimizer):
     """One log line of run_epoch's "train+log" mode."""
     lr = optimizer.param_groups[0]["lr"]
     print(
         f"batch {i:5d} | optimizer steps {state.accum_step:5d} | loss "
-        f"{loss_node.item():6.3f} | {speed:7.1f} tok/s | lr {lr:6.1e}"
+        f"{loss_mean.item():6.3f} | {speed:7.1f} tok/s | lr {lr:6.1e}"
     )
 
 
@@ -1188,6 +1305,13 @@ def print_progress(i, state, loss_node, speed, optimizer):
 # batches holds only $w / k$ of a mean gradient ($k$ = `accum_iter`);
 # multiplying by $k / w$ restores it. The loss total stays a tensor until
 # the end of the epoch (no sync).
+#
+# Whether a step is due, `steps_now`, is decided *before* the
+# micro-batch runs, not after, because `micro_step` needs it during its
+# backward pass: with several processes, every micro-batch but a group's
+# last keeps its gradients local (`hold_sync`). In this part's runs
+# (one process, 32-bit floats), `hold_sync`, `autocast` and `scaler`
+# change nothing, and a first read can skip them.
 #
 # It logs when `(i - 1) % log_every == 0`, counting batches from 0:
 # batch 1 (the second), then 41, 81, ... with the default 40, as the
@@ -1308,8 +1432,10 @@ def largest_difference(a, b):
 rng = torch.Generator().manual_seed(0)
 micro = list(data_gen(V=11, batch_size=4, nbatches=4, generator=rng))
 # Micro-batches 0 and 1 make the first pair, 2 and 3 the second.
-pairs = [torch.cat([a.src, b.src]) for a, b in zip(micro[::2], micro[1::2])]
-# pad=COPY_PAD, as in data_gen: Batch's default, 2, is a data token here.
+pairs = [
+    torch.cat([micro[0].src, micro[1].src]),  # (8, 10)
+    torch.cat([micro[2].src, micro[3].src]),  # (8, 10)
+]
 doubled = [Batch(src, src.clone(), pad=COPY_PAD) for src in pairs]
 
 # %% [markdown]
@@ -1368,6 +1494,8 @@ assert other > 1e-6  # the third batch counts
 # sequence has 9 tokens to predict, none of them padding. `"train+log"`
 # with `log_every=1` prints a line for every micro-batch. A second epoch
 # given the returned state continues its counts; `"eval"` changes none.
+# A schedule that keeps the rate at 0.5 (a factor of 1) only counts the
+# optimizer steps, which must match `accum_step`.
 
 # %%
 torch.manual_seed(0)
@@ -1375,11 +1503,13 @@ model = make_model(11, 11, N=1, d_model=16, d_ff=32, h=2, dropout=0.0)
 crit = LabelSmoothing(11, COPY_PAD, smoothing=0.1)
 loss_compute = SimpleLossCompute(model.generator, crit)
 sgd = torch.optim.SGD(model.parameters(), lr=0.5)
+counting = torch.optim.lr_scheduler.LambdaLR(sgd, lambda step: 1.0)
 _, state = run_epoch(
     micro,
     model,
     loss_compute,
     sgd,
+    counting,
     mode="train+log",
     accum_iter=2,
     log_every=1,
@@ -1388,9 +1518,16 @@ print(state)
 assert (state.step, state.accum_step, state.samples) == (4, 2, 16)
 assert state.tokens == 16 * 9
 _, state = run_epoch(
-    micro, model, loss_compute, sgd, accum_iter=2, train_state=state
+    micro,
+    model,
+    loss_compute,
+    sgd,
+    counting,
+    accum_iter=2,
+    train_state=state,
 )
 assert (state.step, state.accum_step, state.tokens) == (8, 4, 32 * 9)
+assert counting.last_epoch == state.accum_step  # the schedule's count
 model.eval()
 _, state = run_epoch(
     micro, model, loss_compute, mode="eval", train_state=state

@@ -190,8 +190,9 @@ ATTENTION_KINDS = {
 # %% [markdown]
 # `AttentionMaps` keeps the weights of one sentence with its token ids and
 # labels. Its `view(kind)` returns one kind's weights with their labels
-# and masks; "Can we trust these pictures?" shows it, where its masks are
-# first needed.
+# and masks, which the checks and the statistics below need. The function
+# behind it, `attention_view`, is shown in "Can we trust these
+# pictures?", where the masks are first used.
 
 
 # %%
@@ -219,8 +220,9 @@ class AttentionMaps:
 # The decoder runs with teacher forcing on a given target
 # `<s> y_1 ... </s>`: its inputs are every token but the last, and row $t$
 # is the position that predicts token $t+1$, kept in `next_tokens` for the
-# tooltips. (Without a target, it first translates greedily; not used
-# on this page.) The decoder is
+# tooltips. (Without a target, it first translates greedily and records
+# that translation; this page always passes the reference, and the unit
+# tests use this branch.) The decoder is
 # *causal*: each position sees only itself and the positions before it.
 # So one pass over the finished translation gives the same weights, up to
 # rounding, as it used while writing it one token at a time (checked
@@ -310,12 +312,35 @@ def attention_maps(
 # appendix's "A trained model, or a small one trained now" says what
 # runs where.
 #
+# **On a Mac, or on a CPU, without a trained model**, this page trains
+# the stand-in: its charts show no language, and every Check below
+# prints "stand-in loaded: this claim is checked only with a trained
+# model" instead of asserting. Read the picture on record (under
+# "Decoder–source attention") for what a trained model does. To get a
+# trained model here, run Part 3 first, or `make notebook`, or, from the
+# repository's folder, `.venv/bin/python annotated_transformer_tools.py
+# train --preset quick --threads 2` (on two CPU cores about 10 minutes
+# with native bf16, 14 to 20 without; 13.9 in the recorded run,
+# `results/recipe_quick.json`; no Mac time is on record), then run this
+# page again.
+#
+# Three models appear on this page; keep them apart:
+#
+# - **on record**: the `cpu` preset (which `make train` trains for 18
+#   epochs) stopped after 10 epochs, trained in float32 on a CPU
+#   (`results/site_full.md`). It is behind the picture
+#   `docs/trained_attention.png` and behind every number of the last
+#   section, "Putting attention to work". A number the prose quotes is
+#   this model's unless the prose names another.
+# - **`quick` runs**: the model that Part 3 trains. The parking figures
+#   quoted below are what one run, trained in bf16, printed
+#   (`results/make_notebook.md`).
+# - **the model loaded here**: the `cpu` or `quick` model this page
+#   finds, else the stand-in. Every chart and every number that a cell
+#   of this page prints is this model's, and may differ from both above.
+#
 # Words this page uses throughout:
 #
-# - **on record**: the `cpu` model trained for 10 epochs in float32
-#   (`results/site_full.md`; a shorter run than `make train`'s 18 epochs,
-#   run C in Part 5's table), behind `docs/trained_attention.png` and most
-#   numbers quoted here; a number from another run says so;
 # - **stand-in**: the small model trained here in seconds when no
 #   trained one is found;
 # - **Check**: a paragraph stating a claim about a trained model's heads;
@@ -325,6 +350,14 @@ def attention_maps(
 #   these pictures?", after the charts, verifies that;
 # - **See, ...**: a paragraph whose cell checks the code itself; its
 #   asserts run with any model.
+#
+# `load_trained_model` rebuilds the model with dropout 0 and returns it
+# in `eval()` mode, so every forward pass of it below, including the
+# checks that call the model directly, runs without dropout. Its
+# `device` argument is a PyTorch device, not a preset: we pass `"cpu"`
+# whatever the machine, since one sentence at a time is quick there and
+# every reader then runs the checks below in the same float32
+# arithmetic.
 
 
 # %%
@@ -337,8 +370,9 @@ vocabs = load_vocab(*tokenizers)
 checkpoint = find_or_train(
     ["cpu", "quick"], stand_in, vocabs, tokenizers, ROOT, AT_SIZE
 )
-# On the CPU, whatever the machine: the maps below are small.
-model, vocab_src, vocab_tgt, config = load_trained_model(checkpoint, "cpu")
+# device="cpu" names the device, not the preset; dropout 0, eval mode
+loaded = load_trained_model(checkpoint, device="cpu")
+model, vocab_src, vocab_tgt, config = loaded
 N, h = len(model.encoder.layers), model.encoder.layers[0].self_attn.h
 trained = config.preset in ("cpu", "quick")  # not the stand-in
 SKIPPED = "stand-in loaded: this claim is checked only with a trained model"
@@ -424,15 +458,24 @@ save_chart(attention_chart(maps, "decoder self"), "04_decoder_self", FIGURES)
 # last layer. In the row that predicts "brown" every head looks most at
 # "brauner", and in the row that predicts "black" at "schwarzen": each
 # looks at the German word it is about to translate. The row that
-# predicts `</s>` has no German word left to translate. It puts much of
-# its weight on the edges of the sentence instead, `<s>` and `</s>`. We
-# call this *parking*: weight left on a token that carries no content,
-# because a softmax row must put its weight somewhere. The stand-in has
-# seen too little to do any of this.
+# predicts `</s>` has no German word left to translate. It puts more of
+# its weight than the word rows do on the edges of the sentence, `<s>`
+# and `</s>`: in a `quick` run, 0.17 of it against 0.02 (the parking
+# Check below measures it). We call this *parking*: weight left on a token that
+# carries no content, because a softmax row must put its weight
+# somewhere. The stand-in has seen too little to do any of this.
 #
-# Here is that chart of the model on record (the `cpu` model stopped
-# after 10 epochs), as `make site` saved it. On Colab, where this picture
-# does not load, open it [on GitHub][github]. In this older picture each
+# The chart opens on the last layer, and the three Checks below read the
+# last layer too: its output is the one that becomes the next word. It
+# is not the best aligner, though. In the model on record, "Putting
+# attention to work" at the end of this page finds it worse than each
+# of the earlier layers at pointing to the German word being translated
+# (47% against 61% and 65%, by a proxy measure described there). Pick
+# the other layers in the chart's menu to compare.
+#
+# Here is that chart of the model on record, as `make site` saved it.
+# On Colab, where this picture does not load, open it
+# [on GitHub][github]. In this older picture each
 # row is labelled only with the word it reads; it predicts the next
 # row's word (the row labelled "A" predicts "brown").
 #
@@ -516,9 +559,11 @@ else:
     print(SKIPPED)
 
 # %% [markdown]
-# Back to the two dogs. For each layer, the cell prints the weight that
-# each row predicting "dog" puts on each "Hund", averaged over the heads,
-# with $1/S$ (the weight of a uniform spread) for scale. A layer that
+# Back to the two dogs. For each layer, the cell prints a 2 × 2 table:
+# one row per row of the chart that predicts "dog" (`dog #1`, `dog #2`),
+# one column per "Hund" (`Hund #1`, `Hund #2`), and in each cell the
+# weight that row puts on that "Hund", averaged over the heads. $1/S$
+# (the weight of a uniform spread) is printed for scale. A layer that
 # tells the copies apart weights the first "Hund" more for the first
 # "dog", and the second for the second, and prints `apart: True`.
 #
@@ -532,13 +577,16 @@ assert len(hund) == len(dogs) == 2  # the word twice on each side
 print(f"uniform weight 1/S = {1 / len(maps.src_tokens):.2f}")
 apart = []  # one answer per layer
 for layer in range(N):
-    w = maps.decoder_src[layer].mean(0)[dogs][:, hund]  # (dog, Hund)
+    w = maps.decoder_src[layer].mean(0)[dogs][:, hund]  # (2, 2)
     apart.append(bool(w[0, 0] > w[0, 1] and w[1, 1] > w[1, 0]))
-    on = "; ".join(
-        f"dog #{k} on Hund #1, #2: {a:.2f}, {b:.2f}"
-        for k, (a, b) in enumerate(w.tolist(), start=1)
+    # rows: dog #1, #2; columns: Hund #1, #2
+    dog_table = pd.DataFrame(
+        w.numpy(),
+        index=["dog #1", "dog #2"],
+        columns=["Hund #1", "Hund #2"],
     )
-    print(f"layer {layer + 1}: {on}; apart: {apart[-1]}")
+    print(f"\nlayer {layer + 1}, apart: {apart[-1]}")
+    print(dog_table.round(2))
 if trained:
     hint = "the last layer does not tell the dogs apart; see docs/gpu.md"
     assert apart[-1], hint  # the last layer
@@ -562,9 +610,11 @@ else:
 #
 # The checks below need each kind's masks, which `AttentionMaps.view`
 # returns as an `AttentionView`: the weights with their row and column
-# labels, the `(R, C)` mask `allowed` of the keys each query may see, and,
-# for the statistics later on, which rows and columns are real tokens
-# (`row_keep`, `col_keep`) and the keys' token ids (`col_ids`).
+# labels, the `(R, C)` mask `allowed` of the keys each query may see, and
+# three fields that only `_head_statistics` uses ("What the heads do,
+# measured"): which rows and columns are real tokens (`row_keep`,
+# `col_keep`), to average over real rows only, and the keys' token ids
+# (`col_ids`), to find the `<s>` and `</s>` columns.
 # `attention_view` picks, for each kind, which side gives the queries and
 # which the keys: the source for the encoder, the English for the
 # decoder's own attention, and English queries with German keys for the
@@ -782,7 +832,8 @@ assert not torch.allclose(dropped.sum(-1), clean.sum(-1))
 # translation that keeps the word order and stretches it evenly. A head
 # that reads the German word being translated sits near this diagonal,
 # offset by a column early in the sentence, since row $i$ predicts token
-# $i + 1$; "Where the weight goes", below, works it out on our sentence.
+# $i + 1$; "Where the weight goes", below, prints it for each row of
+# our sentence.
 # `_diagonal` computes the diagonal's column for each row.
 #
 # For scale: a head that always reads its neighbour scores a distance of
@@ -842,33 +893,82 @@ def _diagonal(v, kind):
 # predicts "brown", which aligns with "brauner" ($j = 2$): offset +1,
 # counted in `next`. The row ". → </s>" ($i = 10$) predicts `</s>` and
 # reads German `</s>` ($j = 10$): offset 0, counted in `same`, because the
-# diagonal pins the last row to German `</s>`. So in this kind the word a
-# row predicts sits one column after the diagonal early in the sentence
-# and on it at the end: `next` and `same` mean "aligned with the word
-# being predicted", not a fixed neighbour.
+# diagonal pins the last row to German `</s>`. So the word a row
+# predicts sits one column after the diagonal in the first row and on it
+# in the last; in between, where it sits depends on the two word orders.
+#
+# That is the word a row *predicts*. Where a head actually *looks* is
+# another matter. The cell below prints, for each row, the diagonal's
+# column (rounded, as the shares round it) and the source column that
+# the last layer reads most, averaged over its heads, each with its
+# word, and the offset between them: +1 counts in `next`, 0 in `same`,
+# −1 in `previous`.
+
+# %%
+read = maps.decoder_src[-1].mean(0)  # (T, S): last layer, mean over heads
+n_rows, n_cols = read.shape  # T, S: our sentence has no padding
+offsets = []  # one entry per row
+for i in range(n_rows):
+    diagonal = round(i * (n_cols - 1) / (n_rows - 1))  # its column
+    most = int(read[i].argmax())  # the column this row reads most
+    offsets.append(
+        {
+            "row": f"{maps.tgt_tokens[i]} → {maps.next_tokens[i]}",
+            "diagonal": f"{diagonal} {maps.src_tokens[diagonal]}",
+            "read most": f"{most} {maps.src_tokens[most]}",
+            "offset": most - diagonal,
+        }
+    )
+pd.DataFrame(offsets)
+
+# %% [markdown]
+# Read the offsets column. Where the two sentences keep step, a row
+# that reads the German word it is about to translate prints +1; where
+# the German word order departs from the English ("hinterher", *after*,
+# comes last in the German), the word being translated lies elsewhere,
+# and the offset with it. So in decoder–source attention `next` counts
+# reading the word being translated only where the sentences keep step
+# one column apart; `same` and `previous` can count it too. Nothing here
+# is asserted: each model prints its own offsets, and the stand-in's
+# need not show any pattern.
+#
+# `_head_statistics` computes every statistic of one kind at once, for
+# all layers and heads: first a sum over the keys of each row, then the
+# mean over the rows that are real tokens.
 
 
 # %%
 #| export
 def _head_statistics(v, kind, specials):
     """Each statistic of one kind as an (N, h) tensor, over real rows."""
-    w = v.weights.double()  # (N, h, R, C)
-    i, j = _diagonal(v, kind)
+    w = v.weights.double()  # (N, h, R, C): float64, for exact sums
+    i, j = _diagonal(v, kind)  # (R, 1) diagonal's column, (1, C) keys
+    # How many columns each key lies after the diagonal's (rounded)
+    # column: -1 is the key just before it, 0 on it, +1 just after.
     offset = j - i.round()  # (R, C)
     n = v.allowed.sum(-1)  # (R,) keys each query may see
-    H = -torch.special.xlogy(w, w).sum(-1)  # (N, h, R); 0·log 0 = 0
+    # Entropy of each row, -sum_j p log p. xlogy(p, p) is p log p, and
+    # it is 0 where p = 0 (a plain p * log(p) would give 0 * -inf = NaN).
+    H = -torch.special.xlogy(w, w).sum(-1)  # (N, h, R)
     specials = torch.tensor(specials, device=v.col_ids.device)
+    # True at the key columns whose token is <s> or </s>
     special = torch.isin(v.col_ids, specials)  # (C,)
+    # Each quantity per row, summed over the keys, each (N, h, R). A
+    # boolean mask times the weights keeps the weights where it is True
+    # (True counts as 1, False as 0): their sum is the row's share there.
     sums = {
-        "distance": (w * (j - i).abs()).sum(-1),  # each (N, h, R)
-        "previous": (w * (offset == -1)).sum(-1),
-        "same": (w * (offset == 0)).sum(-1),
-        "next": (w * (offset == 1)).sum(-1),
-        "specials": w[..., special].sum(-1),
+        # weight times distance |j - i| from the exact diagonal
+        "distance": (w * (j - i).abs()).sum(-1),
+        "previous": (w * (offset == -1)).sum(-1),  # one column before
+        "same": (w * (offset == 0)).sum(-1),  # on the diagonal
+        "next": (w * (offset == 1)).sum(-1),  # one column after
+        "specials": w[..., special].sum(-1),  # on <s> and </s>
     }
-    # A row with one key (n == 1) has no choice: it is left out, and the
-    # clamp keeps its 0 / log 1 from being a NaN before it is dropped.
+    # Entropy as a fraction of uniform: H / log n. A row with one key
+    # (n == 1) has no choice: it is left out of the mean, and the clamp
+    # keeps its 0 / log 1 = 0 / 0 from being a NaN before it is dropped.
     entropy = _mean(H / n.clamp(min=2).log(), v.row_keep & (n > 1))
+    # Every other statistic: the mean over the real (not padding) rows
     means = {k: _mean(s, v.row_keep) for k, s in sums.items()}
     return {"entropy": entropy, **means}  # each (N, h)
 
@@ -912,6 +1012,29 @@ print(
 )
 
 # %% [markdown]
+# And one decoder–source share: the `next` share of the first layer's
+# first head, the weight one column after the rounded diagonal, summed
+# in a loop over the $T$ rows and averaged.
+
+# %%
+cross = maps.decoder_src[0, 0].tolist()  # T rows of S weights
+T, S = len(cross), len(cross[0])
+next_sum = 0.0
+for r, row in enumerate(cross):
+    diagonal = round(r * (S - 1) / (T - 1))  # the diagonal's column
+    if diagonal + 1 < S:  # the last row has no column after it
+        next_sum += row[diagonal + 1]
+stats = attention_statistics(maps)
+first_head = [
+    s
+    for s in stats
+    if s["kind"] == "decoder source" and s["layer"] == 1 and s["head"] == 1
+]
+assert len(first_head) == 1
+assert math.isclose(first_head[0]["next"], next_sum / T, abs_tol=1e-5)
+print(f"decoder source, layer 1, head 1: next {first_head[0]['next']:.3f}")
+
+# %% [markdown]
 # ### Over many sentences
 #
 # `attention_summary` averages those numbers over many validation
@@ -922,19 +1045,22 @@ print(
 #| export
 def attention_summary(model, pairs, spacy_de, spacy_en, vocab_src, vocab_tgt):
     """attention_statistics averaged over sentence pairs (de, en)."""
-    totals = {}
+    labels = ("kind", "layer", "head")  # which head a row describes
+    sums = {}  # (kind, layer, head) -> {statistic: its sum over the pairs}
     for de, en in pairs:
         src = [BOS, *vocab_src(tokenize(de, spacy_de)), EOS]
         tgt = [BOS, *vocab_tgt(tokenize(en, spacy_en)), EOS]
         for row in attention_statistics(attention_maps(model, src, tgt)):
-            key = (row.pop("kind"), row.pop("layer"), row.pop("head"))
-            total = totals.setdefault(key, dict.fromkeys(row, 0.0))
-            for name, value in row.items():
-                total[name] += value / len(pairs)
-    return [
-        {"kind": k, "layer": n, "head": a, **t}
-        for (k, n, a), t in totals.items()
-    ]
+            key = tuple(row[label] for label in labels)
+            if key not in sums:  # the first pair: start every sum at 0
+                sums[key] = {k: 0.0 for k in row if k not in labels}
+            for name in sums[key]:
+                sums[key][name] += row[name]
+    summary = []  # one row per head, in attention_statistics' order
+    for key, total in sums.items():
+        means = {name: value / len(pairs) for name, value in total.items()}
+        summary.append({**dict(zip(labels, key)), **means})
+    return summary
 
 
 # %% [markdown]
@@ -1091,8 +1217,9 @@ for kind in ATTENTION_KINDS:
 # used the attention weights, as we do.
 #
 # Which attention? The last layer alone, whose output becomes the word,
-# is the obvious choice, but a worse aligner than either earlier layer
-# and than the mean over all layers. Multi30k has no gold word
+# is the obvious choice. In the model on record ($N=3$), it is a worse
+# aligner than each of the two earlier layers and than the mean over all
+# layers. Multi30k has no gold word
 # alignments (alignments drawn by people), so "worse" is measured with a
 # proxy. A model writes `<unk>` for a rare English word, and a rare
 # English word usually translates a rare German word, so a good aligner
@@ -1114,6 +1241,35 @@ for kind in ATTENTION_KINDS:
 # `source_alignment` to `attention_maps`. Row $t$ reads decoder input
 # $t$ and wrote output token $t+1$. The argmax runs over the source's
 # words only, never over `<s>`, `</s>` or padding.
+#
+# The code below shifts indices by one in several places. Here they are
+# for a three-word example: the German "Ein Hund rennt", translated as
+# `out` = `<s> A <unk> runs </s>`.
+#
+# | row $k$ | reads `ys[k]` = `out[k]` | wrote `out[k + 1]` |
+# |---|---|---|
+# | 0 | `<s>` | A |
+# | 1 | A | `<unk>` |
+# | 2 | `<unk>` | runs |
+# | 3 | runs | `</s>` |
+#
+# `replace_unknowns` gets `ids`, the output after `<s>` (here A,
+# `<unk>`, runs), so `ids[k]` is `out[k + 1]`, the token row $k$ wrote.
+# On the source side, `src_words` are the German words without `<s>` and
+# `</s>`:
+#
+# | source column $j$ | 0 | 1 | 2 | 3 | 4 |
+# |---|---|---|---|---|---|
+# | token | `<s>` | Ein | Hund | rennt | `</s>` |
+# | `src_words[j - 1]` | – | Ein | Hund | rennt | – |
+# | column in `weights[..., 1:-1]` | – | 0 | 1 | 2 | – |
+#
+# So the `<unk>` is `ids[1]`, written by row 1. If row 1 reads column 2
+# most, the word copied is `src_words[1]`, "Hund"; in the slice without
+# `<s>` and `</s>`, that column is 1, and again `src_words[1]`. To keep
+# the argmax off `<s>`, `</s>` and padding, `source_alignment` fills
+# those columns with −1: every attention weight is at least 0, so a
+# filled column can never be the largest while the row has a word.
 
 
 # %%

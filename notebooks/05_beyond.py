@@ -41,6 +41,14 @@
 # embeddings. A comment naming Part 5 marks each. Part 4 is not needed to
 # follow this lesson; only the `<unk>` replacement that translation
 # applies by default comes from there.
+#
+# Recorded training runs are named by letter, as in `docs/results.md`
+# ("Runs A and B", "Runs C and D"), which describes each:
+#
+# - **A**: words, the `cpu` preset, 18 epochs; **B**: BPE, `cpu-bpe`, 14
+#   epochs (both scored in `results/beyond.md`);
+# - **C**: words, `cpu`, 10 epochs; **D**: BPE, `cpu-bpe`, 8 epochs
+#   (both in float32, scored in `results/beyond_site_full.md`).
 
 # %% [markdown]
 # [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/annotated-transformer/done-right/blob/main/notebooks/05_beyond.ipynb)
@@ -89,7 +97,7 @@ MODULE = "the_annotated_transformer.py"
 HERE = next((d for d in UP if os.path.isfile(f"{d}/{MODULE}")), "..")
 ROOT = os.path.abspath(CLONE if os.path.isdir(CLONE) else HERE)
 sys.path.insert(0, ROOT)
-AT_SIZE = os.environ.get("AT_SIZE", "full")  # "ci": tiny models, CI-sized
+AT_SIZE = os.environ.get("AT_SIZE", "full")  # "ci": always the stand-in
 
 # %%
 #| export
@@ -118,6 +126,7 @@ from the_annotated_transformer import (
     heads_mask,
     load_tokenizers,
     make_model,
+    model_from_config,
     read_multi30k,
     strip_specials,
     subsequent_mask,
@@ -157,9 +166,19 @@ from annotated_transformer_tools import (
 # a small one trained now") says what runs where, on Colab and on a Mac
 # too.
 #
-# Decoding in this lesson runs on the CPU, whatever the machine. The
-# model is loaded onto the CPU because the cells below build their input
-# tensors there, and a model and its inputs must share a device.
+# The GPU that Colab asks for is there for training: with no saved
+# model, it trains `quick` in minutes instead of the stand-in. Decoding
+# in this lesson runs on the CPU, whatever the machine: the cells below
+# build their tensors where PyTorch puts them unless told otherwise, on
+# the CPU, so the model is loaded there too.
+#
+# `trained`, below, says which kind of model this is. With a trained
+# model (`cpu` or `quick`) the lesson scores the 1,000 test sentences
+# and checks the translation quality. With the stand-in (always in CI,
+# and on a machine with no saved model and no CUDA GPU, a Mac for
+# instance) it scores only the first 100, and its BLEU is close to 0:
+# the code runs and the checks of the code hold, but the checks of
+# quality are skipped, and the cells say so.
 
 
 # %%
@@ -177,9 +196,10 @@ checkpoint = find_or_train(
 )
 model, vocab_src, vocab_tgt, config = load_trained_model(checkpoint, "cpu")
 print("model:", describe_checkpoint(checkpoint))
-# True for a trained model, False for the CI-sized stand-in: the checks
-# of translation quality below apply only when it is True.
+# True for a trained model, False for the stand-in: the checks of
+# translation quality below apply only when it is True.
 trained = config.preset in ("cpu", "quick")
+print("a trained model" if trained else "the stand-in: BLEU will be near 0")
 
 # %% [markdown]
 # We also make one padded batch of 16 validation sentences of different
@@ -229,7 +249,10 @@ src_mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
 # keeps the $R'$ rows that `index` lists, in the target-side cache and in
 # the source side: greedy decoding uses it to drop the sentences that
 # have finished. (Section 2's beam search gives a sentence several rows,
-# with a cache of its own that extends this one.)
+# with a cache of its own that extends this one.) Two pieces below are
+# there only for section 2, and can be skipped on a first read: the
+# split of `select` into `keep_rows` and `keep_sentences`, and the
+# `group` reshape in `attend_step`.
 
 
 # %%
@@ -400,21 +423,19 @@ def cached_greedy_decode(
             break  # every sentence has ended
         if not running.all():  # some ended: drop their rows
             rows = rows[running]  # still indices into out's B rows
-            # The cache counts only its own R rows, 0 to R - 1:
-            cache.select(running.nonzero().squeeze(1))  # cache rows
+            # The cache counts only its own R rows, 0 to R - 1: keep the
+            # positions (cache rows) where `running` is True.
+            cache.select(torch.where(running)[0])  # (R',) cache rows
     return out[:, : t + 1]  # (B, <= max_len)
 
 
 # %% [markdown]
-# **See, it matches.** We teacher-force the tokens that greedy decoding
-# chose and compare, at every step, the log-probabilities of the cached
-# step with those of the full decoder run over the whole prefix. They
-# agree to within 1e-4: the two paths add the same numbers in a different
-# order, and float32 rounds each order a little differently. Then the
-# contract: `cached_greedy_decode` returns exactly what `batch_greedy_decode`
-# does, `<blank>`s included. And the tokens agree with `greedy_decode` run on
-# one unpadded sentence at a time, up to its first `</s>` (Part 2's
-# `greedy_decode` does not stop at `</s>`).
+# **See, it matches.** First, one step against the full decoder: we
+# teacher-force the tokens that greedy decoding chose and compare, at
+# every step, the log-probabilities of the cached step with those of the
+# full decoder run over the whole prefix. They agree to within 1e-4: the
+# two paths add the same numbers in a different order, and float32
+# rounds each order a little differently.
 #
 # All decoders here get one output limit, the paper's (section 6.1):
 # the input's length + 50 tokens, with the longest sentence of the
@@ -434,12 +455,23 @@ with torch.no_grad():
             memory, src_mask, batched[:, :t], subsequent_mask(t)
         )  # (B, t, d_model): the whole prefix again
         full = model.generator(prefix[:, -1])  # (B, V)
-        step = decode_step(model, batched[:, t - 1 : t], cache)  # (B, V)
-        assert torch.allclose(full, step, atol=1e-4), t
+        step_logp = decode_step(model, batched[:, t - 1 : t], cache)
+        assert torch.allclose(full, step_logp, atol=1e-4), t  # (B, V) each
 
+# %% [markdown]
+# Then the contract: `cached_greedy_decode` returns exactly what
+# `batch_greedy_decode` does, `<blank>`s included.
+
+# %%
 cached = cached_greedy_decode(model, src, src_mask, max_len)
 assert torch.equal(cached, batched)  # the same (B, L) ids
 
+# %% [markdown]
+# And the tokens agree with `greedy_decode` run on one unpadded sentence
+# at a time, up to its first `</s>` (Part 2's `greedy_decode` does not
+# stop at `</s>`).
+
+# %%
 with torch.no_grad():
     for ids, mask, row in zip(src, src_mask, cached):
         n = int(mask.sum())  # the sentence without its padding
@@ -455,11 +487,12 @@ with torch.no_grad():
 # limit; the only difference is the cache. Each time is the best of
 # three runs. A wall-clock time depends on what else the machine is
 # doing, so the cell prints the times and checks nothing about them.
-# `bench/decoding.py` measures all the decoders on the whole test set,
-# with medians, in `bench/RESULTS_decoding.md`: there, with the 18-epoch
-# `cpu` model of run A, the cache decoded the 1,000 test sentences 6.7
-# times as fast (3.9 s against 26.4 s on one thread). On 16 sentences,
-# and with the CI-sized stand-in, expect a smaller gain.
+# On record, with run A's model, the cache decoded the 1,000 test
+# sentences 6.7 times as fast (3.9 s against 26.4 s), on one thread
+# (`bench/decoding.py`, which times every decoder on the whole test set;
+# its medians are in `bench/RESULTS_decoding.md`). This cell runs with
+# PyTorch's default number of threads, and on 16 sentences: expect a
+# different ratio, and with the stand-in a smaller gain.
 
 
 # %%
@@ -476,9 +509,11 @@ def best_time(fn, *args, runs=3):
     return min(times)
 
 
+print(f"{torch.get_num_threads()} threads")
 for fn in (batch_greedy_decode, cached_greedy_decode):
-    s = best_time(fn, model, src, src_mask, max_len)
-    print(f"{fn.__name__:20s} {s:6.2f} s {len(src) / s:7.1f} sentences/s")
+    seconds = best_time(fn, model, src, src_mask, max_len)
+    rate = len(src) / seconds
+    print(f"{fn.__name__:20s} {seconds:6.2f} s {rate:7.1f} sentences/s")
 
 
 # %% [markdown]
@@ -490,6 +525,39 @@ for fn in (batch_greedy_decode, cached_greedy_decode):
 # At each step it extends each of them by every token of the vocabulary,
 # scores the $k \cdot V$ candidates, and keeps the $k$ best.
 #
+# First, a case where greedy decoding goes wrong: a hand-made "model"
+# over five tokens, whose next-token probabilities depend only on the
+# last token. After `<s>` it prefers `a` (0.5) to `b` (0.4), but after `a`
+# no token is likely (the best, `</s>`, has 0.4), while `b` is followed
+# by `</s>` with probability 0.9. Greedy takes `a` and ends with
+# probability $0.5 \cdot 0.4 = 0.20$; a beam of two also keeps `b` and
+# finds $0.4 \cdot 0.9 = 0.36$. The toy needs only the ids of `<s>`,
+# `</s>` and `<blank>` (0 to 2), so id 3 is a word here, not `<unk>`. The
+# cell follows greedy's choices by hand; once the search is built, we
+# run it on the same table.
+
+# %%
+toy_names = ["<s>", "</s>", "<blank>", "a", "b"]
+toy = torch.tensor(
+    [  # next-token probabilities; row = previous token
+        [0.00, 0.10, 0.00, 0.50, 0.40],  # after <s>
+        [0.00, 1.00, 0.00, 0.00, 0.00],  # after </s> (unused)
+        [0.00, 1.00, 0.00, 0.00, 0.00],  # after <blank> (unused)
+        [0.00, 0.40, 0.00, 0.30, 0.30],  # after a
+        [0.00, 0.90, 0.00, 0.05, 0.05],  # after b
+    ]
+).clamp_min(1e-9)  # no exact 0, whose log would be -inf
+first = int(toy[BOS].argmax())  # greedy's first token: a
+second = int(toy[first].argmax())  # and the one after it: </s>
+greedy_p = (toy[BOS, first] * toy[first, second]).item()
+b_id = toy_names.index("b")
+other_p = (toy[BOS, b_id] * toy[b_id, EOS]).item()  # b </s>
+print(f"greedy: {toy_names[first]} {toy_names[second]}  P = {greedy_p:.2f}")
+print(f"other:  b </s>  P = {other_p:.2f}")
+assert [first, second] == [toy_names.index("a"), EOS]
+assert other_p > greedy_p
+
+# %% [markdown]
 # The score of a hypothesis $Y$ is its log-probability, $\log P(Y \mid X)
 # = \sum_t \log p(y_t \mid y_{<t}, X)$. Every extra token adds a negative
 # term, so raw log-probabilities favour short outputs. The paper uses the
@@ -503,52 +571,15 @@ for fn in (batch_greedy_decode, cached_greedy_decode):
 # generated, `</s>` included. $\alpha = 0$ means no penalty; a larger
 # $\alpha$ divides a long hypothesis's (negative) score by more, so it
 # favours longer outputs. This lesson keeps the paper's 0.6 as the
-# default of its decoders. Section 5 says how $\alpha = 1.0$ did against
-# 0.6 on Multi30k, and why $\alpha$ is worth tuning for each model.
+# default of its decoders; section 5 says what larger values did on
+# Multi30k.
 #
 # Hypotheses end at different times. One that has produced `</s>` stays
 # in the beam with its score frozen (its only continuation is `<blank>`,
 # at no cost); if it loses its place, `keep_best`, below, remembers it.
 #
-# Scoring all $k \cdot V$ extensions is wasteful: only the $k$ best tokens
-# of a hypothesis can be among the $k$ best candidates of its sentence, so
-# `beam_candidates` keeps those, $c = \min(k, V)$ tokens per hypothesis,
-# and scores $k \cdot c$ candidates per sentence. It can pick a
-# hypothesis's best `c` by log-probability alone, before dividing by the
-# length penalty, because all extensions of one hypothesis get the same
-# length, and so the same penalty. In the code, $A$ is the number of
-# sentences still searching: a sentence leaves the batch once all its
-# hypotheses have ended.
-
-
-# %%
-#| export
-def length_penalty(length, alpha=0.6):
-    """GNMT length penalty ((5 + |Y|) / 6) ** alpha."""
-    return ((5.0 + length) / 6.0) ** alpha
-
-
-def beam_candidates(logp, logp_sum, lengths, finished, alpha):
-    """The best extensions of each hypothesis.
-
-    Returns the candidates' scores, log P and tokens, each (A, k * c),
-    and the hypotheses' lengths after this step, (A, k)."""
-    A, k, V = logp.shape  # (sentences, beams, vocabulary)
-    c = min(k, V)  # candidates kept per hypothesis: all that can win
-    logp, word = logp.topk(c, dim=-1)  # (A, k, c)
-    # A finished hypothesis has one candidate, its first, which appends
-    # <blank> and adds 0 to its log P; its other candidates get -inf.
-    logp = logp.masked_fill(finished.unsqueeze(-1), -math.inf)
-    logp[:, :, 0] = logp[:, :, 0].masked_fill(finished, 0.0)
-    word[:, :, 0] = word[:, :, 0].masked_fill(finished, PAD)
-    cand = logp_sum.unsqueeze(-1) + logp  # (A, k, c) log P of each
-    cand_len = lengths + (~finished).long()  # (A, k)
-    score = cand / length_penalty(cand_len, alpha).unsqueeze(-1)
-    return score.view(A, -1), cand.view(A, -1), word.view(A, -1), cand_len
-
-
-# %% [markdown]
-# The search keeps, for the $A$ sentences still searching, $k$ hypotheses
+# The search keeps, for the $A$ sentences still searching (a sentence
+# leaves the batch once all its hypotheses have ended), $k$ hypotheses
 # each, in a `Beams`: their tokens so far, their log-probabilities, their
 # lengths and whether they have ended. At the start every sentence has one
 # real hypothesis, `<s>`, and $k-1$ copies with log-probability
@@ -581,6 +612,45 @@ class Beams(NamedTuple):
 
 
 # %% [markdown]
+# Scoring all $k \cdot V$ extensions is wasteful: only the $k$ best tokens
+# of a hypothesis can be among the $k$ best candidates of its sentence, so
+# `beam_candidates` keeps those, $c = \min(k, V)$ tokens per hypothesis,
+# and scores $k \cdot c$ candidates per sentence. It can pick a
+# hypothesis's best `c` by log-probability alone, before dividing by the
+# length penalty, because all extensions of one hypothesis get the same
+# length, and so the same penalty.
+
+
+# %%
+#| export
+def length_penalty(length, alpha=0.6):
+    """GNMT length penalty ((5 + |Y|) / 6) ** alpha."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def beam_candidates(logp, logp_sum, lengths, finished, alpha):
+    """The best extensions of each hypothesis.
+
+    Returns the candidates' scores, log P and tokens, each (A, k * c),
+    and the hypotheses' lengths after this step, (A, k)."""
+    A, k, V = logp.shape  # (sentences, beams, vocabulary)
+    c = min(k, V)  # candidates kept per hypothesis: all that can win
+    logp, word = logp.topk(c, dim=-1)  # (A, k, c)
+    # A finished hypothesis has one candidate, its first, which appends
+    # <blank> and adds 0 to its log P; its other candidates get -inf, so
+    # they never win a place. Its c log-probs become [0, -inf, ...].
+    if_finished = logp.new_full((c,), -math.inf)  # (c,)
+    if_finished[0] = 0.0
+    done = finished.unsqueeze(-1)  # (A, k, 1)
+    logp = torch.where(done, if_finished, logp)  # (A, k, c)
+    word = word.masked_fill(done, PAD)  # (A, k, c)
+    cand = logp_sum.unsqueeze(-1) + logp  # (A, k, c) log P of each
+    cand_len = lengths + (~finished).long()  # (A, k)
+    score = cand / length_penalty(cand_len, alpha).unsqueeze(-1)
+    return score.view(A, -1), cand.view(A, -1), word.view(A, -1), cand_len
+
+
+# %% [markdown]
 # One step: score the candidates, keep the $k$ best of each sentence, and
 # copy the tokens of each survivor's *parent*, the hypothesis it extends.
 # `advance_beams` returns the new beams, each survivor's parent (the cache
@@ -609,13 +679,17 @@ def advance_beams(beams, logp, t, alpha, end_symbol):
     )  # (A, k * c), c candidates per hypothesis
     score, idx = score.topk(k, dim=1)  # (A, k) positions in the k * c
     c = words.size(1) // k  # candidates per hypothesis
+    # A sentence's k * c candidates are its k hypotheses' c each, one
+    # after the other: idx = parent * c + m, for the m-th candidate of
+    # hypothesis `parent`. So the division gives back the parent.
     parent = idx // c  # (A, k) which hypothesis each survivor extends
     word = words.gather(1, idx)  # (A, k) the token it appends
-    was_finished = beams.finished.gather(1, parent)
+    was_finished = beams.finished.gather(1, parent)  # (A, k) the parent's
     finished = was_finished | (word == end_symbol)
-    tokens = beams.tokens.gather(
-        1, parent.unsqueeze(-1).expand_as(beams.tokens)
-    )  # (A, k, max_len): the parents' tokens
+    # tokens[a, j] = beams.tokens[a, parent[a, j]]: gather along dim 1
+    # needs an index of the full output shape, one parent per position.
+    parent_index = parent.unsqueeze(-1).expand_as(beams.tokens)
+    tokens = beams.tokens.gather(1, parent_index)  # (A, k, max_len)
     tokens[:, :, t] = word
     lengths = cand_len.gather(1, parent)
     new = Beams(beams.sent, tokens, cand.gather(1, idx), lengths, finished)
@@ -633,10 +707,11 @@ def keep_best(out, best, beams, score):
     beats `best`, store the score in `best` and the hypothesis's tokens
     in `out`.
     """
-    top, j = score.max(dim=1)  # (A,)
-    better = top > best[beams.sent]
-    best[beams.sent[better]] = top[better]
-    out[beams.sent[better]] = beams.tokens[better, j[better]]
+    top, j = score.max(dim=1)  # (A,) best score, (A,) its hypothesis
+    better = top > best[beams.sent]  # (A,) beats its sentence's record
+    rows = beams.sent[better]  # their rows in `out` and `best`
+    best[rows] = top[better]
+    out[rows] = beams.tokens[better, j[better]]  # hypothesis j's tokens
 
 
 # %% [markdown]
@@ -695,49 +770,36 @@ def beam_search_steps(
         )
     # At the end, running hypotheses compete too; finished ones were
     # recorded when they ended.
-    running = beams.logp_sum / length_penalty(beams.lengths, alpha)
-    keep_best(out, best, beams, running.masked_fill(beams.finished, -math.inf))
+    scores = beams.logp_sum / length_penalty(beams.lengths, alpha)  # (A, k)
+    still_running = scores.masked_fill(beams.finished, -math.inf)
+    keep_best(out, best, beams, still_running)
     return out[:, : t + 1]  # (B, <= max_len)
 
 
 # %% [markdown]
-# Before it meets the model, the loop on a case where greedy decoding
-# goes wrong: a hand-made "model" over five tokens, whose next-token
-# probabilities depend only on the last token. After `<s>` it prefers
-# `a` (0.5) to `b` (0.4), but after `a` no token is likely (the best,
-# `</s>`, has 0.4), while `b` is followed by `</s>` with probability 0.9.
-# Greedy takes `a` and ends with probability $0.5 \cdot 0.4 = 0.20$; a
-# beam of two also keeps `b` and finds $0.4 \cdot 0.9 = 0.36$. The toy
-# needs only the ids of `<s>`, `</s>` and `<blank>` (0 to 2), so id 3 is
-# a word here, not `<unk>`.
+# **Check**, on the toy model from the start of this section: a
+# beam of one finds greedy's `a </s>`, with probability 0.20, and a beam
+# of two finds `b </s>`, with 0.36.
 
 # %%
-toy_names = ["<s>", "</s>", "<blank>", "a", "b"]
-toy = torch.tensor(
-    [  # next-token probabilities; row = previous token
-        [0.00, 0.10, 0.00, 0.50, 0.40],  # after <s>
-        [0.00, 1.00, 0.00, 0.00, 0.00],  # after </s> (unused)
-        [0.00, 1.00, 0.00, 0.00, 0.00],  # after <blank> (unused)
-        [0.00, 0.40, 0.00, 0.30, 0.30],  # after a
-        [0.00, 0.90, 0.00, 0.05, 0.05],  # after b
-    ]
-).clamp_min(1e-9)  # no exact 0, whose log would be -inf
 want = {1: (["a", "</s>"], 0.20), 2: (["b", "</s>"], 0.36)}
-for k, (want_tokens, want_p) in want.items():
-    out = beam_search_steps(
+for beam, (want_tokens, want_p) in want.items():
+    toy_out = beam_search_steps(
         step=lambda ys: toy[ys[:, 0]].log(),  # (R, 1) -> (R, 5)
         select=lambda rows: None,  # the toy model keeps no state
         batch_size=1,
         max_len=5,
-        beam_size=k,
+        beam_size=beam,
     )
-    ids = strip_specials(out[0].tolist()) + [EOS]
+    toy_ids = strip_specials(toy_out[0].tolist()) + [EOS]
     p = 1.0  # the probability of the whole output, token by token
-    for previous, token in zip([BOS, *ids], ids):
+    for previous, token in zip([BOS, *toy_ids], toy_ids):
         p *= toy[previous, token].item()
-    print(f"beam {k}: {' '.join(toy_names[i] for i in ids):8s} P = {p:.2f}")
-    assert [toy_names[i] for i in ids] == want_tokens
+    words = " ".join(toy_names[i] for i in toy_ids)
+    print(f"beam {beam}: {words:8s} P = {p:.2f}")
+    assert [toy_names[i] for i in toy_ids] == want_tokens
     assert abs(p - want_p) < 1e-6
+
 
 # %% [markdown]
 # `beam_search` connects it to the model through a `BeamCache`: section
@@ -864,24 +926,25 @@ assert torch.equal(beam1, cached)
 # %% [markdown]
 # On real sentences, beam search does about $k$ times the arithmetic of
 # greedy decoding per step, but as the $k$ hypotheses run as one batch,
-# its time grows less: in the recorded benchmark
-# (`bench/RESULTS_decoding.md`, all of test2016) a beam of 4 took 3.2
-# times as long as cached greedy decoding. The times printed below come
-# from this machine, now, and can differ.
+# its time grows less: on record, a beam of 4 took 3.2 times as long as
+# cached greedy decoding (all of test2016, `bench/RESULTS_decoding.md`).
+# The times printed below come from this machine, now, and can differ.
 #
-# Here are BLEU scores on test2016 (the first 100 sentences in a CI-sized
-# run) for greedy decoding and a beam of 4. `translate_batch` replaces
-# each `<unk>` in an output with the German word it attends to most
-# (Part 4, "Putting attention to work: unknown words"); it does so by
-# default, for both decoders.
+# Here are BLEU scores on test2016 for greedy decoding and a beam of 4:
+# on its 1,000 sentences with a trained model, on the first 100 with the
+# stand-in (sections 3 and 4 use the same sentences). `translate_batch`
+# replaces each `<unk>` in an output with the German word it attends to
+# most (Part 4, "Putting attention to work: unknown words"); it does so
+# by default, for both decoders.
 #
 # Section 5's table holds the recorded full runs, and says how to find
 # the row to compare with. The check asks only that a trained model
-# scores above 30 with both decoders. The CI-sized stand-in scores close
-# to 0.
+# scores above 30 with both decoders. The stand-in scores close to 0.
 
 # %%
-test_pairs = splits["test"][:100] if AT_SIZE == "ci" else splits["test"]
+# All 1,000 test pairs for a trained model; 100 for the stand-in, whose
+# scores mean nothing and would only cost time.
+test_pairs = splits["test"] if trained else splits["test"][:100]
 test_de, test_en = zip(*test_pairs)
 DECODERS = {
     "greedy": cached_greedy_decode,
@@ -899,10 +962,11 @@ def bleu_of(model, vocab_src, vocab_tgt, decode_fn):
 
 
 plain_bleu = {}  # decoder name -> BLEU of the model as trained
+print(f"{len(test_pairs)} test pairs")
 for decoder_name, fn in DECODERS.items():
-    bleu, s = bleu_of(model, vocab_src, vocab_tgt, fn)
+    bleu, seconds = bleu_of(model, vocab_src, vocab_tgt, fn)
     plain_bleu[decoder_name] = bleu.score
-    print(f"{decoder_name:7s} BLEU {bleu.score:5.2f}  ({s:.1f} s)")
+    print(f"{decoder_name:7s} BLEU {bleu.score:5.2f}  ({seconds:.1f} s)")
 if trained:
     assert min(plain_bleu.values()) > 30, plain_bleu
 
@@ -925,8 +989,10 @@ def translation_scores(model, src, src_mask, out, alpha=0.6):
     hidden = model.decode(memory, src_mask, ys, tgt_mask)  # (B, T, d_model)
     logp = model.generator(hidden)  # (B, T, V)
     logp = logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)  # (B, T)
-    ended = (target == EOS).long()  # (B, T)
-    eos_before = ended.cumsum(1) - ended  # </s> tokens before each position
+    ended = (target == EOS).long()  # (B, T) 1 where the target is </s>
+    # The </s> count up to and including each position, minus the one at
+    # the position itself: how many </s> came strictly before it.
+    eos_before = ended.cumsum(1) - ended  # (B, T)
     kept = eos_before == 0  # up to and including the first </s>
     lengths = kept.sum(1)  # (B,) |Y|
     return (logp * kept).sum(1) / length_penalty(lengths, alpha)
@@ -939,8 +1005,8 @@ def translation_scores(model, src, src_mask, out, alpha=0.6):
 # heuristic, not an exact search: it keeps only $k$ prefixes at each step, and
 # can drop the prefix of greedy's translation, so it is not bound to win on
 # every sentence; the cell prints how often it wins, ties and loses. (The
-# CI-sized stand-in, trained for seconds, is too weak for the beam to
-# matter: it often gives the greedy translation, and it is not checked.)
+# stand-in, trained for seconds, is too weak for the beam to matter: it
+# often gives the greedy translation, and it is not checked.)
 
 # %%
 sample = encode_pairs(
@@ -958,8 +1024,8 @@ outputs = {
     "beam 4": beam_search(model, sample_src, sample_mask, limit, beam_size=4),
 }
 scores = {
-    name: translation_scores(model, sample_src, sample_mask, out)
-    for name, out in outputs.items()
+    name: translation_scores(model, sample_src, sample_mask, ids)
+    for name, ids in outputs.items()
 }
 gain = scores["beam 4"] - scores["greedy"]  # (B,)
 wins = int((gain > 1e-4).sum())
@@ -984,16 +1050,21 @@ else:
 n = int(sample_mask[0].sum())  # the first sentence without its padding
 one_src = sample_src[:1, :n]  # (1, n)
 one_mask = sample_mask[:1, :, :n]  # (1, 1, n)
-row = outputs["beam 4"][0].tolist()
-ids = row[: row.index(EOS) + 1] if EOS in row else row  # <s> ... </s>
+beam_row = outputs["beam 4"][0].tolist()
+if EOS in beam_row:  # <s> ... </s>
+    beam_ids = beam_row[: beam_row.index(EOS) + 1]
+else:
+    beam_ids = beam_row
 log_p = 0.0
 with torch.no_grad():
-    memory = model.encode(one_src, one_mask)  # (1, n, d_model)
-    for t in range(1, len(ids)):
-        prefix = torch.tensor([ids[:t]])  # (1, t)
-        hidden = model.decode(memory, one_mask, prefix, subsequent_mask(t))
-        log_p += model.generator(hidden[:, -1])[0, ids[t]].item()
-score_by_hand = log_p / length_penalty(len(ids) - 1)
+    one_memory = model.encode(one_src, one_mask)  # (1, n, d_model)
+    for end in range(1, len(beam_ids)):
+        so_far = torch.tensor([beam_ids[:end]])  # (1, end)
+        hidden = model.decode(
+            one_memory, one_mask, so_far, subsequent_mask(end)
+        )  # (1, end, d_model)
+        log_p += model.generator(hidden[:, -1])[0, beam_ids[end]].item()
+score_by_hand = log_p / length_penalty(len(beam_ids) - 1)
 in_batch = scores["beam 4"][0].item()
 print(f"s(Y) by hand {score_by_hand:.4f}, in the batch {in_batch:.4f}")
 assert math.isclose(score_by_hand, in_batch, abs_tol=1e-3)
@@ -1134,14 +1205,16 @@ assert all(bpe.decode(bpe.encode(s)) == s for s in val_sentences)
 # %%
 train_sentences = [s for pair in read_multi30k("train") for s in pair]
 train_words = Counter(w for s in train_sentences for w in s.split())
-shares = {}
-for vocab in (bpe, train_bpe(train_sentences, vocab_size=37000)):
+shares = {}  # the size asked for -> (share of running, of distinct)
+bigger = train_bpe(train_sentences, vocab_size=37000)
+for size, vocab in ((BPE_VOCAB_SIZE, bpe), (37000, bigger)):
+    assert len(vocab) == size  # the trainer reached the size asked for
     whole = [w for w in train_words if len(vocab.encode(w)) == 1]
-    running = sum(train_words[w] for w in whole) / train_words.total()
+    in_text = sum(train_words[w] for w in whole) / train_words.total()
     distinct = len(whole) / len(train_words)
-    shares[len(vocab)] = running, distinct
+    shares[size] = in_text, distinct
     print(
-        f"{len(vocab):6,d} units: {running:.0%} of the running words and"
+        f"{size:6,d} units: {in_text:.0%} of the running words and"
         f" {distinct:.0%} of the {len(train_words):,d} distinct words whole"
     )
 assert shares[37000][0] > 0.95  # almost every word of the text
@@ -1179,10 +1252,12 @@ assert word_unk > 0
 #
 # `tie_embeddings` below takes a model from Part 1's `make_model` and
 # makes the three point at one tensor. It is the version to read.
-# Training does not call it: when a config sets `tie_embeddings=True`,
-# Part 3's `model_from_config` ties the matrices itself, and with BPE it
-# ends with the same one tensor (it sets target = source, then generator
-# = target).
+# Training does not call it, because training also ties word-level
+# models, where only two of the three matrices can share (see below), and
+# `tie_embeddings` refuses those. So when a config sets
+# `tie_embeddings=True`, Part 3's `model_from_config` ties the matrices
+# itself; with BPE it ends with the same one tensor (it sets target =
+# source, then generator = target).
 
 
 # %%
@@ -1227,10 +1302,27 @@ del tied
 # matrices can still share: the target embedding and the generator both
 # index English words. A word-level config with `tie_embeddings=True`
 # ties just those two in `model_from_config`, and `train
-# --tie-embeddings` sets it. On the word-level `cpu` model this cuts the
-# parameters from 10.76M to 9.17M, and with the best recipe of
-# `docs/results.md` it lowered the validation loss a little ("The
-# generator tied to the target embedding" there).
+# --tie-embeddings` sets it. At the `cpu` preset's sizes, with Part 3's
+# word vocabularies, this cuts the parameters from 10.76M to 9.17M: one
+# $V_{\text{English}} \times d_{\text{model}}$ matrix fewer, as the cell
+# below counts. With the best recipe of `docs/results.md` it lowered the
+# validation loss a little ("The generator tied to the target embedding"
+# there).
+
+# %%
+cpu = get_config("cpu", tie_embeddings=True)
+n_de, n_en = len(word_vocabs[0]), len(word_vocabs[1])
+untied = make_model(
+    n_de, n_en, N=cpu.N, d_model=cpu.d_model, d_ff=cpu.d_ff, h=cpu.h
+)
+tied = model_from_config(cpu, n_de, n_en)  # generator = English embedding
+assert tied.generator.proj.weight is tied.tgt_embed[0].lut.weight
+removed = count_parameters(untied) - count_parameters(tied)
+assert removed == n_en * cpu.d_model  # one English matrix fewer
+millions = [round(count_parameters(m) / 1e6, 2) for m in (untied, tied)]
+print(f"cpu preset: {millions[0]}M untied, {millions[1]}M tied")
+assert millions == [10.76, 9.17]
+del untied, tied
 
 # %% [markdown]
 # ### Training with BPE
@@ -1279,11 +1371,11 @@ val_pairs = splits["val"][:3]
 hyps = translate_batch(
     bpe_model, [de for de, _ in val_pairs], spacy_de, bpe_src, bpe_tgt
 )
-bpe_bleu, s = bleu_of(bpe_model, bpe_src, bpe_tgt, cached_greedy_decode)
+bpe_bleu, seconds = bleu_of(bpe_model, bpe_src, bpe_tgt, cached_greedy_decode)
 if trained_bpe:
     for (de, en), hyp in zip(val_pairs, hyps):
         print(f"source:    {de}\nreference: {en}\nmodel:     {hyp}\n")
-    print(f"BPE model, greedy: BLEU {bpe_bleu.score:5.2f}  ({s:.1f} s)")
+    print(f"BPE model, greedy: BLEU {bpe_bleu.score:5.2f}  ({seconds:.1f} s)")
     print(f"word model, greedy: BLEU {plain_bleu['greedy']:5.2f}")
 else:
     print(
@@ -1347,13 +1439,21 @@ def average(model, models):
 # `average_checkpoints`, and compare one weight matrix with the mean
 # computed by hand, and the `pe` buffer (the positional table, not a
 # learned weight) with that of every checkpoint.
+#
+# The epoch files must sit beside the model's `final.pt`. If only
+# `final.pt` is there (say a Colab runtime into which you copied that
+# file alone), the cell stops with a message: copy the model's whole
+# folder back (`docs/gpu.md`, "Keeping a model on Colab") and run the
+# cell again, or skip to section 5, which needs none of this section's
+# cells.
 
 # %%
 epochs = epoch_checkpoints(os.path.dirname(checkpoint))[-5:]
 if not epochs:  # e.g. final.pt alone, copied into a new Colab runtime
     raise FileNotFoundError(
-        f"no epoch checkpoints beside {checkpoint} to average: keep the"
-        " whole folder (docs/gpu.md, 'Keeping a model on Colab')"
+        f"no epoch_*.pt files beside {checkpoint} to average: copy the"
+        " model's whole folder back, epoch files included (docs/gpu.md,"
+        " 'Keeping a model on Colab'), and run this cell again"
     )
 averaged, *_ = average_checkpoints(epochs)  # also: vocabularies, config
 states = [load_checkpoint(p)["model"] for p in epochs]
@@ -1385,19 +1485,18 @@ print(f"average() agrees on all {len(in_memory.state_dict())} tensors")
 
 # %%
 for decoder_name, fn in DECODERS.items():
-    bleu, s = bleu_of(averaged, vocab_src, vocab_tgt, fn)
+    bleu, seconds = bleu_of(averaged, vocab_src, vocab_tgt, fn)
     print(
         f"{decoder_name:7s} BLEU: as trained {plain_bleu[decoder_name]:5.2f}, "
-        f"averaged {bleu.score:5.2f}  ({s:.1f} s)"
+        f"averaged {bleu.score:5.2f}  ({seconds:.1f} s)"
     )
 
 # %% [markdown]
-# When does averaging help? Two longer runs of the `cpu` preset, A and C
-# (`docs/results.md` describes each; section 5's table has their scores):
-# averaging their last 5 epoch checkpoints helped run A and hurt run C.
-# Their validation losses show why (`results/multi30k_cpu.json`,
-# `results/multi30k_cpu_fp32_10ep.json`). Epoch files count from 0, so
-# `epoch_008.pt` holds the 9th epoch and `epoch_017.pt` the 18th.
+# When does averaging help? Averaging the last 5 epoch checkpoints
+# helped run A and hurt run C, the two longer runs of the `cpu` preset
+# (section 5's table has their scores). Their validation losses show
+# why. Epoch files count from 0, so `epoch_008.pt` holds the 9th epoch
+# and `epoch_017.pt` the 18th.
 #
 # | validation loss | run A, 18 epochs | run C, 10 epochs |
 # |---|---|---|
@@ -1405,6 +1504,9 @@ for decoder_name, fn in DECODERS.items():
 # | first of the last 5 | 1.49 (`epoch_013.pt`) | 1.60 (`epoch_005.pt`) |
 # | last | 1.56 (`epoch_017.pt`) | 1.45 (`epoch_009.pt`) |
 # | averaging the last 5, beam 4 | +2.05 BLEU | −1.20 BLEU |
+#
+# (Losses from `results/multi30k_cpu.json` and
+# `results/multi30k_cpu_fp32_10ep.json`.)
 #
 # Run A had stopped improving before its last 5 epochs, and their
 # mean scored higher than the model as trained. Run C was still
@@ -1420,34 +1522,41 @@ for decoder_name, fn in DECODERS.items():
 # `translate` take this lesson's options: `--beam K` (1 means greedy,
 # with the cache), `--alpha A` (the paper's 0.6 unless given) and
 # `--average N` (the newest N epoch checkpoints of the model's folder).
-# From the repository's folder (in a notebook cell, `!cd {ROOT} && ...`),
+# From the repository's folder,
 #
 # ```bash
 # python annotated_transformer_tools.py evaluate --beam 4
+# ```
+#
+# or, in a notebook cell (`sys.executable` is the notebook's own Python,
+# which a plain `python` may not be, on a Mac or with conda),
+#
+# ```python
+# !cd {ROOT} && {sys.executable} annotated_transformer_tools.py \
+#     evaluate --beam 4
 # ```
 #
 # scores `checkpoints/cpu/final.pt` if `make train` has written it, else
 # the `quick` model. Add `--average 5` only after `make train`: a
 # `quick` model's five epochs are all of its training (section 4).
 #
-# On Multi30k's validation split, $\alpha = 1.0$ scored 0.04 to 0.57
-# BLEU higher than the paper's 0.6 (which the paper tuned on WMT) in
-# every beam-4 comparison on record (39 comparisons in the twelve tables
-# `results/recipe_*val*.md` that score both), so `--alpha 1.0` is a
-# better start for your own translations; the table below keeps 0.6.
-# The best $\alpha$ depends on the model, though (a distilled model in
-# `docs/results.md` chose 2.5): tune it on the validation split.
+# The paper chose $\alpha = 0.6$ on WMT. On Multi30k's validation split,
+# for the models of `docs/results.md`'s recipe search (most trained with
+# other recipes than this lesson's), $\alpha = 1.0$ scored a little
+# higher than 0.6 with beam 4, by 0.04 to 0.57 BLEU, in every recorded
+# comparison (the `results/recipe_*val*.md` tables that score both). So
+# `--alpha 1.0` is a reasonable start for your own translations; the
+# table below keeps 0.6. The best $\alpha$ depends on the model (a
+# distilled model there chose 2.5): tune it on the validation split.
 #
 # ### The results
 #
-# `bench/bleu_table.py` scores test2016 with each decoding. Two recorded
-# runs of it fill the first four rows of the table below:
-# `results/beyond.md` scored the models of training runs A and B, and
-# `results/beyond_site_full.md` those of runs C and D. The letters are
-# those of `docs/results.md`, which describes each training run. The last
-# two rows are full runs of this notebook on the `quick` model
-# (`results/make_notebook.md`). Every row is scored on the 1000 test
-# sentences, with beam search at the lesson's $\alpha = 0.6$.
+# `bench/bleu_table.py` scores test2016 with each decoding. The first
+# four rows of the table below are its records for runs A to D (the key
+# at the top of the lesson); the last two are full runs of this notebook
+# on the `quick` model. Every row is scored on the 1000 test sentences,
+# with beam search at the lesson's $\alpha = 0.6$. The files are listed
+# under the table.
 #
 # BLEU; "+ avg": beam 4 on the average of the last 5 epoch checkpoints;
 # "—": not measured (those records scored the BPE models greedily and
@@ -1472,13 +1581,21 @@ for decoder_name, fn in DECODERS.items():
 # `make notebook`: [results/make_notebook.md](../results/make_notebook.md).
 #
 # Match your run to a row by the preset and the number of epochs in the
-# `model:` lines printed above, and by the precision that the first line
-# of notebook 03's training cell printed. A full run of this notebook on
-# one of those models should print scores near its row. Run C is a
-# second, shorter `cpu` run (`docs/results.md` describes each run).
-# Run A's record was made before `<unk>` replacement existed; measured on
-# run C's model, keeping `<unk>` cost 0.87 greedy BLEU and 0.17 with beam
-# 4 and averaging (`results/unk_replacement.md`).
+# `model:` lines printed above, and by the precision the model trained
+# in. The training cell printed it on its first line, `device: ...,
+# float32` or `... bfloat16 autocast`: notebook 03's, or the cell under
+# "The models we look at" if this notebook trained the model. Without
+# that line, the model's config tells part of it (print
+# `config.precision` in a cell): `"fp32"` for
+# float32 always, and `"auto"` for 16 bits where the machine computes
+# them natively (bf16 on a recent GPU or a CPU with native bf16, float16
+# on a T4), float32 elsewhere. A model trained on a T4, in float16, has
+# no row: no T4 run is on record. A full run of this notebook on one of
+# those models should print scores near its row.
+#
+# Run A's record was made before `<unk>` replacement existed; measured
+# on run C's model, keeping `<unk>` cost 0.87 greedy BLEU and 0.17 with
+# beam 4 and averaging (`results/unk_replacement.md`).
 #
 # The two `make notebook` rows are the same recipe, trained in float32
 # and in bf16 (the bf16 runs also came after a change that sums the loss
