@@ -268,9 +268,10 @@ class MultiHeadedAttention(nn.Module):
             if self.store_attention:
                 self.attn = weights  # (B, h, T, S), after any dropout
         x = x.transpose(1, 2)  # (B, T, h, d_k)
-        # reshape, not view: after the transpose, x's numbers no longer
-        # lie in memory in (B, T, h, d_k) order ("not contiguous"); view
-        # only relabels memory, while reshape copies it when it must.
+        # reshape, not view: after the transpose, x's numbers usually no
+        # longer lie in memory in (B, T, h, d_k) order ("not contiguous";
+        # always so on the `attention` path), and view only relabels
+        # memory, while reshape copies it when it must.
         x = x.reshape(query.size(0), -1, self.h * self.d_k)  # (B, T, d_model)
         return self.w_o(x)  # (B, T, d_model)
 
@@ -886,7 +887,9 @@ class Vocab:
         return list(self._itos)
 
     def __eq__(self, other):
-        """Equal to a word vocabulary of any class with the same tokens."""
+        """Equal to a word vocabulary of any class with the same tokens:
+        a vocabulary loaded from a checkpoint is the library's Vocab, not
+        this notebook's class, and still equals the one built here."""
         if not hasattr(other, "get_itos"):
             return NotImplemented  # not a vocabulary: Python says unequal
         if hasattr(other, "encode"):  # Part 5's subwords: never equal
@@ -966,10 +969,15 @@ class TokenBatchSampler(torch.utils.data.Sampler):
 
     def epoch_batches(self):
         """This epoch's batches, each a list of example indices."""
+        # One random stream per (seed, epoch): Random accepts a string
+        # as its seed, and the same string always gives the same stream.
         rng = random.Random(f"{self.seed}/{self.epoch}")
         kept = self.kept
+        # rng.sample(x, len(x)) is a shuffled copy of x (random.shuffle
+        # would shuffle in place, the list of the sampler itself).
         order = rng.sample(kept, len(kept)) if self.shuffle else kept
-        order = sorted(order, key=self.sizes.__getitem__)  # stable sort
+        # Stable: sentences of equal size keep their shuffled order.
+        order = sorted(order, key=lambda i: self.sizes[i])
         batches = bucket(order, self.sizes, self.max_tokens)
         return rng.sample(batches, len(batches)) if self.shuffle else batches
 

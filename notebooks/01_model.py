@@ -54,6 +54,7 @@ if "COLAB_RELEASE_TAG" in os.environ:
             raise SystemExit(f"could not clone {REPO}:\n{run.stderr}")
     installed = os.path.join(CLONE, ".installed")  # pip finished, once
     if not os.path.isfile(installed):  # again after a failed install
+        print("installing what the notebooks need (a few minutes)...")
         pip = ["pip", "install", "-q", "-e", f"./{CLONE}[notebooks]"]
         run = subprocess.run(
             [sys.executable, "-m", *pip], capture_output=True, text=True
@@ -322,9 +323,10 @@ class SublayerConnection(nn.Module):
 
 # %% [markdown]
 # The untouched path is easy to see with a sub-layer that outputs zeros.
-# In pre-norm it leaves its input unchanged, and in the backward pass it
-# passes the gradient down unchanged too: whatever gradient `upstream`
-# arrives at the block's output is the gradient that reaches its input.
+# In pre-norm the block then returns its input unchanged, and in the
+# backward pass it passes the gradient down unchanged too: whatever
+# gradient `upstream` arrives at the block's output is the gradient that
+# reaches its input.
 
 # %%
 torch.manual_seed(0)
@@ -534,11 +536,10 @@ assert torch.equal(subsequent_mask(20)[0], key_u <= query_t)
 # also writes it to `figures/`. Blue cells are the pairs the decoder may
 # use: the first position sees only itself, the last sees the whole
 # prefix. (The chart draws the library's copy of `subsequent_mask`, not
-# the one defined above. An edit to the cell above reaches the chart only
-# once `make export` (which runs `tools/export.py`) has copied it from
-# `notebooks/01_model.py` into the library and the notebook is
-# restarted. On Colab, your edits stay in Colab's copy of the notebook
-# and never reach that file.)
+# the one defined above. An edit to `subsequent_mask` reaches the chart
+# only after `make export`, which copies it from `notebooks/01_model.py`
+# into the library, and a restart of the notebook. On Colab, your edits
+# stay in Colab's copy of the notebook and never reach that file.)
 
 # %%
 from pathlib import Path
@@ -624,9 +625,10 @@ assert (weights.triu(1) == 0).all()  # no weight on future keys
 # That gradient is a matrix for each query, one entry per (weight,
 # score) pair; we measure one row of it. The helper below asks autograd
 # for the gradient of each query's largest weight with respect to that
-# query's scores, and averages its size over the queries. The largest
-# weight stands for the rest because it is the one a saturated softmax
-# pins near 1, where no change of the scores can move it much.
+# query's scores, and averages its size over the queries. We pick the
+# largest weight because a saturated softmax pins it near 1, where a
+# small change of the scores barely moves it (the weights near 0 are
+# pinned likewise).
 
 
 # %%
@@ -797,9 +799,10 @@ class MultiHeadedAttention(nn.Module):
             if self.store_attention:
                 self.attn = weights  # (B, h, T, S), after any dropout
         x = x.transpose(1, 2)  # (B, T, h, d_k)
-        # reshape, not view: after the transpose, x's numbers no longer
-        # lie in memory in (B, T, h, d_k) order ("not contiguous"); view
-        # only relabels memory, while reshape copies it when it must.
+        # reshape, not view: after the transpose, x's numbers usually no
+        # longer lie in memory in (B, T, h, d_k) order ("not contiguous";
+        # always so on the `attention` path), and view only relabels
+        # memory, while reshape copies it when it must.
         x = x.reshape(query.size(0), -1, self.h * self.d_k)  # (B, T, d_model)
         return self.w_o(x)  # (B, T, d_model)
 
@@ -978,7 +981,7 @@ plain_output = mha(query, memory, memory, src_mask)
 mha.store_attention = False
 assert torch.allclose(fused_output, final, atol=1e-5)
 assert torch.allclose(plain_output, final, atol=1e-5)
-assert torch.equal(mha.attn, weights)  # the weights it stored
+assert torch.allclose(mha.attn, weights, atol=1e-7)  # the weights kept
 assert (weights[1, :, :, 5:] == 0).all()
 
 # %% [markdown]
@@ -1224,7 +1227,8 @@ rotation = torch.zeros(width, width, dtype=torch.float64)  # (20, 20)
 for i in range(width // 2):  # pair i: columns 2i (sine) and 2i + 1
     b = offset / 10000 ** (2 * i / width)  # the angle pair i turns by
     block = [[math.cos(b), -math.sin(b)], [math.sin(b), math.cos(b)]]
-    rotation[2 * i : 2 * i + 2, 2 * i : 2 * i + 2] = torch.tensor(block)
+    pair = torch.tensor(block, dtype=torch.float64)  # (2, 2)
+    rotation[2 * i : 2 * i + 2, 2 * i : 2 * i + 2] = pair
 rotated = table[:100] @ rotation  # positions 0..99, (100, 20)
 assert torch.allclose(rotated, table[offset : 100 + offset], atol=1e-5)
 

@@ -56,6 +56,7 @@ if "COLAB_RELEASE_TAG" in os.environ:
             raise SystemExit(f"could not clone {REPO}:\n{run.stderr}")
     installed = os.path.join(CLONE, ".installed")  # pip finished, once
     if not os.path.isfile(installed):  # again after a failed install
+        print("installing what the notebooks need (a few minutes)...")
         pip = ["pip", "install", "-q", "-e", f"./{CLONE}[notebooks]"]
         run = subprocess.run(
             [sys.executable, "-m", *pip], capture_output=True, text=True
@@ -370,30 +371,20 @@ assert torch.allclose(dist, expected)
 # first read you can skip to the check that the two ways agree, below.
 #
 # The smoothed targets form a matrix as large as the model's output, one
-# row per target token and one column per vocabulary entry. The next
-# cell measures it for Part 3's data: the 6,190 English tokens of
-# Multi30k's vocabulary and a batch of up to 3,000 target tokens. Each
-# row holds only three distinct values, so a formula, a *closed form*,
-# gives the same loss without building that matrix: it reduces each row
-# of log-probabilities to a few numbers (a sum, the target's entry, the
-# padding entry) and combines them.
+# row per target token and one column per vocabulary entry. For Part
+# 3's data, the 6,190 English tokens of Multi30k's vocabulary and a
+# batch of up to 3,000 target tokens, that is 74 MB of float32 (3,000 ×
+# 6,190 × 4 bytes). Each row holds only three distinct values, so a
+# formula, a *closed form*, gives the same loss without building that
+# matrix: it reduces each row of log-probabilities to a few numbers (a
+# sum, the target's entry, the padding entry) and combines them.
 #
 # That saving is in the forward pass only. The gradient of the loss with
 # respect to the log-probabilities has their shape, so the backward pass
 # writes a full matrix of that size either way (a check below shows it).
 # The appendix (06_tools, "The loss's gradient, written by hand") writes
 # that gradient without autograd's intermediate steps.
-
-# %%
-part3 = LabelSmoothing(6190, padding_idx=2, smoothing=0.1)
-targets = torch.randint(3, 6190, (3000,))  # 3,000 target tokens, no pad
-matrix = part3.smoothed_targets(targets)  # (3000, 6190)
-print(f"{matrix.shape[0]:,} x {matrix.shape[1]:,} float32 targets:")
-print(f"{matrix.nbytes / 1e6:.1f} MB")
-assert matrix.nbytes == 3000 * 6190 * 4  # 4 bytes per float32
-del matrix
-
-# %% [markdown]
+#
 # The formula. Some symbols first: $V$ is the vocabulary size, $\epsilon$
 # is $\epsilon_{ls}$; for one row, $y$ is the target token,
 # $p$ the smoothed target distribution and $q$ the model's probabilities. The
@@ -411,10 +402,7 @@ del matrix
 # $$c \log c + \epsilon \log f - c \log q_y - f \sum_{j \ne y,\,
 # \mathrm{pad}} \log q_j .$$
 #
-# By default `forward` uses this closed form: its method `closed_form`
-# calls the function `smoothed_kl` below, which computes the formula's
-# one number per row. With `keep_targets=True`, `forward` takes the
-# direct way instead, so that the check below can compare the two.
+# `smoothed_kl` below computes it, one number per row.
 
 
 # %%
@@ -485,10 +473,11 @@ assert torch.allclose(gradients[0], gradients[1])
 # distribution over all $V$ classes, padding and the target included, so
 # the target gets $1 - \epsilon + \epsilon / V$ and padding $\epsilon / V$
 # in every row; `ignore_index` only drops the rows whose target is
-# padding. It is also a cross-entropy, $-\sum_j p_j \log q_j$, without
-# our constant $\sum_j p_j \log p_j$. The cell builds PyTorch's targets
-# by hand and checks both statements: its loss is theirs, and it differs
-# from ours even once our constant is removed.
+# padding. And it computes a cross-entropy, $-\sum_j p_j \log q_j$,
+# not a KL divergence: it lacks our constant $\sum_j p_j \log p_j$. The
+# cell builds PyTorch's targets by hand and checks both statements: the
+# hand-built targets give `F.cross_entropy`'s number, and ours give
+# another, even without our constant.
 
 # %%
 eps = 0.1
@@ -496,8 +485,8 @@ real = target != 0  # rows whose target is not padding
 uniform = torch.full((6, 7), eps / 7)  # (N, vocab): padding included
 torch_p = uniform + (1 - eps) * F.one_hot(target, 7)  # (N, vocab)
 by_hand = -(torch_p * logp)[real].sum()
-# cross_entropy takes logits; logp already sums to 1 in each row, so its
-# log_softmax leaves logp unchanged.
+# cross_entropy takes logits; exp(logp) already sums to 1 in each row,
+# so its log_softmax leaves logp unchanged.
 builtin = F.cross_entropy(
     logp, target, ignore_index=0, label_smoothing=eps, reduction="sum"
 )
@@ -686,8 +675,8 @@ def plain_epoch(batches, model, loss_compute, optimizer, scheduler=None):
 # formula has no value at step 0 ($0^{-0.5}$), so `rate` treats step 0 as
 # step 1.
 #
-# `make_optimizer` builds the pair. With its defaults it comes down to
-# these two statements:
+# `make_optimizer` builds the pair. Given `d_model`, and otherwise with
+# its defaults, it comes down to these two statements:
 #
 # ```python
 # optimizer = torch.optim.Adam(
@@ -710,7 +699,6 @@ def plain_epoch(batches, model, loss_compute, optimizer, scheduler=None):
 #
 # It also asks for `fused=True`, the same update computed in one pass
 # over the parameters, where every parameter is on a CPU or a CUDA GPU.
-# This lesson uses `betas` and `schedule`.
 
 
 # %%
@@ -872,15 +860,12 @@ def copy_accuracy(model, n, V=11, seq_len=10, generator=None):
 #   0.1 and a 10-step warm-up).
 # * **Small batches** of 16 sequences: what this task needs is many
 #   optimizer steps more than many sequences, so small batches buy more
-#   steps for the same sequences. In our sweep (`bench/RESULTS.md`),
-#   batches of 16 needed 255 steps to copy exactly and batches of 32
-#   only 231, but a forward and backward pass took 109 ms on 16
-#   sequences and 211 ms on 32: about 28 s in all against 49 s. Batches
-#   of 8 needed 463 steps. The sweep's conditions differ from this
-#   lesson's, so its seconds are not this lesson's: it computed in
-#   bfloat16 (a 16-bit float format; this lesson uses 32-bit floats), on
-#   one thread, and its batches of 32 used a peak of $4 \cdot 10^{-4}$,
-#   not $3 \cdot 10^{-4}$.
+#   steps for the same sequences. In our sweep (`bench/RESULTS.md`:
+#   bfloat16, a 16-bit float format, on one thread, stopping once 200
+#   training sequences in a row came out exact), batches of 32, at a
+#   peak of $4 \cdot 10^{-4}$, needed 231 steps against 255 for 16, but
+#   each cost almost twice as much (211 against 109 ms): about 49 s
+#   against 28 s. Batches of 8 needed 463 steps.
 # * **No dropout**: with fresh data in every batch, the model cannot
 #   memorize its training set.
 # * **No label smoothing**: the right next token is certain.
@@ -1128,9 +1113,10 @@ assert not overlap
 # `run_epoch` keeps this behaviour and does not correct for it: an exact
 # mean would divide every micro-batch's summed loss by the whole group's
 # token count, known only once the group's last micro-batch has been
-# read. What changes is how much each token weighs in a step's
-# gradient. Part 3 trains with `accum_iter = 1` unless a run sets it:
-# one micro-batch per step, where the question does not arise.
+# read. The only effect is on how much each token weighs in a step's
+# gradient; the loss still falls. Part 3 trains with `accum_iter = 1`
+# unless a run sets it: one micro-batch per step, where the question
+# does not arise.
 #
 # When the number of batches is not a multiple of $k$, the last group has
 # fewer micro-batches. `run_epoch` still steps on it, with its gradients
@@ -1311,7 +1297,7 @@ def print_progress(i, state, loss_mean, speed, optimizer):
 # backward pass: with several processes, every micro-batch but a group's
 # last keeps its gradients local (`hold_sync`). In this part's runs
 # (one process, 32-bit floats), `hold_sync`, `autocast` and `scaler`
-# change nothing, and a first read can skip them.
+# change nothing.
 #
 # It logs when `(i - 1) % log_every == 0`, counting batches from 0:
 # batch 1 (the second), then 41, 81, ... with the default 40, as the

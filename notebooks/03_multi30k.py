@@ -64,6 +64,7 @@ if "COLAB_RELEASE_TAG" in os.environ:
             raise SystemExit(f"could not clone {REPO}:\n{run.stderr}")
     installed = os.path.join(CLONE, ".installed")  # pip finished, once
     if not os.path.isfile(installed):  # again after a failed install
+        print("installing what the notebooks need (a few minutes)...")
         pip = ["pip", "install", "-q", "-e", f"./{CLONE}[notebooks]"]
         run = subprocess.run(
             [sys.executable, "-m", *pip], capture_output=True, text=True
@@ -254,7 +255,9 @@ class Vocab:
         return list(self._itos)
 
     def __eq__(self, other):
-        """Equal to a word vocabulary of any class with the same tokens."""
+        """Equal to a word vocabulary of any class with the same tokens:
+        a vocabulary loaded from a checkpoint is the library's Vocab, not
+        this notebook's class, and still equals the one built here."""
         if not hasattr(other, "get_itos"):
             return NotImplemented  # not a vocabulary: Python says unequal
         if hasattr(other, "encode"):  # Part 5's subwords: never equal
@@ -446,10 +449,15 @@ class TokenBatchSampler(torch.utils.data.Sampler):
 
     def epoch_batches(self):
         """This epoch's batches, each a list of example indices."""
+        # One random stream per (seed, epoch): Random accepts a string
+        # as its seed, and the same string always gives the same stream.
         rng = random.Random(f"{self.seed}/{self.epoch}")
         kept = self.kept
+        # rng.sample(x, len(x)) is a shuffled copy of x (random.shuffle
+        # would shuffle in place, the list of the sampler itself).
         order = rng.sample(kept, len(kept)) if self.shuffle else kept
-        order = sorted(order, key=self.sizes.__getitem__)  # stable sort
+        # Stable: sentences of equal size keep their shuffled order.
+        order = sorted(order, key=lambda i: self.sizes[i])
         batches = bucket(order, self.sizes, self.max_tokens)
         return rng.sample(batches, len(batches)) if self.shuffle else batches
 
@@ -927,10 +935,13 @@ assert small_history[-1]["val_loss"] < small_history[0]["val_loss"]
 # from the label-smoothed targets: the cross-entropy less the *entropy*
 # $H$ of the targets, $-\sum_j p_j \log p_j$, the spread that smoothing
 # puts into them. So predicting the smoothed targets exactly scores 0,
-# and the uniform guess scores $\ln V - H$. With a smoothing of 0.1, $H
-# = -0.9 \ln 0.9 - 0.1 \ln \frac{0.1}{V - 2} \approx 0.09 + 1.10
-# \approx 1.2$ (the 0.1 is spread over the $V - 2$ words that are neither
-# the answer nor `<blank>`), so the guess scores $8.73 - 1.2 \approx 7.5$.
+# and the uniform guess scores $\ln V - H$. With a smoothing of 0.1, the
+# answer gets 0.9 and each of the $V - 2$ words that are neither the
+# answer nor `<blank>` gets $\frac{0.1}{V - 2}$, so
+# $H = -0.9 \ln 0.9 - (V - 2) \cdot \frac{0.1}{V - 2} \ln
+# \frac{0.1}{V - 2} = -0.9 \ln 0.9 - 0.1 \ln \frac{0.1}{V - 2} \approx
+# 0.09 + 1.10 \approx 1.2$, and the guess scores $8.73 - 1.2 \approx
+# 7.5$.
 # The cell computes the three numbers. Check: after two epochs the tiny
 # model is already below the uniform guess.
 
@@ -967,71 +978,17 @@ assert last < guess
 # - several processes sharing the work, when asked (the appendix's
 #   "Training runs: devices and processes"); the cell below runs one.
 #
-# **Your edits to the cells above do not reach this run**: `train_model`
-# runs the library's copies of this lesson's `#| export` cells, which
-# change only once `make export` (which runs `tools/export.py`) has
-# copied the edits from `notebooks/03_multi30k.py` and the notebook is
-# restarted. That `.py` file is the source: `make export` rewrites the
-# `.ipynb` from it, so edit the `.py` (Jupyter with jupytext keeps the
-# two in step). On Colab, your edits stay in Colab's copy of the
-# notebook and never reach that file. To try an edit, run `train_one_process`
-# with the `ci` preset, as above. If `checkpoints/quick/final.pt` exists
-# already, the cell trains nothing and uses it, whatever trained it;
-# delete that folder (`checkpoints/quick/` in the repository) to train
-# afresh. (The project's automated tests run
-# every notebook in a tiny version, `AT_SIZE=ci`, where the cell trains
-# the `ci` preset.)
+# **Before you run it.**
 #
-# **What you will see.** First the device and the precision: `device:
-# cpu (CPU), float32` on a CPU without native bf16, `bfloat16 autocast`
-# on one with it, and on Colab's GPU `device: cuda:0 (Tesla T4), float16
-# autocast with a GradScaler` (float16 with its loss scaled up, so that
-# small gradients do not round to zero). Then, for each of five epochs, a
-# progress bar over its 153 batches, a pause while the validation split
-# is scored, and a line such as `epoch 0: train 4.716, val 3.126` (on a
-# GPU it ends with the GPU memory used). The recorded run's validation
-# losses were 3.13, 2.12, 1.70, 1.52 and 1.46.
-#
-# **How long.**
-#
-# - a 2-core CPU in float32: 14 to 20 minutes (the reference run's
-#   training took 13.9, `results/recipe_quick.json`; in the recorded
-#   runs of this notebook, epochs ended 3.2 to 3.7 minutes apart, once
-#   5.5, and the whole notebook took 14 to 22 minutes,
-#   `results/make_notebook.md`);
-# - a 2-core CPU with native bf16: about 10 minutes;
-# - an H100 GPU: under two minutes (the whole notebook took 88 s there,
-#   beside other checks, `docs/gpu.md`);
-# - Colab's T4, a Mac, other CPUs: not measured. The progress bar shows
-#   the time spent and left in its epoch (`[spent<left]`); on a CPU the
-#   run takes about five times epoch 0, on a GPU less, since epoch 0
-#   also warms the GPU up.
-#
-# The section "Why the quick recipe works", just after the cell that
-# compares your losses with the recorded ones, is good reading while you
-# wait.
-#
-# **If it is too slow or fails.**
-#
-# - Too slow: stop the cell (■). Running it again later goes on from the
-#   last finished epoch. The cells after it need the finished run's
-#   `final.pt`; to read on now instead, run `AT_SIZE = "ci"` in a new
-#   cell and go on from this one: a tiny model trains in seconds, its
-#   translations are nonsense, and the score check is skipped. Or
-#   use a GPU: open this notebook in Colab from the badge at the top
-#   (Colab's free GPU, a T4, was not measured; an H100 trained it in
-#   under two minutes).
-# - On Colab, a first line that names no `cuda` means the runtime has no
-#   GPU (Runtime → Change runtime type).
-# - An epoch 0 line that reads `nan` means float16 failed: stop the cell
-#   (■) at once, add `precision="fp32"` to the cell's `get_config(...)`
-#   (the cell's own settings do reach the run), delete the run's folder
-#   (in a new cell: `!rm -r "{ROOT}/checkpoints/quick"`; IPython fills
-#   in `ROOT`), and run the cell again.
-# - On a Mac, an error that names `mps`: see "The device", above.
-# - A Colab runtime that disconnects loses its checkpoints;
-#   `docs/gpu.md`, "Keeping a model on Colab", shows how to keep the
-#   model on Google Drive.
+# - It takes 14 to 20 minutes on a 2-core CPU without native bf16, about
+#   10 with it, under two minutes on an H100 GPU; Colab's T4 and Macs
+#   were not measured. What you will see, and what to do if it is too
+#   slow or fails, follows the cell: read it while the run starts.
+# - If `checkpoints/quick/final.pt` exists already, the cell trains
+#   nothing and uses it, whatever trained it; delete that folder to
+#   train afresh.
+# - Your edits to the cells above do not reach this run (why, and how
+#   to try one, also follows the cell).
 
 # %%
 preset = "ci" if AT_SIZE == "ci" else "quick"
@@ -1057,6 +1014,79 @@ else:
         device=device,
         resume=resume,
     )
+# train_model returns the history only: the model is in final.pt,
+# which "Decoding" below loads.
+
+# %% [markdown]
+# **What you will see.** First the device and the precision: `device:
+# cpu (CPU), float32` on a CPU without native bf16, `bfloat16 autocast`
+# on one with it, `device: mps (Apple GPU), float32` on a Mac, and on
+# Colab's GPU `device: cuda:0 (Tesla T4), float16 autocast with a
+# GradScaler` (float16 with its loss scaled up, so that small gradients
+# do not round to zero). Then, for each of five epochs, a progress bar
+# over its 153 batches, a pause while the validation split is scored,
+# and a line such as `epoch 0: train 4.716, val 3.126` (on a CUDA GPU it
+# ends with the GPU memory used). The recorded run's validation losses
+# were 3.13, 2.12, 1.70, 1.52 and 1.46.
+#
+# **How long.**
+#
+# - a 2-core CPU in float32: 14 to 20 minutes (the reference run's
+#   training took 13.9, `results/recipe_quick.json`; in the recorded
+#   runs of this notebook, epochs ended 3.2 to 3.7 minutes apart, once
+#   5.5, and the whole notebook took 14 to 22 minutes,
+#   `results/make_notebook.md`);
+# - a 2-core CPU with native bf16: about 10 minutes (the whole notebook
+#   took 10 to 11, `results/make_notebook.md`); `!grep -c -E
+#   'avx512_bf16|amx_bf16' /proc/cpuinfo` in a cell on Linux prints 0 if
+#   the CPU has no native bf16;
+# - an H100 GPU: under two minutes (the whole notebook took 88 s there,
+#   beside other checks, `docs/gpu.md`);
+# - Colab's T4, a Mac, other CPUs: not measured. The progress bar shows
+#   the time spent and left in its epoch (`[spent<left]`); on a CPU the
+#   run takes about five times epoch 0, on a GPU less, since epoch 0
+#   also warms the GPU up.
+#
+# The section "Why the quick recipe works", just after the cell that
+# compares your losses with the recorded ones, is good reading while you
+# wait.
+#
+# **If it is too slow or fails.**
+#
+# - Too slow: stop the cell (■). Running it again later goes on from the
+#   last finished epoch. The cells after it need the finished run's
+#   `final.pt`. To read on now instead, type `AT_SIZE = "ci"` in a new
+#   cell, run it, then run the training cell again: a tiny model trains
+#   in seconds, its translations are nonsense, and the score check is
+#   skipped. (`AT_SIZE` is a notebook variable, which the setup cell
+#   read from the environment and the training cell reads; `AT_DEVICE`
+#   is read by the library itself, from the environment, hence `%env`
+#   there.) Set `AT_SIZE = "full"` and run the training cell again to go
+#   back to `quick`, from its last finished epoch. Or use a GPU: open
+#   this notebook in Colab from the badge at the top.
+# - On Colab, a first line that names no `cuda` means the runtime has no
+#   GPU (Runtime → Change runtime type).
+# - An epoch 0 line that reads `nan` means float16 failed: stop the cell
+#   (■) at once, add `precision="fp32"` to the cell's `get_config(...)`
+#   (the cell's own settings do reach the run), delete the run's folder
+#   (in a new cell: `!rm -r "{ROOT}/checkpoints/quick"`; IPython fills
+#   in `ROOT`), and run the cell again.
+# - On a Mac, an error that names `mps`: see "The device", above.
+# - A Colab runtime that disconnects loses its checkpoints;
+#   `docs/gpu.md`, "Keeping a model on Colab", shows how to keep the
+#   model on Google Drive.
+#
+# **Your edits and this run.** `train_model` runs the library's copies
+# of this lesson's `#| export` cells, which change only once `make
+# export` (which runs `tools/export.py`) has copied the edits from
+# `notebooks/03_multi30k.py` and the notebook is restarted. That `.py`
+# file is the source: `make export` rewrites the `.ipynb` from it, so
+# edit the `.py` (Jupyter with jupytext keeps the two in step). On
+# Colab, your edits stay in Colab's copy of the notebook and never reach
+# that file. To try an edit, run `train_one_process` with the `ci`
+# preset, as above. (The project's automated tests run every notebook
+# in a tiny version, `AT_SIZE=ci`, where the training cell trains the
+# `ci` preset.)
 
 # %% [markdown]
 # Your run beside the recorded one. When the training cell above has
@@ -1101,8 +1131,10 @@ if history is not None and preset == "quick":
 #   of an hour").
 # - **Batches of 3,000 tokens, not fewer.** Smaller batches won only in
 #   runs shorter than two epochs. Two trials, both with dropout 0.1 and
-#   a linear decay (validation BLEU with `<unk>` replaced by a German
-#   word, as in Part 4):
+#   a linear decay, each given the steps that take about 14 minutes on
+#   two idle threads, so they compare at equal time, not equal steps
+#   (validation BLEU with `<unk>` replaced by a German word, as in Part
+#   4):
 #
 #   | batches of up to | steps | warm-up, peak | validation BLEU |
 #   |---:|---:|---|---:|

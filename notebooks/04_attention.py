@@ -70,6 +70,7 @@ if "COLAB_RELEASE_TAG" in os.environ:
             raise SystemExit(f"could not clone {REPO}:\n{run.stderr}")
     installed = os.path.join(CLONE, ".installed")  # pip finished, once
     if not os.path.isfile(installed):  # again after a failed install
+        print("installing what the notebooks need (a few minutes)...")
         pip = ["pip", "install", "-q", "-e", f"./{CLONE}[notebooks]"]
         run = subprocess.run(
             [sys.executable, "-m", *pip], capture_output=True, text=True
@@ -320,9 +321,9 @@ def attention_maps(
 # trained model here, run Part 3 first, or `make notebook`, or, from the
 # repository's folder, `.venv/bin/python annotated_transformer_tools.py
 # train --preset quick --threads 2` (on two CPU cores about 10 minutes
-# with native bf16, 14 to 20 without; 13.9 in the recorded run,
-# `results/recipe_quick.json`; no Mac time is on record), then run this
-# page again.
+# with native bf16, 14 to 20 without; the recorded float32 run trained
+# in 13.9 minutes, `results/recipe_quick.json`; no Mac time is on
+# record), then run this page again.
 #
 # Three models appear on this page; keep them apart:
 #
@@ -332,8 +333,8 @@ def attention_maps(
 #   `docs/trained_attention.png` and behind every number of the last
 #   section, "Putting attention to work". A number the prose quotes is
 #   this model's unless the prose names another.
-# - **`quick` runs**: the model that Part 3 trains. The parking figures
-#   quoted below are what one run, trained in bf16, printed
+# - **`quick` runs**: the model that Part 3 trains. The figures of the
+#   parking Check below are what one run, trained in bf16, printed
 #   (`results/make_notebook.md`).
 # - **the model loaded here**: the `cpu` or `quick` model this page
 #   finds, else the stand-in. Every chart and every number that a cell
@@ -460,10 +461,10 @@ save_chart(attention_chart(maps, "decoder self"), "04_decoder_self", FIGURES)
 # looks at the German word it is about to translate. The row that
 # predicts `</s>` has no German word left to translate. It puts more of
 # its weight than the word rows do on the edges of the sentence, `<s>`
-# and `</s>`: in a `quick` run, 0.17 of it against 0.02 (the parking
-# Check below measures it). We call this *parking*: weight left on a token that
-# carries no content, because a softmax row must put its weight
-# somewhere. The stand-in has seen too little to do any of this.
+# and `</s>` (the parking Check below measures it). We call this
+# *parking*: weight left on a token that carries no content, because a
+# softmax row must put its weight somewhere. The stand-in has seen too
+# little to do any of this.
 #
 # The chart opens on the last layer, and the three Checks below read the
 # last layer too: its output is the one that becomes the next word. It
@@ -560,8 +561,8 @@ else:
 
 # %% [markdown]
 # Back to the two dogs. For each layer, the cell prints a 2 × 2 table:
-# one row per row of the chart that predicts "dog" (`dog #1`, `dog #2`),
-# one column per "Hund" (`Hund #1`, `Hund #2`), and in each cell the
+# rows `dog #1` and `dog #2`, the chart's two rows that predict "dog";
+# one column per "Hund" (`Hund #1`, `Hund #2`); and in each cell the
 # weight that row puts on that "Hund", averaged over the heads. $1/S$
 # (the weight of a uniform spread) is printed for scale. A layer that
 # tells the copies apart weights the first "Hund" more for the first
@@ -611,10 +612,11 @@ else:
 # The checks below need each kind's masks, which `AttentionMaps.view`
 # returns as an `AttentionView`: the weights with their row and column
 # labels, the `(R, C)` mask `allowed` of the keys each query may see, and
-# three fields that only `_head_statistics` uses ("What the heads do,
-# measured"): which rows and columns are real tokens (`row_keep`,
-# `col_keep`), to average over real rows only, and the keys' token ids
-# (`col_ids`), to find the `<s>` and `</s>` columns.
+# three fields for the statistics ("What the heads do, measured") and
+# the appendix's tables: which rows and columns are real tokens
+# (`row_keep`, `col_keep`; `_diagonal` draws the diagonal over the real
+# ones, and `_head_statistics` averages over real rows only), and the
+# keys' token ids (`col_ids`), to find the `<s>` and `</s>` columns.
 # `attention_view` picks, for each kind, which side gives the queries and
 # which the keys: the source for the encoder, the English for the
 # decoder's own attention, and English queries with German keys for the
@@ -922,15 +924,15 @@ for i in range(n_rows):
 pd.DataFrame(offsets)
 
 # %% [markdown]
-# Read the offsets column. Where the two sentences keep step, a row
-# that reads the German word it is about to translate prints +1; where
-# the German word order departs from the English ("hinterher", *after*,
+# Read the offsets column. Where the two sentences keep step, a row that
+# reads the German word it is about to translate prints +1; where the
+# German word order departs from the English ("hinterher", *after*,
 # comes last in the German), the word being translated lies elsewhere,
-# and the offset with it. So in decoder–source attention `next` counts
-# reading the word being translated only where the sentences keep step
-# one column apart; `same` and `previous` can count it too. Nothing here
-# is asserted: each model prints its own offsets, and the stand-in's
-# need not show any pattern.
+# and the offset with it. So in decoder–source attention `next` is not
+# always "reads the word being translated": where the word orders
+# differ, that reading lands in `same` or `previous`, or in no share.
+# Nothing here is asserted: each model prints its own offsets, and the
+# stand-in's need not show any pattern.
 #
 # `_head_statistics` computes every statistic of one kind at once, for
 # all layers and heads: first a sum over the keys of each row, then the
@@ -1262,7 +1264,7 @@ for kind in ATTENTION_KINDS:
 # |---|---|---|---|---|---|
 # | token | `<s>` | Ein | Hund | rennt | `</s>` |
 # | `src_words[j - 1]` | – | Ein | Hund | rennt | – |
-# | column in `weights[..., 1:-1]` | – | 0 | 1 | 2 | – |
+# | column in `mean[k, 1:-1]` (`replace_and_check`) | – | 0 | 1 | 2 | – |
 #
 # So the `<unk>` is `ids[1]`, written by row 1. If row 1 reads column 2
 # most, the word copied is `src_words[1]`, "Hund"; in the slice without

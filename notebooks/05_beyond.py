@@ -81,6 +81,7 @@ if "COLAB_RELEASE_TAG" in os.environ:
             raise SystemExit(f"could not clone {REPO}:\n{run.stderr}")
     installed = os.path.join(CLONE, ".installed")  # pip finished, once
     if not os.path.isfile(installed):  # again after a failed install
+        print("installing what the notebooks need (a few minutes)...")
         pip = ["pip", "install", "-q", "-e", f"./{CLONE}[notebooks]"]
         run = subprocess.run(
             [sys.executable, "-m", *pip], capture_output=True, text=True
@@ -166,11 +167,11 @@ from annotated_transformer_tools import (
 # a small one trained now") says what runs where, on Colab and on a Mac
 # too.
 #
-# The GPU that Colab asks for is there for training: with no saved
-# model, it trains `quick` in minutes instead of the stand-in. Decoding
-# in this lesson runs on the CPU, whatever the machine: the cells below
-# build their tensors where PyTorch puts them unless told otherwise, on
-# the CPU, so the model is loaded there too.
+# A GPU runtime on Colab is there for training: with no saved model, it
+# trains `quick` in minutes instead of the stand-in. Decoding in this
+# lesson runs on the CPU, whatever the machine: the cells below build
+# their tensors where PyTorch puts them unless told otherwise, on the
+# CPU, so the model is loaded there too.
 #
 # `trained`, below, says which kind of model this is. With a trained
 # model (`cpu` or `quick`) the lesson scores the 1,000 test sentences
@@ -777,9 +778,9 @@ def beam_search_steps(
 
 
 # %% [markdown]
-# **Check**, on the toy model from the start of this section: a
-# beam of one finds greedy's `a </s>`, with probability 0.20, and a beam
-# of two finds `b </s>`, with 0.36.
+# **See, it finds it**, on the toy model from the start of this
+# section: a beam of one finds greedy's `a </s>`, with probability 0.20,
+# and a beam of two finds `b </s>`, with 0.36.
 
 # %%
 want = {1: (["a", "</s>"], 0.20), 2: (["b", "</s>"], 0.36)}
@@ -945,20 +946,21 @@ assert torch.equal(beam1, cached)
 # All 1,000 test pairs for a trained model; 100 for the stand-in, whose
 # scores mean nothing and would only cost time.
 test_pairs = splits["test"] if trained else splits["test"][:100]
-test_de, test_en = zip(*test_pairs)
 DECODERS = {
     "greedy": cached_greedy_decode,
     "beam 4": functools.partial(beam_search, beam_size=4),
 }
 
 
-def bleu_of(model, vocab_src, vocab_tgt, decode_fn):
-    """BLEU on the test pairs, and the wall time of translating them."""
+def bleu_of(model, vocab_src, vocab_tgt, decode_fn, pairs=None):
+    """BLEU on `pairs` (default: test_pairs), and the wall time of
+    translating them."""
+    german, english = zip(*(test_pairs if pairs is None else pairs))
     start = time.perf_counter()
     hyps = translate_batch(
-        model, test_de, spacy_de, vocab_src, vocab_tgt, decode_fn=decode_fn
+        model, german, spacy_de, vocab_src, vocab_tgt, decode_fn=decode_fn
     )
-    return compute_bleu(hyps, list(test_en)), time.perf_counter() - start
+    return compute_bleu(hyps, list(english)), time.perf_counter() - start
 
 
 plain_bleu = {}  # decoder name -> BLEU of the model as trained
@@ -1303,25 +1305,33 @@ del tied
 # index English words. A word-level config with `tie_embeddings=True`
 # ties just those two in `model_from_config`, and `train
 # --tie-embeddings` sets it. At the `cpu` preset's sizes, with Part 3's
-# word vocabularies, this cuts the parameters from 10.76M to 9.17M: one
+# word vocabularies (8,012 German and 6,190 English words; another
+# version of spaCy may cut the words a little differently), this cuts
+# the parameters from 10.76M to 9.17M: one
 # $V_{\text{English}} \times d_{\text{model}}$ matrix fewer, as the cell
 # below counts. With the best recipe of `docs/results.md` it lowered the
 # validation loss a little ("The generator tied to the target embedding"
 # there).
 
 # %%
-cpu = get_config("cpu", tie_embeddings=True)
-n_de, n_en = len(word_vocabs[0]), len(word_vocabs[1])
-untied = make_model(
-    n_de, n_en, N=cpu.N, d_model=cpu.d_model, d_ff=cpu.d_ff, h=cpu.h
+cpu_config = get_config("cpu", tie_embeddings=True)
+sizes = dict(
+    N=cpu_config.N,
+    d_model=cpu_config.d_model,
+    d_ff=cpu_config.d_ff,
+    h=cpu_config.h,
 )
-tied = model_from_config(cpu, n_de, n_en)  # generator = English embedding
+n_de, n_en = len(word_vocabs[0]), len(word_vocabs[1])
+untied = make_model(n_de, n_en, **sizes)
+tied = model_from_config(cpu_config, n_de, n_en)  # generator = English
 assert tied.generator.proj.weight is tied.tgt_embed[0].lut.weight
 removed = count_parameters(untied) - count_parameters(tied)
-assert removed == n_en * cpu.d_model  # one English matrix fewer
+assert removed == n_en * cpu_config.d_model  # one English matrix fewer
 millions = [round(count_parameters(m) / 1e6, 2) for m in (untied, tied)]
+print(f"vocabularies: {n_de:,d} German, {n_en:,d} English words")
 print(f"cpu preset: {millions[0]}M untied, {millions[1]}M tied")
-assert millions == [10.76, 9.17]
+if (n_de, n_en) == (8012, 6190):  # the vocabularies of Part 3's record
+    assert millions == [10.76, 9.17]  # the figures quoted above
 del untied, tied
 
 # %% [markdown]
@@ -1333,7 +1343,7 @@ del untied, tied
 # trains `ci-bpe` now, with the `BpeVocab` as both vocabularies (the spaCy
 # tokenizers it is also given go unused). Only `make train` trains
 # `cpu-bpe`, so after `make notebook`, and on Colab, this is almost always
-# the CI-sized stand-in: the `model:` line says which. The check: the
+# the stand-in: the `model:` line says which. The check: the
 # model rebuilt from its checkpoint shares one matrix among the two
 # embeddings and the generator (`load_trained_model` calls
 # `model_from_config`, which ties them again).
@@ -1359,7 +1369,8 @@ assert proj is bpe_model.tgt_embed[0].lut.weight
 
 # %% [markdown]
 # Next, three validation sentences and the BLEU on the same test
-# sentences as the word model, with greedy decoding. (`translate_batch`
+# sentences as the word model (only the first 100 for a stand-in), with
+# greedy decoding. (`translate_batch`
 # has no `<unk>` to replace here.) A stand-in, trained for seconds,
 # translates into noise and scores near 0, which says nothing about BPE;
 # the cell then prints one line instead, and the table in section 5 has
@@ -1371,7 +1382,11 @@ val_pairs = splits["val"][:3]
 hyps = translate_batch(
     bpe_model, [de for de, _ in val_pairs], spacy_de, bpe_src, bpe_tgt
 )
-bpe_bleu, seconds = bleu_of(bpe_model, bpe_src, bpe_tgt, cached_greedy_decode)
+# The word model's test pairs; the first 100 only, for a stand-in
+bpe_pairs = test_pairs if trained_bpe else test_pairs[:100]
+bpe_bleu, seconds = bleu_of(
+    bpe_model, bpe_src, bpe_tgt, cached_greedy_decode, pairs=bpe_pairs
+)
 if trained_bpe:
     for (de, en), hyp in zip(val_pairs, hyps):
         print(f"source:    {de}\nreference: {en}\nmodel:     {hyp}\n")

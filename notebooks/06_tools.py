@@ -58,6 +58,7 @@ if "COLAB_RELEASE_TAG" in os.environ:
             raise SystemExit(f"could not clone {REPO}:\n{run.stderr}")
     installed = os.path.join(CLONE, ".installed")  # pip finished, once
     if not os.path.isfile(installed):  # again after a failed install
+        print("installing what the notebooks need (a few minutes)...")
         pip = ["pip", "install", "-q", "-e", f"./{CLONE}[notebooks]"]
         run = subprocess.run(
             [sys.executable, "-m", *pip], capture_output=True, text=True
