@@ -764,8 +764,9 @@ assert max(steps_down) - min(steps_down) < 1e-12
 # `schedule="linear"`.
 #
 # The cell prints what `quick` changes in `TrainConfig`'s defaults, then
-# the learning rate at a few steps. Check: the peak at step 300, and zero
-# at step 765, the end of the budget.
+# the learning rate at a few steps. Check: the peak at step 300, the
+# same as `cpu`'s at its step 800 (Part 2's `rate`), and zero at step
+# 765, the end of the budget.
 
 # %%
 quick = tools.get_config("quick")
@@ -777,7 +778,13 @@ for field, value in vars(quick).items():
 quick_rate = run_schedule(quick, batches_per_epoch=153)
 for step in (1, 150, 300, 500, 765):
     print(f"schedule at {step:3d}: learning rate {quick_rate(step):.2e}")
+cpu_config = tools.get_config("cpu")
+cpu_peak = rate(
+    cpu_config.warmup, cpu_config.d_model, cpu_config.factor, cpu_config.warmup
+)
+print(f"cpu's peak, at step {cpu_config.warmup}: {cpu_peak:.2e}")
 assert round(quick_rate(300), 4) == 2.2e-3  # the peak, after warm-up
+assert math.isclose(quick_rate(300), cpu_peak, rel_tol=0.01)  # within 1%
 assert quick_rate(765) == 0  # the end of the budget
 
 
