@@ -471,13 +471,16 @@ assert torch.allclose(gradients[0], gradients[1])
 # `F.cross_entropy(logits, target, label_smoothing=ε, ignore_index=pad)`.
 # It smooths differently: it mixes the one-hot target with a uniform
 # distribution over all $V$ classes, padding and the target included, so
-# the target gets $1 - \epsilon + \epsilon / V$ and padding $\epsilon / V$
-# in every row; `ignore_index` only drops the rows whose target is
-# padding. And it computes a cross-entropy, $-\sum_j p_j \log q_j$,
-# not a KL divergence: it lacks our constant $\sum_j p_j \log p_j$. The
-# cell builds PyTorch's targets by hand and checks both statements: the
-# hand-built targets give `F.cross_entropy`'s number, and ours give
-# another, even without our constant.
+# the target gets $1 - \epsilon + \epsilon / V$ and padding
+# $\epsilon / V$ in every row; `ignore_index` only drops the rows whose
+# target is padding. And it computes a cross-entropy,
+# $-\sum_j p_j \log q_j$, not a KL divergence: it lacks our constant
+# $\sum_j p_j \log p_j$. The cell builds PyTorch's targets by hand and
+# checks both statements: the hand-built targets give
+# `F.cross_entropy`'s number, and ours, with our constant taken out,
+# give a different one. So the two also train differently: PyTorch's
+# targets give padding $\epsilon / V$, so the model learns to give it
+# some probability.
 
 # %%
 eps = 0.1

@@ -987,13 +987,15 @@ assert last < guess
 #
 # **Before you run it.**
 #
-# - It takes 14 to 20 minutes on a 2-core CPU without native bf16, about
-#   10 with it, under two minutes on an H100 GPU; Colab's T4 and Macs
-#   were not measured. What you will see, and what to do if it is too
-#   slow or fails, follows the cell: read it while the run starts.
+# - It takes about a quarter of an hour on a 2-core CPU, minutes on a
+#   GPU ("How long", after the cell). What you will see, and what to do
+#   if it is too slow or fails, follows the cell: read it while the run
+#   starts.
 # - If `checkpoints/quick/final.pt` exists already, the cell trains
-#   nothing and uses it, whatever trained it; delete that folder to
-#   train afresh.
+#   nothing and uses it, whatever trained it. To train afresh, delete
+#   the folder `checkpoints/quick` (in a new cell: `!rm -r
+#   "{ROOT}/checkpoints/quick"`; IPython fills in `ROOT`, the
+#   repository's folder, which on Colab is `/content/done-right`).
 # - Your edits to the cells above do not reach this run (why, and how
 #   to try one, also follows the cell).
 
@@ -1060,16 +1062,16 @@ else:
 #
 # **If it is too slow or fails.**
 #
-# - Too slow: stop the cell (■). Running it again later goes on from the
-#   last finished epoch. The cells after it need the finished run's
-#   `final.pt`. To read on now instead, type `AT_SIZE = "ci"` in a new
-#   cell, run it, then run the training cell again: a tiny model trains
-#   in seconds, its translations are nonsense, and the score check is
-#   skipped. (`AT_SIZE` is a notebook variable, which the setup cell
-#   read from the environment and the training cell reads; `AT_DEVICE`
-#   is read by the library itself, from the environment, hence `%env`
-#   there.) Set `AT_SIZE = "full"` and run the training cell again to go
-#   back to `quick`, from its last finished epoch. Or use a GPU: open
+# - Too slow: stop the cell (■); running it again later resumes, as
+#   said above. The cells after it need the finished run's `final.pt`.
+#   To read on now instead, type `AT_SIZE = "ci"` in a new cell, run it,
+#   then run the training cell again: a tiny model trains in seconds,
+#   its translations are nonsense, and the score check is skipped.
+#   (`AT_SIZE` is a plain variable of this notebook, read by the
+#   training cell; unlike `AT_DEVICE` in "The device", it needs no
+#   `%env`.) To go back to `quick`, set `AT_SIZE = "full"` and run the
+#   training cell again: it goes on from its last finished epoch, if
+#   there is one; then run the cells below it again. Or use a GPU: open
 #   this notebook in Colab from the badge at the top.
 # - On Colab, a first line that names no `cuda` means the runtime has no
 #   GPU (Runtime → Change runtime type).

@@ -528,14 +528,15 @@ for fn in (batch_greedy_decode, cached_greedy_decode):
 #
 # First, a case where greedy decoding goes wrong: a hand-made "model"
 # over five tokens, whose next-token probabilities depend only on the
-# last token. After `<s>` it prefers `a` (0.5) to `b` (0.4), but after `a`
-# no token is likely (the best, `</s>`, has 0.4), while `b` is followed
-# by `</s>` with probability 0.9. Greedy takes `a` and ends with
-# probability $0.5 \cdot 0.4 = 0.20$; a beam of two also keeps `b` and
-# finds $0.4 \cdot 0.9 = 0.36$. The toy needs only the ids of `<s>`,
-# `</s>` and `<blank>` (0 to 2), so id 3 is a word here, not `<unk>`. The
-# cell follows greedy's choices by hand; once the search is built, we
-# run it on the same table.
+# last token. After `<s>` it prefers `a` (0.5) to `b` (0.4), but after
+# `a` no token is likely (the best, `</s>`, has 0.4), while `b` is
+# followed by `</s>` with probability 0.9. Greedy takes `a` and ends
+# with probability $0.5 \cdot 0.4 = 0.20$; a beam of two also keeps `b`
+# and finds $0.4 \cdot 0.9 = 0.36$ (both outputs have two tokens, so the
+# length penalty, next, does not change which wins). The toy needs only
+# the ids of `<s>`, `</s>` and `<blank>` (0 to 2), so id 3 is a word
+# here, not `<unk>`. The cell follows greedy's choices by hand; once the
+# search is built, we run it on the same table.
 
 # %%
 toy_names = ["<s>", "</s>", "<blank>", "a", "b"]
@@ -613,13 +614,14 @@ class Beams(NamedTuple):
 
 
 # %% [markdown]
-# Scoring all $k \cdot V$ extensions is wasteful: only the $k$ best tokens
-# of a hypothesis can be among the $k$ best candidates of its sentence, so
-# `beam_candidates` keeps those, $c = \min(k, V)$ tokens per hypothesis,
-# and scores $k \cdot c$ candidates per sentence. It can pick a
-# hypothesis's best `c` by log-probability alone, before dividing by the
-# length penalty, because all extensions of one hypothesis get the same
-# length, and so the same penalty.
+# Scoring all $k \cdot V$ extensions is wasteful: only the $k$ best
+# tokens of a hypothesis can be among the $k$ best candidates of its
+# sentence, so `beam_candidates` keeps those, $c = \min(k, V)$ tokens
+# per hypothesis, and scores $k \cdot c$ candidates per sentence. It can
+# pick a hypothesis's best $c$ by log-probability alone, before dividing
+# by the length penalty, because all extensions of one hypothesis get
+# the same length, and so the same penalty. The cell also defines
+# `length_penalty`, the formula above.
 
 
 # %%
@@ -652,11 +654,11 @@ def beam_candidates(logp, logp_sum, lengths, finished, alpha):
 
 
 # %% [markdown]
-# One step: score the candidates, keep the $k$ best of each sentence, and
-# copy the tokens of each survivor's *parent*, the hypothesis it extends.
-# `advance_beams` returns the new beams, each survivor's parent (the cache
-# must keep the parent's keys and values), and the scores of the
-# hypotheses that ended at this step.
+# One step: score the candidates, keep the $k$ best of each sentence,
+# and copy the tokens of each survivor's *parent*, the hypothesis it
+# extends. `advance_beams` returns the new beams, each survivor's parent
+# (the model's cache must follow the parents; `BeamCache`, below, says
+# why), and the scores of the hypotheses that ended at this step.
 #
 # Why keep those scores? A running hypothesis's score usually falls as
 # it grows, since each token adds a negative log-probability. So a
@@ -822,7 +824,8 @@ for beam, (want_tokens, want_p) in want.items():
 # that query and the keys and values, and source attention's only mask,
 # the padding mask `(B, 1, 1, S)`, is one per sentence, which all of the
 # sentence's queries share. (In self-attention each row has its own keys
-# and values, so `k` has $R$ rows and the reshape changes nothing.)
+# and values, so the keys and values have $R$ rows and the reshape
+# changes nothing.)
 #
 # Why does a survivor's cache row come from its *parent*? The cache holds
 # the keys and values of the tokens fed so far, and those are the
@@ -933,10 +936,11 @@ assert torch.equal(beam1, cached)
 #
 # Here are BLEU scores on test2016 for greedy decoding and a beam of 4:
 # on its 1,000 sentences with a trained model, on the first 100 with the
-# stand-in (sections 3 and 4 use the same sentences). `translate_batch`
-# replaces each `<unk>` in an output with the German word it attends to
-# most (Part 4, "Putting attention to work: unknown words"); it does so
-# by default, for both decoders.
+# stand-in (section 4 uses the same ones; section 3 too, or their first
+# 100 when its BPE model is a stand-in). `translate_batch` replaces each
+# `<unk>` in an output with the German word it attends to most (Part 4,
+# "Putting attention to work: unknown words"); it does so by default,
+# for both decoders.
 #
 # Section 5's table holds the recorded full runs, and says how to find
 # the row to compare with. The check asks only that a trained model
@@ -1569,7 +1573,7 @@ for decoder_name, fn in DECODERS.items():
 # `bench/bleu_table.py` scores test2016 with each decoding. The first
 # four rows of the table below are its records for runs A to D (the key
 # at the top of the lesson); the last two are full runs of this notebook
-# on the `quick` model. Every row is scored on the 1000 test sentences,
+# on the `quick` model. Every row is scored on the 1,000 test sentences,
 # with beam search at the lesson's $\alpha = 0.6$. The files are listed
 # under the table.
 #
