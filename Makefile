@@ -56,16 +56,29 @@ setup: .venv/.installed  ## create .venv with every dependency
 # The .ipynb twins carry the diagrams; they run in notebooks/, as in Jupyter.
 # Jupyter's own messages (a kernel's warnings, what processes that a
 # notebook starts print) go to runs/notebooks/NAME.log, shown on failure.
+# Notebook 03 trains the translator, printing only into the notebook: a
+# watcher (tools/watch_epochs.py) prints a line as each epoch is saved.
 notebook: setup  ## execute every notebook into runs/notebooks/, full size (AT_SIZE=ci: minutes)
 	@mkdir -p runs/notebooks
 	@echo "running the notebooks into runs/notebooks/ (AT_SIZE=$(AT_SIZE))"
 	@for nb in $(NOTEBOOKS:.py=.ipynb); do \
-	  start=$$(date +%s); \
+	  start=$$(date +%s); watcher=; \
+	  echo "$$nb: running..."; \
+	  case "$$nb:$(AT_SIZE)" in *03_multi30k.ipynb:full) \
+	    if ! test -f checkpoints/quick/final.pt; then \
+	      echo "  it trains the translator: 10 to 22 minutes on the" \
+	        "2-core CPUs measured, less on a GPU"; \
+	      $(PY) tools/watch_epochs.py checkpoints/quick \
+	        --while-running $$$$ & watcher=$$!; \
+	    fi;; \
+	  esac; \
 	  log=runs/notebooks/$$(basename $$nb .ipynb).log; \
 	  AT_SIZE=$(AT_SIZE) $(PY) -m jupytext -q --to ipynb --execute \
 	    --run-path notebooks --output runs/notebooks/$$(basename $$nb) \
-	    $$nb 2> $$log || { cat $$log; echo "$$nb failed (log: $$log)"; \
-	    exit 1; }; \
+	    $$nb 2> $$log; status=$$?; \
+	  test -z "$$watcher" || kill $$watcher 2>/dev/null; \
+	  if [ $$status -ne 0 ]; then cat $$log; \
+	    echo "$$nb failed (log: $$log)"; exit 1; fi; \
 	  echo "$$nb: $$(( $$(date +%s) - start )) s"; \
 	done
 
