@@ -76,7 +76,7 @@ notebook: setup  ## execute every notebook into runs/notebooks/, full size (AT_S
 	  AT_SIZE=$(AT_SIZE) $(PY) -m jupytext -q --to ipynb --execute \
 	    --run-path notebooks --output runs/notebooks/$$(basename $$nb) \
 	    $$nb 2> $$log; status=$$?; \
-	  test -z "$$watcher" || kill $$watcher 2>/dev/null; \
+	  test -z "$$watcher" || { kill $$watcher; wait $$watcher; } 2>/dev/null; \
 	  if [ $$status -ne 0 ]; then cat $$log; \
 	    echo "$$nb failed (log: $$log)"; exit 1; fi; \
 	  echo "$$nb: $$(( $$(date +%s) - start )) s"; \

@@ -3,6 +3,7 @@
 
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -48,14 +49,46 @@ def test_prints_a_line_per_new_epoch_file(tmp_path):
         text=True,
     )
     try:
-        time.sleep(1.5)  # past the start, whose time is rounded down by 1 s
-        (tmp_path / "epoch_001.pt").write_bytes(b"")
-        ready, _, _ = select.select([watcher.stdout], [], [], 10)
-        line = watcher.stdout.readline() if ready else "no line in 10 s"
+        # Saved "in a minute": after the watcher's start, however slowly
+        # it starts
+        touch(tmp_path / "epoch_001.pt", time.time() + 60)
+        ready, _, _ = select.select([watcher.stdout], [], [], 20)
+        line = watcher.stdout.readline() if ready else "no line in 20 s"
     finally:
         watcher.kill()
         watcher.wait()
     assert line.startswith("  epoch 2 of 5 saved")
+
+
+def handles_sigterm(pid):
+    """Whether process `pid` has installed a handler for SIGTERM (Linux:
+    bit 15 of the SigCgt mask in /proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) & (1 << (15 - 1)))
+    return False
+
+
+def test_killed_it_takes_a_last_look_and_exits_quietly(tmp_path):
+    if not Path("/proc").is_dir():
+        pytest.skip("reads /proc: Linux only")
+    watcher = subprocess.Popen(
+        [sys.executable, SCRIPT, tmp_path, "--every", "600"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 20
+        while not handles_sigterm(watcher.pid) and time.time() < deadline:
+            time.sleep(0.05)
+        # Saved after its last look, just before make kills it
+        touch(tmp_path / "epoch_004.pt", time.time() + 60)
+        watcher.terminate()  # SIGTERM, as make's `kill`
+        out, _ = watcher.communicate(timeout=20)
+    finally:
+        watcher.kill()
+    assert watcher.returncode == 0  # no "Terminated" from the shell
+    assert out.startswith("  epoch 5 of 5 saved")
 
 
 def has_ended(pid):
@@ -81,4 +114,7 @@ def test_stops_when_the_shell_that_started_it_ends(tmp_path):
     deadline = time.time() + 10
     while not has_ended(pid) and time.time() < deadline:
         time.sleep(0.05)
-    assert has_ended(pid)
+    ended = has_ended(pid)
+    if not ended:
+        os.kill(pid, signal.SIGKILL)  # leave no watcher behind
+    assert ended

@@ -8,24 +8,33 @@ into the notebook: without it, the terminal would show nothing for the
 import argparse
 import os
 import re
+import signal
+import sys
 import time
 from pathlib import Path
+
+EPOCH_FILE = re.compile(r"epoch_(\d+)\.pt")  # as the training names them
 
 
 def saved_since(folder, start, reported):
     """The epoch files in `folder` written at or after `start` (a time in
     seconds) and not in `reported`, in epoch order."""
-    found = sorted(Path(folder).glob("epoch_*.pt"))
-    return [
-        path
-        for path in found
-        if path.name not in reported and path.stat().st_mtime >= start
-    ]
+    found = []
+    for path in sorted(Path(folder).glob("epoch_*.pt")):
+        if not EPOCH_FILE.fullmatch(path.name) or path.name in reported:
+            continue
+        try:
+            written = path.stat().st_mtime
+        except OSError:  # deleted since: the run keeps only the last few
+            continue
+        if written >= start:
+            found.append(path)
+    return found
 
 
 def epoch_line(path, epochs):
     """ "  epoch 3 of 5 saved (14:02)" for epoch_002.pt: files count from 0."""
-    number = int(re.search(r"\d+", path.name).group()) + 1
+    number = int(EPOCH_FILE.fullmatch(path.name).group(1)) + 1
     return f"  epoch {number} of {epochs} saved ({time.strftime('%H:%M')})"
 
 
@@ -38,8 +47,20 @@ def is_running(pid):
         return False
     except PermissionError:  # another user's process: it exists
         return True
-    status = Path(f"/proc/{pid}/status")
-    return not (status.exists() and "State:\tZ" in status.read_text())
+    if not Path("/proc").is_dir():  # a Mac: os.kill's answer is all
+        return True
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:  # it ended between the two looks
+        return False
+    return "State:\tZ" not in status
+
+
+def report_new(folder, start, reported, epochs):
+    """Print a line for each epoch file saved since the last look."""
+    for path in saved_since(folder, start, reported):
+        reported.add(path.name)
+        print(epoch_line(path, epochs), flush=True)
 
 
 def main(argv=None):
@@ -60,14 +81,20 @@ def main(argv=None):
     args = parser.parse_args(argv)
     start = time.time() - 1  # file times may be rounded down
     reported = set()
+
+    def last_look(signum, frame):
+        """Killed by make once the notebook ends: a last look, then exit
+        quietly (a shell reports a job that a signal ended)."""
+        report_new(args.folder, start, reported, args.epochs)
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, last_look)
     # Started with `&` by make's shell, it ignores Ctrl-C; so it stops
     # when that shell is gone (Ctrl-C ends make), if not killed before.
     try:
         while args.while_running is None or is_running(args.while_running):
             time.sleep(args.every)
-            for path in saved_since(args.folder, start, reported):
-                reported.add(path.name)
-                print(epoch_line(path, args.epochs), flush=True)
+            report_new(args.folder, start, reported, args.epochs)
     except KeyboardInterrupt:  # Ctrl-C, when run by hand
         pass
 
