@@ -532,21 +532,18 @@ assert torch.equal(subsequent_mask(20)[0], key_u <= query_t)
 # %% [markdown]
 # The appendix (notebook 06_tools, imported as
 # `annotated_transformer_tools`) holds the plotting code; you need not read
-# it. `mask_chart` draws the same mask for 20 positions, and `save_chart`
-# also writes it to `figures/`. Blue cells are the pairs the decoder may
-# use: the first position sees only itself, the last sees the whole
-# prefix. (The chart draws the library's copy of `subsequent_mask`, not
-# the one defined above. An edit to `subsequent_mask` reaches the chart
-# only after `make export`, which copies it from `notebooks/01_model.py`
-# into the library, and a restart of the notebook. On Colab, your edits
-# stay in Colab's copy of the notebook and never reach that file.)
+# it. `mask_chart` draws the mask it is given, here the one for 20
+# positions, and `save_chart` also writes it to `figures/`. Blue cells
+# are the pairs the decoder may use: the first position sees only
+# itself, the last sees the whole prefix.
 
 # %%
 from pathlib import Path
 
 from annotated_transformer_tools import mask_chart, save_chart
 
-save_chart(mask_chart(20), "01_subsequent_mask", Path(ROOT, "figures"))
+chart = mask_chart(subsequent_mask(20)[0])  # (20, 20)
+save_chart(chart, "01_subsequent_mask", Path(ROOT, "figures"))
 
 # %% [markdown]
 # ## Attention
@@ -1234,16 +1231,14 @@ assert torch.allclose(rotated, table[offset : 100 + offset], atol=1e-5)
 
 
 # %% [markdown]
-# Four dimensions of a 20-dimensional encoding over the first 100
-# positions, drawn by `positional_chart` from the appendix. Like
-# `mask_chart`, it uses the library's copy of the class, so an edit to
-# `PositionalEncoding` above reaches the chart only after `make export`
-# and a restart (and, on Colab, never).
+# Four dimensions of the 20-dimensional table over the first 100
+# positions, drawn by `positional_chart` from the appendix.
 
 # %%
 from annotated_transformer_tools import positional_chart
 
-chart = positional_chart(d_model=20, length=100, dims=(4, 5, 6, 7))
+table_20 = PositionalEncoding(20, dropout=0.0).pe[0]  # (5000, 20)
+chart = positional_chart(table_20[:100], dims=(4, 5, 6, 7))
 save_chart(chart, "01_positional_encoding", Path(ROOT, "figures"))
 
 # %% [markdown]

@@ -774,7 +774,8 @@ assert math.isclose(peak_8000 * math.sqrt(2), peak_4000)
 for step in range(1, 20000, 100):
     half_width = rate(step, 256, 1.0, 4000)
     assert math.isclose(half_width, math.sqrt(2) * rate(step, 512, 1.0, 4000))
-save_chart(learning_rate_chart(SETTINGS), "02_learning_rate", FIGURES)
+lr_chart = learning_rate_chart(SETTINGS, schedule=rate)
+save_chart(lr_chart, "02_learning_rate", FIGURES)
 
 # %% [markdown]
 # ## A first example: the copy task

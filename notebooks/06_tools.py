@@ -130,7 +130,6 @@ from the_annotated_transformer import (
     BpeVocab,
     DatasetError,
     LabelSmoothing,
-    PositionalEncoding,
     SimpleLossCompute,
     TrainConfig,
     TrainState,
@@ -161,7 +160,6 @@ from the_annotated_transformer import (
     smoothed_kl,
     source_alignment,
     strip_specials,
-    subsequent_mask,
     tokenize,
     train_bpe,
     warmup_linear_decay,
@@ -207,23 +205,24 @@ def line_chart(rows, x, y, color=None, title="", point=False):
 # %% [markdown]
 # ### Part 1: positional encodings and masks
 #
-# The subsequent mask as a grid of allowed (blue) and hidden (grey)
-# (query, key) pairs, and a few dimensions of the positional encoding as
-# lines over the positions.
+# A mask as a grid of allowed (blue) and hidden (grey) (query, key)
+# pairs, and a few dimensions of a positional-encoding table as lines
+# over the positions. Both draw the tensor they are given, so a lesson
+# passes in what its own code computed.
 
 
 # %%
 #| export
-def mask_chart(size=20):
-    """Altair heat map of subsequent_mask(size)."""
+def mask_chart(mask, title="subsequent mask"):
+    """Altair heat map of a (T, T) boolean mask: True is allowed."""
     import altair as alt
     import pandas as pd
 
-    mask = subsequent_mask(size)[0]  # (size, size)
+    size = mask.shape[0]
     rows = [
         {"query (row)": i, "key (column)": j, "allowed": bool(mask[i, j])}
         for i in range(size)
-        for j in range(size)
+        for j in range(mask.shape[1])
     ]
     colors = alt.Scale(domain=[False, True], range=["#f2f2f2", "#3b6ea8"])
     return (
@@ -235,19 +234,18 @@ def mask_chart(size=20):
             color=alt.Color("allowed:N", scale=colors),
             tooltip=["query (row)", "key (column)", "allowed"],
         )
-        .properties(title=f"subsequent_mask({size})", width=260, height=260)
+        .properties(title=title, width=260, height=260)
     )
 
 
-def positional_chart(d_model=20, length=100, dims=(4, 5, 6, 7)):
-    """Line chart of a few dimensions of the positional encoding."""
-    pe = PositionalEncoding(d_model, dropout=0.0).pe[0, :length]  # (L, d)
+def positional_chart(table, dims=(4, 5, 6, 7)):
+    """Line chart of a few columns of a (positions, d_model) table."""
     rows = [
-        {"position": p, "value": float(pe[p, d]), "dimension": f"dim {d}"}
+        {"position": p, "value": float(table[p, d]), "dimension": f"dim {d}"}
         for d in dims
-        for p in range(length)
+        for p in range(table.shape[0])
     ]
-    title = f"Positional encoding, d_model = {d_model}"
+    title = f"Positional encoding, d_model = {table.shape[1]}"
     return line_chart(rows, "position", "value", "dimension", title)
 
 
@@ -273,14 +271,18 @@ def label_smoothing_penalty_chart(rows=None, smoothing=0.1):
 
 
 def learning_rate_chart(
-    settings=((512, 4000), (512, 8000), (256, 4000)), steps=20000
+    settings=((512, 4000), (512, 8000), (256, 4000)),
+    steps=20000,
+    schedule=rate,
 ):
-    """Altair line chart of `rate` for (d_model, warmup) pairs, factor 1."""
+    """Altair line chart of `schedule(step, d_model, factor, warmup)`
+    (the library's `rate` unless given) for (d_model, warmup) pairs,
+    factor 1."""
     rows = []
     for d_model, warmup in settings:
         name = f"d_model={d_model}, warmup={warmup}"
         for step in range(1, steps + 1, 20):
-            lr = rate(step, d_model, factor=1.0, warmup=warmup)
+            lr = schedule(step, d_model, 1.0, warmup)
             rows.append(dict(step=step, lr=lr, setting=name))
     return line_chart(
         rows,

@@ -163,3 +163,99 @@ def test_setup_refuses_an_old_python_named_in_python(tmp_path):
     assert done.returncode == 2
     assert "no Python 3.10 or later" in done.stderr
     assert not (tmp_path / ".venv").exists()
+
+
+# Notebook 03's stand-in: it saves two epoch files where the real
+# training does (the notebook runs in notebooks/), then fails if asked.
+TRAINING_PROBE = """\
+import os
+import time
+
+os.makedirs("../checkpoints/quick", exist_ok=True)
+for epoch in range(2):
+    time.sleep(0.5)
+    open(f"../checkpoints/quick/epoch_{epoch:03d}.pt", "wb").close()
+if os.path.exists("../fail"):
+    raise RuntimeError("the probe failed on purpose")
+"""
+
+
+def watchers_in(folder):
+    """Ids of the watch_epochs.py processes started in `folder`."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+            cwd = os.readlink(proc / "cwd")
+        except OSError:  # ended, or not ours to read
+            continue
+        if b"watch_epochs.py" in cmdline and cwd == str(folder):
+            found.append(int(proc.name))
+    return found
+
+
+def make_notebook_03(folder, *, trained=False, fail=False):
+    """`make notebook` at full size, in a copy of the repository's
+    plumbing under `folder`, on a stand-in for notebook 03."""
+    (folder / "notebooks").mkdir()
+    (folder / "tools").mkdir()
+    shutil.copy(ROOT / "tools" / "watch_epochs.py", folder / "tools")
+    (folder / ".venv").symlink_to(ROOT / ".venv")
+    shutil.copy(ROOT / "requirements.txt", folder)
+    os.utime(folder / "requirements.txt", (0, 0))  # no setup: .venv is made
+    cell = {"cell_type": "code", "metadata": {}, "execution_count": None,
+            "outputs": [], "source": TRAINING_PROBE}  # fmt: skip
+    kernel = {"name": "python3", "display_name": "Python 3"}
+    nb = {"cells": [cell], "metadata": {"kernelspec": kernel},
+          "nbformat": 4, "nbformat_minor": 5}  # fmt: skip
+    (folder / "notebooks" / "03_multi30k.ipynb").write_text(json.dumps(nb))
+    if trained:
+        (folder / "checkpoints" / "quick").mkdir(parents=True)
+        (folder / "checkpoints" / "quick" / "final.pt").write_bytes(b"")
+    if fail:
+        (folder / "fail").write_text("")
+    return subprocess.run(
+        ["make", "-s", "-f", str(ROOT / "Makefile"), "notebook",
+         "NOTEBOOKS=notebooks/03_multi30k.py", "AT_SIZE=full"],
+        cwd=folder, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+needs_make_and_venv = pytest.mark.skipif(
+    shutil.which("make") is None
+    or not (ROOT / ".venv" / ".installed").exists()
+    or not Path("/proc/self/cwd").exists(),
+    reason="needs make, a .venv made by make setup, and /proc",
+)
+
+
+@needs_make_and_venv
+def test_make_notebook_prints_each_epoch_saved_while_03_trains(tmp_path):
+    done = make_notebook_03(tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[1] == "notebooks/03_multi30k.ipynb: running..."
+    assert lines[2].startswith("  it trains the translator: 10 to 22")
+    assert lines[3].startswith("  epoch 1 of 5 saved (")
+    assert lines[4].startswith("  epoch 2 of 5 saved (")
+    assert lines[5].startswith("notebooks/03_multi30k.ipynb: ")
+    assert len(lines) == 6
+    assert "Terminated" not in done.stderr  # the watcher exits quietly
+    assert watchers_in(tmp_path) == []  # make waited for it
+
+
+@needs_make_and_venv
+def test_make_notebook_starts_no_watcher_when_03_finds_a_model(tmp_path):
+    done = make_notebook_03(tmp_path, trained=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "it trains" not in done.stdout
+    assert "saved" not in done.stdout
+
+
+@needs_make_and_venv
+def test_make_notebook_stops_the_watcher_when_03_fails(tmp_path):
+    done = make_notebook_03(tmp_path, fail=True)
+    assert done.returncode == 2
+    assert "the probe failed on purpose" in done.stdout  # its log, shown
+    assert "notebooks/03_multi30k.ipynb failed (log: " in done.stdout
+    assert watchers_in(tmp_path) == []

@@ -239,6 +239,8 @@ def test_label_smoothing_penalty_rows_are_finite_with_the_right_shape():
     [
         tools.learning_rate_chart,
         tools.label_smoothing_penalty_chart,
+        lambda: tools.mask_chart(tat.subsequent_mask(6)[0]),
+        lambda: tools.positional_chart(torch.randn(30, 8), dims=(0, 3)),
     ],
 )
 def test_charts_render_to_png_and_svg(make_chart, tmp_path):
@@ -251,6 +253,48 @@ def test_charts_render_to_png_and_svg(make_chart, tmp_path):
     svg = (tmp_path / "chart.svg").read_text()
     assert png.startswith(b"\x89PNG") and len(png) > 1000
     assert "<svg" in svg and len(svg) > 1000
+
+
+def chart_rows(chart):
+    """The data rows an altair chart draws."""
+    spec = chart.to_dict()
+    return next(iter(spec["datasets"].values()))
+
+
+def test_mask_chart_draws_the_mask_it_is_given():
+    pytest.importorskip("altair")
+    mask = torch.rand(5, 5) > 0.5  # not a subsequent mask
+    rows = chart_rows(tools.mask_chart(mask, title="random"))
+    drawn = {(r["query (row)"], r["key (column)"]): r["allowed"] for r in rows}
+    expected = {(i, j): bool(mask[i, j]) for i in range(5) for j in range(5)}
+    assert drawn == expected
+
+
+def test_positional_chart_draws_the_columns_it_is_given():
+    pytest.importorskip("altair")
+    table = torch.randn(12, 6)
+    rows = chart_rows(tools.positional_chart(table, dims=(1, 4)))
+    for d in (1, 4):
+        line = [r for r in rows if r["dimension"] == f"dim {d}"]
+        values = [
+            r["value"] for r in sorted(line, key=lambda r: r["position"])
+        ]
+        assert values == pytest.approx(table[:, d].tolist())
+    assert len(rows) == 2 * 12
+
+
+def test_learning_rate_chart_draws_the_schedule_it_is_given():
+    pytest.importorskip("altair")
+
+    def flat(step, d_model, factor, warmup):
+        return d_model + warmup + step * 0  # a schedule rate() is not
+
+    rows = chart_rows(
+        tools.learning_rate_chart(((4, 10),), steps=100, schedule=flat)
+    )
+    assert {r["lr"] for r in rows} == {14}
+    library = chart_rows(tools.learning_rate_chart(((512, 4000),), 100))
+    assert library[1]["lr"] == pytest.approx(tat.rate(21, 512, 1.0, 4000))
 
 
 # ------------------------------------------------------------------- Batch
