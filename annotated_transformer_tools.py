@@ -52,7 +52,6 @@ import urllib.error
 import urllib.request
 import warnings
 import zipfile
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
@@ -378,7 +377,7 @@ def copy_accuracy_teacher_forced(model, n, V=11, seq_len=10, generator=None):
     """copy_accuracy's fraction from one teacher-forced forward pass."""
     was_training = model.training
     model.eval()
-    b = next(data_gen(V, n, 1, seq_len, generator=generator))
+    b = next(data_gen(V, n, nbatches=1, seq_len=seq_len, generator=generator))
     with torch.no_grad():
         out = model(b.src, b.tgt, b.src_mask, b.tgt_mask)  # (n, T, d_model)
         pred = model.generator(out).argmax(dim=-1)  # (n, T)
@@ -667,6 +666,8 @@ def _fetch(url, path, expected, timeout):
                     + _offline_hint(path.parent)
                 )
     except (OSError, http.client.HTTPException) as error:
+        # URLError wraps the real error in .reason; its subclass
+        # HTTPError (a 404, say) is itself the error: its reason is text.
         url_error = type(error) is urllib.error.URLError
         reason = error.reason if url_error else error
         certificates = ""
@@ -878,7 +879,7 @@ def load_vocab(spacy_de, spacy_en, path=None, min_freq=2):
     vocab_src, vocab_tgt = build_vocabulary(spacy_de, spacy_en, min_freq)
     saved = {"key": key, "src": vocab_src.get_itos()}
     saved["tgt"] = vocab_tgt.get_itos()
-    with atomic_write(path, "w") as f:  # ranks never read half a file
+    with atomic_write(path, "w") as f:  # processes never read half a file
         f.write(json.dumps(saved, ensure_ascii=False))
     return vocab_src, vocab_tgt
 
@@ -987,7 +988,7 @@ def autocast_for(device, dtype):
 
     A function, not a context: `run_epoch` enters a new one per batch."""
     if dtype is None:
-        return nullcontext
+        return contextlib.nullcontext
     device_type = torch.device(device).type
     return lambda: torch.autocast(device_type, dtype)
 
@@ -1021,7 +1022,8 @@ class _KeepsWriteError:
     """A file wrapper that remembers the first OSError of a write."""
 
     def __init__(self, f):
-        self.f, self.error = f, None
+        self.f = f
+        self.error = None
 
     def write(self, data):
         """Write to the file; remember an OSError before raising it."""
@@ -1046,6 +1048,11 @@ def save_checkpoint(path, **fields):
             if wrapped.error is None:
                 raise
             raise wrapped.error from None  # e.g. no space left on device
+
+
+def one_line(err):
+    """An exception's message on one line."""
+    return " ".join(str(err).split()) or type(err).__name__
 
 
 def shortened(text, limit=200):
@@ -1345,9 +1352,9 @@ def average_checkpoints(paths, device="cpu", history=None):
     return model.to(device).eval(), vocab_src, vocab_tgt, config
 
 
-def weights_to_average(path, model, first, history=None):
+def weights_to_average(path, model, first_path, history=None):
     """The weights in the checkpoint at `path`, by Part 1's names, if they
-    fit `model` (read from the file `first`): the same sizes, the same
+    fit `model` (read from the file `first_path`): the same sizes, the same
     buffers, all finite. With `history`, the file must be its run's."""
     ckpt = load_checkpoint(path, "cpu")  # MPS has no float64
     if history is not None:
@@ -1359,7 +1366,7 @@ def weights_to_average(path, model, first, history=None):
     problem = size_mismatch(model.state_dict(), state)
     if problem:
         raise CheckpointError(
-            f"{path} is not the same model as {first}: {problem}"
+            f"{path} is not the same model as {first_path}: {problem}"
         )
     for name, buffer in model.named_buffers():  # the positional encoding
         if not torch.equal(state[name], buffer):
@@ -1416,11 +1423,9 @@ class ShardedBatchSampler(torch.utils.data.Sampler):
     def __init__(self, sampler, num_replicas, rank):
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} outside 0..{num_replicas - 1}")
-        self.sampler, self.num_replicas, self.rank = (
-            sampler,
-            num_replicas,
-            rank,
-        )
+        self.sampler = sampler
+        self.num_replicas = num_replicas
+        self.rank = rank
 
     def set_epoch(self, epoch):
         """Reshuffle for `epoch` (the same on every rank)."""
@@ -2841,7 +2846,7 @@ def iter_lines(path):
         if stdin and sys.stdin is None:  # started with `<&-`
             raise TextFileError("standard input is closed")
         if stdin:
-            opened = nullcontext(sys.stdin.buffer)
+            opened = contextlib.nullcontext(sys.stdin.buffer)
         elif name.is_dir():
             raise TextFileError(f"{name} is a folder, not a file")
         elif name.suffix == ".gz":
@@ -3316,7 +3321,7 @@ def command_train(args):
     if rank == 0:  # one process locks the folder for all
         lock = folder_lock(config.checkpoint_dir)
     else:
-        lock = nullcontext()
+        lock = contextlib.nullcontext()
     try:
         with lock, multi30k_from(data_folder):
             return train_locked(args, config, ranks)
@@ -4051,11 +4056,6 @@ def stdout_fault():
     return None
 
 
-def one_line(err):
-    """An exception's message on one line."""
-    return " ".join(str(err).split()) or type(err).__name__
-
-
 def warning_line(message, *args, **kwargs):
     """A warning on the command line: one line on stderr, no source."""
     print("warning: " + one_line(message), file=sys.stderr)
@@ -4237,6 +4237,7 @@ __all__ = [
     "describe_device",
     "CheckpointError",
     "save_checkpoint",
+    "one_line",
     "shortened",
     "checkpoint_head",
     "check_zip",
@@ -4414,7 +4415,6 @@ __all__ = [
     "says_out_of_memory",
     "out_of_memory",
     "stdout_fault",
-    "one_line",
     "warning_line",
     "command_line_warnings",
     "COMMAND_NAMES",

@@ -102,7 +102,6 @@ import unicodedata
 import urllib.error
 import urllib.request
 import warnings
-from contextlib import nullcontext
 import zipfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -203,7 +202,7 @@ def line_chart(rows, x, y, color=None, title="", point=False):
 
 
 # %% [markdown]
-# ### Part 1: positional encodings and masks
+# ### For Part 1: positional encodings and masks
 #
 # A mask as a grid of allowed (blue) and hidden (grey) (query, key)
 # pairs, and a few dimensions of a positional-encoding table as lines
@@ -250,7 +249,7 @@ def positional_chart(table, dims=(4, 5, 6, 7)):
 
 
 # %% [markdown]
-# ### Part 2: losses and learning rates
+# ### For Part 2: losses and learning rates
 #
 # The loss of one prediction against its margin, with and without label
 # smoothing, and the learning-rate schedule for a few settings. (Part 3
@@ -294,10 +293,10 @@ def learning_rate_chart(
 
 
 # %% [markdown]
-# ### Part 4: attention heat maps
+# ### For Part 4: attention heat maps
 #
-# `maps` is Part 4's `AttentionMaps` (an object made by notebook 04's
-# own copy of the class works too: only its fields are read), and a
+# `maps` is an `AttentionMaps` from Part 4 (the library's class or the
+# notebook's own copy of it: only its fields are read), and a
 # *kind* is one of the keys of `ATTENTION_KINDS`: "encoder self",
 # "decoder self" or "decoder source". `attention_frame` flattens one
 # kind into a table with one row per (layer, head, query, key), leaving
@@ -358,9 +357,10 @@ def _layer_picker(kind, N, layer=None):
 # (layer, head, row, column, weight); the tokens travel once, as a list,
 # and an expression looks them up by position, for the axes and for the
 # tooltips. This keeps the saved page small: a 6-layer, 8-head model has
-# tens of thousands of cells per kind. A decoder's rows are labelled
-# "A → brown": what the position reads, then the token it predicts, so
-# that Part 4's reader need not shift each row by one in their head.
+# 6 × 8 × 13 × 13 = 8,112 cells per kind for a 13-token sentence. A
+# decoder's rows are labelled "A → brown": what the position reads, then
+# the token it predicts, so that Part 4's reader need not shift each row
+# by one in their head.
 
 
 # %%
@@ -465,7 +465,7 @@ def attention_chart(maps, kind, layer=None, columns=4, cell=18):
 
 
 # %% [markdown]
-# ### Part 4: attention heads by layer
+# ### For Part 4: attention heads by layer
 #
 # `attention_summary_chart` plots Part 4's `attention_summary`, which
 # gives two numbers per head: the entropy of its weights and their
@@ -555,7 +555,7 @@ def copy_accuracy_teacher_forced(model, n, V=11, seq_len=10, generator=None):
     """copy_accuracy's fraction from one teacher-forced forward pass."""
     was_training = model.training
     model.eval()
-    b = next(data_gen(V, n, 1, seq_len, generator=generator))
+    b = next(data_gen(V, n, nbatches=1, seq_len=seq_len, generator=generator))
     with torch.no_grad():
         out = model(b.src, b.tgt, b.src_mask, b.tgt_mask)  # (n, T, d_model)
         pred = model.generator(out).argmax(dim=-1)  # (n, T)
@@ -736,9 +736,8 @@ def train_copy_task(cfg=None, log=print):
 
 
 # %% [markdown]
-# A CI-sized run, in seconds, whatever size the notebooks run at (the
-# environment variable `AT_SIZE`: `full` by default, `ci` for the small
-# models that CI trains). It stops before its limit, and on 500
+# A run of the `ci` size, in seconds (this cell always uses it). It
+# stops before its limit, and on 500
 # sequences it has never seen, the teacher-forced check gives exactly
 # the greedy fraction:
 
@@ -775,7 +774,10 @@ assert forced == greedy
 # A process killed outright (SIGKILL, a power cut) cannot remove its
 # `.part` file. The process id in the name says whose it is, so
 # `atomic_write` first removes, from the folder it writes to, the `.part`
-# files of processes that no longer run.
+# files of processes that no longer run. It can only ask about processes
+# on this machine: in a folder shared between machines (a network
+# drive), another machine's unfinished `.part` file would look
+# abandoned.
 
 
 # %%
@@ -963,6 +965,8 @@ def _fetch(url, path, expected, timeout):
                     + _offline_hint(path.parent)
                 )
     except (OSError, http.client.HTTPException) as error:
+        # URLError wraps the real error in .reason; its subclass
+        # HTTPError (a 404, say) is itself the error: its reason is text.
         url_error = type(error) is urllib.error.URLError
         reason = error.reason if url_error else error
         certificates = ""
@@ -1118,17 +1122,20 @@ print(f"{len(MULTI30K_SHA256)} files verified in {folder}")
 # | `paper` | the paper's base model, for a GPU | never trained to the end |
 # | `ci` | tiny: 1,000 sentence pairs, two epochs | seconds |
 #
-# `cpu` is the dataclass's defaults. Every preset but `ci` asks for
-# `precision="auto"`, "the fastest precision this machine does well"
-# ("Which precision", below): bfloat16 or float16 autocast where the
-# hardware has it, float32 elsewhere. (Runs before this name was chosen
-# saved it as `"bf16"`, which is still read as `"auto"`.) `ci` asks for
-# float32 everywhere, so that its tests give the same numbers on every
-# machine. `paper` has no BLEU score here: it is configured with the
-# paper's base model, but with 8,000-token batches (the paper's held
-# about 25,000), 40 epochs and `cpu`'s warm-up of 800 steps (not 4,000),
-# since Multi30k is small and an epoch is short; it has never been run
-# to the end. `ci` serves tests and the CI-sized notebooks.
+# `cpu` is the dataclass's defaults. `ci` serves the tests and the
+# CI-sized notebooks.
+#
+# Every preset but `ci` asks for `precision="auto"`, "the fastest
+# precision this machine does well" ("Which precision", below): bfloat16
+# or float16 autocast where the hardware has it, float32 elsewhere. `ci`
+# asks for float32 everywhere, so that its tests give the same numbers
+# on every machine. (Runs before the name `auto` was chosen saved it as
+# `"bf16"`, which is still read as `"auto"`.)
+#
+# `paper` has the paper's base model, but 8,000-token batches (the
+# paper's held about 25,000), 40 epochs and `cpu`'s warm-up of 800 steps
+# (not 4,000), since Multi30k is small and an epoch is short. It has no
+# BLEU score here.
 
 # %%
 #| export
@@ -1249,7 +1256,7 @@ def load_vocab(spacy_de, spacy_en, path=None, min_freq=2):
     vocab_src, vocab_tgt = build_vocabulary(spacy_de, spacy_en, min_freq)
     saved = {"key": key, "src": vocab_src.get_itos()}
     saved["tgt"] = vocab_tgt.get_itos()
-    with atomic_write(path, "w") as f:  # ranks never read half a file
+    with atomic_write(path, "w") as f:  # processes never read half a file
         f.write(json.dumps(saved, ensure_ascii=False))
     return vocab_src, vocab_tgt
 
@@ -1296,11 +1303,14 @@ def load_vocabularies(config, spacy_de, spacy_en):
 
 
 # %% [markdown]
-# Check: the cache gives back the vocabularies that Part 3 builds.
+# Check: the cache gives back the vocabularies that Part 3 builds. The
+# first call writes the cache if there is none yet; the second reads it.
 
 # %%
 tokenizers = load_tokenizers()
-vocabs = load_vocab(*tokenizers)
+load_vocab(*tokenizers)
+assert (data_dir() / "vocab.json").is_file()
+vocabs = load_vocab(*tokenizers)  # read from data/vocab.json
 assert vocabs == build_vocabulary(*tokenizers)
 
 
@@ -1433,7 +1443,7 @@ def autocast_for(device, dtype):
 
     A function, not a context: `run_epoch` enters a new one per batch."""
     if dtype is None:
-        return nullcontext
+        return contextlib.nullcontext
     device_type = torch.device(device).type
     return lambda: torch.autocast(device_type, dtype)
 
@@ -1492,7 +1502,8 @@ class _KeepsWriteError:
     """A file wrapper that remembers the first OSError of a write."""
 
     def __init__(self, f):
-        self.f, self.error = f, None
+        self.f = f
+        self.error = None
 
     def write(self, data):
         """Write to the file; remember an OSError before raising it."""
@@ -1521,7 +1532,8 @@ def save_checkpoint(path, **fields):
 
 # %% [markdown]
 # `load_checkpoint` says what is true about a file it cannot use: a missing
-# file is a `FileNotFoundError`, and each way a file can be unusable (empty,
+# file (or a folder, or a link to nothing) is a `FileNotFoundError`, and
+# each way a file can be unusable (empty,
 # not a checkpoint at all, damaged or cut short, or holding a pickle that
 # would build other objects) is a `CheckpointError` with its own one-line
 # message. `checkpoint_head` checks the path (a folder, a pipe, a broken
@@ -1532,13 +1544,17 @@ def save_checkpoint(path, **fields):
 # failed check gets the same "damaged or cut short" message. A file in
 # `torch.save`'s older pickle format that no longer unpickles, and a
 # pickle that `torch.save` did not write, cannot be told apart; both are
-# "damaged, or not written by torch.save". (`one_line`, with the command
-# line at the end of this notebook, puts torch's own message on one
-# line; `shortened` cuts it to 200 characters.)
+# "damaged, or not written by torch.save". (`one_line` puts torch's own
+# message on one line, and `shortened` cuts it to 200 characters.)
 
 
 # %%
 #| export
+def one_line(err):
+    """An exception's message on one line."""
+    return " ".join(str(err).split()) or type(err).__name__
+
+
 def shortened(text, limit=200):
     """`text`, cut at a word before `limit` characters when longer."""
     if len(text) <= limit:
@@ -1923,8 +1939,9 @@ def trained_model_from(ckpt, path, device="auto"):
 # no float64), then moves the model to the device asked for. Each file's
 # weights are checked as `load_weights` checks them, and renamed if an
 # older version wrote them (`weights_to_average`). Given a run's
-# `history` of losses, it also checks that each file is that run's epoch
-# file (`check_run_file`): the paragraph on `--average`, after
+# `history` (the list of epoch losses saved in its checkpoints, as in
+# its `last.pt`), it also checks that each file is that run's epoch file
+# (`check_run_file`): the paragraph on `--average`, after
 # `load_translator`, says why.
 
 
@@ -1951,9 +1968,9 @@ def average_checkpoints(paths, device="cpu", history=None):
     return model.to(device).eval(), vocab_src, vocab_tgt, config
 
 
-def weights_to_average(path, model, first, history=None):
+def weights_to_average(path, model, first_path, history=None):
     """The weights in the checkpoint at `path`, by Part 1's names, if they
-    fit `model` (read from the file `first`): the same sizes, the same
+    fit `model` (read from the file `first_path`): the same sizes, the same
     buffers, all finite. With `history`, the file must be its run's."""
     ckpt = load_checkpoint(path, "cpu")  # MPS has no float64
     if history is not None:
@@ -1965,7 +1982,7 @@ def weights_to_average(path, model, first, history=None):
     problem = size_mismatch(model.state_dict(), state)
     if problem:
         raise CheckpointError(
-            f"{path} is not the same model as {first}: {problem}"
+            f"{path} is not the same model as {first_path}: {problem}"
         )
     for name, buffer in model.named_buffers():  # the positional encoding
         if not torch.equal(state[name], buffer):
@@ -2024,8 +2041,9 @@ def same_run(epoch_history, history):
 #   can read while it computes), so the copy overlaps the computation,
 #   and their masks are made on the GPU. The loss stays on the GPU until
 #   the end of the epoch (Part 2's `run_epoch`). Even a float16 step does
-#   not wait: fused Adam takes the `GradScaler`'s overflow flag on the
-#   GPU.
+#   not wait: a float16 step must be skipped when its gradients overflow,
+#   and fused Adam reads that flag (set by the `GradScaler`, which scales
+#   float16 losses) on the GPU, without asking the CPU.
 #
 # `tests/test_devices.py` checks that `train_worker` and
 # `train_one_process` end with the same weights and losses, to rounding,
@@ -2033,9 +2051,8 @@ def same_run(epoch_history, history):
 #
 # `train_worker` calls the library's copies of Part 3's cells, in
 # `the_annotated_transformer.py`, which `make export` writes from
-# `notebooks/03_multi30k.py`.
-#
-# So an edit to a cell of Part 3 reaches its own loop,
+# `notebooks/03_multi30k.py`. So an edit to a cell of Part 3 reaches its
+# own loop,
 # `train_one_process`, at once, but reaches `train_worker` only once it
 # is exported and the notebook restarted.
 #
@@ -2058,8 +2075,8 @@ def same_run(epoch_history, history):
 # ```
 #
 # The sections in between build the pieces: batches for several
-# processes, a cheaper dropout and label smoothing, R-Drop, one device per
-# process, and the run itself.
+# processes, one device per process, a cheaper dropout and label
+# smoothing, R-Drop, and the run itself.
 #
 # ### Batches for several processes
 #
@@ -2095,11 +2112,9 @@ class ShardedBatchSampler(torch.utils.data.Sampler):
     def __init__(self, sampler, num_replicas, rank):
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} outside 0..{num_replicas - 1}")
-        self.sampler, self.num_replicas, self.rank = (
-            sampler,
-            num_replicas,
-            rank,
-        )
+        self.sampler = sampler
+        self.num_replicas = num_replicas
+        self.rank = rank
 
     def set_epoch(self, epoch):
         """Reshuffle for `epoch` (the same on every rank)."""
@@ -2302,7 +2317,8 @@ for label, dropout in (
     )
     # 400,000 draws: the fraction's standard deviation is 0.0006
     assert abs(dropped - 0.2) < 0.003 and abs(out.mean() - 1) < 0.005
-kept = out[out > 0]  # FastDropout's: one over the exact keep probability
+kept = FastDropout(0.2)(ones)
+kept = kept[kept > 0]  # one over the exact keep probability
 assert torch.allclose(kept, torch.tensor(65536 / 52429))
 assert FastDropout(0.2).eval()(ones) is ones
 
@@ -2401,14 +2417,17 @@ torch.manual_seed(0)
 logp = torch.randn(600, 50).log_softmax(-1)  # 600 rows: three blocks
 target = torch.randint(0, 50, (600,))
 target[::7] = PAD
-slow, fast = LabelSmoothing(50, PAD, 0.1), FastLabelSmoothing(50, PAD, 0.1)
-grads = []
+slow = LabelSmoothing(size=50, padding_idx=PAD, smoothing=0.1)
+fast = FastLabelSmoothing(size=50, padding_idx=PAD, smoothing=0.1)
+losses, grads = [], []
 for criterion in (slow, fast):
     x = logp.clone().requires_grad_()
     loss = criterion(x, target)
     (3 * loss).backward()
+    losses.append(loss.detach())
     grads.append(x.grad)
     print(f"{type(criterion).__name__:18s} loss {loss.item():.4f}")
+assert torch.isclose(losses[0], losses[1])
 assert torch.allclose(grads[0], grads[1], atol=1e-7)
 assert torch.allclose(grads[1], -3 * fast.true_dist, atol=1e-7)
 
@@ -2443,9 +2462,10 @@ assert torch.allclose(grads[1], -3 * fast.true_dist, atol=1e-7)
 # token of the original batch, the loss is the mean of the two passes'
 # label-smoothed losses plus $\alpha/2$ times their symmetric KL. (A
 # constant factor on the whole loss changes little under Adam, which
-# divides it out of each step.) The training loss reported is that mean
-# of the label-smoothed losses alone, so that it compares with runs
-# without R-Drop.
+# divides it out of each step.) The training loss in the epoch's summary
+# is that mean of the label-smoothed losses alone, so that it compares
+# with runs without R-Drop; the loss on the progress lines is the one
+# trained on, with the KL term.
 #
 # `TrainConfig.rdrop` is $\alpha$ (`train --rdrop`); 0, the default,
 # trains as before. When it is above 0, `train_epoch` (below, "A run, in
@@ -2505,8 +2525,10 @@ class RDropLossCompute(SimpleLossCompute):
 
 
 # %% [markdown]
-# The check: the KL term is zero when both passes agree (dropout off),
-# and it matches `torch.nn.functional.kl_div` computed each way.
+# The checks: the KL term is zero when both passes agree (dropout off),
+# and it matches `torch.nn.functional.kl_div` computed each way. Then
+# the scale: on a doubled batch whose two copies agree, the loss trained
+# on and the loss reported are the plain loss of one copy.
 
 # %%
 torch.manual_seed(0)
@@ -2519,6 +2541,22 @@ both = kl_div(logq, logp.exp(), reduction="sum") + kl_div(
 )
 assert torch.allclose(symmetric_kl(logp, logq, keep), both / 2, atol=1e-6)
 assert symmetric_kl(logp, logp, keep) == 0
+
+# %%
+from the_annotated_transformer import Generator
+
+torch.manual_seed(0)
+generator = Generator(d_model=16, vocab=9)
+criterion = LabelSmoothing(size=9, padding_idx=PAD, smoothing=0.1)
+x = torch.randn(3, 5, 16)  # one copy's decoder output, (B, T, d_model)
+y = torch.randint(PAD + 1, 9, (3, 5))  # (B, T)
+ntokens = y.numel()
+plain_sum, plain_mean = SimpleLossCompute(generator, criterion)(x, y, ntokens)
+rdrop = RDropLossCompute(generator, criterion, alpha=2.5)
+both = (torch.cat([x, x]), torch.cat([y, y]))  # the copies agree: KL = 0
+reported, trained_on = rdrop(*both, ntokens)
+assert torch.isclose(reported, plain_sum)
+assert torch.isclose(trained_on, plain_mean)
 
 
 # %% [markdown]
@@ -4227,7 +4265,7 @@ def iter_lines(path):
         if stdin and sys.stdin is None:  # started with `<&-`
             raise TextFileError("standard input is closed")
         if stdin:
-            opened = nullcontext(sys.stdin.buffer)
+            opened = contextlib.nullcontext(sys.stdin.buffer)
         elif name.is_dir():
             raise TextFileError(f"{name} is a folder, not a file")
         elif name.suffix == ".gz":
@@ -4805,7 +4843,7 @@ def command_train(args):
     if rank == 0:  # one process locks the folder for all
         lock = folder_lock(config.checkpoint_dir)
     else:
-        lock = nullcontext()
+        lock = contextlib.nullcontext()
     try:
         with lock, multi30k_from(data_folder):
             return train_locked(args, config, ranks)
@@ -5627,8 +5665,9 @@ def command_download(args):
 # | 141 | a reader that left early (`translate ... \| head -1`): quietly |
 #
 # `out_of_memory` tells running out of memory from other errors, so
-# that its line can say what to make smaller; `one_line` and
-# `warning_line` put a message, or a warning, on one line.
+# that its line can say what to make smaller; `warning_line` puts a
+# warning on one line, as `one_line` (from "Checkpoint files") does an
+# error's message.
 
 
 # %%
@@ -5677,11 +5716,6 @@ def stdout_fault():
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return err
     return None
-
-
-def one_line(err):
-    """An exception's message on one line."""
-    return " ".join(str(err).split()) or type(err).__name__
 
 
 def warning_line(message, *args, **kwargs):
