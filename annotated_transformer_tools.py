@@ -41,6 +41,7 @@ import multiprocessing
 import os
 import pickle
 import re
+import shlex
 import signal
 import socket
 import ssl
@@ -1695,7 +1696,9 @@ def params_in_sync(module):
 def device_batch(src, tgt, device, pad=PAD):
     """Batch(src, tgt, pad) on `device`, its masks made there."""
     ntokens = int(tgt[:, 1:].ne(pad).sum())  # on the CPU: no GPU sync
-    asynchronous = torch.device(device).type == "cuda"  # Batch.to's rule
+    # Asynchronous copies on CUDA only, as Batch.to (Part 2) makes them:
+    # on Apple's MPS they can be wrong.
+    asynchronous = torch.device(device).type == "cuda"
     src = src.to(device, non_blocking=asynchronous)  # (B, S)
     tgt = tgt.to(device, non_blocking=asynchronous)  # (B, T + 1)
     batch = Batch(src, None, pad)  # the source mask, made on `device`
@@ -1793,8 +1796,8 @@ def progress_bar(iterable, desc, show=True, **options):
 def drawn_into_a_file():
     """Whether a bar drawn on stderr lands in something other than a
     terminal or a notebook. Those redraw the bar in place; a file keeps
-    every redraw, one per batch (some 80 KB for a quick run), unless the
-    bar is told to draw less often."""
+    every redraw, up to one per batch, unless the bar is told to draw
+    less often."""
     in_jupyter = "ipykernel" in sys.modules
     return not in_jupyter and not sys.stderr.isatty()
 
@@ -1812,15 +1815,20 @@ def train_epoch(run, epoch, train_loader, valid_loader, show=True):
     with progress_bar(train_loader, f"epoch {epoch}", show_bar) as batches:
         train_loss = train_pass(run, batches, train_compute)
     val_loss = validate(run, valid_loader, loss_compute)
-    entry = {"epoch": epoch, "train_loss": train_loss, "val_loss": val_loss}
-    run.history.append(entry | {"steps": run.state.accum_step})
+    entry = {
+        "epoch": epoch,
+        "train_loss": train_loss,
+        "val_loss": val_loss,
+        "steps": run.state.accum_step,
+    }
+    run.history.append(entry)
     if show and run.rank == 0:
         report = f"epoch {epoch}: train {train_loss:.3f}, val {val_loss:.3f}"
         if run.device.type == "cuda":
             gib = torch.cuda.max_memory_allocated(run.device) / 2**30
             report += f" (GPU memory {gib:.1f} GiB)"
         print(report)
-    return run.history[-1]
+    return entry
 
 
 def save_run(run, name, vocab_src, vocab_tgt, **extra):
@@ -2243,7 +2251,8 @@ def train_distributed_model(
             how += f" (NCCL needs a GPU per process; {cuda_count()} here)"
     print(f"{world_size} processes {how}")
     vocabs = [vocabulary_as_data(vocab_src), vocabulary_as_data(vocab_tgt)]
-    # As command_line_warnings set it (main calls it).
+    # main's choice, read back: command_line_warnings, which main calls,
+    # sets warning_line as the way to show warnings.
     one_line = warnings.showwarning is warning_line
     # What each worker receives, in _spawned_worker's order after its rank.
     args = (
@@ -2256,6 +2265,7 @@ def train_distributed_model(
         device,
         one_line,
     )
+    earlier = set(multiprocessing.active_children())  # not ours to stop
     try:
         with stop_signals_kept(), new_processes_ignore_ctrl_c():
             workers = mp.spawn(
@@ -2271,8 +2281,14 @@ def train_distributed_model(
             raise
         raise user_error from None
     except BaseException:  # Ctrl-C, SIGTERM under main, a failed start
-        stop_processes(multiprocessing.active_children())
+        stop_processes(started_since(earlier))
         raise
+
+
+def started_since(earlier):
+    """This process's children still running that are not in `earlier`:
+    those started since, whether or not mp.spawn returned."""
+    return [p for p in multiprocessing.active_children() if p not in earlier]
 
 
 def _spawned_worker(
@@ -2291,8 +2307,9 @@ def _spawned_worker(
     choice, in the parent) gives it the command line's warnings."""
     if one_line_warnings:
         command_line_warnings()
-    # torch asks Linux to send SIGINT to a worker whose parent dies; the
-    # workers ignore Ctrl-C (`new_processes_ignore_ctrl_c`), so SIGTERM.
+    # torch asks Linux to send SIGINT to a worker whose parent dies, but
+    # the workers ignore SIGINT (`new_processes_ignore_ctrl_c`), so we ask
+    # for SIGTERM instead.
     import torch.multiprocessing as mp
 
     set_death_signal = getattr(mp, "_prctl_pr_set_pdeathsig", None)
@@ -2439,6 +2456,7 @@ _NO_SPACE_BEFORE = set(
     ". , ! ? ; : ) ] } % 's 're 've 'll 'm 'd n't '".split()
 )
 _NO_SPACE_AFTER = ("(", "[", "{", "$", "#")
+_NOT_WORDS = (",", ".", "-")  # "-" after these: the next word stays apart
 
 
 def detokenize(tokens):
@@ -2450,26 +2468,26 @@ def detokenize(tokens):
     """
     out, quote_open = "", False
     for i, tok in enumerate(tokens):
-        # A hyphen is always glued to what comes before it. The word
-        # after a hyphen is glued to it too ("well-known"), unless a
-        # comma, a full stop or another hyphen came before the hyphen.
-        # The tokens cannot tell a spaced dash from a hyphen: "a man - a
-        # tall one" comes out as "man-a" (6 lines of Multi30k's 29,000
-        # English have " - ").
-        hyphen = out.endswith("-") and i > 1 and tokens[i - 1] == "-"
-        glue = (
+        # A hyphen is always joined to what comes before it. The word
+        # after a hyphen is joined to it too ("well-known"), when a word
+        # came before the hyphen: not a comma, a full stop or another
+        # hyphen. The tokens cannot tell a spaced dash from a hyphen: "a
+        # man - a tall one" comes out as "man-a" (checked below).
+        after_hyphen = i > 1 and tokens[i - 1] == "-"
+        hyphen_after_word = after_hyphen and tokens[i - 2] not in _NOT_WORDS
+        no_space = (
             i == 0
             or tok.lower() in _NO_SPACE_BEFORE
             or out.endswith(_NO_SPACE_AFTER)
             or tok == "-"
-            or (hyphen and tokens[i - 2] not in {",", ".", "-"})
+            or hyphen_after_word
         )
         if tok == '"':
-            glue = i == 0 or quote_open
+            no_space = i == 0 or quote_open
             quote_open = not quote_open
         elif out.endswith('"') and quote_open:
-            glue = True
-        out += tok if glue else " " + tok
+            no_space = True
+        out += tok if no_space else " " + tok
     return out
 
 
@@ -2655,10 +2673,9 @@ def own_epoch_files(checkpoint, count):
             " does, so --average cannot tell which epoch files are its own"
         )
     if count > last + 1:
-        trained = "1 epoch" if last == 0 else f"{last + 1} epochs"
         raise ValueError(
             f"--average {count} needs {count} epochs; {checkpoint} was "
-            f"trained for {trained}"
+            f"trained for {plural(last + 1, 'epoch')}"
         )
     folder = Path(checkpoint).resolve().parent  # a link: its run's folder
     epochs = range(last - count + 1, last + 1)
@@ -2743,66 +2760,6 @@ def run_model_example(checkpoint=None, n_examples=5):
     return check_outputs(
         model, pairs, spacy_de, vocab_src, vocab_tgt, n_examples
     )
-
-
-# -----------------------------------------------------------------------------
-# Which model is this?
-# Explained in notebooks/06_tools.py, same heading.
-# -----------------------------------------------------------------------------
-def describe_checkpoint(path):
-    """One line: a checkpoint's file, preset, sizes and training."""
-    ckpt = load_checkpoint(path)
-    c, history = ckpt["config"], ckpt.get("history") or []
-    pairs = c.get("max_train_pairs") or 0
-    data = f"{pairs:,d} training pairs" if pairs else "all training pairs"
-    if c.get("data"):  # `train --data`: other pairs, named by their digest
-        first = f", the first {pairs:,d}" if pairs else ""
-        data = f"the --data pairs {short_digest(c['data'])}{first}"
-    trained = f"{len(history)} epochs on {data}"
-    if history:
-        trained += f", validation loss {history[-1]['val_loss']:.2f}"
-    name = f"{Path(path).parent.name}/{Path(path).name}"
-    return (
-        f"{name}, preset {c.get('preset', '?')} (N={c['N']}, "
-        f"d_model={c['d_model']}, h={c['h']}, "
-        f"{c.get('tokenization', 'word')} vocabulary), {trained}"
-    )
-
-
-# -----------------------------------------------------------------------------
-# A trained model, or a small one trained now
-# Explained in notebooks/06_tools.py, same heading.
-# -----------------------------------------------------------------------------
-def model_to_train_here(presets, stand_in, root=".", size="full"):
-    """The config find_or_train trains when it finds no model: `quick`
-    on a CUDA GPU (if asked for, and AT_DEVICE names no other device),
-    else the stand-in."""
-    on_cuda = pick_device().type == "cuda"
-    if size != "ci" and "quick" in presets and on_cuda:
-        folder = Path(root, get_config("quick").checkpoint_dir)
-        return get_config("quick", checkpoint_dir=str(folder))
-    return stand_in
-
-
-def find_or_train(
-    presets, stand_in, vocabs, tokenizers, root=".", size="full"
-):
-    """final.pt of the first trained preset, else train a model now."""
-    if size != "ci":  # a CI-sized run always trains its stand-in
-        for preset in presets:
-            final = Path(root, get_config(preset).checkpoint_dir, "final.pt")
-            if final.is_file():
-                return str(final)
-    config = model_to_train_here(presets, stand_in, root, size)
-    is_stand_in = config is stand_in  # seconds, not minutes: no progress
-    if is_stand_in:  # retrained every call: cleared first, without a note
-        clear_earlier_run(config.checkpoint_dir)
-    else:
-        print(f"no trained model found: training {config.preset} here")
-    train_worker(
-        0, 1, *vocabs, *tokenizers, config, show_progress=not is_stand_in
-    )
-    return str(Path(config.checkpoint_dir, "final.pt"))
 
 
 # -----------------------------------------------------------------------------
@@ -2967,7 +2924,11 @@ def existing_device(name):
     try:
         return str(checked_device(name))
     except ValueError as err:
-        if name == "auto":  # AT_DEVICE's mistake, not the option's
+        # argparse passes a default given as text through `type` too, so
+        # "auto" arrives here without --device; its failure is AT_DEVICE's
+        # (pick_device reads it), not the option's. argparse lets a
+        # UserError through, and main says it in one line.
+        if name == "auto":
             raise UserError(str(err)) from None
         raise argparse.ArgumentTypeError(str(err)) from None
 
@@ -3027,9 +2988,10 @@ def add_train_parser(sub):
         "--preset",
         choices=sorted(PRESETS),
         default="quick",
-        help="quick (default: 14 minutes on a 2-core CPU); cpu: the same"
-        " model for 18 epochs, over an hour; long, the -bpe twins, paper and"
-        " ci: see the appendix's presets",
+        help="quick (default; 14 minutes on a 2-core CPU, as recorded in"
+        " results/recipe_quick.json); cpu: the same model for 18 epochs,"
+        " over an hour; long, the -bpe twins, paper and ci: see the"
+        " appendix's presets",
     )
     train.add_argument(
         "--epochs",
@@ -3044,9 +3006,7 @@ def add_train_parser(sub):
     train.add_argument(
         "--dropout",
         type=number_from(0.0, 0.9),
-        help="dropout rate (default: the preset's; the best model trained"
-        " alone on record is --preset cpu --dropout 0.2 --schedule linear"
-        " --weight-decay 0.2 --tie-embeddings --seed 1)",
+        help="dropout rate (default: the preset's)",
     )
     train.add_argument(
         "--weight-decay",
@@ -3174,8 +3134,9 @@ def add_decoding_options(parser):
         "--alpha",
         type=number_from(0.0, 10.0),
         help="beam search's length penalty, with --beam 2 or more (default"
-        f" {DEFAULT_ALPHA}, the paper's; validation chose 1.0 for a model"
-        " trained alone, 2.5 for the best recipe's distilled model)",
+        f" {DEFAULT_ALPHA}, the paper's; on validation, 1.0 did better for a"
+        " model trained alone, 2.5 for the best recipe's distilled model:"
+        " see docs/results.md)",
     )
     parser.add_argument(
         "--average",
@@ -3266,7 +3227,9 @@ def version_line():
 def build_parser():
     """The argparse parser of the command line."""
     prog = os.path.basename(sys.argv[0] or "")
-    if prog != "annotated-transformer":  # the installed console script
+    # The installed console script keeps its name; run as a file (by
+    # python or torchrun), the program is named after the module's file.
+    if prog != "annotated-transformer":
         prog = "annotated_transformer_tools.py"
     parser = OneLineParser(
         prog=prog,
@@ -3287,6 +3250,12 @@ def build_parser():
     add_translate_parser(sub)
     parser.commands = sub.choices  # name -> the sub-command's parser
     return parser
+
+
+def command_download(args):
+    """`download`: fetch and verify Multi30k, print where it is."""
+    say(download_multi30k())
+    return 0
 
 
 def command_train(args):
@@ -3366,12 +3335,12 @@ def config_from_args(args):
 def refuse_one_process_options(args, ranks):
     """--device and --threads are for one process; refuse them with
     several (--world-size, or torchrun's `ranks`)."""
-    if args.device and (args.world_size > 1 or ranks):
+    several = args.world_size > 1 or (ranks and ranks.world > 1)
+    if args.device and several:
         raise UserError(
             "--device chooses the device of a one-process run; with several"
             " processes each takes a GPU of its own, or the CPU"
         )
-    several = args.world_size > 1 or (ranks and ranks.world > 1)
     if args.threads and several:
         raise UserError(
             "--threads sets the threads of a one-process run; several"
@@ -3432,14 +3401,16 @@ def check_checkpoint_folder(folder):
 def check_results_option(results, folder):
     """Refuse a --results file that training writes itself, or that could
     not be written."""
+    if results == "-":  # standard output holds the progress
+        raise UserError("--results - : name a file")
     if training_writes(results, folder):
         raise UserError(
             f"--results {results} is a file that training writes"
             f" into {folder}; name another file"
         )
-    made_later = not folder.exists()  # by the lock, before training
-    if not (made_later and in_folder(results, folder)):
-        check_out(results, option="--results")
+    if in_folder(results, folder) and not folder.exists():
+        return  # the lock makes the folder, before training
+    check_out(results, option="--results")
 
 
 def in_folder(path, folder):
@@ -3460,8 +3431,6 @@ def check_results_file(path, data=None):
     """Refuse a --results file that is one of the files training reads
     (Multi30k's, --data's, the vocabulary caches) or a checkpoint that
     exists (`training_writes` refuses those this run will write)."""
-    if path == "-":  # standard output holds the progress
-        raise UserError("--results - : name a file")
     folders = [Path(multi30k_folder())]
     if data:
         folders.append(Path(data))
@@ -3626,8 +3595,10 @@ def train_locked(args, config, ranks=None):
             check_resume_and_say(config, *vocabs)
         elif args.resume:  # train_model checks this in the other branch
             check_resume(config, *vocabs)  # raises if it cannot resume
-        try:
-            device = torchrun_device(world, local_rank, local_world)
+        try:  # --device only with one process (refuse_one_process_options)
+            device = args.device or torchrun_device(
+                world, local_rank, local_world
+            )
         except ValueError as err:
             raise UserError(f"torchrun: {err}") from None
         train_worker(
@@ -3702,6 +3673,22 @@ def greedy_with_and_without_unk(
     return replaced, kept
 
 
+def run_command(argv, ranks=None):
+    """The command line that started this run, quoted for a shell:
+    `argv` (sys.argv) after `python` when argv[0] is a .py file, after
+    `torchrun --nproc_per_node=N` when `ranks` says torchrun started it."""
+    script = argv[0].endswith(".py")
+    launcher = ["python"] if script else []
+    if ranks is not None:
+        launcher = ["torchrun", f"--nproc_per_node={ranks.local_world}"]
+        if ranks.world != ranks.local_world:
+            machines = ranks.world // ranks.local_world
+            launcher.append(f"--nnodes={machines}")
+        if not script:  # torchrun runs a program that is not Python's
+            launcher.append("--no-python")
+    return shlex.join([*launcher, *argv])
+
+
 def write_results(path, checkpoint, wall_time):
     """Score test2016 and write a JSON summary of the training run."""
     sources, references = zip(*read_multi30k("test"), strict=True)
@@ -3714,7 +3701,7 @@ def write_results(path, checkpoint, wall_time):
     bleu = compute_bleu(replaced, references)
     kept_bleu = compute_bleu(kept, references)  # <unk> left in the output
     summary = {
-        "command": "python " + " ".join(sys.argv),
+        "command": run_command(sys.argv, torchrun_ranks()),
         "config": ckpt["config"],
         "hardware": hardware_summary(),
         "wall_time_s": round(wall_time, 1),
@@ -3827,7 +3814,7 @@ def fit_to_model(line, number, spacy_de, vocab_src, limit, what="line"):
         return line
     print(
         f"warning: {what} {number} has {len(starts):,d} tokens; the model "
-        f"reads {limit:,d}, so only they were translated",
+        f"reads {limit:,d}, so only the first {limit:,d} were translated",
         file=sys.stderr,
     )
     return line[: starts[limit]]
@@ -3941,7 +3928,9 @@ def warn_unknown_words(sentences, spacy_de, vocab_src):
     """Name, on stderr, the words a word vocabulary reads as `<unk>`."""
     if not is_subword(vocab_src):  # BPE can spell any known letters
         words = [tokenize(s, spacy_de) for s in sentences]
-        unknown = {w: 1 for ws in words for w in ws if w not in vocab_src}
+        unknown = dict.fromkeys(  # each word once, in order
+            w for ws in words for w in ws if w not in vocab_src
+        )
         if unknown:
             print(
                 "note: not in the vocabulary, read as <unk>: "
@@ -4001,12 +3990,6 @@ def command_translate(args):
     fitted = (fit(line, n) for n, line in enumerate(stream, 1))
     for hyps in translate_lines(fitted, translate_fn, chunk):
         say(*hyps)
-    return 0
-
-
-def command_download(args):
-    """`download`: fetch and verify Multi30k, print where it is."""
-    say(download_multi30k())
     return 0
 
 
@@ -4195,6 +4178,62 @@ def run_command_line(argv):
         return EXIT_IO
 
 
+# -----------------------------------------------------------------------------
+# For Parts 4 and 5
+# Explained in notebooks/06_tools.py, same heading.
+# -----------------------------------------------------------------------------
+def describe_checkpoint(path):
+    """One line: a checkpoint's file, preset, sizes and training."""
+    ckpt = load_checkpoint(path)
+    c, history = ckpt["config"], ckpt.get("history") or []
+    pairs = c.get("max_train_pairs") or 0
+    data = f"{pairs:,d} training pairs" if pairs else "all training pairs"
+    if c.get("data"):  # `train --data`: other pairs, named by their digest
+        first = f", the first {pairs:,d}" if pairs else ""
+        data = f"the --data pairs {short_digest(c['data'])}{first}"
+    trained = f"{plural(len(history), 'epoch')} on {data}"
+    if history:
+        trained += f", validation loss {history[-1]['val_loss']:.2f}"
+    name = f"{Path(path).parent.name}/{Path(path).name}"
+    return (
+        f"{name}, preset {c.get('preset', '?')} (N={c['N']}, "
+        f"d_model={c['d_model']}, h={c['h']}, "
+        f"{c.get('tokenization', 'word')} vocabulary), {trained}"
+    )
+
+
+def model_to_train_here(presets, stand_in, root=".", size="full"):
+    """The config find_or_train trains when it finds no model: `quick`
+    on a CUDA GPU (if asked for, and AT_DEVICE names no other device),
+    else the stand-in."""
+    on_cuda = pick_device().type == "cuda"
+    if size != "ci" and "quick" in presets and on_cuda:
+        folder = Path(root, get_config("quick").checkpoint_dir)
+        return get_config("quick", checkpoint_dir=str(folder))
+    return stand_in
+
+
+def find_or_train(
+    presets, stand_in, vocabs, tokenizers, root=".", size="full"
+):
+    """final.pt of the first trained preset, else train a model now."""
+    if size != "ci":  # a CI-sized run always trains its stand-in
+        for preset in presets:
+            final = Path(root, get_config(preset).checkpoint_dir, "final.pt")
+            if final.is_file():
+                return str(final)
+    config = model_to_train_here(presets, stand_in, root, size)
+    is_stand_in = config is stand_in  # seconds, not minutes: no progress
+    if is_stand_in:  # retrained every call: cleared first, without a note
+        clear_earlier_run(config.checkpoint_dir)
+    else:
+        print(f"no trained model found: training {config.preset} here")
+    train_worker(
+        0, 1, *vocabs, *tokenizers, config, show_progress=not is_stand_in
+    )
+    return str(Path(config.checkpoint_dir, "final.pt"))
+
+
 # The public names, for `from ... import *` and the docs.
 __all__ = [
     "save_chart",
@@ -4319,6 +4358,7 @@ __all__ = [
     "free_port",
     "vocabulary_as_data",
     "train_distributed_model",
+    "started_since",
     "worker_out_of_memory",
     "user_error_of_worker",
     "in_main_thread",
@@ -4344,9 +4384,6 @@ __all__ = [
     "translate",
     "check_outputs",
     "run_model_example",
-    "describe_checkpoint",
-    "model_to_train_here",
-    "find_or_train",
     "TextFileError",
     "clean_line",
     "shown_path",
@@ -4370,6 +4407,7 @@ __all__ = [
     "package_version",
     "version_line",
     "build_parser",
+    "command_download",
     "command_train",
     "config_from_args",
     "refuse_one_process_options",
@@ -4390,6 +4428,7 @@ __all__ = [
     "torchrun_device",
     "train_locked",
     "greedy_with_and_without_unk",
+    "run_command",
     "write_results",
     "check_not_input",
     "file_in_the_way",
@@ -4405,7 +4444,6 @@ __all__ = [
     "warn_unknown_words",
     "blank_lines_then_a_sentence",
     "command_translate",
-    "command_download",
     "EXIT_USAGE",
     "EXIT_IO",
     "EXIT_INTERRUPTED",
@@ -4423,6 +4461,9 @@ __all__ = [
     "parse_arguments",
     "stop_as_for_ctrl_c",
     "run_command_line",
+    "describe_checkpoint",
+    "model_to_train_here",
+    "find_or_train",
 ]
 
 

@@ -22,8 +22,9 @@
 # presets; vocabularies; the hardware and its precision; checkpoint
 # files; training runs on several devices and processes, and two faster
 # CPU paths (the dropout masks, the loss's gradient); translating for
-# users; which model a checkpoint holds, and finding one or training a
-# small one; reading text files; and the command line. It lives here,
+# users; reading text files; the command line; and, for Parts 4 and 5,
+# which model a checkpoint holds, and finding one or training a small
+# one. It lives here,
 # after the lessons, and is exported into a second module,
 # `annotated_transformer_tools.py`, which the `annotated-transformer`
 # command runs. Code in this appendix may use anything the lessons
@@ -92,6 +93,7 @@ import multiprocessing
 import os
 import pickle
 import re
+import shlex
 import signal
 import socket
 import ssl
@@ -2562,29 +2564,22 @@ assert torch.isclose(trained_on, plain_mean)
 # %% [markdown]
 # ### A run, in pieces
 #
-# `train_worker` is what each process runs, and we build it from a few
-# pieces. `place_process` settles the process's device: it makes a GPU
-# the current one (`torch.cuda.set_device`, so that NCCL and new tensors
-# use this process's GPU), and gives processes that share the CPU an
-# equal part of the cores it may use (`usable_cores`: in a container,
-# often fewer than the machine has). `join_group` connects the processes
-# of a distributed run. Processes that `train_distributed_model` spawns
-# share one machine, so their rank is also their local rank, the index
-# of their GPU; under `torchrun` the command line passes each process
-# its device instead (`torchrun_device`).
+# A training run is one process per device: one per GPU, or several
+# that share the CPU. The processes are numbered from 0, and a
+# process's number is its *rank*; rank 0 is the one that prints and
+# saves. `train_worker`, further on, is what each process runs, and we
+# build it from a few pieces.
 #
-# `TrainingRun` then sets up one process's run. It joins the group when
-# there are several processes, seeds the random number generators, and
-# builds the model with `FastDropout` (above), wrapped in DDP when there
-# are several processes. The criterion is `FastLabelSmoothing`, the
-# appendix's faster loss; `train_epoch`, below, wraps it in a loss
-# computation. The optimizer and schedule are Part 3's, the schedule
-# sized from the epoch's length (`batches_per_epoch`) or, if given, a
-# total number of steps. Last, it picks the precision, with a
-# `GradScaler` where the precision needs one. `module` is the bare
-# model, whose weights checkpoints store, and `model` is what we call,
-# DDP-wrapped when distributed. `params_in_sync` checks at the end that
-# all copies agree.
+# `place_process` settles the process's device. On a GPU it makes that
+# GPU the current one (`torch.cuda.set_device`), so that NCCL and new
+# tensors use it. Processes that share the CPU each get an equal part of
+# the cores this process may use (`usable_cores`: in a container, often
+# fewer than the machine has).
+#
+# `join_group` connects the processes of a distributed run. The
+# processes that `train_distributed_model` (below) spawns share one
+# machine, so a process's rank is also the index of its GPU; under
+# `torchrun` the command line passes each process its device instead.
 
 
 # %%
@@ -2628,6 +2623,26 @@ def join_group(device, rank, world_size, port=None):
     )
 
 
+# %% [markdown]
+# `TrainingRun` sets up one process's run. It joins the group when there
+# are several processes, seeds the random number generators, and builds
+# the model with `FastDropout` (above).
+#
+# The criterion is `FastLabelSmoothing`, the appendix's faster loss;
+# `train_epoch`, below, wraps it in a loss computation. The optimizer and
+# schedule are Part 3's, the schedule sized from the epoch's length
+# (`batches_per_epoch`) or, if given, a total number of steps. Last, it
+# picks the precision, with a `GradScaler` where the precision needs one.
+#
+# A run holds its model under two names: `module` is the bare model,
+# whose weights checkpoints store, and `model` is what we call, the same
+# model wrapped in DDP when there are several processes.
+# `params_in_sync` checks at the end of a run that every process holds
+# the same weights.
+
+
+# %%
+#| export
 class TrainingRun:
     """One process's model, loss, optimizer, schedule and history."""
 
@@ -2708,7 +2723,9 @@ def params_in_sync(module):
 def device_batch(src, tgt, device, pad=PAD):
     """Batch(src, tgt, pad) on `device`, its masks made there."""
     ntokens = int(tgt[:, 1:].ne(pad).sum())  # on the CPU: no GPU sync
-    asynchronous = torch.device(device).type == "cuda"  # Batch.to's rule
+    # Asynchronous copies on CUDA only, as Batch.to (Part 2) makes them:
+    # on Apple's MPS they can be wrong.
+    asynchronous = torch.device(device).type == "cuda"
     src = src.to(device, non_blocking=asynchronous)  # (B, S)
     tgt = tgt.to(device, non_blocking=asynchronous)  # (B, T + 1)
     batch = Batch(src, None, pad)  # the source mask, made on `device`
@@ -2746,9 +2763,13 @@ def all_reduce_loss(loss, tokens, device):
 # %% [markdown]
 # `train_epoch` runs one epoch: `train_pass`, then `validate`, both
 # through Part 2's `run_epoch`, and it records both losses, each
-# averaged over all processes. Only rank 0 prints: a tqdm bar over the
-# batches, once an epoch has taken more than three seconds, then both
-# losses, with the peak GPU memory from `torch.cuda`'s own statistics.
+# averaged over all processes. Before the pass,
+# `train_loader.batch_sampler.set_epoch(epoch)` reshuffles the batches
+# for this epoch, from the seed and the epoch's number, so that every
+# process draws the same order and takes its own share of it. Only rank
+# 0 prints: a tqdm bar over the batches, once an epoch has taken more
+# than three seconds, then both losses, with the peak GPU memory from
+# `torch.cuda`'s own statistics.
 
 
 # %%
@@ -2816,8 +2837,8 @@ def progress_bar(iterable, desc, show=True, **options):
 def drawn_into_a_file():
     """Whether a bar drawn on stderr lands in something other than a
     terminal or a notebook. Those redraw the bar in place; a file keeps
-    every redraw, one per batch (some 80 KB for a quick run), unless the
-    bar is told to draw less often."""
+    every redraw, up to one per batch, unless the bar is told to draw
+    less often."""
     in_jupyter = "ipykernel" in sys.modules
     return not in_jupyter and not sys.stderr.isatty()
 
@@ -2835,15 +2856,20 @@ def train_epoch(run, epoch, train_loader, valid_loader, show=True):
     with progress_bar(train_loader, f"epoch {epoch}", show_bar) as batches:
         train_loss = train_pass(run, batches, train_compute)
     val_loss = validate(run, valid_loader, loss_compute)
-    entry = {"epoch": epoch, "train_loss": train_loss, "val_loss": val_loss}
-    run.history.append(entry | {"steps": run.state.accum_step})
+    entry = {
+        "epoch": epoch,
+        "train_loss": train_loss,
+        "val_loss": val_loss,
+        "steps": run.state.accum_step,
+    }
+    run.history.append(entry)
     if show and run.rank == 0:
         report = f"epoch {epoch}: train {train_loss:.3f}, val {val_loss:.3f}"
         if run.device.type == "cuda":
             gib = torch.cuda.max_memory_allocated(run.device) / 2**30
             report += f" (GPU memory {gib:.1f} GiB)"
         print(report)
-    return run.history[-1]
+    return entry
 
 
 # %% [markdown]
@@ -2853,9 +2879,9 @@ def train_epoch(run, epoch, train_loader, valid_loader, show=True):
 # one checkpoint file. After every epoch, rank 0 calls `save_epoch`, which
 # writes two: a lean `epoch_NNN.pt` with the weights that Part 5 averages
 # (keeping the newest `keep_last`), then `last.pt`, which adds the
-# optimizer (Adam keeps two averages per weight, so it triples the size),
-# the schedule, the counters and the random states. A crash between the
-# two writes only repeats the epoch.
+# optimizer (Adam keeps two averages per weight: three numbers per weight
+# where the lean file has one), the schedule, the counters and the random
+# states. A crash between the two writes only repeats the epoch.
 #
 # The random states are the CPU's and what the run's device needs to go
 # on as if never stopped (`device_states`): the random state of this
@@ -3408,7 +3434,8 @@ def train_distributed_model(
             how += f" (NCCL needs a GPU per process; {cuda_count()} here)"
     print(f"{world_size} processes {how}")
     vocabs = [vocabulary_as_data(vocab_src), vocabulary_as_data(vocab_tgt)]
-    # As command_line_warnings set it (main calls it).
+    # main's choice, read back: command_line_warnings, which main calls,
+    # sets warning_line as the way to show warnings.
     one_line = warnings.showwarning is warning_line
     # What each worker receives, in _spawned_worker's order after its rank.
     args = (
@@ -3421,6 +3448,7 @@ def train_distributed_model(
         device,
         one_line,
     )
+    earlier = set(multiprocessing.active_children())  # not ours to stop
     try:
         with stop_signals_kept(), new_processes_ignore_ctrl_c():
             workers = mp.spawn(
@@ -3436,8 +3464,14 @@ def train_distributed_model(
             raise
         raise user_error from None
     except BaseException:  # Ctrl-C, SIGTERM under main, a failed start
-        stop_processes(multiprocessing.active_children())
+        stop_processes(started_since(earlier))
         raise
+
+
+def started_since(earlier):
+    """This process's children still running that are not in `earlier`:
+    those started since, whether or not mp.spawn returned."""
+    return [p for p in multiprocessing.active_children() if p not in earlier]
 
 
 # %% [markdown]
@@ -3469,8 +3503,9 @@ def _spawned_worker(
     choice, in the parent) gives it the command line's warnings."""
     if one_line_warnings:
         command_line_warnings()
-    # torch asks Linux to send SIGINT to a worker whose parent dies; the
-    # workers ignore Ctrl-C (`new_processes_ignore_ctrl_c`), so SIGTERM.
+    # torch asks Linux to send SIGINT to a worker whose parent dies, but
+    # the workers ignore SIGINT (`new_processes_ignore_ctrl_c`), so we ask
+    # for SIGTERM instead.
     import torch.multiprocessing as mp
 
     set_death_signal = getattr(mp, "_prctl_pr_set_pdeathsig", None)
@@ -3516,10 +3551,16 @@ def user_error_of_worker(err):
 
 
 # %% [markdown]
+# The rest of this section is about Ctrl-C and stopping signals, so that
+# a stopped run ends with one report and no stray processes; a first
+# read can skip it.
+#
 # Ctrl-C reaches every process of the terminal's group, workers
 # included. We want the parent alone to handle it: it stops the workers
-# (`stop_processes`) and reports once, where each worker would die
-# halfway with a traceback of its own.
+# it started (`stop_processes` on `started_since`'s list; any other
+# process the notebook or program started keeps running) and reports
+# once, where each worker would die halfway with a traceback of its
+# own.
 #
 # `new_processes_ignore_ctrl_c` does this with one rule of the operating
 # system: a new process starts with SIGINT ignored if its parent ignored
@@ -3692,6 +3733,7 @@ _NO_SPACE_BEFORE = set(
     ". , ! ? ; : ) ] } % 's 're 've 'll 'm 'd n't '".split()
 )
 _NO_SPACE_AFTER = ("(", "[", "{", "$", "#")
+_NOT_WORDS = (",", ".", "-")  # "-" after these: the next word stays apart
 
 
 def detokenize(tokens):
@@ -3703,26 +3745,26 @@ def detokenize(tokens):
     """
     out, quote_open = "", False
     for i, tok in enumerate(tokens):
-        # A hyphen is always glued to what comes before it. The word
-        # after a hyphen is glued to it too ("well-known"), unless a
-        # comma, a full stop or another hyphen came before the hyphen.
-        # The tokens cannot tell a spaced dash from a hyphen: "a man - a
-        # tall one" comes out as "man-a" (6 lines of Multi30k's 29,000
-        # English have " - ").
-        hyphen = out.endswith("-") and i > 1 and tokens[i - 1] == "-"
-        glue = (
+        # A hyphen is always joined to what comes before it. The word
+        # after a hyphen is joined to it too ("well-known"), when a word
+        # came before the hyphen: not a comma, a full stop or another
+        # hyphen. The tokens cannot tell a spaced dash from a hyphen: "a
+        # man - a tall one" comes out as "man-a" (checked below).
+        after_hyphen = i > 1 and tokens[i - 1] == "-"
+        hyphen_after_word = after_hyphen and tokens[i - 2] not in _NOT_WORDS
+        no_space = (
             i == 0
             or tok.lower() in _NO_SPACE_BEFORE
             or out.endswith(_NO_SPACE_AFTER)
             or tok == "-"
-            or (hyphen and tokens[i - 2] not in {",", ".", "-"})
+            or hyphen_after_word
         )
         if tok == '"':
-            glue = i == 0 or quote_open
+            no_space = i == 0 or quote_open
             quote_open = not quote_open
         elif out.endswith('"') and quote_open:
-            glue = True
-        out += tok if glue else " " + tok
+            no_space = True
+        out += tok if no_space else " " + tok
     return out
 
 
@@ -3732,6 +3774,25 @@ def decode_text(ids, vocab):
     if is_subword(vocab):  # it writes text itself
         return vocab.decode(ids)
     return detokenize(vocab.lookup_tokens(ids))
+
+
+# %% [markdown]
+# Check: the docstring's three examples, and the spaced dash that
+# becomes a hyphen, which 6 of the 29,000 English training sentences of
+# Multi30k hold.
+
+# %%
+detokenized = {
+    "It 's a well - known dog .": "It's a well-known dog.",
+    'He said " hi " .': 'He said "hi".',
+    "( Two ) dogs do n't run .": "(Two) dogs don't run.",
+    "a man - a tall one": "a man-a tall one",
+}
+for spaced, joined in detokenized.items():
+    assert detokenize(spaced.split()) == joined, detokenize(spaced.split())
+training_english = [en for _, en in read_multi30k("train")]
+assert len(training_english) == 29_000
+assert sum(" - " in en for en in training_english) == 6
 
 
 # %% [markdown]
@@ -3877,9 +3938,11 @@ def compute_bleu(hypotheses, references):
 # `load_translator` gathers the decoding options of the command line's
 # `evaluate` and `translate`: a checkpoint, a beam size (1 means greedy,
 # with the cache), a number of epoch checkpoints to average, and beam
-# search's length penalty $\alpha$ (Part 5: the paper's 0.6 by default;
-# the validation split chose 1.0 for a model trained alone, 2.5 for the
-# best recipe's distilled model, trained on other models' translations).
+# search's length penalty $\alpha$ (Part 5: the paper's 0.6 by default).
+# On the validation split, 1.0 scored above 0.6 for a model trained alone
+# (`results/recipe_long_val_alpha.md`), and 2.5 scored best for the best
+# recipe's distilled model, trained on other models' translations
+# (`results/recipe_cpu-d02-lin18-wd02-tie-kdmix-e12_val_alphas.md`).
 # An $\alpha$ given with greedy decoding would be ignored, so it is
 # refused, before the checkpoint is read. So is a device the machine
 # lacks (`"cuda"` without CUDA, `"mps"` off a Mac): `checked_device`
@@ -3971,10 +4034,9 @@ def own_epoch_files(checkpoint, count):
             " does, so --average cannot tell which epoch files are its own"
         )
     if count > last + 1:
-        trained = "1 epoch" if last == 0 else f"{last + 1} epochs"
         raise ValueError(
             f"--average {count} needs {count} epochs; {checkpoint} was "
-            f"trained for {trained}"
+            f"trained for {plural(last + 1, 'epoch')}"
         )
     folder = Path(checkpoint).resolve().parent  # a link: its run's folder
     epochs = range(last - count + 1, last + 1)
@@ -4079,138 +4141,6 @@ def run_model_example(checkpoint=None, n_examples=5):
     return check_outputs(
         model, pairs, spacy_de, vocab_src, vocab_tgt, n_examples
     )
-
-
-# %% [markdown]
-# ## Which model is this?
-#
-# A translation, an attention map or a BLEU score means little without
-# the model behind it. `describe_checkpoint` names a checkpoint in one
-# line: its file, its preset and sizes, its vocabulary, how many epochs it
-# trained on which pairs, and its last validation loss, e.g.
-# `quick/final.pt, preset quick (N=3, d_model=256, h=4, word vocabulary),
-# 5 epochs on all training pairs, validation loss 1.47`. The
-# notebooks print it as `model: ...` whenever they load one, and the
-# website puts those lines at the top of each page.
-
-
-# %%
-#| export
-def describe_checkpoint(path):
-    """One line: a checkpoint's file, preset, sizes and training."""
-    ckpt = load_checkpoint(path)
-    c, history = ckpt["config"], ckpt.get("history") or []
-    pairs = c.get("max_train_pairs") or 0
-    data = f"{pairs:,d} training pairs" if pairs else "all training pairs"
-    if c.get("data"):  # `train --data`: other pairs, named by their digest
-        first = f", the first {pairs:,d}" if pairs else ""
-        data = f"the --data pairs {short_digest(c['data'])}{first}"
-    trained = f"{len(history)} epochs on {data}"
-    if history:
-        trained += f", validation loss {history[-1]['val_loss']:.2f}"
-    name = f"{Path(path).parent.name}/{Path(path).name}"
-    return (
-        f"{name}, preset {c.get('preset', '?')} (N={c['N']}, "
-        f"d_model={c['d_model']}, h={c['h']}, "
-        f"{c.get('tokenization', 'word')} vocabulary), {trained}"
-    )
-
-
-# %% [markdown]
-# ## A trained model, or a small one trained now
-#
-# Parts 4 and 5 show a trained model's attention and translations.
-# `find_or_train` looks under `root` for the `final.pt` of each preset it
-# is given, in order, and returns the first it finds: Parts 4 and 5 ask
-# for `cpu`, which `make train` writes, then `quick`, which Part 3 writes.
-# When there is none, or in a CI-sized run, it trains a model there and
-# then; `model_to_train_here` says which. The caller passes `stand_in`, a
-# small config to train when nothing else will do (Part 4's: `ci` with
-# two layers and four heads, in `checkpoints/ci-attention`):
-#
-# - on a CUDA GPU, when `quick` is among the presets asked for, the
-#   `quick` recipe itself, into `root`'s `checkpoints/quick/`: 2.6
-#   minutes on an H100 (`results/gpu_explore.md`); on Colab's T4, not
-#   measured. This is for Colab, where each notebook opened from its
-#   badge gets a runtime of its own and never sees the model that Part 3
-#   trained in another;
-# - everywhere else, and always in a CI-sized run, the small `stand_in`,
-#   in seconds, into the stand-in's own `checkpoint_dir`, replacing any
-#   stand-in trained there before, without warning. So each notebook
-#   gives its stand-in a folder of its own (one would clear the other's),
-#   as an absolute path (the working directory need not be `root`). On a
-#   CPU, `quick` would take a quarter of an hour: run Part 3 first (or
-#   `make notebook`).
-#
-# So every notebook runs on a fresh clone, and CI checks the training code
-# rather than a leftover file.
-#
-# Where each machine gets what:
-#
-# - **Colab**: pick a GPU runtime first (Runtime → Change runtime type),
-#   or Colab gives you a CPU and Parts 4 and 5 get the stand-in. Colab's T4
-#   trains in float16, and no real T4 has run this project: see "If it
-#   fails on a T4 or a Mac" in
-#   [docs/gpu.md](../docs/gpu.md#if-it-fails-on-a-t4-or-a-mac).
-# - **An Apple-silicon Mac**: the stand-in trains on MPS. If an operation
-#   is missing there, set `PYTORCH_ENABLE_MPS_FALLBACK=1` before starting
-#   Jupyter: PyTorch then runs that operation on the CPU.
-# - **CI** (`AT_SIZE=ci`): always the stand-in.
-
-
-# %%
-#| export
-def model_to_train_here(presets, stand_in, root=".", size="full"):
-    """The config find_or_train trains when it finds no model: `quick`
-    on a CUDA GPU (if asked for, and AT_DEVICE names no other device),
-    else the stand-in."""
-    on_cuda = pick_device().type == "cuda"
-    if size != "ci" and "quick" in presets and on_cuda:
-        folder = Path(root, get_config("quick").checkpoint_dir)
-        return get_config("quick", checkpoint_dir=str(folder))
-    return stand_in
-
-
-def find_or_train(
-    presets, stand_in, vocabs, tokenizers, root=".", size="full"
-):
-    """final.pt of the first trained preset, else train a model now."""
-    if size != "ci":  # a CI-sized run always trains its stand-in
-        for preset in presets:
-            final = Path(root, get_config(preset).checkpoint_dir, "final.pt")
-            if final.is_file():
-                return str(final)
-    config = model_to_train_here(presets, stand_in, root, size)
-    is_stand_in = config is stand_in  # seconds, not minutes: no progress
-    if is_stand_in:  # retrained every call: cleared first, without a note
-        clear_earlier_run(config.checkpoint_dir)
-    else:
-        print(f"no trained model found: training {config.preset} here")
-    train_worker(
-        0, 1, *vocabs, *tokenizers, config, show_progress=not is_stand_in
-    )
-    return str(Path(config.checkpoint_dir, "final.pt"))
-
-
-# %% [markdown]
-# Check: the first call trains (there is nothing to find), the second
-# finds that model and leaves it untouched, and a CI-sized call trains
-# again. Here the stand-in is written where the preset `ci` is looked
-# for, so the second call finds it; a stand-in in a folder of its own
-# would be retrained.
-
-# %%
-with tempfile.TemporaryDirectory() as tmp:
-    folder = f"{tmp}/{get_config('ci').checkpoint_dir}"
-    small = get_config(
-        "ci", epochs=1, max_train_pairs=200, checkpoint_dir=folder
-    )
-    found = find_or_train(["ci"], small, vocabs, tokenizers, root=tmp)
-    written = os.stat(found).st_mtime_ns
-    assert find_or_train(["ci"], small, vocabs, tokenizers, tmp) == found
-    assert os.stat(found).st_mtime_ns == written
-    find_or_train(["ci"], small, vocabs, tokenizers, tmp, size="ci")
-    assert os.stat(found).st_mtime_ns != written
 
 
 # %% [markdown]
@@ -4338,18 +4268,9 @@ def read_parallel(src_path, ref_path):
 # python annotated_transformer_tools.py translate < sentences.de > out.en
 # ```
 #
-# A program for people should answer every mistake with one line that
-# says what is wrong, and exit status 2, never with a traceback: a bad
-# number or device, a missing, damaged or unsafe checkpoint, a file that
-# is not UTF-8. The library raises ordinary exceptions: `CheckpointError`
-# and `TextFileError` (both `ValueError`s), `FileNotFoundError`, Part 3's
-# `DatasetError`, and `FolderInUseError`. The command line's own checks
-# raise `UserError`, also where they turn another `ValueError` that an
-# argument can cause into a message, and only `main` turns these into
-# lines (`USER_ERRORS`, below). Ctrl-C and the machine's own errors (a
-# full disk, a closed pipe) get their own statuses (`main`, below); any
-# other exception is a bug, and keeps its traceback.
-# `docs/guarantees.md` lists every exit status.
+# Each mistake gets one line that says what is wrong, never a traceback:
+# the sub-commands raise exceptions, and `main`, at the end of this
+# section, turns them into those lines and the program's exit status.
 #
 # ### Arguments
 #
@@ -4433,7 +4354,11 @@ def existing_device(name):
     try:
         return str(checked_device(name))
     except ValueError as err:
-        if name == "auto":  # AT_DEVICE's mistake, not the option's
+        # argparse passes a default given as text through `type` too, so
+        # "auto" arrives here without --device; its failure is AT_DEVICE's
+        # (pick_device reads it), not the option's. argparse lets a
+        # UserError through, and main says it in one line.
+        if name == "auto":
             raise UserError(str(err)) from None
         raise argparse.ArgumentTypeError(str(err)) from None
 
@@ -4506,9 +4431,10 @@ def add_train_parser(sub):
         "--preset",
         choices=sorted(PRESETS),
         default="quick",
-        help="quick (default: 14 minutes on a 2-core CPU); cpu: the same"
-        " model for 18 epochs, over an hour; long, the -bpe twins, paper and"
-        " ci: see the appendix's presets",
+        help="quick (default; 14 minutes on a 2-core CPU, as recorded in"
+        " results/recipe_quick.json); cpu: the same model for 18 epochs,"
+        " over an hour; long, the -bpe twins, paper and ci: see the"
+        " appendix's presets",
     )
     train.add_argument(
         "--epochs",
@@ -4523,9 +4449,7 @@ def add_train_parser(sub):
     train.add_argument(
         "--dropout",
         type=number_from(0.0, 0.9),
-        help="dropout rate (default: the preset's; the best model trained"
-        " alone on record is --preset cpu --dropout 0.2 --schedule linear"
-        " --weight-decay 0.2 --tie-embeddings --seed 1)",
+        help="dropout rate (default: the preset's)",
     )
     train.add_argument(
         "--weight-decay",
@@ -4660,8 +4584,9 @@ def add_decoding_options(parser):
         "--alpha",
         type=number_from(0.0, 10.0),
         help="beam search's length penalty, with --beam 2 or more (default"
-        f" {DEFAULT_ALPHA}, the paper's; validation chose 1.0 for a model"
-        " trained alone, 2.5 for the best recipe's distilled model)",
+        f" {DEFAULT_ALPHA}, the paper's; on validation, 1.0 did better for a"
+        " model trained alone, 2.5 for the best recipe's distilled model:"
+        " see docs/results.md)",
     )
     parser.add_argument(
         "--average",
@@ -4760,7 +4685,9 @@ def version_line():
 def build_parser():
     """The argparse parser of the command line."""
     prog = os.path.basename(sys.argv[0] or "")
-    if prog != "annotated-transformer":  # the installed console script
+    # The installed console script keeps its name; run as a file (by
+    # python or torchrun), the program is named after the module's file.
+    if prog != "annotated-transformer":
         prog = "annotated_transformer_tools.py"
     parser = OneLineParser(
         prog=prog,
@@ -4784,6 +4711,21 @@ def build_parser():
 
 
 # %% [markdown]
+# ### `download`
+#
+# `download` (`command_download`) fetches and checks Multi30k as
+# "Downloading Multi30k" does, and prints the folder that holds it.
+
+
+# %%
+#| export
+def command_download(args):
+    """`download`: fetch and verify Multi30k, print where it is."""
+    say(download_multi30k())
+    return 0
+
+
+# %% [markdown]
 # ### `train`
 #
 # `train` (`command_train`) runs these steps, in this order:
@@ -4791,10 +4733,11 @@ def build_parser():
 # 1. `config_from_args`: the preset's config with the fields that the
 #    flags set;
 # 2. `refuse_one_process_options` refuses `--device` and `--threads`
-#    with several processes, and `warn_slow_settings` warns of settings
-#    that only waste time; the device that `AT_DEVICE` names must be
-#    here; with `--world-size`, `process_device` checks now that there
-#    are GPUs enough, rather than NCCL later;
+#    with several processes (spawned, or started by `torchrun`), and
+#    `warn_slow_settings` warns of settings that only waste time; the
+#    device that `AT_DEVICE` names must be here; with `--world-size`,
+#    `process_device` checks now that there are GPUs enough, rather
+#    than NCCL later;
 # 3. `check_checkpoint_folder` and `check_results_option`: the folder
 #    and the file it will write can be written (a bad path is refused
 #    now, not after hours of training);
@@ -4888,12 +4831,12 @@ def config_from_args(args):
 def refuse_one_process_options(args, ranks):
     """--device and --threads are for one process; refuse them with
     several (--world-size, or torchrun's `ranks`)."""
-    if args.device and (args.world_size > 1 or ranks):
+    several = args.world_size > 1 or (ranks and ranks.world > 1)
+    if args.device and several:
         raise UserError(
             "--device chooses the device of a one-process run; with several"
             " processes each takes a GPU of its own, or the CPU"
         )
-    several = args.world_size > 1 or (ranks and ranks.world > 1)
     if args.threads and several:
         raise UserError(
             "--threads sets the threads of a one-process run; several"
@@ -4968,14 +4911,16 @@ def check_checkpoint_folder(folder):
 def check_results_option(results, folder):
     """Refuse a --results file that training writes itself, or that could
     not be written."""
+    if results == "-":  # standard output holds the progress
+        raise UserError("--results - : name a file")
     if training_writes(results, folder):
         raise UserError(
             f"--results {results} is a file that training writes"
             f" into {folder}; name another file"
         )
-    made_later = not folder.exists()  # by the lock, before training
-    if not (made_later and in_folder(results, folder)):
-        check_out(results, option="--results")
+    if in_folder(results, folder) and not folder.exists():
+        return  # the lock makes the folder, before training
+    check_out(results, option="--results")
 
 
 def in_folder(path, folder):
@@ -4996,8 +4941,6 @@ def check_results_file(path, data=None):
     """Refuse a --results file that is one of the files training reads
     (Multi30k's, --data's, the vocabulary caches) or a checkpoint that
     exists (`training_writes` refuses those this run will write)."""
-    if path == "-":  # standard output holds the progress
-        raise UserError("--results - : name a file")
     folders = [Path(multi30k_folder())]
     if data:
         folders.append(Path(data))
@@ -5140,8 +5083,10 @@ def multi30k_from(folder):
 # `LOCAL_RANK` that torchrun sets, and rank 0 takes the lock for all of
 # them. `torchrun_device` gives each its device: its own GPU, else the
 # CPU, even on Macs started one per machine (gloo, the backend without
-# GPUs, cannot send Apple's MPS tensors). `train_locked` is the rest of
-# `train`, once the folder is locked, in every process.
+# GPUs, cannot send Apple's MPS tensors). A single process that torchrun
+# started takes the device `--device` names, if it names one.
+# `train_locked` is the rest of `train`, once the folder is locked, in
+# every process.
 
 
 # %%
@@ -5192,8 +5137,10 @@ def train_locked(args, config, ranks=None):
             check_resume_and_say(config, *vocabs)
         elif args.resume:  # train_model checks this in the other branch
             check_resume(config, *vocabs)  # raises if it cannot resume
-        try:
-            device = torchrun_device(world, local_rank, local_world)
+        try:  # --device only with one process (refuse_one_process_options)
+            device = args.device or torchrun_device(
+                world, local_rank, local_world
+            )
         except ValueError as err:
             raise UserError(f"torchrun: {err}") from None
         train_worker(
@@ -5230,6 +5177,12 @@ def train_locked(args, config, ranks=None):
 # writes the scores, the config, the machine and the run's history to one
 # JSON file. Both scores come from one greedy decoding: replacing `<unk>`
 # changes the text, not the tokens decoded.
+#
+# The file also records the command that ran, as a line a shell takes
+# back (`run_command`): `python` before the module's file, the installed
+# command's path as it was started, and under `torchrun` its number of
+# processes per machine (other torchrun options are not known to the
+# process).
 
 
 # %%
@@ -5278,6 +5231,22 @@ def greedy_with_and_without_unk(
     return replaced, kept
 
 
+def run_command(argv, ranks=None):
+    """The command line that started this run, quoted for a shell:
+    `argv` (sys.argv) after `python` when argv[0] is a .py file, after
+    `torchrun --nproc_per_node=N` when `ranks` says torchrun started it."""
+    script = argv[0].endswith(".py")
+    launcher = ["python"] if script else []
+    if ranks is not None:
+        launcher = ["torchrun", f"--nproc_per_node={ranks.local_world}"]
+        if ranks.world != ranks.local_world:
+            machines = ranks.world // ranks.local_world
+            launcher.append(f"--nnodes={machines}")
+        if not script:  # torchrun runs a program that is not Python's
+            launcher.append("--no-python")
+    return shlex.join([*launcher, *argv])
+
+
 def write_results(path, checkpoint, wall_time):
     """Score test2016 and write a JSON summary of the training run."""
     sources, references = zip(*read_multi30k("test"), strict=True)
@@ -5290,7 +5259,7 @@ def write_results(path, checkpoint, wall_time):
     bleu = compute_bleu(replaced, references)
     kept_bleu = compute_bleu(kept, references)  # <unk> left in the output
     summary = {
-        "command": "python " + " ".join(sys.argv),
+        "command": run_command(sys.argv, torchrun_ranks()),
         "config": ckpt["config"],
         "hardware": hardware_summary(),
         "wall_time_s": round(wall_time, 1),
@@ -5412,12 +5381,6 @@ def load_for_decoding(args):
 # still translated, from its beginning, and every other line keeps its
 # place in the output: one stray line does not cost the others their
 # translations.
-#
-# `command_evaluate`, in the same cell, is `evaluate`: it reads the
-# source and reference files (test2016 by default; `evaluate_reads`
-# lists what `--out` must not replace), translates them, a blank line
-# into a blank translation as `translate` does, and prints the BLEU
-# score.
 
 
 # %%
@@ -5440,12 +5403,27 @@ def fit_to_model(line, number, spacy_de, vocab_src, limit, what="line"):
         return line
     print(
         f"warning: {what} {number} has {len(starts):,d} tokens; the model "
-        f"reads {limit:,d}, so only they were translated",
+        f"reads {limit:,d}, so only the first {limit:,d} were translated",
         file=sys.stderr,
     )
     return line[: starts[limit]]
 
 
+# %% [markdown]
+# ### `evaluate`: BLEU of a checkpoint
+#
+# `command_evaluate` is `evaluate`: it reads the source and reference
+# files (test2016 by default; `evaluate_reads` lists what `--out` must
+# not replace), translates them, a blank line into a blank translation
+# as `translate` does, and prints the BLEU score.
+#
+# `args.checkpoint` is always set when it runs: without `--checkpoint`,
+# `run_command_line` (at the end of this section) fills in
+# `default_checkpoint()` before calling any sub-command.
+
+
+# %%
+#| export
 def evaluate_reads(args):
     """The files `evaluate` reads, which --out must not replace: the
     checkpoint (and, with --average, the epoch files beside it), --src
@@ -5524,8 +5502,7 @@ def command_evaluate(args):
 # translates line $n$ of the input. Only a person typing at a terminal
 # gets each line translated as soon as it is typed. `translate_source`
 # says where the sentences come from, and `sentences_to_translate` reads
-# them from there, checked. (`command_download`, at the end of the cell,
-# is the `download` sub-command.)
+# them from there, checked.
 
 
 # %%
@@ -5582,7 +5559,9 @@ def warn_unknown_words(sentences, spacy_de, vocab_src):
     """Name, on stderr, the words a word vocabulary reads as `<unk>`."""
     if not is_subword(vocab_src):  # BPE can spell any known letters
         words = [tokenize(s, spacy_de) for s in sentences]
-        unknown = {w: 1 for ws in words for w in ws if w not in vocab_src}
+        unknown = dict.fromkeys(  # each word once, in order
+            w for ws in words for w in ws if w not in vocab_src
+        )
         if unknown:
             print(
                 "note: not in the vocabulary, read as <unk>: "
@@ -5645,17 +5624,26 @@ def command_translate(args):
     return 0
 
 
-def command_download(args):
-    """`download`: fetch and verify Multi30k, print where it is."""
-    say(download_multi30k())
-    return 0
-
-
 # %% [markdown]
 # ### `main`: one line per error, and the exit status
 #
+# A program for people should answer every mistake with one line that
+# says what is wrong, and exit status 2, never with a traceback: a bad
+# number or device, a missing, damaged or unsafe checkpoint, a file that
+# is not UTF-8.
+#
+# The library raises ordinary exceptions: `CheckpointError` and
+# `TextFileError` (both `ValueError`s), `FileNotFoundError`, Part 3's
+# `DatasetError`, and `FolderInUseError`. The command line's own checks
+# raise `UserError`, also where they turn another `ValueError` that an
+# argument can cause into a message. Only `main` turns these into lines:
+# `USER_ERRORS` lists them. Any other exception is a bug, and keeps its
+# traceback.
+#
 # `main` runs a sub-command and ends each failure with an exit status that
-# says whose it is; an error is one line, `error: ...`:
+# says whose it is; an error is one line, `error: ...`. Ctrl-C and the
+# machine's own errors (a full disk, a closed pipe) get statuses of their
+# own; `docs/guarantees.md` lists every case:
 #
 # | status | when |
 # |---|---|
@@ -5880,3 +5868,144 @@ def run_command_line(argv):
             err = f"standard output: {fault.strerror or one_line(fault)}"
         print("error: " + one_line(err), file=sys.stderr)
         return EXIT_IO
+
+
+# %% [markdown]
+# ## For Parts 4 and 5
+#
+# Two helpers that the lessons, not the command line, use: a one-line
+# name for a checkpoint, and a trained model to look at, found or
+# trained there and then.
+#
+# ### Which model is this?
+#
+# A translation, an attention map or a BLEU score means little without
+# the model behind it. `describe_checkpoint` names a checkpoint in one
+# line: its file, its preset and sizes, its vocabulary, how many epochs it
+# trained on which pairs, and its last validation loss, e.g.
+# `quick/final.pt, preset quick (N=3, d_model=256, h=4, word vocabulary),
+# 5 epochs on all training pairs, validation loss 1.47`. The
+# notebooks print it as `model: ...` whenever they load one, and the
+# website puts those lines at the top of each page.
+
+
+# %%
+#| export
+def describe_checkpoint(path):
+    """One line: a checkpoint's file, preset, sizes and training."""
+    ckpt = load_checkpoint(path)
+    c, history = ckpt["config"], ckpt.get("history") or []
+    pairs = c.get("max_train_pairs") or 0
+    data = f"{pairs:,d} training pairs" if pairs else "all training pairs"
+    if c.get("data"):  # `train --data`: other pairs, named by their digest
+        first = f", the first {pairs:,d}" if pairs else ""
+        data = f"the --data pairs {short_digest(c['data'])}{first}"
+    trained = f"{plural(len(history), 'epoch')} on {data}"
+    if history:
+        trained += f", validation loss {history[-1]['val_loss']:.2f}"
+    name = f"{Path(path).parent.name}/{Path(path).name}"
+    return (
+        f"{name}, preset {c.get('preset', '?')} (N={c['N']}, "
+        f"d_model={c['d_model']}, h={c['h']}, "
+        f"{c.get('tokenization', 'word')} vocabulary), {trained}"
+    )
+
+
+# %% [markdown]
+# ### A trained model, or a small one trained now
+#
+# Parts 4 and 5 show a trained model's attention and translations.
+# `find_or_train` looks under `root` for the `final.pt` of each preset it
+# is given, in order, and returns the first it finds: Parts 4 and 5 ask
+# for `cpu`, which `make train` writes, then `quick`, which Part 3 writes.
+# When there is none, or in a CI-sized run, it trains a model there and
+# then; `model_to_train_here` says which. The caller passes `stand_in`, a
+# small config to train when nothing else will do (Part 4's: `ci` with
+# two layers and four heads, in `checkpoints/ci-attention`):
+#
+# - on a CUDA GPU, when `quick` is among the presets asked for, the
+#   `quick` recipe itself, into `root`'s `checkpoints/quick/`: 2.6
+#   minutes on an H100 (`results/gpu_explore.md`); on Colab's T4, not
+#   measured. This is for Colab, where each notebook opened from its
+#   badge gets a runtime of its own and never sees the model that Part 3
+#   trained in another;
+# - everywhere else, and always in a CI-sized run, the small `stand_in`,
+#   in seconds, into the stand-in's own `checkpoint_dir`, replacing any
+#   stand-in trained there before, without warning. So each notebook
+#   gives its stand-in a folder of its own (one would clear the other's),
+#   as an absolute path (the working directory need not be `root`). On a
+#   CPU, `quick` would take a quarter of an hour: run Part 3 first (or
+#   `make notebook`).
+#
+# So every notebook runs on a fresh clone, and CI checks the training code
+# rather than a leftover file.
+#
+# Where each machine gets what (for running the notebooks on Colab or a
+# Mac; a first read can skip it):
+#
+# - **Colab**: pick a GPU runtime first (Runtime → Change runtime type),
+#   or Colab gives you a CPU and Parts 4 and 5 get the stand-in. Colab's T4
+#   trains in float16, and no real T4 has run this project: see "If it
+#   fails on a T4 or a Mac" in
+#   [docs/gpu.md](../docs/gpu.md#if-it-fails-on-a-t4-or-a-mac).
+# - **An Apple-silicon Mac**: the stand-in trains on MPS. If an operation
+#   is missing there, set `PYTORCH_ENABLE_MPS_FALLBACK=1` before starting
+#   Jupyter: PyTorch then runs that operation on the CPU.
+# - **CI** (`AT_SIZE=ci`): always the stand-in.
+
+
+# %%
+#| export
+def model_to_train_here(presets, stand_in, root=".", size="full"):
+    """The config find_or_train trains when it finds no model: `quick`
+    on a CUDA GPU (if asked for, and AT_DEVICE names no other device),
+    else the stand-in."""
+    on_cuda = pick_device().type == "cuda"
+    if size != "ci" and "quick" in presets and on_cuda:
+        folder = Path(root, get_config("quick").checkpoint_dir)
+        return get_config("quick", checkpoint_dir=str(folder))
+    return stand_in
+
+
+def find_or_train(
+    presets, stand_in, vocabs, tokenizers, root=".", size="full"
+):
+    """final.pt of the first trained preset, else train a model now."""
+    if size != "ci":  # a CI-sized run always trains its stand-in
+        for preset in presets:
+            final = Path(root, get_config(preset).checkpoint_dir, "final.pt")
+            if final.is_file():
+                return str(final)
+    config = model_to_train_here(presets, stand_in, root, size)
+    is_stand_in = config is stand_in  # seconds, not minutes: no progress
+    if is_stand_in:  # retrained every call: cleared first, without a note
+        clear_earlier_run(config.checkpoint_dir)
+    else:
+        print(f"no trained model found: training {config.preset} here")
+    train_worker(
+        0, 1, *vocabs, *tokenizers, config, show_progress=not is_stand_in
+    )
+    return str(Path(config.checkpoint_dir, "final.pt"))
+
+
+# %% [markdown]
+# Check: the first call trains (there is nothing to find), the second
+# finds that model and leaves it untouched, and a CI-sized call trains
+# again. Here the stand-in is written where the preset `ci` is looked
+# for, so the second call finds it; a stand-in in a folder of its own
+# would be retrained. The file's time is first set back to 1970, so that
+# a file written again shows a new time even where the file system keeps
+# times to the second only.
+
+# %%
+with tempfile.TemporaryDirectory() as tmp:
+    folder = f"{tmp}/{get_config('ci').checkpoint_dir}"
+    small = get_config(
+        "ci", epochs=1, max_train_pairs=200, checkpoint_dir=folder
+    )
+    found = find_or_train(["ci"], small, vocabs, tokenizers, root=tmp)
+    os.utime(found, (0, 0))  # 1970
+    assert find_or_train(["ci"], small, vocabs, tokenizers, tmp) == found
+    assert os.stat(found).st_mtime == 0  # found, not written again
+    find_or_train(["ci"], small, vocabs, tokenizers, tmp, size="ci")
+    assert os.stat(found).st_mtime > 0  # trained and written again

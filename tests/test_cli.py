@@ -8,6 +8,7 @@ import hashlib
 import io
 import os
 import pickle
+import re
 import shlex
 import shutil
 import signal
@@ -29,6 +30,7 @@ import annotated_transformer_tools as tools
 import the_annotated_transformer as tat
 
 SCRIPT = Path(tools.__file__).resolve()
+ROOT = Path(__file__).resolve().parent.parent
 
 # A model that learns these five pairs by heart in a second gives each
 # sentence its own translation, so a test can tell the lines apart.
@@ -735,6 +737,21 @@ BAD_INPUTS = {  # name: (argv, a part of the message, extra environment)
 }
 
 
+def test_results_dash_is_refused_before_the_download(
+    tmp_path, monkeypatch, capsys
+):
+    """`--results -` was refused only after Multi30k's download."""
+    downloads = []
+    monkeypatch.setattr(
+        tools, "download_multi30k", lambda: downloads.append(1) or tmp_path
+    )
+    folder = ["--checkpoint-dir", str(tmp_path / "ck")]
+    argv = ["train", "--preset", "ci", *folder, "--results", "-"]
+    assert tools.main(argv) == 2
+    assert capsys.readouterr().err == "error: --results - : name a file\n"
+    assert downloads == [] and not (tmp_path / "ck").exists()
+
+
 def test_train_without_the_data_leaves_no_checkpoint_folder(tmp_path):
     """The folder and its lock file used to be made before the data check."""
     status, _, err = run_script(
@@ -1265,7 +1282,7 @@ def test_an_overlong_line_is_cut_with_a_warning(tiny, tokenizers, tmp_path):
     assert status == 0, err
     assert err.splitlines() == [
         "warning: line 2 has 6,000 tokens; the model reads 4,948, so only "
-        "they were translated"
+        "the first 4,948 were translated"
     ]
     out = out.splitlines()
     cut = " ".join(["Hund"] * 4948)
@@ -2383,3 +2400,31 @@ def test_a_gzipped_file_without_gz_says_so(tiny, tmp_path, capsys):
         f"error: {packed} is not UTF-8 text (line 1), but gzip-compressed:"
         " name it *.gz\n"
     )
+
+
+def python_blocks(markdown):
+    """The ```python code blocks of a markdown text."""
+    return re.findall(r"^```python\n(.*?)^```", markdown, re.M | re.S)
+
+
+def test_the_python_examples_of_docs_cli_run_as_written(tiny, tmp_path):
+    blocks = python_blocks((ROOT / "docs" / "cli.md").read_text())
+    assert len(blocks) == 2  # the model alone; translating with a checkpoint
+    quick = tmp_path / "checkpoints" / "quick"
+    quick.mkdir(parents=True)
+    shutil.copy(tiny[0], quick / "final.pt")  # where `make notebook` saves
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    printed = []
+    for block in blocks:
+        done = subprocess.run(
+            [sys.executable, "-c", block],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        printed.append(done.stdout.splitlines())
+    model_alone, translated = printed
+    assert model_alone[0].startswith("tensor([[0,")  # ids, from the start
+    assert translated == [
+        "['A man rides a bicycle.']",
+        "['Two children play in the snow.']",
+    ]

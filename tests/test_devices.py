@@ -9,7 +9,9 @@ under torchrun, and a Mac. The last tests train for real, on this CPU.
 """
 
 import argparse
+import multiprocessing
 import sys
+import time
 import warnings
 
 import pytest
@@ -484,6 +486,35 @@ def test_a_training_process_warns_in_one_line_when_main_does(
     assert "UserWarning" in err and len(err.splitlines()) > 1, err
 
 
+def test_a_stopped_run_stops_only_the_processes_it_started(monkeypatch):
+    """Ctrl-C stopped every child of the parent (active_children), so a
+    notebook's own processes died with the training workers."""
+    context = multiprocessing.get_context("spawn")
+    own = context.Process(target=time.sleep, args=(60,))
+    own.start()
+    workers = []
+
+    def spawn(fn, args, nprocs, join=True):
+        worker = context.Process(target=time.sleep, args=(60,))
+        worker.start()
+        workers.append(worker)
+        raise KeyboardInterrupt  # Ctrl-C as the workers start
+
+    monkeypatch.setattr(torch.multiprocessing, "spawn", spawn)
+    vocab = tat.Vocab(tat.SPECIALS)
+    config = tools.get_config("ci")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            tools.train_distributed_model(
+                vocab, vocab, None, None, config, 2, cpu_fallback=True
+            )
+        (worker,) = workers
+        assert not worker.is_alive()  # stopped (and joined)
+        assert own.is_alive()  # not the run's to stop
+    finally:
+        tools.stop_processes([own, *workers])
+
+
 @with_machine("one T4")
 def test_train_world_size_2_on_one_gpu_is_one_line(machine, capsys):
     status = tools.main(["train", "--preset", "ci", "--world-size", "2"])
@@ -619,6 +650,36 @@ def test_two_a100s_under_torchrun(machine, cpu_model, monkeypatch):
     assert machine.groups == [group]  # url None: env:// from torchrun
     assert machine.ddp_ids == [[1]]
     assert run.precision == (BF16, False)
+
+
+@with_machine("two A100s")
+def test_device_option_under_torchrun_with_one_process(
+    machine, monkeypatch, tmp_path, capsys
+):
+    """--device was refused under any torchrun, as if several processes
+    ran, while --threads was refused only with several; with one process
+    it now chooses the device, and with two it is refused."""
+    as_torchrun_rank(0, monkeypatch)
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(name, "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    calls = []
+    monkeypatch.setattr(
+        tools, "train_worker", lambda *a, **k: calls.append((a, k))
+    )
+    folder = ["--checkpoint-dir", str(tmp_path / "ck")]
+    argv = ["train", "--preset", "ci", "--device", "cpu", *folder]
+    assert tools.main(argv) == 0, capsys.readouterr().err
+    ((args, kwargs),) = calls
+    assert args[:2] == (0, 1) and kwargs["is_distributed"] is False
+    assert torch.device(kwargs["device"]) == torch.device("cpu")
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(name, "2")
+    assert tools.main(argv) == 2
+    assert "--device chooses the device of a one-process run" in (
+        capsys.readouterr().err
+    )
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("rank, said", [("0", True), ("3", False)])

@@ -3,6 +3,7 @@
 import io
 import json
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -85,6 +86,22 @@ def test_describe_checkpoint_names_the_model_and_its_training(ci_run):
     assert line.endswith(f"validation loss {history[-1]['val_loss']:.2f}")
 
 
+def test_describe_checkpoint_counts_one_epoch_in_the_singular(
+    ci_run, tmp_path
+):
+    """A checkpoint of one epoch was described as "1 epochs"."""
+    cfg, history = ci_run
+    ckpt = torch.load(
+        Path(cfg.checkpoint_dir) / "final.pt",
+        map_location="cpu",
+        weights_only=False,
+    )
+    ckpt["history"] = history[:1]
+    torch.save(ckpt, tmp_path / "final.pt")
+    line = tools.describe_checkpoint(tmp_path / "final.pt")
+    assert f", 1 epoch on {cfg.max_train_pairs:,d} training pairs" in line
+
+
 def test_describe_checkpoint_names_the_data_pairs(ci_run, tmp_path):
     cfg, _ = ci_run
     path = Path(cfg.checkpoint_dir) / "final.pt"
@@ -104,8 +121,11 @@ def test_write_results_scores_with_and_without_unk_replacement(
     pairs = tat.read_multi30k("test")[:40]
     monkeypatch.setattr(tat, "read_multi30k", lambda split: pairs)
     monkeypatch.setattr(tools, "read_multi30k", lambda split: pairs)
+    argv = ["annotated_transformer_tools.py", "train", "--results", "a b"]
+    monkeypatch.setattr(sys, "argv", argv)
     tools.write_results(tmp_path / "r.json", final, wall_time=12.34)
     summary = json.loads((tmp_path / "r.json").read_text())
+    assert shlex.split(summary["command"]) == ["python", *argv]
     sources, refs = [de for de, _ in pairs], [en for _, en in pairs]
     for key, swap in (
         ("test2016_bleu_greedy", True),
@@ -115,6 +135,41 @@ def test_write_results_scores_with_and_without_unk_replacement(
         assert summary[key] == round(tools.compute_bleu(hyps, refs).score, 2)
     assert summary["history"] == history and summary["wall_time_s"] == 12.3
     assert summary["config"]["preset"] == "ci"
+
+
+@pytest.mark.parametrize(
+    "argv, ranks, expected",
+    [
+        (  # the module's file: python runs it
+            ["annotated_transformer_tools.py", "train", "--data", "a b"],
+            None,
+            "python annotated_transformer_tools.py train --data 'a b'",
+        ),
+        (  # the installed command: no python before it
+            ["/venv/bin/annotated-transformer", "train", "--epochs", "2"],
+            None,
+            "/venv/bin/annotated-transformer train --epochs 2",
+        ),
+        (  # torchrun, two processes on one machine
+            ["annotated_transformer_tools.py", "train"],
+            tools.TorchrunRanks(rank=0, world=2, local_rank=0, local_world=2),
+            "torchrun --nproc_per_node=2 annotated_transformer_tools.py train",
+        ),
+        (  # torchrun on two machines of four processes, the command
+            ["/venv/bin/annotated-transformer", "train"],
+            tools.TorchrunRanks(rank=0, world=8, local_rank=0, local_world=4),
+            "torchrun --nproc_per_node=4 --nnodes=2 --no-python"
+            " /venv/bin/annotated-transformer train",
+        ),
+    ],
+)
+def test_results_record_the_command_as_a_shell_takes_it(argv, ranks, expected):
+    """The summary wrote "python " + " ".join(sys.argv): wrong for the
+    installed command and torchrun, and unquoted."""
+    command = tools.run_command(argv, ranks)
+    assert command == expected
+    words = shlex.split(command)
+    assert words[words.index(argv[0]) :] == argv  # quoted: read back whole
 
 
 def test_one_greedy_decoding_gives_both_unk_treatments(ci_run):
