@@ -30,6 +30,7 @@ if __name__ == "__main__" or __import__("sys").argv[0].endswith(
 import argparse
 import contextlib
 import copy
+import difflib
 import functools
 import hashlib
 import http.client
@@ -81,7 +82,6 @@ from the_annotated_transformer import (
     beam_search,
     build_vocabulary,
     cached_greedy_decode,
-    checkout_above,
     collate_batch,
     copy_accuracy,
     create_dataloaders,
@@ -2696,8 +2696,9 @@ TRAINED_MODELS = ("checkpoints/cpu/final.pt", "checkpoints/quick/final.pt")
 
 def default_checkpoint():
     """The longer-trained model that exists, else the `quick` one's path:
-    looked for in the working directory, then in the checkout above it."""
-    for folder in (Path("."), checkout_above() or Path(".")):
+    looked for in the working directory, then in the repository."""
+    repository = data_dir().parent  # as for the downloads
+    for folder in (Path("."), repository):
         for path in TRAINED_MODELS:
             if (folder / path).is_file():
                 return str(folder / path)
@@ -3143,7 +3144,7 @@ def add_decoding_options(parser):
         type=count(most=10_000),
         metavar="K",
         help="average the checkpoint's last K epochs: the epoch files of"
-        " its run next to it, ending at its epoch",
+        " its run next to it, ending at its epoch (default: no averaging)",
     )
     parser.add_argument(
         "--no-replace-unk",
@@ -4070,8 +4071,17 @@ def parsed_or_refused(argv):
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         command = parser.commands[args.command]
-        command.error(f"unrecognized arguments: {' '.join(unknown)}")
+        message = f"unrecognized arguments: {' '.join(unknown)}"
+        command.error(message + did_you_mean(unknown[0], command))
     return args
+
+
+def did_you_mean(word, parser):
+    """ "; did you mean --beam?" for `--bema`, when one option is close."""
+    name = word.split("=")[0]
+    options = [o for a in parser._actions for o in a.option_strings]
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.75)
+    return f"; did you mean {close[0]}?" if close else ""
 
 
 def parse_arguments(argv):
@@ -4458,6 +4468,7 @@ __all__ = [
     "COMMAND_NAMES",
     "command_after_options",
     "parsed_or_refused",
+    "did_you_mean",
     "parse_arguments",
     "stop_as_for_ctrl_c",
     "run_command_line",

@@ -82,6 +82,7 @@ sys.path.insert(0, ROOT)
 import argparse
 import contextlib
 import copy
+import difflib
 import functools
 import hashlib
 import http.client
@@ -139,7 +140,6 @@ from the_annotated_transformer import (
     beam_search,
     build_vocabulary,
     cached_greedy_decode,
-    checkout_above,
     collate_batch,
     copy_accuracy,
     create_dataloaders,
@@ -4057,10 +4057,11 @@ def own_epoch_files(checkpoint, count):
 # checkpoint named, it uses the model that `default_checkpoint` finds:
 # the `cpu` run that `make train` writes, if there is one, else the
 # `quick` run of Part 3 (and of `make notebook`). It looks in the
-# working directory, then in the checkout of the repository above it
-# (the first folder up that holds the library's file, as for
-# `data_dir`), so that it works from any folder of the checkout. With
-# neither, the error names the quick one, the one to train first.
+# working directory, then in the repository that `data_dir` finds: the
+# checkout above the working directory, else the one the library itself
+# lives in (so `python ~/done-right/annotated_transformer_tools.py` works
+# from any folder). With neither, the error names the quick one, the one
+# to train first.
 
 
 # %%
@@ -4070,8 +4071,9 @@ TRAINED_MODELS = ("checkpoints/cpu/final.pt", "checkpoints/quick/final.pt")
 
 def default_checkpoint():
     """The longer-trained model that exists, else the `quick` one's path:
-    looked for in the working directory, then in the checkout above it."""
-    for folder in (Path("."), checkout_above() or Path(".")):
+    looked for in the working directory, then in the repository."""
+    repository = data_dir().parent  # as for the downloads
+    for folder in (Path("."), repository):
         for path in TRAINED_MODELS:
             if (folder / path).is_file():
                 return str(folder / path)
@@ -4593,7 +4595,7 @@ def add_decoding_options(parser):
         type=count(most=10_000),
         metavar="K",
         help="average the checkpoint's last K epochs: the epoch files of"
-        " its run next to it, ending at its epoch",
+        " its run next to it, ending at its epoch (default: no averaging)",
     )
     parser.add_argument(
         "--no-replace-unk",
@@ -5722,7 +5724,8 @@ def command_line_warnings():
 # A mistyped option is reported by its sub-command (`... translate:
 # error: unrecognized arguments: --bogus`), so that its `--help` is the
 # one that lists the options; an option put before the sub-command is
-# named as the mistake. Options must be written in full: argparse would
+# named as the mistake, and an option close to a real one gets a "did
+# you mean". Options must be written in full: argparse would
 # otherwise take `--be 4` for `--beam 4`, and an option added later could
 # silently change what an old command means.
 
@@ -5748,8 +5751,17 @@ def parsed_or_refused(argv):
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         command = parser.commands[args.command]
-        command.error(f"unrecognized arguments: {' '.join(unknown)}")
+        message = f"unrecognized arguments: {' '.join(unknown)}"
+        command.error(message + did_you_mean(unknown[0], command))
     return args
+
+
+def did_you_mean(word, parser):
+    """ "; did you mean --beam?" for `--bema`, when one option is close."""
+    name = word.split("=")[0]
+    options = [o for a in parser._actions for o in a.option_strings]
+    close = difflib.get_close_matches(name, options, n=1, cutoff=0.75)
+    return f"; did you mean {close[0]}?" if close else ""
 
 
 def parse_arguments(argv):

@@ -100,10 +100,10 @@ def reference(tiny, tokenizers, sentences, **options):
     )
 
 
-def run_script(*argv, cwd, stdin=b"", env=None):
+def run_script(*argv, cwd, stdin=b"", env=None, script=SCRIPT):
     """Run the real program in a new process: (status, stdout, stderr)."""
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), *map(str, argv)],
+        [sys.executable, str(script), *map(str, argv)],
         cwd=cwd,
         input=stdin,
         capture_output=True,
@@ -479,6 +479,7 @@ def test_cli_defaults_fit_together(tmp_path, monkeypatch):
     # train writes with no options; once `make train` has written the
     # longer `cpu` run, they prefer that one.
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tat, "MODULE_DIR", None)  # not this repository
     parser = tools.build_parser()
     preset = parser.parse_args(["train"]).preset
     assert preset == "quick"
@@ -501,6 +502,7 @@ def test_translate_without_a_model_names_the_quick_one(
     tmp_path, monkeypatch, capsys
 ):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tat, "MODULE_DIR", None)  # not this repository
     status = tools.main(["translate", "Hallo"])
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1
@@ -767,15 +769,26 @@ def test_train_without_the_data_leaves_no_checkpoint_folder(tmp_path):
     assert not (tmp_path / "ck").exists()
 
 
+@pytest.fixture(scope="module")
+def installed_copy(tmp_path_factory):
+    """The program's two files in a folder of their own, as pip installs
+    them: a checkpoint in this checkout (`make notebook`'s) is not found."""
+    folder = tmp_path_factory.mktemp("installed")
+    for name in ("the_annotated_transformer.py", SCRIPT.name):
+        shutil.copy(ROOT / name, folder)
+    return folder / SCRIPT.name
+
+
 @pytest.mark.parametrize("case", BAD_INPUTS, ids=str)
 def test_bad_input_gets_one_line_and_status_2(
-    case, bad_files, tiny, multi30k_dir
+    case, bad_files, tiny, multi30k_dir, installed_copy
 ):
     argv, message, *env = BAD_INPUTS[case]
     names = {"ckpt": tiny[0], "folder": bad_files, "multi30k": multi30k_dir}
     argv = [arg.format(**names) for arg in argv]
     env = {k: v.format(**names) for k, v in (env or [{}])[0].items()}
-    status, out, err = run_script(*argv, cwd=bad_files, env=env)
+    script = installed_copy if case == "missing checkpoint" else SCRIPT
+    status, out, err = run_script(*argv, cwd=bad_files, env=env, script=script)
     assert status == 2, (status, err)
     assert len(err.splitlines()) == 1 and err.strip(), err
     assert len(err) < 300, "a short line: " + err[:300]
@@ -917,26 +930,32 @@ def test_options_before_the_sub_command_are_named_as_the_mistake(
 
 
 @pytest.mark.parametrize(
-    "argv, unknown",
+    "argv, unknown, hint",
     [
-        (["translate", "--bogus", "x"], "--bogus"),
-        (["train", "--epochs", "2", "--bogus"], "--bogus"),
-        (["evaluate", "--beam", "2", "-z"], "-z"),
-        (["translate", "--be", "2", "Hallo"], "--be"),
-        (["evaluate", "--be", "2"], "--be 2"),
-        (["train", "--epoch", "2"], "--epoch 2"),
-        (["download", "extra"], "extra"),
+        (["translate", "--bogus", "x"], "--bogus", ""),
+        (["train", "--epochs", "2", "--bogus"], "--bogus", ""),
+        (["evaluate", "--beam", "2", "-z"], "-z", ""),
+        (["translate", "--be", "2", "Hallo"], "--be", "--beam"),
+        (["evaluate", "--be", "2"], "--be 2", "--beam"),
+        (["train", "--epoch", "2"], "--epoch 2", "--epochs"),
+        (["translate", "--bema", "4", "x"], "--bema", "--beam"),
+        (["train", "--drop-out=0.2"], "--drop-out=0.2", "--dropout"),
+        (["download", "extra"], "extra", ""),
     ],
 )
-def test_an_unknown_option_is_named_by_its_sub_command(capsys, argv, unknown):
+def test_an_unknown_option_is_named_by_its_sub_command(
+    capsys, argv, unknown, hint
+):
     """The top-level parser reported it, and its --help lists only the
-    sub-commands, not the options that were mistyped."""
+    sub-commands, not the options that were mistyped; an option close to
+    one the sub-command has is suggested."""
     status, out, err = run_cli(capsys, *argv)
     assert status == 2 and out == ""
     prog = tools.build_parser().prog
+    suggested = f"; did you mean {hint}?" if hint else ""
     assert err == (
         f"{prog} {argv[0]}: error: unrecognized arguments: {unknown}"
-        " (see --help)\n"
+        f"{suggested} (see --help)\n"
     )
 
 
@@ -1806,6 +1825,25 @@ def test_the_default_checkpoint_is_found_from_any_folder_of_the_checkout(
     assert tools.default_checkpoint() == str(here)
 
 
+def test_the_default_checkpoint_is_found_in_the_programs_own_checkout(
+    tmp_path, monkeypatch
+):
+    """`cd /tmp && python ~/done-right/annotated_transformer_tools.py
+    translate ...` said "train one first", with a model beside it."""
+    clone = tmp_path / "done-right"
+    quick = clone / "checkpoints" / "quick" / "final.pt"
+    quick.parent.mkdir(parents=True)
+    quick.write_bytes(b"")
+    (clone / "pyproject.toml").write_text("")  # a checkout, not installed
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setattr(tat, "MODULE_DIR", clone)
+    assert tools.default_checkpoint() == str(quick)
+    (clone / "pyproject.toml").unlink()  # an installed copy: not looked in
+    assert tools.default_checkpoint() == "checkpoints/quick/final.pt"
+
+
 # --- resuming ----------------------------------------------------------------
 
 
@@ -2423,7 +2461,9 @@ def test_the_python_examples_of_docs_cli_run_as_written(tiny, tmp_path):
         assert done.returncode == 0, done.stderr
         printed.append(done.stdout.splitlines())
     model_alone, translated = printed
-    assert model_alone[0].startswith("tensor([[0,")  # ids, from the start
+    ids = re.fullmatch(r"tensor\(\[\[(.*)\]\]\)", model_alone[0]).group(1)
+    assert [int(i) for i in ids.split(",")][0] == 0  # from the start symbol
+    assert len(ids.split(",")) == 10  # max_len
     assert translated == [
         "['A man rides a bicycle.']",
         "['Two children play in the snow.']",
