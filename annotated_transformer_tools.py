@@ -2253,7 +2253,7 @@ def train_distributed_model(
     vocabs = [vocabulary_as_data(vocab_src), vocabulary_as_data(vocab_tgt)]
     # main's choice, read back: command_line_warnings, which main calls,
     # sets warning_line as the way to show warnings.
-    one_line = warnings.showwarning is warning_line
+    one_line_warnings = warnings.showwarning is warning_line
     # What each worker receives, in _spawned_worker's order after its rank.
     args = (
         world_size,
@@ -2263,7 +2263,7 @@ def train_distributed_model(
         free_port(),
         resume,
         device,
-        one_line,
+        one_line_warnings,
     )
     earlier = set(multiprocessing.active_children())  # not ours to stop
     try:
@@ -3833,6 +3833,19 @@ def evaluate_reads(args):
     return reads + [multi30k / name for name in MULTI30K_SHA256]
 
 
+def evaluation_line(args, scored, lines):
+    """What `evaluate` scores, for stderr: the model, the decoding, the
+    data (the default model and test set are otherwise chosen silently)."""
+    decoding = "greedy" if args.beam == 1 else f"beam {args.beam}"
+    if args.alpha is not None:
+        decoding += f", alpha {args.alpha}"
+    if args.average:
+        decoding += f", the last {plural(args.average, 'epoch')} averaged"
+    return f"scoring {args.checkpoint} ({decoding}) on {scored}: " + plural(
+        lines, "line"
+    )
+
+
 def command_evaluate(args):
     """`evaluate`: BLEU of a checkpoint on a pair of files."""
     if (args.src is None) != (args.ref is None):
@@ -3844,6 +3857,7 @@ def command_evaluate(args):
     if args.out:
         check_out(args.out, *evaluate_reads(args))
         refuse_a_checkpoint(args.out, "--out")
+    scored = shown_path(args.src) if args.src else "test2016"
     if args.src is None:
         folder = download_multi30k()
         args.src = folder / "test_2016_flickr.de.gz"
@@ -3855,6 +3869,7 @@ def command_evaluate(args):
             " blank lines"
         )
     model, vocab_src, vocab_tgt, decode_fn = load_for_decoding(args)
+    print(evaluation_line(args, scored, len(sources)), file=sys.stderr)
     spacy_de, _ = load_tokenizers()
     limit = position_limit(model)
     sources = [
@@ -4447,6 +4462,7 @@ __all__ = [
     "position_limit",
     "fit_to_model",
     "evaluate_reads",
+    "evaluation_line",
     "command_evaluate",
     "translate_lines",
     "translate_source",

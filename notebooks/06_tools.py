@@ -24,11 +24,10 @@
 # CPU paths (the dropout masks, the loss's gradient); translating for
 # users; reading text files; the command line; and, for Parts 4 and 5,
 # which model a checkpoint holds, and finding one or training a small
-# one. It lives here,
-# after the lessons, and is exported into a second module,
-# `annotated_transformer_tools.py`, which the `annotated-transformer`
-# command runs. Code in this appendix may use anything the lessons
-# defined (the tools module imports it from
+# one. It lives here, after the lessons, and is exported into a second
+# module, `annotated_transformer_tools.py`, which the
+# `annotated-transformer` command runs. Code in this appendix may use
+# anything the lessons defined (the tools module imports it from
 # `the_annotated_transformer.py`); no lesson's exported code uses the
 # appendix.
 
@@ -739,9 +738,8 @@ def train_copy_task(cfg=None, log=print):
 
 # %% [markdown]
 # A run of the `ci` size, in seconds (this cell always uses it). It
-# stops before its limit, and on 500
-# sequences it has never seen, the teacher-forced check gives exactly
-# the greedy fraction:
+# stops before its limit, and on 500 sequences it has never seen, the
+# teacher-forced check gives exactly the greedy fraction:
 
 # %%
 copy_cfg = CopyTaskConfig.for_size("ci")
@@ -2054,9 +2052,8 @@ def same_run(epoch_history, history):
 # `train_worker` calls the library's copies of Part 3's cells, in
 # `the_annotated_transformer.py`, which `make export` writes from
 # `notebooks/03_multi30k.py`. So an edit to a cell of Part 3 reaches its
-# own loop,
-# `train_one_process`, at once, but reaches `train_worker` only once it
-# is exported and the notebook restarted.
+# own loop, `train_one_process`, at once, but reaches `train_worker`
+# only once it is exported and the notebook restarted.
 #
 # The calls, from the command line down (each function has its own
 # section below, in roughly the opposite order):
@@ -2466,8 +2463,7 @@ assert torch.allclose(grads[1], -3 * fast.true_dist, atol=1e-7)
 # constant factor on the whole loss changes little under Adam, which
 # divides it out of each step.) The training loss in the epoch's summary
 # is that mean of the label-smoothed losses alone, so that it compares
-# with runs without R-Drop; the loss on the progress lines is the one
-# trained on, with the KL term.
+# with runs without R-Drop.
 #
 # `TrainConfig.rdrop` is $\alpha$ (`train --rdrop`); 0, the default,
 # trains as before. When it is above 0, `train_epoch` (below, "A run, in
@@ -2564,8 +2560,8 @@ assert torch.isclose(trained_on, plain_mean)
 # %% [markdown]
 # ### A run, in pieces
 #
-# A training run is one process per device: one per GPU, or several
-# that share the CPU. The processes are numbered from 0, and a
+# A training run is one process per GPU, or several processes that
+# share the CPU. The processes are numbered from 0, and a
 # process's number is its *rank*; rank 0 is the one that prints and
 # saves. `train_worker`, further on, is what each process runs, and we
 # build it from a few pieces.
@@ -3436,7 +3432,7 @@ def train_distributed_model(
     vocabs = [vocabulary_as_data(vocab_src), vocabulary_as_data(vocab_tgt)]
     # main's choice, read back: command_line_warnings, which main calls,
     # sets warning_line as the way to show warnings.
-    one_line = warnings.showwarning is warning_line
+    one_line_warnings = warnings.showwarning is warning_line
     # What each worker receives, in _spawned_worker's order after its rank.
     args = (
         world_size,
@@ -3446,7 +3442,7 @@ def train_distributed_model(
         free_port(),
         resume,
         device,
-        one_line,
+        one_line_warnings,
     )
     earlier = set(multiprocessing.active_children())  # not ours to stop
     try:
@@ -4059,9 +4055,10 @@ def own_epoch_files(checkpoint, count):
 # `quick` run of Part 3 (and of `make notebook`). It looks in the
 # working directory, then in the repository that `data_dir` finds: the
 # checkout above the working directory, else the one the library itself
-# lives in (so `python ~/done-right/annotated_transformer_tools.py` works
-# from any folder). With neither, the error names the quick one, the one
-# to train first.
+# lives in, when that folder is a checkout (so `python
+# ~/done-right/annotated_transformer_tools.py` works from any folder; a
+# pip-installed copy is not looked in). With neither, the error names
+# the quick one, the one to train first.
 
 
 # %%
@@ -5183,8 +5180,9 @@ def train_locked(args, config, ranks=None):
 # The file also records the command that ran, as a line a shell takes
 # back (`run_command`): `python` before the module's file, the installed
 # command's path as it was started, and under `torchrun` its number of
-# processes per machine (other torchrun options are not known to the
-# process).
+# processes per machine, `--nnodes` when there are several machines, and
+# `--no-python` before the installed command (other torchrun options are
+# not known to the process).
 
 
 # %%
@@ -5417,7 +5415,10 @@ def fit_to_model(line, number, spacy_de, vocab_src, limit, what="line"):
 # `command_evaluate` is `evaluate`: it reads the source and reference
 # files (test2016 by default; `evaluate_reads` lists what `--out` must
 # not replace), translates them, a blank line into a blank translation
-# as `translate` does, and prints the BLEU score.
+# as `translate` does, and prints the BLEU score. Before it decodes, it
+# says on stderr what it scores (`evaluation_line`: the checkpoint, the
+# decoding and the data), since the default model and test set are
+# otherwise picked without a word; stdout keeps the score alone.
 #
 # `args.checkpoint` is always set when it runs: without `--checkpoint`,
 # `run_command_line` (at the end of this section) fills in
@@ -5438,6 +5439,19 @@ def evaluate_reads(args):
     return reads + [multi30k / name for name in MULTI30K_SHA256]
 
 
+def evaluation_line(args, scored, lines):
+    """What `evaluate` scores, for stderr: the model, the decoding, the
+    data (the default model and test set are otherwise chosen silently)."""
+    decoding = "greedy" if args.beam == 1 else f"beam {args.beam}"
+    if args.alpha is not None:
+        decoding += f", alpha {args.alpha}"
+    if args.average:
+        decoding += f", the last {plural(args.average, 'epoch')} averaged"
+    return f"scoring {args.checkpoint} ({decoding}) on {scored}: " + plural(
+        lines, "line"
+    )
+
+
 def command_evaluate(args):
     """`evaluate`: BLEU of a checkpoint on a pair of files."""
     if (args.src is None) != (args.ref is None):
@@ -5449,6 +5463,7 @@ def command_evaluate(args):
     if args.out:
         check_out(args.out, *evaluate_reads(args))
         refuse_a_checkpoint(args.out, "--out")
+    scored = shown_path(args.src) if args.src else "test2016"
     if args.src is None:
         folder = download_multi30k()
         args.src = folder / "test_2016_flickr.de.gz"
@@ -5460,6 +5475,7 @@ def command_evaluate(args):
             " blank lines"
         )
     model, vocab_src, vocab_tgt, decode_fn = load_for_decoding(args)
+    print(evaluation_line(args, scored, len(sources)), file=sys.stderr)
     spacy_de, _ = load_tokenizers()
     limit = position_limit(model)
     sources = [

@@ -214,9 +214,10 @@ def test_cli_evaluate_files(tiny, tmp_path, capsys):
     ref.write_text("".join(en + "\n" for _, en in PAIRS[::-1]))
     out = tmp_path / "hyp.en"
     args = ["evaluate", "--checkpoint", ckpt, "--src", src, "--ref", ref]
-    status, stdout, _ = run_cli(capsys, *args, "--out", out)
+    status, stdout, err = run_cli(capsys, *args, "--out", out)
     hyps = out.read_text().splitlines()
     assert status == 0 and len(hyps) == len(PAIRS)
+    assert err.splitlines()[0] == f"scoring {ckpt} (greedy) on {src}: 5 lines"
     # The printed score is sacreBLEU's on the written hypotheses.
     import sacrebleu
 
@@ -2468,3 +2469,24 @@ def test_the_python_examples_of_docs_cli_run_as_written(tiny, tmp_path):
         "['A man rides a bicycle.']",
         "['Two children play in the snow.']",
     ]
+
+
+@pytest.mark.parametrize(
+    "options, decoding",
+    [
+        ([], "greedy"),
+        (["--beam", "4"], "beam 4"),
+        (["--beam", "4", "--alpha", "1.0"], "beam 4, alpha 1.0"),
+        (["--average", "1"], "greedy, the last 1 epoch averaged"),
+    ],
+)
+def test_evaluate_says_what_it_scores(options, decoding):
+    """Without --checkpoint and --src, evaluate chose a model and the test
+    set silently and printed a bare score."""
+    args = tools.build_parser().parse_args(["evaluate", *options])
+    args.checkpoint = "checkpoints/quick/final.pt"  # as main fills it in
+    line = tools.evaluation_line(args, "test2016", 1000)
+    assert line == (
+        f"scoring checkpoints/quick/final.pt ({decoding}) on test2016:"
+        " 1000 lines"
+    )
