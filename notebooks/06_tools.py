@@ -1588,7 +1588,10 @@ def checkpoint_head(path):
     if not head:
         raise CheckpointError(f"{path} is empty (0 bytes), not a checkpoint")
     if head != b"PK" and head[:1] != b"\x80":  # neither zip nor pickle
-        raise CheckpointError(f"{path} is not a checkpoint")
+        raise CheckpointError(
+            f"{path} is not a checkpoint: torch.save writes a zip archive"
+            " (older versions a pickle), and this file is neither"
+        )
     return head
 
 

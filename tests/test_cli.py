@@ -589,7 +589,7 @@ BAD_INPUTS = {  # name: (argv, a part of the message, extra environment)
     "missing checkpoint": (["translate", "Hallo"], "no checkpoint"),
     "random bytes": (
         ["translate", "--checkpoint", "random.pt", "Ja"],
-        "random.pt is not a checkpoint",
+        "random.pt is not a checkpoint: torch.save writes a zip archive",
     ),
     "zero-byte checkpoint": (
         ["translate", "--checkpoint", "empty.pt", "Ja"],
