@@ -81,8 +81,9 @@ def test_real_token_flops_ignore_padding():
     config = tools.get_config("cpu")
     data = [([1] * 5, [1] * 4), ([1] * 9, [1] * 7)]
     total = efficiency.real_token_flops(data, config, 100)
-    one = efficiency.training_flops(1, 5, 3, 3, 256, 1024, 100)
-    two = efficiency.training_flops(1, 9, 6, 3, 256, 1024, 100)
+    sizes = (config.N, config.d_model, config.d_ff, 100)
+    one = efficiency.training_flops(1, 5, 3, *sizes)
+    two = efficiency.training_flops(1, 9, 6, *sizes)
     assert total == one + two
 
 

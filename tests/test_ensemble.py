@@ -42,24 +42,28 @@ def test_a_model_twice_decodes_as_the_model(batch):
 
 def test_two_models_pick_the_most_probable_token_on_average(batch):
     """Beam 1, first token: the argmax of the two models' mean
-    probability, computed here from each model's own full decoder."""
+    probability, computed here from each model's own full decoder. The
+    biases make the mean of log-probabilities pick another token, so an
+    ensemble that averaged those instead would fail."""
     a, b = random_model(3), random_model(4)
-    with torch.no_grad():  # a prefers 5, b prefers 6; both like 7 next
-        for model, first in ((a, 5), (b, 6)):
+    biases = {a: {5: 8.0, 7: 6.0}, b: {5: -10.0, 6: 6.5, 7: 6.0}}
+    with torch.no_grad():
+        for model, bias in biases.items():
             model.generator.proj.weight.zero_()  # the bias alone decides
             model.generator.proj.bias.zero_()
-            model.generator.proj.bias[[first, 7]] = torch.tensor([6.0, 5.8])
+            for token, value in bias.items():
+                model.generator.proj.bias[token] = value
     src, mask = batch
     start = torch.full((src.size(0), 1), tat.BOS)
-    probs = []
+    logps = []
     for model in (a, b):
         out = model.decode(model.encode(src, mask), mask, start, None)
-        probs.append(model.generator(out[:, -1]).exp())
-    expected = ((probs[0] + probs[1]) / 2).argmax(-1)
+        logps.append(model.generator(out[:, -1]))  # (B, V)
+    expected = ((logps[0].exp() + logps[1].exp()) / 2).argmax(-1)
+    by_log_probs = ((logps[0] + logps[1]) / 2).argmax(-1)
+    assert (expected == 5).all() and (by_log_probs == 7).all()
     together = ensemble.ensemble_beam_search([a, b], src, mask, 2, 1, 0.6)
     assert torch.equal(together[:, 1], expected)
-    for alone in probs:  # on average 7 wins, which neither picks alone
-        assert not torch.equal(alone.argmax(-1), expected)
 
 
 @pytest.mark.parametrize(

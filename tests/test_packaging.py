@@ -1,5 +1,6 @@
 """`pip install .` gives a fresh virtual environment, outside the clone,
-both modules and the `annotated-transformer` command."""
+both modules and the `annotated-transformer` command (with this
+environment's torch, so that nothing large is downloaded)."""
 
 import subprocess
 import sys
@@ -29,10 +30,15 @@ def test_pip_install_into_a_fresh_venv(tmp_path):
     base = getattr(sys, "_base_executable", sys.executable)
     run([base, "-m", "venv", venv], tmp_path)
     python = venv / "bin" / "python"
-    # The same torch as here, so that no CUDA build is downloaded.
-    torch_pin = "torch==" + torch.__version__.split("+")[0]
-    run([python, "-m", "pip", "install", "-q", torch_pin], tmp_path)
+    # torch is lent from this environment through a .pth file, not
+    # downloaded: on Linux, PyPI's torch is the CUDA build, several GB.
+    # pip then finds the requirement met, and installs only the package.
+    where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = Path(run([python, "-c", where], tmp_path).strip())
+    torch_site = Path(torch.__file__).resolve().parent.parent
+    (site / "torch_from_here.pth").write_text(f"{torch_site}\n")
     run([python, "-m", "pip", "install", "-q", ROOT], tmp_path)
+    assert not (site / "torch").exists()  # lent, not installed again
     code = (
         "import annotated_transformer_tools as tools\n"
         "import the_annotated_transformer as tat\n"

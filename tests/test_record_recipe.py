@@ -21,13 +21,13 @@ record_recipe = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(record_recipe)
 
 
-def a_run(steps=765, bleu=37.0):
+def a_run(steps=765, bleu=37.0, precision="auto"):
     """What `train --results` writes, reduced to what `record` reads."""
     history = [
         {"epoch": 0, "train_loss": 2.0, "val_loss": 1.5, "steps": steps}
     ]
     return {
-        "config": {"preset": "quick"},
+        "config": {"preset": "quick", "precision": precision},
         "history": history,
         "epochs": 1,
         "wall_time_s": 100.0,
@@ -47,6 +47,28 @@ def test_train_seconds_run_from_the_start_to_final_pt(tmp_path):
     assert result["steps"] == 765 and result["threads"] == 2
     assert result["test2016_bleu_greedy"] == 37.0
     assert "--preset quick --threads 2" in result["train_command"]
+
+
+@pytest.mark.parametrize(
+    "native_bf16, asked, recorded",
+    [
+        (True, "auto", "bfloat16"),
+        (False, "auto", "float32"),
+        (True, "fp32", "float32"),
+        (True, "bf16", "bfloat16"),  # the older name of "auto"
+    ],
+)
+def test_the_precision_recorded_is_the_one_the_run_used(
+    tmp_path, monkeypatch, native_bf16, asked, recorded
+):
+    """On a CPU with native bf16 the record read config["precision"],
+    which this file's runs lacked: the test could not fail elsewhere."""
+    monkeypatch.setattr(tools, "cpu_has_native_bf16", lambda: native_bf16)
+    (tmp_path / "final.pt").touch()
+    run = a_run(precision=asked)
+    result = record_recipe.record("quick", 2, tmp_path, run, time.time())
+    assert result["precision"] == recorded
+    assert result["hardware"]["native_bf16"] is native_bf16
 
 
 @pytest.mark.parametrize(
