@@ -890,6 +890,8 @@ class Vocab:
         """Equal to a word vocabulary of any class with the same tokens:
         a vocabulary loaded from a checkpoint is the library's Vocab, not
         this notebook's class, and still equals the one built here."""
+        # (Defining __eq__ makes Python drop __hash__: a Vocab cannot be
+        # a dict key or a set member, which nothing here needs.)
         if not hasattr(other, "get_itos"):
             return NotImplemented  # not a vocabulary: Python says unequal
         if hasattr(other, "encode"):  # Part 5's subwords: never equal
@@ -941,7 +943,9 @@ def bucket(order, sizes, max_tokens):
             batches.append(batch)
             batch = []
         batch.append(i)
-    return batches + [batch] if batch else batches
+    if batch:  # the last, partly filled batch
+        batches.append(batch)
+    return batches
 
 
 class TokenBatchSampler(torch.utils.data.Sampler):
@@ -1069,8 +1073,7 @@ class TrainConfig:
     num_workers: int = 0  # processes that prepare batches (0: this one)
     # For the appendix and Part 5; at their defaults, no change here:
     preset: str = "cpu"
-    precision: str = "auto"  # 16-bit where fast (bf16, or float16 on a
-    # T4), else float32; "fp32": always float32. train_model reads it
+    precision: str = "auto"  # 16-bit where fast, else float32; or "fp32"
     checkpoint_dir: str = "checkpoints/cpu"
     tokenization: str = "word"  # or "bpe": one subword vocabulary
     tie_embeddings: bool = False  # the generator reuses an embedding
@@ -1213,13 +1216,13 @@ def batch_greedy_decode(
 ):
     """Greedy decoding of a batch until every row has produced </s>."""
     memory = model.encode(src, src_mask)  # (B, S, d_model)
-    ys = torch.full_like(src[:, :1], start_symbol)  # (B, 1)
+    ys = src.new_full((src.size(0), 1), start_symbol)  # (B, 1), as Part 2
     done = torch.zeros_like(ys[:, 0], dtype=torch.bool)  # (B,)
     for _ in range(max_len - 1):
         tgt_mask = subsequent_mask(ys.size(1), src.device)  # (1, t, t)
         out = model.decode(memory, src_mask, ys, tgt_mask)  # (B, t, d_model)
         next_word = model.generator(out[:, -1]).argmax(dim=-1)  # (B,)
-        next_word = next_word.masked_fill(done, PAD)
+        next_word = next_word.masked_fill(done, PAD)  # finished: padding
         ys = torch.cat([ys, next_word.unsqueeze(1)], dim=1)  # (B, t + 1)
         done |= next_word == end_symbol
         if done.all():
@@ -1683,10 +1686,7 @@ def attend_step(attn, x, k, v, mask=None):
     R = x.size(0)
     kv_rows = k.size(0)
     group = R // kv_rows  # rows per set of keys and values
-    # (R, 1, d) -> (kv_rows, group, d). In greedy decoding, and in any
-    # self-attention, group is 1 and the reshape changes nothing; beam
-    # search (section 2) needs it.
-    queries = x.reshape(kv_rows, group, x.size(-1))
+    queries = x.reshape(kv_rows, group, x.size(-1))  # (kv_rows, group, d)
     q = attn.split_heads(queries, attn.w_q)  # (kv_rows, h, group, d_k)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     # Merge the heads, as in Part 1: (kv_rows, h, group, d_k) -> (R, 1, d)
@@ -1796,7 +1796,7 @@ def beam_candidates(logp, logp_sum, lengths, finished, alpha):
     """The best extensions of each hypothesis.
 
     Returns the candidates' scores, log P and tokens, each (A, k * c),
-    and the hypotheses' lengths after this step, (A, k)."""
+    the hypotheses' lengths after this step, (A, k), and c."""
     A, k, V = logp.shape  # (sentences, beams, vocabulary)
     c = min(k, V)  # candidates kept per hypothesis: all that can win
     logp, word = logp.topk(c, dim=-1)  # (A, k, c)
@@ -1808,20 +1808,25 @@ def beam_candidates(logp, logp_sum, lengths, finished, alpha):
     done = finished.unsqueeze(-1)  # (A, k, 1)
     logp = torch.where(done, if_finished, logp)  # (A, k, c)
     word = word.masked_fill(done, PAD)  # (A, k, c)
-    cand = logp_sum.unsqueeze(-1) + logp  # (A, k, c) log P of each
+    cand_logp = logp_sum.unsqueeze(-1) + logp  # (A, k, c) log P of each
     cand_len = lengths + (~finished).long()  # (A, k)
-    score = cand / length_penalty(cand_len, alpha).unsqueeze(-1)
-    return score.view(A, -1), cand.view(A, -1), word.view(A, -1), cand_len
+    score = cand_logp / length_penalty(cand_len, alpha).unsqueeze(-1)
+    return (
+        score.view(A, -1),
+        cand_logp.view(A, -1),
+        word.view(A, -1),
+        cand_len,
+        c,
+    )
 
 
 def advance_beams(beams, logp, t, alpha, end_symbol):
     """Extend every hypothesis by one token and keep the k best."""
     k = beams.logp_sum.size(1)
-    score, cand, words, cand_len = beam_candidates(
+    score, cand_logp, words, cand_len, c = beam_candidates(
         logp, beams.logp_sum, beams.lengths, beams.finished, alpha
     )  # (A, k * c), c candidates per hypothesis
     score, idx = score.topk(k, dim=1)  # (A, k) positions in the k * c
-    c = words.size(1) // k  # candidates per hypothesis
     # A sentence's k * c candidates are its k hypotheses' c each, one
     # after the other: idx = parent * c + m, for the m-th candidate of
     # hypothesis `parent`. So the division gives back the parent.
@@ -1835,26 +1840,21 @@ def advance_beams(beams, logp, t, alpha, end_symbol):
     tokens = beams.tokens.gather(1, parent_index)  # (A, k, max_len)
     tokens[:, :, t] = word
     lengths = cand_len.gather(1, parent)
-    new = Beams(beams.sent, tokens, cand.gather(1, idx), lengths, finished)
+    logp_sum = cand_logp.gather(1, idx)  # (A, k)
+    new = Beams(beams.sent, tokens, logp_sum, lengths, finished)
     ended = torch.where(finished & ~was_finished, score, -math.inf)
     return new, parent, ended  # ended: (A, k) scores, -inf if not new
 
 
 def keep_best(out, best, beams, score):
-    """In place: keep each sentence's best hypothesis so far.
-
-    `out` (B, max_len) and `best` (B,) have one row per sentence of the
-    whole batch. `score` (A, k) has one row per sentence still searching,
-    and `beams.sent` maps each of those to its row in `out` and `best`.
-    For each searching sentence, take the best of its k scores; if it
-    beats `best`, store the score in `best` and the hypothesis's tokens
-    in `out`.
-    """
+    """In place: record each sentence's best hypothesis if it beats `best`."""
     top, j = score.max(dim=1)  # (A,) best score, (A,) its hypothesis
+    sentences = torch.arange(j.size(0), device=j.device)  # (A,)
+    chosen = beams.tokens[sentences, j]  # (A, max_len) hypothesis j's tokens
     better = top > best[beams.sent]  # (A,) beats its sentence's record
-    rows = beams.sent[better]  # their rows in `out` and `best`
+    rows = beams.sent[better]  # (A',) their rows in `out` and `best`
     best[rows] = top[better]
-    out[rows] = beams.tokens[better, j[better]]  # hypothesis j's tokens
+    out[rows] = chosen[better]  # (A', max_len)
 
 
 def beam_search_steps(

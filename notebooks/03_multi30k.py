@@ -100,9 +100,9 @@ from pathlib import Path
 import torch
 
 # %%
-# Parts 1 and 2, and the appendix's machinery (notebook 06)
-import json
+import json  # to read the recorded runs in results/
 
+# Parts 1 and 2, and the appendix's machinery (notebook 06)
 import annotated_transformer_tools as tools
 from the_annotated_transformer import Batch, LabelSmoothing, SimpleLossCompute
 from the_annotated_transformer import TrainState, greedy_decode, make_model
@@ -258,6 +258,8 @@ class Vocab:
         """Equal to a word vocabulary of any class with the same tokens:
         a vocabulary loaded from a checkpoint is the library's Vocab, not
         this notebook's class, and still equals the one built here."""
+        # (Defining __eq__ makes Python drop __hash__: a Vocab cannot be
+        # a dict key or a set member, which nothing here needs.)
         if not hasattr(other, "get_itos"):
             return NotImplemented  # not a vocabulary: Python says unequal
         if hasattr(other, "encode"):  # Part 5's subwords: never equal
@@ -391,7 +393,9 @@ def bucket(order, sizes, max_tokens):
             batches.append(batch)
             batch = []
         batch.append(i)
-    return batches + [batch] if batch else batches
+    if batch:  # the last, partly filled batch
+        batches.append(batch)
+    return batches
 
 
 # %% [markdown]
@@ -646,8 +650,7 @@ class TrainConfig:
     num_workers: int = 0  # processes that prepare batches (0: this one)
     # For the appendix and Part 5; at their defaults, no change here:
     preset: str = "cpu"
-    precision: str = "auto"  # 16-bit where fast (bf16, or float16 on a
-    # T4), else float32; "fp32": always float32. train_model reads it
+    precision: str = "auto"  # 16-bit where fast, else float32; or "fp32"
     checkpoint_dir: str = "checkpoints/cpu"
     tokenization: str = "word"  # or "bpe": one subword vocabulary
     tie_embeddings: bool = False  # the generator reuses an embedding
@@ -675,6 +678,15 @@ def model_from_config(c, n_src, n_tgt, dropout=None):
             model.tgt_embed[0].lut.weight = model.src_embed[0].lut.weight
         model.generator.proj.weight = model.tgt_embed[0].lut.weight
     return model
+
+
+# %% [markdown]
+# Check: the defaults are the `cpu` preset, field by field (the
+# library's `TrainConfig` is another class than this notebook's, so the
+# two objects themselves never compare equal).
+
+# %%
+assert vars(TrainConfig()) == vars(tools.get_config("cpu"))
 
 
 # %% [markdown]
@@ -1040,10 +1052,9 @@ else:
 #
 # **How long.**
 #
-# - a 2-core CPU in float32: 14 to 20 minutes (the reference run's
-#   training took 13.9, `results/recipe_quick.json`; in the recorded
-#   runs of this notebook, epochs ended 3.2 to 3.7 minutes apart, once
-#   5.5, and the whole notebook took 14 to 22 minutes,
+# - a 2-core CPU in float32: 14 to 20 minutes, an epoch every 3 to 4
+#   minutes (the reference run's training took 13.9,
+#   `results/recipe_quick.json`; the whole notebook, 14 to 22,
 #   `results/make_notebook.md`);
 # - a 2-core CPU with native bf16: about 10 minutes (the whole notebook
 #   took 10 to 11, `results/make_notebook.md`); `!grep -c -E
@@ -1086,16 +1097,10 @@ else:
 #   model on Google Drive.
 #
 # **Your edits and this run.** `train_model` runs the library's copies
-# of this lesson's `#| export` cells, which change only once `make
-# export` (which runs `tools/export.py`) has copied the edits from
-# `notebooks/03_multi30k.py` and the notebook is restarted. That `.py`
-# file is the source: `make export` rewrites the `.ipynb` from it, so
-# edit the `.py` (Jupyter with jupytext keeps the two in step). On
-# Colab, your edits stay in Colab's copy of the notebook and never reach
-# that file. To try an edit, run `train_one_process` with the `ci`
-# preset, as above. (The project's automated tests run every notebook
-# in a tiny version, `AT_SIZE=ci`, where the training cell trains the
-# `ci` preset.)
+# of this lesson's functions, so an edit to a cell here does not reach
+# it (in a clone, `make export` copies edits into the library; see
+# `docs/development.md`). To try an edit, run `train_one_process` with
+# the `ci` preset, as above.
 
 # %% [markdown]
 # Your run beside the recorded one. When the training cell above has
@@ -1103,19 +1108,23 @@ else:
 # epoch beside the recorded run's (from `results/recipe_quick.json`).
 # They may differ in the last digits on other hardware, and more where
 # it computes in 16 bits (a GPU, or a CPU with native bf16; a Mac stays
-# in float32). The T4's float16 path, run on an H100 made to report a
-# T4's compute capability, gave validation losses within 0.01 of the
-# recorded ones (`results/gpu_h100_2/fp16_quick.json`). The cell prints
+# in float32). A GPU in float16, as a T4 trains, gave losses within
+# 0.01 of the recorded ones (`results/gpu_h100_2/fp16_quick.json`). The
+# cell prints
 # nothing when the training cell found a trained model (no new losses),
 # or in the tests' tiny run, which trains another recipe.
 
 # %%
 recorded = json.loads(Path(ROOT, "results/recipe_quick.json").read_text())
 if history is not None and preset == "quick":
-    print("validation loss after each epoch: yours, then the recorded run's")
+    print("validation loss after each epoch: yours, the recorded run's")
     for mine, theirs in zip(history, recorded["history"], strict=True):
-        losses = f"{mine['val_loss']:.3f}, {theirs['val_loss']:.3f}"
-        print(f"epoch {mine['epoch']}: {losses}")
+        yours, recorded_loss = mine["val_loss"], theirs["val_loss"]
+        difference = yours - recorded_loss
+        print(
+            f"epoch {mine['epoch']}: {yours:.3f}, {recorded_loss:.3f}"
+            f" (difference {difference:+.3f})"
+        )
 
 # %% [markdown]
 # ### Why the quick recipe works
@@ -1150,6 +1159,9 @@ if history is not None and preset == "quick":
 #   | 1,500 tokens | 1,600 | 200, 2.7e-3 | 27.17 |
 #   | 3,000 tokens | 660 | 300, 2.2e-3 | 32.46 |
 #
+#   (Both with dropout, so their steps were slower than `quick`'s, whose
+#   765 steps take about as long.)
+#
 # The trials, with their commands, machines and times, are in
 # `results/recipe_sweep.md`; `docs/results.md` has the table of the
 # three trials that led to `quick`.
@@ -1174,13 +1186,13 @@ def batch_greedy_decode(
 ):
     """Greedy decoding of a batch until every row has produced </s>."""
     memory = model.encode(src, src_mask)  # (B, S, d_model)
-    ys = torch.full_like(src[:, :1], start_symbol)  # (B, 1)
+    ys = src.new_full((src.size(0), 1), start_symbol)  # (B, 1), as Part 2
     done = torch.zeros_like(ys[:, 0], dtype=torch.bool)  # (B,)
     for _ in range(max_len - 1):
         tgt_mask = subsequent_mask(ys.size(1), src.device)  # (1, t, t)
         out = model.decode(memory, src_mask, ys, tgt_mask)  # (B, t, d_model)
         next_word = model.generator(out[:, -1]).argmax(dim=-1)  # (B,)
-        next_word = next_word.masked_fill(done, PAD)
+        next_word = next_word.masked_fill(done, PAD)  # finished: padding
         ys = torch.cat([ys, next_word.unsqueeze(1)], dim=1)  # (B, t + 1)
         done |= next_word == end_symbol
         if done.all():
@@ -1232,22 +1244,22 @@ import copy
 
 on_cpu = copy.deepcopy(trained).to("cpu")  # `trained` stays where it is
 pairs = splits["val"][:12]
-batch = encode_pairs(pairs, trained_src, trained_tgt, spacy_de, spacy_en)
-src, _ = collate_batch(batch)
+encoded = encode_pairs(pairs, trained_src, trained_tgt, spacy_de, spacy_en)
+src, _ = collate_batch(encoded)
 max_len = 20
 src_mask = (src != PAD).unsqueeze(-2)  # (B, 1, S): True at real tokens
 batched = batch_greedy_decode(on_cpu, src, src_mask, max_len)
 identical = 0
 with torch.no_grad():  # Part 2's greedy_decode leaves autograd on
-    for (ids, _), row in zip(batch, batched.tolist(), strict=True):
+    for (ids, _), row in zip(encoded, batched.tolist(), strict=True):
         one = torch.tensor([ids])  # (1, S): no padding
         alone = greedy_decode(
             on_cpu, one, (one != PAD).unsqueeze(-2), max_len, BOS
         )
         if strip_specials(row) == strip_specials(alone[0].tolist()):
             identical += 1
-print(f"{identical} of {len(batch)} translations are identical")
-assert identical == len(batch)
+print(f"{identical} of {len(encoded)} translations are identical")
+assert identical == len(encoded)
 
 # %% [markdown]
 # ## BLEU
@@ -1272,8 +1284,11 @@ assert identical == len(batch)
 # `tools.translate_batch` translates the whole test set with our
 # `batch_greedy_decode`, in length-sorted batches, and keeps every
 # `<unk>` as it is (`replace_unk=False`; Part 4 puts the German word in
-# its place), so the score is that of plain greedy decoding. First the
-# translations, and three of them to read beside their human references.
+# its place), so the score is that of plain greedy decoding. It returns
+# finished English text, detokenized, one string per sentence; each
+# translation stops at `</s>` or 50 tokens past its source's length, the
+# paper's limit. First the translations, and three of them to read beside
+# their human references.
 
 # %%
 # CI: the first 100 sentences, with the tiny `ci` model, whose output is
@@ -1290,7 +1305,7 @@ hyps = tools.translate_batch(
     replace_unk=False,
     progress=True,  # a bar while test2016's 1,000 sentences decode
 )
-for de, en, hyp in zip(sources[:3], references, hyps):
+for de, en, hyp in zip(sources[:3], references[:3], hyps[:3]):
     print(f"{de}\n  reference: {en}\n  model:     {hyp}")
 
 # %% [markdown]
@@ -1339,13 +1354,17 @@ if preset == "quick":
 # `results/recipe_quick.json`, not from a run this notebook trained): the
 # greedy BLEU of each epoch's checkpoint on the validation split, with
 # `<unk>` kept, against the minutes since its process started. Its last
-# point is the table's 34.52. The assert checks the recorded file: no
-# epoch scored lower than the one before.
+# point is the table's 34.52. The asserts check the recorded file: no
+# epoch scored lower than the one before, the last point is 34.52, and
+# the validation losses are those quoted under "The reference run".
 
 # %%
 curve = recorded["validation_curve"]
 bleus = [point["val_bleu"] for point in curve]
 assert bleus == sorted(bleus)
+assert round(bleus[-1], 2) == 34.52
+recorded_losses = [round(e["val_loss"], 2) for e in recorded["history"]]
+assert recorded_losses == [3.13, 2.12, 1.70, 1.52, 1.46]
 tools.line_chart(
     curve,
     "minutes",

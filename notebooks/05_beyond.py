@@ -42,13 +42,8 @@
 # follow this lesson; only the `<unk>` replacement that translation
 # applies by default comes from there.
 #
-# Recorded training runs are named by letter, as in `docs/results.md`
-# ("Runs A and B", "Runs C and D"), which describes each:
-#
-# - **A**: words, the `cpu` preset, 18 epochs; **B**: BPE, `cpu-bpe`, 14
-#   epochs (both scored in `results/beyond.md`);
-# - **C**: words, `cpu`, 10 epochs; **D**: BPE, `cpu-bpe`, 8 epochs
-#   (both in float32, scored in `results/beyond_site_full.md`).
+# Recorded training runs are named by letter, A to D, as in
+# `docs/results.md`; section 5's table says what each was.
 
 # %% [markdown]
 # [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/annotated-transformer/done-right/blob/main/notebooks/05_beyond.ipynb)
@@ -161,11 +156,11 @@ from annotated_transformer_tools import (
 # It looks first for the `cpu` model that `make train` trains (hours of
 # training), then for the `quick` model that Part 3 trained in minutes.
 # If neither is there, it trains one here: the `quick` model on a CUDA
-# GPU (under two minutes on an H100; a T4 was not measured), else the
-# tiny `ci` preset, in seconds, whose translations are poor but whose
-# checks work the same. The appendix (notebook 06, "A trained model, or
-# a small one trained now") says what runs where, on Colab and on a Mac
-# too.
+# GPU (under two minutes on an H100, where all of notebook 03 took 88 s,
+# `docs/gpu.md`; a T4 was not measured), else the tiny `ci` preset, in
+# seconds, whose translations are poor but whose checks work the same.
+# The appendix (notebook 06, "A trained model, or a small one trained
+# now") says what runs where, on Colab and on a Mac too.
 #
 # A GPU runtime on Colab is there for training: with no saved model, it
 # trains `quick` in minutes instead of the stand-in. Decoding in this
@@ -197,6 +192,7 @@ checkpoint = find_or_train(
 )
 model, vocab_src, vocab_tgt, config = load_trained_model(checkpoint, "cpu")
 print("model:", describe_checkpoint(checkpoint))
+print("precision asked for:", config.precision)  # section 5 uses it
 # True for a trained model, False for the stand-in: the checks of
 # translation quality below apply only when it is True.
 trained = config.preset in ("cpu", "quick")
@@ -249,11 +245,9 @@ src_mask = (src != PAD).unsqueeze(-2)  # (B, 1, S)
 # in the batch; in greedy decoding a row is a sentence. `select(index)`
 # keeps the $R'$ rows that `index` lists, in the target-side cache and in
 # the source side: greedy decoding uses it to drop the sentences that
-# have finished. (Section 2's beam search gives a sentence several rows,
-# with a cache of its own that extends this one.) Two pieces below are
-# there only for section 2, and can be skipped on a first read: the
-# split of `select` into `keep_rows` and `keep_sentences`, and the
-# `group` reshape in `attend_step`.
+# have finished. (`select` is split into `keep_rows` and
+# `keep_sentences` for section 2's beam search, where a sentence has
+# several rows.)
 
 
 # %%
@@ -298,11 +292,8 @@ class DecoderCache:
 # %% [markdown]
 # One decoding step reuses the trained modules as they are; only the
 # attention calls change. `attend_step` attends from new positions, one
-# per row, to keys and values already projected. In greedy decoding `k`
-# and `v` have one row per query, and the reshape inside changes nothing.
-# It is for section 2's beam search, where a sentence's 4 hypotheses are
-# 4 rows that share one copy of its source keys: `group=4` turns their 4
-# queries into one row of 4 queries against those keys.
+# per row, to keys and values already projected. `group` is 1 here;
+# section 2 explains it.
 #
 # `cached_self_attention` appends the newest position's key and value to
 # the layer's cache and attends over all of it, with no mask, since every
@@ -319,10 +310,7 @@ def attend_step(attn, x, k, v, mask=None):
     R = x.size(0)
     kv_rows = k.size(0)
     group = R // kv_rows  # rows per set of keys and values
-    # (R, 1, d) -> (kv_rows, group, d). In greedy decoding, and in any
-    # self-attention, group is 1 and the reshape changes nothing; beam
-    # search (section 2) needs it.
-    queries = x.reshape(kv_rows, group, x.size(-1))
+    queries = x.reshape(kv_rows, group, x.size(-1))  # (kv_rows, group, d)
     q = attn.split_heads(queries, attn.w_q)  # (kv_rows, h, group, d_k)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     # Merge the heads, as in Part 1: (kv_rows, h, group, d_k) -> (R, 1, d)
@@ -488,12 +476,13 @@ with torch.no_grad():
 # limit; the only difference is the cache. Each time is the best of
 # three runs. A wall-clock time depends on what else the machine is
 # doing, so the cell prints the times and checks nothing about them.
-# On record, with run A's model, the cache decoded the 1,000 test
-# sentences 6.7 times as fast (3.9 s against 26.4 s), on one thread
-# (`bench/decoding.py`, which times every decoder on the whole test set;
-# its medians are in `bench/RESULTS_decoding.md`). This cell runs with
-# PyTorch's default number of threads, and on 16 sentences: expect a
-# different ratio, and with the stand-in a smaller gain.
+# On record, with run A's model (section 5's table lists the runs), the
+# cache decoded the 1,000 test sentences 6.7 times as fast (3.9 s
+# against 26.4 s), on one thread (`bench/decoding.py`, which times every
+# decoder on the whole test set; its medians are in
+# `bench/RESULTS_decoding.md`). This cell runs with PyTorch's default
+# number of threads, and on 16 sentences: expect a different ratio, and
+# with the stand-in a smaller gain.
 
 
 # %%
@@ -579,6 +568,12 @@ assert other_p > greedy_p
 # Hypotheses end at different times. One that has produced `</s>` stays
 # in the beam with its score frozen (its only continuation is `<blank>`,
 # at no cost); if it loses its place, `keep_best`, below, remembers it.
+# So while it holds its place, fewer than $k$ hypotheses run. Toolkits
+# such as fairseq and tensor2tensor instead keep $k$ running and store
+# finished ones apart, which searches a little wider. Ours is the
+# simpler search, and still sound: no finished hypothesis is lost, since
+# `keep_best` records each, and with $k = 1$ it is exactly greedy
+# decoding (checked below).
 #
 # The search keeps, for the $A$ sentences still searching (a sentence
 # leaves the batch once all its hypotheses have ended), $k$ hypotheses
@@ -635,7 +630,7 @@ def beam_candidates(logp, logp_sum, lengths, finished, alpha):
     """The best extensions of each hypothesis.
 
     Returns the candidates' scores, log P and tokens, each (A, k * c),
-    and the hypotheses' lengths after this step, (A, k)."""
+    the hypotheses' lengths after this step, (A, k), and c."""
     A, k, V = logp.shape  # (sentences, beams, vocabulary)
     c = min(k, V)  # candidates kept per hypothesis: all that can win
     logp, word = logp.topk(c, dim=-1)  # (A, k, c)
@@ -647,10 +642,16 @@ def beam_candidates(logp, logp_sum, lengths, finished, alpha):
     done = finished.unsqueeze(-1)  # (A, k, 1)
     logp = torch.where(done, if_finished, logp)  # (A, k, c)
     word = word.masked_fill(done, PAD)  # (A, k, c)
-    cand = logp_sum.unsqueeze(-1) + logp  # (A, k, c) log P of each
+    cand_logp = logp_sum.unsqueeze(-1) + logp  # (A, k, c) log P of each
     cand_len = lengths + (~finished).long()  # (A, k)
-    score = cand / length_penalty(cand_len, alpha).unsqueeze(-1)
-    return score.view(A, -1), cand.view(A, -1), word.view(A, -1), cand_len
+    score = cand_logp / length_penalty(cand_len, alpha).unsqueeze(-1)
+    return (
+        score.view(A, -1),
+        cand_logp.view(A, -1),
+        word.view(A, -1),
+        cand_len,
+        c,
+    )
 
 
 # %% [markdown]
@@ -670,6 +671,14 @@ def beam_candidates(logp, logp_sum, lengths, finished, alpha):
 # beam, scoring -1.8 and -1.9, fill the beam and push it out. After more
 # tokens they end at -2.5 and -2.6. Without the record the search would
 # return the -2.5 one; with it, the recorded -2.1 wins.
+#
+# `keep_best(out, best, beams, score)` keeps that record, in place.
+# `out` (B, max_len) and `best` (B,) have one row per sentence of the
+# whole batch: the best hypothesis so far and its score. `score` (A, k)
+# has one row per sentence still searching, and `beams.sent` maps each
+# of those to its row in `out` and `best`. For each searching sentence,
+# `keep_best` takes the best of its $k$ scores; if that beats `best`, it
+# stores the score in `best` and the hypothesis's tokens in `out`.
 
 
 # %%
@@ -677,11 +686,10 @@ def beam_candidates(logp, logp_sum, lengths, finished, alpha):
 def advance_beams(beams, logp, t, alpha, end_symbol):
     """Extend every hypothesis by one token and keep the k best."""
     k = beams.logp_sum.size(1)
-    score, cand, words, cand_len = beam_candidates(
+    score, cand_logp, words, cand_len, c = beam_candidates(
         logp, beams.logp_sum, beams.lengths, beams.finished, alpha
     )  # (A, k * c), c candidates per hypothesis
     score, idx = score.topk(k, dim=1)  # (A, k) positions in the k * c
-    c = words.size(1) // k  # candidates per hypothesis
     # A sentence's k * c candidates are its k hypotheses' c each, one
     # after the other: idx = parent * c + m, for the m-th candidate of
     # hypothesis `parent`. So the division gives back the parent.
@@ -695,26 +703,21 @@ def advance_beams(beams, logp, t, alpha, end_symbol):
     tokens = beams.tokens.gather(1, parent_index)  # (A, k, max_len)
     tokens[:, :, t] = word
     lengths = cand_len.gather(1, parent)
-    new = Beams(beams.sent, tokens, cand.gather(1, idx), lengths, finished)
+    logp_sum = cand_logp.gather(1, idx)  # (A, k)
+    new = Beams(beams.sent, tokens, logp_sum, lengths, finished)
     ended = torch.where(finished & ~was_finished, score, -math.inf)
     return new, parent, ended  # ended: (A, k) scores, -inf if not new
 
 
 def keep_best(out, best, beams, score):
-    """In place: keep each sentence's best hypothesis so far.
-
-    `out` (B, max_len) and `best` (B,) have one row per sentence of the
-    whole batch. `score` (A, k) has one row per sentence still searching,
-    and `beams.sent` maps each of those to its row in `out` and `best`.
-    For each searching sentence, take the best of its k scores; if it
-    beats `best`, store the score in `best` and the hypothesis's tokens
-    in `out`.
-    """
+    """In place: record each sentence's best hypothesis if it beats `best`."""
     top, j = score.max(dim=1)  # (A,) best score, (A,) its hypothesis
+    sentences = torch.arange(j.size(0), device=j.device)  # (A,)
+    chosen = beams.tokens[sentences, j]  # (A, max_len) hypothesis j's tokens
     better = top > best[beams.sent]  # (A,) beats its sentence's record
-    rows = beams.sent[better]  # their rows in `out` and `best`
+    rows = beams.sent[better]  # (A',) their rows in `out` and `best`
     best[rows] = top[better]
-    out[rows] = beams.tokens[better, j[better]]  # hypothesis j's tokens
+    out[rows] = chosen[better]  # (A', max_len)
 
 
 # %% [markdown]
@@ -936,12 +939,28 @@ assert torch.equal(beam1, cached)
 #
 # Here are BLEU scores on test2016 for greedy decoding and a beam of 4:
 # on its 1,000 sentences with a trained model, on the first 100 with the
-# stand-in (section 4 uses the same ones; section 3 too, or their first
-# 100 when its BPE model is a stand-in). `translate_batch` replaces each
-# `<unk>` in an output with the German word it attends to most (Part 4,
-# "Putting attention to work: unknown words"); it does so by default,
-# for both decoders.
+# stand-in (sections 3 and 4 reuse them). `translate_batch`
+# replaces each `<unk>` in an output with the German word it attends to
+# most (Part 4, "Putting attention to work: unknown words"); it does so
+# by default, for both decoders.
 #
+# `bleu_of` translates a list of (German, English) pairs with one
+# decoder, scores the translations against the English side, and times
+# the whole.
+
+
+# %%
+def bleu_of(model, pairs, vocab_src, vocab_tgt, decode_fn, spacy_de):
+    """BLEU of `model` on `pairs`, and the wall time of translating them."""
+    german, english = zip(*pairs)
+    start = time.perf_counter()
+    hyps = translate_batch(
+        model, german, spacy_de, vocab_src, vocab_tgt, decode_fn=decode_fn
+    )
+    return compute_bleu(hyps, list(english)), time.perf_counter() - start
+
+
+# %% [markdown]
 # Section 5's table holds the recorded full runs, and says how to find
 # the row to compare with. The check asks only that a trained model
 # scores above 30 with both decoders. The stand-in scores close to 0.
@@ -954,23 +973,12 @@ DECODERS = {
     "greedy": cached_greedy_decode,
     "beam 4": functools.partial(beam_search, beam_size=4),
 }
-
-
-def bleu_of(model, vocab_src, vocab_tgt, decode_fn, pairs=None):
-    """BLEU on `pairs` (default: test_pairs), and the wall time of
-    translating them."""
-    german, english = zip(*(test_pairs if pairs is None else pairs))
-    start = time.perf_counter()
-    hyps = translate_batch(
-        model, german, spacy_de, vocab_src, vocab_tgt, decode_fn=decode_fn
-    )
-    return compute_bleu(hyps, list(english)), time.perf_counter() - start
-
-
 plain_bleu = {}  # decoder name -> BLEU of the model as trained
 print(f"{len(test_pairs)} test pairs")
 for decoder_name, fn in DECODERS.items():
-    bleu, seconds = bleu_of(model, vocab_src, vocab_tgt, fn)
+    bleu, seconds = bleu_of(
+        model, test_pairs, vocab_src, vocab_tgt, fn, spacy_de
+    )
     plain_bleu[decoder_name] = bleu.score
     print(f"{decoder_name:7s} BLEU {bleu.score:5.2f}  ({seconds:.1f} s)")
 if trained:
@@ -1001,7 +1009,9 @@ def translation_scores(model, src, src_mask, out, alpha=0.6):
     eos_before = ended.cumsum(1) - ended  # (B, T)
     kept = eos_before == 0  # up to and including the first </s>
     lengths = kept.sum(1)  # (B,) |Y|
-    return (logp * kept).sum(1) / length_penalty(lengths, alpha)
+    # masked_fill, not logp * kept: a -inf after </s> times 0 would be NaN
+    kept_logp = logp.masked_fill(~kept, 0.0)  # (B, T)
+    return kept_logp.sum(1) / length_penalty(lengths, alpha)
 
 
 # %% [markdown]
@@ -1256,14 +1266,22 @@ assert word_unk > 0
 # `nn.Linear(d_model, V)` stores its weight as $(V, d_{\text{model}})$,
 # the embedding's shape.
 #
-# `tie_embeddings` below takes a model from Part 1's `make_model` and
-# makes the three point at one tensor. It is the version to read.
-# Training does not call it, because training also ties word-level
-# models, where only two of the three matrices can share (see below), and
-# `tie_embeddings` refuses those. So when a config sets
-# `tie_embeddings=True`, Part 3's `model_from_config` ties the matrices
-# itself; with BPE it ends with the same one tensor (it sets target =
-# source, then generator = target).
+# Training ties the matrices in Part 3's `model_from_config`, when a
+# config sets `tie_embeddings=True`, with these lines:
+#
+# ```python
+# if c.tie_embeddings:  # Part 5
+#     if c.tokenization == "bpe":  # one vocabulary for both languages
+#         model.tgt_embed[0].lut.weight = model.src_embed[0].lut.weight
+#     model.generator.proj.weight = model.tgt_embed[0].lut.weight
+# ```
+#
+# With BPE, the target embedding takes the source's matrix, then the
+# generator takes the target's, which is now the source's: one tensor
+# for three. With words, only the second line runs (see below).
+# `tie_embeddings`, below, does the BPE case for any model from Part 1's
+# `make_model`, and refuses two vocabularies of different sizes; the
+# check after it builds the base model both ways.
 
 
 # %%
@@ -1283,24 +1301,31 @@ def tie_embeddings(model):
 
 
 # %% [markdown]
-# **See, it matches:** the three share storage, and the base model's
-# parameter count follows Part 1's table with two of the three $V \times
-# d_{\text{model}}$ matrices gone: $168d^2 + 196d + Vd + V$ (the last
-# $V$ is the generator's bias, which is not tied), which for $d = 512$ is
-# $44{,}140{,}544 + 513\,V$.
+# **See, it matches:** built either way, the three share storage, and
+# the base model's parameter count follows Part 1's table with two of
+# the three $V \times d_{\text{model}}$ matrices gone. With $N = 6$
+# layers and $d_{\text{ff}} = 4d$, as in the base model, it is
+# $168d^2 + 196d + Vd + V$ (the last $V$ is the generator's bias, which
+# is not tied), which for $d = 512$ is $44{,}140{,}544 + 513\,V$.
 
 # %%
 V = len(bpe)
-tied = tie_embeddings(make_model(V, V, N=6, d_model=512, d_ff=2048, h=8))
-weights = [
-    tied.src_embed[0].lut.weight,
-    tied.tgt_embed[0].lut.weight,
-    tied.generator.proj.weight,
-]
-assert len({w.data_ptr() for w in weights}) == 1  # one storage for three
-assert count_parameters(tied) == 44_140_544 + 513 * V
-print(f"base model, tied, V={V}: {count_parameters(tied):,d} parameters")
-del tied
+base_sizes = dict(N=6, d_model=512, d_ff=2048, h=8)
+bpe_base = get_config("cpu-bpe", **base_sizes)  # BPE, tie_embeddings=True
+both_ways = {
+    "tie_embeddings": tie_embeddings(make_model(V, V, **base_sizes)),
+    "model_from_config": model_from_config(bpe_base, V, V),  # as trained
+}
+for how, tied in both_ways.items():
+    weights = [
+        tied.src_embed[0].lut.weight,
+        tied.tgt_embed[0].lut.weight,
+        tied.generator.proj.weight,
+    ]
+    assert len({w.data_ptr() for w in weights}) == 1, how  # one for three
+    assert count_parameters(tied) == 44_140_544 + 513 * V, how
+    print(f"base model, V={V}, {how}: {count_parameters(tied):,d} parameters")
+del both_ways, tied
 
 # %% [markdown]
 # With word vocabularies, German and English have different units and
@@ -1389,7 +1414,7 @@ hyps = translate_batch(
 # The word model's test pairs; the first 100 only, for a stand-in
 bpe_pairs = test_pairs if trained_bpe else test_pairs[:100]
 bpe_bleu, seconds = bleu_of(
-    bpe_model, bpe_src, bpe_tgt, cached_greedy_decode, pairs=bpe_pairs
+    bpe_model, bpe_pairs, bpe_src, bpe_tgt, cached_greedy_decode, spacy_de
 )
 if trained_bpe:
     for (de, en), hyp in zip(val_pairs, hyps):
@@ -1426,7 +1451,8 @@ assert len(hyps) == len(val_pairs)
 #
 # `average(model, models)` sets `model`'s parameters to the mean of those
 # of `models`. A tied matrix is one tensor, so it is averaged once
-# (`named_parameters()` lists a shared tensor once).
+# (`named_parameters()` lists a shared tensor once, under its first
+# name); a check below averages two tied models.
 #
 # Buffers (tensors registered with `register_buffer`: saved with the
 # weights, never trained) are not averaged. Ours are the positional
@@ -1450,6 +1476,32 @@ def average(model, models):
         stacked = torch.stack([ps[name] for ps in params])  # (n, *p.shape)
         p.copy_(stacked.mean(dim=0))
     return model
+
+
+# %% [markdown]
+# **Check**, on two small tied models (one layer, $d_{\text{model}} =
+# 16$): the mean stays tied, its shared matrix is the mean of theirs,
+# and it has as many parameters as each of them, $2Vd$ fewer than the
+# same model untied.
+
+
+# %%
+def small_model(V=20):
+    """A one-layer model with a V-unit vocabulary, initialised at random."""
+    return make_model(V, V, N=1, d_model=16, d_ff=32, h=2)
+
+
+tied_pair = [tie_embeddings(small_model()), tie_embeddings(small_model())]
+tied_mean = average(tie_embeddings(small_model()), tied_pair)
+mean_matrix = tied_mean.src_embed[0].lut.weight  # (V, d_model)
+assert tied_mean.generator.proj.weight is mean_matrix  # still one tensor
+assert tied_mean.tgt_embed[0].lut.weight is mean_matrix
+pair_weights = [m.src_embed[0].lut.weight for m in tied_pair]
+assert torch.allclose(mean_matrix, (pair_weights[0] + pair_weights[1]) / 2)
+untied_count = count_parameters(small_model())
+assert count_parameters(tied_mean) == count_parameters(tied_pair[0])
+assert count_parameters(tied_mean) == untied_count - 2 * mean_matrix.numel()
+del tied_pair, tied_mean, mean_matrix
 
 
 # %% [markdown]
@@ -1489,8 +1541,12 @@ print(f"averaged {len(epochs)} checkpoints: {[p.name for p in epochs]}")
 # weights.
 
 # %%
-target, *_ = load_trained_model(epochs[0], "cpu")  # overwritten below
-in_memory = average(target, [load_trained_model(p, "cpu")[0] for p in epochs])
+epoch_models = []  # the same checkpoints, loaded as models
+for path in epochs:
+    epoch_model, *_ = load_trained_model(path, "cpu")
+    epoch_models.append(epoch_model)
+target, *_ = load_trained_model(epochs[0], "cpu")  # its weights: replaced
+in_memory = average(target, epoch_models)
 for key, value in in_memory.state_dict().items():
     assert torch.allclose(value, averaged_weights[key], atol=1e-6), key
 print(f"average() agrees on all {len(in_memory.state_dict())} tensors")
@@ -1499,16 +1555,20 @@ print(f"average() agrees on all {len(in_memory.state_dict())} tensors")
 # Here is the average's BLEU next to that of the model as trained,
 # computed in section 2, with both decoders. For a `quick` model, expect
 # the average to score lower: its five files are all of its training,
-# the early, poor epochs included. The table after it shows when
-# averaging helps.
+# the early, poor epochs included; the cell checks it when the model is
+# `quick`. The table after it shows when averaging helps.
 
 # %%
 for decoder_name, fn in DECODERS.items():
-    bleu, seconds = bleu_of(averaged, vocab_src, vocab_tgt, fn)
+    bleu, seconds = bleu_of(
+        averaged, test_pairs, vocab_src, vocab_tgt, fn, spacy_de
+    )
     print(
         f"{decoder_name:7s} BLEU: as trained {plain_bleu[decoder_name]:5.2f}, "
         f"averaged {bleu.score:5.2f}  ({seconds:.1f} s)"
     )
+    if config.preset == "quick":  # its 5 epochs: all of its training
+        assert bleu.score < plain_bleu[decoder_name], decoder_name
 
 # %% [markdown]
 # When does averaging help? Averaging the last 5 epoch checkpoints
@@ -1571,11 +1631,11 @@ for decoder_name, fn in DECODERS.items():
 # ### The results
 #
 # `bench/bleu_table.py` scores test2016 with each decoding. The first
-# four rows of the table below are its records for runs A to D (the key
-# at the top of the lesson); the last two are full runs of this notebook
-# on the `quick` model. Every row is scored on the 1,000 test sentences,
-# with beam search at the lesson's $\alpha = 0.6$. The files are listed
-# under the table.
+# four rows of the table below are its records for runs A to D, the
+# runs this lesson and `docs/results.md` name by letter; the last two
+# are full runs of this notebook on the `quick` model. Every row is
+# scored on the 1,000 test sentences, with beam search at the lesson's
+# $\alpha = 0.6$. The files are listed under the table.
 #
 # BLEU; "+ avg": beam 4 on the average of the last 5 epoch checkpoints;
 # "—": not measured (those records scored the BPE models greedily and
@@ -1599,18 +1659,13 @@ for decoder_name, fn in DECODERS.items():
 # [results/beyond_site_full.md](../results/beyond_site_full.md);
 # `make notebook`: [results/make_notebook.md](../results/make_notebook.md).
 #
-# Match your run to a row by the preset and the number of epochs in the
-# `model:` lines printed above, and by the precision the model trained
-# in. The training cell printed it on its first line, `device: ...,
-# float32` or `... bfloat16 autocast`: notebook 03's, or the cell under
-# "The models we look at" if this notebook trained the model. Without
-# that line, the model's config tells part of it (print
-# `config.precision` in a cell): `"fp32"` for
-# float32 always, and `"auto"` for 16 bits where the machine computes
-# them natively (bf16 on a recent GPU or a CPU with native bf16, float16
-# on a T4), float32 elsewhere. A model trained on a T4, in float16, has
-# no row: no T4 run is on record. A full run of this notebook on one of
-# those models should print scores near its row.
+# Match your run to a row by the preset and the number of epochs on the
+# `model:` line printed under "The models we look at", and by the
+# precision on the line after it: `fp32` is float32; `auto` is 16 bits
+# where the machine computes them natively (bf16 on a recent GPU or a
+# CPU with native bf16, float16 on a T4), float32 elsewhere. No T4 run
+# is on record, so a model trained there has no row. A full run of this
+# notebook on one of those models should print scores near its row.
 #
 # Run A's record was made before `<unk>` replacement existed; measured
 # on run C's model, keeping `<unk>` cost 0.87 greedy BLEU and 0.17 with

@@ -278,20 +278,85 @@ def test_statistics_match_closed_forms():
     assert all(r["layer"] == r["head"] == 1 for r in stats.values())
 
 
+def test_source_distance_follows_the_rescaled_diagonal():
+    """Decoder-source rows are set on a diagonal stretched to the source's
+    length, i (S-1)/(T-1): computed here with plain loops."""
+    S, T = 5, 4
+    stats = {r["kind"]: r for r in tat.attention_statistics(handmade_maps())}
+    rescaled = [i * (S - 1) / (T - 1) for i in range(T)]
+    expected = sum(abs(j - d) for d in rescaled for j in range(S)) / (S * T)
+    unscaled = sum(abs(j - i) for i in range(T) for j in range(S)) / (S * T)
+    assert stats["decoder source"]["distance"] == pytest.approx(expected)
+    assert expected != pytest.approx(unscaled)  # the check can tell
+
+
+def causal_uniform(T):
+    """(T, T): row i spreads its weight evenly over keys 0 .. i."""
+    rows = torch.tril(torch.ones(T, T))
+    return rows / rows.sum(-1, keepdim=True)
+
+
+def test_entropy_is_measured_against_the_keys_a_row_may_see():
+    """A causal row that spreads evenly over the keys it may see has the
+    most entropy it can: 1, not log(i + 1) / log T."""
+    T = 4
+    maps = handmade_maps(T=T)
+    maps.decoder_self = causal_uniform(T).expand(1, 1, T, T)
+    dec = tat.attention_statistics(maps)[1]
+    assert dec["kind"] == "decoder self"
+    assert dec["entropy"] == pytest.approx(1.0)
+
+
+def test_padding_is_neither_a_key_nor_a_row():
+    """A padded source: the padding column is masked, its row not
+    counted, whatever weights it holds."""
+    real = 4  # <s>, two words, </s>; then one padding position
+    maps = handmade_maps(S=real + 1)
+    maps.src_ids = torch.tensor([tat.BOS, 4, 5, tat.EOS, tat.PAD])
+    weights = torch.zeros(real + 1, real + 1)
+    weights[:real, :real] = 1 / real  # real rows: even over real keys
+    weights[real, 0] = 1.0  # the padding row: one-hot, entropy 0
+    maps.encoder_self = weights.expand(1, 1, real + 1, real + 1)
+    enc = tat.attention_statistics(maps)[0]
+    assert enc["kind"] == "encoder self"
+    assert enc["entropy"] == pytest.approx(1.0)  # the padding row left out
+    assert enc["specials"] == pytest.approx(2 / real)  # <s>, </s> of 4
+
+
+def test_each_layer_and_head_gets_its_own_row():
+    """Only layer 2, head 1 looks one back; every other head is even."""
+    T, layers, heads = 4, 2, 3
+    maps = handmade_maps(T=T)
+    self_maps = causal_uniform(T).repeat(layers, heads, 1, 1)
+    self_maps[1, 0] = handmade_maps(T=T).decoder_self[0, 0]
+    maps.decoder_self = self_maps
+    maps.encoder_self = maps.encoder_self.expand(layers, heads, -1, -1)
+    maps.decoder_src = maps.decoder_src.expand(layers, heads, -1, -1)
+    rows = [r for r in tat.attention_statistics(maps)]
+    decoder = [r for r in rows if r["kind"] == "decoder self"]
+    sharp = [(r["layer"], r["head"]) for r in decoder if r["entropy"] < 0.5]
+    assert len(decoder) == layers * heads and sharp == [(2, 1)]
+
+
 def test_summary_averages_sentences(model, vocabs):
     spacy_de, spacy_en = tat.load_tokenizers()
-    pair = ("ein hund rennt .", "a dog runs .")
-    summary = tat.attention_summary(
-        model, [pair, pair], spacy_de, spacy_en, *vocabs
-    )
-    src = [tat.BOS, *vocabs[0](pair[0].split()), tat.EOS]
-    tgt = [tat.BOS, *vocabs[1](pair[1].split()), tat.EOS]
-    once = tat.attention_statistics(tat.attention_maps(model, src, tgt))
-    assert len(summary) == len(once) == 3 * N * H
-    for a, b in zip(summary, once, strict=True):
-        assert a.keys() == b.keys()
-        for key, value in a.items():
-            assert value == pytest.approx(b[key]), key
+    pairs = [("ein hund rennt .", "a dog runs ."), ("ein hund .", "a dog .")]
+    summary = tat.attention_summary(model, pairs, spacy_de, spacy_en, *vocabs)
+    each = []  # the statistics of each pair alone
+    for de, en in pairs:
+        src = [tat.BOS, *vocabs[0](de.split()), tat.EOS]
+        tgt = [tat.BOS, *vocabs[1](en.split()), tat.EOS]
+        each.append(
+            tat.attention_statistics(tat.attention_maps(model, src, tgt))
+        )
+    assert len(summary) == len(each[0]) == 3 * N * H
+    for mean, a, b in zip(summary, *each, strict=True):
+        assert mean.keys() == a.keys()
+        for key, value in mean.items():
+            if key in ("kind", "layer", "head"):
+                assert value == a[key] == b[key]
+            else:
+                assert value == pytest.approx((a[key] + b[key]) / 2), key
 
 
 # --------------------------------------------------------------- charts
