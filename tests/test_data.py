@@ -24,10 +24,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 # ---------------------------------------------------------------- download
-def test_pinned_sums_match_the_shared_checksum_file():
-    sums_file = ROOT.parent / "shared" / "multi30k" / "SHA256SUMS"
+def test_pinned_sums_match_the_shared_checksum_file(multi30k_dir):
+    sums_file = multi30k_dir / "SHA256SUMS"  # beside the local copy
     if not sums_file.is_file():
-        pytest.skip("no ../shared/multi30k/SHA256SUMS")
+        pytest.skip(f"no {sums_file}")
     pinned = dict(
         reversed(line.split()) for line in sums_file.read_text().splitlines()
     )
