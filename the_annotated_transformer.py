@@ -495,8 +495,8 @@ class LabelSmoothing(nn.Module):
         dist = target.new_full((len(target), self.size), fill, dtype=dtype)
         # Each row's target column gets the confidence:
         dist.scatter_(1, target.unsqueeze(1), self.confidence)
-        dist[:, self.padding_idx] = 0
-        dist[target == self.padding_idx] = 0
+        dist[:, self.padding_idx] = 0  # padding is never a target
+        dist[target == self.padding_idx] = 0  # rows whose target is padding
         return dist
 
     def closed_form(self, x, target):
@@ -584,21 +584,11 @@ def make_optimizer(
     schedule=None,
     weight_decay=0.0,
 ):
-    """Adam (AdamW with a weight_decay) and a LambdaLR running `rate`, or
-    `schedule` when given.
-
-    Returns (optimizer, scheduler). With a `schedule`, `d_model`,
-    `factor` and `warmup` are unused; without one, `d_model` must be
-    given. `schedule(step)` returns the learning rate itself: Adam's `lr`
-    is 1.0, and LambdaLR multiplies it by the schedule's value.
-    AdamW multiplies every parameter (biases and norms included) by
-    1 - lr * weight_decay at each step, besides Adam's update. The decay
-    is not added to the gradient, so Adam's running averages never see
-    it.
-    """
-    # Fused Adam: the same update in one pass over the parameters. Asked
-    # for only when every parameter is on the CPU or a CUDA GPU; elsewhere
-    # (Apple's MPS, for one) Adam runs its default way.
+    """(optimizer, scheduler): Adam, or AdamW with a weight_decay, and a
+    LambdaLR running `rate`, or `schedule` when given."""
+    # schedule(step) is the learning rate itself: Adam's lr is 1.0, and
+    # LambdaLR multiplies it by the schedule's value. Fused Adam only
+    # where every parameter is on the CPU or a CUDA GPU (not Apple's MPS).
     fused = all(p.device.type in ("cpu", "cuda") for p in model.parameters())
     adam = torch.optim.AdamW if weight_decay else torch.optim.Adam
     optimizer = adam(
@@ -612,7 +602,10 @@ def make_optimizer(
     if schedule is None:
         if d_model is None:
             raise ValueError("give d_model for the paper's schedule")
-        schedule = lambda step: rate(step, d_model, factor, warmup)
+
+        def schedule(step):
+            return rate(step, d_model, factor, warmup)
+
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     return optimizer, scheduler
 
@@ -666,7 +659,7 @@ class TrainState:
 
     step: int = 0  # micro-batches trained on (not optimizer steps)
     accum_step: int = 0  # optimizer steps taken
-    samples: int = 0  # sentences seen
+    samples: int = 0  # examples seen (sequences here, sentences in Part 3)
     tokens: int = 0  # target tokens seen
 
     def count(self, batch):

@@ -282,12 +282,6 @@ assert torch.equal(example.tgt_y, example.src[:, 1:])
 #   gives the same sum without building the rows. The formula comes in
 #   "A shortcut: the same loss without the matrix", below; until then,
 #   read the default as "the same number as the definition".
-#
-# `last_call` and `true_dist` are for code written for the 2022
-# tutorial, which kept the latest call's smoothed targets in an
-# attribute `true_dist`. Here `forward` keeps only that call's targets
-# (`last_call`), and the property `true_dist` rebuilds the rows from
-# them when asked. A check below uses it.
 
 
 # %%
@@ -321,8 +315,8 @@ class LabelSmoothing(nn.Module):
         dist = target.new_full((len(target), self.size), fill, dtype=dtype)
         # Each row's target column gets the confidence:
         dist.scatter_(1, target.unsqueeze(1), self.confidence)
-        dist[:, self.padding_idx] = 0
-        dist[target == self.padding_idx] = 0
+        dist[:, self.padding_idx] = 0  # padding is never a target
+        dist[target == self.padding_idx] = 0  # rows whose target is padding
         return dist
 
     def closed_form(self, x, target):
@@ -443,8 +437,10 @@ expected = F.nll_loss(logp, target, ignore_index=0, reduction="sum")
 print(f"smoothing 0.0: ours {loss:.6f}, nll_loss {expected:.6f}")
 assert torch.allclose(loss, expected)
 for eps in (0.1, 0.4):  # closed form = definition
-    fast = LabelSmoothing(7, 0, eps)(logp, target)
-    slow = LabelSmoothing(7, 0, eps, keep_targets=True)(logp, target)
+    fast = LabelSmoothing(7, padding_idx=0, smoothing=eps)(logp, target)
+    slow = LabelSmoothing(7, padding_idx=0, smoothing=eps, keep_targets=True)(
+        logp, target
+    )
     print(f"smoothing {eps}: closed form {fast:.6f}, definition {slow:.6f}")
     assert torch.allclose(fast, slow)
 
@@ -478,15 +474,17 @@ assert torch.allclose(gradients[0], gradients[1])
 # $\sum_j p_j \log p_j$. The cell builds PyTorch's targets by hand and
 # checks both statements: the hand-built targets give
 # `F.cross_entropy`'s number, and ours, with our constant taken out,
-# give a different one. So the two also train differently: PyTorch's
-# targets give padding $\epsilon / V$, so the model learns to give it
-# some probability.
+# give a different one.
+#
+# So the two also train differently: PyTorch's targets give padding
+# $\epsilon / V$, so the model learns to give it some probability.
 
 # %%
 eps = 0.1
 real = target != 0  # rows whose target is not padding
-uniform = torch.full((6, 7), eps / 7)  # (N, vocab): padding included
-torch_p = uniform + (1 - eps) * F.one_hot(target, 7)  # (N, vocab)
+vocab = logp.size(1)  # 7
+uniform = torch.full_like(logp, eps / vocab)  # (N, vocab): padding too
+torch_p = uniform + (1 - eps) * F.one_hot(target, vocab)  # (N, vocab)
 by_hand = -(torch_p * logp)[real].sum()
 # cross_entropy takes logits; exp(logp) already sums to 1 in each row,
 # so its log_softmax leaves logp unchanged.
@@ -520,7 +518,9 @@ assert not torch.allclose(builtin, our_cross_entropy, atol=1e-3)
 #
 # The smoothed loss is lowest, and 0, where the model gives the correct
 # token the smoothed target's 0.9: $e^m / (e^m + 4) = 0.9$, at $m = \ln
-# 36 \approx 3.6$. Beyond that, more confidence costs loss.
+# 36 \approx 3.6$. Beyond that, more confidence costs loss. (At the
+# whole-number margins the rows below use, the lowest is at $m = 4$,
+# just above 0.)
 #
 # `label_smoothing_penalty_rows` computes both losses for the
 # whole-number margins 0 to 24.
@@ -544,8 +544,8 @@ def label_smoothing_penalty_rows(margins=range(0, 25), smoothing=0.1):
 # %% [markdown]
 # The asserts check the claims above: without smoothing the loss only
 # falls, towards 0; with smoothing it is lowest at $m = 4$, the
-# whole-number margin nearest the minimum at $\ln 36$. The chart draws
-# the same rows.
+# whole-number margin nearest the minimum at $\ln 36$, where the loss is
+# 0. The chart draws the same rows.
 
 # %%
 rows = label_smoothing_penalty_rows()
@@ -559,6 +559,9 @@ print(f"without smoothing: {unsmoothed[0]:.3f} at m = 0")
 print(f"with smoothing: lowest, {min(smooth):.4f}, at m = {lowest}")
 print(f"ln 36 = {math.log(36):.2f}")
 assert lowest == 4
+at_ln_36 = label_smoothing_penalty_rows(margins=[math.log(36)])
+smoothed_at_ln_36 = [r["loss"] for r in at_ln_36 if r["smoothing"] > 0]
+assert abs(smoothed_at_ln_36[0]) < 1e-4  # 0, to float32's rounding
 ls_chart = label_smoothing_penalty_chart(rows)
 save_chart(ls_chart, "02_label_smoothing_penalty", FIGURES)
 
@@ -570,13 +573,13 @@ save_chart(ls_chart, "02_label_smoothing_penalty", FIGURES)
 # a batch holds, so one learning rate suits every batch. It returns the
 # loss twice:
 #
-# * `loss_mean`, the mean per token: the training loops call
-#   `.backward()` on it, and `run_epoch`'s log line prints it;
 # * `loss_sum`, the sum over tokens, for the epoch's mean loss only, so
 #   it is cut off from autograd (`detach`). It stays a one-number
 #   tensor: the loops add the sums up and turn the total into a Python
 #   float once, at the end of the epoch. (On a GPU, each such turn makes
 #   the CPU wait for the GPU's queued work, a *sync*.)
+# * `loss_mean`, the mean per token: the training loops call
+#   `.backward()` on it, and `run_epoch`'s log line prints it.
 
 
 # %%
@@ -721,21 +724,11 @@ def make_optimizer(
     schedule=None,
     weight_decay=0.0,
 ):
-    """Adam (AdamW with a weight_decay) and a LambdaLR running `rate`, or
-    `schedule` when given.
-
-    Returns (optimizer, scheduler). With a `schedule`, `d_model`,
-    `factor` and `warmup` are unused; without one, `d_model` must be
-    given. `schedule(step)` returns the learning rate itself: Adam's `lr`
-    is 1.0, and LambdaLR multiplies it by the schedule's value.
-    AdamW multiplies every parameter (biases and norms included) by
-    1 - lr * weight_decay at each step, besides Adam's update. The decay
-    is not added to the gradient, so Adam's running averages never see
-    it.
-    """
-    # Fused Adam: the same update in one pass over the parameters. Asked
-    # for only when every parameter is on the CPU or a CUDA GPU; elsewhere
-    # (Apple's MPS, for one) Adam runs its default way.
+    """(optimizer, scheduler): Adam, or AdamW with a weight_decay, and a
+    LambdaLR running `rate`, or `schedule` when given."""
+    # schedule(step) is the learning rate itself: Adam's lr is 1.0, and
+    # LambdaLR multiplies it by the schedule's value. Fused Adam only
+    # where every parameter is on the CPU or a CUDA GPU (not Apple's MPS).
     fused = all(p.device.type in ("cpu", "cuda") for p in model.parameters())
     adam = torch.optim.AdamW if weight_decay else torch.optim.Adam
     optimizer = adam(
@@ -749,7 +742,10 @@ def make_optimizer(
     if schedule is None:
         if d_model is None:
             raise ValueError("give d_model for the paper's schedule")
-        schedule = lambda step: rate(step, d_model, factor, warmup)
+
+        def schedule(step):
+            return rate(step, d_model, factor, warmup)
+
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     return optimizer, scheduler
 
@@ -864,11 +860,9 @@ def copy_accuracy(model, n, V=11, seq_len=10, generator=None):
 #   0.1 and a 10-step warm-up).
 # * **Small batches** of 16 sequences: what this task needs is many
 #   optimizer steps more than many sequences, so small batches buy more
-#   steps for the same sequences. In our sweep (`bench/RESULTS.md`:
-#   bfloat16, a 16-bit float format, on one thread, stopping once 200
-#   training sequences in a row came out exact), batches of 32, at a
-#   peak of $4 \cdot 10^{-4}$, needed 231 steps against 255 for 16, but
-#   each cost almost twice as much (211 against 109 ms): about 49 s
+#   steps for the same sequences. In our sweep, batches of 32 (at a
+#   peak of $4 \cdot 10^{-4}$) needed 231 steps against 255 for 16 (at
+#   $3 \cdot 10^{-4}$), but each cost almost twice as much: about 49 s
 #   against 28 s. Batches of 8 needed 463 steps.
 # * **No dropout**: with fresh data in every batch, the model cannot
 #   memorize its training set.
@@ -884,10 +878,11 @@ def copy_accuracy(model, n, V=11, seq_len=10, generator=None):
 #
 # The sweeps behind these choices, with their step counts and times for
 # each seed and setting, are in [bench/RESULTS.md, "How the defaults were
-# chosen"](../bench/RESULTS.md#how-the-defaults-were-chosen). They
-# stopped as soon as the model copied 200 sequences in a row exactly, so
-# they show which way each choice helps, not its exact gain in this
-# lesson's fixed budget.
+# chosen"](../bench/RESULTS.md#how-the-defaults-were-chosen). They ran
+# on one thread, in bfloat16 (a 16-bit float format), and stopped as
+# soon as the model copied 200 sequences in a row exactly, so they show
+# which way each choice helps, not its exact gain in this lesson's fixed
+# budget.
 
 
 # %%
@@ -1112,7 +1107,8 @@ assert not overlap
 # loss of 2 (a mean of 1.0), and B with 8 tokens and a sum of 4 (a mean
 # of 0.5). Accumulation averages the two means, $(1.0 + 0.5) / 2 =
 # 0.75$; the large batch would give $6 / 10 = 0.6$. Each of A's tokens
-# counts four times as much as each of B's.
+# counts four times as much as each of B's ($1/2$ against $1/8$ of its
+# micro-batch's mean).
 #
 # `run_epoch` keeps this behaviour and does not correct for it: an exact
 # mean would divide every micro-batch's summed loss by the whole group's
@@ -1149,7 +1145,7 @@ class TrainState:
 
     step: int = 0  # micro-batches trained on (not optimizer steps)
     accum_step: int = 0  # optimizer steps taken
-    samples: int = 0  # sentences seen
+    samples: int = 0  # examples seen (sequences here, sentences in Part 3)
     tokens: int = 0  # target tokens seen
 
     def count(self, batch):
@@ -1489,15 +1485,15 @@ assert other > 1e-6  # the third batch counts
 
 # %%
 torch.manual_seed(0)
-model = make_model(11, 11, N=1, d_model=16, d_ff=32, h=2, dropout=0.0)
-crit = LabelSmoothing(11, COPY_PAD, smoothing=0.1)
-loss_compute = SimpleLossCompute(model.generator, crit)
-sgd = torch.optim.SGD(model.parameters(), lr=0.5)
+tiny = make_model(11, 11, N=1, d_model=16, d_ff=32, h=2, dropout=0.0)
+tiny_criterion = LabelSmoothing(11, COPY_PAD, smoothing=0.1)
+tiny_loss = SimpleLossCompute(tiny.generator, tiny_criterion)
+sgd = torch.optim.SGD(tiny.parameters(), lr=0.5)
 counting = torch.optim.lr_scheduler.LambdaLR(sgd, lambda step: 1.0)
 _, state = run_epoch(
     micro,
-    model,
-    loss_compute,
+    tiny,
+    tiny_loss,
     sgd,
     counting,
     mode="train+log",
@@ -1509,8 +1505,8 @@ assert (state.step, state.accum_step, state.samples) == (4, 2, 16)
 assert state.tokens == 16 * 9
 _, state = run_epoch(
     micro,
-    model,
-    loss_compute,
+    tiny,
+    tiny_loss,
     sgd,
     counting,
     accum_iter=2,
@@ -1518,8 +1514,6 @@ _, state = run_epoch(
 )
 assert (state.step, state.accum_step, state.tokens) == (8, 4, 32 * 9)
 assert counting.last_epoch == state.accum_step  # the schedule's count
-model.eval()
-_, state = run_epoch(
-    micro, model, loss_compute, mode="eval", train_state=state
-)
+tiny.eval()
+_, state = run_epoch(micro, tiny, tiny_loss, mode="eval", train_state=state)
 assert (state.step, state.accum_step, state.tokens) == (8, 4, 32 * 9)
