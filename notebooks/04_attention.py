@@ -190,10 +190,7 @@ ATTENTION_KINDS = {
 
 # %% [markdown]
 # `AttentionMaps` keeps the weights of one sentence with its token ids and
-# labels. Its `view(kind)` returns one kind's weights with their labels
-# and masks, which the checks and the statistics below need. The function
-# behind it, `attention_view`, is shown in "Can we trust these
-# pictures?", where the masks are first used.
+# labels.
 
 
 # %%
@@ -222,9 +219,8 @@ class AttentionMaps:
 # `<s> y_1 ... </s>`: its inputs are every token but the last, and row $t$
 # is the position that predicts token $t+1$, kept in `next_tokens` for the
 # tooltips. (Without a target, it first translates greedily and records
-# that translation; this page always passes the reference, and the unit
-# tests use this branch.) The decoder is
-# *causal*: each position sees only itself and the positions before it.
+# that translation; this page always passes the reference.) The decoder
+# is *causal*: each position sees only itself and the positions before it.
 # So one pass over the finished translation gives the same weights, up to
 # rounding, as it used while writing it one token at a time (checked
 # below for the decoder–source weights, in "Can we trust these
@@ -297,33 +293,29 @@ def attention_maps(
 # %% [markdown]
 # ## A trained model
 #
-# Maps of an untrained model are noise, so we read a translator of Part
-# 3's shape: $N=3$ layers, $d_{model}=256$, $h=4$ heads and word
-# vocabularies. The page loads the `cpu` model that `make train` writes
-# (`checkpoints/cpu/final.pt`, hours of training), else the `quick`
-# model that Part 3 trains in minutes (`checkpoints/quick/final.pt`). If
-# neither exists, the appendix's `find_or_train` trains one here: the
-# `quick` model on an NVIDIA (CUDA) GPU (under two minutes on an H100; a
-# T4 was not measured), else a small stand-in, in seconds (a Mac
-# included). The stand-in (the `ci` preset) shows the machinery, not
-# language: what the prose says about "brown", "black" and the two dogs
-# will not match its charts. On Colab, pick a GPU runtime first to get
-# the `quick` model; each new runtime trains it again, unless you kept
-# Part 3's model (`docs/gpu.md`, "Keeping a model on Colab"). The
-# appendix's "A trained model, or a small one trained now" says what
-# runs where.
+# An untrained model's maps are nearly flat ("Over many sentences",
+# below, measures it), so we read a translator of Part 3's shape: $N=3$
+# layers, $d_{model}=256$, $h=4$ heads and word vocabularies. The page
+# loads the `cpu` model that `make train` writes
+# (`checkpoints/cpu/final.pt`), else the `quick` model that Part 3
+# trains (`checkpoints/quick/final.pt`). If neither exists, the
+# appendix's `find_or_train` trains one here: the `quick` model on an
+# NVIDIA (CUDA) GPU (under two minutes on an H100, where all of
+# notebook 03 took 88 s, `docs/gpu.md`; a T4 was not measured), else a
+# small stand-in, in seconds. How long each takes on which machine is in
+# Part 3's "The reference run" and in the appendix's (notebook 06) "A
+# trained model, or a small one trained now".
 #
 # **On a Mac, or on a CPU, without a trained model**, this page trains
-# the stand-in: its charts show no language, and every Check below
-# prints "stand-in loaded: this claim is checked only with a trained
-# model" instead of asserting. Read the picture on record (under
-# "Decoder–source attention") for what a trained model does. To get a
-# trained model here, run Part 3 first, or `make notebook`, or, from the
-# repository's folder, `.venv/bin/python annotated_transformer_tools.py
-# train --preset quick --threads 2` (on two CPU cores about 10 minutes
-# with native bf16, 14 to 20 without; the recorded float32 run trained
-# in 13.9 minutes, `results/recipe_quick.json`; no Mac time is on
-# record), then run this page again.
+# the stand-in. It shows the machinery, not language: its charts will
+# not match what the prose says about "brown", "black" and the two dogs,
+# and every Check below prints "stand-in loaded: this claim is checked
+# only with a trained model" instead of asserting. The picture on record
+# (under "Decoder–source attention") shows what a trained model does. To
+# get one, run Part 3 first (or `make notebook`), then this page again.
+# On Colab, pick a GPU runtime first to get the `quick` model; each new
+# runtime trains it again, unless you kept Part 3's model
+# (`docs/gpu.md`, "Keeping a model on Colab").
 #
 # Three models appear on this page; keep them apart:
 #
@@ -468,13 +460,12 @@ save_chart(attention_chart(maps, "decoder self"), "04_decoder_self", FIGURES)
 #
 # The chart opens on the last layer, and the three Checks below read the
 # last layer too: its output is the one that becomes the next word. It
-# is not the best aligner, though. In the model on record, "Putting
-# attention to work" at the end of this page finds it worse than each
-# of the earlier layers at pointing to the German word being translated
-# (47% against 61% and 65%, by a proxy measure described there). Pick
-# the other layers in the chart's menu to compare.
+# is not the best aligner, though: for the model on record, the last
+# section, "Putting attention to work", finds it the weakest aligner of
+# its three layers. Pick the other layers in the chart's menu to compare.
 #
-# Here is that chart of the model on record, as `make site` saved it.
+# Here is that chart of the model on record, as the project's site
+# build (`make site`) saved it.
 # On Colab, where this picture does not load, open it
 # [on GitHub][github]. In this older picture each
 # row is labelled only with the word it reads; it predicts the next
@@ -536,10 +527,13 @@ else:
 # `</s>` row, with no German word left to translate, parks more of its
 # weight than the word rows do on average.
 #
-# The row that predicts "." ("dog → .") is left out: it still has a
-# German "." to read, so it is not like the `</s>` row.
+# The row that predicts "." ("dog → .") parks too: in the chart on
+# record, heads 1 and 3 put much of its weight on `<s>` and `</s>`. It
+# is left out of both sides of the comparison, since it predicts
+# neither a word nor `</s>`, and the claim is about those two. The cell
+# prints its figure as well, without asserting anything about it.
 #
-# Expected output, roughly: 0.2 for the `</s>` row and 0.02 for the word
+# Expected output: about 0.17 for the `</s>` row and 0.02 for the word
 # rows (a `quick` model trained in bf16 printed 0.17 and 0.02,
 # `results/make_notebook.md`; the model on record never printed these
 # figures). Other runs print other figures; only the inequality is
@@ -553,6 +547,7 @@ word_rows = torch.tensor(word_rows)  # (T,) rows that predict a word
 print("weight on <s> and </s>, mean over the heads:")
 print(f"  the row that predicts </s>: {on_edges[row_of('</s>')]:.2f}")
 print(f"  the rows that predict words: {on_edges[word_rows].mean():.2f}")
+print(f"  the row that predicts '.' (left out): {on_edges[row_of('.')]:.2f}")
 if trained:
     hint = "the </s> row parks no more than the word rows; see docs/gpu.md"
     assert on_edges[row_of("</s>")] > on_edges[word_rows].mean(), hint
@@ -609,14 +604,13 @@ else:
 # %% [markdown]
 # ### Rows, padding and recording
 #
-# The checks below need each kind's masks, which `AttentionMaps.view`
-# returns as an `AttentionView`: the weights with their row and column
-# labels, the `(R, C)` mask `allowed` of the keys each query may see, and
-# three fields for the statistics ("What the heads do, measured") and
-# the appendix's tables: which rows and columns are real tokens
-# (`row_keep`, `col_keep`; `_diagonal` draws the diagonal over the real
-# ones, and `_head_statistics` averages over real rows only), and the
-# keys' token ids (`col_ids`), to find the `<s>` and `</s>` columns.
+# The checks below need each kind's masks. `AttentionMaps` has a method
+# for them, `view(kind)`, defined with the class above: it calls
+# `attention_view`, shown here, and returns an `AttentionView`. The checks
+# use its weights and the `(R, C)` mask `allowed` of the keys each query
+# may see. Its other fields, the row and column labels and three more,
+# serve the appendix's charts and the statistics; those three are
+# explained where the statistics use them ("What the heads do, measured").
 # `attention_view` picks, for each kind, which side gives the queries and
 # which the keys: the source for the encoder, the English for the
 # decoder's own attention, and English queries with German keys for the
@@ -678,6 +672,7 @@ for kind in ATTENTION_KINDS:
     sums = v.weights.sum(-1)  # (N, h, R)
     assert torch.allclose(sums, torch.ones_like(sums), atol=1e-5), kind
     assert v.weights.max() <= 1
+    # (N, h, R, C) indexed by an (R, C) mask: (N, h, masked cells)
     assert (v.weights[..., ~v.allowed] == 0).all()
     print(f"{kind:15s} {int((~v.allowed).sum())} masked cells, all 0")
 
@@ -733,8 +728,8 @@ with torch.no_grad(), record_attention(model):
     for _ in range(len(src) + 5):  # a few tokens past the source is plenty
         ys_mask = Batch.make_std_mask(ys, PAD)  # (1, t, t)
         out = model.decode(memory, src_mask, ys, ys_mask)  # (1, t, d_model)
-        rows = [m.src_attn.attn[0, :, -1] for m in model.decoder.layers]
-        newest.append(torch.stack(rows))  # (N, h, S)
+        last_rows = [m.src_attn.attn[0, :, -1] for m in model.decoder.layers]
+        newest.append(torch.stack(last_rows))  # (N, h, S)
         word = model.generator(out[:, -1]).argmax(-1, keepdim=True)  # (1, 1)
         ys = torch.cat([ys, word], dim=1)  # (1, t + 1)
         if word.item() == EOS:
@@ -761,8 +756,9 @@ with torch.no_grad():
     W_q = enc_layer.self_attn.w_q
     W_k = enc_layer.self_attn.w_k
     d_k = enc_layer.self_attn.d_k
-    q = W_q(x).view(len(src), h, d_k).transpose(0, 1)  # (h, S, d_k)
-    k = W_k(x).view(len(src), h, d_k).transpose(0, 1)  # (h, S, d_k)
+    n_heads = enc_layer.self_attn.h  # this layer's own number of heads
+    q = W_q(x).view(len(src), n_heads, d_k).transpose(0, 1)  # (h, S, d_k)
+    k = W_k(x).view(len(src), n_heads, d_k).transpose(0, 1)  # (h, S, d_k)
     scores = q @ k.transpose(1, 2) / math.sqrt(d_k)  # (h, S, S)
     by_hand = torch.softmax(scores, dim=-1)
 gap = (by_hand - maps.encoder_self[0]).abs().max().item()
@@ -832,11 +828,13 @@ assert not torch.allclose(dropped.sum(-1), clean.sum(-1))
 # `<s>` and the last row meets the German `</s>`. Think of it as the
 # word alignment (which German word each English word translates) of a
 # translation that keeps the word order and stretches it evenly. A head
-# that reads the German word being translated sits near this diagonal,
-# offset by a column early in the sentence, since row $i$ predicts token
-# $i + 1$; "Where the weight goes", below, prints it for each row of
-# our sentence.
-# `_diagonal` computes the diagonal's column for each row.
+# that reads the German word being translated sits near this diagonal;
+# "Where the weight goes", below, shows how near for each row of our
+# sentence.
+#
+# `_diagonal` computes the diagonal's column for each row. $S$ and $T$
+# count real tokens only: the view's `row_keep` and `col_keep`, shape
+# `(R,)` and `(C,)`, are False at padding rows and columns.
 #
 # For scale: a head that always reads its neighbour scores a distance of
 # 1, and one that spreads its weight evenly over all $S$ keys (as
@@ -872,11 +870,13 @@ def _diagonal(v, kind):
 #
 # Besides the two headline numbers, `_head_statistics` records where the
 # weight of each row goes: one position before the diagonal, on it, one
-# position after it, and on the special tokens `<s>` and `</s>`. Each
+# position after it, and on the special tokens `<s>` and `</s>`, whose
+# columns the view's `col_ids` (the keys' token ids) give away. Each
 # statistic is computed per row and then averaged over the rows that are
-# real tokens, which leaves one number per layer and head. These are the
-# table's columns `previous`, `same`, `next` and `specials`. (In decoder
-# self-attention `next` is always 0: the mask hides the next position.)
+# real tokens (`row_keep`), which leaves one number per layer and head.
+# These are the table's columns `previous`, `same`, `next` and `specials`.
+# (In decoder self-attention `next` is always 0: the mask hides the next
+# position.)
 #
 # The shares overlap, and they need not sum to 1. `previous`, `same` and
 # `next` never share a key, but `specials` can share one with each of
@@ -888,16 +888,17 @@ def _diagonal(v, kind):
 # fractional column; the three shares round it to the nearest column
 # first.
 #
-# Our sentence shows the offset described with the diagonal. Both sides
-# have 11 positions (`<s> A brown dog is running after the black dog .`
-# against `<s> Ein brauner Hund rennt dem schwarzen Hund hinterher .
-# </s>`), so the diagonal is simply $j = i$. The row "A → brown" ($i = 1$)
-# predicts "brown", which aligns with "brauner" ($j = 2$): offset +1,
-# counted in `next`. The row ". → </s>" ($i = 10$) predicts `</s>` and
-# reads German `</s>` ($j = 10$): offset 0, counted in `same`, because the
-# diagonal pins the last row to German `</s>`. So the word a row
-# predicts sits one column after the diagonal in the first row and on it
-# in the last; in between, where it sits depends on the two word orders.
+# In our sentence, here is where the word each row predicts lies against
+# the diagonal. Both sides have 11 positions (`<s> A brown dog is running
+# after the black dog .` against `<s> Ein brauner Hund rennt dem schwarzen
+# Hund hinterher . </s>`), so the diagonal is simply $j = i$. The row
+# "A → brown" ($i = 1$) predicts "brown", which aligns with "brauner"
+# ($j = 2$): offset +1, counted in `next`. The row ". → </s>" ($i = 10$)
+# predicts `</s>` and reads German `</s>` ($j = 10$): offset 0, counted in
+# `same`, because the diagonal pins the last row to German `</s>`. So the
+# word a row predicts sits one column after the diagonal in the first row
+# and on it in the last; in between, where it sits depends on the two word
+# orders.
 #
 # That is the word a row *predicts*. Where a head actually *looks* is
 # another matter. The cell below prints, for each row, the diagonal's
@@ -911,14 +912,14 @@ read = maps.decoder_src[-1].mean(0)  # (T, S): last layer, mean over heads
 n_rows, n_cols = read.shape  # T, S: our sentence has no padding
 offsets = []  # one entry per row
 for i in range(n_rows):
-    diagonal = round(i * (n_cols - 1) / (n_rows - 1))  # its column
+    diag_col = round(i * (n_cols - 1) / (n_rows - 1))  # diagonal's column
     most = int(read[i].argmax())  # the column this row reads most
     offsets.append(
         {
             "row": f"{maps.tgt_tokens[i]} → {maps.next_tokens[i]}",
-            "diagonal": f"{diagonal} {maps.src_tokens[diagonal]}",
+            "diagonal": f"{diag_col} {maps.src_tokens[diag_col]}",
             "read most": f"{most} {maps.src_tokens[most]}",
-            "offset": most - diagonal,
+            "offset": most - diag_col,
         }
     )
 pd.DataFrame(offsets)
@@ -993,7 +994,21 @@ def attention_statistics(maps, specials=(BOS, EOS)):
 # **See, the statistics by hand.** The entropy and the distance of the
 # first encoder head, recomputed from the formulas above with plain Python
 # loops over the $S \times S$ weights of our sentence, which has no
-# padding:
+# padding. `attention_statistics` returns one row per kind, layer and
+# head; `statistics_of` picks one by those three labels.
+
+
+# %%
+stats = attention_statistics(maps)  # one dict per kind, layer and head
+
+
+def statistics_of(kind, layer, head):
+    """The statistics of one head; layers and heads count from 1."""
+    labels = (kind, layer, head)
+    found = [s for s in stats if (s["kind"], s["layer"], s["head"]) == labels]
+    assert len(found) == 1, labels
+    return found[0]
+
 
 # %%
 p = maps.encoder_self[0, 0].tolist()  # S rows of S weights
@@ -1003,7 +1018,7 @@ entropy_sum = sum(-x * math.log(x) for row in p for x in row if x > 0)
 distance_sum = sum(
     x * abs(r - c) for r, row in enumerate(p) for c, x in enumerate(row)
 )
-head_stats = attention_statistics(maps)[0]  # encoder self, layer 1, head 1
+head_stats = statistics_of("encoder self", layer=1, head=1)
 # the mean over the S rows, as a fraction of a uniform row's log S
 entropy_fraction = entropy_sum / S / math.log(S)
 assert math.isclose(head_stats["entropy"], entropy_fraction, abs_tol=1e-5)
@@ -1020,21 +1035,15 @@ print(
 
 # %%
 cross = maps.decoder_src[0, 0].tolist()  # T rows of S weights
-T, S = len(cross), len(cross[0])
+T_cross, S_cross = len(cross), len(cross[0])
 next_sum = 0.0
 for r, row in enumerate(cross):
-    diagonal = round(r * (S - 1) / (T - 1))  # the diagonal's column
-    if diagonal + 1 < S:  # the last row has no column after it
-        next_sum += row[diagonal + 1]
-stats = attention_statistics(maps)
-first_head = [
-    s
-    for s in stats
-    if s["kind"] == "decoder source" and s["layer"] == 1 and s["head"] == 1
-]
-assert len(first_head) == 1
-assert math.isclose(first_head[0]["next"], next_sum / T, abs_tol=1e-5)
-print(f"decoder source, layer 1, head 1: next {first_head[0]['next']:.3f}")
+    diag_col = round(r * (S_cross - 1) / (T_cross - 1))  # diagonal's column
+    if diag_col + 1 < S_cross:  # the last row has no column after it
+        next_sum += row[diag_col + 1]
+first_head = statistics_of("decoder source", layer=1, head=1)
+assert math.isclose(first_head["next"], next_sum / T_cross, abs_tol=1e-5)
+print(f"decoder source, layer 1, head 1: next {first_head['next']:.3f}")
 
 # %% [markdown]
 # ### Over many sentences
@@ -1083,10 +1092,11 @@ def attention_summary(model, pairs, spacy_de, spacy_en, vocab_src, vocab_tgt):
 #   `previous`, `same` or `next` column is *positional*: it reads a fixed
 #   neighbour, or the token itself, whatever the sentence says. Its mean
 #   distance can still exceed one token when the rest of its weight lands
-#   far away. In decoder–source attention the same shares say something
-#   else: `next` and `same` are where an aligner of a translation that
-#   keeps the word order looks, so there a large share means that the
-#   head follows the source in order, not that it ignores the sentence.
+#   far away.
+# * In decoder–source attention the same shares say something else:
+#   `next` and `same` are where an aligner of a translation that keeps
+#   the word order looks, so there a large share means that the head
+#   follows the source in order, not that it ignores the sentence.
 # * A head with a large share in `specials` parks its weight on `<s>` and
 #   `</s>`, tokens that every sentence has. One plausible reading, which
 #   the rows that end the sentence above illustrate: a softmax must put
@@ -1111,7 +1121,7 @@ table.round(2)
 
 # %% [markdown]
 # What can they be compared with? An untrained model of the same shape
-# spreads its attention almost evenly: at initialization the scaled
+# spreads its attention nearly evenly: at initialization the scaled
 # scores of a row are small and close to each other, and the softmax of
 # nearly equal numbers is nearly flat. Training is what makes heads pick:
 # the cells below summarize the untrained model on the same sentences,
@@ -1169,14 +1179,21 @@ else:
 
 # %% [markdown]
 # Mean distance from the diagonal, a scale for the chart's lower row.
-# The untrained model spreads its weight almost evenly (the entropies
-# above), so its distances are those of even spreading (about $S/3$ in
-# encoder self-attention): a yardstick for the trained model's, not a
-# check.
+# The untrained model spreads its weight nearly evenly (the entropies
+# above), so its distances are a yardstick for the trained model's, not
+# a check. For scale, the cell also prints what perfectly even spreading
+# gives in encoder self-attention: over $S$ keys, the mean over the rows
+# of $\frac{1}{S}\sum_j |j - i|$ is $(S^2 - 1)/(3S)$, about $S/3$,
+# here averaged over the same sentences. Compare it with the untrained
+# model's encoder self-attention distance.
 
 # %%
 print("mean distance from the diagonal:")
 print(mean_by_kind("distance").round(2))
+# S of each pair: its German tokens, plus <s> and </s>
+lengths = [len(tokenize(german, spacy_de)) + 2 for german, _ in pairs]
+even = sum((n * n - 1) / (3 * n) for n in lengths) / len(lengths)
+print(f"even spreading over the S source keys, (S^2 - 1)/(3S): {even:.2f}")
 
 # %% [markdown]
 # The cell below points at the heads of each sort in the model loaded on
@@ -1191,6 +1208,10 @@ print(mean_by_kind("distance").round(2))
 for kind in ATTENTION_KINDS:
     heads = table.loc[kind]  # one row per (layer, head)
     for share in ["previous", "same", "next", "specials"]:
+        # In decoder self-attention the mask hides the next position, so
+        # its `next` share is 0 in every head: nothing to point at.
+        if kind == "decoder self" and share == "next":
+            continue
         layer, head = heads[share].idxmax()
         print(
             f"{kind}, largest `{share}` share: layer {layer}, head {head},"
@@ -1234,10 +1255,11 @@ for kind in ATTENTION_KINDS:
 # the second, and 66% with the weights averaged over every head of every
 # layer. We use the average.
 #
-# The greedy decoders keep no weights (they take the fused attention
-# path: Part 3's `batch_greedy_decode`, and Part 5's cached one, which
-# `translate_batch` uses), so `source_alignment` runs the decoder once
-# more over the finished output, inside `record_attention`. The section
+# The greedy decoders keep no weights: they take the fused attention
+# path, both Part 3's `batch_greedy_decode` and the one that
+# `translate_batch` uses, a faster, cached decoder (Part 5). So
+# `source_alignment` runs the decoder once more over the finished
+# output, inside `record_attention`. The section
 # "Can we trust these pictures?" showed, for `attention_maps`, that such
 # a pass gives the weights greedy decoding used; the check below ties
 # `source_alignment` to `attention_maps`. Row $t$ reads decoder input
