@@ -5955,9 +5955,11 @@ def describe_checkpoint(path):
 # two layers and four heads, in `checkpoints/ci-attention`):
 #
 # - on a CUDA GPU, when `quick` is among the presets asked for, the
-#   `quick` recipe itself, into `root`'s `checkpoints/quick/`: 2.6
-#   minutes on an H100 (`results/gpu_explore.md`); on Colab's T4, not
-#   measured. This is for Colab, where each notebook opened from its
+#   `quick` recipe itself, into `root`'s `checkpoints/quick/`: under two
+#   minutes on an H100 (all of notebook 03 took 88 s, `docs/gpu.md`;
+#   2.6 minutes with six other trials sharing the GPU,
+#   `results/gpu_explore.md`); on Colab's T4, not measured. This is for
+#   Colab, where each notebook opened from its
 #   badge gets a runtime of its own and never sees the model that Part 3
 #   trained in another;
 # - everywhere else, and always in a CI-sized run, the small `stand_in`,
