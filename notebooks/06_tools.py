@@ -5959,9 +5959,8 @@ def describe_checkpoint(path):
 #   minutes on an H100 (all of notebook 03 took 88 s, `docs/gpu.md`;
 #   2.6 minutes with six other trials sharing the GPU,
 #   `results/gpu_explore.md`); on Colab's T4, not measured. This is for
-#   Colab, where each notebook opened from its
-#   badge gets a runtime of its own and never sees the model that Part 3
-#   trained in another;
+#   Colab, where each notebook opened from its badge gets a runtime of
+#   its own and never sees the model that Part 3 trained in another;
 # - everywhere else, and always in a CI-sized run, the small `stand_in`,
 #   in seconds, into the stand-in's own `checkpoint_dir`, replacing any
 #   stand-in trained there before, without warning. So each notebook
