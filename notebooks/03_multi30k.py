@@ -1119,7 +1119,8 @@ recorded = json.loads(Path(ROOT, "results/recipe_quick.json").read_text())
 if history is not None and preset == "quick":
     print("validation loss after each epoch: yours, the recorded run's")
     for mine, theirs in zip(history, recorded["history"], strict=True):
-        yours, recorded_loss = mine["val_loss"], theirs["val_loss"]
+        yours = mine["val_loss"]
+        recorded_loss = theirs["val_loss"]
         difference = yours - recorded_loss
         print(
             f"epoch {mine['epoch']}: {yours:.3f}, {recorded_loss:.3f}"
