@@ -1511,7 +1511,9 @@ class FastDropout(torch.nn.Dropout):
         if not self.training or not 0 < self.p < 1 or x.device.type != "cpu":
             return super().forward(x)  # F.dropout, or x itself
         keep, keep_prob = cheap_keep_mask(x.shape, self.p)
-        scaled = keep.to(x.dtype).mul_(1 / keep_prob)
+        # Read as uint8 first: torch converts bool to bf16 one element at
+        # a time, and uint8 (the same bytes) about 5 times as fast.
+        scaled = keep.view(torch.uint8).to(x.dtype).mul_(1 / keep_prob)
         return x.mul_(scaled) if self.inplace else x * scaled
 
 
@@ -1562,6 +1564,90 @@ class FastLabelSmoothing(LabelSmoothing):
 
     def closed_form(self, x, target):
         return SmoothedKL.apply(x, target, self.padding_idx, self.smoothing)
+
+
+def compute_dtype(x):
+    """The dtype in which a matrix product of `x` computes: autocast's
+    when autocast is on for x's device, else x's own."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def smoothing_constants(smoothing, vocab):
+    """(c, f, sum of p log p over a real row's smoothed targets)."""
+    c, f = 1.0 - smoothing, smoothing / (vocab - 2)
+    plogp = c * math.log(c) if c > 0 else 0.0  # 0 log 0 counts as 0
+    if smoothing > 0:
+        plogp += smoothing * math.log(f)
+    return c, f, plogp
+
+
+class GeneratorLoss(torch.autograd.Function):
+    """Generator, log-softmax and label-smoothed loss (summed) in one,
+    a block at a time: no (tokens, vocabulary) matrix is kept."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, target, padding_idx, smoothing):
+        """x: (N, d_model); weight: (V, d_model); bias: (V,); target: (N,)."""
+        dtype = compute_dtype(x)  # bf16 under bf16 autocast
+        acc = torch.promote_types(dtype, torch.float32)  # for the sums
+        c, f, plogp = smoothing_constants(smoothing, len(weight))
+        real = target != padding_idx  # padding rows have no loss
+        xr, tr = x[real].to(dtype), target[real]  # (M, d_model), (M,)
+        w, b = weight.to(dtype), bias.to(dtype)
+        lse = torch.empty(len(xr), dtype=acc, device=x.device)  # (M,)
+        total = torch.zeros((), dtype=acc, device=x.device)
+        for i in range(0, len(xr), 256):  # 256 rows of logits at a time
+            z = torch.addmm(b, xr[i : i + 256], w.t()).to(acc)  # (256, V)
+            lse[i : i + 256] = z.logsumexp(1)
+            z_y = z.gather(1, tr[i : i + 256, None]).squeeze(1)
+            rest = z.sum(1) - z_y - z[:, padding_idx]  # f's words
+            total += (plogp - c * z_y - f * rest + lse[i : i + 256]).sum()
+        ctx.save_for_backward(xr, w, b, tr, real, lse)
+        ctx.settings = (x.shape, x.dtype, weight.dtype, padding_idx, c, f)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        xr, w, b, tr, real, lse = ctx.saved_tensors
+        x_shape, x_dtype, w_dtype, padding_idx, c, f = ctx.settings
+        grad_xr = torch.zeros(xr.shape, dtype=lse.dtype, device=xr.device)
+        grad_w = torch.empty(w.shape, dtype=w_dtype, device=xr.device)
+        grad_b = torch.empty(b.shape, dtype=w_dtype, device=xr.device)
+        rows = torch.arange(len(tr), device=tr.device)
+        for j in range(0, len(w), 512):  # 512 words at a time
+            words = slice(j, j + 512)
+            z = torch.addmm(b[words], xr, w[words].t()).to(lse.dtype)
+            q_minus_p = z.sub_(lse[:, None]).exp_().sub_(f)  # (M, 512)
+            hit = (tr >= j) & (tr < j + 512)  # targets in this block
+            q_minus_p[rows[hit], tr[hit] - j] -= c - f
+            if j <= padding_idx < j + 512:
+                q_minus_p[:, padding_idx - j] += f  # p is 0 there
+            g = q_minus_p.mul_(grad_loss)  # (M, 512): the logits' gradient
+            grad_b[words] = g.sum(0)
+            g = g.to(w.dtype)
+            grad_w[words] = g.t() @ xr
+            grad_xr += g @ w[words]
+        grad_x = torch.zeros(x_shape, dtype=x_dtype, device=xr.device)
+        grad_x[real] = grad_xr.to(x_dtype)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+class FusedLossCompute(SimpleLossCompute):
+    """SimpleLossCompute through GeneratorLoss: the same loss."""
+
+    def __call__(self, x, y, norm):
+        proj = self.generator.proj  # Part 1's Generator: proj, log-softmax
+        loss_sum = GeneratorLoss.apply(
+            x.reshape(-1, x.size(-1)),  # (B * T, d_model)
+            proj.weight,
+            proj.bias,
+            y.reshape(-1),
+            self.criterion.padding_idx,
+            self.criterion.smoothing,
+        )
+        return loss_sum.detach(), loss_sum / norm
 
 
 def doubled(batch):
@@ -1805,9 +1891,17 @@ def drawn_into_a_file():
     return not in_jupyter and not sys.stderr.isatty()
 
 
+def run_loss_compute(run):
+    """The run's loss: FusedLossCompute (see \"The generator and the loss
+    in one\") on the CPU, SimpleLossCompute elsewhere."""
+    on_cpu = run.device.type == "cpu"
+    compute = FusedLossCompute if on_cpu else SimpleLossCompute
+    return compute(run.module.generator, run.criterion)
+
+
 def train_epoch(run, epoch, train_loader, valid_loader, show=True):
     """Train for one epoch, then validate; returns the history entry."""
-    loss_compute = SimpleLossCompute(run.module.generator, run.criterion)
+    loss_compute = run_loss_compute(run)
     train_compute = loss_compute  # R-Drop's (above) when rdrop is on
     if run.config.rdrop > 0:
         train_compute = RDropLossCompute(
@@ -4342,6 +4436,10 @@ __all__ = [
     "use_fast_dropout",
     "SmoothedKL",
     "FastLabelSmoothing",
+    "compute_dtype",
+    "smoothing_constants",
+    "GeneratorLoss",
+    "FusedLossCompute",
     "doubled",
     "symmetric_kl",
     "RDropLossCompute",
@@ -4358,6 +4456,7 @@ __all__ = [
     "LOG_REDRAW_SECONDS",
     "progress_bar",
     "drawn_into_a_file",
+    "run_loss_compute",
     "train_epoch",
     "save_run",
     "device_states",

@@ -8,22 +8,26 @@ For each preset (`paper`, `cpu`) it trains on the same bucketed batches of
 real Multi30k sentences with
 
 * ours: `make_model(...)`, the tutorial's model, with the appendix's
-  `FastDropout` swapped in and its `FastLabelSmoothing` loss, as training
-  does (`TrainingRun`);
+  `FastDropout` swapped in and its `FusedLossCompute` (the generator and
+  the label-smoothed loss in one, a block at a time), as training on the
+  CPU does (`TrainingRun`, `train_epoch`);
+* ours, log-softmax loss: the same with the generator's log-softmax
+  then the appendix's `FastLabelSmoothing`, as training did before
+  `FusedLossCompute`, for a before/after of the loss in the same run;
 * ours, nn.Dropout: the same with `nn.Dropout`'s mask, as before
   `FastDropout`, for a before/after of the mask in the same run;
 * ours, fused attention: the same with every attention through
   `scaled_dot_product_attention`, as before Part 1's `use_fused` sent CPU
   training with dropout to the explicit `attention`;
-* ours, autograd loss: the same with Part 2's `LabelSmoothing`, whose
-  gradient autograd computes, as before the appendix's
-  `FastLabelSmoothing` (the loss training uses), for a before/after of
-  the loss's backward pass;
+* ours, autograd loss: the same with the generator's log-softmax then
+  Part 2's `LabelSmoothing`, whose gradient autograd computes, as before
+  the appendix's `FastLabelSmoothing`, for a before/after of the loss's
+  backward pass;
 * ours, foreach Adam: the same with Adam's default step, which this
   benchmark used until 2026-11-26 (training has always used the fused
   one, as every contestant now does);
-* ours, as at issue 18: the three changes above undone at once, in
-  today's code;
+* ours, as at issue 18: the changes above (but Adam's) undone at once,
+  in today's code;
 * code at issue 18: the model and loss exactly as committed when issue 18
   asked for 2x their bf16 tok/s (`ISSUE_18_COMMIT`, read from git
   history; left out, with a line that says why, where that fails), for
@@ -31,7 +35,7 @@ real Multi30k sentences with
   which summed bf16 log-probabilities in bf16; today's sums in float32;
 * peer: `torch.nn.Transformer(norm_first=True, batch_first=True)` with the
   same sizes, wrapped in the same `Embeddings`, `PositionalEncoding` and
-  `Generator`, and trained with the same loss (`FastLabelSmoothing`) and
+  `Generator`, and trained with the same loss (`FusedLossCompute`) and
   optimizer (fused Adam);
 * ours, before: our model with the explained paths that the fast ones
   replaced (LayerNorm written as its formula, label smoothing through a
@@ -93,6 +97,7 @@ CONTESTANTS = (
     "ours",
     "ours, nn.Dropout",
     "ours, fused attention",
+    "ours, log-softmax loss",
     "ours, autograd loss",
     "ours, foreach Adam",
     "ours, as at issue 18",
@@ -291,7 +296,10 @@ class Ours(nn.Module):
 
     keep_targets = False  # LabelSmoothing's closed form (the fast path)
     fast_dropout = True
-    criterion_cls = tools.FastLabelSmoothing  # the hand-written gradient
+    # the generator and the loss in one, as training on the CPU has them
+    loss_compute_cls = tools.FusedLossCompute
+    # read by FusedLossCompute for its padding and smoothing only
+    criterion_cls = tools.FastLabelSmoothing
     fused_adam = True  # as make_optimizer asks for on the CPU
 
     def __init__(self, src_vocab, tgt_vocab, N, d_model, d_ff, h, dropout):
@@ -330,8 +338,16 @@ class OursFusedAttention(Ours):
                 module.use_fused = lambda q: True
 
 
-class OursAutogradLoss(Ours):
-    """Ours with Part 2's LabelSmoothing, differentiated by autograd."""
+class OursLogSoftmaxLoss(Ours):
+    """Ours with the generator's log-softmax, then FastLabelSmoothing:
+    the loss as training computed it before FusedLossCompute."""
+
+    loss_compute_cls = tat.SimpleLossCompute
+
+
+class OursAutogradLoss(OursLogSoftmaxLoss):
+    """Ours with the generator's log-softmax, then Part 2's
+    LabelSmoothing, differentiated by autograd."""
 
     criterion_cls = tat.LabelSmoothing
 
@@ -350,6 +366,7 @@ class OursAtIssue18(OursFusedAttention):
     training had then too)."""
 
     fast_dropout = False
+    loss_compute_cls = tat.SimpleLossCompute
     criterion_cls = tat.LabelSmoothing
 
 
@@ -426,6 +443,7 @@ def code_at_commit(commit, path=None, blob=None):
     class CodeAtCommit(Ours):
         __doc__ = f"The model and loss as committed at {commit[:7]}."
         fast_dropout = False
+        loss_compute_cls = old_module.SimpleLossCompute
         criterion_cls = old_module.LabelSmoothing
         source_module = old_module
 
@@ -455,6 +473,7 @@ class OursBefore(Ours):
 
     keep_targets = True
     fast_dropout = False
+    loss_compute_cls = tat.SimpleLossCompute
     criterion_cls = tat.LabelSmoothing
 
     def __init__(self, *args):
@@ -525,16 +544,15 @@ def timed_pass(
     # the peer trains with the loss that ours trains with
     loss_cls = getattr(model_cls, "criterion_cls", Ours.criterion_cls)
     criterion = loss_cls(sizes[1], tat.PAD, 0.1, keep_targets=keep)
+    compute_cls = getattr(model_cls, "loss_compute_cls", Ours.loss_compute_cls)
+    loss_compute = compute_cls(model.generator, criterion)
     optimizer = adam_for(model, getattr(model_cls, "fused_adam", True))
     model.train()
 
     def step(batch):
         with autocast():
-            logp = model.generator(model(batch))  # (B, T, V)
-            loss = criterion(
-                logp.reshape(-1, logp.size(-1)), batch.tgt_y.reshape(-1)
-            )
-        (loss / batch.ntokens).backward()
+            _, loss = loss_compute(model(batch), batch.tgt_y, batch.ntokens)
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -591,6 +609,7 @@ def contestants_for(args):
         "ours": Ours,
         "ours, nn.Dropout": OursTorchDropout,
         "ours, fused attention": OursFusedAttention,
+        "ours, log-softmax loss": OursLogSoftmaxLoss,
         "ours, autograd loss": OursAutogradLoss,
         "ours, foreach Adam": OursForeachAdam,
         "ours, as at issue 18": OursAtIssue18,
@@ -688,6 +707,7 @@ RATIO_NAMES = {
     "ours, before": "ours before the fast paths",
     "ours, nn.Dropout": "ours with nn.Dropout",
     "ours, fused attention": "ours with fused attention",
+    "ours, log-softmax loss": "ours with the log-softmax loss",
     "ours, autograd loss": "ours with the autograd loss",
     "ours, foreach Adam": "ours with foreach Adam",
     "ours, as at issue 18": "ours as at issue 18",

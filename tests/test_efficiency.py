@@ -94,9 +94,9 @@ def loss_and_grads(model_cls, batch, V=50):
     criterion = model_cls.criterion_cls(
         V, tat.PAD, 0.1, keep_targets=model_cls.keep_targets
     )
-    logp = model.generator(model(batch))
-    loss = criterion(logp.reshape(-1, V), batch.tgt_y.reshape(-1))
-    loss.backward()
+    compute = model_cls.loss_compute_cls(model.generator, criterion)
+    loss, loss_mean = compute(model(batch), batch.tgt_y, norm=1)
+    loss_mean.backward()
     return loss, [p.grad for p in model.parameters()]
 
 
@@ -153,34 +153,67 @@ def test_the_fused_attention_pair_differs_in_the_attention_path(monkeypatch):
         assert len(calls) == expected
 
 
-def test_ours_trains_with_the_fast_loss_and_its_pair_with_autograds():
-    """ "ours, autograd loss" differs from "ours" in the loss alone, and
-    the peer trains with the loss that ours trains with."""
+def test_ours_trains_with_the_fused_loss_and_its_pairs_with_the_old_ones():
+    """ "ours" computes the loss as training on the CPU does
+    (FusedLossCompute), and so does the peer; "ours, log-softmax loss"
+    differs from ours in the loss alone, and "ours, autograd loss" from
+    that one in the loss's backward pass alone."""
     labels = efficiency.contestants_for(contestant_args())
-    pair = labels["ours, autograd loss"][0]
-    assert efficiency.Ours.criterion_cls is tools.FastLabelSmoothing
-    assert pair.criterion_cls is tat.LabelSmoothing
-    assert pair.fast_dropout and not pair.keep_targets
+    log_softmax = labels["ours, log-softmax loss"][0]
+    autograd = labels["ours, autograd loss"][0]
+    assert efficiency.Ours.loss_compute_cls is tools.FusedLossCompute
+    assert log_softmax.loss_compute_cls is tat.SimpleLossCompute
+    assert log_softmax.criterion_cls is tools.FastLabelSmoothing
+    assert autograd.loss_compute_cls is tat.SimpleLossCompute
+    assert autograd.criterion_cls is tat.LabelSmoothing
+    for pair in (log_softmax, autograd):
+        assert pair.fast_dropout and not pair.keep_targets
     seen = []
-    original = efficiency.Ours.criterion_cls
 
-    class Recording(original):
-        def forward(self, x, target):
-            seen.append(type(self))
-            return super().forward(x, target)
+    def recording(base):
+        class Recording(base):
+            def __call__(self, x, y, norm):
+                seen.append(base)
+                return super().__call__(x, y, norm)
+
+        return Recording
 
     calls = {}
-    efficiency.Ours.criterion_cls = Recording
+    original = efficiency.Ours.loss_compute_cls
+    log_softmax_original = log_softmax.loss_compute_cls
+    efficiency.Ours.loss_compute_cls = recording(original)
+    log_softmax.loss_compute_cls = recording(log_softmax_original)
     try:
-        for cls in (efficiency.Ours, efficiency.TorchPeer):
+        for cls in (efficiency.Ours, efficiency.TorchPeer, log_softmax):
+            seen.clear()
             efficiency.train_pass(
                 cls, tiny_batches(1), (50, 50), tools.get_config("ci"), 0
             )
-            calls[cls.__name__] = len(seen) - sum(calls.values())
+            calls[cls.__name__] = seen.copy()
     finally:
-        efficiency.Ours.criterion_cls = original
+        efficiency.Ours.loss_compute_cls = original
+        log_softmax.loss_compute_cls = log_softmax_original
     # one untimed step and one timed: the peer too, with ours' loss
-    assert calls == {"Ours": 2, "TorchPeer": 2}
+    fused, simple = tools.FusedLossCompute, tat.SimpleLossCompute
+    assert calls == {
+        "Ours": [fused, fused],
+        "TorchPeer": [fused, fused],
+        "OursLogSoftmaxLoss": [simple, simple],
+    }
+
+
+def test_the_fused_and_log_softmax_losses_train_alike():
+    """One training step of ours and of "ours, log-softmax loss" from the
+    same seed: the same loss and gradients, to rounding (float32)."""
+    batch = small_batch()
+    labels = efficiency.contestants_for(contestant_args())
+    loss_fused, grads_fused = loss_and_grads(efficiency.Ours, batch)
+    loss_old, grads_old = loss_and_grads(
+        labels["ours, log-softmax loss"][0], batch
+    )
+    torch.testing.assert_close(loss_fused, loss_old)
+    for fused, old in zip(grads_fused, grads_old, strict=True):
+        torch.testing.assert_close(fused, old, atol=1e-5, rtol=1e-4)
 
 
 def test_help():

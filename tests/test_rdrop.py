@@ -191,7 +191,7 @@ def test_train_epoch_uses_rdrop_only_when_asked(monkeypatch):
             set_epoch = staticmethod(lambda epoch: None)
 
     for alpha, kind in (
-        (0.0, tat.SimpleLossCompute),
+        (0.0, tools.FusedLossCompute),
         (3.0, tools.RDropLossCompute),
     ):
         config = tools.get_config("ci", rdrop=alpha)
