@@ -1568,8 +1568,9 @@ class FastLabelSmoothing(LabelSmoothing):
 
 def compute_dtype(x):
     """The dtype in which a matrix product of `x` computes: autocast's
-    when autocast is on for x's device, else x's own."""
-    if torch.is_autocast_enabled(x.device.type):
+    when autocast is on for x's device (float64 stays float64), else
+    x's own."""
+    if x.dtype != torch.float64 and torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
 
@@ -1619,23 +1620,26 @@ class GeneratorLoss(torch.autograd.Function):
         for j in range(0, len(w), 512):  # 512 words at a time
             words = slice(j, j + 512)
             z = torch.addmm(b[words], xr, w[words].t()).to(lse.dtype)
+            # q - f for now; the target and padding columns fixed below
             q_minus_p = z.sub_(lse[:, None]).exp_().sub_(f)  # (M, 512)
             hit = (tr >= j) & (tr < j + 512)  # targets in this block
             q_minus_p[rows[hit], tr[hit] - j] -= c - f
             if j <= padding_idx < j + 512:
                 q_minus_p[:, padding_idx - j] += f  # p is 0 there
-            g = q_minus_p.mul_(grad_loss)  # (M, 512): the logits' gradient
-            grad_b[words] = g.sum(0)
-            g = g.to(w.dtype)
-            grad_w[words] = g.t() @ xr
-            grad_xr += g @ w[words]
+            grad_z = q_minus_p.mul_(grad_loss)  # (M, 512): the logits'
+            grad_b[words] = grad_z.sum(0)
+            grad_z = grad_z.to(w.dtype)  # bf16 under bf16 autocast
+            grad_w[words] = grad_z.t() @ xr
+            grad_xr += grad_z @ w[words]
         grad_x = torch.zeros(x_shape, dtype=x_dtype, device=xr.device)
         grad_x[real] = grad_xr.to(x_dtype)
         return grad_x, grad_w, grad_b, None, None, None
 
 
 class FusedLossCompute(SimpleLossCompute):
-    """SimpleLossCompute through GeneratorLoss: the same loss."""
+    """SimpleLossCompute through GeneratorLoss: the same loss and
+    gradients, for Part 1's Generator. The criterion gives its padding_idx
+    and smoothing only; it is not called (so its true_dist is not kept)."""
 
     def __call__(self, x, y, norm):
         proj = self.generator.proj  # Part 1's Generator: proj, log-softmax

@@ -2270,6 +2270,11 @@ def backend_for(device):
 # attention's included, made a bf16 training step 1.18 times as fast,
 # and an fp32 step 1.12 times. Of that, attention's dropout gave 1.03
 # times in bf16 (3880.8 against 3752.7 tok/s), and nothing in fp32.
+#
+# One more detail, found later on a Xeon with AMX: the mask is a `bool`
+# tensor, and torch casts `bool` to bf16 one element at a time, while the
+# same bytes read as `uint8` cast about 5 times as fast. So the code
+# views the mask as `uint8` before the cast.
 
 
 # %%
@@ -2440,59 +2445,78 @@ assert torch.allclose(grads[1], -3 * fast.true_dist, atol=1e-7)
 # %% [markdown]
 # ### The generator and the loss in one, a block at a time
 #
-# With the two changes above, the vocabulary is still the largest cost of
-# a CPU training step outside the matrix products. With a `cpu` batch of
-# about 2,800 target tokens and 6,190 English words, the generator writes a
-# 17-million-number matrix of logits, log-softmax writes another, the loss
-# reads it, and the backward pass writes two more: the loss's gradient and
-# the log-softmax's. Every one of them is a pass through memory, and
-# fresh memory of that size costs more to touch than the arithmetic does.
+# With the cheaper dropout mask and the hand-written loss gradient above,
+# the vocabulary is still the largest cost of a CPU training step outside
+# the matrix products. With a `cpu` batch of about 3,000 target tokens
+# and 6,190 English words, the generator writes an 18.6-million-number
+# matrix of logits, log-softmax writes another, the loss reads it, and the
+# backward pass writes two more: the loss's gradient and the
+# log-softmax's. Log-softmax and the loss do only a few operations per
+# number, so their time goes into reading and writing these matrices, not
+# into arithmetic.
 #
-# None of these matrices has to exist whole. Write the logits of one row
-# as $z = W x + b$, and $\ell = \log \sum_j e^{z_j}$ (the "log-sum-exp"),
-# so that the log-probabilities are $z_j - \ell$. With the smoothed targets
-# of the previous section ($c$ at the target $y$, $f$ at each of the
-# $V - 2$ other words, 0 for padding), the row's loss is
+# None of these matrices has to exist whole. Write $h$ for one row of the
+# decoder's output (the code's `x`), $z = W h + b$ for its logits, and
+# $\ell = \log \sum_j e^{z_j}$ (the "log-sum-exp"), so that the
+# log-probabilities are $z_j - \ell$. With the smoothed targets of the
+# previous section ($c$ at the target $y$, $f$ at each of the $V - 2$
+# other words, 0 for padding), the row's loss is
 #
 # $$\sum_j p_j \log p_j - \sum_j p_j (z_j - \ell)
 #   = \sum_j p_j \log p_j - c\,z_y - f\,(S - z_y - z_{\text{pad}}) + \ell,$$
 #
-# where $S = \sum_j z_j$ and the $p_j$ sum to 1. Four numbers per row:
-# $\ell$, $S$, $z_y$ and $z_{\text{pad}}$. So the forward pass computes the
-# logits a block of rows at a time, takes those four numbers while the
-# block is in the cache, and keeps only $\ell$.
+# where $S = \sum_j z_j$, and $\ell$ keeps its whole weight because the
+# $p_j$ sum to 1. (Rows whose target is padding have no loss: they are
+# dropped before anything else.) Four numbers per row: $\ell$, $S$, $z_y$
+# and $z_{\text{pad}}$. So the forward pass computes the logits a block
+# of rows at a time, takes those four numbers while the block is in the
+# cache, and keeps only $\ell$.
 #
-# The gradient with respect to the logits is the familiar "prediction
-# minus target", times $g$, the number backpropagation brings to the loss:
-# $g\,(q - p)$, with $q_j = e^{z_j - \ell}$ the model's probabilities. It
-# needs only $\ell$. So the backward pass computes the logits again, a
-# block of *words* (columns) at a time, turns them into $g\,(q - p)$, and
+# The gradient: since $\partial \ell / \partial z_k = e^{z_k - \ell} = q_k$,
+# the model's probability of word $k$, differentiating the loss above
+# gives $q_k - p_k$, the familiar "prediction minus target", times $g$, the
+# number backpropagation brings to the loss. (At the padding column $p$ is
+# 0, so that logit gets $g\,q_{\text{pad}}$; in the previous section it
+# was 0, because there the gradient was taken with respect to the
+# log-probabilities.) It needs only $\ell$. The forward pass needed whole
+# rows to get $\ell$; once $\ell$ is known, each column can be handled
+# on its own. So the backward pass computes the logits again, a block of
+# *words* (columns) at a time, turns them into $g\,(q - p)$, and
 # multiplies that block straight into the three gradients: the rows of
-# $W$ and $b$ for those words (each block writes its own rows, nothing is
-# added up), and its share of $x$'s gradient. The price is the
+# $W$ and $b$ for those words (each block writes its own rows, so nothing
+# is added up), and its share of $h$'s gradient. The price is the
 # generator's product once more (about 9 GFLOP for such a batch); what it
-# saves is every $N \times V$ matrix. Rows whose target is padding have
-# no loss, so they are dropped before anything else.
+# saves is every $N \times V$ matrix.
 #
 # `GeneratorLoss` is that `autograd.Function`, and `FusedLossCompute` is
 # Part 2's `SimpleLossCompute` calling it with the generator's weights,
 # in place of `generator(x)` followed by the criterion. It gives the same
 # loss and gradients as `Generator` followed by `LabelSmoothing`, to
-# rounding (`tests/test_fast_loss.py`, and the check below). It relies on
-# the generator being Part 1's `Generator`, a linear layer then
-# log-softmax, which every model here has. Training (`train_epoch`,
-# below) uses it on the CPU, for the training batches and for validation.
-# On a GPU, where log-softmax is one fast kernel, and with R-Drop, which
-# needs the log-probabilities themselves, training keeps
+# rounding (`tests/test_generator_loss.py`, in float64 and under bf16
+# autocast; the check below, in float64). It relies on the generator
+# being Part 1's `Generator`, a linear layer then log-softmax, which every
+# model here has. On the CPU, `train_epoch` (below) uses it for
+# validation always, and for the training batches unless R-Drop (next
+# section) is on, since R-Drop needs the log-probabilities themselves. On
+# a GPU, where log-softmax is one fast kernel, training keeps
 # `SimpleLossCompute`.
+#
+# Measured with `bench/efficiency.py` on a 2-core Xeon with AMX, beside
+# the log-softmax path in the same runs (`bench/RESULTS_efficiency.md`):
+# a bf16 training step of the `cpu` model 1.06 times as fast at 2 threads
+# and 1.04 times at 1; a float32 step 1.02 times. That is less than the
+# 15% of a bf16 step the vocabulary had taken, since the blocks still
+# read and write every logit (now while it is in the cache), and the
+# generator's product is done twice.
 
 
 # %%
 #| export
 def compute_dtype(x):
     """The dtype in which a matrix product of `x` computes: autocast's
-    when autocast is on for x's device, else x's own."""
-    if torch.is_autocast_enabled(x.device.type):
+    when autocast is on for x's device (float64 stays float64), else
+    x's own."""
+    if x.dtype != torch.float64 and torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
 
@@ -2542,23 +2566,26 @@ class GeneratorLoss(torch.autograd.Function):
         for j in range(0, len(w), 512):  # 512 words at a time
             words = slice(j, j + 512)
             z = torch.addmm(b[words], xr, w[words].t()).to(lse.dtype)
+            # q - f for now; the target and padding columns fixed below
             q_minus_p = z.sub_(lse[:, None]).exp_().sub_(f)  # (M, 512)
             hit = (tr >= j) & (tr < j + 512)  # targets in this block
             q_minus_p[rows[hit], tr[hit] - j] -= c - f
             if j <= padding_idx < j + 512:
                 q_minus_p[:, padding_idx - j] += f  # p is 0 there
-            g = q_minus_p.mul_(grad_loss)  # (M, 512): the logits' gradient
-            grad_b[words] = g.sum(0)
-            g = g.to(w.dtype)
-            grad_w[words] = g.t() @ xr
-            grad_xr += g @ w[words]
+            grad_z = q_minus_p.mul_(grad_loss)  # (M, 512): the logits'
+            grad_b[words] = grad_z.sum(0)
+            grad_z = grad_z.to(w.dtype)  # bf16 under bf16 autocast
+            grad_w[words] = grad_z.t() @ xr
+            grad_xr += grad_z @ w[words]
         grad_x = torch.zeros(x_shape, dtype=x_dtype, device=xr.device)
         grad_x[real] = grad_xr.to(x_dtype)
         return grad_x, grad_w, grad_b, None, None, None
 
 
 class FusedLossCompute(SimpleLossCompute):
-    """SimpleLossCompute through GeneratorLoss: the same loss."""
+    """SimpleLossCompute through GeneratorLoss: the same loss and
+    gradients, for Part 1's Generator. The criterion gives its padding_idx
+    and smoothing only; it is not called (so its true_dist is not kept)."""
 
     def __call__(self, x, y, norm):
         proj = self.generator.proj  # Part 1's Generator: proj, log-softmax
@@ -2575,9 +2602,11 @@ class FusedLossCompute(SimpleLossCompute):
 
 # %% [markdown]
 # The check, in float64: the loss and the three gradients, against
-# Part 1's `Generator` followed by Part 2's `LabelSmoothing`, through
-# autograd. 600 rows and 1,100 words make three blocks of rows and three
-# of words, the last of each a partial one.
+# Part 1's `Generator` followed by Part 2's `LabelSmoothing` through its
+# full target matrix (`keep_targets=True`: the definition), differentiated
+# by autograd. Of the 600 rows, 514 are real; with 1,100 words they make
+# three blocks of rows and three of words, the last of each a partial
+# one. (The tests check bf16 autocast too.)
 
 # %%
 from the_annotated_transformer import Generator
@@ -2587,7 +2616,8 @@ generator = Generator(32, 1100).double()
 x = torch.randn(600, 32, dtype=torch.float64)
 target = torch.randint(0, 1100, (600,))
 target[::7] = PAD
-slow = SimpleLossCompute(generator, LabelSmoothing(1100, PAD, 0.1))
+definition = LabelSmoothing(1100, PAD, 0.1, keep_targets=True)
+slow = SimpleLossCompute(generator, definition)
 fast = FusedLossCompute(generator, LabelSmoothing(1100, PAD, 0.1))
 results = []
 for compute in (slow, fast):
