@@ -174,9 +174,9 @@ def test_runs_on_the_cpu_use_it_and_others_do_not():
     assert type(compute) is tools.FusedLossCompute
     assert compute.generator is run.module.generator
     assert compute.criterion is run.criterion
-    gpu_run = types.SimpleNamespace(
-        device=torch.device("cuda", 0),
-        module=run.module,
-        criterion=run.criterion,
-    )
-    assert type(tools.run_loss_compute(gpu_run)) is tat.SimpleLossCompute
+    for device in (torch.device("cuda", 0), torch.device("mps")):
+        elsewhere = types.SimpleNamespace(
+            device=device, module=run.module, criterion=run.criterion
+        )
+        compute = tools.run_loss_compute(elsewhere)
+        assert type(compute) is tat.SimpleLossCompute, device
