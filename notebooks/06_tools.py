@@ -2498,8 +2498,8 @@ assert torch.allclose(grads[1], -3 * fast.true_dist, atol=1e-7)
 # model here has. On the CPU, `train_epoch` (below) uses it for
 # validation always, and for the training batches unless R-Drop (next
 # section) is on, since R-Drop needs the log-probabilities themselves. On
-# a GPU, where log-softmax is one fast kernel, training keeps
-# `SimpleLossCompute`.
+# a GPU (CUDA, or a Mac's), where log-softmax is one fast kernel,
+# training keeps `SimpleLossCompute`.
 #
 # Measured with `bench/efficiency.py` on a 2-core Xeon with AMX, beside
 # the log-softmax path in the same runs (`bench/RESULTS_efficiency.md`):
