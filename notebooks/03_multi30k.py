@@ -996,10 +996,10 @@ assert last < guess
 #   precision");
 # - several processes sharing the work, when asked (the appendix's
 #   "Training runs: devices and processes"); the cell below runs one;
-# - on the CPU, two faster pieces (the same section): a cheaper dropout
-#   mask, with the same statistics from other random draws, and the
-#   generator and the loss computed together, a block of the vocabulary
-#   at a time, with the same numbers to rounding.
+# - on the CPU, the generator and the loss computed together, in blocks
+#   of tokens and then of words, with the same numbers to rounding (the
+#   same section; its cheaper dropout mask matters only for presets with
+#   dropout, and `quick` has none).
 #
 # **Before you run it.**
 #

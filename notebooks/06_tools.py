@@ -2273,7 +2273,7 @@ def backend_for(device):
 #
 # One more detail, found later on a Xeon with AMX: the mask is a `bool`
 # tensor, and torch casts `bool` to bf16 one element at a time, while the
-# same bytes read as `uint8` cast about 5 times as fast. So the code
+# same bytes read as `uint8` cast about 6 times as fast. So the code
 # views the mask as `uint8` before the cast.
 
 
@@ -2298,7 +2298,7 @@ class FastDropout(torch.nn.Dropout):
             return super().forward(x)  # F.dropout, or x itself
         keep, keep_prob = cheap_keep_mask(x.shape, self.p)
         # Read as uint8 first: torch converts bool to bf16 one element at
-        # a time, and uint8 (the same bytes) about 5 times as fast.
+        # a time, and uint8 (the same bytes) about 6 times as fast.
         scaled = keep.view(torch.uint8).to(x.dtype).mul_(1 / keep_prob)
         return x.mul_(scaled) if self.inplace else x * scaled
 
@@ -2447,13 +2447,13 @@ assert torch.allclose(grads[1], -3 * fast.true_dist, atol=1e-7)
 #
 # With the cheaper dropout mask and the hand-written loss gradient above,
 # the vocabulary is still the largest cost of a CPU training step outside
-# the matrix products. With a `cpu` batch of about 3,000 target tokens
-# and 6,190 English words, the generator writes an 18.6-million-number
-# matrix of logits, log-softmax writes another, the loss reads it, and the
-# backward pass writes two more: the loss's gradient and the
-# log-softmax's. Log-softmax and the loss do only a few operations per
-# number, so their time goes into reading and writing these matrices, not
-# into arithmetic.
+# the matrix products. With a batch of the `cpu` preset (about 3,000
+# target tokens, `d_model` 256) and 6,190 English words, the generator
+# writes an 18.6-million-number matrix of logits, log-softmax writes
+# another, the loss reads it, and the backward pass writes two more: the
+# loss's gradient and the log-softmax's. Log-softmax and the loss do
+# only a few operations per number, so their time goes into reading and
+# writing these matrices, not into arithmetic.
 #
 # None of these matrices has to exist whole. Write $h$ for one row of the
 # decoder's output (the code's `x`), $z = W h + b$ for its logits, and
@@ -2483,8 +2483,9 @@ assert torch.allclose(grads[1], -3 * fast.true_dist, atol=1e-7)
 # on its own. So the backward pass computes the logits again, a block of
 # *words* (columns) at a time, turns them into $g\,(q - p)$, and
 # multiplies that block straight into the three gradients: the rows of
-# $W$ and $b$ for those words (each block writes its own rows, so nothing
-# is added up), and its share of $h$'s gradient. The price is the
+# $W$ and $b$ for those words (each block fills its own rows, so no block
+# adds into another's), and its share of $h$'s gradient, which is summed
+# over the blocks. The price is the
 # generator's product once more (about 9 GFLOP for such a batch); what it
 # saves is every $N \times V$ matrix.
 #
@@ -2499,14 +2500,14 @@ assert torch.allclose(grads[1], -3 * fast.true_dist, atol=1e-7)
 # validation always, and for the training batches unless R-Drop (next
 # section) is on, since R-Drop needs the log-probabilities themselves. On
 # a GPU (CUDA, or a Mac's), where log-softmax is one fast kernel,
-# training keeps `SimpleLossCompute`.
+# training and validation keep `SimpleLossCompute`.
 #
 # Measured with `bench/efficiency.py` on a 2-core Xeon with AMX, beside
 # the log-softmax path in the same runs (`bench/RESULTS_efficiency.md`):
 # a bf16 training step of the `cpu` model 1.06 times as fast at 2 threads
 # and 1.04 times at 1; a float32 step 1.02 times. That is less than the
 # 15% of a bf16 step the vocabulary had taken, since the blocks still
-# read and write every logit (now while it is in the cache), and the
+# read and write every logit, only in smaller pieces, and the
 # generator's product is done twice.
 
 
@@ -3043,8 +3044,8 @@ def drawn_into_a_file():
 
 
 def run_loss_compute(run):
-    """The run's loss: FusedLossCompute (see \"The generator and the loss
-    in one\") on the CPU, SimpleLossCompute elsewhere."""
+    """The run's loss: FusedLossCompute (see 'The generator and the loss
+    in one') on the CPU, SimpleLossCompute elsewhere."""
     on_cpu = run.device.type == "cpu"
     compute = FusedLossCompute if on_cpu else SimpleLossCompute
     return compute(run.module.generator, run.criterion)

@@ -132,6 +132,22 @@ def test_bf16_autocast_is_as_close_to_float64_as_the_log_softmax_path():
     assert max(fused) < 0.02
 
 
+def test_float64_stays_float64_under_bf16_autocast():
+    """Autocast leaves float64 alone, so GeneratorLoss must too: under bf16
+    autocast, float64 inputs give the float64 definition's numbers."""
+    generator, x, target = inputs(300, 16, 50)
+    want_loss, want_grads = by_definition(generator, x, target, 0.1)
+    with torch.autocast("cpu", torch.bfloat16):
+        assert tools.compute_dtype(x) == torch.float64
+        assert tools.compute_dtype(x.float()) == torch.bfloat16
+        loss, grads = loss_and_grads(
+            tools.FusedLossCompute, generator, x, target, 0.1
+        )
+    torch.testing.assert_close(loss, want_loss, rtol=1e-10, atol=1e-10)
+    for got, want in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
 def test_no_grad_gives_the_same_loss_as_validation_did():
     generator, x, target = inputs(300, 16, 50, dtype=torch.float32)
     criterion = tat.LabelSmoothing(50, PAD, 0.1)
