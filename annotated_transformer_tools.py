@@ -1654,6 +1654,28 @@ class FusedLossCompute(SimpleLossCompute):
         return loss_sum.detach(), loss_sum / norm
 
 
+def _stream_to_autocast_dtype(module, inputs, output):
+    """Forward hook: `output` in autocast's dtype when autocast is on."""
+    device_type = output.device.type
+    if torch.is_autocast_enabled(device_type):
+        return output.to(torch.get_autocast_dtype(device_type))
+    return output
+
+
+def use_bf16_stream(model):
+    """Make the residual stream of Part 1's EncoderDecoder bf16 under
+    bf16 autocast (its embeddings' output is cast); return `model`."""
+    for embed in (model.src_embed, model.tgt_embed):
+        embed.register_forward_hook(_stream_to_autocast_dtype)
+    return model
+
+
+def wants_bf16_stream(device, precision):
+    """True where training uses a bf16 residual stream: bf16 on the CPU."""
+    cpu = torch.device(device).type == "cpu"
+    return cpu and precision.dtype == torch.bfloat16
+
+
 def doubled(batch):
     """The batch stacked on itself: rows i and B + i are the same pair.
 
@@ -1770,6 +1792,8 @@ class TrainingRun:
         )
         self.precision = choose_precision(self.device, c.precision)
         self.autocast = autocast_for(self.device, self.precision.dtype)
+        if wants_bf16_stream(self.device, self.precision):
+            use_bf16_stream(self.module)
         self.scaler = None
         if self.precision.scaler:
             self.scaler = torch.amp.GradScaler(self.device.type)
@@ -4444,6 +4468,8 @@ __all__ = [
     "smoothing_constants",
     "GeneratorLoss",
     "FusedLossCompute",
+    "use_bf16_stream",
+    "wants_bf16_stream",
     "doubled",
     "symmetric_kl",
     "RDropLossCompute",

@@ -19,6 +19,9 @@ real Multi30k sentences with
 * ours, fused attention: the same with every attention through
   `scaled_dot_product_attention`, as before Part 1's `use_fused` sent CPU
   training with dropout to the explicit `attention`;
+* ours, float32 stream: ours without `use_bf16_stream`, so that under
+  bf16 autocast the residual stream stays float32 and every linear layer
+  and residual addition casts (what ours was until 2026-11-29);
 * ours, autograd loss: the same with the generator's log-softmax then
   Part 2's `LabelSmoothing`, whose gradient autograd computes, as before
   the appendix's `FastLabelSmoothing`, for a before/after of the loss's
@@ -35,8 +38,8 @@ real Multi30k sentences with
   which summed bf16 log-probabilities in bf16; today's sums in float32;
 * peer: `torch.nn.Transformer(norm_first=True, batch_first=True)` with the
   same sizes, wrapped in the same `Embeddings`, `PositionalEncoding` and
-  `Generator`, and trained with the same loss (`FusedLossCompute`) and
-  optimizer (fused Adam);
+  `Generator`, and trained with the same loss (`FusedLossCompute`),
+  optimizer (fused Adam) and bf16 residual stream (`use_bf16_stream`);
 * ours, before: our model with the explained paths that the fast ones
   replaced (LayerNorm written as its formula, label smoothing through a
   full target matrix), for a before/after in the same run;
@@ -98,6 +101,7 @@ CONTESTANTS = (
     "ours, nn.Dropout",
     "ours, fused attention",
     "ours, log-softmax loss",
+    "ours, float32 stream",
     "ours, autograd loss",
     "ours, foreach Adam",
     "ours, as at issue 18",
@@ -272,6 +276,7 @@ class TorchPeer(nn.Module):
             norm_first=True,
         )
         self.generator = tat.Generator(d_model, tgt_vocab)
+        tools.use_bf16_stream(self)  # as ours: its embeddings cast
 
     def forward(self, batch):
         """Decoder states (B, T, d_model) for a tat.Batch."""
@@ -292,10 +297,11 @@ class TorchPeer(nn.Module):
 
 class Ours(nn.Module):
     """The tutorial's model behind the same one-argument forward, with
-    FastDropout as training uses it."""
+    FastDropout and the bf16 stream as training on the CPU uses them."""
 
     keep_targets = False  # LabelSmoothing's closed form (the fast path)
     fast_dropout = True
+    bf16_stream = True  # its embeddings cast under bf16 autocast
     # the generator and the loss in one, as training on the CPU has them
     loss_compute_cls = tools.FusedLossCompute
     # read by FusedLossCompute for its padding and smoothing only
@@ -309,6 +315,8 @@ class Ours(nn.Module):
         )
         if self.fast_dropout:
             tools.use_fast_dropout(self.model)
+        if self.bf16_stream:
+            tools.use_bf16_stream(self.model)
         self.generator = self.model.generator
 
     def forward(self, batch):
@@ -345,6 +353,12 @@ class OursLogSoftmaxLoss(Ours):
     loss_compute_cls = tat.SimpleLossCompute
 
 
+class OursFloat32Stream(Ours):
+    """Ours with autocast's float32 residual stream: no use_bf16_stream."""
+
+    bf16_stream = False
+
+
 class OursAutogradLoss(OursLogSoftmaxLoss):
     """Ours with the generator's log-softmax, then Part 2's
     LabelSmoothing, differentiated by autograd."""
@@ -361,11 +375,12 @@ class OursForeachAdam(Ours):
 
 class OursAtIssue18(OursFusedAttention):
     """Ours as it trained when issue 18 was filed: nn.Dropout's mask,
-    scaled_dot_product_attention's dropout on the CPU, and Part 2's
-    LabelSmoothing differentiated by autograd (with fused Adam, as
-    training had then too)."""
+    scaled_dot_product_attention's dropout on the CPU, Part 2's
+    LabelSmoothing differentiated by autograd, and a float32 residual
+    stream (with fused Adam, as training had then too)."""
 
     fast_dropout = False
+    bf16_stream = False
     loss_compute_cls = tat.SimpleLossCompute
     criterion_cls = tat.LabelSmoothing
 
@@ -443,6 +458,7 @@ def code_at_commit(commit, path=None, blob=None):
     class CodeAtCommit(Ours):
         __doc__ = f"The model and loss as committed at {commit[:7]}."
         fast_dropout = False
+        bf16_stream = False
         loss_compute_cls = old_module.SimpleLossCompute
         criterion_cls = old_module.LabelSmoothing
         source_module = old_module
@@ -468,11 +484,12 @@ class OursWhollyBf16(Ours):
 
 class OursBefore(Ours):
     """Ours with the explained paths the fast ones replaced: LayerNorm as
-    the formula reads, label smoothing through its target matrix, and
-    nn.Dropout."""
+    the formula reads, label smoothing through its target matrix,
+    nn.Dropout, and autocast's float32 residual stream."""
 
     keep_targets = True
     fast_dropout = False
+    bf16_stream = False
     loss_compute_cls = tat.SimpleLossCompute
     criterion_cls = tat.LabelSmoothing
 
@@ -610,6 +627,7 @@ def contestants_for(args):
         "ours, nn.Dropout": OursTorchDropout,
         "ours, fused attention": OursFusedAttention,
         "ours, log-softmax loss": OursLogSoftmaxLoss,
+        "ours, float32 stream": OursFloat32Stream,
         "ours, autograd loss": OursAutogradLoss,
         "ours, foreach Adam": OursForeachAdam,
         "ours, as at issue 18": OursAtIssue18,
@@ -708,6 +726,7 @@ RATIO_NAMES = {
     "ours, nn.Dropout": "ours with nn.Dropout",
     "ours, fused attention": "ours with fused attention",
     "ours, log-softmax loss": "ours with the log-softmax loss",
+    "ours, float32 stream": "ours with a float32 stream",
     "ours, autograd loss": "ours with the autograd loss",
     "ours, foreach Adam": "ours with foreach Adam",
     "ours, as at issue 18": "ours as at issue 18",

@@ -999,7 +999,9 @@ assert last < guess
 # - on the CPU, the generator and the loss computed together, in blocks
 #   of tokens and then of words, with the same numbers to rounding (the
 #   same section; its cheaper dropout mask matters only for presets with
-#   dropout, and `quick` has none).
+#   dropout, and `quick` has none);
+# - on a CPU training in bf16, the residual stream kept in bf16 too, so
+#   that no layer casts its input (the same section).
 #
 # **Before you run it.**
 #

@@ -2636,6 +2636,108 @@ for a, b in zip(grads_slow, grads_fast):
 
 
 # %% [markdown]
+# ### A bf16 residual stream, on the CPU
+#
+# Under bf16 autocast only the matrix products compute in bf16; every
+# other operation keeps its inputs' dtype. The residual stream, the
+# vectors that Part 1's `x + dropout(sublayer(norm(x)))` carries from
+# layer to layer, starts as float32 at the embeddings, and so it stays.
+# Every linear layer then casts its float32 input to bf16, every residual
+# addition casts the sublayer's bf16 output back to float32, and the
+# backward pass casts their gradients the other way. Each cast is one
+# more pass over memory. In a profile of a `cpu`-preset step on a Xeon
+# with AMX, autocast's casts of activations and gradients were about a
+# tenth of the step (`bench/RESULTS_efficiency.md`).
+#
+# `use_bf16_stream` casts the embeddings' output to autocast's dtype,
+# with a forward hook on `src_embed` and on `tgt_embed`. From there the
+# stream is bf16: LayerNorm takes bf16 and gives bf16 (it computes its
+# mean and variance in float32 inside), and so do the linear layers,
+# dropout and the residual additions. What is left to cast is the
+# weights, once per step (autocast keeps the casts for the step), and the
+# gradient that reaches the embeddings. The parameters stay float32, so
+# Adam, the checkpoints and their averaging do not change. Outside
+# autocast the hook does nothing, so a model evaluated in float32 stays
+# float32.
+#
+# The price is precision. Each residual addition now rounds to bf16's 8
+# significant bits, where it kept float32's 24. The quick recipe shows
+# whether that matters: trained with the bf16 stream on the same Xeon,
+# its validation loss after each epoch stayed within a few hundredths of
+# the float32 stream's (`bench/RESULTS_efficiency.md`).
+#
+# `TrainingRun` turns it on where training runs in bf16 on the CPU.
+# GPUs keep their float32 stream: there a cast is a small part of a
+# step, and this was never measured on one.
+
+
+# %%
+#| export
+def _stream_to_autocast_dtype(module, inputs, output):
+    """Forward hook: `output` in autocast's dtype when autocast is on."""
+    device_type = output.device.type
+    if torch.is_autocast_enabled(device_type):
+        return output.to(torch.get_autocast_dtype(device_type))
+    return output
+
+
+def use_bf16_stream(model):
+    """Make the residual stream of Part 1's EncoderDecoder bf16 under
+    bf16 autocast (its embeddings' output is cast); return `model`."""
+    for embed in (model.src_embed, model.tgt_embed):
+        embed.register_forward_hook(_stream_to_autocast_dtype)
+    return model
+
+
+def wants_bf16_stream(device, precision):
+    """True where training uses a bf16 residual stream: bf16 on the CPU."""
+    cpu = torch.device(device).type == "cpu"
+    return cpu and precision.dtype == torch.bfloat16
+
+
+# %% [markdown]
+# The check: a small model, one forward pass under bf16 autocast on the
+# CPU, recording the dtype that reaches each linear layer and each
+# LayerNorm. Without the hook, the stream arrives as float32 at the
+# layers that read it; with it, everything is bf16; outside autocast,
+# float32 as before.
+
+# %%
+from the_annotated_transformer import LayerNorm, make_model
+
+
+def input_dtypes(model, batch, autocast):
+    """The dtypes that reach model's linear layers and LayerNorms."""
+    seen = set()
+
+    def record(module, inputs, output):
+        seen.add(inputs[0].dtype)
+
+    hooks = [
+        module.register_forward_hook(record)
+        for module in model.modules()
+        if isinstance(module, (torch.nn.Linear, LayerNorm))
+    ]
+    with autocast:
+        model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
+    for hook in hooks:
+        hook.remove()
+    return seen
+
+
+torch.manual_seed(0)
+small = make_model(50, 50, N=2, d_model=32, d_ff=64, h=4)
+pairs = Batch(torch.randint(3, 50, (4, 9)), torch.randint(3, 50, (4, 8)), PAD)
+in_bf16 = torch.autocast("cpu", torch.bfloat16)
+both = {torch.float32, torch.bfloat16}
+assert input_dtypes(small, pairs, in_bf16) == both
+use_bf16_stream(small)
+assert input_dtypes(small, pairs, in_bf16) == {torch.bfloat16}
+assert input_dtypes(small, pairs, contextlib.nullcontext()) == {torch.float32}
+print("bf16 stream: every linear layer and LayerNorm reads bf16")
+
+
+# %% [markdown]
 # ### R-Drop: two dropout passes that must agree
 #
 # Dropout makes every training step use a different sub-network. R-Drop
@@ -2876,6 +2978,8 @@ class TrainingRun:
         )
         self.precision = choose_precision(self.device, c.precision)
         self.autocast = autocast_for(self.device, self.precision.dtype)
+        if wants_bf16_stream(self.device, self.precision):
+            use_bf16_stream(self.module)
         self.scaler = None
         if self.precision.scaler:
             self.scaler = torch.amp.GradScaler(self.device.type)

@@ -584,6 +584,7 @@ SIZES = (20, 20)
     "machine, device, backend, dtype, scaler",
     [
         ("no GPU", "cpu", None, None, False),
+        ("no GPU, AMX CPU", "cpu", None, BF16, False),
         ("one T4", "cuda", None, FP16, True),
         ("one A100", "cuda", None, BF16, False),
         ("a Mac", "mps", None, None, False),
@@ -597,6 +598,10 @@ def test_one_process_run(machine, cpu_model, device, backend, dtype, scaler):
     assert machine.groups == [] and run.model is run.module
     assert run.precision == (dtype, scaler)
     assert isinstance(run.scaler, torch.amp.GradScaler) == scaler
+    # the bf16 residual stream: training in bf16 on the CPU only
+    hooks = run.module.tgt_embed._forward_hooks.values()
+    streams = tools._stream_to_autocast_dtype in hooks
+    assert streams == (device == "cpu" and dtype == BF16)
     if device == "cuda":
         assert machine.set_device == [run.device]
 

@@ -202,6 +202,30 @@ def test_ours_trains_with_the_fused_loss_and_its_pairs_with_the_old_ones():
     }
 
 
+def test_which_contestants_keep_the_stream_in_bf16():
+    """Ours and the peer carry the bf16 residual stream, as training on
+    the CPU does; "ours, float32 stream", and the contestants standing
+    for earlier code, do not. Seen in the decoder's output dtype under
+    bf16 autocast: bf16 with the stream, float32 (LayerNorm's) without."""
+    labels = efficiency.contestants_for(contestant_args())
+    expected = {
+        "ours": torch.bfloat16,
+        "nn.Transformer": torch.bfloat16,
+        "ours, float32 stream": torch.float32,
+        "ours, as at issue 18": torch.float32,
+        "ours, before": torch.float32,
+        "code at issue 18": torch.float32,
+    }
+    for label, dtype in expected.items():
+        if label not in labels:  # code at issue 18 needs git history
+            assert label == "code at issue 18"
+            continue
+        torch.manual_seed(0)
+        model = labels[label][0](50, 50, 2, 32, 64, 4, 0.1).train()
+        with torch.autocast("cpu", torch.bfloat16):
+            assert model(small_batch()).dtype == dtype, label
+
+
 def test_the_fused_and_log_softmax_losses_train_alike():
     """One training step of ours and of "ours, log-softmax loss" from the
     same seed: the same loss and gradients, to rounding (float32)."""
