@@ -1001,7 +1001,8 @@ assert last < guess
 #   same section; its cheaper dropout mask matters only for presets with
 #   dropout, and `quick` has none);
 # - on a CPU training in bf16, the residual stream kept in bf16 too, so
-#   that no layer casts its input (the same section).
+#   that no linear layer casts its input (the appendix's "A bf16
+#   residual stream, on the CPU").
 #
 # **Before you run it.**
 #

@@ -2638,37 +2638,52 @@ for a, b in zip(grads_slow, grads_fast):
 # %% [markdown]
 # ### A bf16 residual stream, on the CPU
 #
-# Under bf16 autocast only the matrix products compute in bf16; every
-# other operation keeps its inputs' dtype. The residual stream, the
+# On the CPU, bf16 autocast runs the matrix products (linear layers,
+# `matmul`) in bf16, forces a few operations, mostly losses, to float32,
+# and leaves the rest in their inputs' dtype. The residual stream, the
 # vectors that Part 1's `x + dropout(sublayer(norm(x)))` carries from
-# layer to layer, starts as float32 at the embeddings, and so it stays.
-# Every linear layer then casts its float32 input to bf16, every residual
-# addition casts the sublayer's bf16 output back to float32, and the
-# backward pass casts their gradients the other way. Each cast is one
-# more pass over memory. In a profile of a `cpu`-preset step on a Xeon
-# with AMX, autocast's casts of activations and gradients were about a
-# tenth of the step (`bench/RESULTS_efficiency.md`).
+# layer to layer, starts as float32 at the embeddings and stays float32
+# throughout. So every linear layer that reads it casts its float32
+# input to bf16, every residual addition casts the sublayer's bf16 output
+# back to float32, and the backward pass casts their gradients the other
+# way; and LayerNorm and the additions, working in float32, move twice
+# the bytes they would in bf16. On a CPU each cast is one more pass over
+# memory.
 #
 # `use_bf16_stream` casts the embeddings' output to autocast's dtype,
-# with a forward hook on `src_embed` and on `tgt_embed`. From there the
+# with a forward hook on `src_embed` and on `tgt_embed`. Each of those is
+# Part 1's `nn.Sequential(Embeddings, PositionalEncoding)`, so the cast
+# comes after the positional encoding and its dropout. From there the
 # stream is bf16: LayerNorm takes bf16 and gives bf16 (it computes its
 # mean and variance in float32 inside), and so do the linear layers,
-# dropout and the residual additions. What is left to cast is the
-# weights, once per step (autocast keeps the casts for the step), and the
-# gradient that reaches the embeddings. The parameters stay float32, so
-# Adam, the checkpoints and their averaging do not change. Outside
-# autocast the hook does nothing, so a model evaluated in float32 stays
-# float32.
+# dropout and the residual additions. What is still cast: the weights,
+# once per batch (autocast keeps its casts of them until the batch's
+# autocast ends), their gradients back to float32, and the gradient that
+# reaches the embeddings. `GeneratorLoss`, above, keeps its sums in
+# float32 as before. The parameters stay float32, so Adam, the
+# checkpoints and their averaging do not change. The hooks are not saved
+# in a checkpoint: a model loaded from one has autocast's float32 stream
+# again. Outside autocast the hook does nothing, so a model evaluated in
+# float32 stays float32.
 #
-# The price is precision. Each residual addition now rounds to bf16's 8
-# significant bits, where it kept float32's 24. The quick recipe shows
-# whether that matters: trained with the bf16 stream on the same Xeon,
-# its validation loss after each epoch stayed within a few hundredths of
-# the float32 stream's (`bench/RESULTS_efficiency.md`).
+# The price is precision: each residual addition rounds to bf16's 8
+# significant bits, where it kept float32's 24. The test
+# (`tests/test_bf16_stream.py`) compares one training step with the
+# same step in float64: the gradients' error is about 2%, as with
+# autocast's float32 stream, because most of it comes from the bf16
+# matrix products either way. Trained with it, the `quick` preset (Part
+# 3's reference run) reached validation losses 0.007 to 0.025 lower
+# than with the float32 stream after each of its five epochs, on a
+# 2-core Xeon with AMX (single runs; `bench/RESULTS_efficiency.md`).
+#
+# Speed, from `bench/efficiency.py` on that Xeon, with the `cpu` model,
+# timed beside the float32 stream in the same runs: a bf16 training
+# step was 1.04 times as fast at 2 threads and 1.13 times at 1 thread
+# (medians of 5).
 #
 # `TrainingRun` turns it on where training runs in bf16 on the CPU.
-# GPUs keep their float32 stream: there a cast is a small part of a
-# step, and this was never measured on one.
+# GPUs keep the float32 stream: the bf16 stream was neither timed nor
+# validated on one.
 
 
 # %%
@@ -2697,44 +2712,51 @@ def wants_bf16_stream(device, precision):
 
 # %% [markdown]
 # The check: a small model, one forward pass under bf16 autocast on the
-# CPU, recording the dtype that reaches each linear layer and each
-# LayerNorm. Without the hook, the stream arrives as float32 at the
-# layers that read it; with it, everything is bf16; outside autocast,
-# float32 as before.
+# CPU, recording the dtypes that reach its linear layers and its
+# LayerNorms. Without the hook, the LayerNorms read the float32 stream,
+# and the linear layers read both (float32 from the stream, bf16 from
+# one another); with it, everything reads bf16; outside autocast,
+# everything reads float32, as before.
 
 # %%
 from the_annotated_transformer import LayerNorm, make_model
 
 
-def input_dtypes(model, batch, autocast):
-    """The dtypes that reach model's linear layers and LayerNorms."""
-    seen = set()
+def input_dtypes(model, batch, context):
+    """{"Linear": dtypes, "LayerNorm": dtypes} that reach model's layers
+    in one forward pass inside `context`."""
+    seen = {"Linear": set(), "LayerNorm": set()}
 
     def record(module, inputs, output):
-        seen.add(inputs[0].dtype)
+        seen[type(module).__name__].add(inputs[0].dtype)
 
     hooks = [
         module.register_forward_hook(record)
         for module in model.modules()
         if isinstance(module, (torch.nn.Linear, LayerNorm))
     ]
-    with autocast:
+    with context:
         model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
     for hook in hooks:
         hook.remove()
     return seen
 
 
+F32, BF16 = torch.float32, torch.bfloat16
 torch.manual_seed(0)
-small = make_model(50, 50, N=2, d_model=32, d_ff=64, h=4)
-pairs = Batch(torch.randint(3, 50, (4, 9)), torch.randint(3, 50, (4, 8)), PAD)
-in_bf16 = torch.autocast("cpu", torch.bfloat16)
-both = {torch.float32, torch.bfloat16}
-assert input_dtypes(small, pairs, in_bf16) == both
-use_bf16_stream(small)
-assert input_dtypes(small, pairs, in_bf16) == {torch.bfloat16}
-assert input_dtypes(small, pairs, contextlib.nullcontext()) == {torch.float32}
-print("bf16 stream: every linear layer and LayerNorm reads bf16")
+toy_model = make_model(50, 50, N=2, d_model=32, d_ff=64, h=4)
+toy_batch = Batch(
+    torch.randint(3, 50, (4, 9)), torch.randint(3, 50, (4, 8)), PAD
+)
+in_bf16 = torch.autocast("cpu", BF16)
+dtypes = input_dtypes(toy_model, toy_batch, in_bf16)
+assert dtypes == {"Linear": {F32, BF16}, "LayerNorm": {F32}}
+use_bf16_stream(toy_model)
+dtypes = input_dtypes(toy_model, toy_batch, in_bf16)
+assert dtypes == {"Linear": {BF16}, "LayerNorm": {BF16}}
+dtypes = input_dtypes(toy_model, toy_batch, contextlib.nullcontext())
+assert dtypes == {"Linear": {F32}, "LayerNorm": {F32}}
+print("with the bf16 stream, every linear layer and LayerNorm reads bf16")
 
 
 # %% [markdown]
