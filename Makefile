@@ -66,7 +66,7 @@ notebook: setup  ## execute every notebook into runs/notebooks/, full size (AT_S
 	  echo "$$nb: running..."; \
 	  case "$$nb:$(AT_SIZE)" in *03_multi30k.ipynb:full) \
 	    if ! test -f checkpoints/quick/final.pt; then \
-	      echo "  it trains the translator: 10 to 22 minutes on the" \
+	      echo "  it trains the translator: 7 to 22 minutes on the" \
 	        "2-core CPUs measured, less on a GPU"; \
 	      $(PY) tools/watch_epochs.py checkpoints/quick \
 	        --while-running $$$$ & watcher=$$!; \

@@ -1063,8 +1063,8 @@ else:
 #   minutes (the reference run's training took 13.9,
 #   `results/recipe_quick.json`; the whole notebook, 14 to 22,
 #   `results/make_notebook.md`);
-# - a 2-core CPU with native bf16: about 10 minutes (the whole notebook
-#   took 10 to 11, `results/make_notebook.md`); `!grep -c -E
+# - a 2-core CPU with native bf16: 7 to 10 minutes (the whole notebook
+#   took 7 to 11, `results/make_notebook.md`); `!grep -c -E
 #   'avx512_bf16|amx_bf16' /proc/cpuinfo` in a cell on Linux prints 0 if
 #   the CPU has no native bf16;
 # - an H100 GPU: under two minutes (the whole notebook took 88 s there,

