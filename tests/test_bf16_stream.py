@@ -104,8 +104,9 @@ def loss_and_grads(model, batch, autocast, dtype=None):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_bf16_stream_is_about_as_accurate_as_autocast_alone(seed):
     """Against the same step in float64: the loss within 2e-3 and the
-    gradients within 1.5 times the error of autocast's float32 stream
-    (both about 2%, mostly the bf16 matrix products')."""
+    gradients within twice the error of autocast's float32 stream (both
+    about 2% on a Xeon with AMX, mostly the bf16 matrix products'; the margin
+    is for CPUs whose bf16 kernels round differently)."""
     model, batch = small_model(seed), small_batch(seed)
     no_autocast = contextlib.nullcontext()
     ref_loss, ref_grads = loss_and_grads(
@@ -119,7 +120,7 @@ def test_the_bf16_stream_is_about_as_accurate_as_autocast_alone(seed):
         return ((grads - ref_grads).norm() / ref_grads.norm()).item()
 
     assert abs(loss16 - ref_loss) < 2e-3 and abs(loss32 - ref_loss) < 2e-3
-    assert error(grads16) < 1.5 * error(grads32) < 0.06
+    assert error(grads16) < 2 * error(grads32) < 0.06
     assert not torch.equal(grads16, grads32)  # the stream changed the step
 
 
