@@ -2680,10 +2680,10 @@ for a, b in zip(grads_slow, grads_fast):
 #
 # Speed, from `bench/efficiency.py` on that Xeon, with the `cpu` model,
 # timed beside the float32 stream in the same runs: a bf16 training
-# step was 1.04 times as fast at 2 threads and 1.13 times at 1 thread
-# (medians of 5). In real training, one epoch of the `cpu` preset, the
-# gain was within the run-to-run noise at 2 threads and a few percent at
-# 1.
+# step was 1.04 to 1.07 times as fast at 2 threads and 1.09 to 1.13
+# times at 1 thread (two runs of 5, medians). In real training, one
+# epoch of the `cpu` preset, the gain was within the run-to-run noise at
+# 2 threads and a few percent at 1.
 #
 # `TrainingRun` turns it on where training runs in bf16 on the CPU.
 # GPUs keep the float32 stream: the bf16 stream was neither timed nor
