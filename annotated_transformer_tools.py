@@ -1655,11 +1655,9 @@ class FusedLossCompute(SimpleLossCompute):
 
 
 def _stream_to_autocast_dtype(module, inputs, output):
-    """Forward hook: `output` in autocast's dtype when autocast is on."""
-    device_type = output.device.type
-    if torch.is_autocast_enabled(device_type):
-        return output.to(torch.get_autocast_dtype(device_type))
-    return output
+    """Forward hook: `output` in autocast's dtype when autocast is on
+    (compute_dtype, above); outside autocast, `output` itself."""
+    return output.to(compute_dtype(output))
 
 
 def use_bf16_stream(model):
