@@ -30,8 +30,8 @@
 # From text to translator takes five steps, one section each: read the
 # sentence pairs, cut them into tokens, number the tokens, group sentences
 # of similar length into batches, and train. Then we decode, and score
-# the translations with BLEU. A last section shows where the files are
-# found.
+# the translations with BLEU. Two plumbing sections at the end show
+# where the files are found and how `AT_DEVICE` is checked.
 
 # %% [markdown]
 # [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/annotated-transformer/done-right/blob/main/notebooks/03_multi30k.ipynb)
@@ -293,10 +293,10 @@ assert toy(["b", "c", "<s>"]) == [6, UNK, BOS]  # 4 specials, z, a, b
 # word-level vocabulary of WMT would need far more, which is one reason
 # the paper cut words into subword units instead.
 #
-# A check: in train, a German word reads as `<unk>` only if it occurs
-# there once; in test, also when train never has it. So test's share of
-# `<unk>` tokens should be the higher one; the cell checks that, and that
-# both shares are under 5%.
+# A check. In train, a word becomes `<unk>` only if it occurs there once.
+# In test it also becomes `<unk>` if train never has it. So test should
+# have the higher share of `<unk>` tokens; the cell checks that, and that
+# both shares stay under 5%.
 
 # %%
 vocab_src, vocab_tgt = build_vocabulary(spacy_de, spacy_en)
@@ -531,7 +531,9 @@ assert len(buckets) == 153
 # `report_left_out`, after it, warns when pairs are left out (and stops
 # with an error if none is left). Two arguments serve other callers:
 # `max_train_pairs=n` keeps only the first $n$ training pairs (and $n/4$
-# validation pairs) for the tiny `ci` preset, and `num_workers` prepares
+# validation pairs) for the tiny `ci` preset (a preset is a named set
+# of training settings; "Training", below, introduces them), and
+# `num_workers` prepares
 # batches in that many background processes (0: in this one).
 
 
@@ -996,12 +998,11 @@ assert last < guess
 #   precision");
 # - several processes sharing the work, when asked (the appendix's
 #   "Training runs: devices and processes"); the cell below runs one;
-# - on the CPU, the generator and the loss computed together, in blocks
-#   of tokens and then of words, with the same numbers to rounding (the
-#   same section; its cheaper dropout mask matters only for presets with
-#   dropout, and `quick` has none);
-# - on a CPU training in bf16, the residual stream kept in bf16 too, so
-#   that no linear layer casts its input (the appendix's "A bf16
+# - on the CPU, a few speed-ups whose numbers differ from
+#   `train_one_process`'s only by rounding: the generator and the loss
+#   computed together, the loss's gradient written by hand, a cheaper
+#   dropout mask (the appendix's "Training runs: devices and
+#   processes"), and in bf16 a residual stream kept in bf16 (its "A bf16
 #   residual stream, on the CPU").
 #
 # **Before you run it.**
@@ -1059,8 +1060,8 @@ else:
 #
 # **How long.**
 #
-# - a 2-core CPU in float32: 14 to 20 minutes, an epoch every 3 to 4
-#   minutes (the reference run's training took 13.9,
+# - a 2-core CPU in float32: about 14 to 20 minutes, 3 to 4 minutes an
+#   epoch (the reference run's training took 13.9 minutes, 2.8 an epoch,
 #   `results/recipe_quick.json`; the whole notebook, 14 to 22,
 #   `results/make_notebook.md`);
 # - a 2-core CPU with native bf16: 7 to 10 minutes (the whole notebook
@@ -1167,8 +1168,10 @@ if history is not None and preset == "quick":
 #   | 1,500 tokens | 1,600 | 200, 2.7e-3 | 27.17 |
 #   | 3,000 tokens | 660 | 300, 2.2e-3 | 32.46 |
 #
-#   (Both with dropout, so their steps were slower than `quick`'s, whose
-#   765 steps take about as long.)
+#   Both trials used dropout, which makes each step slower; `quick`,
+#   without it, fits 765 steps into about the same time. These scores
+#   replace `<unk>`, so they do not compare with this lesson's validation
+#   BLEU, which keeps it.
 #
 # The trials, with their commands, machines and times, are in
 # `results/recipe_sweep.md`; `docs/results.md` has the table of the
