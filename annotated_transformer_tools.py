@@ -41,6 +41,7 @@ import math
 import multiprocessing
 import os
 import pickle
+import platform
 import re
 import shlex
 import signal
@@ -1674,6 +1675,197 @@ def wants_bf16_stream(device, precision):
     return cpu and precision.dtype == torch.bfloat16
 
 
+DROPOUT_KERNEL_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+// 64 random bits for group w of four elements (SplitMix64).
+static inline uint64_t splitmix64(uint64_t seed, int64_t w) {
+  uint64_t z = seed + (uint64_t)w * 0x9E3779B97F4A7C15ULL;
+  z += 0x9E3779B97F4A7C15ULL;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+// bf16 is the top half of a float32: shift up; round to nearest even down.
+static inline float load(const float* p, int64_t i) { return p[i]; }
+static inline float load(const uint16_t* p, int64_t i) {
+  uint32_t u = (uint32_t)p[i] << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+static inline void store(float* p, int64_t i, float v) { p[i] = v; }
+static inline void store(uint16_t* p, int64_t i, float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  p[i] = (v != v) ? (uint16_t)0x7FC0 : (uint16_t)rounded;  // nan stays nan
+}
+
+constexpr int64_t BLOCK = 1024;  // elements per block: 256 hashes
+
+// One block: out = x * (lane >= dropped ? scale : 0).
+template <typename T>
+static void block(const uint16_t* __restrict lanes, const T* __restrict x,
+                  T* __restrict out, int64_t count, uint32_t dropped,
+                  float scale) {
+  for (int64_t i = 0; i < count; ++i)
+    store(out, i, load(x, i) * (lanes[i] >= dropped ? scale : 0.0f));
+}
+
+template <typename T>
+static void masked_scale_of(const T* x, T* out, int64_t n, uint64_t seed,
+                            uint32_t dropped, float scale) {
+  int64_t blocks = (n + BLOCK - 1) / BLOCK;
+  at::parallel_for(0, blocks, 16, [=](int64_t begin, int64_t end) {
+    alignas(64) uint64_t bits[BLOCK / 4];
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t w = 0; w < BLOCK / 4; ++w)
+        bits[w] = splitmix64(seed, b * (BLOCK / 4) + w);
+      int64_t first = b * BLOCK;
+      block<T>(reinterpret_cast<const uint16_t*>(bits), x + first,
+               out + first, std::min(BLOCK, n - first), dropped, scale);
+    }
+  });
+}
+
+torch::Tensor masked_scale(torch::Tensor x, int64_t seed, int64_t dropped,
+                           double scale) {
+  TORCH_CHECK(x.device().is_cpu(), "masked_scale: a CPU tensor, please");
+  auto input = x.contiguous();
+  auto out = torch::empty_like(input);
+  int64_t n = input.numel();
+  if (input.scalar_type() == at::kBFloat16) {
+    masked_scale_of<uint16_t>(
+        reinterpret_cast<const uint16_t*>(input.data_ptr<at::BFloat16>()),
+        reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), n,
+        (uint64_t)seed, (uint32_t)dropped, (float)scale);
+  } else {
+    TORCH_CHECK(input.scalar_type() == at::kFloat,
+                "masked_scale: bf16 or float32, please");
+    masked_scale_of<float>(input.data_ptr<float>(), out.data_ptr<float>(),
+                           n, (uint64_t)seed, (uint32_t)dropped,
+                           (float)scale);
+  }
+  return out;
+}
+"""
+KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+_DROPOUT_KERNEL = {}  # "module": the built extension, or None
+
+
+def _cpu_identity():
+    """The CPU's model and flags on Linux, else what platform knows."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            lines = [
+                line
+                for line in info
+                if line.startswith(("model name", "flags"))
+            ]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.machine() + platform.processor()
+
+
+def _kernel_flags():
+    """Compiler flags: this CPU's vector units and OpenMP on x86 Linux
+    (as torch's own CPU build has), plain -O3 elsewhere."""
+    if sys.platform == "linux" and platform.machine() == "x86_64":
+        vectors = ["-march=native", "-mprefer-vector-width=512"]
+        return ["-O3", *vectors, "-fopenmp"]
+    return ["-O3"]
+
+
+def _build_dropout_kernel():
+    """The extension, built (or loaded from torch's cache); None, with one
+    line saying why, where it cannot be built."""
+    from torch.utils.cpp_extension import get_default_build_root, load_inline
+
+    flags = _kernel_flags()
+    key = DROPOUT_KERNEL_SOURCE + " ".join(flags) + _cpu_identity()
+    name = "at_dropout_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    if not os.path.isdir(os.path.join(get_default_build_root(), name)):
+        print("building the CPU dropout kernel (once; about 20 s)", flush=True)
+    try:
+        return load_inline(
+            name,
+            cpp_sources=[DROPOUT_KERNEL_SOURCE],
+            functions=["masked_scale"],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"] if "-fopenmp" in flags else [],
+        )
+    except Exception as error:  # no compiler, no ninja, a compile error
+        why = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        print(f"no CPU dropout kernel ({why[:200]}); using FastDropout")
+        return None
+
+
+def dropout_kernel():
+    """The C++ dropout kernel, built on the first call; None where it
+    cannot be built or AT_DROPOUT_KERNEL=0 turns it off."""
+    if os.environ.get("AT_DROPOUT_KERNEL", "1") == "0":
+        return None
+    if "module" not in _DROPOUT_KERNEL:
+        _DROPOUT_KERNEL["module"] = _build_dropout_kernel()
+    return _DROPOUT_KERNEL["module"]
+
+
+def dropout_rule(p):
+    """(dropped, scale): an element is kept when its 16-bit lane is at
+    least `dropped`; kept elements are multiplied by `scale`."""
+    dropped = min(round(p * 65536), 65535)
+    return dropped, 65536 / (65536 - dropped)
+
+
+class KernelDropoutFunction(torch.autograd.Function):
+    """Dropout by the kernel; the backward pass draws the mask again."""
+
+    @staticmethod
+    def forward(ctx, x, p, kernel):
+        dropped, scale = dropout_rule(p)
+        seed = torch.empty((), dtype=torch.int64).random_(-(2**63), None)
+        ctx.kernel, ctx.rule = kernel, (seed.item(), dropped, scale)
+        return kernel.masked_scale(x, *ctx.rule)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.kernel.masked_scale(grad, *ctx.rule), None, None
+
+
+class KernelDropout(FastDropout):
+    """FastDropout that uses the C++ kernel on bf16 and float32 CPU
+    tensors, where it is built; FastDropout's own mask elsewhere."""
+
+    def forward(self, x):
+        usable = self.training and 0 < self.p < 1 and not self.inplace
+        usable = usable and x.device.type == "cpu" and x.dtype in KERNEL_DTYPES
+        kernel = dropout_kernel() if usable else None
+        if kernel is None:
+            return super().forward(x)
+        return KernelDropoutFunction.apply(x, self.p, kernel)
+
+
+def use_dropout_kernel(model):
+    """Swap every nn.Dropout and FastDropout of `model` for KernelDropout;
+    return `model`."""
+    for module in list(model.modules()):
+        for name, child in module.named_children():
+            if type(child) in (torch.nn.Dropout, FastDropout):
+                setattr(module, name, KernelDropout(child.p, child.inplace))
+    return model
+
+
+def wants_dropout_kernel(device, dropout):
+    """True where training asks for the kernel: dropout on the CPU."""
+    return torch.device(device).type == "cpu" and dropout > 0
+
+
 def doubled(batch):
     """The batch stacked on itself: rows i and B + i are the same pair.
 
@@ -1779,6 +1971,8 @@ class TrainingRun:
             join_group(self.device, rank, world_size, port)
         torch.manual_seed(c.seed)
         model = use_fast_dropout(model_from_config(c, *sizes))
+        if wants_dropout_kernel(self.device, c.dropout) and dropout_kernel():
+            use_dropout_kernel(model)  # C++ on the CPU, where it builds
         self.model = self.module = model.to(self.device)
         if distributed:
             ids = [self.device.index] if self.device.type == "cuda" else None
@@ -4468,6 +4662,14 @@ __all__ = [
     "FusedLossCompute",
     "use_bf16_stream",
     "wants_bf16_stream",
+    "DROPOUT_KERNEL_SOURCE",
+    "KERNEL_DTYPES",
+    "dropout_kernel",
+    "dropout_rule",
+    "KernelDropoutFunction",
+    "KernelDropout",
+    "use_dropout_kernel",
+    "wants_dropout_kernel",
     "doubled",
     "symmetric_kl",
     "RDropLossCompute",

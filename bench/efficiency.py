@@ -8,9 +8,12 @@ For each preset (`paper`, `cpu`) it trains on the same bucketed batches of
 real Multi30k sentences with
 
 * ours: `make_model(...)`, the tutorial's model, with the appendix's
-  `FastDropout` swapped in and its `FusedLossCompute` (the generator and
-  the label-smoothed loss in one, a block at a time), as training on the
-  CPU does (`TrainingRun`, `train_epoch`);
+  C++ dropout kernel (`KernelDropout`; `FastDropout` where the kernel
+  cannot be built, which the run says) and its `FusedLossCompute` (the
+  generator and the label-smoothed loss in one, a block at a time), as
+  training on the CPU does (`TrainingRun`, `train_epoch`);
+* ours, random_ mask: ours with `FastDropout`'s mask (`random_`, then a
+  comparison, a cast and two multiplications), as before the kernel;
 * ours, log-softmax loss: the same with the generator's log-softmax
   then the appendix's `FastLabelSmoothing`, as training did before
   `FusedLossCompute`, for a before/after of the loss in the same run;
@@ -98,6 +101,7 @@ ISSUE_18_COMMIT = "c0b4240e0e6f09b4ebd30cdf843fec9130752aac"
 ISSUE_18_BLOB = "b5ac9c75f9a1b5dbfdaf6ce22dc95c437912f72a"
 CONTESTANTS = (
     "ours",
+    "ours, random_ mask",
     "ours, nn.Dropout",
     "ours, fused attention",
     "ours, log-softmax loss",
@@ -301,6 +305,7 @@ class Ours(nn.Module):
 
     keep_targets = False  # LabelSmoothing's closed form (the fast path)
     fast_dropout = True
+    dropout_kernel = True  # the C++ kernel, where it builds
     bf16_stream = True  # its embeddings cast under bf16 autocast
     # the generator and the loss in one, as training on the CPU has them
     loss_compute_cls = tools.FusedLossCompute
@@ -315,6 +320,8 @@ class Ours(nn.Module):
         )
         if self.fast_dropout:
             tools.use_fast_dropout(self.model)
+            if self.dropout_kernel and tools.dropout_kernel():
+                tools.use_dropout_kernel(self.model)
         if self.bf16_stream:
             tools.use_bf16_stream(self.model)
         self.generator = self.model.generator
@@ -328,6 +335,12 @@ def layer_norm_by_hand(self, x):
     mean = x.mean(-1, keepdim=True)
     var = x.var(-1, keepdim=True, unbiased=False)
     return self.a_2 * (x - mean) / torch.sqrt(var + self.eps) + self.b_2
+
+
+class OursRandomMask(Ours):
+    """Ours with FastDropout's mask (random_), as before the kernel."""
+
+    dropout_kernel = False
 
 
 class OursTorchDropout(Ours):
@@ -624,6 +637,7 @@ def contestants_for(args):
     of CONTESTANTS, or ours and those `--only` names."""
     classes = {
         "ours": Ours,
+        "ours, random_ mask": OursRandomMask,
         "ours, nn.Dropout": OursTorchDropout,
         "ours, fused attention": OursFusedAttention,
         "ours, log-softmax loss": OursLogSoftmaxLoss,
@@ -782,6 +796,8 @@ def main(argv=None):
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     native = tools.cpu_has_native_bf16()
     print(f"native bf16 on this CPU: {'yes' if native else 'no'}")
+    kernel = "built" if tools.dropout_kernel() else "not available"
+    print(f"C++ dropout kernel (ours): {kernel}")
     dtype = training_dtype(args.precision)
     peaks = matmul_peak(dtype or torch.float32)
     peak = max(peaks.values())

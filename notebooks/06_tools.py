@@ -92,6 +92,7 @@ import math
 import multiprocessing
 import os
 import pickle
+import platform
 import re
 import shlex
 import signal
@@ -2026,8 +2027,9 @@ def same_run(epoch_history, history):
 #
 # Part 3's `train_one_process` is the whole training loop in one process.
 # `train_worker` runs the same loop with faster pieces on the CPU
-# (`FastDropout`, `FastLabelSmoothing` and `FusedLossCompute`, below), and
-# adds what a long run needs:
+# (`FastDropout`, `FastLabelSmoothing`, `FusedLossCompute`, the bf16
+# residual stream and the C++ dropout kernel, below), and adds what a
+# long run needs:
 #
 # * **Checkpoint files**, written after every epoch (see "Checkpoint
 #   files"), and resuming from them.
@@ -2762,6 +2764,303 @@ print("with the bf16 stream, every linear layer and LayerNorm reads bf16")
 
 
 # %% [markdown]
+# ### A dropout kernel in C++, on the CPU
+#
+# After the changes above, dropout was still the largest cost of a bf16
+# training step of the `cpu` model on a 2-core Xeon with AMX: without
+# any dropout the step ran 1.26 to 1.36 times as fast
+# (`bench/RESULTS_efficiency.md`, "What dropout costs, taken apart").
+# `FastDropout`'s mask takes six passes over memory: `random_` writes the
+# random bits (on one thread: torch's generator is sequential), a
+# comparison turns them into a mask, a cast and a scale turn that into
+# bf16, the forward pass multiplies, and the backward pass multiplies the
+# gradient by the stored mask, read back from memory. Each eager fix
+# measured there (fewer passes, bits drawn ahead on another thread,
+# `torch.compile`) gained nothing.
+#
+# The kernel below does it in one pass each way and stores nothing:
+#
+# - **A counter-based generator.** The random bits of element $i$ are a
+#   function of a seed and $i$ alone: one 64-bit SplitMix64 hash of
+#   `seed + w * 0x9E3779B97F4A7C15` for each group of four elements
+#   $w = \lfloor i / 4 \rfloor$, read as four 16-bit lanes, as
+#   `FastDropout` reads `random_`'s numbers. So any thread can compute any
+#   element's bits, in any order: the mask is the same at 1 thread or 16.
+#   SplitMix64 is the standard seeding generator of the xoshiro family
+#   (Steele, Lea and Flood, 2014, "Fast splittable pseudorandom number
+#   generators").
+# - **The same mask rule.** An element is kept when its lane is at least
+#   `dropped = round(p * 65536)`, so it is kept with `FastDropout`'s
+#   probability, `(65536 - dropped) / 65536`, and scaled by one over it.
+#   The multiplication is by 0 or by the scale, as `nn.Dropout`'s is, so
+#   a dropped `nan` stays `nan`.
+# - **The mask drawn again.** The backward pass calls the same function
+#   on the gradient, with the same seed: the same elements are dropped,
+#   and no mask is kept in memory between the passes.
+# - **A seed per call**, drawn from torch's generator, so
+#   `torch.manual_seed` makes a run repeat.
+#
+# Only bf16 and float32 CPU tensors take the kernel; anything else goes
+# to `FastDropout`. The compiler vectorizes the hash and the conversion of
+# bf16 (a bit shift one way; rounding to nearest even, by an addition,
+# the other).
+#
+# `dropout_kernel` builds it the first time it is asked, with
+# `torch.utils.cpp_extension.load_inline`: a C++ compiler (`g++` on
+# Linux, Xcode's command-line tools on a Mac) and the `ninja` package
+# (in `requirements.txt`). The build takes about 20 seconds on a 2-core
+# CPU; torch keeps it on disk (in `~/.cache/torch_extensions`), so later
+# runs load it in a second. On Linux on x86 it is compiled for this
+# machine's own CPU (`-march=native`), so the name of the build includes
+# the CPU's model and flags, and a home folder shared by different
+# machines keeps one build per kind of CPU. If the build fails (no
+# compiler, for one), `dropout_kernel` says why in one line and returns
+# `None`, and training keeps `FastDropout`. Setting the environment
+# variable `AT_DROPOUT_KERNEL=0` turns the kernel off.
+#
+# `TrainingRun` uses it wherever it trains with dropout on the CPU.
+# GPUs keep `F.dropout`, which is one fused kernel there already.
+
+# %%
+#| export
+DROPOUT_KERNEL_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+// 64 random bits for group w of four elements (SplitMix64).
+static inline uint64_t splitmix64(uint64_t seed, int64_t w) {
+  uint64_t z = seed + (uint64_t)w * 0x9E3779B97F4A7C15ULL;
+  z += 0x9E3779B97F4A7C15ULL;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+// bf16 is the top half of a float32: shift up; round to nearest even down.
+static inline float load(const float* p, int64_t i) { return p[i]; }
+static inline float load(const uint16_t* p, int64_t i) {
+  uint32_t u = (uint32_t)p[i] << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+static inline void store(float* p, int64_t i, float v) { p[i] = v; }
+static inline void store(uint16_t* p, int64_t i, float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  p[i] = (v != v) ? (uint16_t)0x7FC0 : (uint16_t)rounded;  // nan stays nan
+}
+
+constexpr int64_t BLOCK = 1024;  // elements per block: 256 hashes
+
+// One block: out = x * (lane >= dropped ? scale : 0).
+template <typename T>
+static void block(const uint16_t* __restrict lanes, const T* __restrict x,
+                  T* __restrict out, int64_t count, uint32_t dropped,
+                  float scale) {
+  for (int64_t i = 0; i < count; ++i)
+    store(out, i, load(x, i) * (lanes[i] >= dropped ? scale : 0.0f));
+}
+
+template <typename T>
+static void masked_scale_of(const T* x, T* out, int64_t n, uint64_t seed,
+                            uint32_t dropped, float scale) {
+  int64_t blocks = (n + BLOCK - 1) / BLOCK;
+  at::parallel_for(0, blocks, 16, [=](int64_t begin, int64_t end) {
+    alignas(64) uint64_t bits[BLOCK / 4];
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t w = 0; w < BLOCK / 4; ++w)
+        bits[w] = splitmix64(seed, b * (BLOCK / 4) + w);
+      int64_t first = b * BLOCK;
+      block<T>(reinterpret_cast<const uint16_t*>(bits), x + first,
+               out + first, std::min(BLOCK, n - first), dropped, scale);
+    }
+  });
+}
+
+torch::Tensor masked_scale(torch::Tensor x, int64_t seed, int64_t dropped,
+                           double scale) {
+  TORCH_CHECK(x.device().is_cpu(), "masked_scale: a CPU tensor, please");
+  auto input = x.contiguous();
+  auto out = torch::empty_like(input);
+  int64_t n = input.numel();
+  if (input.scalar_type() == at::kBFloat16) {
+    masked_scale_of<uint16_t>(
+        reinterpret_cast<const uint16_t*>(input.data_ptr<at::BFloat16>()),
+        reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), n,
+        (uint64_t)seed, (uint32_t)dropped, (float)scale);
+  } else {
+    TORCH_CHECK(input.scalar_type() == at::kFloat,
+                "masked_scale: bf16 or float32, please");
+    masked_scale_of<float>(input.data_ptr<float>(), out.data_ptr<float>(),
+                           n, (uint64_t)seed, (uint32_t)dropped,
+                           (float)scale);
+  }
+  return out;
+}
+"""
+KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+_DROPOUT_KERNEL = {}  # "module": the built extension, or None
+
+
+def _cpu_identity():
+    """The CPU's model and flags on Linux, else what platform knows."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            lines = [
+                line
+                for line in info
+                if line.startswith(("model name", "flags"))
+            ]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.machine() + platform.processor()
+
+
+def _kernel_flags():
+    """Compiler flags: this CPU's vector units and OpenMP on x86 Linux
+    (as torch's own CPU build has), plain -O3 elsewhere."""
+    if sys.platform == "linux" and platform.machine() == "x86_64":
+        vectors = ["-march=native", "-mprefer-vector-width=512"]
+        return ["-O3", *vectors, "-fopenmp"]
+    return ["-O3"]
+
+
+def _build_dropout_kernel():
+    """The extension, built (or loaded from torch's cache); None, with one
+    line saying why, where it cannot be built."""
+    from torch.utils.cpp_extension import get_default_build_root, load_inline
+
+    flags = _kernel_flags()
+    key = DROPOUT_KERNEL_SOURCE + " ".join(flags) + _cpu_identity()
+    name = "at_dropout_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    if not os.path.isdir(os.path.join(get_default_build_root(), name)):
+        print("building the CPU dropout kernel (once; about 20 s)", flush=True)
+    try:
+        return load_inline(
+            name,
+            cpp_sources=[DROPOUT_KERNEL_SOURCE],
+            functions=["masked_scale"],
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"] if "-fopenmp" in flags else [],
+        )
+    except Exception as error:  # no compiler, no ninja, a compile error
+        why = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        print(f"no CPU dropout kernel ({why[:200]}); using FastDropout")
+        return None
+
+
+def dropout_kernel():
+    """The C++ dropout kernel, built on the first call; None where it
+    cannot be built or AT_DROPOUT_KERNEL=0 turns it off."""
+    if os.environ.get("AT_DROPOUT_KERNEL", "1") == "0":
+        return None
+    if "module" not in _DROPOUT_KERNEL:
+        _DROPOUT_KERNEL["module"] = _build_dropout_kernel()
+    return _DROPOUT_KERNEL["module"]
+
+
+def dropout_rule(p):
+    """(dropped, scale): an element is kept when its 16-bit lane is at
+    least `dropped`; kept elements are multiplied by `scale`."""
+    dropped = min(round(p * 65536), 65535)
+    return dropped, 65536 / (65536 - dropped)
+
+
+class KernelDropoutFunction(torch.autograd.Function):
+    """Dropout by the kernel; the backward pass draws the mask again."""
+
+    @staticmethod
+    def forward(ctx, x, p, kernel):
+        dropped, scale = dropout_rule(p)
+        seed = torch.empty((), dtype=torch.int64).random_(-(2**63), None)
+        ctx.kernel, ctx.rule = kernel, (seed.item(), dropped, scale)
+        return kernel.masked_scale(x, *ctx.rule)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.kernel.masked_scale(grad, *ctx.rule), None, None
+
+
+class KernelDropout(FastDropout):
+    """FastDropout that uses the C++ kernel on bf16 and float32 CPU
+    tensors, where it is built; FastDropout's own mask elsewhere."""
+
+    def forward(self, x):
+        usable = self.training and 0 < self.p < 1 and not self.inplace
+        usable = usable and x.device.type == "cpu" and x.dtype in KERNEL_DTYPES
+        kernel = dropout_kernel() if usable else None
+        if kernel is None:
+            return super().forward(x)
+        return KernelDropoutFunction.apply(x, self.p, kernel)
+
+
+def use_dropout_kernel(model):
+    """Swap every nn.Dropout and FastDropout of `model` for KernelDropout;
+    return `model`."""
+    for module in list(model.modules()):
+        for name, child in module.named_children():
+            if type(child) in (torch.nn.Dropout, FastDropout):
+                setattr(module, name, KernelDropout(child.p, child.inplace))
+    return model
+
+
+def wants_dropout_kernel(device, dropout):
+    """True where training asks for the kernel: dropout on the CPU."""
+    return torch.device(device).type == "cpu" and dropout > 0
+
+
+# %% [markdown]
+# The check, on a tensor small enough to follow by hand: the mask is
+# computed again here in Python, with Python's own integers (SplitMix64
+# in five lines), and the kernel must drop exactly the elements it
+# drops, in bf16 and in float32, and scale the rest as `FastDropout`
+# does; the gradient must be dropped at the same places. Where no
+# compiler is found, the check says so and stops there.
+
+
+# %%
+def splitmix64_lanes(seed, n):
+    """The kernel's n 16-bit lanes for `seed`, by Python integers."""
+    mask64, gamma = 2**64 - 1, 0x9E3779B97F4A7C15
+    lanes = []
+    for w in range((n + 3) // 4):
+        z = (seed + w * gamma + gamma) & mask64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask64
+        z ^= z >> 31
+        lanes += [(z >> (16 * k)) & 0xFFFF for k in range(4)]
+    return torch.tensor(lanes[:n])
+
+
+kernel = dropout_kernel()
+if kernel is None:
+    print("no kernel on this machine: training uses FastDropout")
+else:
+    x = torch.randn(3, 7)  # 21 elements: five groups of four, and one
+    seed, p = 12345, 0.2
+    dropped, scale = dropout_rule(p)
+    keep = splitmix64_lanes(seed, x.numel()).view(3, 7) >= dropped
+    for dtype in KERNEL_DTYPES:
+        out = kernel.masked_scale(x.to(dtype), seed, dropped, scale)
+        expected = (x.to(dtype).float() * keep * scale).to(dtype)
+        assert torch.equal(out, expected), dtype
+    torch.manual_seed(0)
+    x = torch.randn(500, 1000, requires_grad=True)
+    out = KernelDropout(p)(x)
+    out.backward(torch.ones_like(out))
+    kept = out != 0
+    assert torch.equal(x.grad != 0, kept)  # the same mask, drawn again
+    share = 1 - kept.float().mean()
+    print(f"the kernel drops what Python's mask drops; {share:.4f} at p = {p}")
+    assert abs(share - p) < 0.003  # 500,000 draws: sd 0.0006
+
+
+# %% [markdown]
 # ### R-Drop: two dropout passes that must agree
 #
 # Dropout makes every training step use a different sub-network. R-Drop
@@ -2952,7 +3251,9 @@ def join_group(device, rank, world_size, port=None):
 # %% [markdown]
 # `TrainingRun` sets up one process's run. It joins the group when there
 # are several processes, seeds the random number generators, and builds
-# the model with `FastDropout` (above).
+# the model with `FastDropout` (above), or on the CPU with the C++
+# dropout kernel where it builds ("A dropout kernel in C++, on the CPU",
+# below).
 #
 # The criterion is `FastLabelSmoothing`, the appendix's faster loss;
 # `train_epoch`, below, wraps it in a loss computation. The optimizer and
@@ -2991,6 +3292,8 @@ class TrainingRun:
             join_group(self.device, rank, world_size, port)
         torch.manual_seed(c.seed)
         model = use_fast_dropout(model_from_config(c, *sizes))
+        if wants_dropout_kernel(self.device, c.dropout) and dropout_kernel():
+            use_dropout_kernel(model)  # C++ on the CPU, where it builds
         self.model = self.module = model.to(self.device)
         if distributed:
             ids = [self.device.index] if self.device.type == "cuda" else None

@@ -610,6 +610,36 @@ def test_one_process_run(machine, cpu_model, device, backend, dtype, scaler):
         assert machine.set_device == [run.device]
 
 
+@pytest.mark.parametrize(
+    "machine, kernel",
+    [
+        ("no GPU", True),
+        ("no GPU, AMX CPU", True),
+        ("one T4", False),
+        ("one A100", False),
+        ("a Mac", False),
+    ],
+    indirect=["machine"],
+)
+def test_the_dropout_kernel_only_on_the_cpu(
+    machine, cpu_model, kernel, monkeypatch
+):
+    """Training with dropout takes the C++ kernel on the CPU, in float32
+    and bf16 alike; GPUs keep FastDropout (F.dropout there). The build is
+    stubbed: only the decision is tested here."""
+    built = []
+    monkeypatch.setattr(tools, "dropout_kernel", lambda: built.append(1) or 1)
+    config = tools.get_config("ci", precision="auto", dropout=0.1)
+    run = tools.TrainingRun(0, 1, SIZES, config, False)
+    kinds = {
+        type(m)
+        for m in run.module.modules()
+        if isinstance(m, torch.nn.Dropout)
+    }
+    assert kinds == {tools.KernelDropout if kernel else tools.FastDropout}
+    assert built == ([1] if kernel else [])
+
+
 def test_the_lessons_loop_refuses_an_unknown_schedule(vocabs, tokenizers):
     config = tools.get_config("ci", schedule="cosine", max_train_pairs=40)
     with pytest.raises(ValueError, match="unknown schedule 'cosine'"):

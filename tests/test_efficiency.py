@@ -117,17 +117,21 @@ def test_fast_paths_train_like_the_explained_ones():
         torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-4)
 
 
-def test_ours_trains_with_fast_dropout_and_its_pair_with_torchs():
-    """ "ours" is the model as TrainingRun trains it; "ours, nn.Dropout"
-    differs from it in the dropout mask alone."""
+def test_ours_trains_with_the_dropout_kernel_and_its_pairs_without():
+    """ "ours" is the model as TrainingRun trains it on the CPU, with the
+    C++ dropout kernel; "ours, random_ mask" and "ours, nn.Dropout"
+    differ from it in the dropout mask alone."""
     labels = efficiency.contestants_for(contestant_args())
     assert labels["ours, nn.Dropout"] == (efficiency.OursTorchDropout, False)
+    assert labels["ours, random_ mask"] == (efficiency.OursRandomMask, False)
 
     def dropout_types(cls):
         model = cls(50, 50, 2, 32, 64, 4, 0.1)
         return {type(m) for m in model.modules() if isinstance(m, nn.Dropout)}
 
-    assert dropout_types(efficiency.Ours) == {tools.FastDropout}
+    assert tools.dropout_kernel() is not None  # g++ and ninja are here
+    assert dropout_types(efficiency.Ours) == {tools.KernelDropout}
+    assert dropout_types(efficiency.OursRandomMask) == {tools.FastDropout}
     assert dropout_types(efficiency.OursTorchDropout) == {nn.Dropout}
     assert dropout_types(efficiency.OursBefore) == {nn.Dropout}
 

@@ -1,0 +1,274 @@
+"""The appendix's C++ dropout kernel (KernelDropout): its mask against an
+independent SplitMix64 in Python integers, its values against torch's
+arithmetic, its backward pass, its statistics, and the fallbacks."""
+
+import pytest
+import torch
+
+import annotated_transformer_tools as tools
+import the_annotated_transformer as tat
+
+MASK64 = 2**64 - 1
+GAMMA = 0x9E3779B97F4A7C15
+
+
+def reference_lanes(seed, n):
+    """n 16-bit lanes: SplitMix64 of seed + (w + 1) * GAMMA for each group
+    w of four elements, low lane first (Steele, Lea and Flood, 2014)."""
+    lanes = []
+    for w in range((n + 3) // 4):
+        z = (seed + (w + 1) * GAMMA) & MASK64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+        z ^= z >> 31
+        lanes.extend((z >> (16 * k)) & 0xFFFF for k in range(4))
+    return torch.tensor(lanes[:n], dtype=torch.int64)
+
+
+def reference_dropout(x, seed, p):
+    """What the kernel must return: torch's own x * (0 or scale), with
+    the mask from reference_lanes."""
+    dropped, scale = tools.dropout_rule(p)
+    keep = reference_lanes(seed, x.numel()).view(x.shape) >= dropped
+    factor = torch.where(keep, scale, 0.0)  # float32, as the kernel's
+    return (x.float() * factor).to(x.dtype), keep
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    built = tools.dropout_kernel()
+    assert built is not None, "this machine has g++ and ninja: it must build"
+    return built
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1,), (3, 7), (2, 1025), (5, 300, 7)])
+@pytest.mark.parametrize("seed", [0, 12345, -(2**63), 2**63 - 1])
+def test_the_kernel_drops_what_splitmix64_drops(kernel, dtype, shape, seed):
+    """Shapes that end inside a group of four and inside a block of
+    1,024; seeds at both ends of int64."""
+    torch.manual_seed(1)
+    x = torch.randn(shape).to(dtype)
+    dropped, scale = tools.dropout_rule(0.3)
+    out = kernel.masked_scale(x, seed, dropped, scale)
+    expected, keep = reference_dropout(x, seed, 0.3)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert torch.equal(out, expected)
+    assert torch.equal(out != 0, keep & (x != 0))
+
+
+def test_nan_and_inf_are_multiplied_as_nn_dropout_multiplies(kernel):
+    """A dropped nan stays nan and a dropped inf becomes nan (inf * 0),
+    as in nn.Dropout's x * mask; kept ones are scaled."""
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
+    x = special.repeat(2000)
+    for dtype in (torch.bfloat16, torch.float32):
+        out = kernel.masked_scale(x.to(dtype), 7, *tools.dropout_rule(0.5))
+        expected, keep = reference_dropout(x.to(dtype), 7, 0.5)
+        assert 0 < keep.sum() < len(keep)
+        torch.testing.assert_close(
+            out, expected, equal_nan=True, rtol=0, atol=0
+        )
+
+
+def test_bf16_rounds_to_nearest_even_as_torch(kernel):
+    """Values whose scaled product lands on and around bf16's ties."""
+    x = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    x = x.view(torch.bfloat16)  # every bf16 bit pattern
+    x = x[torch.isfinite(x)]
+    dropped, scale = tools.dropout_rule(0.1)
+    out = kernel.masked_scale(x, 99, dropped, scale)
+    expected, _ = reference_dropout(x, 99, 0.1)
+    assert torch.equal(out, expected)
+
+
+def test_a_non_contiguous_input_is_read_in_its_logical_order(kernel):
+    x = torch.randn(40, 30).t()  # (30, 40), not contiguous
+    out = kernel.masked_scale(x, 5, *tools.dropout_rule(0.2))
+    expected, _ = reference_dropout(x.contiguous(), 5, 0.2)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_backward_pass_drops_the_same_elements(kernel, dtype):
+    torch.manual_seed(0)
+    x = torch.randn(64, 33).to(dtype).requires_grad_()
+    weights = torch.randn(64, 33).to(dtype)
+    out = tools.KernelDropout(0.25)(x)
+    (out.float() * weights.float()).sum().backward()
+    keep = out != 0
+    _, scale = tools.dropout_rule(0.25)
+    expected = (weights.float() * torch.where(keep, scale, 0.0)).to(dtype)
+    assert torch.equal(x.grad, expected)
+    assert 0.15 < 1 - keep.float().mean() < 0.35
+
+
+def test_the_mask_does_not_depend_on_the_thread_count(kernel):
+    x = torch.randn(300, 1000)
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            outs.append(kernel.masked_scale(x, 3, *tools.dropout_rule(0.1)))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_manual_seed_repeats_a_run_and_each_call_draws_anew(kernel):
+    x = torch.ones(1000)
+    dropout = tools.KernelDropout(0.5)
+    torch.manual_seed(4)
+    first, second = dropout(x), dropout(x)
+    torch.manual_seed(4)
+    again = dropout(x)
+    assert torch.equal(first, again) and not torch.equal(first, second)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.3, 0.5])
+def test_the_share_dropped_is_p_in_every_lane_and_neighbours_are_independent(
+    kernel, p
+):
+    """1,000,000 elements: each of the four 16-bit lanes of a hash drops
+    its share p, within 4.5 standard deviations, and two neighbours in
+    different groups, or in the same one, are both dropped with p**2."""
+    torch.manual_seed(0)
+    out = tools.KernelDropout(p)(torch.ones(250_000, 4))
+    dropped = out == 0
+    n = dropped.shape[0]
+    sd = (p * (1 - p) / n) ** 0.5
+    for lane in range(4):
+        assert abs(dropped[:, lane].float().mean() - p) < 4.5 * sd
+    both_sd = (p * p * (1 - p * p) / n) ** 0.5
+    same_group = (dropped[:, 1] & dropped[:, 2]).float().mean()
+    next_group = (dropped[:-1, 3] & dropped[1:, 0]).float().mean()
+    for share in (same_group, next_group):
+        assert abs(share - p * p) < 4.5 * both_sd
+
+
+def test_what_the_kernel_does_not_take_goes_to_fast_dropout(kernel):
+    """float64, in place, eval mode, p of 0 and 1: as FastDropout."""
+    x = torch.ones(100, 100, dtype=torch.float64)
+    for p in (0.0, 1.0):
+        assert torch.equal(tools.KernelDropout(p)(x), tools.FastDropout(p)(x))
+    assert tools.KernelDropout(0.3).eval()(x) is x
+    for make in (
+        lambda: x.clone(),  # float64
+        lambda: torch.ones(100, 100, dtype=torch.float16),
+    ):
+        torch.manual_seed(2)
+        mine = tools.KernelDropout(0.3)(make())
+        torch.manual_seed(2)
+        assert torch.equal(mine, tools.FastDropout(0.3)(make()))
+    y = torch.ones(100, 100)
+    torch.manual_seed(2)
+    mine = tools.KernelDropout(0.3, inplace=True)(y)
+    assert mine is y  # FastDropout's in-place path
+    torch.manual_seed(2)
+    assert torch.equal(mine, tools.FastDropout(0.3)(torch.ones(100, 100)))
+
+
+def test_use_dropout_kernel_swaps_every_dropout_and_keeps_p():
+    model = tools.use_fast_dropout(tat.make_model(30, 30, N=1, dropout=0.2))
+    tools.use_dropout_kernel(model)
+    dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert dropouts and {type(m) for m in dropouts} == {tools.KernelDropout}
+    assert {m.p for m in dropouts} == {0.2}
+
+
+def forget_the_kernel(monkeypatch):
+    """An empty in-process cache, restored after the test."""
+    monkeypatch.setattr(tools, "_DROPOUT_KERNEL", {})
+
+
+def test_a_failed_build_says_why_in_one_line_and_training_goes_on(
+    monkeypatch, capsys
+):
+    import torch.utils.cpp_extension as cpp
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension: g++ not found\nmore")
+
+    forget_the_kernel(monkeypatch)
+    monkeypatch.setattr(cpp, "load_inline", no_compiler)
+    monkeypatch.setattr(cpp, "get_default_build_root", lambda: "/nonexistent")
+    assert tools.dropout_kernel() is None
+    out = capsys.readouterr().out
+    lines = out.strip().splitlines()
+    assert lines[0] == "building the CPU dropout kernel (once; about 20 s)"
+    assert lines[1:] == [
+        "no CPU dropout kernel (Error building extension: g++ not found);"
+        " using FastDropout"
+    ]
+    dropped = tools.KernelDropout(0.5)(torch.ones(10_000)) == 0  # FastDropout
+    assert 0.45 < dropped.float().mean() < 0.55
+    assert tools.dropout_kernel() is None and capsys.readouterr().out == ""
+
+
+def test_at_dropout_kernel_0_turns_it_off(monkeypatch):
+    forget_the_kernel(monkeypatch)
+    monkeypatch.setenv("AT_DROPOUT_KERNEL", "0")
+    assert tools.dropout_kernel() is None
+    assert tools._DROPOUT_KERNEL == {}  # nothing built
+
+
+def test_each_kind_of_cpu_gets_its_own_build(monkeypatch, capsys):
+    """-march=native builds for this CPU: the build's name carries the
+    CPU's model and flags, so another CPU never loads it."""
+    import torch.utils.cpp_extension as cpp
+
+    names = []
+    monkeypatch.setattr(
+        cpp, "load_inline", lambda name, **kwargs: names.append(name)
+    )
+    for identity in ("flags: avx2", "flags: avx2 avx512f", "flags: avx2"):
+        monkeypatch.setattr(tools, "_cpu_identity", lambda i=identity: i)
+        tools._build_dropout_kernel()
+    assert names[0] != names[1] and names[0] == names[2]
+    assert all(name.startswith("at_dropout_") for name in names)
+
+
+@pytest.mark.parametrize(
+    "platform_name, machine, native",
+    [
+        ("linux", "x86_64", True),
+        ("linux", "aarch64", False),
+        ("darwin", "arm64", False),
+    ],
+)
+def test_native_flags_and_openmp_only_on_x86_linux(
+    monkeypatch, platform_name, machine, native
+):
+    monkeypatch.setattr(tools.sys, "platform", platform_name)
+    monkeypatch.setattr(tools.platform, "machine", lambda: machine)
+    flags = tools._kernel_flags()
+    assert flags[0] == "-O3"
+    assert ("-march=native" in flags) == native == ("-fopenmp" in flags)
+
+
+@pytest.mark.parametrize(
+    "device, dropout, wanted",
+    [
+        ("cpu", 0.1, True),
+        ("cpu", 0.0, False),
+        ("cuda", 0.1, False),
+        ("mps", 0.1, False),
+    ],
+)
+def test_training_wants_the_kernel_on_the_cpu_with_dropout(
+    device, dropout, wanted
+):
+    assert tools.wants_dropout_kernel(device, dropout) == wanted
+
+
+def test_the_boundary_lane_is_kept_and_the_one_below_dropped(kernel):
+    """p chosen so that `dropped` equals lane 5's value exactly: element
+    5 is kept (lane >= dropped), and with dropped one higher it is not."""
+    lanes = reference_lanes(77, 8)
+    lane = int(lanes[5])
+    x = torch.ones(8)
+    kept = kernel.masked_scale(x, 77, lane, 2.0)
+    gone = kernel.masked_scale(x, 77, lane + 1, 2.0)
+    assert kept[5] == 2.0 and gone[5] == 0.0
+    assert torch.equal(kept != 0, lanes >= lane)
