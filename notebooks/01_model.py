@@ -821,7 +821,8 @@ class MultiHeadedAttention(nn.Module):
 #   the same steps as `attention` (`bench/RESULTS_efficiency.md`,
 #   "Attention's dropout outside the fused kernel"). Calling `attention`
 #   ourselves lets the dropout be the module's own `self.dropout`, which
-#   the appendix swaps for a cheaper one ("A cheaper dropout mask").
+#   the appendix swaps for cheaper ones ("A cheaper dropout mask", and
+#   "A dropout kernel in C++, on the CPU").
 #
 # (The fused routine is a plain function, so `.eval()` cannot switch its
 # dropout off: `forward` passes `dropout_p=0` when the module is not

@@ -998,12 +998,13 @@ assert last < guess
 #   precision");
 # - several processes sharing the work, when asked (the appendix's
 #   "Training runs: devices and processes"); the cell below runs one;
-# - on the CPU, a few speed-ups whose numbers differ from
-#   `train_one_process`'s only by rounding: the generator and the loss
-#   computed together, the loss's gradient written by hand, a cheaper
-#   dropout mask (the appendix's "Training runs: devices and
+# - on the CPU, a few speed-ups that change the numbers only by
+#   rounding: the generator and the loss computed together, the loss's
+#   gradient written by hand (the appendix's "Training runs: devices and
 #   processes"), and in bf16 a residual stream kept in bf16 (its "A bf16
-#   residual stream, on the CPU").
+#   residual stream, on the CPU"). Presets with dropout also draw their
+#   masks with a small C++ kernel, where a compiler is found (its "A
+#   dropout kernel in C++, on the CPU"); `quick` has no dropout.
 #
 # **Before you run it.**
 #

@@ -132,7 +132,9 @@ from the_annotated_transformer import (
     BpeVocab,
     DatasetError,
     LabelSmoothing,
+    PositionwiseFeedForward,
     SimpleLossCompute,
+    SublayerConnection,
     TrainConfig,
     TrainState,
     Vocab,
@@ -2310,7 +2312,9 @@ def use_fast_dropout(model):
     for module in list(model.modules()):
         for name, child in module.named_children():
             if type(child) is torch.nn.Dropout:
-                setattr(module, name, FastDropout(child.p, child.inplace))
+                fast = FastDropout(child.p, child.inplace)
+                fast.train(child.training)  # as the one replaced
+                setattr(module, name, fast)
     return model
 
 
@@ -2857,53 +2861,103 @@ static inline void store(uint16_t* p, int64_t i, float v) {
 
 constexpr int64_t BLOCK = 1024;  // elements per block: 256 hashes
 
-// One block: out = x * (lane >= dropped ? scale : 0).
-template <typename T>
+// What an element becomes. SCALE: x times the mask's factor (0 or scale);
+// ADD: that plus a residual r; RELU: relu(x) times the factor; POSITIVE
+// (ReLU-and-dropout's backward pass): g times scale where the forward
+// output o was positive, else 0. Each rounds once, at the store.
+enum Mode { SCALE, ADD, RELU, POSITIVE };
+
+template <typename T, int MODE>
 static void block(const uint16_t* __restrict lanes, const T* __restrict x,
-                  T* __restrict out, int64_t count, uint32_t dropped,
-                  float scale) {
-  for (int64_t i = 0; i < count; ++i)
-    store(out, i, load(x, i) * (lanes[i] >= dropped ? scale : 0.0f));
+                  const T* __restrict other, T* __restrict out,
+                  int64_t count, uint32_t dropped, float scale) {
+  for (int64_t i = 0; i < count; ++i) {
+    float v = load(x, i);
+    if (MODE == POSITIVE) {
+      store(out, i, load(other, i) > 0.0f ? v * scale : 0.0f);
+      continue;
+    }
+    if (MODE == RELU) v = v < 0.0f ? 0.0f : v;  // nan stays nan
+    float y = v * (lanes[i] >= dropped ? scale : 0.0f);
+    if (MODE == ADD) y += load(other, i);
+    store(out, i, y);
+  }
 }
 
-template <typename T>
-static void masked_scale_of(const T* x, T* out, int64_t n, uint64_t seed,
-                            uint32_t dropped, float scale) {
+template <typename T, int MODE>
+static void apply(const T* x, const T* other, T* out, int64_t n,
+                  uint64_t seed, uint32_t dropped, float scale) {
   int64_t blocks = (n + BLOCK - 1) / BLOCK;
   at::parallel_for(0, blocks, 16, [=](int64_t begin, int64_t end) {
     alignas(64) uint64_t bits[BLOCK / 4];
     for (int64_t b = begin; b < end; ++b) {
-      for (int64_t w = 0; w < BLOCK / 4; ++w)
-        bits[w] = splitmix64(seed, b * (BLOCK / 4) + w);
+      if (MODE != POSITIVE)  // the only mode without a mask
+        for (int64_t w = 0; w < BLOCK / 4; ++w)
+          bits[w] = splitmix64(seed, b * (BLOCK / 4) + w);
       int64_t first = b * BLOCK;
-      block<T>(reinterpret_cast<const uint16_t*>(bits), x + first,
-               out + first, std::min(BLOCK, n - first), dropped, scale);
+      block<T, MODE>(reinterpret_cast<const uint16_t*>(bits), x + first,
+                     other ? other + first : nullptr, out + first,
+                     std::min(BLOCK, n - first), dropped, scale);
     }
   });
 }
 
-torch::Tensor masked_scale(torch::Tensor x, int64_t seed, int64_t dropped,
-                           double scale) {
-  TORCH_CHECK(x.device().is_cpu(), "masked_scale: a CPU tensor, please");
+template <int MODE>
+static torch::Tensor run(torch::Tensor x, torch::Tensor other, int64_t seed,
+                         int64_t dropped, double scale) {
+  TORCH_CHECK(x.device().is_cpu(), "dropout kernel: CPU tensors, please");
   auto input = x.contiguous();
+  auto second = other.defined() ? other.contiguous() : other;
+  bool alike = !second.defined() || (second.sizes() == input.sizes() &&
+                                     second.dtype() == input.dtype());
+  TORCH_CHECK(alike, "dropout kernel: one shape and dtype, please");
   auto out = torch::empty_like(input);
   int64_t n = input.numel();
   if (input.scalar_type() == at::kBFloat16) {
-    masked_scale_of<uint16_t>(
-        reinterpret_cast<const uint16_t*>(input.data_ptr<at::BFloat16>()),
-        reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), n,
-        (uint64_t)seed, (uint32_t)dropped, (float)scale);
+    auto bits = [](const torch::Tensor& t) {
+      return t.defined() ? reinterpret_cast<uint16_t*>(t.data_ptr()) : nullptr;
+    };
+    apply<uint16_t, MODE>(bits(input), bits(second), bits(out), n,
+                          (uint64_t)seed, (uint32_t)dropped, (float)scale);
   } else {
     TORCH_CHECK(input.scalar_type() == at::kFloat,
-                "masked_scale: bf16 or float32, please");
-    masked_scale_of<float>(input.data_ptr<float>(), out.data_ptr<float>(),
-                           n, (uint64_t)seed, (uint32_t)dropped,
-                           (float)scale);
+                "dropout kernel: bf16 or float32, please");
+    auto floats = [](const torch::Tensor& t) {
+      return t.defined() ? t.data_ptr<float>() : nullptr;
+    };
+    apply<float, MODE>(floats(input), floats(second), floats(out), n,
+                       (uint64_t)seed, (uint32_t)dropped, (float)scale);
   }
   return out;
 }
+
+torch::Tensor masked_scale(torch::Tensor x, int64_t seed, int64_t dropped,
+                           double scale) {
+  return run<SCALE>(x, torch::Tensor(), seed, dropped, scale);
+}
+
+torch::Tensor add_masked_scale(torch::Tensor residual, torch::Tensor x,
+                               int64_t seed, int64_t dropped, double scale) {
+  return run<ADD>(x, residual, seed, dropped, scale);
+}
+
+torch::Tensor relu_masked_scale(torch::Tensor x, int64_t seed,
+                                int64_t dropped, double scale) {
+  return run<RELU>(x, torch::Tensor(), seed, dropped, scale);
+}
+
+torch::Tensor where_positive(torch::Tensor grad, torch::Tensor out,
+                             double scale) {
+  return run<POSITIVE>(grad, out, 0, 0, scale);
+}
 """
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+KERNEL_FUNCTIONS = [
+    "masked_scale",
+    "add_masked_scale",
+    "relu_masked_scale",
+    "where_positive",
+]
 _DROPOUT_KERNEL = {}  # "module": the built extension, or None
 
 
@@ -2923,11 +2977,13 @@ def _cpu_identity():
 
 def _kernel_flags():
     """Compiler flags: this CPU's vector units and OpenMP on x86 Linux
-    (as torch's own CPU build has), plain -O3 elsewhere."""
+    (as torch's own CPU build has), plain -O3 elsewhere; never fused
+    multiply-adds, so that x * f + r rounds as torch's two steps do."""
+    common = ["-O3", "-ffp-contract=off"]
     if sys.platform == "linux" and platform.machine() == "x86_64":
         vectors = ["-march=native", "-mprefer-vector-width=512"]
-        return ["-O3", *vectors, "-fopenmp"]
-    return ["-O3"]
+        return [*common, *vectors, "-fopenmp"]
+    return common
 
 
 def _build_dropout_kernel():
@@ -2944,7 +3000,7 @@ def _build_dropout_kernel():
         return load_inline(
             name,
             cpp_sources=[DROPOUT_KERNEL_SOURCE],
-            functions=["masked_scale"],
+            functions=KERNEL_FUNCTIONS,
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"] if "-fopenmp" in flags else [],
         )
@@ -2986,26 +3042,113 @@ class KernelDropoutFunction(torch.autograd.Function):
         return ctx.kernel.masked_scale(grad, *ctx.rule), None, None
 
 
+class KernelAddDropoutFunction(torch.autograd.Function):
+    """residual + dropout(x) by the kernel, in one pass."""
+
+    @staticmethod
+    def forward(ctx, residual, x, p, kernel):
+        dropped, scale = dropout_rule(p)
+        seed = torch.empty((), dtype=torch.int64).random_(-(2**63), None)
+        ctx.kernel, ctx.rule = kernel, (seed.item(), dropped, scale)
+        return kernel.add_masked_scale(residual, x, *ctx.rule)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_grad = ctx.kernel.masked_scale(grad, *ctx.rule)
+        return grad, x_grad, None, None
+
+
+class KernelReluDropoutFunction(torch.autograd.Function):
+    """dropout(relu(x)) by the kernel, in one pass. Its backward pass
+    needs no mask: the output is positive exactly where both let x
+    through."""
+
+    @staticmethod
+    def forward(ctx, x, p, kernel):
+        dropped, scale = dropout_rule(p)
+        seed = torch.empty((), dtype=torch.int64).random_(-(2**63), None)
+        out = kernel.relu_masked_scale(x, seed.item(), dropped, scale)
+        ctx.save_for_backward(out)  # w_2 keeps it too: no extra memory
+        ctx.kernel, ctx.scale = kernel, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        return ctx.kernel.where_positive(grad, out, ctx.scale), None, None
+
+
 class KernelDropout(FastDropout):
     """FastDropout that uses the C++ kernel on bf16 and float32 CPU
     tensors, where it is built; FastDropout's own mask elsewhere."""
 
-    def forward(self, x):
+    def _kernel_for(self, *tensors):
+        """The kernel, if it takes these tensors (one shape and dtype)."""
+        first = tensors[0]
         usable = self.training and 0 < self.p < 1 and not self.inplace
-        usable = usable and x.device.type == "cpu" and x.dtype in KERNEL_DTYPES
-        kernel = dropout_kernel() if usable else None
+        usable = usable and first.dtype in KERNEL_DTYPES
+        for t in tensors:
+            usable = usable and t.device.type == "cpu"
+            usable = usable and t.dtype == first.dtype
+            usable = usable and t.shape == first.shape
+        return dropout_kernel() if usable else None
+
+    def forward(self, x):
+        kernel = self._kernel_for(x)
         if kernel is None:
             return super().forward(x)
         return KernelDropoutFunction.apply(x, self.p, kernel)
 
+    def add_to(self, residual, x):
+        """residual + self(x): in one pass where the kernel takes them."""
+        kernel = self._kernel_for(residual, x)
+        if kernel is None:
+            return residual + self(x)
+        return KernelAddDropoutFunction.apply(residual, x, self.p, kernel)
+
+    def of_relu(self, x):
+        """self(x.relu()): in one pass where the kernel takes x."""
+        kernel = self._kernel_for(x)
+        if kernel is None:
+            return self(x.relu())
+        return KernelReluDropoutFunction.apply(x, self.p, kernel)
+
+
+class KernelSublayerConnection(SublayerConnection):
+    """Part 1's residual connection, its dropout and its addition in one
+    pass of the kernel."""
+
+    def forward(self, x, sublayer):
+        return self.dropout.add_to(x, sublayer(self.norm(x)))
+
+
+class KernelFeedForward(PositionwiseFeedForward):
+    """Part 1's feed-forward network, its ReLU and its dropout in one
+    pass of the kernel."""
+
+    def forward(self, x):
+        return self.w_2(self.dropout.of_relu(self.w_1(x)))
+
 
 def use_dropout_kernel(model):
-    """Swap every nn.Dropout and FastDropout of `model` for KernelDropout;
-    return `model`."""
+    """Swap every nn.Dropout and FastDropout of `model` for KernelDropout,
+    and Part 1's residual connections and feed-forward networks for the
+    kernel's; return `model`."""
     for module in list(model.modules()):
         for name, child in module.named_children():
             if type(child) in (torch.nn.Dropout, FastDropout):
-                setattr(module, name, KernelDropout(child.p, child.inplace))
+                kernel_dropout = KernelDropout(child.p, child.inplace)
+                kernel_dropout.train(child.training)  # as the one replaced
+                setattr(module, name, kernel_dropout)
+    fused = {
+        SublayerConnection: KernelSublayerConnection,
+        PositionwiseFeedForward: KernelFeedForward,
+    }
+    for module in model.modules():
+        if type(module) in fused:
+            # Only the class changes: the same weights, under the same
+            # names in the state dict.
+            module.__class__ = fused[type(module)]
     return model
 
 

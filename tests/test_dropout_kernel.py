@@ -272,3 +272,115 @@ def test_the_boundary_lane_is_kept_and_the_one_below_dropped(kernel):
     gone = kernel.masked_scale(x, 77, lane + 1, 2.0)
     assert kept[5] == 2.0 and gone[5] == 0.0
     assert torch.equal(kept != 0, lanes >= lane)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_fused_modes_against_torch(kernel, dtype):
+    """add_masked_scale, relu_masked_scale and where_positive, each
+    against torch's arithmetic in float32, rounded once, with the
+    reference mask; nan included."""
+    torch.manual_seed(3)
+    x = torch.randn(7, 301)
+    x[0, :8] = float("nan")
+    residual = torch.randn(7, 301).to(dtype)
+    x = x.to(dtype)
+    seed, (dropped, scale) = 11, tools.dropout_rule(0.3)
+    keep = reference_lanes(seed, x.numel()).view(x.shape) >= dropped
+    factor = torch.where(keep, scale, 0.0)
+    added = kernel.add_masked_scale(residual, x, seed, dropped, scale)
+    expected = (x.float() * factor + residual.float()).to(dtype)
+    torch.testing.assert_close(added, expected, rtol=0, atol=0, equal_nan=True)
+    relu = kernel.relu_masked_scale(x, seed, dropped, scale)
+    expected = (x.float().relu() * factor).to(dtype)
+    torch.testing.assert_close(relu, expected, rtol=0, atol=0, equal_nan=True)
+    grad = torch.randn(7, 301).to(dtype)
+    back = kernel.where_positive(grad, relu, scale)
+    expected = torch.where(relu.float() > 0, grad.float() * scale, 0.0)
+    assert torch.equal(back, expected.to(dtype))
+
+
+def test_two_tensors_must_match(kernel):
+    with pytest.raises(RuntimeError, match="one shape and dtype"):
+        kernel.add_masked_scale(torch.ones(3), torch.ones(4), 0, 1, 1.0)
+    with pytest.raises(RuntimeError, match="bf16 or float32"):
+        kernel.masked_scale(torch.ones(3, dtype=torch.float64), 0, 1, 1.0)
+
+
+def fused_and_plain(module, run):
+    """run(module) with the kernel's class, then with Part 1's, from the
+    same seed, in float32: (outputs, gradients) of each."""
+    results = []
+    for cls in (type(module), type(module).__mro__[1]):
+        module.__class__ = cls
+        module.zero_grad()
+        torch.manual_seed(8)
+        x = torch.randn(6, 11, 16, requires_grad=True)
+        out = run(module, x)
+        (
+            out * torch.linspace(-1, 1, out.numel()).view(out.shape)
+        ).sum().backward()
+        grads = [x.grad] + [p.grad for p in module.parameters()]
+        results.append((out.detach(), grads))
+    return results
+
+
+def test_the_fused_residual_connection_computes_part_1s(kernel):
+    """The same seed gives the same mask: KernelSublayerConnection and
+    Part 1's x + dropout(sublayer(norm(x))) agree exactly in float32,
+    forward and backward."""
+    model = tools.use_dropout_kernel(
+        tat.make_model(20, 20, N=1, d_model=16, d_ff=32, h=2)
+    )
+    block = model.encoder.layers[0].ff_block
+    assert type(block) is tools.KernelSublayerConnection
+    linear = torch.nn.Linear(16, 16)
+    fused, plain = fused_and_plain(block, lambda m, x: m(x, linear))
+    assert torch.equal(fused[0], plain[0])
+    torch.manual_seed(8)
+    x = torch.randn(6, 11, 16)  # the same x, with dropout off
+    assert not torch.equal(fused[0], block.eval()(x, linear).detach())
+    for a, b in zip(fused[1], plain[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_the_fused_feed_forward_computes_part_1s(kernel):
+    model = tools.use_dropout_kernel(
+        tat.make_model(20, 20, N=1, d_model=16, d_ff=32, h=2)
+    )
+    ff = model.encoder.layers[0].feed_forward
+    assert type(ff) is tools.KernelFeedForward
+    fused, plain = fused_and_plain(ff, lambda m, x: m(x))
+    assert torch.equal(fused[0], plain[0])
+    for a, b in zip(fused[1], plain[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_the_swap_keeps_the_weights_and_their_names():
+    torch.manual_seed(0)
+    model = tat.make_model(20, 20, N=2, d_model=16, d_ff=32, h=2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    tools.use_dropout_kernel(model)
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    kinds = {type(m) for m in model.modules()}
+    assert tat.SublayerConnection not in kinds
+    assert tat.PositionwiseFeedForward not in kinds
+
+
+def test_in_eval_mode_the_fused_modules_add_and_relu_only(kernel):
+    model = tat.make_model(20, 20, N=1, d_model=16, d_ff=32, h=2).eval()
+    src = torch.randint(3, 20, (2, 5))
+    tgt = torch.randint(3, 20, (2, 4))
+    masks = (torch.ones(2, 1, 5, dtype=torch.bool), tat.subsequent_mask(4))
+    before = model(src, tgt, *masks)
+    tools.use_dropout_kernel(model)
+    assert torch.equal(model(src, tgt, *masks), before)
+
+
+def test_the_swaps_keep_a_model_in_eval_mode():
+    model = tat.make_model(20, 20, N=1, d_model=16, d_ff=32, h=2).eval()
+    tools.use_fast_dropout(model)
+    assert not any(m.training for m in model.modules())
+    tools.use_dropout_kernel(model)
+    assert not any(m.training for m in model.modules())

@@ -143,10 +143,19 @@ def test_inplace_is_kept_and_honoured_as_nn_dropout_does():
     assert out is not y and (y == 1).all() and (out == 0).any()
 
 
-def test_a_training_run_trains_with_fast_dropout():
+@pytest.mark.parametrize(
+    "switch, kind", [("1", "KernelDropout"), ("0", "FastDropout")]
+)
+def test_a_cpu_training_run_trains_with_the_kernel_or_fast_dropout(
+    switch, kind, monkeypatch
+):
+    """The C++ kernel where it builds (here it does), FastDropout where
+    AT_DROPOUT_KERNEL=0 turns it off."""
+    monkeypatch.setenv("AT_DROPOUT_KERNEL", switch)
     config = tools.get_config("ci", dropout=0.1)
     run = tools.TrainingRun(0, 1, (20, 30), config, False, None, "cpu")
     dropouts = [
         m for m in run.module.modules() if isinstance(m, torch.nn.Dropout)
     ]
-    assert dropouts and all(type(m) is tools.FastDropout for m in dropouts)
+    wanted = getattr(tools, kind)
+    assert dropouts and all(type(m) is wanted for m in dropouts)
