@@ -1594,8 +1594,9 @@ class GeneratorLoss(torch.autograd.Function):
     a block at a time: no (tokens, vocabulary) matrix is kept."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, target, padding_idx, smoothing):
-        """x: (N, d_model); weight: (V, d_model); bias: (V,); target: (N,)."""
+    def forward(ctx, x, weight, bias, target, padding_idx, smoothing, kernel):
+        """x: (N, d_model); weight: (V, d_model); bias: (V,); target: (N,);
+        kernel: None, or the C++ loss kernel ("A loss kernel in C++")."""
         dtype = compute_dtype(x)  # bf16 under bf16 autocast
         acc = torch.promote_types(dtype, torch.float32)  # for the sums
         c, f, plogp = smoothing_constants(smoothing, len(weight))
@@ -1605,13 +1606,21 @@ class GeneratorLoss(torch.autograd.Function):
         lse = torch.empty(len(xr), dtype=acc, device=x.device)  # (M,)
         total = torch.zeros((), dtype=acc, device=x.device)
         for i in range(0, len(xr), 256):  # 256 rows of logits at a time
-            z = torch.addmm(b, xr[i : i + 256], w.t()).to(acc)  # (256, V)
+            z = torch.addmm(b, xr[i : i + 256], w.t())  # (256, V)
+            if kernel is not None:  # the same sums, in one pass of C++
+                lse[i : i + 256], row_losses = kernel.smoothed_rows(
+                    z, tr[i : i + 256], padding_idx, c, f, plogp
+                )
+                total += row_losses.sum()
+                continue
+            z = z.to(acc)
             lse[i : i + 256] = z.logsumexp(1)
             z_y = z.gather(1, tr[i : i + 256, None]).squeeze(1)
             rest = z.sum(1) - z_y - z[:, padding_idx]  # f's words
             total += (plogp - c * z_y - f * rest + lse[i : i + 256]).sum()
         ctx.save_for_backward(xr, w, b, tr, real, lse)
         ctx.settings = (x.shape, x.dtype, weight.dtype, padding_idx, c, f)
+        ctx.kernel = kernel
         return total
 
     @staticmethod
@@ -1624,27 +1633,35 @@ class GeneratorLoss(torch.autograd.Function):
         rows = torch.arange(len(tr), device=tr.device)
         for j in range(0, len(w), 512):  # 512 words at a time
             words = slice(j, j + 512)
-            z = torch.addmm(b[words], xr, w[words].t()).to(lse.dtype)
-            # q - f for now; the target and padding columns fixed below
-            q_minus_p = z.sub_(lse[:, None]).exp_().sub_(f)  # (M, 512)
-            hit = (tr >= j) & (tr < j + 512)  # targets in this block
-            q_minus_p[rows[hit], tr[hit] - j] -= c - f
-            if j <= padding_idx < j + 512:
-                q_minus_p[:, padding_idx - j] += f  # p is 0 there
-            grad_z = q_minus_p.mul_(grad_loss)  # (M, 512): the logits'
-            grad_b[words] = grad_z.sum(0)
-            grad_z = grad_z.to(w.dtype)  # bf16 under bf16 autocast
+            z = torch.addmm(b[words], xr, w[words].t())  # (M, 512)
+            if ctx.kernel is not None:  # the same, in one pass of C++
+                grad_z, grad_b[words] = ctx.kernel.smoothed_grad(
+                    z, lse, tr, j, padding_idx, c, f, float(grad_loss)
+                )
+            else:
+                # q - f for now; the target and padding columns fixed below
+                q_minus_p = z.to(lse.dtype).sub_(lse[:, None]).exp_().sub_(f)
+                hit = (tr >= j) & (tr < j + 512)  # targets in this block
+                q_minus_p[rows[hit], tr[hit] - j] -= c - f
+                if j <= padding_idx < j + 512:
+                    q_minus_p[:, padding_idx - j] += f  # p is 0 there
+                grad_z = q_minus_p.mul_(grad_loss)  # (M, 512): the logits'
+                grad_b[words] = grad_z.sum(0)
+                grad_z = grad_z.to(w.dtype)  # bf16 under bf16 autocast
             grad_w[words] = grad_z.t() @ xr
             grad_xr += grad_z @ w[words]
         grad_x = torch.zeros(x_shape, dtype=x_dtype, device=xr.device)
         grad_x[real] = grad_xr.to(x_dtype)
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 class FusedLossCompute(SimpleLossCompute):
     """SimpleLossCompute through GeneratorLoss: the same loss and
     gradients, for Part 1's Generator. The criterion gives its padding_idx
-    and smoothing only; it is not called (so its true_dist is not kept)."""
+    and smoothing only; it is not called (so its true_dist is not kept).
+    `kernel`, when set, is the C++ loss kernel ("A loss kernel in C++")."""
+
+    kernel = None
 
     def __call__(self, x, y, norm):
         proj = self.generator.proj  # Part 1's Generator: proj, log-softmax
@@ -1655,6 +1672,7 @@ class FusedLossCompute(SimpleLossCompute):
             y.reshape(-1),
             self.criterion.padding_idx,
             self.criterion.smoothing,
+            self.kernel,
         )
         return loss_sum.detach(), loss_sum / norm
 
@@ -1838,34 +1856,58 @@ def _kernel_flags():
     return common
 
 
-def _build_dropout_kernel():
-    """The extension, built (or loaded from torch's cache); None, with one
-    line saying why, where it cannot be built."""
-    from torch.utils.cpp_extension import get_default_build_root, load_inline
+def _kernel_is_built(name):
+    """Whether torch's cache holds a build of extension `name` (asked of
+    a private torch function; False if that fails)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        folder = _get_build_directory(name, verbose=False)
+        return os.path.isfile(os.path.join(folder, f"{name}.so"))
+    except Exception:  # a torch without it: say "building" to be safe
+        return False
+
+
+def build_kernel(kind, source, functions, instead):
+    """The extension `at_<kind>_...` built from C++ `source` (or loaded
+    from torch's cache); None, with one line saying why, where it cannot
+    be built. `instead` says what runs then."""
+    from torch.utils.cpp_extension import load_inline
 
     flags = _kernel_flags()
-    key = DROPOUT_KERNEL_SOURCE + " ".join(flags) + _cpu_identity()
-    name = "at_dropout_" + hashlib.sha256(key.encode()).hexdigest()[:12]
-    if not os.path.isdir(os.path.join(get_default_build_root(), name)):
-        print("building the CPU dropout kernel (once; about 20 s)", flush=True)
+    key = source + " ".join(flags) + _cpu_identity()
+    name = f"at_{kind}_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    if not _kernel_is_built(name):
+        print(f"building the CPU {kind} kernel (once; about 20 s)", flush=True)
     try:
         return load_inline(
             name,
-            cpp_sources=[DROPOUT_KERNEL_SOURCE],
-            functions=KERNEL_FUNCTIONS,
+            cpp_sources=[source],
+            functions=functions,
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"] if "-fopenmp" in flags else [],
         )
     except Exception as error:  # no compiler, no ninja, a compile error
         why = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        print(f"no CPU dropout kernel ({why[:200]}); using FastDropout")
+        print(f"no CPU {kind} kernel ({why[:200]}); using {instead}")
         return None
+
+
+def _build_dropout_kernel():
+    return build_kernel(
+        "dropout", DROPOUT_KERNEL_SOURCE, KERNEL_FUNCTIONS, "FastDropout"
+    )
+
+
+def kernels_allowed():
+    """False where AT_CPU_KERNELS=0 turns the C++ kernels off."""
+    return os.environ.get("AT_CPU_KERNELS", "1") != "0"
 
 
 def dropout_kernel():
     """The C++ dropout kernel, built on the first call; None where it
-    cannot be built or AT_DROPOUT_KERNEL=0 turns it off."""
-    if os.environ.get("AT_DROPOUT_KERNEL", "1") == "0":
+    cannot be built or AT_CPU_KERNELS=0 turns it off."""
+    if not kernels_allowed():
         return None
     if "module" not in _DROPOUT_KERNEL:
         _DROPOUT_KERNEL["module"] = _build_dropout_kernel()
@@ -2009,6 +2051,208 @@ def wants_dropout_kernel(device, dropout):
     return torch.device(device).type == "cpu" and dropout > 0
 
 
+LOSS_KERNEL_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+static inline float load(const float* p, int64_t i) { return p[i]; }
+static inline float load(const uint16_t* p, int64_t i) {
+  uint32_t u = (uint32_t)p[i] << 16;  // bf16: the top half of a float32
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+static inline void store(float* p, int64_t i, float v) { p[i] = v; }
+static inline void store(uint16_t* p, int64_t i, float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  p[i] = (v != v) ? (uint16_t)0x7FC0 : (uint16_t)rounded;
+}
+
+// Cephes' expf: x = k ln 2 + r, e^r by a polynomial, 2^k in the exponent.
+static inline float exp_of(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  float k = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - k * 0.693359375f;
+  r = r - k * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = ((int32_t)k + 127) << 23;
+  float two_k;
+  std::memcpy(&two_k, &bits, 4);
+  return p * two_k;
+}
+
+constexpr int64_t LANES = 16;  // partial sums, so that sums vectorize
+
+template <typename T>
+static void rows_of(const T* z, const int64_t* target, int64_t rows,
+                    int64_t V, int64_t pad, float c, float f, float plogp,
+                    float* lse, float* loss) {
+  at::parallel_for(0, rows, 4, [=](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = z + r * V;
+      int64_t full = V / LANES * LANES;
+      float most[LANES], sum_exp[LANES], sum_z[LANES];
+      for (int k = 0; k < LANES; ++k) most[k] = -INFINITY;
+      for (int64_t j = 0; j < full; j += LANES)
+        for (int k = 0; k < LANES; ++k)
+          most[k] = std::max(most[k], load(row, j + k));
+      float m = -INFINITY;
+      for (int k = 0; k < LANES; ++k) m = std::max(m, most[k]);
+      for (int64_t j = full; j < V; ++j) m = std::max(m, load(row, j));
+      for (int k = 0; k < LANES; ++k) sum_exp[k] = sum_z[k] = 0.0f;
+      for (int64_t j = 0; j < full; j += LANES)
+        for (int k = 0; k < LANES; ++k) {
+          float v = load(row, j + k);
+          sum_exp[k] += exp_of(v - m);
+          sum_z[k] += v;
+        }
+      float se = 0.0f, sz = 0.0f;
+      for (int k = 0; k < LANES; ++k) {
+        se += sum_exp[k];
+        sz += sum_z[k];
+      }
+      for (int64_t j = full; j < V; ++j) {
+        float v = load(row, j);
+        se += exp_of(v - m);
+        sz += v;
+      }
+      float l = m + std::log(se);
+      float z_y = load(row, target[r]);
+      float rest = sz - z_y - load(row, pad);  // the words f goes to
+      lse[r] = l;
+      loss[r] = plogp - c * z_y - f * rest + l;
+    }
+  });
+}
+
+std::vector<torch::Tensor> smoothed_rows(torch::Tensor z,
+                                         torch::Tensor target, int64_t pad,
+                                         double c, double f, double plogp) {
+  TORCH_CHECK(z.device().is_cpu() && z.dim() == 2, "loss kernel: 2-d z");
+  auto logits = z.contiguous();
+  auto t = target.contiguous();
+  TORCH_CHECK(t.scalar_type() == at::kLong && t.numel() == logits.size(0),
+              "loss kernel: one int64 target per row");
+  int64_t rows = logits.size(0), V = logits.size(1);
+  auto opts = logits.options().dtype(at::kFloat);
+  auto lse = torch::empty({rows}, opts), loss = torch::empty({rows}, opts);
+  if (logits.scalar_type() == at::kBFloat16) {
+    rows_of(reinterpret_cast<const uint16_t*>(logits.data_ptr()),
+            t.data_ptr<int64_t>(), rows, V, pad, (float)c, (float)f,
+            (float)plogp, lse.data_ptr<float>(), loss.data_ptr<float>());
+  } else {
+    TORCH_CHECK(logits.scalar_type() == at::kFloat,
+                "loss kernel: bf16 or float32 logits");
+    rows_of(logits.data_ptr<float>(), t.data_ptr<int64_t>(), rows, V, pad,
+            (float)c, (float)f, (float)plogp, lse.data_ptr<float>(),
+            loss.data_ptr<float>());
+  }
+  return {lse, loss};
+}
+
+// grad = g (exp(z - lse) - f); c instead of f at the target column; no f
+// at the padding column. Column sums over the rows, per chunk of rows.
+template <typename T>
+static void grad_of(const T* z, const float* lse, const int64_t* target,
+                    int64_t rows, int64_t cols, int64_t first, int64_t pad,
+                    float c, float f, float g, T* out, float* partial,
+                    int64_t chunks) {
+  at::parallel_for(0, chunks, 1, [=](int64_t begin, int64_t end) {
+    for (int64_t chunk = begin; chunk < end; ++chunk) {
+      float* sums = partial + chunk * cols;
+      for (int64_t j = 0; j < cols; ++j) sums[j] = 0.0f;
+      int64_t r0 = rows * chunk / chunks, r1 = rows * (chunk + 1) / chunks;
+      for (int64_t r = r0; r < r1; ++r) {
+        const T* row = z + r * cols;
+        T* grad = out + r * cols;
+        float l = lse[r];
+        for (int64_t j = 0; j < cols; ++j) {
+          float v = g * (exp_of(load(row, j) - l) - f);
+          store(grad, j, v);
+          sums[j] += v;
+        }
+        int64_t t = target[r] - first;
+        if (t >= 0 && t < cols) {  // the target: c, not f
+          float v = g * (exp_of(load(row, t) - l) - c);
+          sums[t] += v - g * (exp_of(load(row, t) - l) - f);
+          store(grad, t, v);
+        }
+        int64_t p = pad - first;
+        if (p >= 0 && p < cols) {  // <blank>: no f
+          float v = g * exp_of(load(row, p) - l);
+          sums[p] += v - g * (exp_of(load(row, p) - l) - f);
+          store(grad, p, v);
+        }
+      }
+    }
+  });
+}
+
+std::vector<torch::Tensor> smoothed_grad(torch::Tensor z, torch::Tensor lse,
+                                         torch::Tensor target, int64_t first,
+                                         int64_t pad, double c, double f,
+                                         double g) {
+  TORCH_CHECK(z.device().is_cpu() && z.dim() == 2, "loss kernel: 2-d z");
+  auto logits = z.contiguous();
+  auto l = lse.contiguous();
+  auto t = target.contiguous();
+  TORCH_CHECK(l.scalar_type() == at::kFloat && t.scalar_type() == at::kLong,
+              "loss kernel: float32 lse, int64 targets");
+  int64_t rows = logits.size(0), cols = logits.size(1);
+  TORCH_CHECK(l.numel() == rows && t.numel() == rows,
+              "loss kernel: one lse and one target per row");
+  int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(
+                                            at::get_num_threads(), rows));
+  auto out = torch::empty_like(logits);
+  auto partial = torch::empty({chunks, cols}, l.options());
+  if (logits.scalar_type() == at::kBFloat16) {
+    grad_of(reinterpret_cast<const uint16_t*>(logits.data_ptr()),
+            l.data_ptr<float>(), t.data_ptr<int64_t>(), rows, cols, first,
+            pad, (float)c, (float)f, (float)g,
+            reinterpret_cast<uint16_t*>(out.data_ptr()),
+            partial.data_ptr<float>(), chunks);
+  } else {
+    TORCH_CHECK(logits.scalar_type() == at::kFloat,
+                "loss kernel: bf16 or float32 logits");
+    grad_of(logits.data_ptr<float>(), l.data_ptr<float>(),
+            t.data_ptr<int64_t>(), rows, cols, first, pad, (float)c,
+            (float)f, (float)g, out.data_ptr<float>(),
+            partial.data_ptr<float>(), chunks);
+  }
+  return {out, partial.sum(0)};
+}
+"""
+_LOSS_KERNEL = {}  # "module": the built extension, or None
+
+
+def loss_kernel():
+    """The C++ loss kernel, built on the first call; None where it
+    cannot be built or AT_CPU_KERNELS=0 turns it off."""
+    if not kernels_allowed():
+        return None
+    if "module" not in _LOSS_KERNEL:
+        _LOSS_KERNEL["module"] = build_kernel(
+            "loss",
+            LOSS_KERNEL_SOURCE,
+            ["smoothed_rows", "smoothed_grad"],
+            "the torch code",
+        )
+    return _LOSS_KERNEL["module"]
+
+
 def doubled(batch):
     """The batch stacked on itself: rows i and B + i are the same pair.
 
@@ -2116,6 +2360,8 @@ class TrainingRun:
         model = use_fast_dropout(model_from_config(c, *sizes))
         if wants_dropout_kernel(self.device, c.dropout) and dropout_kernel():
             use_dropout_kernel(model)  # C++ on the CPU, where it builds
+        on_cpu = self.device.type == "cpu"
+        self.loss_kernel = loss_kernel() if on_cpu else None  # or None
         self.model = self.module = model.to(self.device)
         if distributed:
             ids = [self.device.index] if self.device.type == "cuda" else None
@@ -2256,10 +2502,13 @@ def drawn_into_a_file():
 
 def run_loss_compute(run):
     """The run's loss: FusedLossCompute (see 'The generator and the loss
-    in one') on the CPU, SimpleLossCompute elsewhere."""
-    on_cpu = run.device.type == "cpu"
-    compute = FusedLossCompute if on_cpu else SimpleLossCompute
-    return compute(run.module.generator, run.criterion)
+    in one') on the CPU, with the C++ loss kernel where it builds;
+    SimpleLossCompute elsewhere."""
+    if run.device.type != "cpu":
+        return SimpleLossCompute(run.module.generator, run.criterion)
+    loss_compute = FusedLossCompute(run.module.generator, run.criterion)
+    loss_compute.kernel = run.loss_kernel
+    return loss_compute
 
 
 def train_epoch(run, epoch, train_loader, valid_loader, show=True):
@@ -4808,6 +5057,8 @@ __all__ = [
     "DROPOUT_KERNEL_SOURCE",
     "KERNEL_DTYPES",
     "KERNEL_FUNCTIONS",
+    "build_kernel",
+    "kernels_allowed",
     "dropout_kernel",
     "dropout_rule",
     "KernelDropoutFunction",
@@ -4818,6 +5069,8 @@ __all__ = [
     "KernelFeedForward",
     "use_dropout_kernel",
     "wants_dropout_kernel",
+    "LOSS_KERNEL_SOURCE",
+    "loss_kernel",
     "doubled",
     "symmetric_kl",
     "RDropLossCompute",

@@ -14,6 +14,8 @@ real Multi30k sentences with
   training on the CPU does (`TrainingRun`, `train_epoch`);
 * ours, random_ mask: ours with `FastDropout`'s mask (`random_`, then a
   comparison, a cast and two multiplications), as before the kernel;
+* ours, torch loss: ours with `GeneratorLoss`'s torch code in place of
+  the appendix's C++ loss kernel, which ours and the peer use;
 * ours, log-softmax loss: the same with the generator's log-softmax
   then the appendix's `FastLabelSmoothing`, as training did before
   `FusedLossCompute`, for a before/after of the loss in the same run;
@@ -102,6 +104,7 @@ ISSUE_18_BLOB = "b5ac9c75f9a1b5dbfdaf6ce22dc95c437912f72a"
 CONTESTANTS = (
     "ours",
     "ours, random_ mask",
+    "ours, torch loss",
     "ours, nn.Dropout",
     "ours, fused attention",
     "ours, log-softmax loss",
@@ -306,6 +309,7 @@ class Ours(nn.Module):
     keep_targets = False  # LabelSmoothing's closed form (the fast path)
     fast_dropout = True
     dropout_kernel = True  # the C++ kernel, where it builds
+    loss_kernel = True  # FusedLossCompute with the C++ loss kernel
     bf16_stream = True  # its embeddings cast under bf16 autocast
     # the generator and the loss in one, as training on the CPU has them
     loss_compute_cls = tools.FusedLossCompute
@@ -341,6 +345,12 @@ class OursRandomMask(Ours):
     """Ours with FastDropout's mask (random_), as before the kernel."""
 
     dropout_kernel = False
+
+
+class OursTorchLoss(Ours):
+    """Ours with GeneratorLoss's torch code, as before the loss kernel."""
+
+    loss_kernel = False
 
 
 class OursTorchDropout(Ours):
@@ -576,6 +586,8 @@ def timed_pass(
     criterion = loss_cls(sizes[1], tat.PAD, 0.1, keep_targets=keep)
     compute_cls = getattr(model_cls, "loss_compute_cls", Ours.loss_compute_cls)
     loss_compute = compute_cls(model.generator, criterion)
+    if getattr(model_cls, "loss_kernel", Ours.loss_kernel):  # peer too
+        loss_compute.kernel = tools.loss_kernel()  # read by FusedLossCompute
     optimizer = adam_for(model, getattr(model_cls, "fused_adam", True))
     model.train()
 
@@ -638,6 +650,7 @@ def contestants_for(args):
     classes = {
         "ours": Ours,
         "ours, random_ mask": OursRandomMask,
+        "ours, torch loss": OursTorchLoss,
         "ours, nn.Dropout": OursTorchDropout,
         "ours, fused attention": OursFusedAttention,
         "ours, log-softmax loss": OursLogSoftmaxLoss,
@@ -796,8 +809,11 @@ def main(argv=None):
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     native = tools.cpu_has_native_bf16()
     print(f"native bf16 on this CPU: {'yes' if native else 'no'}")
-    kernel = "built" if tools.dropout_kernel() else "not available"
-    print(f"C++ dropout kernel (ours): {kernel}")
+    for kind, build in (
+        ("dropout", tools.dropout_kernel),
+        ("loss", tools.loss_kernel),
+    ):
+        print(f"C++ {kind} kernel: {'built' if build() else 'not available'}")
     dtype = training_dtype(args.precision)
     peaks = matmul_peak(dtype or torch.float32)
     peak = max(peaks.values())

@@ -2542,8 +2542,9 @@ class GeneratorLoss(torch.autograd.Function):
     a block at a time: no (tokens, vocabulary) matrix is kept."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, target, padding_idx, smoothing):
-        """x: (N, d_model); weight: (V, d_model); bias: (V,); target: (N,)."""
+    def forward(ctx, x, weight, bias, target, padding_idx, smoothing, kernel):
+        """x: (N, d_model); weight: (V, d_model); bias: (V,); target: (N,);
+        kernel: None, or the C++ loss kernel ("A loss kernel in C++")."""
         dtype = compute_dtype(x)  # bf16 under bf16 autocast
         acc = torch.promote_types(dtype, torch.float32)  # for the sums
         c, f, plogp = smoothing_constants(smoothing, len(weight))
@@ -2553,13 +2554,21 @@ class GeneratorLoss(torch.autograd.Function):
         lse = torch.empty(len(xr), dtype=acc, device=x.device)  # (M,)
         total = torch.zeros((), dtype=acc, device=x.device)
         for i in range(0, len(xr), 256):  # 256 rows of logits at a time
-            z = torch.addmm(b, xr[i : i + 256], w.t()).to(acc)  # (256, V)
+            z = torch.addmm(b, xr[i : i + 256], w.t())  # (256, V)
+            if kernel is not None:  # the same sums, in one pass of C++
+                lse[i : i + 256], row_losses = kernel.smoothed_rows(
+                    z, tr[i : i + 256], padding_idx, c, f, plogp
+                )
+                total += row_losses.sum()
+                continue
+            z = z.to(acc)
             lse[i : i + 256] = z.logsumexp(1)
             z_y = z.gather(1, tr[i : i + 256, None]).squeeze(1)
             rest = z.sum(1) - z_y - z[:, padding_idx]  # f's words
             total += (plogp - c * z_y - f * rest + lse[i : i + 256]).sum()
         ctx.save_for_backward(xr, w, b, tr, real, lse)
         ctx.settings = (x.shape, x.dtype, weight.dtype, padding_idx, c, f)
+        ctx.kernel = kernel
         return total
 
     @staticmethod
@@ -2572,27 +2581,35 @@ class GeneratorLoss(torch.autograd.Function):
         rows = torch.arange(len(tr), device=tr.device)
         for j in range(0, len(w), 512):  # 512 words at a time
             words = slice(j, j + 512)
-            z = torch.addmm(b[words], xr, w[words].t()).to(lse.dtype)
-            # q - f for now; the target and padding columns fixed below
-            q_minus_p = z.sub_(lse[:, None]).exp_().sub_(f)  # (M, 512)
-            hit = (tr >= j) & (tr < j + 512)  # targets in this block
-            q_minus_p[rows[hit], tr[hit] - j] -= c - f
-            if j <= padding_idx < j + 512:
-                q_minus_p[:, padding_idx - j] += f  # p is 0 there
-            grad_z = q_minus_p.mul_(grad_loss)  # (M, 512): the logits'
-            grad_b[words] = grad_z.sum(0)
-            grad_z = grad_z.to(w.dtype)  # bf16 under bf16 autocast
+            z = torch.addmm(b[words], xr, w[words].t())  # (M, 512)
+            if ctx.kernel is not None:  # the same, in one pass of C++
+                grad_z, grad_b[words] = ctx.kernel.smoothed_grad(
+                    z, lse, tr, j, padding_idx, c, f, float(grad_loss)
+                )
+            else:
+                # q - f for now; the target and padding columns fixed below
+                q_minus_p = z.to(lse.dtype).sub_(lse[:, None]).exp_().sub_(f)
+                hit = (tr >= j) & (tr < j + 512)  # targets in this block
+                q_minus_p[rows[hit], tr[hit] - j] -= c - f
+                if j <= padding_idx < j + 512:
+                    q_minus_p[:, padding_idx - j] += f  # p is 0 there
+                grad_z = q_minus_p.mul_(grad_loss)  # (M, 512): the logits'
+                grad_b[words] = grad_z.sum(0)
+                grad_z = grad_z.to(w.dtype)  # bf16 under bf16 autocast
             grad_w[words] = grad_z.t() @ xr
             grad_xr += grad_z @ w[words]
         grad_x = torch.zeros(x_shape, dtype=x_dtype, device=xr.device)
         grad_x[real] = grad_xr.to(x_dtype)
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 class FusedLossCompute(SimpleLossCompute):
     """SimpleLossCompute through GeneratorLoss: the same loss and
     gradients, for Part 1's Generator. The criterion gives its padding_idx
-    and smoothing only; it is not called (so its true_dist is not kept)."""
+    and smoothing only; it is not called (so its true_dist is not kept).
+    `kernel`, when set, is the C++ loss kernel ("A loss kernel in C++")."""
+
+    kernel = None
 
     def __call__(self, x, y, norm):
         proj = self.generator.proj  # Part 1's Generator: proj, log-softmax
@@ -2603,6 +2620,7 @@ class FusedLossCompute(SimpleLossCompute):
             y.reshape(-1),
             self.criterion.padding_idx,
             self.criterion.smoothing,
+            self.kernel,
         )
         return loss_sum.detach(), loss_sum / norm
 
@@ -2782,7 +2800,8 @@ print("with the bf16 stream, every linear layer and LayerNorm reads bf16")
 # measured there (fewer passes, bits drawn ahead on another thread,
 # `torch.compile`) gained nothing.
 #
-# The kernel below does it in one pass each way and stores nothing:
+# The kernel below draws and applies the mask in one pass each way, and
+# stores nothing:
 #
 # - **A counter-based generator.** The random bits of element $i$ are a
 #   function of a seed and $i$ alone: one 64-bit SplitMix64 hash of
@@ -2803,6 +2822,15 @@ print("with the bf16 stream, every linear layer and LayerNorm reads bf16")
 #   and no mask is kept in memory between the passes.
 # - **A seed per call**, drawn from torch's generator, so
 #   `torch.manual_seed` makes a run repeat.
+# - **Its neighbours in the same pass.** Part 1 adds a sublayer's
+#   dropped-out output to the residual stream, `x + dropout(y)`, and
+#   drops out the ReLU's output in the feed-forward network. The kernel
+#   does each of those in its one pass (`KernelSublayerConnection`,
+#   `KernelFeedForward`). ReLU-and-dropout's backward pass needs no mask:
+#   its output is positive exactly where both let an element through. In
+#   float32 the results equal Part 1's to the bit (the kernel is compiled
+#   without fused multiply-adds, so it rounds where torch does); in bf16
+#   the residual addition rounds once instead of twice.
 #
 # Only bf16 and float32 CPU tensors take the kernel; anything else goes
 # to `FastDropout`. The compiler vectorizes the hash and the conversion of
@@ -2820,10 +2848,14 @@ print("with the bf16 stream, every linear layer and LayerNorm reads bf16")
 # machines keeps one build per kind of CPU. If the build fails (no
 # compiler, for one), `dropout_kernel` says why in one line and returns
 # `None`, and training keeps `FastDropout`. Setting the environment
-# variable `AT_DROPOUT_KERNEL=0` turns the kernel off.
+# variable `AT_CPU_KERNELS=0` turns it off (and the loss kernel, below).
 #
-# `TrainingRun` uses it wherever it trains with dropout on the CPU.
-# GPUs keep `F.dropout`, which is one fused kernel there already.
+# `use_dropout_kernel` swaps the kernel's modules into a model: a
+# `KernelDropout` for each dropout, and for Part 1's residual connections
+# and feed-forward networks only their class, so the weights and their
+# names in a checkpoint stay as they were. `TrainingRun` uses it wherever
+# it trains with dropout on the CPU. GPUs keep `F.dropout`, which is one
+# fused kernel there already.
 
 # %%
 #| export
@@ -2986,34 +3018,58 @@ def _kernel_flags():
     return common
 
 
-def _build_dropout_kernel():
-    """The extension, built (or loaded from torch's cache); None, with one
-    line saying why, where it cannot be built."""
-    from torch.utils.cpp_extension import get_default_build_root, load_inline
+def _kernel_is_built(name):
+    """Whether torch's cache holds a build of extension `name` (asked of
+    a private torch function; False if that fails)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        folder = _get_build_directory(name, verbose=False)
+        return os.path.isfile(os.path.join(folder, f"{name}.so"))
+    except Exception:  # a torch without it: say "building" to be safe
+        return False
+
+
+def build_kernel(kind, source, functions, instead):
+    """The extension `at_<kind>_...` built from C++ `source` (or loaded
+    from torch's cache); None, with one line saying why, where it cannot
+    be built. `instead` says what runs then."""
+    from torch.utils.cpp_extension import load_inline
 
     flags = _kernel_flags()
-    key = DROPOUT_KERNEL_SOURCE + " ".join(flags) + _cpu_identity()
-    name = "at_dropout_" + hashlib.sha256(key.encode()).hexdigest()[:12]
-    if not os.path.isdir(os.path.join(get_default_build_root(), name)):
-        print("building the CPU dropout kernel (once; about 20 s)", flush=True)
+    key = source + " ".join(flags) + _cpu_identity()
+    name = f"at_{kind}_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    if not _kernel_is_built(name):
+        print(f"building the CPU {kind} kernel (once; about 20 s)", flush=True)
     try:
         return load_inline(
             name,
-            cpp_sources=[DROPOUT_KERNEL_SOURCE],
-            functions=KERNEL_FUNCTIONS,
+            cpp_sources=[source],
+            functions=functions,
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"] if "-fopenmp" in flags else [],
         )
     except Exception as error:  # no compiler, no ninja, a compile error
         why = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        print(f"no CPU dropout kernel ({why[:200]}); using FastDropout")
+        print(f"no CPU {kind} kernel ({why[:200]}); using {instead}")
         return None
+
+
+def _build_dropout_kernel():
+    return build_kernel(
+        "dropout", DROPOUT_KERNEL_SOURCE, KERNEL_FUNCTIONS, "FastDropout"
+    )
+
+
+def kernels_allowed():
+    """False where AT_CPU_KERNELS=0 turns the C++ kernels off."""
+    return os.environ.get("AT_CPU_KERNELS", "1") != "0"
 
 
 def dropout_kernel():
     """The C++ dropout kernel, built on the first call; None where it
-    cannot be built or AT_DROPOUT_KERNEL=0 turns it off."""
-    if os.environ.get("AT_DROPOUT_KERNEL", "1") == "0":
+    cannot be built or AT_CPU_KERNELS=0 turns it off."""
+    if not kernels_allowed():
         return None
     if "module" not in _DROPOUT_KERNEL:
         _DROPOUT_KERNEL["module"] = _build_dropout_kernel()
@@ -3201,6 +3257,287 @@ else:
     share = 1 - kept.float().mean()
     print(f"the kernel drops what Python's mask drops; {share:.4f} at p = {p}")
     assert abs(share - p) < 0.003  # 500,000 draws: sd 0.0006
+
+
+# %% [markdown]
+# ### A loss kernel in C++, on the CPU
+#
+# With dropout in one pass, the generator and the loss came next in a
+# profile of the bf16 step at 1 thread: `GeneratorLoss`, above, turns
+# each block of logits into float32 (a copy), then takes its maximum, its
+# exponentials, their sum and the sum of the logits, one pass each; its
+# backward pass again copies, subtracts, exponentiates, subtracts,
+# multiplies, sums and casts, each over a (tokens × 512) block. The
+# matrix products around them stay as they are.
+#
+# The kernel below reads each block of logits in its own dtype, once:
+#
+# - `smoothed_rows` gives each row's log-sum-exp and its label-smoothed
+#   loss, `plogp - c * z_y - f * (sum of z - z_y - z_pad) + lse`, as the
+#   torch code above computes them;
+# - `smoothed_grad` gives the logits' gradient,
+#   `g * (exp(z - lse) - f)`, with `c` in place of `f` at the target
+#   and nothing subtracted at `<blank>`, in the logits' dtype, and the
+#   column sums (the bias's gradient) in float32.
+#
+# Its exponential is Cephes' single-precision `expf` (Moshier, 1989):
+# $x = k \ln 2 + r$, $e^r$ by a polynomial, $2^k$ written into the
+# exponent bits. It is within a few units in the last place of float32,
+# and, unlike the C library's `expf`, the compiler vectorizes it.
+# Sums run over sixteen lanes at a time, so they vectorize too, and are
+# added up at the end of each row, in float32 as before, but in another
+# order: the loss agrees with the torch code to float32 rounding, not
+# to the bit (the check below, and `tests/test_loss_kernel.py`).
+#
+# It is built as the dropout kernel is, by `build_kernel`, on the first
+# call of `loss_kernel`; `TrainingRun` asks for it wherever it trains on
+# the CPU, and `FusedLossCompute` passes it to `GeneratorLoss`. Where it
+# cannot be built, or with `AT_CPU_KERNELS=0`, the torch code above runs.
+
+# %%
+#| export
+LOSS_KERNEL_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+static inline float load(const float* p, int64_t i) { return p[i]; }
+static inline float load(const uint16_t* p, int64_t i) {
+  uint32_t u = (uint32_t)p[i] << 16;  // bf16: the top half of a float32
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+static inline void store(float* p, int64_t i, float v) { p[i] = v; }
+static inline void store(uint16_t* p, int64_t i, float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  p[i] = (v != v) ? (uint16_t)0x7FC0 : (uint16_t)rounded;
+}
+
+// Cephes' expf: x = k ln 2 + r, e^r by a polynomial, 2^k in the exponent.
+static inline float exp_of(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  float k = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - k * 0.693359375f;
+  r = r - k * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = ((int32_t)k + 127) << 23;
+  float two_k;
+  std::memcpy(&two_k, &bits, 4);
+  return p * two_k;
+}
+
+constexpr int64_t LANES = 16;  // partial sums, so that sums vectorize
+
+template <typename T>
+static void rows_of(const T* z, const int64_t* target, int64_t rows,
+                    int64_t V, int64_t pad, float c, float f, float plogp,
+                    float* lse, float* loss) {
+  at::parallel_for(0, rows, 4, [=](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = z + r * V;
+      int64_t full = V / LANES * LANES;
+      float most[LANES], sum_exp[LANES], sum_z[LANES];
+      for (int k = 0; k < LANES; ++k) most[k] = -INFINITY;
+      for (int64_t j = 0; j < full; j += LANES)
+        for (int k = 0; k < LANES; ++k)
+          most[k] = std::max(most[k], load(row, j + k));
+      float m = -INFINITY;
+      for (int k = 0; k < LANES; ++k) m = std::max(m, most[k]);
+      for (int64_t j = full; j < V; ++j) m = std::max(m, load(row, j));
+      for (int k = 0; k < LANES; ++k) sum_exp[k] = sum_z[k] = 0.0f;
+      for (int64_t j = 0; j < full; j += LANES)
+        for (int k = 0; k < LANES; ++k) {
+          float v = load(row, j + k);
+          sum_exp[k] += exp_of(v - m);
+          sum_z[k] += v;
+        }
+      float se = 0.0f, sz = 0.0f;
+      for (int k = 0; k < LANES; ++k) {
+        se += sum_exp[k];
+        sz += sum_z[k];
+      }
+      for (int64_t j = full; j < V; ++j) {
+        float v = load(row, j);
+        se += exp_of(v - m);
+        sz += v;
+      }
+      float l = m + std::log(se);
+      float z_y = load(row, target[r]);
+      float rest = sz - z_y - load(row, pad);  // the words f goes to
+      lse[r] = l;
+      loss[r] = plogp - c * z_y - f * rest + l;
+    }
+  });
+}
+
+std::vector<torch::Tensor> smoothed_rows(torch::Tensor z,
+                                         torch::Tensor target, int64_t pad,
+                                         double c, double f, double plogp) {
+  TORCH_CHECK(z.device().is_cpu() && z.dim() == 2, "loss kernel: 2-d z");
+  auto logits = z.contiguous();
+  auto t = target.contiguous();
+  TORCH_CHECK(t.scalar_type() == at::kLong && t.numel() == logits.size(0),
+              "loss kernel: one int64 target per row");
+  int64_t rows = logits.size(0), V = logits.size(1);
+  auto opts = logits.options().dtype(at::kFloat);
+  auto lse = torch::empty({rows}, opts), loss = torch::empty({rows}, opts);
+  if (logits.scalar_type() == at::kBFloat16) {
+    rows_of(reinterpret_cast<const uint16_t*>(logits.data_ptr()),
+            t.data_ptr<int64_t>(), rows, V, pad, (float)c, (float)f,
+            (float)plogp, lse.data_ptr<float>(), loss.data_ptr<float>());
+  } else {
+    TORCH_CHECK(logits.scalar_type() == at::kFloat,
+                "loss kernel: bf16 or float32 logits");
+    rows_of(logits.data_ptr<float>(), t.data_ptr<int64_t>(), rows, V, pad,
+            (float)c, (float)f, (float)plogp, lse.data_ptr<float>(),
+            loss.data_ptr<float>());
+  }
+  return {lse, loss};
+}
+
+// grad = g (exp(z - lse) - f); c instead of f at the target column; no f
+// at the padding column. Column sums over the rows, per chunk of rows.
+template <typename T>
+static void grad_of(const T* z, const float* lse, const int64_t* target,
+                    int64_t rows, int64_t cols, int64_t first, int64_t pad,
+                    float c, float f, float g, T* out, float* partial,
+                    int64_t chunks) {
+  at::parallel_for(0, chunks, 1, [=](int64_t begin, int64_t end) {
+    for (int64_t chunk = begin; chunk < end; ++chunk) {
+      float* sums = partial + chunk * cols;
+      for (int64_t j = 0; j < cols; ++j) sums[j] = 0.0f;
+      int64_t r0 = rows * chunk / chunks, r1 = rows * (chunk + 1) / chunks;
+      for (int64_t r = r0; r < r1; ++r) {
+        const T* row = z + r * cols;
+        T* grad = out + r * cols;
+        float l = lse[r];
+        for (int64_t j = 0; j < cols; ++j) {
+          float v = g * (exp_of(load(row, j) - l) - f);
+          store(grad, j, v);
+          sums[j] += v;
+        }
+        int64_t t = target[r] - first;
+        if (t >= 0 && t < cols) {  // the target: c, not f
+          float v = g * (exp_of(load(row, t) - l) - c);
+          sums[t] += v - g * (exp_of(load(row, t) - l) - f);
+          store(grad, t, v);
+        }
+        int64_t p = pad - first;
+        if (p >= 0 && p < cols) {  // <blank>: no f
+          float v = g * exp_of(load(row, p) - l);
+          sums[p] += v - g * (exp_of(load(row, p) - l) - f);
+          store(grad, p, v);
+        }
+      }
+    }
+  });
+}
+
+std::vector<torch::Tensor> smoothed_grad(torch::Tensor z, torch::Tensor lse,
+                                         torch::Tensor target, int64_t first,
+                                         int64_t pad, double c, double f,
+                                         double g) {
+  TORCH_CHECK(z.device().is_cpu() && z.dim() == 2, "loss kernel: 2-d z");
+  auto logits = z.contiguous();
+  auto l = lse.contiguous();
+  auto t = target.contiguous();
+  TORCH_CHECK(l.scalar_type() == at::kFloat && t.scalar_type() == at::kLong,
+              "loss kernel: float32 lse, int64 targets");
+  int64_t rows = logits.size(0), cols = logits.size(1);
+  TORCH_CHECK(l.numel() == rows && t.numel() == rows,
+              "loss kernel: one lse and one target per row");
+  int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(
+                                            at::get_num_threads(), rows));
+  auto out = torch::empty_like(logits);
+  auto partial = torch::empty({chunks, cols}, l.options());
+  if (logits.scalar_type() == at::kBFloat16) {
+    grad_of(reinterpret_cast<const uint16_t*>(logits.data_ptr()),
+            l.data_ptr<float>(), t.data_ptr<int64_t>(), rows, cols, first,
+            pad, (float)c, (float)f, (float)g,
+            reinterpret_cast<uint16_t*>(out.data_ptr()),
+            partial.data_ptr<float>(), chunks);
+  } else {
+    TORCH_CHECK(logits.scalar_type() == at::kFloat,
+                "loss kernel: bf16 or float32 logits");
+    grad_of(logits.data_ptr<float>(), l.data_ptr<float>(),
+            t.data_ptr<int64_t>(), rows, cols, first, pad, (float)c,
+            (float)f, (float)g, out.data_ptr<float>(),
+            partial.data_ptr<float>(), chunks);
+  }
+  return {out, partial.sum(0)};
+}
+"""
+_LOSS_KERNEL = {}  # "module": the built extension, or None
+
+
+def loss_kernel():
+    """The C++ loss kernel, built on the first call; None where it
+    cannot be built or AT_CPU_KERNELS=0 turns it off."""
+    if not kernels_allowed():
+        return None
+    if "module" not in _LOSS_KERNEL:
+        _LOSS_KERNEL["module"] = build_kernel(
+            "loss",
+            LOSS_KERNEL_SOURCE,
+            ["smoothed_rows", "smoothed_grad"],
+            "the torch code",
+        )
+    return _LOSS_KERNEL["module"]
+
+
+# %% [markdown]
+# The check: one small generator and batch, the loss and its gradients
+# with the kernel and with the torch code above, in float32 and under
+# bf16 autocast. Float32 must agree to its rounding; in bf16 both
+# round the logits' gradient to bf16 before the matrix products, so the
+# gradients agree to bf16's rounding.
+
+
+# %%
+def loss_and_grads(kernel, autocast):
+    """GeneratorLoss's loss and gradients on a fixed small problem."""
+    torch.manual_seed(0)
+    x = torch.randn(37, 16, requires_grad=True)
+    proj = torch.nn.Linear(16, 700)
+    target = torch.randint(0, 700, (37,))
+    target[::5] = PAD  # some padding rows
+    with autocast:
+        loss = GeneratorLoss.apply(
+            x, proj.weight, proj.bias, target, PAD, 0.1, kernel
+        )
+    loss.backward()
+    return [loss, x.grad, proj.weight.grad, proj.bias.grad]
+
+
+kernel = loss_kernel()
+if kernel is None:
+    print("no loss kernel on this machine: training uses the torch code")
+else:
+    tolerances = {"float32": 1e-5, "bf16": 1e-2}
+    for name, autocast in (
+        ("float32", contextlib.nullcontext()),
+        ("bf16", torch.autocast("cpu", torch.bfloat16)),
+    ):
+        mine = loss_and_grads(kernel, autocast)
+        torch_code = loss_and_grads(None, autocast)
+        for a, b in zip(mine, torch_code):
+            tol = tolerances[name]
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+        ours, theirs = mine[0].item(), torch_code[0].item()
+        print(f"{name}: the kernel's loss {ours:.4f}, torch's {theirs:.4f}")
 
 
 # %% [markdown]
@@ -3437,6 +3774,8 @@ class TrainingRun:
         model = use_fast_dropout(model_from_config(c, *sizes))
         if wants_dropout_kernel(self.device, c.dropout) and dropout_kernel():
             use_dropout_kernel(model)  # C++ on the CPU, where it builds
+        on_cpu = self.device.type == "cpu"
+        self.loss_kernel = loss_kernel() if on_cpu else None  # or None
         self.model = self.module = model.to(self.device)
         if distributed:
             ids = [self.device.index] if self.device.type == "cuda" else None
@@ -3619,10 +3958,13 @@ def drawn_into_a_file():
 
 def run_loss_compute(run):
     """The run's loss: FusedLossCompute (see 'The generator and the loss
-    in one') on the CPU, SimpleLossCompute elsewhere."""
-    on_cpu = run.device.type == "cpu"
-    compute = FusedLossCompute if on_cpu else SimpleLossCompute
-    return compute(run.module.generator, run.criterion)
+    in one') on the CPU, with the C++ loss kernel where it builds;
+    SimpleLossCompute elsewhere."""
+    if run.device.type != "cpu":
+        return SimpleLossCompute(run.module.generator, run.criterion)
+    loss_compute = FusedLossCompute(run.module.generator, run.criterion)
+    loss_compute.kernel = run.loss_kernel
+    return loss_compute
 
 
 def train_epoch(run, epoch, train_loader, valid_loader, show=True):

@@ -621,14 +621,16 @@ def test_one_process_run(machine, cpu_model, device, backend, dtype, scaler):
     ],
     indirect=["machine"],
 )
-def test_the_dropout_kernel_only_on_the_cpu(
+def test_the_cpu_kernels_only_on_the_cpu(
     machine, cpu_model, kernel, monkeypatch
 ):
-    """Training with dropout takes the C++ kernel on the CPU, in float32
-    and bf16 alike; GPUs keep FastDropout (F.dropout there). The build is
-    stubbed: only the decision is tested here."""
+    """Training with dropout takes the C++ dropout kernel on the CPU, in
+    float32 and bf16 alike, and the loss its C++ kernel; GPUs keep
+    FastDropout (F.dropout there) and SimpleLossCompute. The builds are
+    stubbed: only the decisions are tested here."""
     built = []
     monkeypatch.setattr(tools, "dropout_kernel", lambda: built.append(1) or 1)
+    monkeypatch.setattr(tools, "loss_kernel", lambda: built.append(2) or 2)
     config = tools.get_config("ci", precision="auto", dropout=0.1)
     run = tools.TrainingRun(0, 1, SIZES, config, False)
     kinds = {
@@ -637,7 +639,11 @@ def test_the_dropout_kernel_only_on_the_cpu(
         if isinstance(m, torch.nn.Dropout)
     }
     assert kinds == {tools.KernelDropout if kernel else tools.FastDropout}
-    assert built == ([1] if kernel else [])
+    assert built == ([1, 2] if kernel else [])
+    # the loss: FusedLossCompute with the loss kernel on the CPU only
+    loss_compute = tools.run_loss_compute(run)
+    assert isinstance(loss_compute, tools.FusedLossCompute) == kernel
+    assert getattr(loss_compute, "kernel", None) == (2 if kernel else None)
 
 
 def test_the_lessons_loop_refuses_an_unknown_schedule(vocabs, tokenizers):

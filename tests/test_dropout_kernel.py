@@ -192,7 +192,7 @@ def test_a_failed_build_says_why_in_one_line_and_training_goes_on(
 
     forget_the_kernel(monkeypatch)
     monkeypatch.setattr(cpp, "load_inline", no_compiler)
-    monkeypatch.setattr(cpp, "get_default_build_root", lambda: "/nonexistent")
+    monkeypatch.setattr(tools, "_kernel_is_built", lambda name: False)
     assert tools.dropout_kernel() is None
     out = capsys.readouterr().out
     lines = out.strip().splitlines()
@@ -208,7 +208,7 @@ def test_a_failed_build_says_why_in_one_line_and_training_goes_on(
 
 def test_at_dropout_kernel_0_turns_it_off(monkeypatch):
     forget_the_kernel(monkeypatch)
-    monkeypatch.setenv("AT_DROPOUT_KERNEL", "0")
+    monkeypatch.setenv("AT_CPU_KERNELS", "0")
     assert tools.dropout_kernel() is None
     assert tools._DROPOUT_KERNEL == {}  # nothing built
 
@@ -384,3 +384,19 @@ def test_the_swaps_keep_a_model_in_eval_mode():
     assert not any(m.training for m in model.modules())
     tools.use_dropout_kernel(model)
     assert not any(m.training for m in model.modules())
+
+
+def test_building_is_announced_only_when_torch_has_no_build(
+    kernel, monkeypatch, capsys
+):
+    """This session built the kernel (the fixture), so loading it again
+    says nothing; under a fresh extensions folder it says it builds."""
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setattr(cpp, "load_inline", lambda name, **kwargs: name)
+    tools._build_dropout_kernel()
+    assert capsys.readouterr().out == ""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", "/nonexistent/extensions")
+    monkeypatch.setattr(tools.os, "makedirs", lambda *a, **k: None)
+    tools._build_dropout_kernel()
+    assert "building the CPU dropout kernel" in capsys.readouterr().out

@@ -150,8 +150,8 @@ def test_a_cpu_training_run_trains_with_the_kernel_or_fast_dropout(
     switch, kind, monkeypatch
 ):
     """The C++ kernel where it builds (here it does), FastDropout where
-    AT_DROPOUT_KERNEL=0 turns it off."""
-    monkeypatch.setenv("AT_DROPOUT_KERNEL", switch)
+    AT_CPU_KERNELS=0 turns it off."""
+    monkeypatch.setenv("AT_CPU_KERNELS", switch)
     config = tools.get_config("ci", dropout=0.1)
     run = tools.TrainingRun(0, 1, (20, 30), config, False, None, "cpu")
     dropouts = [

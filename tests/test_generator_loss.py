@@ -84,7 +84,9 @@ def test_gradcheck_in_float64():
     x.requires_grad_()
 
     def loss(x, weight, bias):
-        return tools.GeneratorLoss.apply(x, weight, bias, target, PAD, 0.1)
+        return tools.GeneratorLoss.apply(
+            x, weight, bias, target, PAD, 0.1, None
+        )
 
     assert torch.autograd.gradcheck(loss, (x, weight, bias))
 
