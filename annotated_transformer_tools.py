@@ -1600,6 +1600,9 @@ class GeneratorLoss(torch.autograd.Function):
         dtype = compute_dtype(x)  # bf16 under bf16 autocast
         acc = torch.promote_types(dtype, torch.float32)  # for the sums
         c, f, plogp = smoothing_constants(smoothing, len(weight))
+        cpu = x.device.type == "cpu"
+        if kernel is not None and not (cpu and dtype in KERNEL_DTYPES):
+            kernel = None  # it takes bf16 and float32 CPU tensors only
         real = target != padding_idx  # padding rows have no loss
         xr, tr = x[real].to(dtype), target[real]  # (M, d_model), (M,)
         w, b = weight.to(dtype), bias.to(dtype)
@@ -1759,13 +1762,16 @@ static void apply(const T* x, const T* other, T* out, int64_t n,
                   uint64_t seed, uint32_t dropped, float scale) {
   int64_t blocks = (n + BLOCK - 1) / BLOCK;
   at::parallel_for(0, blocks, 16, [=](int64_t begin, int64_t end) {
-    alignas(64) uint64_t bits[BLOCK / 4];
+    alignas(64) uint16_t lanes[BLOCK];
     for (int64_t b = begin; b < end; ++b) {
       if (MODE != POSITIVE)  // the only mode without a mask
-        for (int64_t w = 0; w < BLOCK / 4; ++w)
-          bits[w] = splitmix64(seed, b * (BLOCK / 4) + w);
+        for (int64_t w = 0; w < BLOCK / 4; ++w) {
+          uint64_t bits = splitmix64(seed, b * (BLOCK / 4) + w);
+          for (int k = 0; k < 4; ++k)  // the low 16 bits first
+            lanes[4 * w + k] = (uint16_t)(bits >> (16 * k));
+        }
       int64_t first = b * BLOCK;
-      block<T, MODE>(reinterpret_cast<const uint16_t*>(bits), x + first,
+      block<T, MODE>(lanes, x + first,
                      other ? other + first : nullptr, out + first,
                      std::min(BLOCK, n - first), dropped, scale);
     }
@@ -1855,6 +1861,8 @@ def _kernel_flags():
     if sys.platform == "linux" and platform.machine() == "x86_64":
         vectors = ["-march=native", "-mprefer-vector-width=512"]
         return [*common, *vectors, "-fopenmp"]
+    if sys.platform == "linux":  # gcc on ARM, say: OpenMP, generic code
+        return [*common, "-fopenmp"]
     return common
 
 
@@ -1877,7 +1885,7 @@ def build_kernel(kind, source, functions, instead):
     from torch.utils.cpp_extension import load_inline
 
     flags = _kernel_flags()
-    key = source + " ".join(flags) + _cpu_identity()
+    key = source + " ".join(flags) + _cpu_identity() + torch.__version__
     name = f"at_{kind}_" + hashlib.sha256(key.encode()).hexdigest()[:12]
     if not _kernel_is_built(name):
         print(f"building the CPU {kind} kernel (once; about 20 s)", flush=True)
@@ -1890,9 +1898,16 @@ def build_kernel(kind, source, functions, instead):
             extra_ldflags=["-fopenmp"] if "-fopenmp" in flags else [],
         )
     except Exception as error:  # no compiler, no ninja, a compile error
-        why = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        print(f"no CPU {kind} kernel ({why[:200]}); using {instead}")
+        print(f"no CPU {kind} kernel ({_why(error)}); using {instead}")
         return None
+
+
+def _why(error):
+    """One line of a failed build: the compiler's first line that names
+    an error, else the message's first line."""
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    named = [line for line in lines[1:] if "error" in line.lower()]
+    return (named or lines)[0].strip()[:200]
 
 
 def _build_dropout_kernel():
@@ -1902,8 +1917,10 @@ def _build_dropout_kernel():
 
 
 def kernels_allowed():
-    """False where AT_CPU_KERNELS=0 turns the C++ kernels off."""
-    return os.environ.get("AT_CPU_KERNELS", "1") != "0"
+    """True on Linux, unless AT_CPU_KERNELS=0 turns the kernels off.
+    Elsewhere they would be built without OpenMP, on one thread."""
+    on = os.environ.get("AT_CPU_KERNELS", "1") != "0"
+    return on and sys.platform == "linux"
 
 
 def dropout_kernel():
@@ -2143,12 +2160,17 @@ static void rows_of(const T* z, const int64_t* target, int64_t rows,
 std::vector<torch::Tensor> smoothed_rows(torch::Tensor z,
                                          torch::Tensor target, int64_t pad,
                                          double c, double f, double plogp) {
-  TORCH_CHECK(z.device().is_cpu() && z.dim() == 2, "loss kernel: 2-d z");
+  TORCH_CHECK(z.device().is_cpu(), "loss kernel: CPU tensors, please");
+  TORCH_CHECK(z.dim() == 2, "loss kernel: logits of shape (rows, V)");
   auto logits = z.contiguous();
   auto t = target.contiguous();
   TORCH_CHECK(t.scalar_type() == at::kLong && t.numel() == logits.size(0),
               "loss kernel: one int64 target per row");
   int64_t rows = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(0 <= pad && pad < V, "loss kernel: padding index outside V");
+  TORCH_CHECK(rows == 0 || (t.min().item<int64_t>() >= 0 &&
+                            t.max().item<int64_t>() < V),
+              "loss kernel: a target outside the vocabulary");
   auto opts = logits.options().dtype(at::kFloat);
   auto lse = torch::empty({rows}, opts), loss = torch::empty({rows}, opts);
   if (logits.scalar_type() == at::kBFloat16) {
@@ -2207,7 +2229,8 @@ std::vector<torch::Tensor> smoothed_grad(torch::Tensor z, torch::Tensor lse,
                                          torch::Tensor target, int64_t first,
                                          int64_t pad, double c, double f,
                                          double g) {
-  TORCH_CHECK(z.device().is_cpu() && z.dim() == 2, "loss kernel: 2-d z");
+  TORCH_CHECK(z.device().is_cpu(), "loss kernel: CPU tensors, please");
+  TORCH_CHECK(z.dim() == 2, "loss kernel: logits of shape (rows, cols)");
   auto logits = z.contiguous();
   auto l = lse.contiguous();
   auto t = target.contiguous();

@@ -999,12 +999,13 @@ assert last < guess
 # - several processes sharing the work, when asked (the appendix's
 #   "Training runs: devices and processes"); the cell below runs one;
 # - on the CPU, a few speed-ups that change the numbers only by
-#   rounding: the generator and the loss computed together, the loss's
-#   gradient written by hand (the appendix's "Training runs: devices and
-#   processes"), and in bf16 a residual stream kept in bf16 (its "A bf16
-#   residual stream, on the CPU"). Presets with dropout also draw their
-#   masks with a small C++ kernel, where a compiler is found (its "A
-#   dropout kernel in C++, on the CPU"); `quick` has no dropout.
+#   rounding: the generator and the loss computed together, their
+#   blocks in a small C++ kernel where a compiler is found (built once,
+#   in about 20 seconds), the loss's gradient written by hand, and in
+#   bf16 a residual stream kept in bf16 (the appendix's "Training runs:
+#   devices and processes" and the sections after it). Presets with
+#   dropout also draw their masks with a C++ kernel; `quick` has no
+#   dropout.
 #
 # **Before you run it.**
 #

@@ -2548,6 +2548,9 @@ class GeneratorLoss(torch.autograd.Function):
         dtype = compute_dtype(x)  # bf16 under bf16 autocast
         acc = torch.promote_types(dtype, torch.float32)  # for the sums
         c, f, plogp = smoothing_constants(smoothing, len(weight))
+        cpu = x.device.type == "cpu"
+        if kernel is not None and not (cpu and dtype in KERNEL_DTYPES):
+            kernel = None  # it takes bf16 and float32 CPU tensors only
         real = target != padding_idx  # padding rows have no loss
         xr, tr = x[real].to(dtype), target[real]  # (M, d_model), (M,)
         w, b = weight.to(dtype), bias.to(dtype)
@@ -2803,12 +2806,14 @@ print("with the bf16 stream, every linear layer and LayerNorm reads bf16")
 # The kernel below draws and applies the mask in one pass each way, and
 # stores nothing:
 #
-# - **A counter-based generator.** The random bits of element $i$ are a
-#   function of a seed and $i$ alone: one 64-bit SplitMix64 hash of
-#   `seed + w * 0x9E3779B97F4A7C15` for each group of four elements
-#   $w = \lfloor i / 4 \rfloor$, read as four 16-bit lanes, as
-#   `FastDropout` reads `random_`'s numbers. So any thread can compute any
-#   element's bits, in any order: the mask is the same at 1 thread or 16.
+# - **A counter-based generator**: one whose $n$-th number is a function
+#   of the seed and $n$ alone, not of the numbers drawn before it. The
+#   random bits of the group of four elements $w = \lfloor i / 4
+#   \rfloor$ are SplitMix64's $(w + 1)$-th number from `seed`: a 64-bit
+#   hash of `seed + (w + 1) * 0x9E3779B97F4A7C15`. Like `FastDropout`, it
+#   reads them as four 16-bit *lanes*, one per element, the low 16 bits
+#   first. So any thread can compute any element's bits, in any order:
+#   the mask is the same at 1 thread or 16.
 #   SplitMix64 is the standard seeding generator of the xoshiro family
 #   (Steele, Lea and Flood, 2014, "Fast splittable pseudorandom number
 #   generators").
@@ -2827,7 +2832,8 @@ print("with the bf16 stream, every linear layer and LayerNorm reads bf16")
 #   drops out the ReLU's output in the feed-forward network. The kernel
 #   does each of those in its one pass (`KernelSublayerConnection`,
 #   `KernelFeedForward`). ReLU-and-dropout's backward pass needs no mask:
-#   its output is positive exactly where both let an element through. In
+#   for a finite input, its output is positive exactly where both let the
+#   element through. In
 #   float32 the results equal Part 1's to the bit (the kernel is compiled
 #   without fused multiply-adds, so it rounds where torch does); in bf16
 #   the residual addition rounds once instead of twice.
@@ -2849,6 +2855,11 @@ print("with the bf16 stream, every linear layer and LayerNorm reads bf16")
 # compiler, for one), `dropout_kernel` says why in one line and returns
 # `None`, and training keeps `FastDropout`. Setting the environment
 # variable `AT_CPU_KERNELS=0` turns it off (and the loss kernel, below).
+# The kernels are used on Linux only: elsewhere (a Mac's clang has no
+# OpenMP) they would run on one thread, and torch's own code on all of
+# them. A build stopped halfway (the process killed) can leave a `lock`
+# file in its folder under `~/.cache/torch_extensions`, and the next
+# build then waits for it forever; deleting that folder fixes it.
 #
 # `use_dropout_kernel` swaps the kernel's modules into a model: a
 # `KernelDropout` for each dropout, and for Part 1's residual connections
@@ -2921,13 +2932,16 @@ static void apply(const T* x, const T* other, T* out, int64_t n,
                   uint64_t seed, uint32_t dropped, float scale) {
   int64_t blocks = (n + BLOCK - 1) / BLOCK;
   at::parallel_for(0, blocks, 16, [=](int64_t begin, int64_t end) {
-    alignas(64) uint64_t bits[BLOCK / 4];
+    alignas(64) uint16_t lanes[BLOCK];
     for (int64_t b = begin; b < end; ++b) {
       if (MODE != POSITIVE)  // the only mode without a mask
-        for (int64_t w = 0; w < BLOCK / 4; ++w)
-          bits[w] = splitmix64(seed, b * (BLOCK / 4) + w);
+        for (int64_t w = 0; w < BLOCK / 4; ++w) {
+          uint64_t bits = splitmix64(seed, b * (BLOCK / 4) + w);
+          for (int k = 0; k < 4; ++k)  // the low 16 bits first
+            lanes[4 * w + k] = (uint16_t)(bits >> (16 * k));
+        }
       int64_t first = b * BLOCK;
-      block<T, MODE>(reinterpret_cast<const uint16_t*>(bits), x + first,
+      block<T, MODE>(lanes, x + first,
                      other ? other + first : nullptr, out + first,
                      std::min(BLOCK, n - first), dropped, scale);
     }
@@ -3017,6 +3031,8 @@ def _kernel_flags():
     if sys.platform == "linux" and platform.machine() == "x86_64":
         vectors = ["-march=native", "-mprefer-vector-width=512"]
         return [*common, *vectors, "-fopenmp"]
+    if sys.platform == "linux":  # gcc on ARM, say: OpenMP, generic code
+        return [*common, "-fopenmp"]
     return common
 
 
@@ -3039,7 +3055,7 @@ def build_kernel(kind, source, functions, instead):
     from torch.utils.cpp_extension import load_inline
 
     flags = _kernel_flags()
-    key = source + " ".join(flags) + _cpu_identity()
+    key = source + " ".join(flags) + _cpu_identity() + torch.__version__
     name = f"at_{kind}_" + hashlib.sha256(key.encode()).hexdigest()[:12]
     if not _kernel_is_built(name):
         print(f"building the CPU {kind} kernel (once; about 20 s)", flush=True)
@@ -3052,9 +3068,16 @@ def build_kernel(kind, source, functions, instead):
             extra_ldflags=["-fopenmp"] if "-fopenmp" in flags else [],
         )
     except Exception as error:  # no compiler, no ninja, a compile error
-        why = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        print(f"no CPU {kind} kernel ({why[:200]}); using {instead}")
+        print(f"no CPU {kind} kernel ({_why(error)}); using {instead}")
         return None
+
+
+def _why(error):
+    """One line of a failed build: the compiler's first line that names
+    an error, else the message's first line."""
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    named = [line for line in lines[1:] if "error" in line.lower()]
+    return (named or lines)[0].strip()[:200]
 
 
 def _build_dropout_kernel():
@@ -3064,8 +3087,10 @@ def _build_dropout_kernel():
 
 
 def kernels_allowed():
-    """False where AT_CPU_KERNELS=0 turns the C++ kernels off."""
-    return os.environ.get("AT_CPU_KERNELS", "1") != "0"
+    """True on Linux, unless AT_CPU_KERNELS=0 turns the kernels off.
+    Elsewhere they would be built without OpenMP, on one thread."""
+    on = os.environ.get("AT_CPU_KERNELS", "1") != "0"
+    return on and sys.platform == "linux"
 
 
 def dropout_kernel():
@@ -3284,8 +3309,10 @@ else:
 #
 # Its exponential is Cephes' single-precision `expf` (Moshier, 1989):
 # $x = k \ln 2 + r$, $e^r$ by a polynomial, $2^k$ written into the
-# exponent bits. It is within a few units in the last place of float32,
-# and, unlike the C library's `expf`, the compiler vectorizes it.
+# exponent bits. It is within a few units in the last place of float32
+# (inputs below -87 give about 1e-38 rather than 0, which changes none of
+# these sums), and, unlike the C library's `expf`, the compiler
+# vectorizes it.
 # Sums run over sixteen lanes at a time, so they vectorize too, and are
 # added up at the end of each row, in float32 as before, but in another
 # order: the loss agrees with the torch code to float32 rounding, not
@@ -3388,12 +3415,17 @@ static void rows_of(const T* z, const int64_t* target, int64_t rows,
 std::vector<torch::Tensor> smoothed_rows(torch::Tensor z,
                                          torch::Tensor target, int64_t pad,
                                          double c, double f, double plogp) {
-  TORCH_CHECK(z.device().is_cpu() && z.dim() == 2, "loss kernel: 2-d z");
+  TORCH_CHECK(z.device().is_cpu(), "loss kernel: CPU tensors, please");
+  TORCH_CHECK(z.dim() == 2, "loss kernel: logits of shape (rows, V)");
   auto logits = z.contiguous();
   auto t = target.contiguous();
   TORCH_CHECK(t.scalar_type() == at::kLong && t.numel() == logits.size(0),
               "loss kernel: one int64 target per row");
   int64_t rows = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(0 <= pad && pad < V, "loss kernel: padding index outside V");
+  TORCH_CHECK(rows == 0 || (t.min().item<int64_t>() >= 0 &&
+                            t.max().item<int64_t>() < V),
+              "loss kernel: a target outside the vocabulary");
   auto opts = logits.options().dtype(at::kFloat);
   auto lse = torch::empty({rows}, opts), loss = torch::empty({rows}, opts);
   if (logits.scalar_type() == at::kBFloat16) {
@@ -3452,7 +3484,8 @@ std::vector<torch::Tensor> smoothed_grad(torch::Tensor z, torch::Tensor lse,
                                          torch::Tensor target, int64_t first,
                                          int64_t pad, double c, double f,
                                          double g) {
-  TORCH_CHECK(z.device().is_cpu() && z.dim() == 2, "loss kernel: 2-d z");
+  TORCH_CHECK(z.device().is_cpu(), "loss kernel: CPU tensors, please");
+  TORCH_CHECK(z.dim() == 2, "loss kernel: logits of shape (rows, cols)");
   auto logits = z.contiguous();
   auto l = lse.contiguous();
   auto t = target.contiguous();

@@ -222,6 +222,7 @@ def test_each_kind_of_cpu_gets_its_own_build(monkeypatch, capsys):
     monkeypatch.setattr(
         cpp, "load_inline", lambda name, **kwargs: names.append(name)
     )
+    monkeypatch.setattr(tools, "_kernel_is_built", lambda name: True)
     for identity in ("flags: avx2", "flags: avx2 avx512f", "flags: avx2"):
         monkeypatch.setattr(tools, "_cpu_identity", lambda i=identity: i)
         tools._build_dropout_kernel()
@@ -230,21 +231,22 @@ def test_each_kind_of_cpu_gets_its_own_build(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize(
-    "platform_name, machine, native",
+    "platform_name, machine, native, openmp",
     [
-        ("linux", "x86_64", True),
-        ("linux", "aarch64", False),
-        ("darwin", "arm64", False),
+        ("linux", "x86_64", True, True),
+        ("linux", "aarch64", False, True),
+        ("darwin", "arm64", False, False),
     ],
 )
-def test_native_flags_and_openmp_only_on_x86_linux(
-    monkeypatch, platform_name, machine, native
+def test_native_flags_on_x86_linux_and_openmp_on_linux(
+    monkeypatch, platform_name, machine, native, openmp
 ):
     monkeypatch.setattr(tools.sys, "platform", platform_name)
     monkeypatch.setattr(tools.platform, "machine", lambda: machine)
     flags = tools._kernel_flags()
-    assert flags[0] == "-O3"
-    assert ("-march=native" in flags) == native == ("-fopenmp" in flags)
+    assert flags[:3] == ["-O3", "-ffp-contract=off", "-fno-trapping-math"]
+    assert ("-march=native" in flags) == native
+    assert ("-fopenmp" in flags) == openmp
 
 
 @pytest.mark.parametrize(
@@ -400,3 +402,76 @@ def test_building_is_announced_only_when_torch_has_no_build(
     monkeypatch.setattr(tools.os, "makedirs", lambda *a, **k: None)
     tools._build_dropout_kernel()
     assert "building the CPU dropout kernel" in capsys.readouterr().out
+
+
+def test_an_empty_tensor_gives_an_empty_tensor(kernel):
+    empty = torch.ones(0, 7, dtype=torch.bfloat16)
+    out = kernel.masked_scale(empty, 1, *tools.dropout_rule(0.1))
+    assert out.shape == (0, 7) and out.dtype == torch.bfloat16
+
+
+def seeded_like_the_kernel(seed):
+    """The seed the next kernel call will draw after manual_seed(seed)."""
+    torch.manual_seed(seed)
+    drawn = torch.empty((), dtype=torch.int64).random_(-(2**63), None)
+    torch.manual_seed(seed)
+    return drawn.item()
+
+
+def test_the_fused_functions_backward_in_bf16(kernel):
+    """The gradients of residual + dropout(x) and dropout(relu(x)) in
+    bf16, against the reference mask, rounded once."""
+    torch.manual_seed(0)
+    x = torch.randn(9, 130).bfloat16().requires_grad_()
+    residual = torch.randn(9, 130).bfloat16().requires_grad_()
+    grad = torch.randn(9, 130).bfloat16()
+    dropped, scale = tools.dropout_rule(0.2)
+    seed = seeded_like_the_kernel(5)
+    out = tools.KernelAddDropoutFunction.apply(residual, x, 0.2, kernel)
+    out.backward(grad)
+    keep = reference_lanes(seed, x.numel()).view(x.shape) >= dropped
+    factor = torch.where(keep, scale, 0.0)
+    assert torch.equal(residual.grad, grad)
+    assert torch.equal(x.grad, (grad.float() * factor).bfloat16())
+    x.grad = None
+    seed = seeded_like_the_kernel(6)
+    out = tools.KernelReluDropoutFunction.apply(x, 0.2, kernel)
+    out.backward(grad)
+    keep = reference_lanes(seed, x.numel()).view(x.shape) >= dropped
+    through = keep & (x.float() > 0)
+    expected = torch.where(through, grad.float() * scale, 0.0).bfloat16()
+    assert torch.equal(x.grad, expected)
+
+
+def test_a_real_compiler_error_is_named_in_the_line(monkeypatch, capsys):
+    """torch's message starts with the command line; the line said is
+    the compiler's error."""
+    import torch.utils.cpp_extension as cpp
+
+    message = (
+        "Error building extension 'at_dropout_x': [1/2] c++ -MMD -MF x.o.d\n"
+        "FAILED: x.o\n"
+        "x.cpp:1:10: fatal error: torch/extension.h: No such file\n"
+        "compilation terminated."
+    )
+
+    def fails(*args, **kwargs):
+        raise RuntimeError(message)
+
+    monkeypatch.setattr(tools, "_DROPOUT_KERNEL", {})
+    monkeypatch.setattr(cpp, "load_inline", fails)
+    monkeypatch.setattr(tools, "_kernel_is_built", lambda name: True)
+    assert tools.dropout_kernel() is None
+    assert capsys.readouterr().out == (
+        "no CPU dropout kernel (x.cpp:1:10: fatal error: torch/extension.h:"
+        " No such file); using FastDropout\n"
+    )
+
+
+@pytest.mark.parametrize("platform_name", ["darwin", "win32"])
+def test_the_kernels_are_used_on_linux_only(monkeypatch, platform_name):
+    """Elsewhere they would run on one thread (no OpenMP)."""
+    monkeypatch.setattr(tools, "_DROPOUT_KERNEL", {})
+    monkeypatch.setattr(tools.sys, "platform", platform_name)
+    assert not tools.kernels_allowed()
+    assert tools.dropout_kernel() is None and tools.loss_kernel() is None

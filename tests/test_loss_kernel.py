@@ -19,11 +19,11 @@ def kernel():
     return built
 
 
-def smoothed_targets(target, V, smoothing):
+def smoothed_targets(target, V, smoothing, pad=PAD):
     """(rows, V) float64: 1 - smoothing at the target, the rest spread
-    evenly over the other words but <blank>, which gets 0."""
+    evenly over the other words but <blank> (`pad`), which gets 0."""
     p = torch.full((len(target), V), smoothing / (V - 2), dtype=torch.float64)
-    p[:, PAD] = 0
+    p[:, pad] = 0
     p[torch.arange(len(target)), target] = 1 - smoothing
     return p
 
@@ -160,3 +160,80 @@ def test_a_cpu_training_run_computes_its_loss_with_the_kernel(kernel):
     loss_compute = tools.run_loss_compute(run)
     assert isinstance(loss_compute, tools.FusedLossCompute)
     assert loss_compute.kernel is kernel
+
+
+@pytest.mark.parametrize("pad", [0, 511, 512, 6189])
+def test_any_padding_column_and_targets_at_block_edges(kernel, pad):
+    """<blank> first, last, and on either side of a block boundary; the
+    targets just inside and just outside the block [512, 1024)."""
+    V, first = 6190, 512
+    z, target = problem(8, V, torch.float32, seed=2)
+    target[:4] = torch.tensor([511, 512, 1023, 1024])
+    target[target == pad] = 3
+    c, f, plogp = tools.smoothing_constants(0.1, V)
+    lse, loss = kernel.smoothed_rows(z, target, pad, c, f, plogp)
+    p = smoothed_targets(target, V, 0.1, pad)
+    logq = z.double() - z.double().logsumexp(1, keepdim=True)
+    expected = (p * (p.clamp_min(1e-300).log() - logq)).sum(1)
+    torch.testing.assert_close(loss.double(), expected, rtol=2e-6, atol=5e-5)
+    cols = slice(first, first + 512)
+    grad, sums = kernel.smoothed_grad(
+        z[:, cols].contiguous(), lse, target, first, pad, c, f, 1.0
+    )
+    expected = (logq.exp() - p)[:, cols]
+    torch.testing.assert_close(grad.double(), expected, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        sums.double(), expected.sum(0), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_out_of_range_indices_are_refused(kernel):
+    z = torch.zeros(2, 10)
+    c, f, plogp = tools.smoothing_constants(0.1, 10)
+    with pytest.raises(RuntimeError, match="target outside the vocabulary"):
+        kernel.smoothed_rows(z, torch.tensor([3, 10]), 0, c, f, plogp)
+    with pytest.raises(RuntimeError, match="target outside the vocabulary"):
+        kernel.smoothed_rows(z, torch.tensor([-1, 3]), 0, c, f, plogp)
+    with pytest.raises(RuntimeError, match="padding index outside V"):
+        kernel.smoothed_rows(z, torch.tensor([3, 4]), 10, c, f, plogp)
+
+
+@pytest.mark.parametrize("rows, padding_every", [(600, 4), (40, 1)])
+def test_generator_loss_over_row_blocks_and_all_padding(
+    kernel, rows, padding_every
+):
+    """600 rows: three blocks of 256 in the forward pass; and a batch of
+    padding alone, whose loss and gradients are zero."""
+    torch.manual_seed(1)
+    x = torch.randn(rows, 16)
+    proj = torch.nn.Linear(16, 300)
+    target = torch.randint(0, 300, (rows,))
+    target[::padding_every] = PAD
+    results = []
+    for k in (kernel, None):
+        xk = x.clone().requires_grad_()
+        proj.zero_grad()
+        loss = tools.GeneratorLoss.apply(
+            xk, proj.weight, proj.bias, target, PAD, 0.1, k
+        )
+        loss.backward()
+        results.append([loss, xk.grad, proj.weight.grad, proj.bias.grad])
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5)
+    if padding_every == 1:
+        assert results[0][0] == 0 and not results[0][1].any()
+
+
+def test_the_kernel_is_not_given_what_it_cannot_take(kernel):
+    """float64 logits go to the torch code, not to a kernel error."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    proj = torch.nn.Linear(8, 50).double()
+    target = torch.randint(3, 50, (5,))
+    loss = tools.GeneratorLoss.apply(
+        x, proj.weight, proj.bias, target, PAD, 0.1, kernel
+    )
+    reference = tools.GeneratorLoss.apply(
+        x, proj.weight, proj.bias, target, PAD, 0.1, None
+    )
+    assert loss.dtype == torch.float64 and torch.equal(loss, reference)
