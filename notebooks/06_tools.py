@@ -2876,21 +2876,14 @@ print("with the bf16 stream, every linear layer and LayerNorm reads bf16")
 
 # %%
 #| export
-DROPOUT_KERNEL_SOURCE = r"""
+CPP_PRELUDE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
-
-// 64 random bits for group w of four elements (SplitMix64).
-static inline uint64_t splitmix64(uint64_t seed, int64_t w) {
-  uint64_t z = seed + (uint64_t)w * 0x9E3779B97F4A7C15ULL;
-  z += 0x9E3779B97F4A7C15ULL;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-  return z ^ (z >> 31);
-}
+#include <vector>
 
 // bf16 is the top half of a float32: shift up; round to nearest even down.
 static inline float load(const float* p, int64_t i) { return p[i]; }
@@ -2906,6 +2899,18 @@ static inline void store(uint16_t* p, int64_t i, float v) {
   std::memcpy(&u, &v, 4);
   uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
   p[i] = (v != v) ? (uint16_t)0x7FC0 : (uint16_t)rounded;  // nan stays nan
+}
+"""  # what both kernels (this one and the loss's, below) start with
+DROPOUT_KERNEL_SOURCE = (
+    CPP_PRELUDE
+    + r"""
+// 64 random bits for group w of four elements (SplitMix64).
+static inline uint64_t splitmix64(uint64_t seed, int64_t w) {
+  uint64_t z = seed + (uint64_t)w * 0x9E3779B97F4A7C15ULL;
+  z += 0x9E3779B97F4A7C15ULL;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
 }
 
 constexpr int64_t BLOCK = 1024;  // elements per block: 256 hashes
@@ -3003,6 +3008,7 @@ torch::Tensor where_positive(torch::Tensor grad, torch::Tensor out,
   return run<POSITIVE>(grad, out, 0, 0, scale);
 }
 """
+)
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 KERNEL_FUNCTIONS = [
     "masked_scale",
@@ -3337,29 +3343,10 @@ else:
 
 # %%
 #| export
-LOSS_KERNEL_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <vector>
-
-static inline float load(const float* p, int64_t i) { return p[i]; }
-static inline float load(const uint16_t* p, int64_t i) {
-  uint32_t u = (uint32_t)p[i] << 16;  // bf16: the top half of a float32
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-static inline void store(float* p, int64_t i, float v) { p[i] = v; }
-static inline void store(uint16_t* p, int64_t i, float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  p[i] = (v != v) ? (uint16_t)0x7FC0 : (uint16_t)rounded;
-}
+LOSS_KERNEL_SOURCE = (
+    CPP_PRELUDE
+    + r"""
+// (CPP_PRELUDE, above, brings the headers and bf16's load and store.)
 
 // Cephes' expf: x = k ln 2 + r, e^r by a polynomial, 2^k in the exponent.
 static inline float exp_of(float x) {
@@ -3527,6 +3514,7 @@ std::vector<torch::Tensor> smoothed_grad(torch::Tensor z, torch::Tensor lse,
   return {out, partial.sum(0)};
 }
 """
+)
 _LOSS_KERNEL = {}  # "module": the built extension, or None
 
 
