@@ -10,8 +10,9 @@ real Multi30k sentences with
 * ours: `make_model(...)`, the tutorial's model, with the appendix's
   C++ dropout kernel (`KernelDropout`; `FastDropout` where the kernel
   cannot be built, which the run says) and its `FusedLossCompute` (the
-  generator and the label-smoothed loss in one, a block at a time), as
-  training on the CPU does (`TrainingRun`, `train_epoch`);
+  generator and the label-smoothed loss in one, a block at a time, with
+  the C++ loss kernel where it builds), as training on the CPU does
+  (`TrainingRun`, `train_epoch`);
 * ours, random_ mask: ours with `FastDropout`'s mask (`random_`, then a
   comparison, a cast and two multiplications), as before the kernel;
 * ours, torch loss: ours with `GeneratorLoss`'s torch code in place of
