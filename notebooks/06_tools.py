@@ -3122,14 +3122,19 @@ def dropout_rule(p):
     return dropped, 65536 / (65536 - dropped)
 
 
+def kernel_call(p):
+    """(seed, dropped, scale) for one call of the kernel: a fresh seed from
+    torch's generator, so torch.manual_seed repeats a run."""
+    seed = torch.empty((), dtype=torch.int64).random_(-(2**63), None)
+    return (seed.item(), *dropout_rule(p))
+
+
 class KernelDropoutFunction(torch.autograd.Function):
     """Dropout by the kernel; the backward pass draws the mask again."""
 
     @staticmethod
     def forward(ctx, x, p, kernel):
-        dropped, scale = dropout_rule(p)
-        seed = torch.empty((), dtype=torch.int64).random_(-(2**63), None)
-        ctx.kernel, ctx.rule = kernel, (seed.item(), dropped, scale)
+        ctx.kernel, ctx.rule = kernel, kernel_call(p)
         return kernel.masked_scale(x, *ctx.rule)
 
     @staticmethod
@@ -3142,9 +3147,7 @@ class KernelAddDropoutFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, residual, x, p, kernel):
-        dropped, scale = dropout_rule(p)
-        seed = torch.empty((), dtype=torch.int64).random_(-(2**63), None)
-        ctx.kernel, ctx.rule = kernel, (seed.item(), dropped, scale)
+        ctx.kernel, ctx.rule = kernel, kernel_call(p)
         return kernel.add_masked_scale(residual, x, *ctx.rule)
 
     @staticmethod
@@ -3160,9 +3163,8 @@ class KernelReluDropoutFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, p, kernel):
-        dropped, scale = dropout_rule(p)
-        seed = torch.empty((), dtype=torch.int64).random_(-(2**63), None)
-        out = kernel.relu_masked_scale(x, seed.item(), dropped, scale)
+        seed, dropped, scale = kernel_call(p)
+        out = kernel.relu_masked_scale(x, seed, dropped, scale)
         ctx.save_for_backward(out)  # w_2 keeps it too: no extra memory
         ctx.kernel, ctx.scale = kernel, scale
         return out
