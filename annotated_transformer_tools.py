@@ -75,6 +75,7 @@ from the_annotated_transformer import (
     BpeVocab,
     DatasetError,
     LabelSmoothing,
+    MultiHeadedAttention,
     PositionwiseFeedForward,
     SimpleLossCompute,
     SublayerConnection,
@@ -91,6 +92,7 @@ from the_annotated_transformer import (
     data_dir,
     data_gen,
     encode_text,
+    heads_mask,
     label_smoothing_penalty_rows,
     load_tokenizers,
     make_model,
@@ -1724,6 +1726,25 @@ static inline void store(uint16_t* p, int64_t i, float v) {
   uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
   p[i] = (v != v) ? (uint16_t)0x7FC0 : (uint16_t)rounded;  // nan stays nan
 }
+
+// Cephes' expf: x = k ln 2 + r, e^r by a polynomial, 2^k in the exponent.
+static inline float exp_of(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  float k = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - k * 0.693359375f;
+  r = r - k * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = ((int32_t)k + 127) << 23;
+  float two_k;
+  std::memcpy(&two_k, &bits, 4);
+  return p * two_k;
+}
 """  # what both kernels (this one and the loss's, below) start with
 DROPOUT_KERNEL_SOURCE = (
     CPP_PRELUDE
@@ -1831,6 +1852,203 @@ torch::Tensor where_positive(torch::Tensor grad, torch::Tensor out,
                              double scale) {
   return run<POSITIVE>(grad, out, 0, 0, scale);
 }
+
+// ---- Attention: dropout(softmax(scores / div)) where the mask allows ----
+// A row is one query's S scores. Loops run over whole vectors of LANES
+// columns, Sp = S rounded up, so that none ends in a one-at-a-time
+// remainder: with S near 20, that remainder cost more than the rest.
+// They may read past S (the next row's scores, never used) and, where
+// `past` says this thread writes the next rows afterwards, write there.
+constexpr int64_t LANES = 16;
+constexpr int64_t ROWS = 32;  // rows per block of random lanes
+
+template <typename T>
+static void softmax_row(const T* __restrict x, const float* __restrict open,
+                        float sc, const uint16_t* __restrict lanes,
+                        T* __restrict p, T* __restrict d, float* __restrict v,
+                        int64_t S, int64_t Sp, uint32_t dropped, float scale,
+                        bool past) {
+  float most = -INFINITY, sum = 0.0f;
+#pragma omp simd reduction(max : most)
+  for (int64_t s = 0; s < Sp; ++s) {
+    float y = sc != 0.0f ? load(x, s) * sc : 0.0f;  // 0: uniform
+    y = open[s] != 0.0f ? y : -INFINITY;
+    v[s] = y;
+    most = std::max(most, y);
+  }
+#pragma omp simd reduction(+ : sum)
+  for (int64_t s = 0; s < Sp; ++s) {
+    float e = v[s] == -INFINITY ? 0.0f : exp_of(v[s] - most);
+    v[s] = e;
+    sum += e;
+  }
+  float inv = 1.0f / sum;
+  auto put = [&](int64_t s) {  // p, rounded, then dropout of that p
+    T weight;
+    store(&weight, 0, v[s] * inv);
+    p[s] = weight;
+    store(d, s, load(&weight, 0) * (lanes[s] >= dropped ? scale : 0.0f));
+  };
+  int64_t width = past ? Sp : S;
+#pragma omp simd
+  for (int64_t s = 0; s < width; ++s) put(s);
+}
+
+// The gradient of the scores from g, that of the dropped weights:
+// g' = dropout(g) with the same mask; p (g' - sum(g' p)) / div; 0 where
+// the mask is closed.
+template <typename T>
+static void softmax_grad_row(const T* __restrict g, const T* __restrict p,
+                             const float* __restrict open, float sc,
+                             const uint16_t* __restrict lanes,
+                             T* __restrict out, float* __restrict v,
+                             int64_t S, int64_t Sp, uint32_t dropped,
+                             float scale, bool past) {
+  float dots[LANES];
+  for (int k = 0; k < LANES; ++k) dots[k] = 0.0f;
+  for (int64_t j = 0; j < Sp; j += LANES)
+    for (int k = 0; k < LANES; ++k) {
+      float kept = lanes[j + k] >= dropped ? scale : 0.0f;
+      float gk = j + k < S ? load(g, j + k) * kept : 0.0f;
+      v[j + k] = gk;
+      dots[k] += j + k < S ? gk * load(p, j + k) : 0.0f;
+    }
+  for (int w = LANES / 2; w > 0; w /= 2)  // a tree: 4 steps, not 15
+    for (int k = 0; k < w; ++k) dots[k] += dots[k + w];
+  auto put = [&](int64_t s) {
+    float grad = load(p, s) * (v[s] - dots[0]) * sc;
+    store(out, s, open[s] != 0.0f ? grad : 0.0f);
+  };
+  if (past)
+    for (int64_t j = 0; j < Sp; j += LANES)
+      for (int k = 0; k < LANES; ++k) put(j + k);
+  else
+    for (int64_t s = 0; s < S; ++s) put(s);
+}
+
+// Rows of (B, h, T, S) scores x (forward) or gradients (backward, with the
+// weights p), and a (B, 1, Tm, S) mask, Tm = 1 or T.
+template <typename T, bool GRAD>
+static void softmax_rows(const T* x, const T* p, const bool* mask, T* out,
+                         T* dropped_out, int64_t B, int64_t H, int64_t Tq,
+                         int64_t Tm, int64_t S, float div, uint64_t seed,
+                         uint32_t dropped, float scale) {
+  int64_t rows = B * H * Tq, n = rows * S;
+  int64_t Sp = (S + LANES - 1) / LANES * LANES;
+  // Per mask row: 1 where open, else 0, to Sp; and the factor of the
+  // scores: 1 / div, or 0 where the mask is all closed, which gives
+  // uniform weights, as torch's softmax of equal scores does.
+  std::vector<float> opens(B * Tm * Sp, 0.0f), factors(B * Tm);
+  for (int64_t i = 0; i < B * Tm; ++i) {
+    bool any = false;
+    for (int64_t s = 0; s < S; ++s) any = any || mask[i * S + s];
+    for (int64_t s = 0; s < S; ++s)
+      opens[i * Sp + s] = mask[i * S + s] || !any ? 1.0f : 0.0f;
+    factors[i] = any ? 1.0f / div : 0.0f;
+  }
+  const float* open = opens.data();
+  const float* factor = factors.data();
+  int64_t blocks = (rows + ROWS - 1) / ROWS;
+  at::parallel_for(0, blocks, 1, [=](int64_t begin, int64_t end) {
+    std::vector<float> v(Sp);
+    std::vector<T> tail(2 * Sp);  // a row near the end, copied and padded
+    std::vector<uint16_t> lanes(ROWS * S + Sp + 8, 0);
+    for (int64_t block = begin; block < end; ++block) {
+      int64_t r0 = block * ROWS, r1 = std::min(rows, r0 + ROWS);
+      int64_t w0 = r0 * S / 4, w1 = (r1 * S + 3) / 4;
+      for (int64_t w = w0; w < w1; ++w) {
+        uint64_t bits = splitmix64(seed, w);
+        for (int k = 0; k < 4; ++k)
+          lanes[4 * (w - w0) + k] = (uint16_t)(bits >> (16 * k));
+      }
+      int64_t t = r0 % Tq, b = r0 / (H * Tq), bt = r0 % (H * Tq);
+      for (int64_t r = r0; r < r1; ++r) {  // r is row t of head h of b
+        int64_t i = b * Tm + (Tm == 1 ? 0 : t);  // the mask's row
+        const T* xr = x + r * S;
+        const T* pr = GRAD ? p + r * S : nullptr;
+        if (r * S + Sp > n) {  // reading Sp would pass the tensor's end
+          std::copy(xr, xr + S, tail.data());
+          xr = tail.data();
+          if (GRAD) std::copy(pr, pr + S, tail.data() + Sp);
+          if (GRAD) pr = tail.data() + Sp;
+        }
+        const uint16_t* lane = lanes.data() + (r * S - 4 * w0);
+        bool past = r * S + Sp <= r1 * S;  // the rows there: this block's
+        if (GRAD)
+          softmax_grad_row(xr, pr, open + i * Sp, factor[i], lane,
+                           out + r * S, v.data(), S, Sp, dropped, scale,
+                           past);
+        else
+          softmax_row(xr, open + i * Sp, factor[i], lane, out + r * S,
+                      dropped_out + r * S, v.data(), S, Sp, dropped, scale,
+                      past);
+        t = t + 1 == Tq ? 0 : t + 1;  // counted: no division per row
+        if (++bt == H * Tq) bt = 0, ++b;
+      }
+    }
+  });
+}
+
+template <bool GRAD>
+static std::vector<torch::Tensor> softmax_run(
+    torch::Tensor x, torch::Tensor p, torch::Tensor mask, double div,
+    int64_t seed, int64_t dropped, double scale) {
+  TORCH_CHECK(x.device().is_cpu() && mask.device().is_cpu(),
+              "softmax kernel: CPU tensors, please");
+  TORCH_CHECK(x.dim() == 4 && mask.dim() == 4,
+              "softmax kernel: (B, h, T, S) scores, (B, 1, 1 or T, S) mask");
+  TORCH_CHECK(mask.scalar_type() == at::kBool, "softmax kernel: a bool mask");
+  auto in = x.contiguous();
+  auto m = mask.contiguous();
+  int64_t B = in.size(0), H = in.size(1), Tq = in.size(2), S = in.size(3);
+  int64_t Tm = m.size(2);
+  TORCH_CHECK(m.size(0) == B && m.size(1) == 1 && (Tm == 1 || Tm == Tq) &&
+                  m.size(3) == S,
+              "softmax kernel: a mask of shape (B, 1, 1 or T, S)");
+  auto weights = GRAD ? p.contiguous() : in;
+  TORCH_CHECK(weights.sizes() == in.sizes() &&
+                  weights.scalar_type() == in.scalar_type(),
+              "softmax kernel: weights and gradient of one shape and dtype");
+  auto out = torch::empty_like(in);
+  auto dropped_out = GRAD ? out : torch::empty_like(in);
+  if (in.numel() > 0 && in.scalar_type() == at::kBFloat16) {
+    auto u = [](const torch::Tensor& t) {
+      return reinterpret_cast<uint16_t*>(t.data_ptr());
+    };
+    softmax_rows<uint16_t, GRAD>(u(in), u(weights), m.data_ptr<bool>(),
+                                 u(out), u(dropped_out), B, H, Tq, Tm, S,
+                                 (float)div, (uint64_t)seed,
+                                 (uint32_t)dropped, (float)scale);
+  } else if (in.numel() > 0) {
+    TORCH_CHECK(in.scalar_type() == at::kFloat,
+                "softmax kernel: bf16 or float32, please");
+    softmax_rows<float, GRAD>(in.data_ptr<float>(), weights.data_ptr<float>(),
+                              m.data_ptr<bool>(), out.data_ptr<float>(),
+                              dropped_out.data_ptr<float>(), B, H, Tq, Tm, S,
+                              (float)div, (uint64_t)seed, (uint32_t)dropped,
+                              (float)scale);
+  }
+  return {out, dropped_out};
+}
+
+// (weights, dropout(weights)) of (B, h, T, S) scores.
+std::vector<torch::Tensor> softmax_masked_scale(torch::Tensor scores,
+                                                torch::Tensor mask,
+                                                double div, int64_t seed,
+                                                int64_t dropped,
+                                                double scale) {
+  return softmax_run<false>(scores, scores, mask, div, seed, dropped, scale);
+}
+
+// The scores' gradient, from that of dropout(weights).
+torch::Tensor softmax_masked_scale_grad(torch::Tensor grad,
+                                        torch::Tensor weights,
+                                        torch::Tensor mask, double div,
+                                        int64_t seed, int64_t dropped,
+                                        double scale) {
+  return softmax_run<true>(grad, weights, mask, div, seed, dropped,
+                           scale)[0];
+}
 """
 )
 KERNEL_DTYPES = (torch.bfloat16, torch.float32)
@@ -1839,6 +2057,8 @@ KERNEL_FUNCTIONS = [
     "add_masked_scale",
     "relu_masked_scale",
     "where_positive",
+    "softmax_masked_scale",
+    "softmax_masked_scale_grad",
 ]
 _DROPOUT_KERNEL = {}  # "module": the built extension, or None
 
@@ -1999,6 +2219,26 @@ class KernelReluDropoutFunction(torch.autograd.Function):
         return ctx.kernel.where_positive(grad, out, ctx.scale), None, None
 
 
+class KernelSoftmaxDropoutFunction(torch.autograd.Function):
+    """dropout(softmax(scores / div)) where `mask` allows, by the kernel,
+    in one pass; the backward pass draws the mask again."""
+
+    @staticmethod
+    def forward(ctx, scores, mask, div, p, kernel):
+        ctx.kernel, ctx.rule, ctx.div = kernel, kernel_call(p), div
+        call = kernel.softmax_masked_scale
+        weights, dropped = call(scores, mask, div, *ctx.rule)
+        ctx.save_for_backward(weights, mask)
+        return dropped
+
+    @staticmethod
+    def backward(ctx, grad):
+        weights, mask = ctx.saved_tensors
+        call = ctx.kernel.softmax_masked_scale_grad
+        scores_grad = call(grad, weights, mask, ctx.div, *ctx.rule)
+        return scores_grad, None, None, None, None
+
+
 class KernelDropout(FastDropout):
     """FastDropout that uses the C++ kernel on bf16 and float32 CPU
     tensors, where it is built; FastDropout's own mask elsewhere."""
@@ -2034,6 +2274,18 @@ class KernelDropout(FastDropout):
             return self(x.relu())
         return KernelReluDropoutFunction.apply(x, self.p, kernel)
 
+    def of_softmax(self, scores, mask, div):
+        """self(softmax(scores / div)) where the bool `mask` allows, as
+        Part 1's `attention` computes it: in one pass where the kernel
+        takes the scores."""
+        kernel = self._kernel_for(scores)
+        if kernel is None:
+            lowest = torch.finfo(scores.dtype).min
+            weights = (scores / div).masked_fill(~mask, lowest).softmax(-1)
+            return self(weights)
+        apply = KernelSoftmaxDropoutFunction.apply
+        return apply(scores, mask, div, self.p, kernel)
+
 
 class KernelSublayerConnection(SublayerConnection):
     """Part 1's residual connection, its dropout and its addition in one
@@ -2051,10 +2303,29 @@ class KernelFeedForward(PositionwiseFeedForward):
         return self.w_2(self.dropout.of_relu(self.w_1(x)))
 
 
+class KernelMultiHeadedAttention(MultiHeadedAttention):
+    """Part 1's multi-head attention, with the scale, mask, softmax and
+    dropout of its weights in one pass of the kernel while it trains on
+    the CPU; Part 1's own code otherwise."""
+
+    def forward(self, query, key, value, mask=None):
+        if mask is None or self.store_attention or self.use_fused(query):
+            return super().forward(query, key, value, mask)
+        q = self.split_heads(query, self.w_q)  # (B, h, T, d_k)
+        k = self.split_heads(key, self.w_k)  # (B, h, S, d_k)
+        v = self.split_heads(value, self.w_v)  # (B, h, S, d_k)
+        scores = q @ k.transpose(-2, -1)  # (B, h, T, S), not yet scaled
+        div = math.sqrt(self.d_k)
+        weights = self.dropout.of_softmax(scores, heads_mask(mask), div)
+        x = (weights @ v).transpose(1, 2)  # (B, T, h, d_k)
+        x = x.reshape(query.size(0), -1, self.h * self.d_k)
+        return self.w_o(x)  # (B, T, d_model)
+
+
 def use_dropout_kernel(model):
     """Swap every nn.Dropout and FastDropout of `model` for KernelDropout,
-    and Part 1's residual connections and feed-forward networks for the
-    kernel's; return `model`."""
+    and Part 1's residual connections, feed-forward networks and
+    attention for the kernel's; return `model`."""
     for module in list(model.modules()):
         for name, child in module.named_children():
             if type(child) in (torch.nn.Dropout, FastDropout):
@@ -2064,6 +2335,7 @@ def use_dropout_kernel(model):
     fused = {
         SublayerConnection: KernelSublayerConnection,
         PositionwiseFeedForward: KernelFeedForward,
+        MultiHeadedAttention: KernelMultiHeadedAttention,
     }
     for module in model.modules():
         if type(module) in fused:
@@ -2081,26 +2353,8 @@ def wants_dropout_kernel(device, dropout):
 LOSS_KERNEL_SOURCE = (
     CPP_PRELUDE
     + r"""
-// (CPP_PRELUDE, above, brings the headers and bf16's load and store.)
-
-// Cephes' expf: x = k ln 2 + r, e^r by a polynomial, 2^k in the exponent.
-static inline float exp_of(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  float k = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - k * 0.693359375f;
-  r = r - k * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  int32_t bits = ((int32_t)k + 127) << 23;
-  float two_k;
-  std::memcpy(&two_k, &bits, 4);
-  return p * two_k;
-}
+// (CPP_PRELUDE, above, brings the headers, bf16's load and store, and
+// exp_of, an exponential that vectorizes.)
 
 constexpr int64_t LANES = 16;  // partial sums, so that sums vectorize
 
@@ -5081,9 +5335,11 @@ __all__ = [
     "KernelDropoutFunction",
     "KernelAddDropoutFunction",
     "KernelReluDropoutFunction",
+    "KernelSoftmaxDropoutFunction",
     "KernelDropout",
     "KernelSublayerConnection",
     "KernelFeedForward",
+    "KernelMultiHeadedAttention",
     "use_dropout_kernel",
     "wants_dropout_kernel",
     "LOSS_KERNEL_SOURCE",
