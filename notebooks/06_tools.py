@@ -2888,10 +2888,10 @@ print("with the bf16 stream, every linear layer and LayerNorm reads bf16")
 #
 # `use_dropout_kernel` swaps the kernel's modules into a model: a
 # `KernelDropout` for each dropout, and for Part 1's residual connections,
-# feed-forward networks and attention only their class, so the weights and their
-# names in a checkpoint stay as they were. `TrainingRun` uses it wherever
-# it trains with dropout on the CPU. GPUs keep `F.dropout`, which is one
-# fused kernel there already.
+# feed-forward networks and attention only their class, so the weights
+# and their names in a checkpoint stay as they were. `TrainingRun` uses
+# it wherever it trains with dropout on the CPU. GPUs keep `F.dropout`,
+# which is one fused kernel there already.
 
 # %%
 #| export

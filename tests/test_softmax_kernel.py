@@ -101,9 +101,7 @@ def test_the_gradient_is_float64_autograds(kernel, dtype, shape, mask_rows):
     out = reference_weights(x64, mask) * torch.where(keep, scale, 0.0)
     out.backward(grad.double())
     tolerance = 1e-6 if dtype == torch.float32 else 2e-2 * scale
-    torch.testing.assert_close(
-        got.double(), x64.grad, rtol=0, atol=tolerance
-    )
+    torch.testing.assert_close(got.double(), x64.grad, rtol=0, atol=tolerance)
 
 
 def test_a_row_with_every_column_closed_is_uniform_as_in_torch(kernel):
