@@ -75,6 +75,7 @@ from the_annotated_transformer import (
     BpeVocab,
     DatasetError,
     LabelSmoothing,
+    LayerNorm,
     MultiHeadedAttention,
     PositionwiseFeedForward,
     SimpleLossCompute,
@@ -2522,6 +2523,205 @@ def loss_kernel():
     return _LOSS_KERNEL["module"]
 
 
+LAYER_NORM_KERNEL_SOURCE = (
+    CPP_PRELUDE
+    + r"""
+// y = (x - mean) / sqrt(var + eps) * a + b over each row of D numbers,
+// var dividing by D; mean and 1 / sqrt(var + eps) kept per row.
+template <typename T>
+static void norm_rows(const T* x, const float* a, const float* b, T* y,
+                      float* mean, float* rstd, int64_t rows, int64_t D,
+                      float eps) {
+  at::parallel_for(0, rows, 16, [=](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * D;
+      float sum = 0.0f, squares = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t d = 0; d < D; ++d) sum += load(xr, d);
+      float m = sum / D;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t d = 0; d < D; ++d) {
+        float centred = load(xr, d) - m;
+        squares += centred * centred;
+      }
+      float rs = 1.0f / std::sqrt(squares / D + eps);
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d)
+        store(y + r * D, d, (load(xr, d) - m) * rs * a[d] + b[d]);
+      mean[r] = m;
+      rstd[r] = rs;
+    }
+  });
+}
+
+// dx per row; the column sums of dy * x_hat and of dy per chunk of rows
+// (a chunk per thread) in partial: (chunks, 2, D).
+template <typename T>
+static void norm_grad_rows(const T* dy, const T* x, const float* mean,
+                           const float* rstd, const float* a, T* dx,
+                           float* partial, int64_t rows, int64_t D,
+                           int64_t chunks) {
+  at::parallel_for(0, chunks, 1, [=](int64_t begin, int64_t end) {
+    for (int64_t chunk = begin; chunk < end; ++chunk) {
+      float* a_grad = partial + chunk * 2 * D;
+      float* b_grad = a_grad + D;
+      for (int64_t d = 0; d < 2 * D; ++d) a_grad[d] = 0.0f;
+      int64_t r0 = rows * chunk / chunks, r1 = rows * (chunk + 1) / chunks;
+      for (int64_t r = r0; r < r1; ++r) {
+        const T* gr = dy + r * D;
+        const T* xr = x + r * D;
+        float m = mean[r], rs = rstd[r], g_mean = 0.0f, gx_mean = 0.0f;
+#pragma omp simd reduction(+ : g_mean, gx_mean)
+        for (int64_t d = 0; d < D; ++d) {
+          float g = load(gr, d), x_hat = (load(xr, d) - m) * rs;
+          a_grad[d] += g * x_hat;
+          b_grad[d] += g;
+          g_mean += g * a[d];
+          gx_mean += g * a[d] * x_hat;
+        }
+        g_mean /= D;
+        gx_mean /= D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) {
+          float g = load(gr, d) * a[d], x_hat = (load(xr, d) - m) * rs;
+          store(dx + r * D, d, rs * (g - g_mean - x_hat * gx_mean));
+        }
+      }
+    }
+  });
+}
+
+static void check_norm(const torch::Tensor& x, const torch::Tensor& a,
+                       const torch::Tensor& b) {
+  TORCH_CHECK(x.device().is_cpu() && a.device().is_cpu() &&
+                  b.device().is_cpu(),
+              "layer norm kernel: CPU tensors, please");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 ||
+                  x.scalar_type() == at::kFloat,
+              "layer norm kernel: bf16 or float32 input");
+  TORCH_CHECK(x.dim() >= 1 && a.scalar_type() == at::kFloat &&
+                  b.scalar_type() == at::kFloat && a.dim() == 1 &&
+                  a.sizes() == b.sizes() && a.size(0) == x.size(-1),
+              "layer norm kernel: float32 weights of the input's last dim");
+}
+
+// (y, mean, rstd) of x over its last dim.
+std::vector<torch::Tensor> layer_norm(torch::Tensor x, torch::Tensor a,
+                                      torch::Tensor b, double eps) {
+  check_norm(x, a, b);
+  auto in = x.contiguous();
+  auto weight = a.contiguous(), bias = b.contiguous();
+  int64_t D = in.size(-1), rows = D ? in.numel() / D : 0;
+  auto y = torch::empty_like(in);
+  auto stats = in.options().dtype(at::kFloat);
+  auto mean = torch::empty({rows}, stats), rstd = torch::empty({rows}, stats);
+  if (in.scalar_type() == at::kBFloat16)
+    norm_rows(reinterpret_cast<const uint16_t*>(in.data_ptr()),
+              weight.data_ptr<float>(), bias.data_ptr<float>(),
+              reinterpret_cast<uint16_t*>(y.data_ptr()),
+              mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, D,
+              (float)eps);
+  else
+    norm_rows(in.data_ptr<float>(), weight.data_ptr<float>(),
+              bias.data_ptr<float>(), y.data_ptr<float>(),
+              mean.data_ptr<float>(), rstd.data_ptr<float>(), rows, D,
+              (float)eps);
+  return {y, mean, rstd};
+}
+
+// (dx, da, db) from dy and what layer_norm kept.
+std::vector<torch::Tensor> layer_norm_grad(torch::Tensor dy, torch::Tensor x,
+                                           torch::Tensor a,
+                                           torch::Tensor mean,
+                                           torch::Tensor rstd) {
+  check_norm(x, a, a);
+  auto g = dy.contiguous(), in = x.contiguous(), weight = a.contiguous();
+  TORCH_CHECK(g.sizes() == in.sizes() && g.scalar_type() == in.scalar_type(),
+              "layer norm kernel: a gradient of the input's shape and dtype");
+  int64_t D = in.size(-1), rows = D ? in.numel() / D : 0;
+  TORCH_CHECK(mean.numel() == rows && rstd.numel() == rows,
+              "layer norm kernel: one mean and rstd per row");
+  int64_t chunks = std::max<int64_t>(
+      1, std::min<int64_t>(at::get_num_threads(), rows));
+  auto dx = torch::empty_like(in);
+  auto partial = torch::empty({chunks, 2, D}, weight.options());
+  if (in.scalar_type() == at::kBFloat16)
+    norm_grad_rows(reinterpret_cast<const uint16_t*>(g.data_ptr()),
+                   reinterpret_cast<const uint16_t*>(in.data_ptr()),
+                   mean.data_ptr<float>(), rstd.data_ptr<float>(),
+                   weight.data_ptr<float>(),
+                   reinterpret_cast<uint16_t*>(dx.data_ptr()),
+                   partial.data_ptr<float>(), rows, D, chunks);
+  else
+    norm_grad_rows(g.data_ptr<float>(), in.data_ptr<float>(),
+                   mean.data_ptr<float>(), rstd.data_ptr<float>(),
+                   weight.data_ptr<float>(), dx.data_ptr<float>(),
+                   partial.data_ptr<float>(), rows, D, chunks);
+  auto sums = partial.sum(0);  // (2, D)
+  return {dx, sums[0], sums[1]};
+}
+"""
+)
+_LAYER_NORM_KERNEL = {}  # "module": the built extension, or None
+
+
+def layer_norm_kernel():
+    """The C++ LayerNorm kernel, built on the first call; None where it
+    cannot be built or AT_CPU_KERNELS=0 turns it off."""
+    if not kernels_allowed():
+        return None
+    if "module" not in _LAYER_NORM_KERNEL:
+        _LAYER_NORM_KERNEL["module"] = build_kernel(
+            "layernorm",
+            LAYER_NORM_KERNEL_SOURCE,
+            ["layer_norm", "layer_norm_grad"],
+            "F.layer_norm",
+        )
+    return _LAYER_NORM_KERNEL["module"]
+
+
+class KernelLayerNormFunction(torch.autograd.Function):
+    """Part 1's LayerNorm by the kernel: one pass forward, one back."""
+
+    @staticmethod
+    def forward(ctx, x, a_2, b_2, eps, kernel):
+        y, mean, rstd = kernel.layer_norm(x, a_2, b_2, eps)
+        ctx.save_for_backward(x, a_2, mean, rstd)
+        ctx.kernel = kernel
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, a_2, mean, rstd = ctx.saved_tensors
+        call = ctx.kernel.layer_norm_grad
+        x_grad, a_grad, b_grad = call(grad, x, a_2, mean, rstd)
+        return x_grad, a_grad, b_grad, None, None
+
+
+class KernelLayerNorm(LayerNorm):
+    """Part 1's LayerNorm, by the kernel while it trains on bf16 or
+    float32 CPU tensors with float32 weights; F.layer_norm otherwise."""
+
+    def forward(self, x):
+        usable = self.training and x.device.type == "cpu"
+        usable = usable and x.dtype in KERNEL_DTYPES
+        usable = usable and self.a_2.dtype == torch.float32
+        kernel = layer_norm_kernel() if usable else None
+        if kernel is None:
+            return super().forward(x)
+        apply = KernelLayerNormFunction.apply
+        return apply(x, self.a_2, self.b_2, self.eps, kernel)
+
+
+def use_layer_norm_kernel(model):
+    """Make every Part 1 LayerNorm of `model` a KernelLayerNorm (the class
+    only: the weights keep their names); return `model`."""
+    for module in model.modules():
+        if type(module) is LayerNorm:
+            module.__class__ = KernelLayerNorm
+    return model
+
+
 def doubled(batch):
     """The batch stacked on itself: rows i and B + i are the same pair.
 
@@ -2630,6 +2830,8 @@ class TrainingRun:
         if wants_dropout_kernel(self.device, c.dropout) and dropout_kernel():
             use_dropout_kernel(model)  # C++ on the CPU, where it builds
         on_cpu = self.device.type == "cpu"
+        if on_cpu and layer_norm_kernel():
+            use_layer_norm_kernel(model)  # C++ too
         self.loss_kernel = loss_kernel() if on_cpu else None  # or None
         self.model = self.module = model.to(self.device)
         if distributed:
@@ -5344,6 +5546,11 @@ __all__ = [
     "wants_dropout_kernel",
     "LOSS_KERNEL_SOURCE",
     "loss_kernel",
+    "LAYER_NORM_KERNEL_SOURCE",
+    "layer_norm_kernel",
+    "KernelLayerNormFunction",
+    "KernelLayerNorm",
+    "use_layer_norm_kernel",
     "doubled",
     "symmetric_kl",
     "RDropLossCompute",

@@ -8,8 +8,9 @@ For each preset (`paper`, `cpu`) it trains on the same bucketed batches of
 real Multi30k sentences with
 
 * ours: `make_model(...)`, the tutorial's model, with the appendix's
-  C++ dropout kernel (`KernelDropout`; `FastDropout` where the kernel
-  cannot be built, which the run says) and its `FusedLossCompute` (the
+  C++ dropout kernel (`KernelDropout`, which also takes attention's
+  softmax; `FastDropout` where the kernel cannot be built, which the run
+  says), its C++ LayerNorm kernel, and its `FusedLossCompute` (the
   generator and the label-smoothed loss in one, a block at a time, with
   the C++ loss kernel where it builds), as training on the CPU does
   (`TrainingRun`, `train_epoch`);
@@ -17,6 +18,8 @@ real Multi30k sentences with
   comparison, a cast and two multiplications), as before the kernel;
 * ours, torch loss: ours with `GeneratorLoss`'s torch code in place of
   the appendix's C++ loss kernel, which ours and the peer use;
+* ours, torch LayerNorm: ours with Part 1's `LayerNorm` (`F.layer_norm`)
+  in place of the appendix's C++ LayerNorm kernel;
 * ours, log-softmax loss: the same with the generator's log-softmax
   then the appendix's `FastLabelSmoothing`, as training did before
   `FusedLossCompute`, for a before/after of the loss in the same run;
@@ -106,6 +109,7 @@ CONTESTANTS = (
     "ours",
     "ours, random_ mask",
     "ours, torch loss",
+    "ours, torch LayerNorm",
     "ours, nn.Dropout",
     "ours, fused attention",
     "ours, log-softmax loss",
@@ -311,6 +315,7 @@ class Ours(nn.Module):
     fast_dropout = True
     dropout_kernel = True  # the C++ kernel, where it builds
     loss_kernel = True  # FusedLossCompute with the C++ loss kernel
+    layer_norm_kernel = True  # the C++ LayerNorm, where it builds
     bf16_stream = True  # its embeddings cast under bf16 autocast
     # the generator and the loss in one, as training on the CPU has them
     loss_compute_cls = tools.FusedLossCompute
@@ -327,6 +332,8 @@ class Ours(nn.Module):
             tools.use_fast_dropout(self.model)
             if self.dropout_kernel and tools.dropout_kernel():
                 tools.use_dropout_kernel(self.model)
+        if self.layer_norm_kernel and tools.layer_norm_kernel():
+            tools.use_layer_norm_kernel(self.model)
         if self.bf16_stream:
             tools.use_bf16_stream(self.model)
         self.generator = self.model.generator
@@ -352,6 +359,12 @@ class OursTorchLoss(Ours):
     """Ours with GeneratorLoss's torch code, as before the loss kernel."""
 
     loss_kernel = False
+
+
+class OursTorchLayerNorm(Ours):
+    """Ours with Part 1's LayerNorm (F.layer_norm), as before its kernel."""
+
+    layer_norm_kernel = False
 
 
 class OursTorchDropout(Ours):
@@ -405,6 +418,7 @@ class OursAtIssue18(OursFusedAttention):
 
     fast_dropout = False
     bf16_stream = False
+    layer_norm_kernel = False
     loss_compute_cls = tat.SimpleLossCompute
     criterion_cls = tat.LabelSmoothing
 
@@ -514,6 +528,7 @@ class OursBefore(Ours):
     keep_targets = True
     fast_dropout = False
     bf16_stream = False
+    layer_norm_kernel = False
     loss_compute_cls = tat.SimpleLossCompute
     criterion_cls = tat.LabelSmoothing
 
@@ -652,6 +667,7 @@ def contestants_for(args):
         "ours": Ours,
         "ours, random_ mask": OursRandomMask,
         "ours, torch loss": OursTorchLoss,
+        "ours, torch LayerNorm": OursTorchLayerNorm,
         "ours, nn.Dropout": OursTorchDropout,
         "ours, fused attention": OursFusedAttention,
         "ours, log-softmax loss": OursLogSoftmaxLoss,
@@ -813,6 +829,7 @@ def main(argv=None):
     for kind, build in (
         ("dropout", tools.dropout_kernel),
         ("loss", tools.loss_kernel),
+        ("LayerNorm", tools.layer_norm_kernel),
     ):
         print(f"C++ {kind} kernel: {'built' if build() else 'not available'}")
     dtype = training_dtype(args.precision)

@@ -625,12 +625,16 @@ def test_the_cpu_kernels_only_on_the_cpu(
     machine, cpu_model, kernel, monkeypatch
 ):
     """Training with dropout takes the C++ dropout kernel on the CPU, in
-    float32 and bf16 alike, and the loss its C++ kernel; GPUs keep
-    FastDropout (F.dropout there) and SimpleLossCompute. The builds are
+    float32 and bf16 alike, and the loss and LayerNorm their C++ kernels;
+    GPUs keep FastDropout (F.dropout there), SimpleLossCompute and Part
+    1's LayerNorm. The builds are
     stubbed: only the decisions are tested here."""
     built = []
     monkeypatch.setattr(tools, "dropout_kernel", lambda: built.append(1) or 1)
     monkeypatch.setattr(tools, "loss_kernel", lambda: built.append(2) or 2)
+    monkeypatch.setattr(
+        tools, "layer_norm_kernel", lambda: built.append(3) or 3
+    )
     config = tools.get_config("ci", precision="auto", dropout=0.1)
     run = tools.TrainingRun(0, 1, SIZES, config, False)
     kinds = {
@@ -639,7 +643,11 @@ def test_the_cpu_kernels_only_on_the_cpu(
         if isinstance(m, torch.nn.Dropout)
     }
     assert kinds == {tools.KernelDropout if kernel else tools.FastDropout}
-    assert built == ([1, 2] if kernel else [])
+    norms = {
+        type(m) for m in run.module.modules() if isinstance(m, tat.LayerNorm)
+    }
+    assert norms == {tools.KernelLayerNorm if kernel else tat.LayerNorm}
+    assert built == ([1, 3, 2] if kernel else [])
     # the loss: FusedLossCompute with the loss kernel on the CPU only
     loss_compute = tools.run_loss_compute(run)
     assert isinstance(loss_compute, tools.FusedLossCompute) == kernel
@@ -1280,6 +1288,8 @@ def test_worker_and_lesson_loop_agree(
     up to 1e-2 (the key biases' true gradient is exactly zero)."""
     if loss == "lesson's":
         monkeypatch.setattr(tools, "FusedLossCompute", tat.SimpleLossCompute)
+        # and Part 1's LayerNorm: the kernel's rounds in another order
+        monkeypatch.setattr(tools, "layer_norm_kernel", lambda: None)
     config = tools.get_config(
         "ci",
         epochs=2,

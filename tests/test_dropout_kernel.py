@@ -475,3 +475,4 @@ def test_the_kernels_are_used_on_linux_only(monkeypatch, platform_name):
     monkeypatch.setattr(tools.sys, "platform", platform_name)
     assert not tools.kernels_allowed()
     assert tools.dropout_kernel() is None and tools.loss_kernel() is None
+    assert tools.layer_norm_kernel() is None

@@ -136,6 +136,24 @@ def test_ours_trains_with_the_dropout_kernel_and_its_pairs_without():
     assert dropout_types(efficiency.OursBefore) == {nn.Dropout}
 
 
+def test_ours_normalizes_with_the_layer_norm_kernel_and_its_pair_without():
+    labels = efficiency.contestants_for(contestant_args())
+    pair = labels["ours, torch LayerNorm"]
+    assert pair == (efficiency.OursTorchLayerNorm, False)
+
+    def norm_types(cls):
+        model = cls(50, 50, 2, 32, 64, 4, 0.1)
+        return {
+            type(m) for m in model.modules() if isinstance(m, tat.LayerNorm)
+        }
+
+    assert tools.layer_norm_kernel() is not None  # g++ and ninja are here
+    assert norm_types(efficiency.Ours) == {tools.KernelLayerNorm}
+    assert norm_types(efficiency.OursTorchLayerNorm) == {tat.LayerNorm}
+    assert norm_types(efficiency.OursBefore) == {tat.LayerNorm}
+    assert norm_types(efficiency.OursAtIssue18) == {tat.LayerNorm}
+
+
 def test_the_fused_attention_pair_differs_in_the_attention_path(monkeypatch):
     calls = []
     fused = torch.nn.functional.scaled_dot_product_attention
