@@ -2874,7 +2874,7 @@ print("with the bf16 stream, every linear layer and LayerNorm reads bf16")
 # machines keeps one build per kind of CPU. If the build fails (no
 # compiler, for one), `dropout_kernel` says why in one line and returns
 # `None`, and training keeps `FastDropout`. Setting the environment
-# variable `AT_CPU_KERNELS=0` turns it off (and the loss kernel, below).
+# variable `AT_CPU_KERNELS=0` turns it off (and the other two, below).
 # The kernels are used on Linux only: elsewhere (a Mac's clang has no
 # OpenMP) they would run on one thread, and torch's own code on all of
 # them. A build stopped halfway (the process killed) can leave a `lock`
@@ -2939,7 +2939,7 @@ static inline float exp_of(float x) {
   std::memcpy(&two_k, &bits, 4);
   return p * two_k;
 }
-"""  # what both kernels (this one and the loss's, below) start with
+"""  # what every kernel (this one, the loss's, LayerNorm's) starts with
 DROPOUT_KERNEL_SOURCE = (
     CPP_PRELUDE
     + r"""
@@ -3887,10 +3887,21 @@ else:
 # by several percent in the weights' gradients, the kernel by almost
 # nothing.
 #
-# `KernelLayerNorm` uses it while a model trains on bf16 or float32 CPU
-# tensors; `use_layer_norm_kernel` swaps it in for Part 1's `LayerNorm`
-# (the class only, as above: the weights keep their names), and
-# `TrainingRun` does so wherever it trains on the CPU. It is built as the
+# One more pass goes. In Part 1's residual connection, `x + dropout(
+# sublayer(norm(x)))`, x is used twice, so its gradient has two parts,
+# one through the addition and one through the norm, and autograd adds
+# them in a pass of its own over the (B, T, d_model) gradient: about 4%
+# of the step at 1 thread, 15 times a step. `with_residual` returns x
+# with the norm's output from one autograd function, so that both parts
+# arrive in its backward pass, and the kernel adds the first while it
+# writes the second (`layer_norm_grad`'s last argument).
+#
+# `KernelLayerNorm` uses the kernel while a model trains on bf16 or
+# float32 CPU tensors; `use_layer_norm_kernel` swaps it in for Part 1's
+# `LayerNorm`, and `KernelNormSublayerConnection` for the dropout
+# kernel's residual connections (the classes only, as above: the weights
+# keep their names). `TrainingRun` does so wherever it trains on the
+# CPU. It is built as the
 # other two are, on the first call of `layer_norm_kernel`, and
 # `AT_CPU_KERNELS=0` turns it off too.
 
@@ -3927,12 +3938,13 @@ static void norm_rows(const T* x, const float* a, const float* b, T* y,
   });
 }
 
-// dx per row; the column sums of dy * x_hat and of dy per chunk of rows
-// (a chunk per thread) in partial: (chunks, 2, D).
+// dx per row, plus `plus` (x's gradient from elsewhere) where given; the
+// column sums of dy * x_hat and of dy per chunk of rows (a chunk per
+// thread) in partial: (chunks, 2, D).
 template <typename T>
 static void norm_grad_rows(const T* dy, const T* x, const float* mean,
-                           const float* rstd, const float* a, T* dx,
-                           float* partial, int64_t rows, int64_t D,
+                           const float* rstd, const float* a, const T* plus,
+                           T* dx, float* partial, int64_t rows, int64_t D,
                            int64_t chunks) {
   at::parallel_for(0, chunks, 1, [=](int64_t begin, int64_t end) {
     for (int64_t chunk = begin; chunk < end; ++chunk) {
@@ -3954,10 +3966,12 @@ static void norm_grad_rows(const T* dy, const T* x, const float* mean,
         }
         g_mean /= D;
         gx_mean /= D;
+        const T* pr = plus ? plus + r * D : nullptr;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) {
           float g = load(gr, d) * a[d], x_hat = (load(xr, d) - m) * rs;
-          store(dx + r * D, d, rs * (g - g_mean - x_hat * gx_mean));
+          float grad = rs * (g - g_mean - x_hat * gx_mean);
+          store(dx + r * D, d, pr ? grad + load(pr, d) : grad);
         }
       }
     }
@@ -4002,14 +4016,20 @@ std::vector<torch::Tensor> layer_norm(torch::Tensor x, torch::Tensor a,
   return {y, mean, rstd};
 }
 
-// (dx, da, db) from dy and what layer_norm kept.
+// (dx, da, db) from dy and what layer_norm kept; dx plus `plus`, x's
+// gradient from elsewhere, where given.
 std::vector<torch::Tensor> layer_norm_grad(torch::Tensor dy, torch::Tensor x,
                                            torch::Tensor a,
                                            torch::Tensor mean,
-                                           torch::Tensor rstd) {
+                                           torch::Tensor rstd,
+                                           std::optional<torch::Tensor> plus) {
   check_norm(x, a, a);
   auto g = dy.contiguous(), in = x.contiguous(), weight = a.contiguous();
   TORCH_CHECK(g.sizes() == in.sizes() && g.scalar_type() == in.scalar_type(),
+              "layer norm kernel: a gradient of the input's shape and dtype");
+  auto other = plus ? plus->contiguous() : torch::Tensor();
+  TORCH_CHECK(!plus || (other.sizes() == in.sizes() &&
+                        other.scalar_type() == in.scalar_type()),
               "layer norm kernel: a gradient of the input's shape and dtype");
   int64_t D = in.size(-1), rows = D ? in.numel() / D : 0;
   TORCH_CHECK(mean.numel() == rows && rstd.numel() == rows,
@@ -4023,12 +4043,16 @@ std::vector<torch::Tensor> layer_norm_grad(torch::Tensor dy, torch::Tensor x,
                    reinterpret_cast<const uint16_t*>(in.data_ptr()),
                    mean.data_ptr<float>(), rstd.data_ptr<float>(),
                    weight.data_ptr<float>(),
+                   plus ? reinterpret_cast<const uint16_t*>(other.data_ptr())
+                        : nullptr,
                    reinterpret_cast<uint16_t*>(dx.data_ptr()),
                    partial.data_ptr<float>(), rows, D, chunks);
   else
     norm_grad_rows(g.data_ptr<float>(), in.data_ptr<float>(),
                    mean.data_ptr<float>(), rstd.data_ptr<float>(),
-                   weight.data_ptr<float>(), dx.data_ptr<float>(),
+                   weight.data_ptr<float>(),
+                   plus ? other.data_ptr<float>() : nullptr,
+                   dx.data_ptr<float>(),
                    partial.data_ptr<float>(), rows, D, chunks);
   auto sums = partial.sum(0);  // (2, D)
   return {dx, sums[0], sums[1]};
@@ -4067,7 +4091,29 @@ class KernelLayerNormFunction(torch.autograd.Function):
     def backward(ctx, grad):
         x, a_2, mean, rstd = ctx.saved_tensors
         call = ctx.kernel.layer_norm_grad
-        x_grad, a_grad, b_grad = call(grad, x, a_2, mean, rstd)
+        x_grad, a_grad, b_grad = call(grad, x, a_2, mean, rstd, None)
+        return x_grad, a_grad, b_grad, None, None
+
+
+class KernelResidualLayerNormFunction(torch.autograd.Function):
+    """(x, LayerNorm(x)) by the kernel. x goes on to the residual
+    connection as the first output, so its two gradients (through the
+    residual connection and through the norm) meet here, and the kernel
+    adds them in its backward pass: autograd would add them in a pass of
+    its own."""
+
+    @staticmethod
+    def forward(ctx, x, a_2, b_2, eps, kernel):
+        y, mean, rstd = kernel.layer_norm(x, a_2, b_2, eps)
+        ctx.save_for_backward(x, a_2, mean, rstd)
+        ctx.kernel = kernel
+        return x.view_as(x), y
+
+    @staticmethod
+    def backward(ctx, residual_grad, grad):
+        x, a_2, mean, rstd = ctx.saved_tensors
+        call = ctx.kernel.layer_norm_grad
+        x_grad, a_grad, b_grad = call(grad, x, a_2, mean, rstd, residual_grad)
         return x_grad, a_grad, b_grad, None, None
 
 
@@ -4075,23 +4121,47 @@ class KernelLayerNorm(LayerNorm):
     """Part 1's LayerNorm, by the kernel while it trains on bf16 or
     float32 CPU tensors with float32 weights; F.layer_norm otherwise."""
 
-    def forward(self, x):
+    def _kernel_for(self, x):
         usable = self.training and x.device.type == "cpu"
         usable = usable and x.dtype in KERNEL_DTYPES
         usable = usable and self.a_2.dtype == torch.float32
-        kernel = layer_norm_kernel() if usable else None
+        return layer_norm_kernel() if usable else None
+
+    def forward(self, x):
+        kernel = self._kernel_for(x)
         if kernel is None:
             return super().forward(x)
         apply = KernelLayerNormFunction.apply
         return apply(x, self.a_2, self.b_2, self.eps, kernel)
 
+    def with_residual(self, x):
+        """(x, self(x)), with x's two gradients added by the kernel."""
+        kernel = self._kernel_for(x)
+        if kernel is None:
+            return x, self(x)
+        apply = KernelResidualLayerNormFunction.apply
+        return apply(x, self.a_2, self.b_2, self.eps, kernel)
+
+
+class KernelNormSublayerConnection(KernelSublayerConnection):
+    """KernelSublayerConnection whose LayerNorm also hands x on to the
+    residual connection (`with_residual`)."""
+
+    def forward(self, x, sublayer):
+        residual, normed = self.norm.with_residual(x)
+        return self.dropout.add_to(residual, sublayer(normed))
+
 
 def use_layer_norm_kernel(model):
-    """Make every Part 1 LayerNorm of `model` a KernelLayerNorm (the class
-    only: the weights keep their names); return `model`."""
+    """Make every Part 1 LayerNorm of `model` a KernelLayerNorm, and the
+    dropout kernel's residual connections KernelNormSublayerConnection
+    (the classes only: the weights keep their names); return `model`."""
     for module in model.modules():
         if type(module) is LayerNorm:
             module.__class__ = KernelLayerNorm
+    for module in model.modules():
+        if type(module) is KernelSublayerConnection:
+            module.__class__ = KernelNormSublayerConnection
     return model
 
 

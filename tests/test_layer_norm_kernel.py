@@ -61,7 +61,7 @@ def test_the_gradients_are_float64_autograds(kernel, dtype, shape):
     gen = torch.Generator().manual_seed(2)
     grad = torch.randn(shape, generator=gen).to(dtype)
     _, mean, rstd = kernel.layer_norm(x, a, b, EPS)
-    got = kernel.layer_norm_grad(grad, x, a, mean, rstd)
+    got = kernel.layer_norm_grad(grad, x, a, mean, rstd, None)
     x64, a64, b64 = (t.double().requires_grad_() for t in (x, a, b))
     reference(x64, a64, b64).backward(grad.double())
     expected = (x64.grad, a64.grad, b64.grad)
@@ -97,7 +97,7 @@ def test_threads_change_only_the_order_of_the_weights_sums(kernel):
         for n in (1, 2):
             torch.set_num_threads(n)
             y, mean, rstd = kernel.layer_norm(x, a, b, EPS)
-            grads = kernel.layer_norm_grad(grad, x, a, mean, rstd)
+            grads = kernel.layer_norm_grad(grad, x, a, mean, rstd, None)
             results.append((y, *grads))
     finally:
         torch.set_num_threads(threads)
@@ -111,7 +111,7 @@ def test_an_empty_input_gives_an_empty_output(kernel):
     x, a, b = inputs((0, 16), torch.float32)
     y, mean, rstd = kernel.layer_norm(x, a, b, EPS)
     assert y.shape == (0, 16) and mean.shape == rstd.shape == (0,)
-    grads = kernel.layer_norm_grad(x, x, a, mean, rstd)
+    grads = kernel.layer_norm_grad(x, x, a, mean, rstd, None)
     assert grads[0].shape == (0, 16) and not grads[1].any()
 
 
@@ -208,3 +208,61 @@ def test_at_cpu_kernels_0_turns_it_off(monkeypatch):
     monkeypatch.setenv("AT_CPU_KERNELS", "0")
     monkeypatch.setattr(tools, "_LAYER_NORM_KERNEL", {})
     assert tools.layer_norm_kernel() is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_a_gradient_from_elsewhere_is_added_to_dx(kernel, dtype):
+    """x's gradient through the residual connection, added in the same
+    pass: dx + plus, rounded once."""
+    x, a, b = inputs((9, 48), dtype, seed=5)
+    grad, plus = (torch.randn(9, 48).to(dtype) for _ in range(2))
+    _, mean, rstd = kernel.layer_norm(x, a, b, EPS)
+    alone = kernel.layer_norm_grad(grad, x, a, mean, rstd, None)
+    added = kernel.layer_norm_grad(grad, x, a, mean, rstd, plus)
+    expected = alone[0].double() + plus.double()
+    tolerance = 1e-6 if dtype == torch.float32 else 2e-2
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(
+        added[0].double(), expected, rtol=0, atol=tolerance * scale
+    )
+    for mine, theirs in zip(added[1:], alone[1:], strict=True):
+        assert torch.equal(mine, theirs)
+    with pytest.raises(RuntimeError, match="^layer norm kernel: a gradient"):
+        kernel.layer_norm_grad(grad, x, a, mean, rstd, plus[:3])
+
+
+def residual_block_results(cls, dtype):
+    """Output and gradients of a residual block (a LayerNorm, a linear
+    map, dropout 0.3) run as `cls`, from one seed."""
+    torch.manual_seed(0)
+    model = tat.make_model(20, 20, N=1, d_model=16, d_ff=32, h=2, dropout=0.3)
+    tools.use_dropout_kernel(model)
+    tools.use_layer_norm_kernel(model)
+    block = model.encoder.layers[0].ff_block
+    assert type(block) is tools.KernelNormSublayerConnection
+    block.__class__ = cls
+    linear = torch.nn.Linear(16, 16)
+    torch.manual_seed(8)
+    x = torch.randn(6, 11, 16).to(dtype).requires_grad_()
+    with torch.autocast("cpu", BF16, enabled=dtype == BF16):
+        out = block(x, linear)
+    weights = torch.linspace(-1, 1, out.numel()).view(out.shape)
+    out.backward(weights.to(out.dtype))
+    params = [*block.parameters(), *linear.parameters()]
+    return [out.detach(), x.grad] + [p.grad for p in params]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_the_residual_block_adds_x_s_two_gradients_in_the_kernel(
+    kernel, dtype
+):
+    """KernelNormSublayerConnection computes what the dropout kernel's
+    KernelSublayerConnection does: the same mask, the same numbers, x's
+    gradients added in the LayerNorm kernel instead of by autograd."""
+    fused = residual_block_results(tools.KernelNormSublayerConnection, dtype)
+    plain = residual_block_results(tools.KernelSublayerConnection, dtype)
+    assert torch.equal(fused[0], plain[0])
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    for a, b in zip(fused[1:], plain[1:], strict=True):
+        scale = b.abs().max().item()
+        torch.testing.assert_close(a, b, rtol=0, atol=tolerance * scale)
