@@ -2284,6 +2284,9 @@ class KernelDropout(FastDropout):
             lowest = torch.finfo(scores.dtype).min
             weights = (scores / div).masked_fill(~mask, lowest).softmax(-1)
             return self(weights)
+        # The kernel takes a mask per sentence: a mask made for all of
+        # them at once, (1, 1, T, S), is repeated (as broadcasting would)
+        mask = mask.expand(len(scores), 1, *mask.shape[2:])
         apply = KernelSoftmaxDropoutFunction.apply
         return apply(scores, mask, div, self.p, kernel)
 
@@ -2723,6 +2726,8 @@ class KernelResidualLayerNormFunction(torch.autograd.Function):
         y, mean, rstd = kernel.layer_norm(x, a_2, b_2, eps)
         ctx.save_for_backward(x, a_2, mean, rstd)
         ctx.kernel = kernel
+        # x as a new view: the residual connection must not change it in
+        # place (autograd would refuse); add_to makes a new tensor
         return x.view_as(x), y
 
     @staticmethod

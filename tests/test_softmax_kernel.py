@@ -236,6 +236,18 @@ def test_the_module_computes_part_1s_attention(kernel, kind):
         assert not torch.allclose(module(x, x, x, mask), fused[0])
 
 
+def test_a_mask_for_every_sentence_at_once_is_broadcast(kernel):
+    """Part 1's attention broadcasts a (1, T, T) mask, subsequent_mask's
+    own, over the batch; so does the kernel's."""
+    module, _ = attention_pair("decoder")
+    mask = tat.subsequent_mask(11)  # (1, 11, 11)
+    fused = run_attention(module, tools.KernelMultiHeadedAttention, mask)
+    plain = run_attention(module, tat.MultiHeadedAttention, mask)
+    torch.testing.assert_close(fused[0], plain[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(fused[1], plain[1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_eval_and_stored_weights_take_part_1s_code(kernel):
     module, mask = attention_pair("decoder")
     x = torch.randn(6, 11, 16)
