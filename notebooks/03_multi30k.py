@@ -1001,11 +1001,12 @@ assert last < guess
 # - on the CPU, a few speed-ups that change the numbers only by
 #   rounding: the generator and the loss computed together, their
 #   blocks in a small C++ kernel where a compiler is found (built once,
-#   in about 20 seconds), the loss's gradient written by hand, and in
-#   bf16 a residual stream kept in bf16 (the appendix's "Training runs:
-#   devices and processes" and the sections after it). Presets with
-#   dropout also draw their masks with a C++ kernel; `quick` has no
-#   dropout.
+#   in about 20 seconds), the loss's gradient written by hand,
+#   LayerNorm in another small kernel, and in bf16 a residual stream
+#   kept in bf16 (the appendix's "Training runs: devices and processes"
+#   and the sections after it). Presets with dropout also draw their
+#   masks, and compute attention's softmax, with a third C++ kernel;
+#   `quick` has no dropout.
 #
 # **Before you run it.**
 #
