@@ -92,6 +92,7 @@ from the_annotated_transformer import (
     create_dataloaders,
     data_dir,
     data_gen,
+    encode_pairs,
     encode_text,
     heads_mask,
     label_smoothing_penalty_rows,
@@ -903,6 +904,29 @@ def load_bpe(path=None, vocab_size=BPE_VOCAB_SIZE):
     with atomic_write(path, "w") as f:
         f.write(bpe.to_str())
     return bpe
+
+
+def encode_pairs_cached(pairs, vocab_src, vocab_tgt, spacy_de, spacy_en):
+    """encode_pairs(...), read from data/encoded/ when an earlier run
+    wrote it for the same pairs, vocabularies and spaCy."""
+    if is_subword(vocab_src):  # BPE encodes fast: nothing to keep
+        return encode_pairs(pairs, vocab_src, vocab_tgt, spacy_de, spacy_en)
+    import spacy
+
+    itos = (vocab_src.get_itos(), vocab_tgt.get_itos())
+    key = json.dumps([spacy.__version__, *itos, pairs], ensure_ascii=False)
+    name = hashlib.sha256(key.encode()).hexdigest()[:16]
+    path = data_dir() / "encoded" / f"{name}.json"
+    try:
+        return [tuple(pair) for pair in json.loads(path.read_text())]
+    except (OSError, ValueError):  # none yet, or unreadable: encode
+        pass
+    data = encode_pairs(pairs, vocab_src, vocab_tgt, spacy_de, spacy_en)
+    with contextlib.suppress(OSError):  # a folder we cannot write to
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_write(path, "w") as f:
+            f.write(json.dumps(data))
+    return data
 
 
 def load_vocabularies(config, spacy_de, spacy_en):
@@ -3423,6 +3447,7 @@ def train_worker(
             seed=config.seed,
             num_workers=config.num_workers,
             max_train_pairs=config.max_train_pairs,
+            encode=encode_pairs_cached,
         )
         pinned = device.type == "cuda"  # copies overlap the GPU's work
         loaders = [shard_loader(x, world_size, rank, pinned) for x in loaders]
@@ -5536,6 +5561,7 @@ __all__ = [
     "is_subword",
     "load_vocab",
     "load_bpe",
+    "encode_pairs_cached",
     "load_vocabularies",
     "hardware_summary",
     "Precision",

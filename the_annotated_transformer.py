@@ -995,6 +995,7 @@ def create_dataloaders(
     seed=0,
     num_workers=0,
     max_train_pairs=0,
+    encode=encode_pairs,
 ):
     """Train and validation DataLoaders of padded (src, tgt) CPU tensors."""
     loaders = []
@@ -1004,7 +1005,7 @@ def create_dataloaders(
         n_pairs = max_train_pairs if train else max_train_pairs // 4
         if n_pairs:  # the tiny `ci` preset keeps only the first pairs
             pairs = pairs[:n_pairs]
-        data = encode_pairs(pairs, vocab_src, vocab_tgt, spacy_de, spacy_en)
+        data = encode(pairs, vocab_src, vocab_tgt, spacy_de, spacy_en)
         lengths = [(len(s), len(t)) for s, t in data]
         sampler = TokenBatchSampler(
             lengths,

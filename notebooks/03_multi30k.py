@@ -529,12 +529,14 @@ assert len(buckets) == 153
 #   every pair that fits in one batch of `max_tokens`.
 #
 # `report_left_out`, after it, warns when pairs are left out (and stops
-# with an error if none is left). Two arguments serve other callers:
+# with an error if none is left). Three arguments serve other callers:
 # `max_train_pairs=n` keeps only the first $n$ training pairs (and $n/4$
 # validation pairs) for the tiny `ci` preset (a preset is a named set
-# of training settings; "Training", below, introduces them), and
-# `num_workers` prepares
-# batches in that many background processes (0: in this one).
+# of training settings; "Training", below, introduces them),
+# `num_workers` prepares batches in that many background processes (0:
+# in this one), and `encode` turns the pairs into ids (the appendix's
+# command line passes an `encode_pairs` that keeps them on disk for its
+# next run).
 
 
 # %%
@@ -549,6 +551,7 @@ def create_dataloaders(
     seed=0,
     num_workers=0,
     max_train_pairs=0,
+    encode=encode_pairs,
 ):
     """Train and validation DataLoaders of padded (src, tgt) CPU tensors."""
     loaders = []
@@ -558,7 +561,7 @@ def create_dataloaders(
         n_pairs = max_train_pairs if train else max_train_pairs // 4
         if n_pairs:  # the tiny `ci` preset keeps only the first pairs
             pairs = pairs[:n_pairs]
-        data = encode_pairs(pairs, vocab_src, vocab_tgt, spacy_de, spacy_en)
+        data = encode(pairs, vocab_src, vocab_tgt, spacy_de, spacy_en)
         lengths = [(len(s), len(t)) for s, t in data]
         sampler = TokenBatchSampler(
             lengths,
