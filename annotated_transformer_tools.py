@@ -2174,14 +2174,20 @@ def kernels_allowed():
     return on and sys.platform == "linux"
 
 
-def dropout_kernel():
-    """The C++ dropout kernel, built on the first call; None where it
-    cannot be built or AT_CPU_KERNELS=0 turns it off."""
+def kernel_once(store, build):
+    """build()'s extension, built on the first call and kept in the dict
+    `store`; None where it cannot be built or AT_CPU_KERNELS=0 turns the
+    kernels off."""
     if not kernels_allowed():
         return None
-    if "module" not in _DROPOUT_KERNEL:
-        _DROPOUT_KERNEL["module"] = _build_dropout_kernel()
-    return _DROPOUT_KERNEL["module"]
+    if "module" not in store:
+        store["module"] = build()
+    return store["module"]
+
+
+def dropout_kernel():
+    """The C++ dropout kernel (kernel_once)."""
+    return kernel_once(_DROPOUT_KERNEL, _build_dropout_kernel)
 
 
 def dropout_rule(p):
@@ -2536,18 +2542,11 @@ _LOSS_KERNEL = {}  # "module": the built extension, or None
 
 
 def loss_kernel():
-    """The C++ loss kernel, built on the first call; None where it
-    cannot be built or AT_CPU_KERNELS=0 turns it off."""
-    if not kernels_allowed():
-        return None
-    if "module" not in _LOSS_KERNEL:
-        _LOSS_KERNEL["module"] = build_kernel(
-            "loss",
-            LOSS_KERNEL_SOURCE,
-            ["smoothed_rows", "smoothed_grad"],
-            "the torch code",
-        )
-    return _LOSS_KERNEL["module"]
+    """The C++ loss kernel (kernel_once)."""
+    functions = ["smoothed_rows", "smoothed_grad"]
+    source, instead = LOSS_KERNEL_SOURCE, "the torch code"
+    build = functools.partial(build_kernel, "loss", source, functions, instead)
+    return kernel_once(_LOSS_KERNEL, build)
 
 
 LAYER_NORM_KERNEL_SOURCE = (
@@ -2706,18 +2705,13 @@ _LAYER_NORM_KERNEL = {}  # "module": the built extension, or None
 
 
 def layer_norm_kernel():
-    """The C++ LayerNorm kernel, built on the first call; None where it
-    cannot be built or AT_CPU_KERNELS=0 turns it off."""
-    if not kernels_allowed():
-        return None
-    if "module" not in _LAYER_NORM_KERNEL:
-        _LAYER_NORM_KERNEL["module"] = build_kernel(
-            "layernorm",
-            LAYER_NORM_KERNEL_SOURCE,
-            ["layer_norm", "layer_norm_grad"],
-            "F.layer_norm",
-        )
-    return _LAYER_NORM_KERNEL["module"]
+    """The C++ LayerNorm kernel (kernel_once)."""
+    functions = ["layer_norm", "layer_norm_grad"]
+    source, instead = LAYER_NORM_KERNEL_SOURCE, "F.layer_norm"
+    build = functools.partial(
+        build_kernel, "layernorm", source, functions, instead
+    )
+    return kernel_once(_LAYER_NORM_KERNEL, build)
 
 
 class KernelLayerNormFunction(torch.autograd.Function):
@@ -5621,6 +5615,7 @@ __all__ = [
     "KERNEL_FUNCTIONS",
     "build_kernel",
     "kernels_allowed",
+    "kernel_once",
     "dropout_kernel",
     "dropout_rule",
     "kernel_call",
