@@ -1976,7 +1976,7 @@ static void softmax_rows(const T* x, const T* p, const bool* mask, T* out,
   int64_t blocks = (rows + ROWS - 1) / ROWS;
   at::parallel_for(0, blocks, 1, [=](int64_t begin, int64_t end) {
     std::vector<float> v(Sp);
-    std::vector<T> tail(2 * Sp);  // a row near the end, copied and padded
+    std::vector<T> tail(Sp);  // a row near the end, copied and padded
     std::vector<uint16_t> lanes(ROWS * S + Sp + 8, 0);
     for (int64_t block = begin; block < end; ++block) {
       int64_t r0 = block * ROWS, r1 = std::min(rows, r0 + ROWS);
@@ -1991,11 +1991,12 @@ static void softmax_rows(const T* x, const T* p, const bool* mask, T* out,
         int64_t i = b * Tm + (Tm == 1 ? 0 : t);  // the mask's row
         const T* xr = x + r * S;
         const T* pr = GRAD ? p + r * S : nullptr;
-        if (r * S + Sp > n) {  // reading Sp would pass the tensor's end
+        // Reading Sp would pass the tensor's end: softmax_row reads whole
+        // vectors of x. (softmax_grad_row reads past S only where `past`,
+        // which is false here, so its p needs no copy.)
+        if (r * S + Sp > n) {
           std::copy(xr, xr + S, tail.data());
           xr = tail.data();
-          if (GRAD) std::copy(pr, pr + S, tail.data() + Sp);
-          if (GRAD) pr = tail.data() + Sp;
         }
         const uint16_t* lane = lanes.data() + (r * S - 4 * w0);
         bool past = r * S + Sp <= r1 * S;  // the rows there: this block's
@@ -2008,7 +2009,10 @@ static void softmax_rows(const T* x, const T* p, const bool* mask, T* out,
                       dropped_out + r * S, v.data(), S, Sp, dropped, scale,
                       past);
         t = t + 1 == Tq ? 0 : t + 1;  // counted: no division per row
-        if (++bt == H * Tq) bt = 0, ++b;
+        if (++bt == H * Tq) {  // the next sentence
+          bt = 0;
+          ++b;
+        }
       }
     }
   });
@@ -2337,17 +2341,42 @@ class KernelFeedForward(PositionwiseFeedForward):
         return self.w_2(self.dropout.of_relu(self.w_1(x)))
 
 
+def stacked_linear(x, linears):
+    """x through several nn.Linear layers at once: one matrix product
+    with their weights stacked (as nanoGPT's c_attn keeps them), split
+    back into one output per layer."""
+    weight = torch.cat([linear.weight for linear in linears])
+    bias = torch.cat([linear.bias for linear in linears])
+    sizes = [linear.out_features for linear in linears]
+    return torch.nn.functional.linear(x, weight, bias).split(sizes, dim=-1)
+
+
 class KernelMultiHeadedAttention(MultiHeadedAttention):
     """Part 1's multi-head attention, with the scale, mask, softmax and
-    dropout of its weights in one pass of the kernel while it trains on
-    the CPU; Part 1's own code otherwise."""
+    dropout of its weights in one pass of the kernel, and the projections
+    of one input in one matrix product, while it trains on the CPU; Part
+    1's own code otherwise."""
+
+    def projections(self, query, key, value):
+        """W^Q query, W^K key and W^V value; those of one input in one
+        product: all three in self-attention, W^K and W^V of the
+        decoder's memory."""
+        if query is key is value:
+            return stacked_linear(query, [self.w_q, self.w_k, self.w_v])
+        if key is value:
+            k, v = stacked_linear(key, [self.w_k, self.w_v])
+            return self.w_q(query), k, v
+        return self.w_q(query), self.w_k(key), self.w_v(value)
+
+    def heads(self, x):
+        """(B, T, d_model) split to (B, h, T, d_k), as split_heads does."""
+        return x.view(x.size(0), -1, self.h, self.d_k).transpose(1, 2)
 
     def forward(self, query, key, value, mask=None):
         if mask is None or self.store_attention or self.use_fused(query):
             return super().forward(query, key, value, mask)
-        q = self.split_heads(query, self.w_q)  # (B, h, T, d_k)
-        k = self.split_heads(key, self.w_k)  # (B, h, S, d_k)
-        v = self.split_heads(value, self.w_v)  # (B, h, S, d_k)
+        projected = self.projections(query, key, value)
+        q, k, v = (self.heads(x) for x in projected)  # (B, h, T or S, d_k)
         scores = q @ k.transpose(-2, -1)  # (B, h, T, S), not yet scaled
         div = math.sqrt(self.d_k)
         weights = self.dropout.of_softmax(scores, heads_mask(mask), div)
@@ -5626,6 +5655,7 @@ __all__ = [
     "KernelDropout",
     "KernelSublayerConnection",
     "KernelFeedForward",
+    "stacked_linear",
     "KernelMultiHeadedAttention",
     "use_dropout_kernel",
     "wants_dropout_kernel",

@@ -204,29 +204,43 @@ def attention_pair(kind):
     return module, mask
 
 
-def run_attention(module, cls, mask):
-    """Output and gradients of `module` run as `cls`, from one seed."""
+def run_attention(module, cls, mask, inputs="self"):
+    """Output and gradients of `module` run as `cls`, from one seed.
+    `inputs`: "self" attends x to itself, "memory" x to a memory m (the
+    decoder's second attention), "three" three different tensors."""
     module.__class__ = cls
     module.zero_grad()
     torch.manual_seed(8)
-    x = torch.randn(6, 11, 16, requires_grad=True)
-    out = module(x, x, x, mask)
+    x, m, y = (torch.randn(6, 11, 16, requires_grad=True) for _ in range(3))
+    query, key, value = {
+        "self": (x, x, x),
+        "memory": (x, m, m),
+        "three": (x, m, y),
+    }[inputs]
+    out = module(query, key, value, mask)
     weights = torch.linspace(-1, 1, out.numel()).view(out.shape)
     (out * weights).sum().backward()
-    return out.detach(), [x.grad] + [p.grad for p in module.parameters()]
+    grads = [t.grad for t in (x, m, y)]
+    return out.detach(), grads + [p.grad for p in module.parameters()]
 
 
+@pytest.mark.parametrize("inputs", ["self", "memory", "three"])
 @pytest.mark.parametrize("kind", ["decoder", "encoder"])
-def test_the_module_computes_part_1s_attention(kernel, kind):
+def test_the_module_computes_part_1s_attention(kernel, kind, inputs):
     """The same seed draws the same mask: the kernel's attention and Part
     1's (whose KernelDropout drops the weights) agree in float32 to the
     last bits (their exponentials differ), forward and backward, with
-    dropout on."""
+    dropout on, whether the projections are stacked (self, memory) or
+    not (three inputs)."""
     module, mask = attention_pair(kind)
-    fused = run_attention(module, tools.KernelMultiHeadedAttention, mask)
-    plain = run_attention(module, tat.MultiHeadedAttention, mask)
+    cls = tools.KernelMultiHeadedAttention
+    fused = run_attention(module, cls, mask, inputs)
+    plain = run_attention(module, tat.MultiHeadedAttention, mask, inputs)
     torch.testing.assert_close(fused[0], plain[0], rtol=1e-5, atol=1e-6)
     for a, b in zip(fused[1], plain[1], strict=True):
+        if a is None or b is None:  # an input this case does not use
+            assert a is None and b is None
+            continue
         # W^K's bias has a gradient of 0 in exact arithmetic (a softmax
         # ignores a constant added to a row), so no relative tolerance
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -245,7 +259,74 @@ def test_a_mask_for_every_sentence_at_once_is_broadcast(kernel):
     plain = run_attention(module, tat.MultiHeadedAttention, mask)
     torch.testing.assert_close(fused[0], plain[0], rtol=1e-5, atol=1e-6)
     for a, b in zip(fused[1], plain[1], strict=True):
+        if a is None or b is None:  # m and y: unused in self-attention
+            assert a is None and b is None
+            continue
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def linears_called(module, inputs, mask):
+    """Which of W^Q, W^K, W^V ran as a module (not stacked) in one call."""
+    called = []
+    hooks = [
+        getattr(module, name).register_forward_hook(
+            lambda *_, name=name: called.append(name)
+        )
+        for name in ("w_q", "w_k", "w_v")
+    ]
+    try:
+        module(*inputs, mask)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return called
+
+
+def test_projections_of_one_input_are_one_product(kernel):
+    """Self-attention stacks all three projections, attention to a memory
+    stacks W^K and W^V; three different inputs take three products, and
+    evaluation takes Part 1's code."""
+    module, mask = attention_pair("encoder")
+    x, m, y = (torch.randn(6, 11, 16) for _ in range(3))
+    assert linears_called(module, (x, x, x), mask) == []
+    assert linears_called(module, (x, m, m), mask) == ["w_q"]
+    assert linears_called(module, (x, m, y), mask) == ["w_q", "w_k", "w_v"]
+    module.eval()
+    assert linears_called(module, (x, x, x), mask) == ["w_q", "w_k", "w_v"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_stacked_linear_is_each_linear(dtype):
+    """Outputs and gradients equal each layer's own: to float64's rounding,
+    and in bf16 autocast to bf16's (the products may block differently)."""
+    torch.manual_seed(3)
+    exact = dtype == torch.float64  # else float32 weights, bf16 autocast
+    weights = torch.float64 if exact else torch.float32
+    linears = [torch.nn.Linear(8, n).to(weights) for n in (8, 8, 5)]
+    x = torch.randn(4, 7, 8, dtype=weights, requires_grad=True)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=not exact)
+    runs = []
+    for stacked in (True, False):
+        for linear in linears:
+            linear.zero_grad()
+        x.grad = None
+        with autocast:
+            outs = (
+                tools.stacked_linear(x, linears)
+                if stacked
+                else [linear(x) for linear in linears]
+            )
+        assert [o.shape[-1] for o in outs] == [8, 8, 5]
+        assert all(o.dtype == dtype for o in outs)
+        sum(o.double().sin().sum() for o in outs).backward()
+        params = [p for linear in linears for p in linear.parameters()]
+        grads = [x.grad] + [p.grad for p in params]
+        runs.append(([o.double() for o in outs], grads))
+    for a, b in zip(runs[0][0] + runs[0][1], runs[1][0] + runs[1][1]):
+        a, b = a.detach().double(), b.detach().double()
+        scale = float(b.abs().max())
+        tol = 1e-12 if exact else 2e-2  # bf16: 8 bits of mantissa
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol * scale)
 
 
 def test_eval_and_stored_weights_take_part_1s_code(kernel):
