@@ -2342,42 +2342,17 @@ class KernelFeedForward(PositionwiseFeedForward):
         return self.w_2(self.dropout.of_relu(self.w_1(x)))
 
 
-def stacked_linear(x, linears):
-    """x through several nn.Linear layers at once: one matrix product
-    with their weights stacked (as nanoGPT's c_attn keeps them), split
-    back into one output per layer."""
-    weight = torch.cat([linear.weight for linear in linears])
-    bias = torch.cat([linear.bias for linear in linears])
-    sizes = [linear.out_features for linear in linears]
-    return torch.nn.functional.linear(x, weight, bias).split(sizes, dim=-1)
-
-
 class KernelMultiHeadedAttention(MultiHeadedAttention):
     """Part 1's multi-head attention, with the scale, mask, softmax and
-    dropout of its weights in one pass of the kernel, and the projections
-    of one input in one matrix product, while it trains on the CPU; Part
-    1's own code otherwise."""
-
-    def projections(self, query, key, value):
-        """W^Q query, W^K key and W^V value; those of one input in one
-        product: all three in self-attention, W^K and W^V of the
-        decoder's memory."""
-        if query is key is value:
-            return stacked_linear(query, [self.w_q, self.w_k, self.w_v])
-        if key is value:
-            k, v = stacked_linear(key, [self.w_k, self.w_v])
-            return self.w_q(query), k, v
-        return self.w_q(query), self.w_k(key), self.w_v(value)
-
-    def heads(self, x):
-        """(B, T, d_model) split to (B, h, T, d_k), as split_heads does."""
-        return x.view(x.size(0), -1, self.h, self.d_k).transpose(1, 2)
+    dropout of its weights in one pass of the kernel while it trains on
+    the CPU; Part 1's own code otherwise."""
 
     def forward(self, query, key, value, mask=None):
         if mask is None or self.store_attention or self.use_fused(query):
             return super().forward(query, key, value, mask)
-        projected = self.projections(query, key, value)
-        q, k, v = (self.heads(x) for x in projected)  # (B, h, T or S, d_k)
+        q = self.split_heads(query, self.w_q)  # (B, h, T, d_k)
+        k = self.split_heads(key, self.w_k)  # (B, h, S, d_k)
+        v = self.split_heads(value, self.w_v)  # (B, h, S, d_k)
         scores = q @ k.transpose(-2, -1)  # (B, h, T, S), not yet scaled
         div = math.sqrt(self.d_k)
         weights = self.dropout.of_softmax(scores, heads_mask(mask), div)
@@ -5676,7 +5651,6 @@ __all__ = [
     "KernelDropout",
     "KernelSublayerConnection",
     "KernelFeedForward",
-    "stacked_linear",
     "KernelMultiHeadedAttention",
     "use_dropout_kernel",
     "wants_dropout_kernel",

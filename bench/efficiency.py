@@ -20,9 +20,6 @@ real Multi30k sentences with
   the appendix's C++ loss kernel, which ours and the peer use;
 * ours, torch LayerNorm: ours with Part 1's `LayerNorm` (`F.layer_norm`)
   in place of the appendix's C++ LayerNorm kernel;
-* ours, three projections: ours with W^Q, W^K and W^V as three matrix
-  products, as before `KernelMultiHeadedAttention` stacked those of one
-  input (`stacked_linear`);
 * ours, log-softmax loss: the same with the generator's log-softmax
   then the appendix's `FastLabelSmoothing`, as training did before
   `FusedLossCompute`, for a before/after of the loss in the same run;
@@ -113,7 +110,6 @@ CONTESTANTS = (
     "ours, random_ mask",
     "ours, torch loss",
     "ours, torch LayerNorm",
-    "ours, three projections",
     "ours, nn.Dropout",
     "ours, fused attention",
     "ours, log-softmax loss",
@@ -369,23 +365,6 @@ class OursTorchLayerNorm(Ours):
     """Ours with Part 1's LayerNorm (F.layer_norm), as before its kernel."""
 
     layer_norm_kernel = False
-
-
-class ThreeProjections(tools.KernelMultiHeadedAttention):
-    """The kernel's attention with W^Q, W^K and W^V three products."""
-
-    def projections(self, query, key, value):
-        return self.w_q(query), self.w_k(key), self.w_v(value)
-
-
-class OursThreeProjections(Ours):
-    """Ours with three projection products, as before stacked_linear."""
-
-    def __init__(self, *sizes):
-        super().__init__(*sizes)
-        for module in self.model.modules():
-            if type(module) is tools.KernelMultiHeadedAttention:
-                module.__class__ = ThreeProjections
 
 
 class OursTorchDropout(Ours):
@@ -689,7 +668,6 @@ def contestants_for(args):
         "ours, random_ mask": OursRandomMask,
         "ours, torch loss": OursTorchLoss,
         "ours, torch LayerNorm": OursTorchLayerNorm,
-        "ours, three projections": OursThreeProjections,
         "ours, nn.Dropout": OursTorchDropout,
         "ours, fused attention": OursFusedAttention,
         "ours, log-softmax loss": OursLogSoftmaxLoss,

@@ -1008,9 +1008,8 @@ assert last < guess
 #   LayerNorm in another small kernel, and in bf16 a residual stream
 #   kept in bf16 (the appendix's "Training runs: devices and processes"
 #   and the sections after it). Presets with dropout also draw their
-#   masks, and compute attention's softmax, with a third C++ kernel,
-#   and project attention's queries, keys and values of one input in
-#   one matrix product; `quick` has no dropout.
+#   masks, and compute attention's softmax, with a third C++ kernel;
+#   `quick` has no dropout.
 #
 # **Before you run it.**
 #

@@ -154,32 +154,6 @@ def test_ours_normalizes_with_the_layer_norm_kernel_and_its_pair_without():
     assert norm_types(efficiency.OursAtIssue18) == {tat.LayerNorm}
 
 
-def test_ours_stacks_the_projections_and_its_pair_does_not():
-    labels = efficiency.contestants_for(contestant_args())
-    pair = labels["ours, three projections"]
-    assert pair == (efficiency.OursThreeProjections, False)
-
-    def calls_per_step(cls):
-        """Forward calls of W^Q, W^K and W^V modules in one training step."""
-        torch.manual_seed(0)
-        model = cls(50, 50, 2, 32, 64, 4, 0.1)
-        calls = []
-        for module in model.modules():
-            if isinstance(module, tat.MultiHeadedAttention):
-                for linear in (module.w_q, module.w_k, module.w_v):
-                    linear.register_forward_hook(lambda *_: calls.append(1))
-        src = torch.randint(1, 50, (3, 7))
-        tgt = torch.randint(1, 50, (3, 6))
-        batch = tat.Batch(src, tgt, tat.PAD)
-        model(batch).sum().backward()
-        return len(calls)
-
-    # 2 layers: encoder self (0 calls), decoder self (0), decoder memory
-    # (W^Q only) when stacked; 3 calls each when not
-    assert calls_per_step(efficiency.Ours) == 2
-    assert calls_per_step(efficiency.OursThreeProjections) == 2 * 3 * 3
-
-
 def test_the_fused_attention_pair_differs_in_the_attention_path(monkeypatch):
     calls = []
     fused = torch.nn.functional.scaled_dot_product_attention

@@ -230,8 +230,8 @@ def test_the_module_computes_part_1s_attention(kernel, kind, inputs):
     """The same seed draws the same mask: the kernel's attention and Part
     1's (whose KernelDropout drops the weights) agree in float32 to the
     last bits (their exponentials differ), forward and backward, with
-    dropout on, whether the projections are stacked (self, memory) or
-    not (three inputs)."""
+    dropout on, in self-attention, attention to a memory, and attention
+    with three different inputs."""
     module, mask = attention_pair(kind)
     cls = tools.KernelMultiHeadedAttention
     fused = run_attention(module, cls, mask, inputs)
@@ -263,70 +263,6 @@ def test_a_mask_for_every_sentence_at_once_is_broadcast(kernel):
             assert a is None and b is None
             continue
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-
-
-def linears_called(module, inputs, mask):
-    """Which of W^Q, W^K, W^V ran as a module (not stacked) in one call."""
-    called = []
-    hooks = [
-        getattr(module, name).register_forward_hook(
-            lambda *_, name=name: called.append(name)
-        )
-        for name in ("w_q", "w_k", "w_v")
-    ]
-    try:
-        module(*inputs, mask)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return called
-
-
-def test_projections_of_one_input_are_one_product(kernel):
-    """Self-attention stacks all three projections, attention to a memory
-    stacks W^K and W^V; three different inputs take three products, and
-    evaluation takes Part 1's code."""
-    module, mask = attention_pair("encoder")
-    x, m, y = (torch.randn(6, 11, 16) for _ in range(3))
-    assert linears_called(module, (x, x, x), mask) == []
-    assert linears_called(module, (x, m, m), mask) == ["w_q"]
-    assert linears_called(module, (x, m, y), mask) == ["w_q", "w_k", "w_v"]
-    module.eval()
-    assert linears_called(module, (x, x, x), mask) == ["w_q", "w_k", "w_v"]
-
-
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_stacked_linear_is_each_linear(dtype):
-    """Outputs and gradients equal each layer's own: to float64's rounding,
-    and in bf16 autocast to bf16's (the products may block differently)."""
-    torch.manual_seed(3)
-    exact = dtype == torch.float64  # else float32 weights, bf16 autocast
-    weights = torch.float64 if exact else torch.float32
-    linears = [torch.nn.Linear(8, n).to(weights) for n in (8, 8, 5)]
-    x = torch.randn(4, 7, 8, dtype=weights, requires_grad=True)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=not exact)
-    runs = []
-    for stacked in (True, False):
-        for linear in linears:
-            linear.zero_grad()
-        x.grad = None
-        with autocast:
-            outs = (
-                tools.stacked_linear(x, linears)
-                if stacked
-                else [linear(x) for linear in linears]
-            )
-        assert [o.shape[-1] for o in outs] == [8, 8, 5]
-        assert all(o.dtype == dtype for o in outs)
-        sum(o.double().sin().sum() for o in outs).backward()
-        params = [p for linear in linears for p in linear.parameters()]
-        grads = [x.grad] + [p.grad for p in params]
-        runs.append(([o.double() for o in outs], grads))
-    for a, b in zip(runs[0][0] + runs[0][1], runs[1][0] + runs[1][1]):
-        a, b = a.detach().double(), b.detach().double()
-        scale = float(b.abs().max())
-        tol = 1e-12 if exact else 2e-2  # bf16: 8 bits of mantissa
-        torch.testing.assert_close(a, b, rtol=tol, atol=tol * scale)
 
 
 def test_eval_and_stored_weights_take_part_1s_code(kernel):
