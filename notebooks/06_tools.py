@@ -6626,8 +6626,8 @@ def command_download(args):
 # next batch's. By default glibc returns large blocks to the system,
 # and the next batch takes them back a 4 KiB page at a time, with a
 # page fault for each: in one epoch of `--preset cpu` at 1 thread,
-# about a million faults, against 600,000 with it, most of those at
-# start-up (`bench/RESULTS_efficiency.md`). PyTorch's CPU performance
+# about a million faults, against 600,000 with it
+# (`bench/RESULTS_efficiency.md`). PyTorch's CPU performance
 # guide suggests another allocator (jemalloc, tcmalloc) for the same
 # reason; these two settings of glibc's own need no install. It
 # changes only this process, which exists to train.
