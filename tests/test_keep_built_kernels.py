@@ -1,7 +1,8 @@
 """keep_built_kernels: oneDNN keeps more of the matrix-product kernels it
 builds, so that a later epoch's batches, whose shapes it has met, do not
-build them again. The setting, where `train` asks for it, and the
-rebuilds it saves, counted by oneDNN itself."""
+build them again. The setting, and the rebuilds it saves, counted by
+oneDNN itself. (That `train` asks for it first is tested beside
+keep_freed_memory, in tests/test_keep_freed_memory.py.)"""
 
 import os
 import subprocess
@@ -25,21 +26,6 @@ def test_a_capacity_already_set_wins():
     environ = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}
     assert tools.keep_built_kernels(environ=environ) == "64"
     assert environ == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}
-
-
-def test_train_asks_before_anything_builds_a_product(monkeypatch):
-    calls = []
-    monkeypatch.setattr(tools, "keep_freed_memory", lambda: None)
-    monkeypatch.setattr(tools, "keep_built_kernels", lambda: calls.append("k"))
-
-    def config_from_args(args):
-        calls.append("config")
-        raise tools.UserError("stop here")
-
-    monkeypatch.setattr(tools, "config_from_args", config_from_args)
-    with pytest.raises(tools.UserError):
-        tools.command_train(None)
-    assert calls == ["k", "config"]
 
 
 SHAPES = 150  # distinct products a round: over 100, under 200 and 1,024

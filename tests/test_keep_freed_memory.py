@@ -91,9 +91,16 @@ def test_freed_memory_is_reused_without_page_faults():
     assert kept < 4 * 2_000_000 * 4 / 4096  # at most one batch's pages
 
 
-def test_train_keeps_freed_memory_before_anything_else(monkeypatch):
+def test_train_sets_both_before_anything_else(monkeypatch):
+    """keep_freed_memory, then keep_built_kernels (its neighbour in the
+    appendix, tests/test_keep_built_kernels.py), before the config."""
     calls = []
-    monkeypatch.setattr(tools, "keep_freed_memory", lambda: calls.append("k"))
+
+    def record(name):
+        return lambda: calls.append(name)
+
+    monkeypatch.setattr(tools, "keep_freed_memory", record("freed"))
+    monkeypatch.setattr(tools, "keep_built_kernels", record("built"))
 
     def config_from_args(args):
         calls.append("config")
@@ -102,4 +109,4 @@ def test_train_keeps_freed_memory_before_anything_else(monkeypatch):
     monkeypatch.setattr(tools, "config_from_args", config_from_args)
     with pytest.raises(tools.UserError):
         tools.command_train(None)
-    assert calls == ["k", "config"]
+    assert calls == ["freed", "built", "config"]
