@@ -6632,16 +6632,16 @@ def command_download(args):
 # reason; these two settings of glibc's own need no install. It
 # changes only this process, which exists to train.
 #
-# It also lets oneDNN, the library behind PyTorch's bf16 matrix products
-# on the CPU, keep more of the kernels it builds. oneDNN builds
-# ("creates") a kernel for each new shape of a product and keeps the
-# last 1,024 it built. A batch's token count changes from batch to
-# batch, so one epoch of `--preset cpu` builds about 1,500 of them, and
-# the next epoch, with only 1,024 kept, built 931 again (2.6 s of an
-# epoch of about 65 s at 2 threads, by oneDNN's own count). With 8,192 kept
-# it built 205, the shapes it had not met before (0.4 s). Peak memory
-# did not grow: 2.77 GB by default and 2.70 GB with 8,192 kept, over
-# three epochs (`bench/RESULTS_efficiency.md`). `keep_built_kernels`
+# Then `keep_built_kernels` lets oneDNN, the library behind PyTorch's
+# bf16 matrix products on the CPU, keep more of the kernels it builds.
+# oneDNN builds ("creates") a kernel for each new shape of a product
+# and keeps the last 1,024 it built. A batch's token count changes from
+# batch to batch, so one epoch of `--preset cpu` built about 1,500 of
+# them, and the next epoch, with only 1,024 kept, built 931 again (2.6 s
+# of an epoch of about 65 s at 2 threads, by oneDNN's own count). With
+# 8,192 kept it built 205, the shapes it had not met before (0.4 s).
+# Peak memory did not grow: 2.77 GB by default and 2.70 GB with 8,192
+# kept, over three epochs (`bench/RESULTS_efficiency.md`). The function
 # sets `ONEDNN_PRIMITIVE_CACHE_CAPACITY`, which oneDNN reads when it
 # builds its first kernel, so it must run before any bf16 product; a
 # value already in the environment wins. Processes that `--world-size`
