@@ -1618,13 +1618,17 @@ def smoothing_constants(smoothing, vocab):
 
 
 class GeneratorLoss(torch.autograd.Function):
-    """Generator, log-softmax and label-smoothed loss (summed) in one,
-    a block at a time: no (tokens, vocabulary) matrix is kept."""
+    """Generator, log-softmax and label-smoothed loss (summed) in one, a
+    block of rows at a time; each block's logits are turned into their
+    gradient at once, so the backward pass only scales."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, target, padding_idx, smoothing, kernel):
+    def forward(
+        ctx, x, weight, bias, target, padding_idx, smoothing, kernel, most
+    ):
         """x: (N, d_model); weight: (V, d_model); bias: (V,); target: (N,);
-        kernel: None, or the C++ loss kernel ("A loss kernel in C++")."""
+        kernel: None, or the C++ loss kernel ("A loss kernel in C++");
+        most: the most logits a block may hold."""
         dtype = compute_dtype(x)  # bf16 under bf16 autocast
         acc = torch.promote_types(dtype, torch.float32)  # for the sums
         c, f, plogp = smoothing_constants(smoothing, len(weight))
@@ -1634,65 +1638,66 @@ class GeneratorLoss(torch.autograd.Function):
         real = target != padding_idx  # padding rows have no loss
         xr, tr = x[real].to(dtype), target[real]  # (M, d_model), (M,)
         w, b = weight.to(dtype), bias.to(dtype)
-        lse = torch.empty(len(xr), dtype=acc, device=x.device)  # (M,)
+        wants_grads = any(ctx.needs_input_grad[:3])  # False in validation
         total = torch.zeros((), dtype=acc, device=x.device)
-        for i in range(0, len(xr), 256):  # 256 rows of logits at a time
-            z = torch.addmm(b, xr[i : i + 256], w.t())  # (256, V)
-            if kernel is not None:  # the same sums, in one pass of C++
-                lse[i : i + 256], row_losses = kernel.smoothed_rows(
-                    z, tr[i : i + 256], padding_idx, c, f, plogp
+        grad_xr = torch.empty_like(xr)  # the gradients for g = 1
+        grad_w = torch.zeros(w.shape, dtype=acc, device=x.device)
+        grad_b = torch.zeros(b.shape, dtype=acc, device=x.device)
+        blocks = -(-len(xr) * len(w) // most)  # rounded up, as next
+        rows = max(1, -(-len(xr) // blocks)) if blocks else 1  # even blocks
+        for i in range(0, len(xr), rows):
+            block = slice(i, i + rows)
+            z = torch.addmm(b, xr[block], w.t())  # (rows, V)
+            if kernel is not None and wants_grads:  # the same, in C++
+                row_losses, grad_z, column_sums = kernel.smoothed_rows_grad(
+                    z, tr[block], padding_idx, c, f, plogp
                 )
                 total += row_losses.sum()
-                continue
-            z = z.to(acc)
-            lse[i : i + 256] = z.logsumexp(1)
-            z_y = z.gather(1, tr[i : i + 256, None]).squeeze(1)
-            rest = z.sum(1) - z_y - z[:, padding_idx]  # f's words
-            total += (plogp - c * z_y - f * rest + lse[i : i + 256]).sum()
-        ctx.save_for_backward(xr, w, b, tr, real, lse)
-        ctx.settings = (x.shape, x.dtype, weight.dtype, padding_idx, c, f)
-        ctx.kernel = kernel
+            elif kernel is not None:  # the loss alone
+                _, row_losses = kernel.smoothed_rows(
+                    z, tr[block], padding_idx, c, f, plogp
+                )
+                total += row_losses.sum()
+            else:
+                z = z.to(acc)
+                lse = z.logsumexp(1)
+                z_y = z.gather(1, tr[block, None]).squeeze(1)
+                rest = z.sum(1) - z_y - z[:, padding_idx]  # f's words
+                total += (plogp - c * z_y - f * rest + lse).sum()
+                if wants_grads:  # q - p: q - f, then two columns fixed
+                    q_minus_p = z.sub_(lse[:, None]).exp_().sub_(f)
+                    at = torch.arange(len(q_minus_p), device=x.device)
+                    q_minus_p[at, tr[block]] -= c - f
+                    q_minus_p[:, padding_idx] += f  # p is 0 there
+                    column_sums = q_minus_p.sum(0)
+                    grad_z = q_minus_p.to(dtype)  # bf16 under bf16 autocast
+            if wants_grads:  # the block's share of the three gradients
+                grad_xr[block] = grad_z @ w
+                grad_w += grad_z.t() @ xr[block]
+                grad_b += column_sums
+        ctx.save_for_backward(grad_xr, grad_w, grad_b, real)
+        ctx.settings = (x.shape, x.dtype, weight.dtype)
         return total
 
     @staticmethod
     def backward(ctx, grad_loss):
-        xr, w, b, tr, real, lse = ctx.saved_tensors
-        x_shape, x_dtype, w_dtype, padding_idx, c, f = ctx.settings
-        grad_xr = torch.zeros(xr.shape, dtype=lse.dtype, device=xr.device)
-        grad_w = torch.empty(w.shape, dtype=w_dtype, device=xr.device)
-        grad_b = torch.empty(b.shape, dtype=w_dtype, device=xr.device)
-        rows = torch.arange(len(tr), device=tr.device)
-        for j in range(0, len(w), 512):  # 512 words at a time
-            words = slice(j, j + 512)
-            z = torch.addmm(b[words], xr, w[words].t())  # (M, 512)
-            if ctx.kernel is not None:  # the same, in one pass of C++
-                grad_z, grad_b[words] = ctx.kernel.smoothed_grad(
-                    z, lse, tr, j, padding_idx, c, f, float(grad_loss)
-                )
-            else:
-                # q - f for now; the target and padding columns fixed below
-                q_minus_p = z.to(lse.dtype).sub_(lse[:, None]).exp_().sub_(f)
-                hit = (tr >= j) & (tr < j + 512)  # targets in this block
-                q_minus_p[rows[hit], tr[hit] - j] -= c - f
-                if j <= padding_idx < j + 512:
-                    q_minus_p[:, padding_idx - j] += f  # p is 0 there
-                grad_z = q_minus_p.mul_(grad_loss)  # (M, 512): the logits'
-                grad_b[words] = grad_z.sum(0)
-                grad_z = grad_z.to(w.dtype)  # bf16 under bf16 autocast
-            grad_w[words] = grad_z.t() @ xr
-            grad_xr += grad_z @ w[words]
-        grad_x = torch.zeros(x_shape, dtype=x_dtype, device=xr.device)
-        grad_x[real] = grad_xr.to(x_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None
+        grad_xr, grad_w, grad_b, real = ctx.saved_tensors
+        x_shape, x_dtype, w_dtype = ctx.settings
+        grad_x = torch.zeros(x_shape, dtype=x_dtype, device=real.device)
+        grad_x[real] = (grad_xr * grad_loss).to(x_dtype)
+        grad_w, grad_b = (grad_w * grad_loss).to(w_dtype), grad_b * grad_loss
+        return grad_x, grad_w, grad_b.to(w_dtype), *[None] * 5
 
 
 class FusedLossCompute(SimpleLossCompute):
     """SimpleLossCompute through GeneratorLoss: the same loss and
     gradients, for Part 1's Generator. The criterion gives its padding_idx
     and smoothing only; it is not called (so its true_dist is not kept).
-    `kernel`, when set, is the C++ loss kernel ("A loss kernel in C++")."""
+    `kernel`, when set, is the C++ loss kernel ("A loss kernel in C++");
+    `block_logits` bounds a block of logits (2**24: 32 MiB in bf16)."""
 
     kernel = None
+    block_logits = 2**24
 
     def __call__(self, x, y, norm):
         proj = self.generator.proj  # Part 1's Generator: proj, log-softmax
@@ -1704,6 +1709,7 @@ class FusedLossCompute(SimpleLossCompute):
             self.criterion.padding_idx,
             self.criterion.smoothing,
             self.kernel,
+            self.block_logits,
         )
         return loss_sum.detach(), loss_sum / norm
 
@@ -2439,9 +2445,10 @@ static void rows_of(const T* z, const int64_t* target, int64_t rows,
   });
 }
 
-std::vector<torch::Tensor> smoothed_rows(torch::Tensor z,
-                                         torch::Tensor target, int64_t pad,
-                                         double c, double f, double plogp) {
+// The logits and targets, checked: a (rows, V) matrix, one target each.
+static std::pair<torch::Tensor, torch::Tensor> checked(torch::Tensor z,
+                                                       torch::Tensor target,
+                                                       int64_t pad) {
   TORCH_CHECK(z.device().is_cpu(), "loss kernel: CPU tensors, please");
   TORCH_CHECK(z.dim() == 2, "loss kernel: logits of shape (rows, V)");
   auto logits = z.contiguous();
@@ -2453,6 +2460,17 @@ std::vector<torch::Tensor> smoothed_rows(torch::Tensor z,
   TORCH_CHECK(rows == 0 || (t.min().item<int64_t>() >= 0 &&
                             t.max().item<int64_t>() < V),
               "loss kernel: a target outside the vocabulary");
+  TORCH_CHECK(logits.scalar_type() == at::kBFloat16 ||
+                  logits.scalar_type() == at::kFloat,
+              "loss kernel: bf16 or float32 logits");
+  return {logits, t};
+}
+
+std::vector<torch::Tensor> smoothed_rows(torch::Tensor z,
+                                         torch::Tensor target, int64_t pad,
+                                         double c, double f, double plogp) {
+  auto [logits, t] = checked(z, target, pad);
+  int64_t rows = logits.size(0), V = logits.size(1);
   auto opts = logits.options().dtype(at::kFloat);
   auto lse = torch::empty({rows}, opts), loss = torch::empty({rows}, opts);
   if (logits.scalar_type() == at::kBFloat16) {
@@ -2460,8 +2478,6 @@ std::vector<torch::Tensor> smoothed_rows(torch::Tensor z,
             t.data_ptr<int64_t>(), rows, V, pad, (float)c, (float)f,
             (float)plogp, lse.data_ptr<float>(), loss.data_ptr<float>());
   } else {
-    TORCH_CHECK(logits.scalar_type() == at::kFloat,
-                "loss kernel: bf16 or float32 logits");
     rows_of(logits.data_ptr<float>(), t.data_ptr<int64_t>(), rows, V, pad,
             (float)c, (float)f, (float)plogp, lse.data_ptr<float>(),
             loss.data_ptr<float>());
@@ -2469,77 +2485,99 @@ std::vector<torch::Tensor> smoothed_rows(torch::Tensor z,
   return {lse, loss};
 }
 
-// grad = g (exp(z - lse) - f); c instead of f at the target column; no f
-// at the padding column. Column sums over the rows, per chunk of rows.
+// Each row's loss and its logits' gradient q - p, with q = exp(z - lse):
+// f subtracted everywhere, c instead at the target, nothing at the
+// padding column. One exponential per logit: e = exp(z - max) is kept
+// for the row, and q = e / (its sum). Column sums (the bias's gradient)
+// are taken per chunk of rows, one chunk per thread.
 template <typename T>
-static void grad_of(const T* z, const float* lse, const int64_t* target,
-                    int64_t rows, int64_t cols, int64_t first, int64_t pad,
-                    float c, float f, float g, T* out, float* partial,
-                    int64_t chunks) {
+static void rows_grad_of(const T* z, const int64_t* target, int64_t rows,
+                         int64_t V, int64_t pad, float c, float f,
+                         float plogp, float* loss, T* out, float* partial,
+                         int64_t chunks) {
   at::parallel_for(0, chunks, 1, [=](int64_t begin, int64_t end) {
+    std::vector<float> e(V);
     for (int64_t chunk = begin; chunk < end; ++chunk) {
-      float* sums = partial + chunk * cols;
-      for (int64_t j = 0; j < cols; ++j) sums[j] = 0.0f;
+      float* sums = partial + chunk * V;
+      std::fill(sums, sums + V, 0.0f);
       int64_t r0 = rows * chunk / chunks, r1 = rows * (chunk + 1) / chunks;
       for (int64_t r = r0; r < r1; ++r) {
-        const T* row = z + r * cols;
-        T* grad = out + r * cols;
-        float l = lse[r];
-        for (int64_t j = 0; j < cols; ++j) {
-          float v = g * (exp_of(load(row, j) - l) - f);
+        const T* row = z + r * V;
+        int64_t full = V / LANES * LANES;
+        float most[LANES], sum_e[LANES], sum_z[LANES];
+        for (int k = 0; k < LANES; ++k) most[k] = -INFINITY;
+        for (int64_t j = 0; j < full; j += LANES)
+          for (int k = 0; k < LANES; ++k)
+            most[k] = std::max(most[k], load(row, j + k));
+        float m = -INFINITY;
+        for (int k = 0; k < LANES; ++k) m = std::max(m, most[k]);
+        for (int64_t j = full; j < V; ++j) m = std::max(m, load(row, j));
+        for (int k = 0; k < LANES; ++k) sum_e[k] = sum_z[k] = 0.0f;
+        for (int64_t j = 0; j < full; j += LANES)
+          for (int k = 0; k < LANES; ++k) {
+            float v = load(row, j + k);
+            e[j + k] = exp_of(v - m);
+            sum_e[k] += e[j + k];
+            sum_z[k] += v;
+          }
+        float se = 0.0f, sz = 0.0f;
+        for (int k = 0; k < LANES; ++k) {
+          se += sum_e[k];
+          sz += sum_z[k];
+        }
+        for (int64_t j = full; j < V; ++j) {
+          float v = load(row, j);
+          e[j] = exp_of(v - m);
+          se += e[j];
+          sz += v;
+        }
+        float z_y = load(row, target[r]);
+        float rest = sz - z_y - load(row, pad);  // the words f goes to
+        loss[r] = plogp - c * z_y - f * rest + m + std::log(se);
+        float inv = 1.0f / se;
+        T* grad = out + r * V;
+        for (int64_t j = 0; j < V; ++j) {
+          float v = e[j] * inv - f;
           store(grad, j, v);
           sums[j] += v;
         }
-        int64_t t = target[r] - first;
-        if (t >= 0 && t < cols) {  // the target: c, not f
-          float v = g * (exp_of(load(row, t) - l) - c);
-          sums[t] += v - g * (exp_of(load(row, t) - l) - f);
-          store(grad, t, v);
-        }
-        int64_t p = pad - first;
-        if (p >= 0 && p < cols) {  // <blank>: no f
-          float v = g * exp_of(load(row, p) - l);
-          sums[p] += v - g * (exp_of(load(row, p) - l) - f);
-          store(grad, p, v);
+        int64_t y = target[r];  // c, not f, at the target
+        store(grad, y, e[y] * inv - c);
+        sums[y] += f - c;
+        if (pad != y) {  // nothing at <blank>: p is 0 there
+          store(grad, pad, e[pad] * inv);
+          sums[pad] += f;
         }
       }
     }
   });
 }
 
-std::vector<torch::Tensor> smoothed_grad(torch::Tensor z, torch::Tensor lse,
-                                         torch::Tensor target, int64_t first,
-                                         int64_t pad, double c, double f,
-                                         double g) {
-  TORCH_CHECK(z.device().is_cpu(), "loss kernel: CPU tensors, please");
-  TORCH_CHECK(z.dim() == 2, "loss kernel: logits of shape (rows, cols)");
-  auto logits = z.contiguous();
-  auto l = lse.contiguous();
-  auto t = target.contiguous();
-  TORCH_CHECK(l.scalar_type() == at::kFloat && t.scalar_type() == at::kLong,
-              "loss kernel: float32 lse, int64 targets");
-  int64_t rows = logits.size(0), cols = logits.size(1);
-  TORCH_CHECK(l.numel() == rows && t.numel() == rows,
-              "loss kernel: one lse and one target per row");
+std::vector<torch::Tensor> smoothed_rows_grad(torch::Tensor z,
+                                              torch::Tensor target,
+                                              int64_t pad, double c,
+                                              double f, double plogp) {
+  auto [logits, t] = checked(z, target, pad);
+  int64_t rows = logits.size(0), V = logits.size(1);
   int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(
                                             at::get_num_threads(), rows));
+  auto opts = logits.options().dtype(at::kFloat);
+  auto loss = torch::empty({rows}, opts);
   auto out = torch::empty_like(logits);
-  auto partial = torch::empty({chunks, cols}, l.options());
+  auto partial = torch::empty({chunks, V}, opts);
   if (logits.scalar_type() == at::kBFloat16) {
-    grad_of(reinterpret_cast<const uint16_t*>(logits.data_ptr()),
-            l.data_ptr<float>(), t.data_ptr<int64_t>(), rows, cols, first,
-            pad, (float)c, (float)f, (float)g,
-            reinterpret_cast<uint16_t*>(out.data_ptr()),
-            partial.data_ptr<float>(), chunks);
+    rows_grad_of(reinterpret_cast<const uint16_t*>(logits.data_ptr()),
+                 t.data_ptr<int64_t>(), rows, V, pad, (float)c, (float)f,
+                 (float)plogp, loss.data_ptr<float>(),
+                 reinterpret_cast<uint16_t*>(out.data_ptr()),
+                 partial.data_ptr<float>(), chunks);
   } else {
-    TORCH_CHECK(logits.scalar_type() == at::kFloat,
-                "loss kernel: bf16 or float32 logits");
-    grad_of(logits.data_ptr<float>(), l.data_ptr<float>(),
-            t.data_ptr<int64_t>(), rows, cols, first, pad, (float)c,
-            (float)f, (float)g, out.data_ptr<float>(),
-            partial.data_ptr<float>(), chunks);
+    rows_grad_of(logits.data_ptr<float>(), t.data_ptr<int64_t>(), rows, V,
+                 pad, (float)c, (float)f, (float)plogp,
+                 loss.data_ptr<float>(), out.data_ptr<float>(),
+                 partial.data_ptr<float>(), chunks);
   }
-  return {out, partial.sum(0)};
+  return {loss, out, partial.sum(0)};
 }
 """
 )
@@ -2548,7 +2586,7 @@ _LOSS_KERNEL = {}  # "module": the built extension, or None
 
 def loss_kernel():
     """The C++ loss kernel (kernel_once)."""
-    functions = ["smoothed_rows", "smoothed_grad"]
+    functions = ["smoothed_rows", "smoothed_rows_grad"]
     source, instead = LOSS_KERNEL_SOURCE, "the torch code"
     build = functools.partial(build_kernel, "loss", source, functions, instead)
     return kernel_once(_LOSS_KERNEL, build)

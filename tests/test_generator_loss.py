@@ -55,22 +55,26 @@ def by_definition(generator, x, target, smoothing):
     )
 
 
+class SmallBlocks(tools.FusedLossCompute):
+    """FusedLossCompute with blocks of at most 256 rows of 1,100 words
+    (the default blocks would take every row here at once)."""
+
+    block_logits = 256 * 1100
+
+
 @pytest.mark.parametrize("smoothing", [0.0, 0.1, 0.4])
 @pytest.mark.parametrize(
     "rows, vocab",
     [
         (1, 7),  # one padding row: no loss at all
-        (255, 7),  # padding in the only block of words
-        (256, 513),  # one full block of rows; two of words, 1 word over
-        (700, 1100),  # three blocks of each, the last ones partial
+        (255, 7),  # padding in the only block
+        (700, 1100),  # 560 real rows: three blocks of 187, 187 and 186
     ],
 )
 def test_loss_and_gradients_match_the_definition(smoothing, rows, vocab):
     generator, x, target = inputs(rows, 16, vocab)
     want_loss, want_grads = by_definition(generator, x, target, smoothing)
-    loss, grads = loss_and_grads(
-        tools.FusedLossCompute, generator, x, target, smoothing
-    )
+    loss, grads = loss_and_grads(SmallBlocks, generator, x, target, smoothing)
     torch.testing.assert_close(loss, want_loss, rtol=1e-10, atol=1e-10)
     for got, want in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
@@ -85,7 +89,7 @@ def test_gradcheck_in_float64():
 
     def loss(x, weight, bias):
         return tools.GeneratorLoss.apply(
-            x, weight, bias, target, PAD, 0.1, None
+            x, weight, bias, target, PAD, 0.1, None, 2**24
         )
 
     assert torch.autograd.gradcheck(loss, (x, weight, bias))

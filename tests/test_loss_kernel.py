@@ -59,25 +59,21 @@ def test_rows_give_log_sum_exp_and_the_smoothed_cross_entropy(
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("first", [0, 512, 6000])
-def test_grad_is_g_times_softmax_minus_targets_with_its_column_sums(
-    kernel, dtype, first
+@pytest.mark.parametrize("V", [700, 6190, 17])
+def test_rows_grad_gives_the_loss_softmax_minus_targets_and_column_sums(
+    kernel, dtype, V
 ):
-    """A block of 190 or 512 columns starting at `first`: <blank> (0) and
-    some targets fall inside the first block only."""
-    V = 6190
+    """The loss as smoothed_rows gives it, and the logits' gradient for
+    g = 1: q - p, with p the smoothed targets."""
     z, target = problem(40, V, dtype, seed=1)
     c, f, plogp = tools.smoothing_constants(0.1, V)
-    lse, _ = kernel.smoothed_rows(z, target, PAD, c, f, plogp)
-    cols = slice(first, min(first + 512, V))
-    g = 0.37
-    grad, sums = kernel.smoothed_grad(
-        z[:, cols].contiguous(), lse, target, first, PAD, c, f, g
-    )
+    loss, grad, sums = kernel.smoothed_rows_grad(z, target, PAD, c, f, plogp)
+    _, expected_loss = kernel.smoothed_rows(z, target, PAD, c, f, plogp)
     z64 = z.double()
     q = (z64 - z64.logsumexp(1, keepdim=True)).exp()
-    expected = (g * (q - smoothed_targets(target, V, 0.1)))[:, cols]
-    assert grad.dtype == dtype and sums.dtype == torch.float32
+    expected = q - smoothed_targets(target, V, 0.1)
+    assert loss.dtype == sums.dtype == torch.float32 and grad.dtype == dtype
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-5)
     tol = {torch.float32: 1e-6, torch.bfloat16: 4e-3}[dtype]
     torch.testing.assert_close(
         grad.double(), expected, rtol=tol, atol=tol * 0.1
@@ -100,7 +96,7 @@ def loss_and_grads(kernel, autocast):
     x, proj, target = generator_problem()
     with autocast:
         loss = tools.GeneratorLoss.apply(
-            x, proj.weight, proj.bias, target, PAD, 0.1, kernel
+            x, proj.weight, proj.bias, target, PAD, 0.1, kernel, 2**24
         )
     loss.backward()
     return [loss, x.grad, proj.weight.grad, proj.bias.grad]
@@ -130,6 +126,10 @@ def test_bad_inputs_are_refused_in_one_line(kernel):
         )
     with pytest.raises(RuntimeError, match="bf16 or float32 logits"):
         kernel.smoothed_rows(
+            z.double(), torch.zeros(4, dtype=torch.long), 0, 0.9, 0.01, 0.0
+        )
+    with pytest.raises(RuntimeError, match="bf16 or float32 logits"):
+        kernel.smoothed_rows_grad(
             z.double(), torch.zeros(4, dtype=torch.long), 0, 0.9, 0.01, 0.0
         )
 
@@ -162,25 +162,25 @@ def test_a_cpu_training_run_computes_its_loss_with_the_kernel(kernel):
     assert loss_compute.kernel is kernel
 
 
-@pytest.mark.parametrize("pad", [0, 511, 512, 6189])
-def test_any_padding_column_and_targets_at_block_edges(kernel, pad):
-    """<blank> first, last, and on either side of a block boundary; the
-    targets just inside and just outside the block [512, 1024)."""
-    V, first = 6190, 512
+@pytest.mark.parametrize("pad", [0, 15, 16, 6189])
+def test_any_padding_column_and_targets_at_the_edges(kernel, pad):
+    """<blank> first, last, and on either side of the kernel's first 16
+    lanes; targets at both ends of the row and next to <blank>."""
+    V = 6190
     z, target = problem(8, V, torch.float32, seed=2)
-    target[:4] = torch.tensor([511, 512, 1023, 1024])
+    target[:4] = torch.tensor([0, V - 1, max(pad - 1, 1), min(pad + 1, V - 1)])
     target[target == pad] = 3
     c, f, plogp = tools.smoothing_constants(0.1, V)
-    lse, loss = kernel.smoothed_rows(z, target, pad, c, f, plogp)
     p = smoothed_targets(target, V, 0.1, pad)
     logq = z.double() - z.double().logsumexp(1, keepdim=True)
     expected = (p * (p.clamp_min(1e-300).log() - logq)).sum(1)
-    torch.testing.assert_close(loss.double(), expected, rtol=2e-6, atol=5e-5)
-    cols = slice(first, first + 512)
-    grad, sums = kernel.smoothed_grad(
-        z[:, cols].contiguous(), lse, target, first, pad, c, f, 1.0
-    )
-    expected = (logq.exp() - p)[:, cols]
+    _, rows_loss = kernel.smoothed_rows(z, target, pad, c, f, plogp)
+    loss, grad, sums = kernel.smoothed_rows_grad(z, target, pad, c, f, plogp)
+    for got in (rows_loss, loss):
+        torch.testing.assert_close(
+            got.double(), expected, rtol=2e-6, atol=5e-5
+        )
+    expected = logq.exp() - p
     torch.testing.assert_close(grad.double(), expected, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(
         sums.double(), expected.sum(0), rtol=1e-5, atol=1e-6
@@ -196,14 +196,17 @@ def test_out_of_range_indices_are_refused(kernel):
         kernel.smoothed_rows(z, torch.tensor([-1, 3]), 0, c, f, plogp)
     with pytest.raises(RuntimeError, match="padding index outside V"):
         kernel.smoothed_rows(z, torch.tensor([3, 4]), 10, c, f, plogp)
+    with pytest.raises(RuntimeError, match="target outside the vocabulary"):
+        kernel.smoothed_rows_grad(z, torch.tensor([3, 10]), 0, c, f, plogp)
 
 
 @pytest.mark.parametrize("rows, padding_every", [(600, 4), (40, 1)])
 def test_generator_loss_over_row_blocks_and_all_padding(
     kernel, rows, padding_every
 ):
-    """600 rows: three blocks of 256 in the forward pass; and a batch of
-    padding alone, whose loss and gradients are zero."""
+    """600 rows, 450 of them real: two blocks of 225 (each at most
+    256 * 300 logits); and a batch of padding alone, whose loss and
+    gradients are zero."""
     torch.manual_seed(1)
     x = torch.randn(rows, 16)
     proj = torch.nn.Linear(16, 300)
@@ -214,7 +217,7 @@ def test_generator_loss_over_row_blocks_and_all_padding(
         xk = x.clone().requires_grad_()
         proj.zero_grad()
         loss = tools.GeneratorLoss.apply(
-            xk, proj.weight, proj.bias, target, PAD, 0.1, k
+            xk, proj.weight, proj.bias, target, PAD, 0.1, k, 256 * 300
         )
         loss.backward()
         results.append([loss, xk.grad, proj.weight.grad, proj.bias.grad])
@@ -231,9 +234,9 @@ def test_the_kernel_is_not_given_what_it_cannot_take(kernel):
     proj = torch.nn.Linear(8, 50).double()
     target = torch.randint(3, 50, (5,))
     loss = tools.GeneratorLoss.apply(
-        x, proj.weight, proj.bias, target, PAD, 0.1, kernel
+        x, proj.weight, proj.bias, target, PAD, 0.1, kernel, 2**24
     )
     reference = tools.GeneratorLoss.apply(
-        x, proj.weight, proj.bias, target, PAD, 0.1, None
+        x, proj.weight, proj.bias, target, PAD, 0.1, None, 2**24
     )
     assert loss.dtype == torch.float64 and torch.equal(loss, reference)
