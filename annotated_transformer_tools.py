@@ -1617,6 +1617,13 @@ def smoothing_constants(smoothing, vocab):
     return c, f, plogp
 
 
+def rows_per_block(rows, width, most):
+    """Rows per block, for `rows` rows of `width` numbers in blocks of at
+    most `most` numbers (but at least one row), the rows split evenly."""
+    blocks = max(1, math.ceil(rows * width / most))
+    return max(1, math.ceil(rows / blocks))
+
+
 class GeneratorLoss(torch.autograd.Function):
     """Generator, log-softmax and label-smoothed loss (summed) in one, a
     block of rows at a time; each block's logits are turned into their
@@ -1643,22 +1650,22 @@ class GeneratorLoss(torch.autograd.Function):
         grad_xr = torch.empty_like(xr)  # the gradients for g = 1
         grad_w = torch.zeros(w.shape, dtype=acc, device=x.device)
         grad_b = torch.zeros(b.shape, dtype=acc, device=x.device)
-        blocks = -(-len(xr) * len(w) // most)  # rounded up, as next
-        rows = max(1, -(-len(xr) // blocks)) if blocks else 1  # even blocks
+        rows = rows_per_block(len(xr), len(w), most)
         for i in range(0, len(xr), rows):
             block = slice(i, i + rows)
-            z = torch.addmm(b, xr[block], w.t())  # (rows, V)
-            if kernel is not None and wants_grads:  # the same, in C++
-                row_losses, grad_z, column_sums = kernel.smoothed_rows_grad(
-                    z, tr[block], padding_idx, c, f, plogp
+            if kernel is not None:  # the same, in C++, which adds b
+                z = xr[block] @ w.t()  # (rows, V), without b
+                rows_of = kernel.smoothed_rows
+                if wants_grads:  # (lse, loss, gradient, column sums)
+                    rows_of = kernel.smoothed_rows_grad
+                _, row_losses, *grads = rows_of(
+                    z, bias.float(), tr[block], padding_idx, c, f, plogp
                 )
                 total += row_losses.sum()
-            elif kernel is not None:  # the loss alone
-                _, row_losses = kernel.smoothed_rows(
-                    z, tr[block], padding_idx, c, f, plogp
-                )
-                total += row_losses.sum()
+                if wants_grads:
+                    grad_z, column_sums = grads
             else:
+                z = torch.addmm(b, xr[block], w.t())  # (rows, V)
                 z = z.to(acc)
                 lse = z.logsumexp(1)
                 z_y = z.gather(1, tr[block, None]).squeeze(1)
@@ -2403,181 +2410,150 @@ LOSS_KERNEL_SOURCE = (
 
 constexpr int64_t LANES = 16;  // partial sums, so that sums vectorize
 
+// One row of logits z (the bias b added as they are read): its
+// log-sum-exp and its loss, plogp - c z_y - f (sum of z - z_y - z_pad)
+// + lse. With `grad`, also its gradient for g = 1, q - p with
+// q = exp(z - lse): f subtracted everywhere, c instead at the target,
+// nothing at the padding column; added into the column sums `sums`.
+// One exponential per logit: e = exp(z - max) is kept in `e` while it
+// is summed, and q = e / (its sum).
 template <typename T>
-static void rows_of(const T* z, const int64_t* target, int64_t rows,
-                    int64_t V, int64_t pad, float c, float f, float plogp,
-                    float* lse, float* loss) {
-  at::parallel_for(0, rows, 4, [=](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* row = z + r * V;
-      int64_t full = V / LANES * LANES;
-      float most[LANES], sum_exp[LANES], sum_z[LANES];
-      for (int k = 0; k < LANES; ++k) most[k] = -INFINITY;
-      for (int64_t j = 0; j < full; j += LANES)
-        for (int k = 0; k < LANES; ++k)
-          most[k] = std::max(most[k], load(row, j + k));
-      float m = -INFINITY;
-      for (int k = 0; k < LANES; ++k) m = std::max(m, most[k]);
-      for (int64_t j = full; j < V; ++j) m = std::max(m, load(row, j));
-      for (int k = 0; k < LANES; ++k) sum_exp[k] = sum_z[k] = 0.0f;
-      for (int64_t j = 0; j < full; j += LANES)
-        for (int k = 0; k < LANES; ++k) {
-          float v = load(row, j + k);
-          sum_exp[k] += exp_of(v - m);
-          sum_z[k] += v;
-        }
-      float se = 0.0f, sz = 0.0f;
-      for (int k = 0; k < LANES; ++k) {
-        se += sum_exp[k];
-        sz += sum_z[k];
-      }
-      for (int64_t j = full; j < V; ++j) {
-        float v = load(row, j);
-        se += exp_of(v - m);
-        sz += v;
-      }
-      float l = m + std::log(se);
-      float z_y = load(row, target[r]);
-      float rest = sz - z_y - load(row, pad);  // the words f goes to
-      lse[r] = l;
-      loss[r] = plogp - c * z_y - f * rest + l;
+static void one_row(const T* row, const float* b, int64_t y, int64_t V,
+                    int64_t pad, float c, float f, float plogp, float* e,
+                    float* lse, float* loss, T* grad, float* sums) {
+  int64_t full = V / LANES * LANES;
+  float most[LANES], sum_e[LANES], sum_z[LANES];
+  for (int k = 0; k < LANES; ++k) most[k] = -INFINITY;
+  for (int64_t j = 0; j < full; j += LANES)
+    for (int k = 0; k < LANES; ++k)
+      most[k] = std::max(most[k], load(row, j + k) + b[j + k]);
+  float m = -INFINITY;
+  for (int k = 0; k < LANES; ++k) m = std::max(m, most[k]);
+  for (int64_t j = full; j < V; ++j) m = std::max(m, load(row, j) + b[j]);
+  for (int k = 0; k < LANES; ++k) sum_e[k] = sum_z[k] = 0.0f;
+  for (int64_t j = 0; j < full; j += LANES)
+    for (int k = 0; k < LANES; ++k) {
+      float v = load(row, j + k) + b[j + k];
+      e[j + k] = exp_of(v - m);
+      sum_e[k] += e[j + k];
+      sum_z[k] += v;
+    }
+  float se = 0.0f, sz = 0.0f;
+  for (int k = 0; k < LANES; ++k) {
+    se += sum_e[k];
+    sz += sum_z[k];
+  }
+  for (int64_t j = full; j < V; ++j) {
+    float v = load(row, j) + b[j];
+    e[j] = exp_of(v - m);
+    se += e[j];
+    sz += v;
+  }
+  float z_y = load(row, y) + b[y];
+  float rest = sz - z_y - (load(row, pad) + b[pad]);  // f's words
+  *lse = m + std::log(se);
+  *loss = plogp - c * z_y - f * rest + *lse;
+  if (grad == nullptr) return;
+  float inv = 1.0f / se;
+  for (int64_t j = 0; j < V; ++j) {
+    float v = e[j] * inv - f;
+    store(grad, j, v);
+    sums[j] += v;
+  }
+  store(grad, y, e[y] * inv - c);  // c, not f, at the target
+  sums[y] += f - c;
+  if (pad != y) {  // nothing at <blank>: p is 0 there
+    store(grad, pad, e[pad] * inv);
+    sums[pad] += f;
+  }
+}
+
+// Every row, in `chunks` chunks of rows (one per thread), each with its
+// own column sums in `partial` when `out` (the gradient) is wanted.
+template <typename T>
+static void all_rows(const T* z, const float* b, const int64_t* target,
+                     int64_t rows, int64_t V, int64_t pad, float c, float f,
+                     float plogp, float* lse, float* loss, T* out,
+                     float* partial, int64_t chunks) {
+  at::parallel_for(0, chunks, 1, [=](int64_t begin, int64_t end) {
+    std::vector<float> e(V);
+    for (int64_t chunk = begin; chunk < end; ++chunk) {
+      float* sums = out ? partial + chunk * V : nullptr;
+      if (sums) std::fill(sums, sums + V, 0.0f);
+      int64_t r0 = rows * chunk / chunks, r1 = rows * (chunk + 1) / chunks;
+      for (int64_t r = r0; r < r1; ++r)
+        one_row(z + r * V, b, target[r], V, pad, c, f, plogp, e.data(),
+                lse + r, loss + r, out ? out + r * V : nullptr, sums);
     }
   });
 }
 
-// The logits and targets, checked: a (rows, V) matrix, one target each.
-static std::pair<torch::Tensor, torch::Tensor> checked(torch::Tensor z,
-                                                       torch::Tensor target,
-                                                       int64_t pad) {
-  TORCH_CHECK(z.device().is_cpu(), "loss kernel: CPU tensors, please");
+// The (lse, loss) of every row; with `grad`, also the gradient and its
+// column sums: {lse, loss, gradient, column sums}.
+static std::vector<torch::Tensor> run_rows(torch::Tensor z, torch::Tensor bias,
+                                           torch::Tensor target, int64_t pad,
+                                           double c, double f, double plogp,
+                                           bool grad) {
+  TORCH_CHECK(z.device().is_cpu() && bias.device().is_cpu(),
+              "loss kernel: CPU tensors, please");
   TORCH_CHECK(z.dim() == 2, "loss kernel: logits of shape (rows, V)");
+  TORCH_CHECK(z.scalar_type() == at::kBFloat16 ||
+                  z.scalar_type() == at::kFloat,
+              "loss kernel: bf16 or float32 logits");
   auto logits = z.contiguous();
   auto t = target.contiguous();
-  TORCH_CHECK(t.scalar_type() == at::kLong && t.numel() == logits.size(0),
-              "loss kernel: one int64 target per row");
+  auto b = bias.contiguous();
   int64_t rows = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(t.scalar_type() == at::kLong && t.numel() == rows,
+              "loss kernel: one int64 target per row");
+  TORCH_CHECK(b.scalar_type() == at::kFloat && b.dim() == 1 && b.numel() == V,
+              "loss kernel: a float32 bias of V numbers");
   TORCH_CHECK(0 <= pad && pad < V, "loss kernel: padding index outside V");
   TORCH_CHECK(rows == 0 || (t.min().item<int64_t>() >= 0 &&
                             t.max().item<int64_t>() < V),
               "loss kernel: a target outside the vocabulary");
-  TORCH_CHECK(logits.scalar_type() == at::kBFloat16 ||
-                  logits.scalar_type() == at::kFloat,
-              "loss kernel: bf16 or float32 logits");
-  return {logits, t};
-}
-
-std::vector<torch::Tensor> smoothed_rows(torch::Tensor z,
-                                         torch::Tensor target, int64_t pad,
-                                         double c, double f, double plogp) {
-  auto [logits, t] = checked(z, target, pad);
-  int64_t rows = logits.size(0), V = logits.size(1);
-  auto opts = logits.options().dtype(at::kFloat);
-  auto lse = torch::empty({rows}, opts), loss = torch::empty({rows}, opts);
-  if (logits.scalar_type() == at::kBFloat16) {
-    rows_of(reinterpret_cast<const uint16_t*>(logits.data_ptr()),
-            t.data_ptr<int64_t>(), rows, V, pad, (float)c, (float)f,
-            (float)plogp, lse.data_ptr<float>(), loss.data_ptr<float>());
-  } else {
-    rows_of(logits.data_ptr<float>(), t.data_ptr<int64_t>(), rows, V, pad,
-            (float)c, (float)f, (float)plogp, lse.data_ptr<float>(),
-            loss.data_ptr<float>());
-  }
-  return {lse, loss};
-}
-
-// Each row's loss and its logits' gradient q - p, with q = exp(z - lse):
-// f subtracted everywhere, c instead at the target, nothing at the
-// padding column. One exponential per logit: e = exp(z - max) is kept
-// for the row, and q = e / (its sum). Column sums (the bias's gradient)
-// are taken per chunk of rows, one chunk per thread.
-template <typename T>
-static void rows_grad_of(const T* z, const int64_t* target, int64_t rows,
-                         int64_t V, int64_t pad, float c, float f,
-                         float plogp, float* loss, T* out, float* partial,
-                         int64_t chunks) {
-  at::parallel_for(0, chunks, 1, [=](int64_t begin, int64_t end) {
-    std::vector<float> e(V);
-    for (int64_t chunk = begin; chunk < end; ++chunk) {
-      float* sums = partial + chunk * V;
-      std::fill(sums, sums + V, 0.0f);
-      int64_t r0 = rows * chunk / chunks, r1 = rows * (chunk + 1) / chunks;
-      for (int64_t r = r0; r < r1; ++r) {
-        const T* row = z + r * V;
-        int64_t full = V / LANES * LANES;
-        float most[LANES], sum_e[LANES], sum_z[LANES];
-        for (int k = 0; k < LANES; ++k) most[k] = -INFINITY;
-        for (int64_t j = 0; j < full; j += LANES)
-          for (int k = 0; k < LANES; ++k)
-            most[k] = std::max(most[k], load(row, j + k));
-        float m = -INFINITY;
-        for (int k = 0; k < LANES; ++k) m = std::max(m, most[k]);
-        for (int64_t j = full; j < V; ++j) m = std::max(m, load(row, j));
-        for (int k = 0; k < LANES; ++k) sum_e[k] = sum_z[k] = 0.0f;
-        for (int64_t j = 0; j < full; j += LANES)
-          for (int k = 0; k < LANES; ++k) {
-            float v = load(row, j + k);
-            e[j + k] = exp_of(v - m);
-            sum_e[k] += e[j + k];
-            sum_z[k] += v;
-          }
-        float se = 0.0f, sz = 0.0f;
-        for (int k = 0; k < LANES; ++k) {
-          se += sum_e[k];
-          sz += sum_z[k];
-        }
-        for (int64_t j = full; j < V; ++j) {
-          float v = load(row, j);
-          e[j] = exp_of(v - m);
-          se += e[j];
-          sz += v;
-        }
-        float z_y = load(row, target[r]);
-        float rest = sz - z_y - load(row, pad);  // the words f goes to
-        loss[r] = plogp - c * z_y - f * rest + m + std::log(se);
-        float inv = 1.0f / se;
-        T* grad = out + r * V;
-        for (int64_t j = 0; j < V; ++j) {
-          float v = e[j] * inv - f;
-          store(grad, j, v);
-          sums[j] += v;
-        }
-        int64_t y = target[r];  // c, not f, at the target
-        store(grad, y, e[y] * inv - c);
-        sums[y] += f - c;
-        if (pad != y) {  // nothing at <blank>: p is 0 there
-          store(grad, pad, e[pad] * inv);
-          sums[pad] += f;
-        }
-      }
-    }
-  });
-}
-
-std::vector<torch::Tensor> smoothed_rows_grad(torch::Tensor z,
-                                              torch::Tensor target,
-                                              int64_t pad, double c,
-                                              double f, double plogp) {
-  auto [logits, t] = checked(z, target, pad);
-  int64_t rows = logits.size(0), V = logits.size(1);
   int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(
                                             at::get_num_threads(), rows));
   auto opts = logits.options().dtype(at::kFloat);
-  auto loss = torch::empty({rows}, opts);
-  auto out = torch::empty_like(logits);
-  auto partial = torch::empty({chunks, V}, opts);
+  auto lse = torch::empty({rows}, opts), loss = torch::empty({rows}, opts);
+  auto out = grad ? torch::empty_like(logits) : torch::Tensor();
+  auto partial = torch::empty({grad ? chunks : 0, V}, opts);
   if (logits.scalar_type() == at::kBFloat16) {
-    rows_grad_of(reinterpret_cast<const uint16_t*>(logits.data_ptr()),
-                 t.data_ptr<int64_t>(), rows, V, pad, (float)c, (float)f,
-                 (float)plogp, loss.data_ptr<float>(),
-                 reinterpret_cast<uint16_t*>(out.data_ptr()),
-                 partial.data_ptr<float>(), chunks);
+    auto bits = [](const torch::Tensor& x) {
+      return x.defined() ? reinterpret_cast<uint16_t*>(x.data_ptr()) : nullptr;
+    };
+    all_rows<uint16_t>(bits(logits), b.data_ptr<float>(),
+                       t.data_ptr<int64_t>(), rows, V, pad, (float)c,
+                       (float)f, (float)plogp, lse.data_ptr<float>(),
+                       loss.data_ptr<float>(), bits(out),
+                       partial.data_ptr<float>(), chunks);
   } else {
-    rows_grad_of(logits.data_ptr<float>(), t.data_ptr<int64_t>(), rows, V,
-                 pad, (float)c, (float)f, (float)plogp,
-                 loss.data_ptr<float>(), out.data_ptr<float>(),
-                 partial.data_ptr<float>(), chunks);
+    all_rows<float>(logits.data_ptr<float>(), b.data_ptr<float>(),
+                    t.data_ptr<int64_t>(), rows, V, pad, (float)c, (float)f,
+                    (float)plogp, lse.data_ptr<float>(),
+                    loss.data_ptr<float>(),
+                    out.defined() ? out.data_ptr<float>() : nullptr,
+                    partial.data_ptr<float>(), chunks);
   }
-  return {loss, out, partial.sum(0)};
+  if (!grad) return {lse, loss};
+  return {lse, loss, out, partial.sum(0)};
+}
+
+// Each row's log-sum-exp and loss, of logits z + bias.
+std::vector<torch::Tensor> smoothed_rows(torch::Tensor z, torch::Tensor bias,
+                                         torch::Tensor target, int64_t pad,
+                                         double c, double f, double plogp) {
+  return run_rows(z, bias, target, pad, c, f, plogp, false);
+}
+
+// smoothed_rows's two, then the logits' gradient for g = 1 and its
+// column sums.
+std::vector<torch::Tensor> smoothed_rows_grad(torch::Tensor z,
+                                              torch::Tensor bias,
+                                              torch::Tensor target,
+                                              int64_t pad, double c,
+                                              double f, double plogp) {
+  return run_rows(z, bias, target, pad, c, f, plogp, true);
 }
 """
 )
@@ -5680,6 +5656,7 @@ __all__ = [
     "FastLabelSmoothing",
     "compute_dtype",
     "smoothing_constants",
+    "rows_per_block",
     "GeneratorLoss",
     "FusedLossCompute",
     "use_bf16_stream",

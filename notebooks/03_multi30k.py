@@ -1009,7 +1009,10 @@ assert last < guess
 #   kept in bf16 (the appendix's "Training runs: devices and processes"
 #   and the sections after it). Presets with dropout also draw their
 #   masks, and compute attention's softmax, with a third C++ kernel;
-#   `quick` has no dropout.
+#   `quick` has no dropout. On Linux, the cell also asks the C library
+#   to keep the memory that one batch frees for the next
+#   (`keep_freed_memory`, in the appendix; `train` does the same), which
+#   saves page faults; it changes this whole Python process.
 #
 # **Before you run it.**
 #
@@ -1040,6 +1043,7 @@ else:
     # always starts afresh.
     stopped = tools.resume_point(config.checkpoint_dir) is not None
     resume = preset == "quick" and stopped
+    tools.keep_freed_memory()  # Linux only; nothing elsewhere
     history = tools.train_model(
         vocab_src,
         vocab_tgt,

@@ -2514,8 +2514,8 @@ assert torch.allclose(grads[1], -3 * fast.true_dist, atol=1e-7)
 # $p_j$ sum to 1. (Rows whose target is padding have no loss: they are
 # dropped before anything else.) Four numbers per row: $\ell$, $S$, $z_y$
 # and $z_{\text{pad}}$. So the forward pass computes the logits a block
-# of rows at a time, takes those four numbers while the block is in the
-# cache, and keeps only $\ell$.
+# of rows at a time and takes those four numbers while the block is in
+# the cache.
 #
 # The gradient: since $\partial \ell / \partial z_k = e^{z_k - \ell} = q_k$,
 # the model's probability of word $k$, differentiating the loss above
@@ -2523,16 +2523,19 @@ assert torch.allclose(grads[1], -3 * fast.true_dist, atol=1e-7)
 # number backpropagation brings to the loss. (At the padding column $p$ is
 # 0, so that logit gets $g\,q_{\text{pad}}$; in the previous section it
 # was 0, because there the gradient was taken with respect to the
-# log-probabilities.) It needs only $\ell$. The forward pass needed whole
-# rows to get $\ell$; once $\ell$ is known, each column can be handled
-# on its own. So the backward pass computes the logits again, a block of
-# *words* (columns) at a time, turns them into $g\,(q - p)$, and
-# multiplies that block straight into the three gradients: the rows of
-# $W$ and $b$ for those words (each block fills its own rows, so no block
-# adds into another's), and its share of $h$'s gradient, which is summed
-# over the blocks. The price is the
-# generator's product once more (about 9 GFLOP for such a batch); what it
-# saves is every $N \times V$ matrix.
+# log-probabilities.) It needs only $\ell$, which the block's rows have
+# just given. And $g$ is one number for the whole batch, since the loss
+# is a sum, so the gradient for any $g$ is $g$ times the gradient for
+# $g = 1$. So the forward pass, while it still holds a block, also turns
+# the block's logits into $q - p$ and multiplies that straight into the
+# three gradients: the block's own rows of $h$'s gradient, and its share
+# of $W$'s and $b$'s, which are summed over the blocks. The backward pass
+# only multiplies the three by $g$. No $N \times V$ matrix outlives its
+# block, each logit is computed once, and where no gradient is wanted
+# (validation, under `torch.no_grad`) the forward pass stops at the loss.
+# A block holds at most $2^{24}$ logits (`block_logits`, 32 MiB in
+# bf16), the rows split evenly: a batch of the `cpu` preset is one or
+# two blocks.
 #
 # `GeneratorLoss` is that `autograd.Function`, and `FusedLossCompute` is
 # Part 2's `SimpleLossCompute` calling it with the generator's weights,
@@ -2550,10 +2553,11 @@ assert torch.allclose(grads[1], -3 * fast.true_dist, atol=1e-7)
 # Measured with `bench/efficiency.py` on a 2-core Xeon with AMX, beside
 # the log-softmax path in the same runs (`bench/RESULTS_efficiency.md`):
 # a bf16 training step of the `cpu` model 1.06 times as fast at 2 threads
-# and 1.04 times at 1; a float32 step 1.02 times. That is less than the
-# 15% of a bf16 step the vocabulary had taken, since the blocks still
-# read and write every logit, only in smaller pieces, and the
-# generator's product is done twice.
+# and 1.04 times at 1; a float32 step 1.02 times. That was a first
+# version, whose backward pass computed the logits again, a block of
+# words at a time: the generator's product twice (about 9 GFLOP more for
+# a batch of 3,000 target tokens) and every exponential twice. Taking
+# the gradient in the forward pass, as above, saved RESULTS_PENDING.
 
 
 # %%
@@ -2574,6 +2578,13 @@ def smoothing_constants(smoothing, vocab):
     if smoothing > 0:
         plogp += smoothing * math.log(f)
     return c, f, plogp
+
+
+def rows_per_block(rows, width, most):
+    """Rows per block, for `rows` rows of `width` numbers in blocks of at
+    most `most` numbers (but at least one row), the rows split evenly."""
+    blocks = max(1, math.ceil(rows * width / most))
+    return max(1, math.ceil(rows / blocks))
 
 
 class GeneratorLoss(torch.autograd.Function):
@@ -2602,22 +2613,22 @@ class GeneratorLoss(torch.autograd.Function):
         grad_xr = torch.empty_like(xr)  # the gradients for g = 1
         grad_w = torch.zeros(w.shape, dtype=acc, device=x.device)
         grad_b = torch.zeros(b.shape, dtype=acc, device=x.device)
-        blocks = -(-len(xr) * len(w) // most)  # rounded up, as next
-        rows = max(1, -(-len(xr) // blocks)) if blocks else 1  # even blocks
+        rows = rows_per_block(len(xr), len(w), most)
         for i in range(0, len(xr), rows):
             block = slice(i, i + rows)
-            z = torch.addmm(b, xr[block], w.t())  # (rows, V)
-            if kernel is not None and wants_grads:  # the same, in C++
-                row_losses, grad_z, column_sums = kernel.smoothed_rows_grad(
-                    z, tr[block], padding_idx, c, f, plogp
+            if kernel is not None:  # the same, in C++, which adds b
+                z = xr[block] @ w.t()  # (rows, V), without b
+                rows_of = kernel.smoothed_rows
+                if wants_grads:  # (lse, loss, gradient, column sums)
+                    rows_of = kernel.smoothed_rows_grad
+                _, row_losses, *grads = rows_of(
+                    z, bias.float(), tr[block], padding_idx, c, f, plogp
                 )
                 total += row_losses.sum()
-            elif kernel is not None:  # the loss alone
-                _, row_losses = kernel.smoothed_rows(
-                    z, tr[block], padding_idx, c, f, plogp
-                )
-                total += row_losses.sum()
+                if wants_grads:
+                    grad_z, column_sums = grads
             else:
+                z = torch.addmm(b, xr[block], w.t())  # (rows, V)
                 z = z.to(acc)
                 lse = z.logsumexp(1)
                 z_y = z.gather(1, tr[block, None]).squeeze(1)
@@ -2677,9 +2688,10 @@ class FusedLossCompute(SimpleLossCompute):
 # The check, in float64: the loss and the three gradients, against
 # Part 1's `Generator` followed by Part 2's `LabelSmoothing` through its
 # full target matrix (`keep_targets=True`: the definition), differentiated
-# by autograd. Of the 600 rows, 514 are real; with 1,100 words they make
-# three blocks of rows and three of words, the last of each a partial
-# one. (The tests check bf16 autocast too.)
+# by autograd. Of the 600 rows, 514 are real. Blocks of at most 256 rows
+# of 1,100 words, here, make three blocks of them (172, 172 and 170
+# rows), whose shares of the gradients must add up. (The tests check
+# bf16 autocast too.)
 
 # %%
 from the_annotated_transformer import Generator
@@ -2692,6 +2704,7 @@ target[::7] = PAD
 definition = LabelSmoothing(1100, PAD, 0.1, keep_targets=True)
 slow = SimpleLossCompute(generator, definition)
 fast = FusedLossCompute(generator, LabelSmoothing(1100, PAD, 0.1))
+fast.block_logits = 256 * 1100  # small blocks: the default takes all 514
 results = []
 for compute in (slow, fast):
     x_in = x.clone().requires_grad_()
@@ -3673,20 +3686,25 @@ else:
 # With dropout in one pass, the generator and the loss came next in a
 # profile of the bf16 step at 1 thread: `GeneratorLoss`, above, turns
 # each block of logits into float32 (a copy), then takes its maximum, its
-# exponentials, their sum and the sum of the logits, one pass each; its
-# backward pass again copies, subtracts, exponentiates, subtracts,
-# multiplies, sums and casts, each over a (tokens × 512) block. The
-# matrix products around them stay as they are.
+# exponentials, their sum and the sum of the logits, one pass each; for
+# the gradient it subtracts, exponentiates, subtracts, sums and casts,
+# again one pass each. The matrix products around them stay as they are.
 #
-# The kernel below reads each block of logits in its own dtype, once:
+# The kernel below reads each block of logits in its own dtype, once,
+# a row at a time. It is given the product $h W^\top$ and the bias
+# apart, and adds the bias as it reads each logit: that saves the
+# product a pass, since `addmm` first copies the bias into every row of
+# its output.
 #
 # - `smoothed_rows` gives each row's log-sum-exp and its label-smoothed
 #   loss, `plogp - c * z_y - f * (sum of z - z_y - z_pad) + lse`, as the
 #   torch code above computes them;
-# - `smoothed_grad` gives the logits' gradient,
-#   `g * (exp(z - lse) - f)`, with `c` in place of `f` at the target
-#   and nothing subtracted at `<blank>`, in the logits' dtype, and the
-#   column sums (the bias's gradient) in float32.
+# - `smoothed_rows_grad` gives those two, then the logits' gradient for
+#   $g = 1$, `exp(z - lse) - f`, with `c` in place of `f` at the target
+#   and nothing subtracted at `<blank>`, in the logits' dtype, and its
+#   column sums (the bias's gradient) in float32. It takes each
+#   exponential once: it keeps a row's `exp(z - max)` while it sums
+#   them, and divides by the sum afterwards.
 #
 # Its exponential is Cephes' single-precision `expf` (Moshier, 1989):
 # $x = k \ln 2 + r$, $e^r$ by a polynomial, $2^k$ written into the
@@ -3699,11 +3717,13 @@ else:
 # order: the loss agrees with the torch code to float32 rounding, not
 # to the bit (the check below, and `tests/test_loss_kernel.py`).
 #
-# On one block of 256 rows of bf16 logits, at 1 thread, the rows took
-# 1.3 ms against the torch code's 4.2, and a block of the gradient 0.8
-# against 1.9. In a whole training step that is 1.02 to 1.06 times as
-# fast (the same section of `bench/RESULTS_efficiency.md`), the
-# difference between runs being about as large as the gain.
+# Measured when the kernel was written, while the gradient was still
+# taken in the backward pass by a function of its own: on one block of
+# 256 rows of bf16 logits, at 1 thread, the rows took 1.3 ms against the
+# torch code's 4.2, and a block of the gradient 0.8 against 1.9. In a
+# whole training step that was 1.02 to 1.06 times as fast (the same
+# section of `bench/RESULTS_efficiency.md`), the difference between runs
+# being about as large as the gain.
 #
 # It is built as the dropout kernel is, by `build_kernel`, on the first
 # call of `loss_kernel`; `TrainingRun` asks for it wherever it trains on
@@ -3720,181 +3740,150 @@ LOSS_KERNEL_SOURCE = (
 
 constexpr int64_t LANES = 16;  // partial sums, so that sums vectorize
 
+// One row of logits z (the bias b added as they are read): its
+// log-sum-exp and its loss, plogp - c z_y - f (sum of z - z_y - z_pad)
+// + lse. With `grad`, also its gradient for g = 1, q - p with
+// q = exp(z - lse): f subtracted everywhere, c instead at the target,
+// nothing at the padding column; added into the column sums `sums`.
+// One exponential per logit: e = exp(z - max) is kept in `e` while it
+// is summed, and q = e / (its sum).
 template <typename T>
-static void rows_of(const T* z, const int64_t* target, int64_t rows,
-                    int64_t V, int64_t pad, float c, float f, float plogp,
-                    float* lse, float* loss) {
-  at::parallel_for(0, rows, 4, [=](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* row = z + r * V;
-      int64_t full = V / LANES * LANES;
-      float most[LANES], sum_exp[LANES], sum_z[LANES];
-      for (int k = 0; k < LANES; ++k) most[k] = -INFINITY;
-      for (int64_t j = 0; j < full; j += LANES)
-        for (int k = 0; k < LANES; ++k)
-          most[k] = std::max(most[k], load(row, j + k));
-      float m = -INFINITY;
-      for (int k = 0; k < LANES; ++k) m = std::max(m, most[k]);
-      for (int64_t j = full; j < V; ++j) m = std::max(m, load(row, j));
-      for (int k = 0; k < LANES; ++k) sum_exp[k] = sum_z[k] = 0.0f;
-      for (int64_t j = 0; j < full; j += LANES)
-        for (int k = 0; k < LANES; ++k) {
-          float v = load(row, j + k);
-          sum_exp[k] += exp_of(v - m);
-          sum_z[k] += v;
-        }
-      float se = 0.0f, sz = 0.0f;
-      for (int k = 0; k < LANES; ++k) {
-        se += sum_exp[k];
-        sz += sum_z[k];
-      }
-      for (int64_t j = full; j < V; ++j) {
-        float v = load(row, j);
-        se += exp_of(v - m);
-        sz += v;
-      }
-      float l = m + std::log(se);
-      float z_y = load(row, target[r]);
-      float rest = sz - z_y - load(row, pad);  // the words f goes to
-      lse[r] = l;
-      loss[r] = plogp - c * z_y - f * rest + l;
+static void one_row(const T* row, const float* b, int64_t y, int64_t V,
+                    int64_t pad, float c, float f, float plogp, float* e,
+                    float* lse, float* loss, T* grad, float* sums) {
+  int64_t full = V / LANES * LANES;
+  float most[LANES], sum_e[LANES], sum_z[LANES];
+  for (int k = 0; k < LANES; ++k) most[k] = -INFINITY;
+  for (int64_t j = 0; j < full; j += LANES)
+    for (int k = 0; k < LANES; ++k)
+      most[k] = std::max(most[k], load(row, j + k) + b[j + k]);
+  float m = -INFINITY;
+  for (int k = 0; k < LANES; ++k) m = std::max(m, most[k]);
+  for (int64_t j = full; j < V; ++j) m = std::max(m, load(row, j) + b[j]);
+  for (int k = 0; k < LANES; ++k) sum_e[k] = sum_z[k] = 0.0f;
+  for (int64_t j = 0; j < full; j += LANES)
+    for (int k = 0; k < LANES; ++k) {
+      float v = load(row, j + k) + b[j + k];
+      e[j + k] = exp_of(v - m);
+      sum_e[k] += e[j + k];
+      sum_z[k] += v;
+    }
+  float se = 0.0f, sz = 0.0f;
+  for (int k = 0; k < LANES; ++k) {
+    se += sum_e[k];
+    sz += sum_z[k];
+  }
+  for (int64_t j = full; j < V; ++j) {
+    float v = load(row, j) + b[j];
+    e[j] = exp_of(v - m);
+    se += e[j];
+    sz += v;
+  }
+  float z_y = load(row, y) + b[y];
+  float rest = sz - z_y - (load(row, pad) + b[pad]);  // f's words
+  *lse = m + std::log(se);
+  *loss = plogp - c * z_y - f * rest + *lse;
+  if (grad == nullptr) return;
+  float inv = 1.0f / se;
+  for (int64_t j = 0; j < V; ++j) {
+    float v = e[j] * inv - f;
+    store(grad, j, v);
+    sums[j] += v;
+  }
+  store(grad, y, e[y] * inv - c);  // c, not f, at the target
+  sums[y] += f - c;
+  if (pad != y) {  // nothing at <blank>: p is 0 there
+    store(grad, pad, e[pad] * inv);
+    sums[pad] += f;
+  }
+}
+
+// Every row, in `chunks` chunks of rows (one per thread), each with its
+// own column sums in `partial` when `out` (the gradient) is wanted.
+template <typename T>
+static void all_rows(const T* z, const float* b, const int64_t* target,
+                     int64_t rows, int64_t V, int64_t pad, float c, float f,
+                     float plogp, float* lse, float* loss, T* out,
+                     float* partial, int64_t chunks) {
+  at::parallel_for(0, chunks, 1, [=](int64_t begin, int64_t end) {
+    std::vector<float> e(V);
+    for (int64_t chunk = begin; chunk < end; ++chunk) {
+      float* sums = out ? partial + chunk * V : nullptr;
+      if (sums) std::fill(sums, sums + V, 0.0f);
+      int64_t r0 = rows * chunk / chunks, r1 = rows * (chunk + 1) / chunks;
+      for (int64_t r = r0; r < r1; ++r)
+        one_row(z + r * V, b, target[r], V, pad, c, f, plogp, e.data(),
+                lse + r, loss + r, out ? out + r * V : nullptr, sums);
     }
   });
 }
 
-// The logits and targets, checked: a (rows, V) matrix, one target each.
-static std::pair<torch::Tensor, torch::Tensor> checked(torch::Tensor z,
-                                                       torch::Tensor target,
-                                                       int64_t pad) {
-  TORCH_CHECK(z.device().is_cpu(), "loss kernel: CPU tensors, please");
+// The (lse, loss) of every row; with `grad`, also the gradient and its
+// column sums: {lse, loss, gradient, column sums}.
+static std::vector<torch::Tensor> run_rows(torch::Tensor z, torch::Tensor bias,
+                                           torch::Tensor target, int64_t pad,
+                                           double c, double f, double plogp,
+                                           bool grad) {
+  TORCH_CHECK(z.device().is_cpu() && bias.device().is_cpu(),
+              "loss kernel: CPU tensors, please");
   TORCH_CHECK(z.dim() == 2, "loss kernel: logits of shape (rows, V)");
+  TORCH_CHECK(z.scalar_type() == at::kBFloat16 ||
+                  z.scalar_type() == at::kFloat,
+              "loss kernel: bf16 or float32 logits");
   auto logits = z.contiguous();
   auto t = target.contiguous();
-  TORCH_CHECK(t.scalar_type() == at::kLong && t.numel() == logits.size(0),
-              "loss kernel: one int64 target per row");
+  auto b = bias.contiguous();
   int64_t rows = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(t.scalar_type() == at::kLong && t.numel() == rows,
+              "loss kernel: one int64 target per row");
+  TORCH_CHECK(b.scalar_type() == at::kFloat && b.dim() == 1 && b.numel() == V,
+              "loss kernel: a float32 bias of V numbers");
   TORCH_CHECK(0 <= pad && pad < V, "loss kernel: padding index outside V");
   TORCH_CHECK(rows == 0 || (t.min().item<int64_t>() >= 0 &&
                             t.max().item<int64_t>() < V),
               "loss kernel: a target outside the vocabulary");
-  TORCH_CHECK(logits.scalar_type() == at::kBFloat16 ||
-                  logits.scalar_type() == at::kFloat,
-              "loss kernel: bf16 or float32 logits");
-  return {logits, t};
-}
-
-std::vector<torch::Tensor> smoothed_rows(torch::Tensor z,
-                                         torch::Tensor target, int64_t pad,
-                                         double c, double f, double plogp) {
-  auto [logits, t] = checked(z, target, pad);
-  int64_t rows = logits.size(0), V = logits.size(1);
-  auto opts = logits.options().dtype(at::kFloat);
-  auto lse = torch::empty({rows}, opts), loss = torch::empty({rows}, opts);
-  if (logits.scalar_type() == at::kBFloat16) {
-    rows_of(reinterpret_cast<const uint16_t*>(logits.data_ptr()),
-            t.data_ptr<int64_t>(), rows, V, pad, (float)c, (float)f,
-            (float)plogp, lse.data_ptr<float>(), loss.data_ptr<float>());
-  } else {
-    rows_of(logits.data_ptr<float>(), t.data_ptr<int64_t>(), rows, V, pad,
-            (float)c, (float)f, (float)plogp, lse.data_ptr<float>(),
-            loss.data_ptr<float>());
-  }
-  return {lse, loss};
-}
-
-// Each row's loss and its logits' gradient q - p, with q = exp(z - lse):
-// f subtracted everywhere, c instead at the target, nothing at the
-// padding column. One exponential per logit: e = exp(z - max) is kept
-// for the row, and q = e / (its sum). Column sums (the bias's gradient)
-// are taken per chunk of rows, one chunk per thread.
-template <typename T>
-static void rows_grad_of(const T* z, const int64_t* target, int64_t rows,
-                         int64_t V, int64_t pad, float c, float f,
-                         float plogp, float* loss, T* out, float* partial,
-                         int64_t chunks) {
-  at::parallel_for(0, chunks, 1, [=](int64_t begin, int64_t end) {
-    std::vector<float> e(V);
-    for (int64_t chunk = begin; chunk < end; ++chunk) {
-      float* sums = partial + chunk * V;
-      std::fill(sums, sums + V, 0.0f);
-      int64_t r0 = rows * chunk / chunks, r1 = rows * (chunk + 1) / chunks;
-      for (int64_t r = r0; r < r1; ++r) {
-        const T* row = z + r * V;
-        int64_t full = V / LANES * LANES;
-        float most[LANES], sum_e[LANES], sum_z[LANES];
-        for (int k = 0; k < LANES; ++k) most[k] = -INFINITY;
-        for (int64_t j = 0; j < full; j += LANES)
-          for (int k = 0; k < LANES; ++k)
-            most[k] = std::max(most[k], load(row, j + k));
-        float m = -INFINITY;
-        for (int k = 0; k < LANES; ++k) m = std::max(m, most[k]);
-        for (int64_t j = full; j < V; ++j) m = std::max(m, load(row, j));
-        for (int k = 0; k < LANES; ++k) sum_e[k] = sum_z[k] = 0.0f;
-        for (int64_t j = 0; j < full; j += LANES)
-          for (int k = 0; k < LANES; ++k) {
-            float v = load(row, j + k);
-            e[j + k] = exp_of(v - m);
-            sum_e[k] += e[j + k];
-            sum_z[k] += v;
-          }
-        float se = 0.0f, sz = 0.0f;
-        for (int k = 0; k < LANES; ++k) {
-          se += sum_e[k];
-          sz += sum_z[k];
-        }
-        for (int64_t j = full; j < V; ++j) {
-          float v = load(row, j);
-          e[j] = exp_of(v - m);
-          se += e[j];
-          sz += v;
-        }
-        float z_y = load(row, target[r]);
-        float rest = sz - z_y - load(row, pad);  // the words f goes to
-        loss[r] = plogp - c * z_y - f * rest + m + std::log(se);
-        float inv = 1.0f / se;
-        T* grad = out + r * V;
-        for (int64_t j = 0; j < V; ++j) {
-          float v = e[j] * inv - f;
-          store(grad, j, v);
-          sums[j] += v;
-        }
-        int64_t y = target[r];  // c, not f, at the target
-        store(grad, y, e[y] * inv - c);
-        sums[y] += f - c;
-        if (pad != y) {  // nothing at <blank>: p is 0 there
-          store(grad, pad, e[pad] * inv);
-          sums[pad] += f;
-        }
-      }
-    }
-  });
-}
-
-std::vector<torch::Tensor> smoothed_rows_grad(torch::Tensor z,
-                                              torch::Tensor target,
-                                              int64_t pad, double c,
-                                              double f, double plogp) {
-  auto [logits, t] = checked(z, target, pad);
-  int64_t rows = logits.size(0), V = logits.size(1);
   int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(
                                             at::get_num_threads(), rows));
   auto opts = logits.options().dtype(at::kFloat);
-  auto loss = torch::empty({rows}, opts);
-  auto out = torch::empty_like(logits);
-  auto partial = torch::empty({chunks, V}, opts);
+  auto lse = torch::empty({rows}, opts), loss = torch::empty({rows}, opts);
+  auto out = grad ? torch::empty_like(logits) : torch::Tensor();
+  auto partial = torch::empty({grad ? chunks : 0, V}, opts);
   if (logits.scalar_type() == at::kBFloat16) {
-    rows_grad_of(reinterpret_cast<const uint16_t*>(logits.data_ptr()),
-                 t.data_ptr<int64_t>(), rows, V, pad, (float)c, (float)f,
-                 (float)plogp, loss.data_ptr<float>(),
-                 reinterpret_cast<uint16_t*>(out.data_ptr()),
-                 partial.data_ptr<float>(), chunks);
+    auto bits = [](const torch::Tensor& x) {
+      return x.defined() ? reinterpret_cast<uint16_t*>(x.data_ptr()) : nullptr;
+    };
+    all_rows<uint16_t>(bits(logits), b.data_ptr<float>(),
+                       t.data_ptr<int64_t>(), rows, V, pad, (float)c,
+                       (float)f, (float)plogp, lse.data_ptr<float>(),
+                       loss.data_ptr<float>(), bits(out),
+                       partial.data_ptr<float>(), chunks);
   } else {
-    rows_grad_of(logits.data_ptr<float>(), t.data_ptr<int64_t>(), rows, V,
-                 pad, (float)c, (float)f, (float)plogp,
-                 loss.data_ptr<float>(), out.data_ptr<float>(),
-                 partial.data_ptr<float>(), chunks);
+    all_rows<float>(logits.data_ptr<float>(), b.data_ptr<float>(),
+                    t.data_ptr<int64_t>(), rows, V, pad, (float)c, (float)f,
+                    (float)plogp, lse.data_ptr<float>(),
+                    loss.data_ptr<float>(),
+                    out.defined() ? out.data_ptr<float>() : nullptr,
+                    partial.data_ptr<float>(), chunks);
   }
-  return {loss, out, partial.sum(0)};
+  if (!grad) return {lse, loss};
+  return {lse, loss, out, partial.sum(0)};
+}
+
+// Each row's log-sum-exp and loss, of logits z + bias.
+std::vector<torch::Tensor> smoothed_rows(torch::Tensor z, torch::Tensor bias,
+                                         torch::Tensor target, int64_t pad,
+                                         double c, double f, double plogp) {
+  return run_rows(z, bias, target, pad, c, f, plogp, false);
+}
+
+// smoothed_rows's two, then the logits' gradient for g = 1 and its
+// column sums.
+std::vector<torch::Tensor> smoothed_rows_grad(torch::Tensor z,
+                                              torch::Tensor bias,
+                                              torch::Tensor target,
+                                              int64_t pad, double c,
+                                              double f, double plogp) {
+  return run_rows(z, bias, target, pad, c, f, plogp, true);
 }
 """
 )
@@ -6668,7 +6657,11 @@ def command_download(args):
 # (`bench/RESULTS_efficiency.md`). PyTorch's CPU performance
 # guide suggests another allocator (jemalloc, tcmalloc) for the same
 # reason; these two settings of glibc's own need no install. It
-# changes only this process, which exists to train.
+# changes only this process, which exists to train. Lesson 03 asks for
+# it too, in the cell that trains the reference run: the notebook's
+# process is there to run the lesson. Blocks larger than 32 MiB are
+# still mapped afresh, which is why `GeneratorLoss`'s blocks stop at
+# $2^{24}$ bf16 logits.
 #
 # Then `keep_built_kernels` lets oneDNN, the library behind PyTorch's
 # bf16 matrix products on the CPU, keep more of the kernels it builds.

@@ -110,3 +110,13 @@ def test_train_sets_both_before_anything_else(monkeypatch):
     with pytest.raises(tools.UserError):
         tools.command_train(None)
     assert calls == ["freed", "built", "config"]
+
+
+def test_lesson_03_asks_for_it_before_its_reference_run():
+    """The notebook trains in its own process, not through `train`: its
+    training cell asks for the same setting first."""
+    source = (REPO / "notebooks" / "03_multi30k.py").read_text()
+    cells = source.split("# %%")
+    (training,) = [cell for cell in cells if "tools.train_model(" in cell]
+    asked = training.find("tools.keep_freed_memory()")
+    assert 0 <= asked < training.find("tools.train_model(")

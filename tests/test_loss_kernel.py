@@ -29,13 +29,20 @@ def smoothed_targets(target, V, smoothing, pad=PAD):
 
 
 def problem(rows, V, dtype, seed=0):
-    """Logits with a spread like a trained generator's, and targets that
-    include the first and last words and a word next to <blank>."""
+    """Logits (before the bias) with a spread like a trained generator's,
+    a float32 bias, and targets that include the first and last words and
+    a word next to <blank>."""
     g = torch.Generator().manual_seed(seed)
     z = (torch.randn(rows, V, generator=g) * 4).to(dtype)
+    bias = torch.randn(V, generator=g)
     target = torch.randint(3, V, (rows,), generator=g)
     target[:3] = torch.tensor([0, V - 1, PAD + 1])
-    return z, target
+    return z, bias, target
+
+
+def logits64(z, bias):
+    """The logits the kernel sees, z + bias, in float64."""
+    return z.double() + bias.double()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -43,10 +50,10 @@ def problem(rows, V, dtype, seed=0):
 def test_rows_give_log_sum_exp_and_the_smoothed_cross_entropy(
     kernel, dtype, V
 ):
-    z, target = problem(50, V, dtype)
+    z, bias, target = problem(50, V, dtype)
     c, f, plogp = tools.smoothing_constants(0.1, V)
-    lse, loss = kernel.smoothed_rows(z, target, PAD, c, f, plogp)
-    z64 = z.double()
+    lse, loss = kernel.smoothed_rows(z, bias, target, PAD, c, f, plogp)
+    z64 = logits64(z, bias)
     expected_lse = z64.logsumexp(1)
     p = smoothed_targets(target, V, 0.1)
     logq = z64 - expected_lse[:, None]
@@ -65,16 +72,19 @@ def test_rows_grad_gives_the_loss_softmax_minus_targets_and_column_sums(
 ):
     """The loss as smoothed_rows gives it, and the logits' gradient for
     g = 1: q - p, with p the smoothed targets."""
-    z, target = problem(40, V, dtype, seed=1)
+    z, bias, target = problem(40, V, dtype, seed=1)
     c, f, plogp = tools.smoothing_constants(0.1, V)
-    loss, grad, sums = kernel.smoothed_rows_grad(z, target, PAD, c, f, plogp)
-    _, expected_loss = kernel.smoothed_rows(z, target, PAD, c, f, plogp)
-    z64 = z.double()
+    args = (z, bias, target, PAD, c, f, plogp)
+    lse, loss, grad, sums = kernel.smoothed_rows_grad(*args)
+    expected_lse, expected_loss = kernel.smoothed_rows(*args)
+    z64 = logits64(z, bias)
     q = (z64 - z64.logsumexp(1, keepdim=True)).exp()
     expected = q - smoothed_targets(target, V, 0.1)
     assert loss.dtype == sums.dtype == torch.float32 and grad.dtype == dtype
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=1e-5)
-    tol = {torch.float32: 1e-6, torch.bfloat16: 4e-3}[dtype]
+    # float32: (z + b) rounds, and exp carries that (|z + b| up to 20)
+    tol = {torch.float32: 3e-6, torch.bfloat16: 4e-3}[dtype]
     torch.testing.assert_close(
         grad.double(), expected, rtol=tol, atol=tol * 0.1
     )
@@ -119,19 +129,17 @@ def test_generator_loss_with_the_kernel_matches_its_torch_code(
 
 
 def test_bad_inputs_are_refused_in_one_line(kernel):
-    z = torch.zeros(4, 10)
-    with pytest.raises(RuntimeError, match="one int64 target per row"):
-        kernel.smoothed_rows(
-            z, torch.zeros(3, dtype=torch.long), 0, 0.9, 0.01, 0.0
-        )
-    with pytest.raises(RuntimeError, match="bf16 or float32 logits"):
-        kernel.smoothed_rows(
-            z.double(), torch.zeros(4, dtype=torch.long), 0, 0.9, 0.01, 0.0
-        )
-    with pytest.raises(RuntimeError, match="bf16 or float32 logits"):
-        kernel.smoothed_rows_grad(
-            z.double(), torch.zeros(4, dtype=torch.long), 0, 0.9, 0.01, 0.0
-        )
+    z, bias, target = torch.zeros(4, 10), torch.zeros(10), torch.zeros(4)
+    target = target.long()
+    for call in (kernel.smoothed_rows, kernel.smoothed_rows_grad):
+        with pytest.raises(RuntimeError, match="one int64 target per row"):
+            call(z, bias, target[:3], 0, 0.9, 0.01, 0.0)
+        with pytest.raises(RuntimeError, match="bf16 or float32 logits"):
+            call(z.double(), bias, target, 0, 0.9, 0.01, 0.0)
+        with pytest.raises(RuntimeError, match="a float32 bias of V"):
+            call(z, bias[:9], target, 0, 0.9, 0.01, 0.0)
+        with pytest.raises(RuntimeError, match="a float32 bias of V"):
+            call(z, bias.double(), target, 0, 0.9, 0.01, 0.0)
 
 
 def test_off_and_failed_builds_leave_the_torch_code(monkeypatch, capsys):
@@ -167,15 +175,17 @@ def test_any_padding_column_and_targets_at_the_edges(kernel, pad):
     """<blank> first, last, and on either side of the kernel's first 16
     lanes; targets at both ends of the row and next to <blank>."""
     V = 6190
-    z, target = problem(8, V, torch.float32, seed=2)
+    z, bias, target = problem(8, V, torch.float32, seed=2)
     target[:4] = torch.tensor([0, V - 1, max(pad - 1, 1), min(pad + 1, V - 1)])
     target[target == pad] = 3
     c, f, plogp = tools.smoothing_constants(0.1, V)
     p = smoothed_targets(target, V, 0.1, pad)
-    logq = z.double() - z.double().logsumexp(1, keepdim=True)
+    z64 = logits64(z, bias)
+    logq = z64 - z64.logsumexp(1, keepdim=True)
     expected = (p * (p.clamp_min(1e-300).log() - logq)).sum(1)
-    _, rows_loss = kernel.smoothed_rows(z, target, pad, c, f, plogp)
-    loss, grad, sums = kernel.smoothed_rows_grad(z, target, pad, c, f, plogp)
+    args = (z, bias, target, pad, c, f, plogp)
+    _, rows_loss = kernel.smoothed_rows(*args)
+    _, loss, grad, sums = kernel.smoothed_rows_grad(*args)
     for got in (rows_loss, loss):
         torch.testing.assert_close(
             got.double(), expected, rtol=2e-6, atol=5e-5
@@ -188,16 +198,16 @@ def test_any_padding_column_and_targets_at_the_edges(kernel, pad):
 
 
 def test_out_of_range_indices_are_refused(kernel):
-    z = torch.zeros(2, 10)
+    z, bias = torch.zeros(2, 10), torch.zeros(10)
     c, f, plogp = tools.smoothing_constants(0.1, 10)
-    with pytest.raises(RuntimeError, match="target outside the vocabulary"):
-        kernel.smoothed_rows(z, torch.tensor([3, 10]), 0, c, f, plogp)
-    with pytest.raises(RuntimeError, match="target outside the vocabulary"):
-        kernel.smoothed_rows(z, torch.tensor([-1, 3]), 0, c, f, plogp)
-    with pytest.raises(RuntimeError, match="padding index outside V"):
-        kernel.smoothed_rows(z, torch.tensor([3, 4]), 10, c, f, plogp)
-    with pytest.raises(RuntimeError, match="target outside the vocabulary"):
-        kernel.smoothed_rows_grad(z, torch.tensor([3, 10]), 0, c, f, plogp)
+    for call in (kernel.smoothed_rows, kernel.smoothed_rows_grad):
+        outside = "target outside the vocabulary"
+        with pytest.raises(RuntimeError, match=outside):
+            call(z, bias, torch.tensor([3, 10]), 0, c, f, plogp)
+        with pytest.raises(RuntimeError, match=outside):
+            call(z, bias, torch.tensor([-1, 3]), 0, c, f, plogp)
+        with pytest.raises(RuntimeError, match="padding index outside V"):
+            call(z, bias, torch.tensor([3, 4]), 10, c, f, plogp)
 
 
 @pytest.mark.parametrize("rows, padding_every", [(600, 4), (40, 1)])
