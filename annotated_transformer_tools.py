@@ -1620,8 +1620,9 @@ def smoothing_constants(smoothing, vocab):
 def rows_per_block(rows, width, most):
     """Rows per block, for `rows` rows of `width` numbers in blocks of at
     most `most` numbers (but at least one row), the rows split evenly."""
-    blocks = max(1, math.ceil(rows * width / most))
-    return max(1, math.ceil(rows / blocks))
+    most_rows = max(1, most // width)
+    blocks = max(1, math.ceil(rows / most_rows))
+    return max(1, math.ceil(rows / blocks))  # at most most_rows
 
 
 class GeneratorLoss(torch.autograd.Function):
@@ -1647,9 +1648,11 @@ class GeneratorLoss(torch.autograd.Function):
         w, b = weight.to(dtype), bias.to(dtype)
         wants_grads = any(ctx.needs_input_grad[:3])  # False in validation
         total = torch.zeros((), dtype=acc, device=x.device)
-        grad_xr = torch.empty_like(xr)  # the gradients for g = 1
-        grad_w = torch.zeros(w.shape, dtype=acc, device=x.device)
-        grad_b = torch.zeros(b.shape, dtype=acc, device=x.device)
+        grad_xr = grad_w = grad_b = None  # the gradients for g = 1
+        if wants_grads:
+            grad_xr = torch.empty_like(xr)
+            grad_w = torch.zeros(w.shape, dtype=acc, device=x.device)
+            grad_b = torch.zeros(b.shape, dtype=acc, device=x.device)
         rows = rows_per_block(len(xr), len(w), most)
         for i in range(0, len(xr), rows):
             block = slice(i, i + rows)

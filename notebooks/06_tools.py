@@ -2472,6 +2472,7 @@ torch.manual_seed(0)
 logp = torch.randn(600, 50).log_softmax(-1)  # 600 rows: three blocks
 target = torch.randint(0, 50, (600,))
 target[::7] = PAD
+assert (target != PAD).sum() == 514
 slow = LabelSmoothing(size=50, padding_idx=PAD, smoothing=0.1)
 fast = FastLabelSmoothing(size=50, padding_idx=PAD, smoothing=0.1)
 losses, grads = [], []
@@ -2500,12 +2501,13 @@ assert torch.allclose(grads[1], -3 * fast.true_dist, atol=1e-7)
 # only a few operations per number, so their time goes into reading and
 # writing these matrices, not into arithmetic.
 #
-# None of these matrices has to exist whole. Write $h$ for one row of the
+# Only the logits need exist, a block of rows at a time; the others need
+# never be written. Write $h$ for one row of the
 # decoder's output (the code's `x`), $z = W h + b$ for its logits, and
 # $\ell = \log \sum_j e^{z_j}$ (the "log-sum-exp"), so that the
 # log-probabilities are $z_j - \ell$. With the smoothed targets of the
 # previous section ($c$ at the target $y$, $f$ at each of the $V - 2$
-# other words, 0 for padding), the row's loss is
+# other words, 0 at the padding word), the row's loss is
 #
 # $$\sum_j p_j \log p_j - \sum_j p_j (z_j - \ell)
 #   = \sum_j p_j \log p_j - c\,z_y - f\,(S - z_y - z_{\text{pad}}) + \ell,$$
@@ -2514,8 +2516,8 @@ assert torch.allclose(grads[1], -3 * fast.true_dist, atol=1e-7)
 # $p_j$ sum to 1. (Rows whose target is padding have no loss: they are
 # dropped before anything else.) Four numbers per row: $\ell$, $S$, $z_y$
 # and $z_{\text{pad}}$. So the forward pass computes the logits a block
-# of rows at a time and takes those four numbers while the block is in
-# the cache.
+# of rows at a time and takes those four numbers before it moves on to
+# the next block.
 #
 # The gradient: since $\partial \ell / \partial z_k = e^{z_k - \ell} = q_k$,
 # the model's probability of word $k$, differentiating the loss above
@@ -2527,15 +2529,16 @@ assert torch.allclose(grads[1], -3 * fast.true_dist, atol=1e-7)
 # just given. And $g$ is one number for the whole batch, since the loss
 # is a sum, so the gradient for any $g$ is $g$ times the gradient for
 # $g = 1$. So the forward pass, while it still holds a block, also turns
-# the block's logits into $q - p$ and multiplies that straight into the
-# three gradients: the block's own rows of $h$'s gradient, and its share
-# of $W$'s and $b$'s, which are summed over the blocks. The backward pass
-# only multiplies the three by $g$. No $N \times V$ matrix outlives its
-# block, each logit is computed once, and where no gradient is wanted
-# (validation, under `torch.no_grad`) the forward pass stops at the loss.
-# A block holds at most $2^{24}$ logits (`block_logits`, 32 MiB in
-# bf16), the rows split evenly: a batch of the `cpu` preset is one or
-# two blocks.
+# the block's logits into $G = q - p$, one row per token, and that into
+# the three gradients: $G W$ is the block's own rows of $h$'s gradient;
+# $G^\top h$ (the block's rows of $h$) is added into $W$'s, and $G$'s
+# column sums into $b$'s. The backward pass only multiplies the three by
+# $g$ and puts zeros back in the padding rows. No $N \times V$ matrix
+# outlives its block, each logit is computed once, and where no gradient
+# is wanted (validation, under `torch.no_grad`) the forward pass stops
+# at the loss. A block holds at most $2^{24}$ logits (`block_logits`:
+# 32 MiB in bf16, 64 MiB in float32), the rows split evenly: a batch of
+# the `cpu` preset is one or two blocks.
 #
 # `GeneratorLoss` is that `autograd.Function`, and `FusedLossCompute` is
 # Part 2's `SimpleLossCompute` calling it with the generator's weights,
@@ -2545,19 +2548,21 @@ assert torch.allclose(grads[1], -3 * fast.true_dist, atol=1e-7)
 # autocast; the check below, in float64). It relies on the generator
 # being Part 1's `Generator`, a linear layer then log-softmax, which every
 # model here has. On the CPU, `train_epoch` (below) uses it for
-# validation always, and for the training batches unless R-Drop (next
-# section) is on, since R-Drop needs the log-probabilities themselves. On
+# validation always, and for the training batches unless R-Drop (below)
+# is on, since R-Drop needs the log-probabilities themselves. On
 # a GPU (CUDA, or a Mac's), where log-softmax is one fast kernel,
 # training and validation keep `SimpleLossCompute`.
 #
-# Measured with `bench/efficiency.py` on a 2-core Xeon with AMX, beside
-# the log-softmax path in the same runs (`bench/RESULTS_efficiency.md`):
-# a bf16 training step of the `cpu` model 1.06 times as fast at 2 threads
-# and 1.04 times at 1; a float32 step 1.02 times. That was a first
-# version, whose backward pass computed the logits again, a block of
-# words at a time: the generator's product twice (about 9 GFLOP more for
-# a batch of 3,000 target tokens) and every exponential twice. Taking
-# the gradient in the forward pass, as above, saved RESULTS_PENDING.
+# A first version of this section kept only $\ell$ in the forward pass,
+# and its backward pass computed the logits again, a block of words at a
+# time: the generator's product twice (about 9 GFLOP more for a batch of
+# 3,000 target tokens) and every exponential twice. Measured with
+# `bench/efficiency.py` on a 2-core Xeon with AMX, beside the log-softmax
+# path in the same runs (`bench/RESULTS_efficiency.md`), that version
+# made a bf16 training step of the `cpu` model 1.06 times as fast at 2
+# threads and 1.04 times at 1, and a float32 step 1.02 times. Taking the
+# gradient in the forward pass, as above (with the C++ kernel below,
+# which takes each exponential once), saved RESULTS_PENDING.
 
 
 # %%
@@ -2583,8 +2588,9 @@ def smoothing_constants(smoothing, vocab):
 def rows_per_block(rows, width, most):
     """Rows per block, for `rows` rows of `width` numbers in blocks of at
     most `most` numbers (but at least one row), the rows split evenly."""
-    blocks = max(1, math.ceil(rows * width / most))
-    return max(1, math.ceil(rows / blocks))
+    most_rows = max(1, most // width)
+    blocks = max(1, math.ceil(rows / most_rows))
+    return max(1, math.ceil(rows / blocks))  # at most most_rows
 
 
 class GeneratorLoss(torch.autograd.Function):
@@ -2610,9 +2616,11 @@ class GeneratorLoss(torch.autograd.Function):
         w, b = weight.to(dtype), bias.to(dtype)
         wants_grads = any(ctx.needs_input_grad[:3])  # False in validation
         total = torch.zeros((), dtype=acc, device=x.device)
-        grad_xr = torch.empty_like(xr)  # the gradients for g = 1
-        grad_w = torch.zeros(w.shape, dtype=acc, device=x.device)
-        grad_b = torch.zeros(b.shape, dtype=acc, device=x.device)
+        grad_xr = grad_w = grad_b = None  # the gradients for g = 1
+        if wants_grads:
+            grad_xr = torch.empty_like(xr)
+            grad_w = torch.zeros(w.shape, dtype=acc, device=x.device)
+            grad_b = torch.zeros(b.shape, dtype=acc, device=x.device)
         rows = rows_per_block(len(xr), len(w), most)
         for i in range(0, len(xr), rows):
             block = slice(i, i + rows)
@@ -2701,6 +2709,7 @@ generator = Generator(32, 1100).double()
 x = torch.randn(600, 32, dtype=torch.float64)
 target = torch.randint(0, 1100, (600,))
 target[::7] = PAD
+assert (target != PAD).sum() == 514
 definition = LabelSmoothing(1100, PAD, 0.1, keep_targets=True)
 slow = SimpleLossCompute(generator, definition)
 fast = FusedLossCompute(generator, LabelSmoothing(1100, PAD, 0.1))
@@ -2709,7 +2718,7 @@ results = []
 for compute in (slow, fast):
     x_in = x.clone().requires_grad_()
     generator.zero_grad()
-    loss_sum, loss_mean = compute(x_in, target, norm=500)
+    loss_sum, loss_mean = compute(x_in, target, norm=500)  # so g = 1/500
     loss_mean.backward()
     grads = [x_in.grad, generator.proj.weight.grad, generator.proj.bias.grad]
     results.append((loss_sum, grads))
@@ -3684,27 +3693,32 @@ else:
 # ### A loss kernel in C++, on the CPU
 #
 # With dropout in one pass, the generator and the loss came next in a
-# profile of the bf16 step at 1 thread: `GeneratorLoss`, above, turns
-# each block of logits into float32 (a copy), then takes its maximum, its
-# exponentials, their sum and the sum of the logits, one pass each; for
-# the gradient it subtracts, exponentiates, subtracts, sums and casts,
-# again one pass each. The matrix products around them stay as they are.
+# profile of the bf16 step at 1 thread. `GeneratorLoss`'s torch code,
+# above, turns each block of logits into float32 (a copy), then takes
+# its maximum, its exponentials, their sum and the sum of the logits,
+# one pass each; for the gradient it subtracts, exponentiates,
+# subtracts, sums and casts, again one pass each. The matrix products
+# around them stay as they are.
 #
-# The kernel below reads each block of logits in its own dtype, once,
-# a row at a time. It is given the product $h W^\top$ and the bias
-# apart, and adds the bias as it reads each logit: that saves the
-# product a pass, since `addmm` first copies the bias into every row of
-# its output.
+# The kernel below takes a block a row at a time, in the logits' own
+# dtype: it brings each row from memory once and reads it twice while
+# it is in the cache (a row of 6,190 bf16 logits is 12 KiB), for the
+# maximum, then for the rest. It is given the product $h W^\top$ and
+# the bias apart, and adds the bias as it reads each logit: that saves
+# the product a pass, since `addmm` first copies the bias into every row
+# of its output. (So under bf16 autocast the kernel adds a float32 bias,
+# where the torch code's `addmm` adds it in bf16: the logits differ by
+# bf16's rounding.)
 #
 # - `smoothed_rows` gives each row's log-sum-exp and its label-smoothed
 #   loss, `plogp - c * z_y - f * (sum of z - z_y - z_pad) + lse`, as the
 #   torch code above computes them;
 # - `smoothed_rows_grad` gives those two, then the logits' gradient for
 #   $g = 1$, `exp(z - lse) - f`, with `c` in place of `f` at the target
-#   and nothing subtracted at `<blank>`, in the logits' dtype, and its
-#   column sums (the bias's gradient) in float32. It takes each
-#   exponential once: it keeps a row's `exp(z - max)` while it sums
-#   them, and divides by the sum afterwards.
+#   and nothing subtracted at the padding column (`<blank>`), in the
+#   logits' dtype, and its column sums (the bias's gradient) in float32.
+#   It takes each exponential once: it keeps a row's `exp(z - max)`
+#   while it sums them, and scales them by one over the sum afterwards.
 #
 # Its exponential is Cephes' single-precision `expf` (Moshier, 1989):
 # $x = k \ln 2 + r$, $e^r$ by a polynomial, $2^k$ written into the
@@ -3718,7 +3732,8 @@ else:
 # to the bit (the check below, and `tests/test_loss_kernel.py`).
 #
 # Measured when the kernel was written, while the gradient was still
-# taken in the backward pass by a function of its own: on one block of
+# taken in the backward pass by a function of its own (blocks were then
+# 256 rows for the loss and 512 words for the gradient): on one block of
 # 256 rows of bf16 logits, at 1 thread, the rows took 1.3 ms against the
 # torch code's 4.2, and a block of the gradient 0.8 against 1.9. In a
 # whole training step that was 1.02 to 1.06 times as fast (the same

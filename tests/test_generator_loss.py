@@ -202,3 +202,18 @@ def test_runs_on_the_cpu_use_it_and_others_do_not():
         )
         compute = tools.run_loss_compute(elsewhere)
         assert type(compute) is tat.SimpleLossCompute, device
+
+
+@pytest.mark.parametrize("rows", [0, 1, 255, 256, 257, 514, 3000, 8131])
+@pytest.mark.parametrize("width, most", [(1100, 256 * 1100), (6190, 2**24)])
+def test_blocks_hold_at_most_most_and_split_evenly(rows, width, most):
+    per_block = tools.rows_per_block(rows, width, most)
+    blocks = -(-rows // per_block)  # rounded up
+    assert per_block * width <= most
+    assert blocks == -(-rows // (most // width))  # no more than needed
+    sizes = [min(per_block, rows - i) for i in range(0, rows, per_block)]
+    assert sum(sizes) == rows and (not sizes or sizes[0] - sizes[-1] < blocks)
+
+
+def test_a_row_wider_than_a_block_is_a_block_of_its_own():
+    assert tools.rows_per_block(3, 100, 10) == 1
