@@ -2562,7 +2562,12 @@ assert torch.allclose(grads[1], -3 * fast.true_dist, atol=1e-7)
 # made a bf16 training step of the `cpu` model 1.06 times as fast at 2
 # threads and 1.04 times at 1, and a float32 step 1.02 times. Taking the
 # gradient in the forward pass, as above (with the C++ kernel below,
-# which takes each exponential once), saved RESULTS_PENDING.
+# which takes each exponential once, and adds the bias), made the
+# generator and the loss, forward and backward together, 1.27 to 1.38
+# times as fast on batches of the `cpu` model's shape, in bf16 at 2
+# threads, and three epochs of `train --preset cpu` 1.03 and 1.04
+# times as fast (two pairs of runs, in the same hour; the section "The
+# loss's gradient in the forward pass" of `bench/RESULTS_efficiency.md`).
 
 
 # %%
