@@ -1646,7 +1646,7 @@ class GeneratorLoss(torch.autograd.Function):
         real = target != padding_idx  # padding rows have no loss
         xr, tr = x[real].to(dtype), target[real]  # (M, d_model), (M,)
         w, b = weight.to(dtype), bias.to(dtype)
-        wants_grads = any(ctx.needs_input_grad[:3])  # False in validation
+        wants_grads = any(ctx.needs_input_grad[:3])  # (see the caller)
         total = torch.zeros((), dtype=acc, device=x.device)
         grad_xr = grad_w = grad_b = None  # the gradients for g = 1
         if wants_grads:
@@ -1711,10 +1711,15 @@ class FusedLossCompute(SimpleLossCompute):
 
     def __call__(self, x, y, norm):
         proj = self.generator.proj  # Part 1's Generator: proj, log-softmax
+        weight, bias = proj.weight, proj.bias
+        if not torch.is_grad_enabled():  # validation: the loss alone
+            # GeneratorLoss sees whether its inputs require gradients,
+            # not whether autograd is on, so it is handed none that do.
+            x, weight, bias = x.detach(), weight.detach(), bias.detach()
         loss_sum = GeneratorLoss.apply(
             x.reshape(-1, x.size(-1)),  # (B * T, d_model)
-            proj.weight,
-            proj.bias,
+            weight,
+            bias,
             y.reshape(-1),
             self.criterion.padding_idx,
             self.criterion.smoothing,

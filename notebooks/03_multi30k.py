@@ -1002,19 +1002,19 @@ assert last < guess
 # - several processes sharing the work, when asked (the appendix's
 #   "Training runs: devices and processes"); the cell below runs one;
 # - on the CPU, a few speed-ups that change the numbers only by
-#   rounding: the generator and the loss computed together, with their
-#   gradient taken in the same pass, in a small C++ kernel where a
-#   compiler is found; LayerNorm in another small kernel (on Linux,
-#   each built once, in about 20 seconds, then kept); and in bf16 a
-#   residual stream kept in bf16 (the appendix's "Training runs: devices
-#   and processes" and the sections after it). Presets with dropout also
-#   draw their masks, and compute attention's softmax, with a third C++
-#   kernel (its random numbers are not torch's, so there the numbers
-#   change by more than rounding); `quick` has no dropout. On Linux, the
-#   cell also asks the C library to keep the memory that one batch frees
-#   for the next (`keep_freed_memory`, in the appendix; `train` does the
-#   same), which saves page faults; it changes this whole Python
-#   process.
+#   rounding: the generator and the loss computed together, with
+#   their gradient taken in the same pass, in a small C++ kernel where
+#   a compiler is found; LayerNorm in another; and in bf16 a residual
+#   stream kept in bf16. The C++ kernels are used on Linux only, each
+#   built once (about 20 seconds) and then kept (the appendix's
+#   "Training runs: devices and processes" and the sections after it).
+#   Presets with dropout also draw their masks, and compute attention's
+#   softmax, with a third C++ kernel (its random numbers are not
+#   torch's, so there the numbers change by more than rounding);
+#   `quick` has no dropout. On Linux, the cell also asks the C library
+#   to keep the memory that one batch frees for the next
+#   (`keep_freed_memory`, in the appendix; `train` does the same),
+#   which saves page faults; it changes this whole Python process.
 #
 # **Before you run it.**
 #

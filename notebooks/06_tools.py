@@ -2501,11 +2501,12 @@ assert torch.allclose(grads[1], -3 * fast.true_dist, atol=1e-7)
 # only a few operations per number, so their time goes into reading and
 # writing these matrices, not into arithmetic.
 #
-# Only the logits need exist, a block of rows at a time; the others need
-# never be written. Write $h$ for one row of the
-# decoder's output (the code's `x`), $z = W h + b$ for its logits, and
-# $\ell = \log \sum_j e^{z_j}$ (the "log-sum-exp"), so that the
-# log-probabilities are $z_j - \ell$. With the smoothed targets of the
+# Only the logits and, in training, their gradient need exist, a block
+# of rows at a time; the log-probabilities and the separate gradients of
+# the loss and of log-softmax need never be written. Write $h$ for one
+# row of the decoder's output (the code's `x`), $z = W h + b$ for its
+# logits, and $\ell = \log \sum_j e^{z_j}$ (the "log-sum-exp"), so that
+# the log-probabilities are $z_j - \ell$. With the smoothed targets of the
 # previous section ($c$ at the target $y$, $f$ at each of the $V - 2$
 # other words, 0 at the padding word), the row's loss is
 #
@@ -2526,9 +2527,10 @@ assert torch.allclose(grads[1], -3 * fast.true_dist, atol=1e-7)
 # 0, so that logit gets $g\,q_{\text{pad}}$; in the previous section it
 # was 0, because there the gradient was taken with respect to the
 # log-probabilities.) It needs only $\ell$, which the block's rows have
-# just given. And $g$ is one number for the whole batch, since the loss
-# is a sum, so the gradient for any $g$ is $g$ times the gradient for
-# $g = 1$. So the forward pass, while it still holds a block, also turns
+# just given. And `GeneratorLoss` returns one number, the summed loss,
+# so $g$ is one number, and the gradient for any $g$ is $g$ times the
+# gradient for $g = 1$: the forward pass can compute it before $g$ is
+# known. So the forward pass, while it still holds a block, also turns
 # the block's logits into $G = q - p$, one row per token, and that into
 # the three gradients: $G W$ is the block's own rows of $h$'s gradient;
 # $G^\top h$ (the block's rows of $h$) is added into $W$'s, and $G$'s
@@ -2536,9 +2538,13 @@ assert torch.allclose(grads[1], -3 * fast.true_dist, atol=1e-7)
 # $g$ and puts zeros back in the padding rows. No $N \times V$ matrix
 # outlives its block, each logit is computed once, and where no gradient
 # is wanted (validation, under `torch.no_grad`) the forward pass stops
-# at the loss. A block holds at most $2^{24}$ logits (`block_logits`:
-# 32 MiB in bf16, 64 MiB in float32), the rows split evenly: a batch of
-# the `cpu` preset is one or two blocks.
+# at the loss (`FusedLossCompute` hands it tensors that require no
+# gradient there). A block holds at most $2^{24}$ logits (`block_logits`),
+# the rows split evenly: a batch of the `cpu` preset is one or two
+# blocks. In bf16 that block of logits is 32 MiB, the largest block that
+# glibc keeps for reuse under `keep_freed_memory` (below); float32
+# blocks, and the torch code's float32 copy of a bf16 block, are 64 MiB
+# and are mapped afresh each time.
 #
 # `GeneratorLoss` is that `autograd.Function`, and `FusedLossCompute` is
 # Part 2's `SimpleLossCompute` calling it with the generator's weights,
@@ -2562,7 +2568,8 @@ assert torch.allclose(grads[1], -3 * fast.true_dist, atol=1e-7)
 # made a bf16 training step of the `cpu` model 1.06 times as fast at 2
 # threads and 1.04 times at 1, and a float32 step 1.02 times. Taking the
 # gradient in the forward pass, as above (with the C++ kernel below,
-# which takes each exponential once, and adds the bias), made the
+# which takes each exponential once, and adds the bias; the first
+# version already had an older form of that kernel), made the
 # generator and the loss, forward and backward together, 1.27 to 1.38
 # times as fast on batches of the `cpu` model's shape, in bf16 at 2
 # threads, and three epochs of `train --preset cpu` 1.03 and 1.04
@@ -2619,7 +2626,7 @@ class GeneratorLoss(torch.autograd.Function):
         real = target != padding_idx  # padding rows have no loss
         xr, tr = x[real].to(dtype), target[real]  # (M, d_model), (M,)
         w, b = weight.to(dtype), bias.to(dtype)
-        wants_grads = any(ctx.needs_input_grad[:3])  # False in validation
+        wants_grads = any(ctx.needs_input_grad[:3])  # (see the caller)
         total = torch.zeros((), dtype=acc, device=x.device)
         grad_xr = grad_w = grad_b = None  # the gradients for g = 1
         if wants_grads:
@@ -2684,10 +2691,15 @@ class FusedLossCompute(SimpleLossCompute):
 
     def __call__(self, x, y, norm):
         proj = self.generator.proj  # Part 1's Generator: proj, log-softmax
+        weight, bias = proj.weight, proj.bias
+        if not torch.is_grad_enabled():  # validation: the loss alone
+            # GeneratorLoss sees whether its inputs require gradients,
+            # not whether autograd is on, so it is handed none that do.
+            x, weight, bias = x.detach(), weight.detach(), bias.detach()
         loss_sum = GeneratorLoss.apply(
             x.reshape(-1, x.size(-1)),  # (B * T, d_model)
-            proj.weight,
-            proj.bias,
+            weight,
+            bias,
             y.reshape(-1),
             self.criterion.padding_idx,
             self.criterion.smoothing,
@@ -3705,8 +3717,9 @@ else:
 # subtracts, sums and casts, again one pass each. The matrix products
 # around them stay as they are.
 #
-# The kernel below takes a block a row at a time, in the logits' own
-# dtype: it brings each row from memory once and reads it twice while
+# The kernel below takes a block a row at a time, reading the logits in
+# their own dtype, with no float32 copy, and computing in float32: it
+# brings each row from memory once and reads it twice while
 # it is in the cache (a row of 6,190 bf16 logits is 12 KiB), for the
 # maximum, then for the rest. It is given the product $h W^\top$ and
 # the bias apart, and adds the bias as it reads each logit: that saves
@@ -3724,6 +3737,8 @@ else:
 #   logits' dtype, and its column sums (the bias's gradient) in float32.
 #   It takes each exponential once: it keeps a row's `exp(z - max)`
 #   while it sums them, and scales them by one over the sum afterwards.
+#   (`GeneratorLoss` uses the loss, the gradient and the column sums;
+#   the log-sum-exp is returned for the tests.)
 #
 # Its exponential is Cephes' single-precision `expf` (Moshier, 1989):
 # $x = k \ln 2 + r$, $e^r$ by a polynomial, $2^k$ written into the
@@ -3741,14 +3756,15 @@ else:
 # 256 rows for the loss and 512 words for the gradient): on one block of
 # 256 rows of bf16 logits, at 1 thread, the rows took 1.3 ms against the
 # torch code's 4.2, and a block of the gradient 0.8 against 1.9. In a
-# whole training step that was 1.02 to 1.06 times as fast (the same
-# section of `bench/RESULTS_efficiency.md`), the difference between runs
-# being about as large as the gain.
+# whole training step that was 1.02 to 1.06 times as fast
+# (`bench/RESULTS_efficiency.md`, "Dropout and the loss in C++"), the
+# difference between runs being about as large as the gain.
 #
 # It is built as the dropout kernel is, by `build_kernel`, on the first
 # call of `loss_kernel`; `TrainingRun` asks for it wherever it trains on
-# the CPU, and `FusedLossCompute` passes it to `GeneratorLoss`. Where it
-# cannot be built, or with `AT_CPU_KERNELS=0`, the torch code above runs.
+# the CPU, and `FusedLossCompute` passes it to `GeneratorLoss`. Off
+# Linux, where it cannot be built, or with `AT_CPU_KERNELS=0`, the torch
+# code above runs.
 
 # %%
 #| export

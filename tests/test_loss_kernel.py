@@ -4,11 +4,13 @@ reference written from the definition (a smoothed target distribution
 and the cross-entropy to it); then GeneratorLoss with and without it."""
 
 import contextlib
+import types
 
 import pytest
 import torch
 
 import annotated_transformer_tools as tools
+import the_annotated_transformer as tat
 from the_annotated_transformer import PAD
 
 
@@ -250,3 +252,35 @@ def test_the_kernel_is_not_given_what_it_cannot_take(kernel):
         x, proj.weight, proj.bias, target, PAD, 0.1, None, 2**24
     )
     assert loss.dtype == torch.float64 and torch.equal(loss, reference)
+
+
+class Spy:
+    """The kernel, counting which of its two row functions is called."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def smoothed_rows(self, *args):
+        self.calls.append("loss")
+        return self.kernel.smoothed_rows(*args)
+
+    def smoothed_rows_grad(self, *args):
+        self.calls.append("loss and gradient")
+        return self.kernel.smoothed_rows_grad(*args)
+
+
+def test_validation_computes_the_loss_alone(kernel):
+    """Under torch.no_grad (validation) no gradient is computed, although
+    the generator's weights require one; in training it is."""
+    x, proj, target = generator_problem()
+    generator = types.SimpleNamespace(proj=proj)
+    compute = tools.FusedLossCompute(
+        generator, tat.LabelSmoothing(1500, PAD, 0.1)
+    )
+    compute.kernel = Spy(kernel)
+    with torch.no_grad():
+        validation, _ = compute(x, target, norm=1)
+    assert compute.kernel.calls == ["loss"]
+    training, _ = compute(x, target, norm=1)
+    assert compute.kernel.calls == ["loss", "loss and gradient"]
+    torch.testing.assert_close(validation, training)
