@@ -1694,9 +1694,11 @@ class GeneratorLoss(torch.autograd.Function):
         grad_xr, grad_w, grad_b, real = ctx.saved_tensors
         x_shape, x_dtype, w_dtype = ctx.settings
         grad_x = torch.zeros(x_shape, dtype=x_dtype, device=real.device)
-        grad_x[real] = (grad_xr * grad_loss).to(x_dtype)
-        grad_w, grad_b = (grad_w * grad_loss).to(w_dtype), grad_b * grad_loss
-        return grad_x, grad_w, grad_b.to(w_dtype), *[None] * 5
+        grad_x[real] = (grad_xr * grad_loss).to(x_dtype)  # padding rows: 0
+        grad_w = (grad_w * grad_loss).to(w_dtype)
+        grad_b = (grad_b * grad_loss).to(w_dtype)
+        # no gradient for target, padding_idx, smoothing, kernel, most
+        return grad_x, grad_w, grad_b, None, None, None, None, None
 
 
 class FusedLossCompute(SimpleLossCompute):
